@@ -1,0 +1,37 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+# Nothing may reach the internet: Prefect, onnxruntime and great-expectations telemetry off.
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+export ORT_DISABLE_TELEMETRY := 1
+export GX_ANALYTICS_ENABLED := false
+
+.PHONY: setup demo test test-fast bench typecheck clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cpu,package,dev]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/shardline demo
+
+test: setup
+	$(PY) -m pytest tests
+
+test-fast: setup
+	$(PY) -m pytest tests/unit
+
+bench: setup
+	$(PY) bench/batch_throughput.py
+
+typecheck: setup
+	$(PY) -m mypy shardline storage
+
+clean:
+	rm -rf $(VENV) shardline-demo .pytest_cache

@@ -1,0 +1,217 @@
+"""Model bundles: a folder with ``manifest.json`` and the artifacts it lists.
+
+The manifest names the model, its runtime, every artifact with its sha256, the
+input/output signature, hardware hints, environment and lineage. A bundle's
+``digest`` covers everything that changes what the model computes, so two pushes
+of the same bytes are recognised as the same version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from shardline.errors import IntegrityError, InvalidBundle, InvalidSetting
+from shardline.signature import Signature
+
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_CHUNK = 1 << 20
+
+
+def sha256_of(stream: IO[bytes]) -> str:
+    """Hex sha256 of a binary stream, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    while chunk := stream.read(_CHUNK):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a local file."""
+    with open(path, "rb") as f:
+        return sha256_of(f)
+
+
+def check_model_name(name: str) -> str:
+    """Return ``name`` if it is a valid model name, else raise InvalidSetting."""
+    if not _NAME.match(name):
+        raise InvalidSetting(
+            f"model name {name!r} is not allowed; use 1-64 lower-case letters, digits, "
+            "'.', '_' or '-', starting with a letter or digit"
+        )
+    return name
+
+
+class Artifact(BaseModel):
+    """One file of a bundle."""
+
+    path: str = Field(description="Path relative to the bundle folder, '/'-separated.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, value: str) -> str:
+        if value.startswith("/") or ".." in value.split("/") or value == MANIFEST:
+            raise ValueError(f"artifact path {value!r} must be relative, inside the bundle")
+        return value
+
+
+class Lineage(BaseModel):
+    """Where a model came from."""
+
+    training_data: str | None = None
+    training_data_digest: str | None = None
+    source_commit: str | None = None
+    parent: str | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class HardwareHints(BaseModel):
+    """What a model can run on."""
+
+    devices: list[Literal["cpu", "cuda"]] = Field(default_factory=lambda: ["cpu", "cuda"])
+    min_memory_mb: int | None = None
+
+
+class Manifest(BaseModel):
+    """The contents of ``manifest.json``."""
+
+    format_version: Literal[1] = 1
+    name: str
+    version: int | None = Field(default=None, description="Set by the registry at push.")
+    runtime: str = Field(description="Runtime that loads it, e.g. 'onnx'.")
+    artifacts: list[Artifact] = Field(min_length=1)
+    signature: Signature
+    runtime_config: dict[str, Any] = Field(
+        default_factory=dict, description="Runtime-specific settings (tensor bindings)."
+    )
+    hardware: HardwareHints = Field(default_factory=HardwareHints)
+    environment: dict[str, str] = Field(default_factory=dict)
+    lineage: Lineage = Field(default_factory=Lineage)
+    tags: dict[str, str] = Field(default_factory=dict)
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        return check_model_name(value)
+
+    @property
+    def digest(self) -> str:
+        """sha256 over what decides the model's outputs: runtime, config, signature, artifacts."""
+        content = {
+            "runtime": self.runtime,
+            "runtime_config": self.runtime_config,
+            "signature": self.signature.model_dump(mode="json"),
+            "artifacts": sorted((a.path, a.sha256) for a in self.artifacts),
+        }
+        blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    @property
+    def reference(self) -> str:
+        """``name:version``, or just the name before the registry numbers it."""
+        return self.name if self.version is None else f"{self.name}:{self.version}"
+
+    def to_json(self) -> str:
+        """The manifest as pretty JSON."""
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> "Manifest":
+        """Parse a manifest; ``where`` names its location in the error."""
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as e:
+            raise InvalidBundle(
+                f"the manifest at {where} is not valid: {e}; rebuild the bundle with "
+                "`shardline model package` or fix the fields named"
+            ) from e
+
+
+def read_manifest(bundle_dir: str | Path) -> Manifest:
+    """Read the manifest of a local bundle folder."""
+    path = Path(bundle_dir) / MANIFEST
+    if not path.is_file():
+        raise InvalidBundle(
+            f"{bundle_dir} has no {MANIFEST}; a bundle is a folder with a manifest and "
+            "its artifacts (make one with `shardline model package`)"
+        )
+    return Manifest.from_json(path.read_bytes(), str(path))
+
+
+def write_manifest(bundle_dir: str | Path, manifest: Manifest) -> None:
+    """Write ``manifest.json`` into a local bundle folder."""
+    (Path(bundle_dir) / MANIFEST).write_text(manifest.to_json())
+
+
+def verify_artifacts(bundle_dir: str | Path, manifest: Manifest) -> None:
+    """Check every artifact's size and sha256 against the manifest.
+
+    Raises:
+        IntegrityError: an artifact is missing or its bytes differ.
+    """
+    for artifact in manifest.artifacts:
+        path = Path(bundle_dir) / artifact.path
+        if not path.is_file():
+            raise IntegrityError(
+                f"artifact {artifact.path!r} of {manifest.reference} is missing from "
+                f"{bundle_dir}; re-fetch the bundle or push it again",
+                artifact.path,
+                artifact.sha256,
+                "missing",
+            )
+        got = sha256_file(path)
+        if got != artifact.sha256:
+            raise IntegrityError(
+                f"artifact {artifact.path!r} of {manifest.reference} has sha256 {got[:12]}..., "
+                f"the manifest says {artifact.sha256[:12]}...; the file was changed after "
+                "packaging: do not load it, re-fetch or re-package the model",
+                artifact.path,
+                artifact.sha256,
+                got,
+            )
+
+
+def describe_artifact(bundle_dir: str | Path, relative: str) -> Artifact:
+    """Make the manifest entry for a file already inside a bundle folder."""
+    path = Path(bundle_dir) / relative
+    return Artifact(path=relative, sha256=sha256_file(path), size=path.stat().st_size)
+
+
+class ModelRef(BaseModel):
+    """A parsed model reference: ``name@alias``, ``name:version`` or bare ``name``."""
+
+    name: str
+    version: int | None = None
+    alias: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "ModelRef":
+        """Parse a reference string; a bare name means the alias ``prod``."""
+        text = text.strip()
+        if "@" in text:
+            name, alias = text.split("@", 1)
+            if not alias:
+                raise InvalidSetting(f"model reference {text!r} has an empty alias")
+            return cls(name=check_model_name(name), alias=alias)
+        if ":" in text:
+            name, version = text.split(":", 1)
+            if not version.isdigit():
+                raise InvalidSetting(
+                    f"model reference {text!r}: the version {version!r} is not a number; "
+                    "write name:3 for a version or name@prod for an alias"
+                )
+            return cls(name=check_model_name(name), version=int(version))
+        return cls(name=check_model_name(text), alias="prod")
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.version}" if self.version is not None else f"{self.name}@{self.alias}"

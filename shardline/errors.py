@@ -1,0 +1,85 @@
+"""One hierarchy of Shardline errors.
+
+Every error says what was wrong, what was got, and what to do. Each subclass also
+inherits the builtin exception it resembles, so callers that catch ``ValueError`` or
+``LookupError`` keep working. Only the HTTP edge maps these to status codes.
+"""
+
+from __future__ import annotations
+
+
+class ShardlineError(Exception):
+    """Base of every error Shardline raises on purpose."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidSetting(ShardlineError, ValueError):
+    """A setting, option or URL is malformed or inconsistent."""
+
+
+class InvalidInput(ShardlineError, ValueError):
+    """Data handed to Shardline does not satisfy what it was checked against."""
+
+
+class SchemaMismatch(InvalidInput):
+    """A table's columns or types do not satisfy a model signature."""
+
+    def __init__(self, message: str, problems: list[str]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+class NullValues(InvalidInput):
+    """A column the model needs holds nulls."""
+
+    def __init__(self, message: str, columns: dict[str, int]) -> None:
+        super().__init__(message)
+        self.columns = columns
+
+
+class CorruptShard(InvalidInput):
+    """A shard cannot be read as Parquet."""
+
+
+class EmptyInput(InvalidInput):
+    """An input location holds no shards."""
+
+
+class InvalidBundle(ShardlineError, ValueError):
+    """A model bundle's manifest or layout is wrong."""
+
+
+class IntegrityError(InvalidBundle):
+    """An artifact's bytes do not match the sha256 its manifest records."""
+
+    def __init__(self, message: str, path: str, expected: str, got: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.expected = expected
+        self.got = got
+
+
+class ModelNotFound(ShardlineError, LookupError):
+    """A model name, version or alias is not in the registry."""
+
+    def __init__(self, message: str, reference: str) -> None:
+        super().__init__(message)
+        self.reference = reference
+
+
+class RuntimeUnavailable(ShardlineError, RuntimeError):
+    """A runtime, device or extra needed to load a model is not installed here."""
+
+
+class JobFailed(ShardlineError, RuntimeError):
+    """A batch job could not finish every shard; a re-run resumes it."""
+
+    def __init__(self, message: str, failed: dict[str, str]) -> None:
+        super().__init__(message)
+        self.failed = failed

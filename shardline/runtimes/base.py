@@ -1,0 +1,54 @@
+"""The runtime contract that both tiers call."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from shardline.bundle import Manifest
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How to run a model: device wanted and threads per call."""
+
+    device: str = "auto"
+    intra_op_threads: int = 0
+
+
+class Runtime(ABC):
+    """A loaded model: a batch of rows in, a batch of rows out.
+
+    Contract:
+        - ``__init__`` only stores its arguments; ``load()`` does the work and may
+          raise ``RuntimeUnavailable`` or ``InvalidBundle``.
+        - ``predict(batch)`` takes an Arrow record batch or table holding at least the
+          signature's input columns (already checked against it) and returns a record
+          batch with exactly the signature's output columns, one row per input row,
+          in the same order. It is safe to call from several threads at once.
+        - ``close()`` releases what ``load()`` took; the object is then unusable.
+    """
+
+    def __init__(self, bundle_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None:
+        self.bundle_dir = bundle_dir
+        self.manifest = manifest
+        self.options = options
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load the model into memory (and onto its device)."""
+
+    @abstractmethod
+    def predict(self, batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
+        """Score rows; see the class docstring for the contract."""
+
+    @property
+    @abstractmethod
+    def device(self) -> str:
+        """The device the loaded model actually runs on: 'cpu' or 'cuda'."""
+
+    def close(self) -> None:
+        """Release the model; the default has nothing to release."""

@@ -1,0 +1,157 @@
+"""Model signatures: input and output columns as Arrow types, and the schema check.
+
+A type is written as a string: a primitive alias Arrow knows (``float32``,
+``int64``, ``string``, ``bool``, ...), ``list<T>``, or ``fixed_size_list<T>[N]``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import pyarrow as pa
+from pydantic import BaseModel, Field, field_validator
+
+from shardline.errors import InvalidBundle
+
+_FIXED = re.compile(r"^fixed_size_list<(.+)>\[(\d+)\]$")
+_LIST = re.compile(r"^list<(.+)>$")
+_NAMES = {
+    pa.float16(): "float16",
+    pa.float32(): "float32",
+    pa.float64(): "float64",
+    pa.string(): "string",
+    pa.large_string(): "large_string",
+    pa.bool_(): "bool",
+}
+
+
+def parse_type(text: str) -> pa.DataType:
+    """Turn a signature type string into an Arrow type.
+
+    Raises:
+        InvalidBundle: the string names no Arrow type.
+    """
+    text = text.strip()
+    if match := _FIXED.match(text):
+        return pa.list_(parse_type(match.group(1)), int(match.group(2)))
+    if match := _LIST.match(text):
+        return pa.list_(parse_type(match.group(1)))
+    try:
+        return pa.type_for_alias(text)
+    except ValueError as e:
+        raise InvalidBundle(
+            f"signature type {text!r} is not an Arrow type; use a name such as "
+            "'float32', 'int64', 'string', 'list<float32>' or 'fixed_size_list<float32>[4]'"
+        ) from e
+
+
+def type_name(dtype: pa.DataType) -> str:
+    """Write an Arrow type as a signature type string (the inverse of parse_type)."""
+    if pa.types.is_fixed_size_list(dtype):
+        return f"fixed_size_list<{type_name(dtype.value_type)}>[{dtype.list_size}]"
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        return f"list<{type_name(dtype.value_type)}>"
+    return _NAMES.get(dtype, str(dtype))
+
+
+class ColumnSpec(BaseModel):
+    """One column of a signature."""
+
+    name: str = Field(min_length=1, description="Column name.")
+    type: str = Field(description="Arrow type string, e.g. 'float32'.")
+    nullable: bool = Field(default=False, description="Whether nulls are allowed.")
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        parse_type(value)
+        return value
+
+    @property
+    def arrow_type(self) -> pa.DataType:
+        """The column's Arrow type."""
+        return parse_type(self.type)
+
+
+class Signature(BaseModel):
+    """What a model reads and what it writes, column by column."""
+
+    inputs: list[ColumnSpec] = Field(min_length=1)
+    outputs: list[ColumnSpec] = Field(min_length=1)
+
+    @field_validator("inputs", "outputs")
+    @classmethod
+    def _unique_names(cls, value: list[ColumnSpec]) -> list[ColumnSpec]:
+        names = [c.name for c in value]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"column names repeat: {dupes}")
+        return value
+
+    @property
+    def input_names(self) -> list[str]:
+        """Names of the input columns, in order."""
+        return [c.name for c in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        """Names of the output columns, in order."""
+        return [c.name for c in self.outputs]
+
+    def output_schema(self) -> pa.Schema:
+        """The Arrow schema of what the model returns."""
+        return pa.schema([pa.field(c.name, c.arrow_type, c.nullable) for c in self.outputs])
+
+
+def _is_numeric(dtype: pa.DataType) -> bool:
+    return pa.types.is_integer(dtype) or pa.types.is_floating(dtype)
+
+
+def is_compatible(got: pa.DataType, expected: pa.DataType) -> bool:
+    """Whether a column of type ``got`` can feed an input of type ``expected``.
+
+    Equal types fit; any integer or float fits a float input (the cast every
+    scikit-learn model already does); strings fit strings of either width; lists
+    fit when their values do and fixed sizes agree.
+    """
+    if got == expected:
+        return True
+    if pa.types.is_floating(expected) and _is_numeric(got):
+        return True
+    if pa.types.is_integer(expected) and pa.types.is_integer(got):
+        return True
+    string_types = (pa.string(), pa.large_string(), pa.string_view())
+    if expected in string_types and got in string_types:
+        return True
+    if pa.types.is_fixed_size_list(expected):
+        return (
+            pa.types.is_fixed_size_list(got)
+            and got.list_size == expected.list_size
+            and is_compatible(got.value_type, expected.value_type)
+        )
+    if pa.types.is_list(expected) or pa.types.is_large_list(expected):
+        return (
+            pa.types.is_list(got) or pa.types.is_large_list(got) or pa.types.is_fixed_size_list(got)
+        ) and is_compatible(got.value_type, expected.value_type)
+    return False
+
+
+def schema_problems(schema: pa.Schema, inputs: Iterable[ColumnSpec], model: str) -> list[str]:
+    """List every way ``schema`` fails to feed the inputs; empty when it fits."""
+    problems = []
+    for spec in inputs:
+        index = schema.get_field_index(spec.name)
+        if index < 0:
+            problems.append(
+                f"column {spec.name!r} is missing; the model {model!r} needs it "
+                f"({spec.type}); add it or pick the model this data was made for"
+            )
+            continue
+        got = schema.field(index).type
+        if not is_compatible(got, spec.arrow_type):
+            problems.append(
+                f"column {spec.name!r} is {type_name(got)}, the model {model!r} expects "
+                f"{spec.type}; cast it to {spec.type} before scoring"
+            )
+    return problems

@@ -1,0 +1,90 @@
+"""Batch job identity and the summary of a settled job: pure functions, no I/O."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterable, Sequence
+
+from shardline.storage.output import PartRecord
+from shardline.storage.shards import ShardInfo
+
+
+def job_key(model_digest: str, passthrough: Sequence[str] | None) -> str:
+    """What decides a part's contents besides its shard: the model and the columns kept."""
+    blob = json.dumps({"model": model_digest, "passthrough": list(passthrough) if passthrough is not None else "auto"})
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def job_id(key: str, shards: Iterable[ShardInfo]) -> str:
+    """A job is its key plus the exact input listing (paths and fingerprints)."""
+    digest = hashlib.sha256(key.encode())
+    for shard in shards:
+        digest.update(f"\n{shard.relative}\t{shard.fingerprint}".encode())
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class JobSummary:
+    """Totals of a settled job: shards, rows, time, and what was quarantined."""
+
+    job_id: str
+    model: str
+    tenant: str
+    output: str
+    shards: int
+    shards_committed: int
+    shards_skipped: int
+    shards_quarantined: int
+    rows_in: int
+    rows_out: int
+    rows_quarantined: int
+    rows_scored: int
+    steady_seconds: float
+    quarantined: dict[str, str] = field(default_factory=dict)
+    manifest: str | None = None
+
+    @property
+    def steady_rows_per_second(self) -> float:
+        """Rows scored per second from the first shard started to the last part committed."""
+        return self.rows_scored / self.steady_seconds if self.steady_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data, for manifests, artifacts and JSON output."""
+        data = self.__dict__.copy()
+        data["steady_rows_per_second"] = round(self.steady_rows_per_second, 1)
+        return data
+
+
+def summarize(
+    *, job_id: str, model: str, tenant: str, output: str, total_shards: int,
+    new: Sequence[PartRecord], skipped: Sequence[PartRecord],
+) -> JobSummary:
+    """Add up the ledger records of one job; ``new`` were settled by this run."""
+    records = [*new, *skipped]
+    quarantined = {r.relative: r.reason or "" for r in records if r.status == "quarantined"}
+    committed_now = [r for r in new if r.status == "committed"]
+    if committed_now:
+        first_start = min(r.settled_at - timedelta(seconds=r.seconds) for r in committed_now)
+        last_commit = max(r.settled_at for r in committed_now)
+        steady = (last_commit - first_start).total_seconds()
+    else:
+        steady = 0.0
+    return JobSummary(
+        job_id=job_id,
+        model=model,
+        tenant=tenant,
+        output=output,
+        shards=total_shards,
+        shards_committed=sum(r.status == "committed" for r in records),
+        shards_skipped=len(skipped),
+        shards_quarantined=len(quarantined),
+        rows_in=sum(r.rows_in or 0 for r in records),
+        rows_out=sum(r.rows_out for r in records),
+        rows_quarantined=sum(r.rows_quarantined for r in records),
+        rows_scored=sum(r.rows_out for r in committed_now),
+        steady_seconds=steady,
+        quarantined=quarantined,
+    )

@@ -1,0 +1,122 @@
+"""The model cache: resolve -> fetch -> verify -> load -> keep (LRU), one per process.
+
+The batch workers and the online server both get their models here, so a model
+behaves the same in both tiers. Bundles are fetched into a local folder named by
+their digest; artifacts are verified against their sha256 before every load.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from shardline.bundle import MANIFEST, verify_artifacts
+from shardline.errors import IntegrityError
+from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
+from shardline.storage.registry import ResolvedModel, fetch_bundle
+
+_Key = tuple[str, RuntimeOptions]
+
+
+class ModelCache:
+    """Loaded models kept by (bundle digest, runtime options), least recently used out first."""
+
+    def __init__(self, cache_dir: str | Path, capacity: int = 4) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.cache_dir = Path(cache_dir)
+        self.capacity = capacity
+        self._loaded: OrderedDict[_Key, Runtime] = OrderedDict()
+        self._lock = threading.Lock()
+        self._key_locks: dict[_Key, threading.Lock] = {}
+        self.loads = 0
+
+    def local_dir(self, model: ResolvedModel) -> Path:
+        """Where a bundle's verified files live on this machine."""
+        return self.cache_dir / model.name / model.digest[:32]
+
+    def _ensure_local(self, model: ResolvedModel, storage_options: dict[str, Any] | None) -> Path:
+        """Fetch the bundle unless a verified copy is already here; re-fetch a damaged copy once."""
+        target = self.local_dir(model)
+        if (target / MANIFEST).is_file():
+            try:
+                verify_artifacts(target, model.manifest)
+                return target
+            except IntegrityError:
+                shutil.rmtree(target, ignore_errors=True)
+        staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+        try:
+            fetch_bundle(model, staging, storage_options)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                staging.rename(target)
+            except OSError:
+                if not (target / MANIFEST).is_file():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        verify_artifacts(target, model.manifest)
+        return target
+
+    def get(
+        self,
+        model: ResolvedModel,
+        options: RuntimeOptions = RuntimeOptions(),
+        storage_options: dict[str, Any] | None = None,
+    ) -> Runtime:
+        """The loaded model, loading it (once, even under concurrent callers) if needed.
+
+        Raises:
+            IntegrityError: the registry's artifacts do not match their manifest.
+            RuntimeUnavailable: the runtime or device is not available here.
+        """
+        key = (model.digest, options)
+        with self._lock:
+            if key in self._loaded:
+                self._loaded.move_to_end(key)
+                return self._loaded[key]
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                if key in self._loaded:
+                    return self._loaded[key]
+            bundle_dir = self._ensure_local(model, storage_options)
+            runtime = create_runtime(bundle_dir, model.manifest, options)
+            runtime.load()
+            with self._lock:
+                self._loaded[key] = runtime
+                self.loads += 1
+                while len(self._loaded) > self.capacity:
+                    _, evicted = self._loaded.popitem(last=False)
+                    evicted.close()
+            return runtime
+
+    def loaded(self) -> list[str]:
+        """Digests of the models held now, least recently used first."""
+        with self._lock:
+            return [digest for digest, _ in self._loaded]
+
+    def clear(self) -> None:
+        """Unload everything."""
+        with self._lock:
+            for runtime in self._loaded.values():
+                runtime.close()
+            self._loaded.clear()
+
+
+_process_caches: dict[str, ModelCache] = {}
+_process_lock = threading.Lock()
+
+
+def get_model_cache(cache_dir: str | Path, capacity: int = 4) -> ModelCache:
+    """The process-wide cache for a cache folder, shared by whatever calls it."""
+    key = str(Path(cache_dir).expanduser().resolve())
+    with _process_lock:
+        cache = _process_caches.get(key)
+        if cache is None:
+            cache = _process_caches[key] = ModelCache(key, capacity)
+        return cache

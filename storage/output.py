@@ -1,0 +1,164 @@
+"""A batch job's output: parts committed atomically, a ledger, and the job manifest.
+
+Layout under the output URL::
+
+    <relative>.parquet            one part per input shard, named after it
+    _ledger/<relative>.json       one record per settled shard (committed or quarantined)
+    _staging/                     parts being written; never read, removed at the end
+    _manifest.json                every part with its row counts, written last
+    _SUCCESS                      present only while the manifest describes the output
+
+Readers (pyarrow, Spark, polars) skip names that start with '_', so a reader of the
+folder sees committed parts only.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from datetime import datetime, timezone
+from typing import Any, Iterable, Literal
+
+from pydantic import BaseModel, Field
+
+from shardline.errors import InvalidInput
+from shardline.storage.fs import atomic_write_bytes, join, open_fs
+from shardline.storage.shards import ShardInfo
+
+LEDGER = "_ledger"
+STAGING = "_staging"
+MANIFEST = "_manifest.json"
+SUCCESS = "_SUCCESS"
+
+
+def part_name(relative: str) -> str:
+    """The output part's path for an input shard's relative path."""
+    stem, _ = posixpath.splitext(relative)
+    return f"{stem}.parquet"
+
+
+def check_part_names(shards: Iterable[ShardInfo]) -> None:
+    """Refuse inputs whose shards would map to the same part (``a.pq`` and ``a.parquet``)."""
+    seen: dict[str, str] = {}
+    for shard in shards:
+        name = part_name(shard.relative)
+        if name in seen:
+            raise InvalidInput(
+                f"shards {seen[name]!r} and {shard.relative!r} would both write {name!r}; "
+                "rename one of them"
+            )
+        seen[name] = shard.relative
+
+
+class PartRecord(BaseModel):
+    """What the ledger keeps about one settled shard."""
+
+    shard: str
+    relative: str
+    fingerprint: str
+    job_key: str
+    status: Literal["committed", "quarantined"]
+    part: str | None = None
+    rows_in: int | None = None
+    rows_out: int = 0
+    rows_quarantined: int = 0
+    reason: str | None = None
+    seconds: float = 0.0
+    settled_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+class OutputLayout:
+    """Paths of one job's output, on whatever file system its URL names."""
+
+    def __init__(self, output_uri: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.uri = output_uri
+        self.storage_options = storage_options or {}
+        self.fs, self.root = open_fs(output_uri, self.storage_options)
+
+    def part_path(self, relative: str) -> str:
+        """Where the part for a shard is committed."""
+        return join(self.root, part_name(relative))
+
+    def ledger_path(self, relative: str) -> str:
+        """Where a shard's ledger record lives."""
+        return join(self.root, LEDGER, f"{relative}.json")
+
+    @property
+    def staging_dir(self) -> str:
+        """Where parts are written before they are committed."""
+        return join(self.root, STAGING)
+
+    def record(self, record: PartRecord) -> None:
+        """Write a shard's ledger record (atomically; the last write wins)."""
+        atomic_write_bytes(
+            self.fs, self.ledger_path(record.relative), record.model_dump_json().encode(), self.staging_dir
+        )
+
+    def read_ledger(self) -> dict[str, PartRecord]:
+        """Every ledger record, by the shard's relative path."""
+        ledger_dir = join(self.root, LEDGER)
+        if not self.fs.exists(ledger_dir):
+            return {}
+        paths = [p for p in self.fs.find(ledger_dir) if p.endswith(".json")]
+        if not paths:
+            return {}
+        records = {}
+        for blob in self.fs.cat(paths, on_error="omit").values():
+            record = PartRecord.model_validate_json(blob)
+            records[record.relative] = record
+        return records
+
+    def present_parts(self) -> set[str]:
+        """Relative names of the parts visible in the output now."""
+        if not self.fs.exists(self.root):
+            return set()
+        return {
+            posixpath.relpath(p, self.root)
+            for p in self.fs.find(self.root)
+            if p.endswith(".parquet") and not posixpath.relpath(p, self.root).startswith("_")
+        }
+
+    def clear_success(self) -> None:
+        """Withdraw ``_SUCCESS`` while the output is being changed."""
+        path = join(self.root, SUCCESS)
+        if self.fs.exists(path):
+            self.fs.rm(path)
+
+    def commit_manifest(self, manifest: dict[str, Any]) -> str:
+        """Write the job manifest, then ``_SUCCESS``, and drop leftover staging files."""
+        atomic_write_bytes(
+            self.fs, join(self.root, MANIFEST), json.dumps(manifest, indent=2, default=str).encode(), self.staging_dir
+        )
+        atomic_write_bytes(self.fs, join(self.root, SUCCESS), b"", self.staging_dir)
+        if self.fs.exists(self.staging_dir):
+            self.fs.rm(self.staging_dir, recursive=True)
+        return self.fs.unstrip_protocol(join(self.root, MANIFEST))
+
+    def read_manifest(self) -> dict[str, Any]:
+        """The committed job manifest."""
+        return json.loads(self.fs.cat_file(join(self.root, MANIFEST)))
+
+
+def split_done(
+    shards: Iterable[ShardInfo], ledger: dict[str, PartRecord], job_key: str, present_parts: set[str]
+) -> tuple[list[ShardInfo], list[PartRecord]]:
+    """Shards still to score, and records of those this job already settled.
+
+    A shard counts as settled when the ledger holds a record for the same bytes
+    (fingerprint) under the same job key (model digest and parameters) and, if it was
+    committed, its part is still present; anything else (a changed shard, another
+    model, a deleted part) is scored again.
+    """
+    todo, done = [], []
+    for shard in shards:
+        record = ledger.get(shard.relative)
+        if (
+            record
+            and record.job_key == job_key
+            and record.fingerprint == shard.fingerprint
+            and (record.status == "quarantined" or part_name(shard.relative) in present_parts)
+        ):
+            done.append(record)
+        else:
+            todo.append(shard)
+    return todo, done

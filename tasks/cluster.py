@@ -1,0 +1,68 @@
+"""The Dask cluster a batch job runs its shards on, chosen by settings, not code."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+from shardline.errors import InvalidSetting, RuntimeUnavailable
+from shardline.settings import DaskSettings
+
+
+@contextlib.contextmanager
+def dask_scheduler(settings: DaskSettings) -> Iterator[str]:
+    """Yield a scheduler address: a new LocalCluster, an existing one, or dask-kubernetes.
+
+    A cluster this function started is closed on exit; an existing one is left alone.
+    """
+    if settings.cluster == "address":
+        if not settings.address:
+            raise InvalidSetting(
+                "SHARDLINE_DASK_CLUSTER=address needs SHARDLINE_DASK_ADDRESS=tcp://HOST:PORT"
+            )
+        yield settings.address
+        return
+    if settings.cluster == "kubernetes":
+        with _kubernetes_cluster(settings) as address:
+            yield address
+        return
+    from distributed import LocalCluster
+
+    with LocalCluster(
+        n_workers=settings.resolved_workers(),
+        threads_per_worker=settings.threads_per_worker,
+        processes=True,
+        dashboard_address=None,
+    ) as cluster:
+        yield cluster.scheduler_address
+
+
+@contextlib.contextmanager
+def _kubernetes_cluster(settings: DaskSettings) -> Iterator[str]:
+    if not settings.kubernetes_spec or not Path(settings.kubernetes_spec).is_file():
+        raise InvalidSetting(
+            f"SHARDLINE_DASK_KUBERNETES_SPEC={settings.kubernetes_spec!r} is not a file; point it at "
+            "a DaskCluster spec such as deploy/dask/cluster.yaml"
+        )
+    try:
+        from dask_kubernetes.operator import KubeCluster
+    except ImportError as e:
+        raise RuntimeUnavailable(
+            "SHARDLINE_DASK_CLUSTER=kubernetes needs dask-kubernetes; pip install 'shardline[kubernetes]'"
+        ) from e
+    import yaml
+
+    spec = yaml.safe_load(Path(settings.kubernetes_spec).read_text())
+    with KubeCluster(custom_cluster_spec=spec) as cluster:
+        cluster.scale(settings.kubernetes_workers)
+        yield cluster.scheduler_address
+
+
+def threads_per_call(settings: DaskSettings) -> int:
+    """onnxruntime threads per shard so that local workers together fill the cores once."""
+    if settings.cluster != "local":
+        return 0
+    busy = settings.resolved_workers() * settings.threads_per_worker
+    return max(1, (os.cpu_count() or 1) // busy)

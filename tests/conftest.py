@@ -1,0 +1,71 @@
+"""Fixtures every tier of tests shares: a real model bundle and real shards."""
+
+from __future__ import annotations
+
+import os
+
+# Off the network before Prefect or onnxruntime are imported anywhere.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pytest  # noqa: E402
+
+from shardline.bundle import Manifest  # noqa: E402
+from shardline.examples import Dataset, breast_cancer, package_breast_cancer, write_shards  # noqa: E402
+from shardline.storage.registry import ModelRegistry  # noqa: E402
+
+
+@dataclass
+class BuiltModel:
+    """A packaged real model and the estimator it came from."""
+
+    bundle_dir: Path
+    manifest: Manifest
+    estimator: Any
+    data: Dataset
+
+    def expected(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        """scikit-learn's own labels and probabilities for the rows of ``table``."""
+        features = np.column_stack([table.column(n).to_numpy() for n in self.data.names]).astype(np.float32)
+        return self.estimator.predict(features), self.estimator.predict_proba(features)
+
+
+@pytest.fixture(scope="session")
+def breast_cancer_model(tmp_path_factory: pytest.TempPathFactory) -> BuiltModel:
+    """The gradient-boosted breast-cancer classifier, packaged once per session."""
+    folder = tmp_path_factory.mktemp("bundle") / "breast-cancer"
+    manifest, estimator = package_breast_cancer(folder)
+    return BuiltModel(folder, manifest, estimator, breast_cancer())
+
+
+@pytest.fixture
+def shardline_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh Shardline home (registry and cache) for one test, set in the environment."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("SHARDLINE_STORAGE_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def local_registry(shardline_home: Path, breast_cancer_model: BuiltModel) -> ModelRegistry:
+    """A local registry holding breast-cancer:1 with the alias prod."""
+    registry = ModelRegistry(str(shardline_home / "registry"))
+    pushed = registry.push(breast_cancer_model.bundle_dir)
+    registry.set_alias(pushed.name, "prod", pushed.version or 1)
+    return registry
+
+
+@pytest.fixture
+def input_shards(tmp_path: Path) -> Path:
+    """Six real shards of 2,000 rows each, in row groups of 500."""
+    folder = tmp_path / "input"
+    write_shards(folder, 6, 2_000, row_group_rows=500)
+    return folder

@@ -1,0 +1,95 @@
+"""The batch flow end to end on a real LocalCluster under Prefect's test harness."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from shardline.flows.batch_inference import batch_inference
+
+from tests.conftest import BuiltModel
+
+
+def run(input_uri: Path | str, output_uri: Path | str, model: str = "breast-cancer@prod", **kwargs):  # type: ignore[no-untyped-def]
+    return batch_inference(model=model, input_uri=str(input_uri), output_uri=str(output_uri), return_state=True, **kwargs)
+
+
+def scored_table(output: Path) -> pa.Table:
+    return ds.dataset(output, format="parquet").to_table()
+
+
+@pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_every_row_scored_once_with_sklearns_prediction(
+    input_shards: Path, tmp_path: Path, breast_cancer_model: BuiltModel
+) -> None:
+    out = tmp_path / "out"
+    state = run(input_shards, out, tenant="acme")
+
+    assert state.is_completed() and state.name == "Completed"
+    summary = state.result()
+    assert (summary["shards"], summary["shards_committed"], summary["shards_quarantined"]) == (6, 6, 0)
+    assert summary["rows_in"] == summary["rows_out"] == 12_000
+
+    inputs = ds.dataset(input_shards).to_table().sort_by("id")
+    scored = scored_table(out).sort_by("id")
+    assert scored.num_rows == 12_000
+    assert scored.column("id").to_pylist() == inputs.column("id").to_pylist()
+    labels, probabilities = breast_cancer_model.expected(inputs)
+    assert np.array_equal(scored.column("label").to_numpy(), labels)
+    got = np.stack(scored.column("probabilities").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(got, probabilities, atol=1e-5)
+
+    # one part per shard, named after it; the manifest lists each with its rows
+    assert sorted(p.name for p in out.glob("*.parquet")) == sorted(p.name for p in input_shards.glob("*.parquet"))
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["tenant"] == "acme" and manifest["model"]["pinned"] == "breast-cancer:1"
+    assert sum(p["rows"] for p in manifest["parts"]) == 12_000 and manifest["quarantined"] == []
+    assert (out / "_SUCCESS").exists() and not (out / "_staging").exists()
+    # passthrough by default: the id, not the features
+    assert scored.column_names == ["id", "label", "probabilities"]
+
+
+@pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_second_run_commits_nothing_new(input_shards: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run(input_shards, out).is_completed()
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")}
+
+    again = run(input_shards, out).result()
+
+    assert again["shards_skipped"] == 6 and again["rows_scored"] == 0
+    assert again["rows_out"] == 12_000
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")} == before
+
+
+@pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_changed_shard_is_scored_again_and_others_skipped(input_shards: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run(input_shards, out)
+    shard = input_shards / "part-00002.parquet"
+    table = pq.read_table(shard).slice(0, 700)
+    pq.write_table(table, shard)
+
+    summary = run(input_shards, out).result()
+
+    assert summary["shards_skipped"] == 5 and summary["rows_scored"] == 700
+    assert pq.read_metadata(out / "part-00002.parquet").num_rows == 700
+    assert scored_table(out).num_rows == 10_700
+
+
+@pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_named_passthrough_columns_are_copied(input_shards: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    state = run(input_shards, out, passthrough=["id", "mean radius"], batch_rows=300)
+    scored = scored_table(out).sort_by("id")
+    inputs = ds.dataset(input_shards).to_table().sort_by("id")
+    assert state.is_completed()
+    assert scored.column_names == ["id", "mean radius", "label", "probabilities"]
+    assert scored.column("mean radius").equals(inputs.column("mean radius"))

@@ -1,0 +1,108 @@
+"""The `shardline` command as a user drives it: registry, batch runs, exit codes, a crash and a resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from shardline.examples import write_shards
+
+from tests.conftest import BuiltModel
+from tests.e2e.conftest import SHARDLINE
+
+Shardline = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def test_model_push_alias_and_list(shardline: Shardline, breast_cancer_model: BuiltModel) -> None:
+    pushed = shardline("model", "push", str(breast_cancer_model.bundle_dir))
+    assert pushed.returncode == 0, pushed.stderr
+    assert pushed.stdout.startswith("pushed breast-cancer:1 (digest ")
+
+    aliased = shardline("model", "alias", "breast-cancer", "prod", "1", "--reason", "first release")
+    assert aliased.returncode == 0 and "breast-cancer@prod -> breast-cancer:1" in aliased.stdout
+
+    listed = shardline("model", "list")
+    assert listed.returncode == 0
+    line = listed.stdout.strip().splitlines()[0]
+    assert line.split()[:3] == ["breast-cancer:1", "prod", "onnx"] and "mean radius:float32" in line
+
+    wrong = shardline("model", "alias", "breast-cancer", "prod", "4")
+    assert wrong.returncode == 2 and "has no version 4 (it has versions [1])" in wrong.stderr
+
+
+@pytest.mark.usefixtures("local_registry")
+def test_batch_run_prints_a_summary_and_exit_codes_tell_the_outcome(
+    shardline: Shardline, input_shards: Path, tmp_path: Path
+) -> None:
+    ok = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards),
+                   "--output", str(tmp_path / "out"), "--tenant", "acme")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "rows out  12,000" in ok.stdout and "shards  6 (6 committed, 0 already done, 0 quarantined)" in ok.stdout
+
+    (input_shards / "broken.parquet").write_bytes(b"PAR1 nope")
+    partial = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards),
+                        "--output", str(tmp_path / "out"), "--json")
+    assert partial.returncode == 3, partial.stderr[-2000:]
+    summary = json.loads(partial.stdout.strip().splitlines()[-1])
+    assert summary["shards_skipped"] == 6 and summary["shards_quarantined"] == 1
+    assert "broken.parquet" in summary["quarantined"]
+
+    missing = shardline("batch", "run", "--model", "churn@prod", "--input", str(input_shards),
+                        "--output", str(tmp_path / "out2"))
+    assert missing.returncode == 2
+    assert "error: model 'churn' is not in the registry" in missing.stderr
+    assert "shardline model push" in missing.stderr
+
+
+@pytest.mark.usefixtures("local_registry")
+def test_run_killed_midway_resumes_with_exactly_the_right_rows(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    shards = write_shards(tmp_path / "input", 24, 30_000, row_group_rows=5_000)
+    out = tmp_path / "out"
+    args = [*SHARDLINE, "batch", "run", "--model", "breast-cancer@prod", "--input", str(tmp_path / "input"),
+            "--output", str(out), "--batch-rows", "1000"]
+    env = {**cli_env, "SHARDLINE_DASK_N_WORKERS": "1"}
+    victim = subprocess.Popen(args, env=env, cwd=tmp_path, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while len(list((out / "_ledger").glob("*.json"))) < 3:
+            assert victim.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "no shard was committed in time"
+            time.sleep(0.05)
+    finally:
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait()
+    settled_before = len(list((out / "_ledger").glob("*.json")))
+    assert 3 <= settled_before < len(shards), "the kill came too late to test a resume"
+    assert not (out / "_SUCCESS").exists()
+    for part in out.glob("*.parquet"):  # whatever is visible is whole
+        assert pq.read_metadata(part).num_rows == 30_000
+
+    resumed = subprocess.run([*args[:-2], "--json"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["shards_skipped"] >= settled_before
+    assert summary["shards_committed"] == 24 and summary["rows_out"] == 24 * 30_000
+    ids = ds.dataset(out).to_table(columns=["id"]).column("id").to_pylist()
+    assert sorted(ids) == list(range(24 * 30_000))
+    assert (out / "_SUCCESS").exists() and not (out / "_staging").exists()
+
+
+def test_demo_builds_scores_and_checks(shardline: Shardline, tmp_path: Path) -> None:
+    done = shardline("demo", "--workdir", str(tmp_path / "demo"), "--shards", "3", "--rows", "4000")
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "demo OK: 12,000 rows scored, every id once" in done.stdout
+    assert len(list((tmp_path / "demo" / "output").glob("*.parquet"))) == 3

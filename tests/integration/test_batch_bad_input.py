@@ -1,0 +1,87 @@
+"""Bad input through the whole flow: quarantined with its reason, or refused early."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from shardline.errors import EmptyInput, InvalidSetting, ModelNotFound
+from shardline.flows.batch_inference import batch_inference
+
+pytestmark = pytest.mark.usefixtures("on_cluster", "local_registry")
+
+
+def run(input_uri: Path | str, output_uri: Path | str, model: str = "breast-cancer@prod"):  # type: ignore[no-untyped-def]
+    return batch_inference(model=model, input_uri=str(input_uri), output_uri=str(output_uri), return_state=True)
+
+
+def test_bad_shards_are_quarantined_and_the_rest_completes(input_shards: Path, tmp_path: Path) -> None:
+    good = pq.read_table(input_shards / "part-00000.parquet")
+    (input_shards / "corrupt.parquet").write_bytes(b"this is not parquet at all")
+    pq.write_table(good.drop_columns(["mean texture"]), input_shards / "wrong-schema.parquet")
+    radius = good.column("mean radius").to_pylist()
+    radius[10] = None
+    index = good.schema.get_field_index("mean radius")
+    pq.write_table(good.set_column(index, "mean radius", pa.array(radius)), input_shards / "nulls.parquet")
+    out = tmp_path / "out"
+
+    state = run(input_shards, out)
+
+    assert state.is_completed() and state.name == "Quarantined"
+    assert "3 of 9 shards quarantined" in (state.message or "")
+    summary = state.result()
+    assert (summary["shards_committed"], summary["shards_quarantined"]) == (6, 3)
+    assert summary["rows_out"] == 12_000 and summary["rows_quarantined"] == 4_000
+    assert summary["rows_in"] == summary["rows_out"] + summary["rows_quarantined"]
+    manifest = json.loads((out / "_manifest.json").read_text())
+    reasons = {Path(q["shard"]).name: q["reason"] for q in manifest["quarantined"]}
+    assert reasons["corrupt.parquet"].startswith("CorruptShard:")
+    assert "column 'mean texture' is missing" in reasons["wrong-schema.parquet"]
+    assert "columns ['mean radius'] hold nulls" in reasons["nulls.parquet"]
+    # the six good shards are all there, once each; nothing from the bad ones
+    scored = ds.dataset(out).to_table()
+    assert scored.num_rows == 12_000 and len(set(scored.column("id").to_pylist())) == 12_000
+    assert not (out / "nulls.parquet").exists()
+
+    # a re-run settles nothing again: quarantined shards stay quarantined, parts stay
+    again = run(input_shards, out)
+    assert again.name == "Quarantined" and again.result()["shards_skipped"] == 9
+
+
+def test_every_shard_quarantined_fails_the_run(input_shards: Path, tmp_path: Path) -> None:
+    for shard in input_shards.glob("*.parquet"):
+        pq.write_table(pq.read_table(shard).drop_columns(["mean area"]), shard)
+
+    state = run(input_shards, tmp_path / "out")
+
+    assert state.is_failed()
+    assert "every shard was quarantined" in (state.message or "")
+    assert state.result(raise_on_failure=False)["rows_out"] == 0
+
+
+@pytest.mark.parametrize(
+    "model, input_name, error, message",
+    [
+        ("churn@prod", "input", ModelNotFound, "model 'churn' is not in the registry"),
+        ("breast-cancer@canary", "input", ModelNotFound, "has no alias 'canary'"),
+        ("breast-cancer@prod", "empty", EmptyInput, "holds no shard"),
+        ("breast-cancer@prod", "missing", InvalidSetting, "does not exist; check the path"),
+    ],
+)
+def test_wrong_requests_fail_fast_and_write_nothing(
+    input_shards: Path, tmp_path: Path, model: str, input_name: str, error: type, message: str
+) -> None:
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out"
+
+    state = run(tmp_path / input_name, out, model=model)
+
+    assert state.is_failed()
+    raised = state.result(raise_on_failure=False)
+    assert isinstance(raised, error) and message in str(raised)
+    assert not out.exists()

@@ -1,0 +1,75 @@
+"""Bundles: references, manifests, digests and artifact verification."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shardline.bundle import ModelRef, read_manifest, verify_artifacts
+from shardline.errors import IntegrityError, InvalidBundle, InvalidSetting
+
+from tests.conftest import BuiltModel
+
+
+@pytest.mark.parametrize(
+    "text, name, version, alias",
+    [
+        ("churn@prod", "churn", None, "prod"),
+        ("churn:3", "churn", 3, None),
+        ("churn", "churn", None, "prod"),
+        (" breast-cancer@staging ", "breast-cancer", None, "staging"),
+    ],
+)
+def test_references_parse(text: str, name: str, version: int | None, alias: str | None) -> None:
+    ref = ModelRef.parse(text)
+    assert (ref.name, ref.version, ref.alias) == (name, version, alias)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("churn:latest", "the version 'latest' is not a number"),
+        ("churn@", "empty alias"),
+        ("Churn Model", "model name 'Churn Model' is not allowed"),
+    ],
+)
+def test_bad_references_say_how_to_write_them(text: str, message: str) -> None:
+    with pytest.raises(InvalidSetting, match=message):
+        ModelRef.parse(text)
+
+
+def test_manifest_records_signature_artifacts_and_environment(breast_cancer_model: BuiltModel) -> None:
+    manifest = read_manifest(breast_cancer_model.bundle_dir)
+    assert manifest.runtime == "onnx" and manifest.version is None
+    assert [a.path for a in manifest.artifacts] == ["model.onnx"]
+    assert len(manifest.signature.inputs) == 30 and manifest.signature.output_names == ["label", "probabilities"]
+    assert manifest.signature.outputs[1].type == "fixed_size_list<float32>[2]"
+    assert "python" in manifest.environment and "skl2onnx" in manifest.environment
+    assert manifest.lineage.metrics["train_accuracy"] > 0.9
+
+
+def test_digest_ignores_version_and_time_but_not_bytes(breast_cancer_model: BuiltModel) -> None:
+    manifest = breast_cancer_model.manifest
+    assert manifest.model_copy(update={"version": 7}).digest == manifest.digest
+    changed = manifest.model_copy(update={"artifacts": [manifest.artifacts[0].model_copy(update={"sha256": "0" * 64})]})
+    assert changed.digest != manifest.digest
+
+
+def test_tampered_artifact_is_refused(breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
+    copy = tmp_path / "bundle"
+    shutil.copytree(breast_cancer_model.bundle_dir, copy)
+    verify_artifacts(copy, breast_cancer_model.manifest)
+    with open(copy / "model.onnx", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+
+    with pytest.raises(IntegrityError, match="'model.onnx' .* was changed after packaging") as caught:
+        verify_artifacts(copy, breast_cancer_model.manifest)
+    assert caught.value.expected == breast_cancer_model.manifest.artifacts[0].sha256
+
+
+def test_folder_without_manifest_is_not_a_bundle(tmp_path: Path) -> None:
+    with pytest.raises(InvalidBundle, match="has no manifest.json"):
+        read_manifest(tmp_path)

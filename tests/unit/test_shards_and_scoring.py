@@ -1,0 +1,203 @@
+"""Shard listing and reading, and the per-shard scoring that runs on Dask workers."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from shardline.errors import EmptyInput, InvalidInput, InvalidSetting
+from shardline.runtimes import RuntimeOptions
+from shardline.storage.jobs import job_id, job_key, summarize
+from shardline.storage.output import OutputLayout, PartRecord, check_part_names, part_name, split_done
+from shardline.storage.registry import ModelRegistry
+from shardline.storage.scoring import ScoringJob, score_shard
+from shardline.storage.shards import ShardInfo, iter_batches, list_shards, read_footer
+
+from tests.conftest import BuiltModel
+
+
+def test_listing_skips_hidden_and_foreign_files(tmp_path: Path, input_shards: Path) -> None:
+    (input_shards / "_SUCCESS").write_text("")
+    (input_shards / ".part-x.parquet.crc").write_text("")
+    (input_shards / "notes.txt").write_text("")
+    (input_shards / "_tmp").mkdir()
+    (input_shards / "_tmp" / "half.parquet").write_bytes(b"")
+    (input_shards / "2024").mkdir()
+    pq.write_table(pa.table({"id": [1]}), input_shards / "2024" / "late.pq")
+
+    shards = list_shards(str(input_shards))
+
+    assert [s.relative for s in shards] == ["2024/late.pq"] + [f"part-{i:05d}.parquet" for i in range(6)]
+    assert all(s.uri.startswith("file://") and s.size > 0 for s in shards)
+    single = list_shards(str(input_shards / "part-00001.parquet"))
+    assert [s.relative for s in single] == ["part-00001.parquet"]
+
+
+def test_empty_and_missing_inputs_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(EmptyInput, match="holds no shard .*point --input at the folder"):
+        list_shards(str(tmp_path))
+    with pytest.raises(InvalidSetting, match="does not exist; check the path"):
+        list_shards(str(tmp_path / "nope"))
+    with pytest.raises(InvalidSetting, match="cannot be opened|not installed"):
+        list_shards("nosuchscheme://bucket/x")
+
+
+def test_batches_are_bounded_and_complete(input_shards: Path) -> None:
+    parquet = pq.ParquetFile(input_shards / "part-00000.parquet")
+    sizes = [b.num_rows for b in iter_batches(parquet, ["id"], 300)]
+    assert max(sizes) <= 300 and sum(sizes) == 2_000
+    ids = [i for b in iter_batches(parquet, ["id"], 300, prefetch=0) for i in b.column("id").to_pylist()]
+    assert ids == list(range(2_000))
+
+
+def test_reader_errors_reach_the_consumer(tmp_path: Path) -> None:
+    class Exploding:
+        def iter_batches(self, **kwargs):  # type: ignore[no-untyped-def]
+            yield pa.record_batch({"a": [1]})
+            raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        list(iter_batches(Exploding(), ["a"], 10))  # type: ignore[arg-type]
+
+
+def test_part_names_follow_shards_and_collisions_are_refused() -> None:
+    assert part_name("2024/a.pq") == "2024/a.parquet"
+    shards = [ShardInfo("file:///x/a.pq", "a.pq", 1, "f"), ShardInfo("file:///x/a.parquet", "a.parquet", 1, "f")]
+    with pytest.raises(InvalidInput, match="would both write 'a.parquet'; rename one"):
+        check_part_names(shards)
+
+
+def _record(relative: str, status: str = "committed", key: str = "k", fp: str = "f", rows: int = 10) -> PartRecord:
+    return PartRecord(
+        shard=relative, relative=relative, fingerprint=fp, job_key=key, status=status,  # type: ignore[arg-type]
+        rows_in=rows, rows_out=rows if status == "committed" else 0,
+        rows_quarantined=rows if status == "quarantined" else 0, seconds=1.0,
+    )
+
+
+def test_split_done_trusts_only_matching_records_with_present_parts() -> None:
+    shards = [ShardInfo(f"u/{n}", n, 1, "f") for n in ("a.parquet", "b.parquet", "c.parquet", "d.parquet", "e.parquet")]
+    ledger = {
+        "a.parquet": _record("a.parquet"),
+        "b.parquet": _record("b.parquet", key="other-model"),
+        "c.parquet": _record("c.parquet", fp="changed"),
+        "d.parquet": _record("d.parquet"),  # its part was deleted
+        "e.parquet": _record("e.parquet", status="quarantined"),
+    }
+    todo, done = split_done(shards, ledger, "k", {"a.parquet", "b.parquet", "c.parquet"})
+    assert [s.relative for s in todo] == ["b.parquet", "c.parquet", "d.parquet"]
+    assert [r.relative for r in done] == ["a.parquet", "e.parquet"]
+
+
+def test_job_identity_and_summary_arithmetic() -> None:
+    shards = [ShardInfo("u/a", "a", 1, "f1")]
+    key = job_key("digest", None)
+    assert key != job_key("digest", ["id"]) and key != job_key("other", None)
+    assert job_id(key, shards) != job_id(key, [ShardInfo("u/a", "a", 1, "f2")])
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    new = [_record("a", rows=100), _record("b", rows=300), _record("q", status="quarantined", rows=50)]
+    new[0].settled_at, new[1].settled_at = t0 + timedelta(seconds=1), t0 + timedelta(seconds=4)
+    summary = summarize(job_id="j", model="m:1", tenant="t", output="o", total_shards=4, new=new, skipped=[_record("s", rows=7)])
+    assert (summary.rows_in, summary.rows_out, summary.rows_quarantined) == (457, 407, 50)
+    assert summary.rows_in == summary.rows_out + summary.rows_quarantined
+    assert summary.rows_scored == 400 and summary.steady_seconds == pytest.approx(4.0)
+    assert summary.steady_rows_per_second == pytest.approx(100.0)
+    assert summary.quarantined == {"q": ""}
+
+
+@pytest.fixture
+def scoring_job(breast_cancer_model: BuiltModel, tmp_path: Path) -> ScoringJob:
+    registry = ModelRegistry(str(tmp_path / "registry"))
+    registry.push(breast_cancer_model.bundle_dir)
+    model = registry.resolve("breast-cancer:1")
+    return ScoringJob(
+        job_key=job_key(model.digest, None), model=model, output_uri=str(tmp_path / "out"),
+        passthrough=None, batch_rows=700, cache_dir=str(tmp_path / "cache"), runtime=RuntimeOptions("cpu", 1),
+    )
+
+
+def _shard(path: Path) -> ShardInfo:
+    return list_shards(str(path))[0]
+
+
+def test_score_shard_commits_a_part_and_records_it(
+    scoring_job: ScoringJob, input_shards: Path, breast_cancer_model: BuiltModel
+) -> None:
+    record = score_shard(scoring_job, _shard(input_shards / "part-00003.parquet"))
+
+    assert (record.status, record.rows_in, record.rows_out) == ("committed", 2_000, 2_000)
+    part = pq.read_table(record.part.removeprefix("file://"))
+    labels, _ = breast_cancer_model.expected(pq.read_table(input_shards / "part-00003.parquet"))
+    assert np.array_equal(part.column("label").to_numpy(), labels)
+    assert pq.ParquetFile(record.part.removeprefix("file://")).metadata.num_row_groups >= 1
+    layout = OutputLayout(scoring_job.output_uri)
+    assert layout.read_ledger()["part-00003.parquet"].status == "committed"
+    assert layout.present_parts() == {"part-00003.parquet"}
+    assert not list(Path(layout.staging_dir).glob("*"))
+
+
+def _write(path: Path, table: pa.Table) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("nulls", "NullValues: columns \\['mean radius'\\] hold nulls .*fill or drop those rows"),
+        ("string", "SchemaMismatch: column 'mean area' is string, the model 'breast-cancer:1' expects float32"),
+        ("missing", "SchemaMismatch: column 'worst symmetry' is missing"),
+        ("truncated", "CorruptShard: .*re-export it"),
+        ("pages", "CorruptShard: .*has data that cannot be read \\(Corrupt snappy compressed data.\\)"),
+    ],
+)
+def test_bad_shards_are_quarantined_with_their_reason(
+    scoring_job: ScoringJob, input_shards: Path, tmp_path: Path, damage: str, reason: str
+) -> None:
+    table = pq.read_table(input_shards / "part-00000.parquet")
+    bad = tmp_path / "bad" / "bad.parquet"
+    if damage == "nulls":
+        column = table.column("mean radius").to_pylist()
+        column[1500] = None
+        _write(bad, table.set_column(table.schema.get_field_index("mean radius"), "mean radius", pa.array(column)))
+    elif damage == "string":
+        index = table.schema.get_field_index("mean area")
+        _write(bad, table.set_column(index, "mean area", table.column("mean area").cast(pa.string())))
+    elif damage == "missing":
+        _write(bad, table.drop_columns(["worst symmetry"]))
+    elif damage == "truncated":
+        data = (input_shards / "part-00000.parquet").read_bytes()
+        bad.parent.mkdir()
+        bad.write_bytes(data[: len(data) // 2])
+    else:  # the footer is fine, a data page in the third row group is not
+        data = bytearray((input_shards / "part-00000.parquet").read_bytes())
+        column = pq.read_metadata(input_shards / "part-00000.parquet").row_group(2).column(5)
+        data[column.data_page_offset + 40 : column.data_page_offset + 240] = bytes(200)
+        bad.parent.mkdir()
+        bad.write_bytes(bytes(data))
+
+    record = score_shard(scoring_job, _shard(bad))
+
+    assert record.status == "quarantined" and record.part is None
+    import re
+
+    assert re.search(reason, record.reason or ""), record.reason
+    expected_rows = None if damage == "truncated" else 2_000
+    assert record.rows_in == expected_rows and record.rows_quarantined == (expected_rows or 0)
+    layout = OutputLayout(scoring_job.output_uri)
+    assert layout.present_parts() == set()  # nothing half-written is visible
+    assert layout.read_ledger()["bad.parquet"].status == "quarantined"
+
+
+def test_footer_reader_says_the_file_is_not_parquet(tmp_path: Path) -> None:
+    from shardline.errors import CorruptShard
+
+    (tmp_path / "x.parquet").write_bytes(b"PAR1 but not really")
+    with pytest.raises(CorruptShard, match="is not a readable Parquet file"):
+        read_footer(str(tmp_path / "x.parquet"))

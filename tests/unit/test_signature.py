@@ -1,0 +1,79 @@
+"""Signatures: type strings, compatibility, and the messages a user reads."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from shardline.errors import InvalidBundle
+from shardline.signature import ColumnSpec, Signature, is_compatible, parse_type, schema_problems, type_name
+
+
+@pytest.mark.parametrize(
+    "text, dtype",
+    [
+        ("float32", pa.float32()),
+        ("int64", pa.int64()),
+        ("string", pa.string()),
+        ("bool", pa.bool_()),
+        ("list<float32>", pa.list_(pa.float32())),
+        ("fixed_size_list<float32>[2]", pa.list_(pa.float32(), 2)),
+        ("fixed_size_list<list<int64>>[3]", pa.list_(pa.list_(pa.int64()), 3)),
+    ],
+)
+def test_type_strings_round_trip(text: str, dtype: pa.DataType) -> None:
+    assert parse_type(text) == dtype
+    assert type_name(dtype) == text
+
+
+def test_unknown_type_names_the_accepted_forms() -> None:
+    with pytest.raises(InvalidBundle, match="'floot32' is not an Arrow type.*fixed_size_list"):
+        parse_type("floot32")
+
+
+@pytest.mark.parametrize(
+    "got, expected, fits",
+    [
+        (pa.float64(), pa.float32(), True),
+        (pa.int32(), pa.float32(), True),
+        (pa.int64(), pa.int32(), True),
+        (pa.float32(), pa.int64(), False),
+        (pa.string(), pa.float32(), False),
+        (pa.large_string(), pa.string(), True),
+        (pa.list_(pa.float64(), 4), pa.list_(pa.float32(), 4), True),
+        (pa.list_(pa.float32(), 3), pa.list_(pa.float32(), 4), False),
+        (pa.list_(pa.float32()), pa.list_(pa.float32(), 4), False),
+        (pa.list_(pa.float32(), 4), pa.list_(pa.float32()), True),
+    ],
+)
+def test_compatibility_table(got: pa.DataType, expected: pa.DataType, fits: bool) -> None:
+    assert is_compatible(got, expected) is fits
+
+
+def test_schema_problems_say_what_got_and_do() -> None:
+    inputs = [ColumnSpec(name="age", type="float32"), ColumnSpec(name="city", type="string")]
+    schema = pa.schema([("age", pa.string())])
+
+    problems = schema_problems(schema, inputs, "churn:3")
+
+    assert problems == [
+        "column 'age' is string, the model 'churn:3' expects float32; cast it to float32 before scoring",
+        "column 'city' is missing; the model 'churn:3' needs it (string); add it or pick the model this "
+        "data was made for",
+    ]
+    assert schema_problems(pa.schema([("age", pa.float64()), ("city", pa.string())]), inputs, "m") == []
+
+
+def test_signature_refuses_repeated_columns() -> None:
+    with pytest.raises(ValueError, match="column names repeat: \\['a'\\]"):
+        Signature(inputs=[ColumnSpec(name="a", type="float32")] * 2, outputs=[ColumnSpec(name="y", type="int64")])
+
+
+def test_output_schema_carries_types_and_nullability() -> None:
+    signature = Signature(
+        inputs=[ColumnSpec(name="x", type="float32")],
+        outputs=[ColumnSpec(name="y", type="fixed_size_list<float32>[2]"), ColumnSpec(name="z", type="int64", nullable=True)],
+    )
+    schema = signature.output_schema()
+    assert schema.field("y").type == pa.list_(pa.float32(), 2) and not schema.field("y").nullable
+    assert schema.field("z").nullable

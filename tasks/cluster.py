@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 from typing import Iterator
@@ -30,11 +31,16 @@ def dask_scheduler(settings: DaskSettings) -> Iterator[str]:
         return
     from distributed import LocalCluster
 
+    # The scheduler runs in this process: keep its chatter out of the user's console.
+    logging.getLogger("distributed").setLevel(logging.WARNING)
     with LocalCluster(
         n_workers=settings.resolved_workers(),
         threads_per_worker=settings.threads_per_worker,
         processes=True,
         dashboard_address=None,
+        # no dashboard; the scheduler's health/metrics server on any free port, not 8787
+        scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+        silence_logs=logging.WARNING,
     ) as cluster:
         yield cluster.scheduler_address
 

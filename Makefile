@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/shardline demo
 
-test: setup
+test: setup typecheck
 	$(PY) -m pytest tests
 
 test-fast: setup

@@ -74,10 +74,17 @@ class Lineage(BaseModel):
     metrics: dict[str, float] = Field(default_factory=dict)
 
 
+Device = Literal["cpu", "cuda"]
+
+
+def _all_devices() -> list[Device]:
+    return ["cpu", "cuda"]
+
+
 class HardwareHints(BaseModel):
     """What a model can run on."""
 
-    devices: list[Literal["cpu", "cuda"]] = Field(default_factory=lambda: ["cpu", "cuda"])
+    devices: list[Device] = Field(default_factory=_all_devices)
     min_memory_mb: int | None = None
 
 

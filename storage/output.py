@@ -97,6 +97,7 @@ class OutputLayout:
     def read_ledger(self) -> dict[str, PartRecord]:
         """Every ledger record, by the shard's relative path."""
         ledger_dir = join(self.root, LEDGER)
+        self.fs.invalidate_cache(self.root)
         if not self.fs.exists(ledger_dir):
             return {}
         paths = [p for p in self.fs.find(ledger_dir) if p.endswith(".json")]
@@ -110,6 +111,7 @@ class OutputLayout:
 
     def present_parts(self) -> set[str]:
         """Relative names of the parts visible in the output now."""
+        self.fs.invalidate_cache(self.root)
         if not self.fs.exists(self.root):
             return set()
         return {

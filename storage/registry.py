@@ -54,8 +54,17 @@ class ModelRegistry:
     def _uri(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
 
+    def _forget_listing(self, path: str) -> None:
+        """Drop this process's cached listing of ``path`` before listing it.
+
+        Other processes push versions and move aliases; a listing cached by a
+        long-lived file system (s3fs keeps one per process) would hide them.
+        """
+        self.fs.invalidate_cache(path)
+
     def list_models(self) -> list[str]:
         """Names of every model with at least one version."""
+        self._forget_listing(self.root)
         if not self.fs.exists(self.root):
             return []
         names = []
@@ -67,6 +76,7 @@ class ModelRegistry:
 
     def _version_numbers(self, name: str) -> list[int]:
         versions_dir = join(self.root, name, "versions")
+        self._forget_listing(versions_dir)
         if not self.fs.exists(versions_dir):
             return []
         numbers = []
@@ -91,6 +101,7 @@ class ModelRegistry:
     def aliases(self, name: str) -> dict[str, int]:
         """Alias -> version for one model."""
         alias_dir = join(self.root, name, "aliases")
+        self._forget_listing(alias_dir)
         if not self.fs.exists(alias_dir):
             return {}
         found = {}

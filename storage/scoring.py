@@ -8,8 +8,9 @@ leaves nothing visible, and is scored again by the next run.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -93,6 +94,43 @@ def output_schema(job: ScoringJob, input_schema: pa.Schema, carried: list[str]) 
     return pa.schema(fields + outputs)
 
 
+class PartWriter:
+    """Writes record batches to a Parquet file on a background thread, one batch in flight.
+
+    Scoring the next batch overlaps writing this one. On exit the batch in flight is
+    always finished before the writer closes (closing under a running write crashes
+    pyarrow), and a write error is raised unless another error is already on its way.
+    """
+
+    def __init__(self, fs: Any, path: str, schema: pa.Schema) -> None:
+        self._sink = fs.open(path, "wb")
+        self._writer = pq.ParquetWriter(self._sink, schema)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="part-writer")
+        self._pending: Future[None] | None = None
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        """Queue a batch behind the one in flight."""
+        if self._pending is not None:
+            self._pending.result()
+        self._pending = self._pool.submit(self._writer.write_batch, batch)
+
+    def __enter__(self) -> "PartWriter":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        try:
+            if self._pending is not None:
+                wait([self._pending])
+                if kind is None:
+                    self._pending.result()
+        finally:
+            self._pool.shutdown(wait=True)
+            try:
+                self._writer.close()
+            finally:
+                self._sink.close()
+
+
 def _write_part(job: ScoringJob, shard: ShardInfo, staged: str) -> tuple[int, int]:
     """Score a shard into the staged file; returns (rows in, rows out)."""
     model = get_model_cache(job.cache_dir, job.cache_capacity).get(job.model, job.runtime, job.storage_options)
@@ -113,25 +151,17 @@ def _write_part(job: ScoringJob, shard: ShardInfo, staged: str) -> tuple[int, in
         _check_schema(schema, job, carried)
         columns = list(dict.fromkeys([*carried, *signature.input_names]))
         target = output_schema(job, schema, carried)
-        writes: ThreadPoolExecutor = ThreadPoolExecutor(1, thread_name_prefix="part-writer")
-        pending: Future[None] | None = None
-        try:
-            with out.fs.open(staged, "wb") as sink, pq.ParquetWriter(sink, target) as writer:
-                for batch in _read(parquet, columns, job.batch_rows, shard):
-                    _reject_nulls(batch, signature, job.model.pinned)
-                    predicted = model.predict(batch)
-                    scored = pa.RecordBatch.from_arrays(
-                        [batch.column(c) for c in carried] + predicted.columns, schema=target
-                    )
-                    if pending is not None:
-                        pending.result()
-                    pending = writes.submit(writer.write_batch, scored)
-                    rows_in += batch.num_rows
-                    rows_out += scored.num_rows
-                if pending is not None:
-                    pending.result()
-        finally:
-            writes.shutdown(wait=True)
+        batches = _read(parquet, columns, job.batch_rows, shard)
+        # closing(): the read-ahead thread stops before the source file closes, even
+        # when a check below raises while the generator is suspended.
+        with contextlib.closing(batches), PartWriter(out.fs, staged, target) as part:
+            for batch in batches:
+                _reject_nulls(batch, signature, job.model.pinned)
+                predicted = model.predict(batch)
+                scored = pa.RecordBatch.from_arrays([batch.column(c) for c in carried] + predicted.columns, schema=target)
+                part.write(scored)
+                rows_in += batch.num_rows
+                rows_out += scored.num_rows
     return rows_in, rows_out
 
 

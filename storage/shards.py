@@ -52,6 +52,7 @@ def list_shards(
         EmptyInput: it holds no file with one of ``suffixes``.
     """
     fs, root = open_fs(input_uri, storage_options)
+    fs.invalidate_cache(root)  # a long-lived process must see the input as it is now
     try:
         info = fs.info(root)
     except FileNotFoundError as e:

@@ -1,0 +1,62 @@
+"""Settings are validated when read; the cluster choice fails early with what to set."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from shardline.errors import InvalidSetting, RuntimeUnavailable
+from shardline.settings import DaskSettings, StorageSettings
+from shardline.tasks.cluster import dask_scheduler, threads_per_call
+
+
+def test_storage_defaults_follow_home_and_options_parse_from_json(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SHARDLINE_STORAGE_HOME", str(tmp_path))
+    monkeypatch.setenv("SHARDLINE_STORAGE_STORAGE_OPTIONS", '{"endpoint_url": "http://127.0.0.1:9000"}')
+    storage = StorageSettings()
+    assert storage.registry == str(tmp_path / "registry") and storage.cache == str(tmp_path / "cache")
+    assert storage.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
+    monkeypatch.setenv("SHARDLINE_STORAGE_REGISTRY_URL", "s3://models/registry")
+    assert StorageSettings().registry == "s3://models/registry"
+
+
+def test_bad_dask_settings_are_refused_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDLINE_DASK_ADDRESS", "10.0.0.5:8786")
+    with pytest.raises(ValidationError, match="has no scheme; write it as tcp://HOST:PORT"):
+        DaskSettings()
+    monkeypatch.setenv("SHARDLINE_DASK_ADDRESS", "tcp://10.0.0.5:8786")
+    monkeypatch.setenv("SHARDLINE_DASK_CLUSTER", "yarn")
+    with pytest.raises(ValidationError, match="'local', 'address' or 'kubernetes'"):
+        DaskSettings()
+
+
+def test_cluster_choices_say_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(InvalidSetting, match="needs SHARDLINE_DASK_ADDRESS"):
+        with dask_scheduler(DaskSettings(cluster="address")):
+            pass
+    with dask_scheduler(DaskSettings(cluster="address", address="tcp://10.1.2.3:8786")) as address:
+        assert address == "tcp://10.1.2.3:8786"  # an existing scheduler is used as given
+    with pytest.raises(InvalidSetting, match="SHARDLINE_DASK_KUBERNETES_SPEC=None is not a file"):
+        with dask_scheduler(DaskSettings(cluster="kubernetes")):
+            pass
+
+
+@pytest.mark.skipif(importlib.util.find_spec("dask_kubernetes") is not None, reason="dask-kubernetes is installed")
+def test_kubernetes_without_its_extra_names_the_extra(tmp_path: Path) -> None:
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text("kind: DaskCluster\n")
+    with pytest.raises(RuntimeUnavailable, match="pip install 'shardline\\[kubernetes\\]'"):
+        with dask_scheduler(DaskSettings(cluster="kubernetes", kubernetes_spec=str(spec))):
+            pass
+
+
+def test_local_workers_share_the_cores_once() -> None:
+    import os
+
+    cores = os.cpu_count() or 1
+    assert threads_per_call(DaskSettings(n_workers=1)) == cores
+    assert threads_per_call(DaskSettings(n_workers=cores * 2)) == 1
+    assert threads_per_call(DaskSettings(cluster="address", address="tcp://h:1")) == 0

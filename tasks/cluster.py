@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
+import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from shardline.errors import InvalidSetting, RuntimeUnavailable
 from shardline.settings import DaskSettings
@@ -60,10 +62,25 @@ def _kubernetes_cluster(settings: DaskSettings) -> Iterator[str]:
         ) from e
     import yaml
 
-    spec = yaml.safe_load(Path(settings.kubernetes_spec).read_text())
+    spec = job_cluster_spec(yaml.safe_load(Path(settings.kubernetes_spec).read_text()), uuid.uuid4().hex[:8])
     with KubeCluster(custom_cluster_spec=spec) as cluster:
         cluster.scale(settings.kubernetes_workers)
         yield cluster.scheduler_address
+
+
+def job_cluster_spec(spec: dict[str, Any], suffix: str) -> dict[str, Any]:
+    """A copy of a DaskCluster spec named for one job, its scheduler service selector to match.
+
+    Without it two jobs started from one spec would share (and the first to end
+    would delete) one cluster.
+    """
+    named = copy.deepcopy(spec)
+    name = f"{named['metadata']['name']}-{suffix}"[:63]
+    named["metadata"]["name"] = name
+    selector = named.get("spec", {}).get("scheduler", {}).get("service", {}).get("selector", {})
+    if "dask.org/cluster-name" in selector:
+        selector["dask.org/cluster-name"] = name
+    return named
 
 
 def threads_per_call(settings: DaskSettings) -> int:

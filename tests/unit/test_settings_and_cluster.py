@@ -60,3 +60,17 @@ def test_local_workers_share_the_cores_once() -> None:
     assert threads_per_call(DaskSettings(n_workers=1)) == cores
     assert threads_per_call(DaskSettings(n_workers=cores * 2)) == 1
     assert threads_per_call(DaskSettings(cluster="address", address="tcp://h:1")) == 0
+
+
+def test_each_kubernetes_job_gets_its_own_cluster_name() -> None:
+    import yaml
+
+    from shardline.tasks.cluster import job_cluster_spec
+
+    spec = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "dask" / "cluster.yaml").read_text())
+    named = job_cluster_spec(spec, "ab12cd34")
+
+    assert named["metadata"]["name"] == "shardline-batch-ab12cd34"
+    assert named["spec"]["scheduler"]["service"]["selector"]["dask.org/cluster-name"] == "shardline-batch-ab12cd34"
+    assert spec["metadata"]["name"] == "shardline-batch"  # the spec read from disk is untouched
+    assert named["spec"]["worker"] == spec["spec"]["worker"]

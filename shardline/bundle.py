@@ -49,12 +49,18 @@ def check_model_name(name: str) -> str:
     return name
 
 
+ArtifactRole = Literal["model", "tokenizer", "golden", "profile", "other"]
+# Roles that describe or check a model without changing what it computes.
+_NOT_IN_DIGEST = ("golden", "profile")
+
+
 class Artifact(BaseModel):
     """One file of a bundle."""
 
     path: str = Field(description="Path relative to the bundle folder, '/'-separated.")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size: int = Field(ge=0)
+    role: ArtifactRole = Field(default="model", description="What the file is for.")
 
     @field_validator("path")
     @classmethod
@@ -88,6 +94,26 @@ class HardwareHints(BaseModel):
     min_memory_mb: int | None = None
 
 
+class Evaluation(BaseModel):
+    """How promotion checks a version: a golden data set and the scores it must reach."""
+
+    golden: str = Field(description="Artifact path of the golden Parquet file.")
+    label_column: str = Field(description="Column of the golden set holding the expected answer.")
+    metric: Literal["accuracy", "rmse", "cosine_min"] = Field(
+        description="accuracy: label == prediction; rmse: of a numeric prediction; cosine_min: "
+        "the least cosine similarity between an embedding and the expected one."
+    )
+    prediction_column: str = Field(description="Output column compared with the label.")
+    threshold: float = Field(description="At least this (accuracy, cosine_min) or at most this (rmse).")
+    max_variant_delta: float = Field(
+        default=0.01, ge=0, description="How much worse than fp32 a precision variant may score."
+    )
+
+    def passes(self, score: float) -> bool:
+        """Whether a score meets the threshold, in the metric's direction."""
+        return score <= self.threshold if self.metric == "rmse" else score >= self.threshold
+
+
 class Manifest(BaseModel):
     """The contents of ``manifest.json``."""
 
@@ -103,6 +129,10 @@ class Manifest(BaseModel):
     hardware: HardwareHints = Field(default_factory=HardwareHints)
     environment: dict[str, str] = Field(default_factory=dict)
     lineage: Lineage = Field(default_factory=Lineage)
+    evaluation: Evaluation | None = None
+    reference_profile: str | None = Field(
+        default=None, description="Artifact path of the reference data profile (for drift checks)."
+    )
     tags: dict[str, str] = Field(default_factory=dict)
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
 
@@ -118,7 +148,7 @@ class Manifest(BaseModel):
             "runtime": self.runtime,
             "runtime_config": self.runtime_config,
             "signature": self.signature.model_dump(mode="json"),
-            "artifacts": sorted((a.path, a.sha256) for a in self.artifacts),
+            "artifacts": sorted((a.path, a.sha256) for a in self.artifacts if a.role not in _NOT_IN_DIGEST),
         }
         blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
@@ -127,6 +157,10 @@ class Manifest(BaseModel):
     def reference(self) -> str:
         """``name:version``, or just the name before the registry numbers it."""
         return self.name if self.version is None else f"{self.name}:{self.version}"
+
+    def artifact(self, role: ArtifactRole) -> Artifact | None:
+        """The first artifact with a role, if any."""
+        return next((a for a in self.artifacts if a.role == role), None)
 
     def to_json(self) -> str:
         """The manifest as pretty JSON."""
@@ -188,10 +222,10 @@ def verify_artifacts(bundle_dir: str | Path, manifest: Manifest) -> None:
             )
 
 
-def describe_artifact(bundle_dir: str | Path, relative: str) -> Artifact:
+def describe_artifact(bundle_dir: str | Path, relative: str, role: ArtifactRole = "model") -> Artifact:
     """Make the manifest entry for a file already inside a bundle folder."""
     path = Path(bundle_dir) / relative
-    return Artifact(path=relative, sha256=sha256_file(path), size=path.stat().st_size)
+    return Artifact(path=relative, sha256=sha256_file(path), size=path.stat().st_size, role=role)
 
 
 class ModelRef(BaseModel):

@@ -73,6 +73,22 @@ class ModelNotFound(ShardlineError, LookupError):
         self.reference = reference
 
 
+class ImmutableVersion(ShardlineError, ValueError):
+    """A push tried to change the bytes of a version that exists."""
+
+
+class AliasConflict(ShardlineError, RuntimeError):
+    """An alias moved between reading it and moving it (a lost compare-and-swap)."""
+
+
+class GateFailed(ShardlineError, ValueError):
+    """A promotion gate refused a version."""
+
+    def __init__(self, message: str, gate: str) -> None:
+        super().__init__(message)
+        self.gate = gate
+
+
 class RuntimeUnavailable(ShardlineError, RuntimeError):
     """A runtime, device or extra needed to load a model is not installed here."""
 

@@ -81,3 +81,18 @@ def atomic_write_bytes(fs: AbstractFileSystem, final: str, data: bytes, staging_
     with fs.open(staged, "wb") as f:
         f.write(data)
     commit_file(fs, staged, final)
+
+
+def create_exclusive(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` unless it exists; False when it already did.
+
+    The check and the create are one step: O_EXCL on local disk, ``If-None-Match: *``
+    on S3. This is the compare-and-swap the registry builds on.
+    """
+    ensure_dir(fs, parent(path))
+    try:
+        with fs.open(path, "xb") as f:
+            f.write(data)
+    except FileExistsError:
+        return False
+    return True

@@ -1,27 +1,39 @@
-"""The model registry on any fsspec URL: versions are immutable, aliases point at them.
+"""The model registry on any fsspec URL: immutable versions, audited aliases.
 
 Layout under the registry root::
 
-    <name>/versions/<n>/manifest.json     written last: its presence commits version n
-    <name>/versions/<n>/<artifacts...>
-    <name>/aliases/<alias>.json           {"version": n, "updated_at": ..., "by": ..., "reason": ...}
+    <name>/blobs/<sha256>                    artifact bytes, stored once by content
+    <name>/versions/<n>/manifest.json        created exclusively: its presence commits version n
+    <name>/versions/<n>/variants/<v>.json    precision variants of version n (created once each)
+    <name>/versions/<n>/profiles/<m>.json    measured latency/throughput on machine kind m
+    <name>/aliases/<alias>/<seq>.json        the alias's moves, one record each, never rewritten
+
+Versions never change: artifacts are stored by content, so a racing push cannot
+overwrite another's bytes, and a version's manifest is created with an exclusive
+create (O_EXCL on disk, ``If-None-Match: *`` on S3). An alias is the newest record of
+its log; moving it creates the next record exclusively, which is a compare-and-swap
+on the log's length: of two racing moves exactly one wins, the other is told.
 """
 
 from __future__ import annotations
 
-import json
 import getpass
+import json
+import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from shardline.bundle import MANIFEST, Manifest, ModelRef, check_model_name, read_manifest, verify_artifacts
-from shardline.errors import InvalidBundle, InvalidSetting, ModelNotFound
-from shardline.storage.fs import atomic_write_bytes, join, open_fs
+from shardline.errors import AliasConflict, ImmutableVersion, InvalidSetting, ModelNotFound
+from shardline.storage.fs import create_exclusive, join, open_fs
 
-_ALIAS = "0123456789abcdefghijklmnopqrstuvwxyz-_."
+_ALIAS_CHARS = set("0123456789abcdefghijklmnopqrstuvwxyz-_.")
+_PUSH_ATTEMPTS = 20
+
+AliasAction = Literal["set", "promote", "rollback"]
 
 
 class ResolvedModel(BaseModel):
@@ -31,7 +43,7 @@ class ResolvedModel(BaseModel):
     name: str
     version: int
     digest: str
-    uri: str
+    registry_url: str
     manifest: Manifest
 
     @property
@@ -39,123 +51,237 @@ class ResolvedModel(BaseModel):
         """``name:version``."""
         return f"{self.name}:{self.version}"
 
+    @property
+    def uri(self) -> str:
+        """Where the version's manifest lives."""
+        return f"{self.registry_url.rstrip('/')}/{self.name}/versions/{self.version}"
+
+
+class AliasMove(BaseModel):
+    """One record of an alias's audit log."""
+
+    seq: int = Field(ge=1)
+    alias: str
+    version: int
+    previous: int | None = None
+    action: AliasAction
+    by: str
+    at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    reason: str = ""
+
+
+def check_alias(alias: str) -> str:
+    """Return ``alias`` if valid, else raise InvalidSetting."""
+    if not alias or not set(alias) <= _ALIAS_CHARS or alias[0] in "-_.":
+        raise InvalidSetting(f"alias {alias!r} is not allowed; use lower-case letters, digits, '-', '_' or '.'")
+    return alias
+
 
 class ModelRegistry:
-    """Push bundles, list versions, move aliases, resolve references."""
+    """Push bundles, list and search versions, move aliases with an audit log, resolve references."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
         self.storage_options = storage_options or {}
         self.fs, self.root = open_fs(url, self.storage_options)
 
+    # -- layout -----------------------------------------------------------------
     def _version_dir(self, name: str, version: int) -> str:
         return join(self.root, name, "versions", str(version))
 
-    def _uri(self, path: str) -> str:
-        return self.fs.unstrip_protocol(path)
+    def blob_path(self, name: str, sha256: str) -> str:
+        """Where an artifact's bytes live."""
+        return join(self.root, name, "blobs", sha256)
 
-    def _forget_listing(self, path: str) -> None:
-        """Drop this process's cached listing of ``path`` before listing it.
+    def _alias_dir(self, name: str, alias: str) -> str:
+        return join(self.root, name, "aliases", alias)
 
-        Other processes push versions and move aliases; a listing cached by a
-        long-lived file system (s3fs keeps one per process) would hide them.
-        """
+    def _listing(self, path: str) -> list[str]:
+        """Names directly under ``path``, fresh (a long-lived s3fs caches listings)."""
         self.fs.invalidate_cache(path)
+        try:
+            return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return []
 
+    # -- versions ---------------------------------------------------------------
     def list_models(self) -> list[str]:
         """Names of every model with at least one version."""
-        self._forget_listing(self.root)
-        if not self.fs.exists(self.root):
-            return []
-        names = []
-        for entry in self.fs.ls(self.root, detail=False):
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if self.fs.exists(join(self.root, name, "versions")):
-                names.append(name)
-        return sorted(names)
+        return [n for n in self._listing(self.root) if self._version_numbers(n)]
 
     def _version_numbers(self, name: str) -> list[int]:
         versions_dir = join(self.root, name, "versions")
-        self._forget_listing(versions_dir)
-        if not self.fs.exists(versions_dir):
-            return []
-        numbers = []
-        for entry in self.fs.ls(versions_dir, detail=False):
-            tail = entry.rstrip("/").rsplit("/", 1)[-1]
-            if tail.isdigit() and self.fs.exists(join(versions_dir, tail, MANIFEST)):
-                numbers.append(int(tail))
-        return sorted(numbers)
+        numbers = [int(v) for v in self._listing(versions_dir) if v.isdigit()]
+        return sorted(n for n in numbers if self.fs.exists(join(versions_dir, str(n), MANIFEST)))
 
     def get_manifest(self, name: str, version: int) -> Manifest:
         """The manifest of one version."""
         path = join(self._version_dir(name, version), MANIFEST)
         try:
-            return Manifest.from_json(self.fs.cat_file(path), self._uri(path))
+            blob = self.fs.cat_file(path)
         except FileNotFoundError as e:
             raise ModelNotFound(self._missing_message(name, f"version {version}"), f"{name}:{version}") from e
+        return Manifest.from_json(blob, self.fs.unstrip_protocol(path))
 
     def list_versions(self, name: str) -> list[Manifest]:
         """Every version of a model, oldest first."""
         return [self.get_manifest(name, v) for v in self._version_numbers(name)]
 
-    def aliases(self, name: str) -> dict[str, int]:
-        """Alias -> version for one model."""
-        alias_dir = join(self.root, name, "aliases")
-        self._forget_listing(alias_dir)
-        if not self.fs.exists(alias_dir):
-            return {}
-        found = {}
-        for path in self.fs.ls(alias_dir, detail=False):
-            if path.endswith(".json"):
-                record = json.loads(self.fs.cat_file(path))
-                found[path.rsplit("/", 1)[-1][: -len(".json")]] = int(record["version"])
-        return dict(sorted(found.items()))
+    def push(self, bundle_dir: str | Path, *, keep_version: bool = False) -> Manifest:
+        """Add a local bundle as a new version; the same bytes again return the existing one.
 
-    def push(self, bundle_dir: str | Path) -> Manifest:
-        """Add a local bundle as the next version; the same bytes again return the existing one.
+        Args:
+            bundle_dir: folder with ``manifest.json`` and its artifacts.
+            keep_version: keep the manifest's version number (copying a version
+                between registries) instead of taking the next free one.
 
         Raises:
-            InvalidBundle / IntegrityError: the bundle is malformed or its artifacts differ
-                from its manifest.
+            IntegrityError: an artifact does not match its manifest.
+            ImmutableVersion: ``keep_version`` and that version exists with other bytes.
         """
         manifest = read_manifest(bundle_dir)
         verify_artifacts(bundle_dir, manifest)
-        existing = self.list_versions(manifest.name)
-        for known in existing:
-            if known.digest == manifest.digest:
-                return known
-        version = (existing[-1].version or 0) + 1 if existing else 1
-        pushed = manifest.model_copy(update={"version": version})
-        target = self._version_dir(manifest.name, version)
         for artifact in manifest.artifacts:
-            self.fs.makedirs(join(target, *artifact.path.split("/")[:-1]) or target, exist_ok=True)
-            self.fs.put_file(str(Path(bundle_dir) / artifact.path), join(target, artifact.path))
-        atomic_write_bytes(
-            self.fs, join(target, MANIFEST), pushed.to_json().encode(), join(self.root, "_staging")
-        )
-        return pushed
+            blob = self.blob_path(manifest.name, artifact.sha256)
+            if not self.fs.exists(blob):  # same content, same key: a racing push writes the same bytes
+                self.fs.makedirs(join(self.root, manifest.name, "blobs"), exist_ok=True)
+                self.fs.put_file(str(Path(bundle_dir) / artifact.path), blob)
+        for _ in range(_PUSH_ATTEMPTS):
+            existing = self.list_versions(manifest.name)
+            same = next((m for m in existing if m.digest == manifest.digest), None)
+            if same is not None and not (keep_version and same.version != manifest.version):
+                return same
+            if keep_version and manifest.version is not None:
+                version = manifest.version
+            else:
+                version = max((m.version or 0 for m in existing), default=0) + 1
+            pushed = manifest.model_copy(update={"version": version})
+            if create_exclusive(self.fs, join(self._version_dir(manifest.name, version), MANIFEST), pushed.to_json().encode()):
+                return pushed
+            if keep_version:
+                theirs = self.get_manifest(manifest.name, version)
+                if theirs.digest == manifest.digest:
+                    return theirs
+                raise ImmutableVersion(
+                    f"{manifest.name}:{version} already exists in {self.url} with other bytes (digest "
+                    f"{theirs.digest[:12]}..., yours {manifest.digest[:12]}...); versions never change: "
+                    "push without keeping the version to get a new number"
+                )
+        raise AliasConflict(f"could not find a free version number for {manifest.name!r} after {_PUSH_ATTEMPTS} tries")
 
-    def set_alias(self, name: str, alias: str, version: int, *, by: str | None = None, reason: str = "") -> None:
-        """Point ``name@alias`` at an existing version."""
-        check_model_name(name)
-        if not alias or any(ch not in _ALIAS for ch in alias) or alias[0] in "-_.":
-            raise InvalidSetting(
-                f"alias {alias!r} is not allowed; use lower-case letters, digits, '-', '_' or '.'"
-            )
+    def search(self, name: str | None = None, alias: str | None = None, tags: dict[str, str] | None = None) -> list[Manifest]:
+        """Versions whose name contains ``name``, that ``alias`` points at, and that carry ``tags``."""
+        found = []
+        for model in self.list_models():
+            if name and name not in model:
+                continue
+            aliases = self.aliases(model)
+            for manifest in self.list_versions(model):
+                if alias is not None and aliases.get(alias) != manifest.version:
+                    continue
+                if tags and any(manifest.tags.get(k) != v for k, v in tags.items()):
+                    continue
+                found.append(manifest)
+        return found
+
+    # -- aliases ----------------------------------------------------------------
+    def alias_history(self, name: str, alias: str) -> list[AliasMove]:
+        """Every move of ``name@alias``, oldest first."""
+        directory = self._alias_dir(name, check_alias(alias))
+        paths = [join(directory, f) for f in self._listing(directory) if f.endswith(".json")]
+        return sorted((self._read_move(p) for p in paths), key=lambda m: m.seq)
+
+    def _read_move(self, path: str) -> AliasMove:
+        for _ in range(50):  # a record being created on local disk can be read empty for a moment
+            blob = self.fs.cat_file(path)
+            if blob:
+                return AliasMove.model_validate_json(blob)
+            time.sleep(0.02)
+        raise AliasConflict(f"the alias record {path} stays empty; remove it if its writer died")
+
+    def current_move(self, name: str, alias: str) -> AliasMove | None:
+        """The newest move of ``name@alias``, or None if it was never set."""
+        history = self.alias_history(name, alias)
+        return history[-1] if history else None
+
+    def aliases(self, name: str) -> dict[str, int]:
+        """Alias -> version for one model."""
+        found = {}
+        for alias in self._listing(join(self.root, name, "aliases")):
+            move = self.current_move(name, alias)
+            if move is not None:
+                found[alias] = move.version
+        return found
+
+    def move_alias(
+        self,
+        name: str,
+        alias: str,
+        version: int,
+        *,
+        action: AliasAction,
+        expected_seq: int,
+        by: str | None = None,
+        reason: str = "",
+    ) -> AliasMove:
+        """Move ``name@alias`` to ``version`` if its log still has ``expected_seq`` records.
+
+        Raises:
+            ModelNotFound: the version does not exist.
+            AliasConflict: another move came first; read the alias again and decide again.
+        """
+        check_alias(alias)
         self.get_manifest(name, version)
-        record = {
-            "version": version,
-            "updated_at": datetime.now(timezone.utc).isoformat(),
-            "by": by or getpass.getuser(),
-            "reason": reason,
-        }
-        atomic_write_bytes(
-            self.fs,
-            join(self.root, name, "aliases", f"{alias}.json"),
-            json.dumps(record).encode(),
-            join(self.root, "_staging"),
+        history = self.alias_history(name, alias)
+        current = history[-1] if history else None
+        move = AliasMove(
+            seq=expected_seq + 1, alias=alias, version=version, previous=current.version if current else None,
+            action=action, by=by or getpass.getuser(), reason=reason,
+        )
+        path = join(self._alias_dir(name, alias), f"{move.seq:08d}.json")
+        if (current.seq if current else 0) != expected_seq or not create_exclusive(self.fs, path, move.model_dump_json().encode()):
+            latest = self.current_move(name, alias)
+            raise AliasConflict(
+                f"{name}@{alias} moved while you were deciding (now {name}:{latest.version if latest else '?'}, "
+                f"by {latest.by if latest else '?'}, record {latest.seq if latest else 0}); check it and try again"
+            )
+        return move
+
+    def set_alias(self, name: str, alias: str, version: int, *, by: str | None = None, reason: str = "") -> AliasMove:
+        """Point ``name@alias`` at a version now, whatever it pointed at (recorded as 'set')."""
+        for _ in range(_PUSH_ATTEMPTS):
+            current = self.current_move(name, alias)
+            try:
+                return self.move_alias(
+                    name, alias, version, action="set", expected_seq=current.seq if current else 0, by=by, reason=reason
+                )
+            except AliasConflict:
+                continue
+        raise AliasConflict(f"{name}@{alias} kept moving; try again")
+
+    def rollback(self, name: str, alias: str, *, by: str | None = None, reason: str = "") -> AliasMove:
+        """Move ``name@alias`` back to the version it pointed at before its current one.
+
+        Raises:
+            ModelNotFound: the alias has no earlier version to go back to.
+        """
+        history = self.alias_history(name, alias)
+        if not history:
+            raise ModelNotFound(f"{name}@{alias} was never set, so there is nothing to roll back", f"{name}@{alias}")
+        current = history[-1]
+        earlier = [m.version for m in history if m.version != current.version]
+        if not earlier:
+            raise ModelNotFound(
+                f"{name}@{alias} has only ever pointed at {name}:{current.version}; there is no earlier version "
+                "to roll back to", f"{name}@{alias}",
+            )
+        before = earlier[-1]
+        return self.move_alias(
+            name, alias, before, action="rollback", expected_seq=current.seq, by=by,
+            reason=reason or f"roll back from {name}:{current.version}",
         )
 
+    # -- resolving ----------------------------------------------------------------
     def resolve(self, reference: str | ModelRef) -> ResolvedModel:
         """Pin ``name@alias`` or ``name:version`` to one version.
 
@@ -164,52 +290,44 @@ class ModelRegistry:
         """
         ref = reference if isinstance(reference, ModelRef) else ModelRef.parse(reference)
         if ref.version is None:
-            aliases = self.aliases(ref.name)
-            if ref.alias not in aliases:
+            assert ref.alias is not None
+            move = self.current_move(ref.name, ref.alias)
+            if move is None:
                 if not self._version_numbers(ref.name):
                     raise ModelNotFound(self._missing_message(ref.name, None), str(ref))
                 raise ModelNotFound(
-                    f"model {ref.name!r} has no alias {ref.alias!r} (its aliases: "
-                    f"{aliases or 'none'}); set one with `shardline model alias {ref.name} "
-                    f"{ref.alias} VERSION`",
+                    f"model {ref.name!r} has no alias {ref.alias!r} (its aliases: {self.aliases(ref.name) or 'none'}); "
+                    f"set one with `shardline model alias {ref.name} {ref.alias} VERSION`",
                     str(ref),
                 )
-            version = aliases[ref.alias]
+            version = move.version
         else:
             version = ref.version
         manifest = self.get_manifest(ref.name, version)
         return ResolvedModel(
-            reference=str(ref),
-            name=ref.name,
-            version=version,
-            digest=manifest.digest,
-            uri=self._uri(self._version_dir(ref.name, version)),
-            manifest=manifest,
+            reference=str(ref), name=ref.name, version=version, digest=manifest.digest,
+            registry_url=self.fs.unstrip_protocol(self.root), manifest=manifest,
         )
 
     def _missing_message(self, name: str, what: str | None) -> str:
-        if what is None or not self._version_numbers(name):
+        check_model_name(name)
+        numbers = self._version_numbers(name)
+        if what is None or not numbers:
             known = self.list_models()
             return (
                 f"model {name!r} is not in the registry at {self.url} (it holds: "
                 f"{known or 'nothing yet'}); push it with `shardline model push BUNDLE_DIR`"
             )
-        return (
-            f"model {name!r} has no {what} (it has versions {self._version_numbers(name)}); "
-            "list them with `shardline model list`"
-        )
+        return f"model {name!r} has no {what} (it has versions {numbers}); list them with `shardline model list`"
 
 
 def fetch_bundle(model: ResolvedModel, dest: Path, storage_options: dict[str, Any] | None = None) -> None:
-    """Download a resolved version's files into the local folder ``dest`` and verify them."""
-    fs, root = open_fs(model.uri, storage_options)
+    """Download a resolved version's artifacts into the local folder ``dest`` and verify them."""
+    registry = ModelRegistry(model.registry_url, storage_options)
     dest.mkdir(parents=True, exist_ok=True)
     for artifact in model.manifest.artifacts:
         local = dest / artifact.path
         local.parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(join(root, artifact.path), str(local))
+        registry.fs.get_file(registry.blob_path(model.name, artifact.sha256), str(local))
     (dest / MANIFEST).write_text(model.manifest.to_json())
     verify_artifacts(dest, model.manifest)
-
-
-__all__ = ["ModelRegistry", "ResolvedModel", "fetch_bundle", "InvalidBundle"]

@@ -122,10 +122,10 @@ def test_registry_on_s3_pushes_resolves_and_lists(
     assert registry.push(breast_cancer_model.bundle_dir).version == 1
     assert [m.version for m in registry.list_versions(MODEL)] == [1]
 
-    # the objects are really in the bucket, and nothing is left in staging
+    # the objects are really in the bucket: blobs by content, the manifest, the alias log
     stored = keys_under(s3_server, registry_url)
-    expected = {f"{MODEL}/versions/1/{a.path}" for a in manifest.artifacts}
-    expected |= {f"{MODEL}/versions/1/{MANIFEST}", f"{MODEL}/aliases/prod.json"}
+    expected = {f"{MODEL}/blobs/{a.sha256}" for a in manifest.artifacts}
+    expected |= {f"{MODEL}/versions/1/{MANIFEST}", f"{MODEL}/aliases/prod/00000001.json"}
     assert set(stored) == expected
 
     with pytest.raises(ModelNotFound) as missing:
@@ -177,7 +177,7 @@ def test_model_cache_fetches_from_s3_and_refuses_tampered_artifacts(
 
     # an artifact changed in the bucket after the push is caught by its sha256
     artifact = resolved.manifest.artifacts[0]
-    s3_server.filesystem().pipe_file(f"{resolved.uri.removeprefix('s3://')}/{artifact.path}", b"tampered")
+    s3_server.filesystem().pipe_file(s3_registry.blob_path(MODEL, artifact.sha256), b"tampered")
     with pytest.raises(IntegrityError, match="sha256") as tampered:
         ModelCache(tmp_path / "other-cache").get(resolved, storage_options=s3_server.storage_options)
     assert tampered.value.path == artifact.path

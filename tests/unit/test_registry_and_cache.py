@@ -68,6 +68,117 @@ def test_missing_names_say_what_exists_and_what_to_do(memory_registry: ModelRegi
         memory_registry.set_alias("breast-cancer", "Prod!", 1)
 
 
+def test_versions_are_immutable(memory_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
+    from shardline.bundle import read_manifest, write_manifest
+    from shardline.errors import ImmutableVersion
+    from shardline.examples import package_breast_cancer
+
+    memory_registry.push(breast_cancer_model.bundle_dir)
+    other = tmp_path / "other"
+    package_breast_cancer(other, kind="logreg")
+    write_manifest(other, read_manifest(other).model_copy(update={"version": 1}))
+
+    with pytest.raises(ImmutableVersion, match="breast-cancer:1 already exists .* with other bytes"):
+        memory_registry.push(other, keep_version=True)
+    assert memory_registry.push(other).version == 2  # without keeping the number: the next one
+    assert memory_registry.get_manifest("breast-cancer", 1).digest == breast_cancer_model.manifest.digest
+
+
+def test_alias_moves_are_audited_and_rollback_goes_back(
+    memory_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path
+) -> None:
+    from shardline.examples import package_breast_cancer
+
+    memory_registry.push(breast_cancer_model.bundle_dir)
+    package_breast_cancer(tmp_path / "v2", kind="logreg")
+    memory_registry.push(tmp_path / "v2")
+    memory_registry.set_alias("breast-cancer", "prod", 1, by="ana", reason="first release")
+    memory_registry.move_alias("breast-cancer", "prod", 2, action="promote", expected_seq=1, by="bo", reason="better")
+
+    back = memory_registry.rollback("breast-cancer", "prod", by="cy", reason="latency regression")
+
+    assert (back.version, back.previous, back.action) == (1, 2, "rollback")
+    history = memory_registry.alias_history("breast-cancer", "prod")
+    assert [(m.seq, m.version, m.action, m.by, m.reason) for m in history] == [
+        (1, 1, "set", "ana", "first release"),
+        (2, 2, "promote", "bo", "better"),
+        (3, 1, "rollback", "cy", "latency regression"),
+    ]
+    assert memory_registry.resolve("breast-cancer@prod").version == 1
+    memory_registry.set_alias("breast-cancer", "staging", 1)
+    with pytest.raises(ModelNotFound, match="has only ever pointed at breast-cancer:1"):
+        memory_registry.rollback("breast-cancer", "staging")
+    with pytest.raises(ModelNotFound, match="breast-cancer@dev was never set"):
+        memory_registry.rollback("breast-cancer", "dev")
+
+
+def test_a_stale_move_loses_the_compare_and_swap(memory_registry: ModelRegistry, breast_cancer_model: BuiltModel) -> None:
+    from shardline.errors import AliasConflict
+
+    memory_registry.push(breast_cancer_model.bundle_dir)
+    memory_registry.set_alias("breast-cancer", "prod", 1)
+    memory_registry.move_alias("breast-cancer", "prod", 1, action="promote", expected_seq=1)
+
+    with pytest.raises(AliasConflict, match="moved while you were deciding .*record 2"):
+        memory_registry.move_alias("breast-cancer", "prod", 1, action="promote", expected_seq=1)
+    assert len(memory_registry.alias_history("breast-cancer", "prod")) == 2
+
+
+def test_racing_promotions_leave_one_consistent_history(breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
+    from shardline.errors import AliasConflict
+    from shardline.examples import package_breast_cancer
+
+    url = str(tmp_path / "registry")
+    ModelRegistry(url).push(breast_cancer_model.bundle_dir)
+    package_breast_cancer(tmp_path / "v2", kind="logreg")
+    ModelRegistry(url).push(tmp_path / "v2")
+    ModelRegistry(url).set_alias("breast-cancer", "prod", 1)
+    wins: list[tuple[str, int]] = []
+    losses: list[str] = []
+    start = threading.Barrier(8)
+
+    def promote(i: int) -> None:
+        registry = ModelRegistry(url)  # each writer its own view, as separate processes would have
+        start.wait()
+        for _ in range(5):
+            current = registry.current_move("breast-cancer", "prod")
+            assert current is not None
+            target = 2 if current.version == 1 else 1
+            try:
+                move = registry.move_alias("breast-cancer", "prod", target, action="promote",
+                                           expected_seq=current.seq, by=f"writer-{i}")
+                wins.append((move.by, move.seq))
+            except AliasConflict as e:
+                losses.append(str(e))
+
+    threads = [threading.Thread(target=promote, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    history = ModelRegistry(url).alias_history("breast-cancer", "prod")
+    assert [m.seq for m in history] == list(range(1, len(history) + 1))  # no gap, no duplicate
+    assert len(history) == 1 + len(wins) and len(wins) + len(losses) == 40 and losses
+    for before, after in zip(history, history[1:]):
+        assert after.previous == before.version and after.version != before.version  # each move saw the one before
+    assert sorted(seq for _, seq in wins) == [m.seq for m in history[1:]]
+
+
+def test_search_by_name_alias_and_tag(memory_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
+    from shardline.examples import package_breast_cancer
+
+    memory_registry.push(breast_cancer_model.bundle_dir)
+    package_breast_cancer(tmp_path / "v2", kind="logreg")
+    memory_registry.push(tmp_path / "v2")
+    memory_registry.set_alias("breast-cancer", "prod", 2)
+
+    assert [m.reference for m in memory_registry.search(name="cancer")] == ["breast-cancer:1", "breast-cancer:2"]
+    assert [m.reference for m in memory_registry.search(alias="prod")] == ["breast-cancer:2"]
+    assert [m.reference for m in memory_registry.search(tags={"estimator": "Pipeline"})] == ["breast-cancer:2"]
+    assert memory_registry.search(name="churn") == []
+
+
 def test_cache_loads_once_and_scores_like_sklearn(
     memory_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path
 ) -> None:
@@ -115,7 +226,7 @@ def test_tampered_registry_artifact_is_refused_at_load(
     registry = ModelRegistry(str(tmp_path / "registry"))
     registry.push(breast_cancer_model.bundle_dir)
     resolved = registry.resolve("breast-cancer:1")
-    stored = tmp_path / "registry" / "breast-cancer" / "versions" / "1" / "model.onnx"
+    stored = Path(registry.blob_path("breast-cancer", resolved.manifest.artifacts[0].sha256))
     stored.write_bytes(stored.read_bytes()[:-10] + b"0123456789")
 
     with pytest.raises(IntegrityError, match="was changed after packaging: do not load it"):

@@ -26,14 +26,32 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from shardline.bundle import MANIFEST, Manifest, ModelRef, check_model_name, read_manifest, verify_artifacts
-from shardline.errors import AliasConflict, ImmutableVersion, InvalidSetting, ModelNotFound
-from shardline.storage.fs import create_exclusive, join, open_fs
+from shardline.bundle import MANIFEST, Artifact, Manifest, ModelRef, check_model_name, read_manifest, verify_artifacts, sha256_file
+from shardline.errors import AliasConflict, ImmutableVersion, IntegrityError, InvalidSetting, ModelNotFound
+from shardline.storage.fs import atomic_write_bytes, create_exclusive, join, open_fs
 
 _ALIAS_CHARS = set("0123456789abcdefghijklmnopqrstuvwxyz-_.")
 _PUSH_ATTEMPTS = 20
 
 AliasAction = Literal["set", "promote", "rollback"]
+
+
+class Variant(BaseModel):
+    """A precision variant of a version: another model file computing the same thing."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$", description="e.g. 'int8' or 'fp16'.")
+    precision: Literal["int8", "fp16", "fp32"]
+    device: Literal["cpu", "cuda"] = Field(description="Where the variant is meant to run.")
+    artifact: Artifact = Field(description="Its model file; replaces the version's model artifact.")
+    metric: str | None = Field(default=None, description="Golden-set metric, as the evaluation names it.")
+    score: float | None = Field(default=None, description="The variant's score on the golden set.")
+    baseline: float | None = Field(default=None, description="The fp32 version's score on the same set.")
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+    @property
+    def delta(self) -> float | None:
+        """How far the variant's score moved from the baseline's (signed)."""
+        return None if self.score is None or self.baseline is None else self.score - self.baseline
 
 
 class ResolvedModel(BaseModel):
@@ -45,6 +63,24 @@ class ResolvedModel(BaseModel):
     digest: str
     registry_url: str
     manifest: Manifest
+    variants: dict[str, Variant] = Field(default_factory=dict)
+
+    def variant(self, name: str) -> "ResolvedModel":
+        """The same version with a precision variant's model file in place of its own.
+
+        Raises:
+            ModelNotFound: the version has no such variant.
+        """
+        if name not in self.variants:
+            raise ModelNotFound(
+                f"{self.pinned} has no variant {name!r} (it has: {sorted(self.variants) or 'none'}); make one "
+                f"with `shardline model optimize {self.pinned} --quantize int8`",
+                f"{self.pinned}#{name}",
+            )
+        chosen = self.variants[name]
+        artifacts = [chosen.artifact if a.role == "model" else a for a in self.manifest.artifacts]
+        manifest = self.manifest.model_copy(update={"artifacts": artifacts, "tags": {**self.manifest.tags, "variant": name}})
+        return self.model_copy(update={"manifest": manifest, "digest": manifest.digest, "reference": f"{self.reference}#{name}"})
 
     @property
     def pinned(self) -> str:
@@ -184,6 +220,62 @@ class ModelRegistry:
                 found.append(manifest)
         return found
 
+    # -- variants and profiles -------------------------------------------------------
+    def add_variant(self, name: str, version: int, variant: Variant, model_file: str | Path) -> Variant:
+        """Store a precision variant of a version, once; its file is checked against its sha256.
+
+        Raises:
+            IntegrityError: the file does not match ``variant.artifact``.
+            ImmutableVersion: the version already has a variant of that name with other bytes.
+        """
+        self.get_manifest(name, version)
+        got = sha256_file(model_file)
+        if got != variant.artifact.sha256:
+            raise IntegrityError(
+                f"variant file {model_file} has sha256 {got[:12]}..., its record says "
+                f"{variant.artifact.sha256[:12]}...", variant.artifact.path, variant.artifact.sha256, got,
+            )
+        blob = self.blob_path(name, got)
+        if not self.fs.exists(blob):
+            self.fs.makedirs(join(self.root, name, "blobs"), exist_ok=True)
+            self.fs.put_file(str(model_file), blob)
+        record = join(self._version_dir(name, version), "variants", f"{variant.name}.json")
+        if not create_exclusive(self.fs, record, variant.model_dump_json().encode()):
+            existing = Variant.model_validate_json(self.fs.cat_file(record))
+            if existing.artifact.sha256 != variant.artifact.sha256:
+                raise ImmutableVersion(
+                    f"{name}:{version} already has a variant {variant.name!r} with other bytes; variants never "
+                    "change: give the new one another name"
+                )
+            return existing
+        return variant
+
+    def list_variants(self, name: str, version: int) -> dict[str, Variant]:
+        """The precision variants of a version, by name."""
+        directory = join(self._version_dir(name, version), "variants")
+        return {
+            f[: -len(".json")]: Variant.model_validate_json(self.fs.cat_file(join(directory, f)))
+            for f in self._listing(directory)
+            if f.endswith(".json")
+        }
+
+    def put_profile(self, name: str, version: int, machine: str, profile: dict[str, Any]) -> None:
+        """Store (or replace) what a version measured on one kind of machine."""
+        self.get_manifest(name, version)
+        atomic_write_bytes(
+            self.fs, join(self._version_dir(name, version), "profiles", f"{machine}.json"),
+            json.dumps(profile, indent=2, default=str).encode(), join(self.root, "_staging"),
+        )
+
+    def profiles(self, name: str, version: int) -> dict[str, dict[str, Any]]:
+        """Measured profiles of a version, by machine kind."""
+        directory = join(self._version_dir(name, version), "profiles")
+        return {
+            f[: -len(".json")]: json.loads(self.fs.cat_file(join(directory, f)))
+            for f in self._listing(directory)
+            if f.endswith(".json")
+        }
+
     # -- aliases ----------------------------------------------------------------
     def alias_history(self, name: str, alias: str) -> list[AliasMove]:
         """Every move of ``name@alias``, oldest first."""
@@ -307,6 +399,7 @@ class ModelRegistry:
         return ResolvedModel(
             reference=str(ref), name=ref.name, version=version, digest=manifest.digest,
             registry_url=self.fs.unstrip_protocol(self.root), manifest=manifest,
+            variants=self.list_variants(ref.name, version),
         )
 
     def _missing_message(self, name: str, what: str | None) -> str:

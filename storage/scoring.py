@@ -12,7 +12,7 @@ import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Generator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -165,7 +165,7 @@ def _write_part(job: ScoringJob, shard: ShardInfo, staged: str) -> tuple[int, in
     return rows_in, rows_out
 
 
-def _read(parquet: pq.ParquetFile, columns: list[str], batch_rows: int, shard: ShardInfo) -> Iterator[pa.RecordBatch]:
+def _read(parquet: pq.ParquetFile, columns: list[str], batch_rows: int, shard: ShardInfo) -> Generator[pa.RecordBatch, None, None]:
     try:
         yield from iter_batches(parquet, columns, batch_rows)
     except (pa.ArrowException, OSError) as e:

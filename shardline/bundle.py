@@ -141,17 +141,34 @@ class Manifest(BaseModel):
     def _valid_name(cls, value: str) -> str:
         return check_model_name(value)
 
-    @property
-    def digest(self) -> str:
-        """sha256 over what decides the model's outputs: runtime, config, signature, artifacts."""
+    def _hash(self, artifacts: list[tuple[str, str]], **extra: Any) -> str:
         content = {
             "runtime": self.runtime,
             "runtime_config": self.runtime_config,
             "signature": self.signature.model_dump(mode="json"),
-            "artifacts": sorted((a.path, a.sha256) for a in self.artifacts if a.role not in _NOT_IN_DIGEST),
+            "artifacts": sorted(artifacts),
+            **extra,
         }
-        blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()
+        return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    @property
+    def digest(self) -> str:
+        """sha256 over what decides the model's outputs: runtime, config, signature, model artifacts.
+
+        Batch jobs key their output on it: re-packaging a model with another golden
+        set or profile does not invalidate what it already scored.
+        """
+        return self._hash([(a.path, a.sha256) for a in self.artifacts if a.role not in _NOT_IN_DIGEST])
+
+    @property
+    def content_digest(self) -> str:
+        """sha256 over the whole bundle: every artifact and the evaluation it declares.
+
+        The registry recognises a re-push of the same bundle by it.
+        """
+        evaluation = self.evaluation.model_dump(mode="json") if self.evaluation else None
+        return self._hash([(a.path, a.sha256) for a in self.artifacts], evaluation=evaluation,
+                          reference_profile=self.reference_profile)
 
     @property
     def reference(self) -> str:

@@ -13,33 +13,20 @@ import typer
 
 from shardline.errors import JobFailed, ShardlineError
 
-OFF_THE_NETWORK = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DO_NOT_TRACK": "1",
-    "ORT_DISABLE_TELEMETRY": "1",
-    "GX_ANALYTICS_ENABLED": "false",
-}
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_QUARANTINED = 0, 1, 2, 3
+from shardline._cli_common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_QUARANTINED,
+    EXIT_USAGE,
+    OFF_THE_NETWORK,
+    open_registry,
+)
+from shardline._model_cli import model_app
 
 app = typer.Typer(help="Shardline: batch-first ML inference on Prefect and Dask.", no_args_is_help=True)
 batch_app = typer.Typer(help="Batch inference over Parquet shards.", no_args_is_help=True)
-model_app = typer.Typer(help="The model registry: push bundles, list versions, move aliases.", no_args_is_help=True)
 app.add_typer(batch_app, name="batch")
 app.add_typer(model_app, name="model")
-
-
-def _fail(error: BaseException, code: int = EXIT_USAGE) -> typer.Exit:
-    typer.secho(f"error: {error}", fg="red", err=True)
-    return typer.Exit(code)
-
-
-def _registry() -> Any:
-    from shardline.settings import StorageSettings
-    from shardline.storage.registry import ModelRegistry
-
-    storage = StorageSettings()
-    return ModelRegistry(storage.registry, storage.storage_options)
 
 
 def run_batch_job(
@@ -127,61 +114,6 @@ def batch_run(
     raise typer.Exit(code)
 
 
-@model_app.command("push")
-def model_push(
-    bundle: Path = typer.Argument(..., help="Bundle folder (manifest.json and artifacts)."),
-    alias: Optional[str] = typer.Option(None, help="Also point this alias at the new version."),
-) -> None:
-    """Add a bundle to the registry as its next version."""
-    try:
-        registry = _registry()
-        manifest = registry.push(bundle)
-        if alias:
-            registry.set_alias(manifest.name, alias, manifest.version, reason="model push --alias")
-    except ShardlineError as e:
-        raise _fail(e) from e
-    typer.echo(f"pushed {manifest.reference} (digest {manifest.digest[:12]})" + (f", {alias} -> it" if alias else ""))
-
-
-@model_app.command("list")
-def model_list(name: Optional[str] = typer.Argument(None, help="One model; all when left out.")) -> None:
-    """List models, their versions and aliases."""
-    try:
-        registry = _registry()
-        names = [name] if name else registry.list_models()
-        if not names:
-            typer.echo(f"the registry at {registry.url} is empty; add a bundle with `shardline model push`")
-        for model in names:
-            versions = registry.list_versions(model)
-            if not versions:
-                raise _fail(ShardlineError(f"model {model!r} is not in the registry at {registry.url}"))
-            by_version: dict[int, list[str]] = {}
-            for alias, version in registry.aliases(model).items():
-                by_version.setdefault(version, []).append(alias)
-            for m in versions:
-                aliases = ",".join(by_version.get(m.version or 0, []))
-                inputs = ", ".join(f"{c.name}:{c.type}" for c in m.signature.inputs[:3])
-                more = f" (+{len(m.signature.inputs) - 3})" if len(m.signature.inputs) > 3 else ""
-                typer.echo(f"{m.reference:<24} {aliases:<16} {m.runtime:<6} {m.digest[:12]}  in: {inputs}{more}")
-    except ShardlineError as e:
-        raise _fail(e) from e
-
-
-@model_app.command("alias")
-def model_alias(
-    name: str = typer.Argument(..., help="Model name."),
-    alias: str = typer.Argument(..., help="Alias to set, e.g. prod."),
-    version: int = typer.Argument(..., help="Version it points at."),
-    reason: str = typer.Option("", help="Why, for the record."),
-) -> None:
-    """Point name@alias at a version."""
-    try:
-        _registry().set_alias(name, alias, version, reason=reason)
-    except ShardlineError as e:
-        raise _fail(e) from e
-    typer.echo(f"{name}@{alias} -> {name}:{version}")
-
-
 @app.command()
 def demo(
     workdir: Path = typer.Option(Path("shardline-demo"), help="Folder for the demo's registry, data and output."),
@@ -200,7 +132,7 @@ def demo(
     os.environ["SHARDLINE_STORAGE_HOME"] = str(workdir / "home")
     typer.echo(f"1/4 training and packaging the breast-cancer classifier in {workdir}")
     manifest, estimator = package_breast_cancer(workdir / "bundle")
-    registry = _registry()
+    registry = open_registry()
     pushed = registry.push(workdir / "bundle")
     registry.set_alias(pushed.name, "prod", pushed.version or 1, reason="demo")
     typer.echo(f"2/4 registered {pushed.reference} as {pushed.name}@prod; writing {shards} shards of {rows:,} rows")

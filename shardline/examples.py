@@ -48,15 +48,48 @@ def train_classifier(data: Dataset, kind: str = "gbt", seed: int = 0) -> Any:
     raise ValueError(f"unknown classifier kind {kind!r}; use 'gbt' or 'logreg'")
 
 
-def package_breast_cancer(out_dir: str | Path, name: str = "breast-cancer", kind: str = "gbt") -> tuple[Manifest, Any]:
-    """Train and bundle the breast-cancer classifier; returns the manifest and the estimator."""
-    from shardline.packaging import package_sklearn
+def split(data: Dataset, golden_share: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """A fixed split into training rows and held-out golden rows."""
+    order = np.random.default_rng(seed).permutation(len(data.labels))
+    cut = int(len(order) * (1 - golden_share))
+    train, golden = order[:cut], order[cut:]
+    return (
+        Dataset(data.features[train], data.labels[train], data.names),
+        Dataset(data.features[golden], data.labels[golden], data.names),
+    )
 
-    data = breast_cancer()
-    estimator = train_classifier(data, kind)
-    accuracy = float((estimator.predict(data.features) == data.labels).mean())
-    lineage = Lineage(training_data="sklearn.datasets.load_breast_cancer", metrics={"train_accuracy": accuracy})
-    manifest = package_sklearn(estimator, out_dir, name=name, feature_names=data.names, lineage=lineage)
+
+def golden_table(data: Dataset) -> pa.Table:
+    """Features and the ``target`` column, as a golden set is stored."""
+    columns: dict[str, Any] = {n: data.features[:, j] for j, n in enumerate(data.names)}
+    columns["target"] = data.labels.astype(np.int64)
+    return pa.table(columns)
+
+
+def package_breast_cancer(
+    out_dir: str | Path,
+    name: str = "breast-cancer",
+    kind: str = "gbt",
+    *,
+    accuracy_threshold: float = 0.9,
+    reference_profile: dict[str, Any] | None = None,
+) -> tuple[Manifest, Any]:
+    """Train the breast-cancer classifier on 80% of the rows and bundle it with the other 20%
+    as its golden set; returns the manifest and the estimator.
+    """
+    from shardline.packaging import GoldenSet, package_sklearn
+
+    train, held_out = split(breast_cancer())
+    estimator = train_classifier(train, kind)
+    accuracy = float((estimator.predict(held_out.features) == held_out.labels).mean())
+    lineage = Lineage(
+        training_data="sklearn.datasets.load_breast_cancer", metrics={"golden_accuracy": accuracy}
+    )
+    golden = GoldenSet(golden_table(held_out), "target", "accuracy", "label", accuracy_threshold)
+    manifest = package_sklearn(
+        estimator, out_dir, name=name, feature_names=train.names, lineage=lineage, golden=golden,
+        reference_profile=reference_profile,
+    )
     return manifest, estimator
 
 

@@ -41,6 +41,11 @@ class StorageSettings(BaseSettings):
         '{"endpoint_url": "http://127.0.0.1:9000"} for an S3-compatible store.',
     )
 
+    protected_aliases: tuple[str, ...] = Field(
+        default=("staging", "prod"),
+        description="Aliases that, once set, move only through promotion (gated) or rollback.",
+    )
+
     @property
     def registry(self) -> str:
         """The registry URL, with the default applied."""

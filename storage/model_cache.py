@@ -23,7 +23,7 @@ _Key = tuple[str, RuntimeOptions]
 
 
 class ModelCache:
-    """Loaded models kept by (bundle digest, runtime options), least recently used out first."""
+    """Loaded models kept by (bundle content digest, runtime options), least recently used out first."""
 
     def __init__(self, cache_dir: str | Path, capacity: int = 4) -> None:
         if capacity < 1:
@@ -37,7 +37,7 @@ class ModelCache:
 
     def local_dir(self, model: ResolvedModel) -> Path:
         """Where a bundle's verified files live on this machine."""
-        return self.cache_dir / model.name / model.digest[:32]
+        return self.cache_dir / model.name / model.manifest.content_digest[:32]
 
     def _ensure_local(self, model: ResolvedModel, storage_options: dict[str, Any] | None) -> Path:
         """Fetch the bundle unless a verified copy is already here; re-fetch a damaged copy once."""
@@ -74,7 +74,7 @@ class ModelCache:
             IntegrityError: the registry's artifacts do not match their manifest.
             RuntimeUnavailable: the runtime or device is not available here.
         """
-        key = (model.digest, options)
+        key = (model.manifest.content_digest, options)
         with self._lock:
             if key in self._loaded:
                 self._loaded.move_to_end(key)
@@ -96,7 +96,7 @@ class ModelCache:
             return runtime
 
     def loaded(self) -> list[str]:
-        """Digests of the models held now, least recently used first."""
+        """Content digests of the bundles held now, least recently used first."""
         with self._lock:
             return [digest for digest, _ in self._loaded]
 

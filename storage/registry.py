@@ -184,7 +184,7 @@ class ModelRegistry:
                 self.fs.put_file(str(Path(bundle_dir) / artifact.path), blob)
         for _ in range(_PUSH_ATTEMPTS):
             existing = self.list_versions(manifest.name)
-            same = next((m for m in existing if m.digest == manifest.digest), None)
+            same = next((m for m in existing if m.content_digest == manifest.content_digest), None)
             if same is not None and not (keep_version and same.version != manifest.version):
                 return same
             if keep_version and manifest.version is not None:
@@ -196,11 +196,11 @@ class ModelRegistry:
                 return pushed
             if keep_version:
                 theirs = self.get_manifest(manifest.name, version)
-                if theirs.digest == manifest.digest:
+                if theirs.content_digest == manifest.content_digest:
                     return theirs
                 raise ImmutableVersion(
-                    f"{manifest.name}:{version} already exists in {self.url} with other bytes (digest "
-                    f"{theirs.digest[:12]}..., yours {manifest.digest[:12]}...); versions never change: "
+                    f"{manifest.name}:{version} already exists in {self.url} with other bytes (content digest "
+                    f"{theirs.content_digest[:12]}..., yours {manifest.content_digest[:12]}...); versions never change: "
                     "push without keeping the version to get a new number"
                 )
         raise AliasConflict(f"could not find a free version number for {manifest.name!r} after {_PUSH_ATTEMPTS} tries")
@@ -414,8 +414,8 @@ class ModelRegistry:
         return f"model {name!r} has no {what} (it has versions {numbers}); list them with `shardline model list`"
 
 
-def fetch_bundle(model: ResolvedModel, dest: Path, storage_options: dict[str, Any] | None = None) -> None:
-    """Download a resolved version's artifacts into the local folder ``dest`` and verify them."""
+def download_bundle(model: ResolvedModel, dest: Path, storage_options: dict[str, Any] | None = None) -> None:
+    """Download a resolved version's artifacts and manifest into the local folder ``dest``, unchecked."""
     registry = ModelRegistry(model.registry_url, storage_options)
     dest.mkdir(parents=True, exist_ok=True)
     for artifact in model.manifest.artifacts:
@@ -423,4 +423,13 @@ def fetch_bundle(model: ResolvedModel, dest: Path, storage_options: dict[str, An
         local.parent.mkdir(parents=True, exist_ok=True)
         registry.fs.get_file(registry.blob_path(model.name, artifact.sha256), str(local))
     (dest / MANIFEST).write_text(model.manifest.to_json())
+
+
+def fetch_bundle(model: ResolvedModel, dest: Path, storage_options: dict[str, Any] | None = None) -> None:
+    """Download a resolved version into ``dest`` and verify every artifact's sha256.
+
+    Raises:
+        IntegrityError: a stored artifact differs from its manifest.
+    """
+    download_bundle(model, dest, storage_options)
     verify_artifacts(dest, model.manifest)

@@ -13,9 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+
+from shardline.tasks.logs import run_logger
 
 from shardline.errors import CorruptShard, JobFailed
 from shardline.runtimes import RuntimeOptions
@@ -81,7 +83,7 @@ def plan_batch_job(
         runtime=options,
         storage_options=storage.storage_options,
     )
-    get_run_logger().info(
+    run_logger().info(
         "job %s: %s pinned to %s; %d shards, %d already settled, %d to score",
         job_id(key, shards), model, resolved.pinned, len(shards), len(done), len(todo),
     )
@@ -116,7 +118,7 @@ def validate_shards(plan: JobPlan) -> JobPlan:
         )
         layout.record(record)
         rejected.append(record)
-        get_run_logger().warning("quarantined %s: %s", shard.relative, problem)
+        run_logger().warning("quarantined %s: %s", shard.relative, problem)
     return replace(plan, todo=keep, new=[*plan.new, *rejected])
 
 
@@ -125,7 +127,7 @@ def infer_shards(plan: JobPlan, scheduler_address: str) -> JobPlan:
     """Score every pending shard on the Dask cluster; collect records and failures."""
     from distributed import Client, as_completed
 
-    logger = get_run_logger()
+    logger = run_logger()
     total = len(plan.todo)
     artifact = create_progress_artifact(0.0, description=f"batch job {plan.job_id}: shards settled")
     new, failed = list(plan.new), dict(plan.failed)

@@ -41,8 +41,12 @@ class BuiltModel:
 @pytest.fixture(scope="session")
 def breast_cancer_model(tmp_path_factory: pytest.TempPathFactory) -> BuiltModel:
     """The gradient-boosted breast-cancer classifier, packaged once per session."""
+    from shardline.examples import golden_table, split
+    from shardline.quality.profile import profile_table
+
     folder = tmp_path_factory.mktemp("bundle") / "breast-cancer"
-    manifest, estimator = package_breast_cancer(folder)
+    train, _ = split(breast_cancer())
+    manifest, estimator = package_breast_cancer(folder, reference_profile=profile_table(golden_table(train)))
     return BuiltModel(folder, manifest, estimator, breast_cancer())
 
 

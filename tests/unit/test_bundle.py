@@ -43,17 +43,24 @@ def test_bad_references_say_how_to_write_them(text: str, message: str) -> None:
 def test_manifest_records_signature_artifacts_and_environment(breast_cancer_model: BuiltModel) -> None:
     manifest = read_manifest(breast_cancer_model.bundle_dir)
     assert manifest.runtime == "onnx" and manifest.version is None
-    assert [a.path for a in manifest.artifacts] == ["model.onnx"]
+    assert [(a.path, a.role) for a in manifest.artifacts] == [
+        ("model.onnx", "model"), ("golden.parquet", "golden"), ("reference_profile.json", "profile")
+    ]
+    assert manifest.evaluation is not None and manifest.evaluation.metric == "accuracy"
+    assert manifest.reference_profile == "reference_profile.json"
     assert len(manifest.signature.inputs) == 30 and manifest.signature.output_names == ["label", "probabilities"]
     assert manifest.signature.outputs[1].type == "fixed_size_list<float32>[2]"
     assert "python" in manifest.environment and "skl2onnx" in manifest.environment
-    assert manifest.lineage.metrics["train_accuracy"] > 0.9
+    assert manifest.lineage.metrics["golden_accuracy"] > 0.9
 
 
-def test_digest_ignores_version_and_time_but_not_bytes(breast_cancer_model: BuiltModel) -> None:
+def test_digest_ignores_version_time_and_golden_data_but_not_model_bytes(breast_cancer_model: BuiltModel) -> None:
     manifest = breast_cancer_model.manifest
+    model, golden, profile = manifest.artifacts
     assert manifest.model_copy(update={"version": 7}).digest == manifest.digest
-    changed = manifest.model_copy(update={"artifacts": [manifest.artifacts[0].model_copy(update={"sha256": "0" * 64})]})
+    other_golden = manifest.model_copy(update={"artifacts": [model, golden.model_copy(update={"sha256": "1" * 64}), profile]})
+    assert other_golden.digest == manifest.digest
+    changed = manifest.model_copy(update={"artifacts": [model.model_copy(update={"sha256": "0" * 64}), golden, profile]})
     assert changed.digest != manifest.digest
 
 

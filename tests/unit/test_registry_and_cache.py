@@ -215,7 +215,7 @@ def test_cache_evicts_least_recently_used(memory_registry: ModelRegistry, breast
     cache = ModelCache(tmp_path / "cache", capacity=1)
     cache.get(resolved, RuntimeOptions("cpu", 1))
     cache.get(resolved, RuntimeOptions("cpu", 2))
-    assert cache.loaded() == [resolved.digest] and cache.loads == 2
+    assert cache.loaded() == [resolved.manifest.content_digest] and cache.loads == 2
     cache.get(resolved, RuntimeOptions("cpu", 1))
     assert cache.loads == 3
 

@@ -1,0 +1,236 @@
+"""`shardline model ...`: package, push, list, show, search, alias, promote, rollback, history,
+optimize and profile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from shardline._cli_common import EXIT_FAILED, fail, open_registry
+from shardline.errors import ShardlineError
+
+model_app = typer.Typer(help="The model registry: package, push, promote, roll back, optimize.", no_args_is_help=True)
+
+
+def _tags(pairs: list[str] | None) -> dict[str, str]:
+    tags = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ShardlineError(f"tag {pair!r} is not KEY=VALUE")
+        key, value = pair.split("=", 1)
+        tags[key] = value
+    return tags
+
+
+@model_app.command("package")
+def model_package(
+    source: Path = typer.Argument(..., exists=True, dir_okay=False, help="The model as an ONNX file."),
+    name: str = typer.Option(..., help="Model name (lower-case letters, digits, '.', '_', '-')."),
+    signature_from: Path = typer.Option(..., exists=True, help="Sample Parquet data: the signature is inferred "
+                                        "from it and checked by running the model; its profile becomes the "
+                                        "reference profile."),
+    exclude: Optional[list[str]] = typer.Option(None, help="Sample column that is not a feature (label, id); repeat."),
+    golden: Optional[Path] = typer.Option(None, exists=True, help="Golden Parquet set with known answers."),
+    label: str = typer.Option("target", help="Golden-set column with the expected answer."),
+    metric: str = typer.Option("accuracy", help="accuracy, rmse or cosine_min."),
+    prediction: str = typer.Option("label", help="Model output compared with the label."),
+    threshold: float = typer.Option(0.9, help="Score promotion demands (at least; at most for rmse)."),
+    image: Optional[str] = typer.Option(None, help="Container image the model runs in, recorded."),
+    source_commit: Optional[str] = typer.Option(None, help="Commit of the training code, recorded."),
+    tag: Optional[list[str]] = typer.Option(None, help="KEY=VALUE tag; repeat."),
+    out: Optional[Path] = typer.Option(None, help="Bundle folder (default ./<name>-bundle)."),
+) -> None:
+    """Make a bundle from an ONNX model: signature, checksums, environment, lineage, golden set, profile."""
+    import pyarrow.parquet as pq
+
+    from shardline.bundle import Lineage, write_manifest
+    from shardline.packaging import GoldenSet, package_onnx
+    from shardline.quality.profile import profile_table
+
+    try:
+        sample = pq.read_table(signature_from)
+        lineage = Lineage(
+            training_data=str(signature_from.resolve()),
+            training_data_digest=hashlib.sha256(signature_from.read_bytes()).hexdigest(),
+            source_commit=source_commit,
+        )
+        golden_set = None
+        if golden is not None:
+            golden_set = GoldenSet(pq.read_table(golden), label, metric, prediction, threshold)
+        folder = out or Path(f"{name}-bundle")
+        manifest = package_onnx(
+            source, folder, name=name, sample=sample, exclude=exclude or [], lineage=lineage,
+            golden=golden_set, reference_profile=profile_table(sample), image=image,
+        )
+        if tag:
+            manifest = manifest.model_copy(update={"tags": {**manifest.tags, **_tags(tag)}})
+            write_manifest(folder, manifest)
+    except ShardlineError as e:
+        raise fail(e) from e
+    inputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.inputs[:4])
+    outputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.outputs)
+    typer.echo(f"packaged {name} in {folder} (digest {manifest.digest[:12]})\n  in: {inputs}"
+               f"{' ...' if len(manifest.signature.inputs) > 4 else ''}\n  out: {outputs}")
+
+
+@model_app.command("push")
+def model_push(
+    bundle: Path = typer.Argument(..., help="Bundle folder (manifest.json and artifacts)."),
+    alias: Optional[str] = typer.Option(None, help="Also point this alias at the new version (unprotected aliases)."),
+) -> None:
+    """Add a bundle to the registry as its next version (the same bytes again: the same version)."""
+    try:
+        registry = open_registry()
+        manifest = registry.push(bundle)
+        if alias:
+            _set_alias(registry, manifest.name, alias, manifest.version or 0, "model push --alias")
+    except ShardlineError as e:
+        raise fail(e) from e
+    typer.echo(f"pushed {manifest.reference} (digest {manifest.digest[:12]})" + (f", {alias} -> it" if alias else ""))
+
+
+@model_app.command("list")
+def model_list(name: Optional[str] = typer.Argument(None, help="One model; all when left out.")) -> None:
+    """List models, their versions and aliases."""
+    try:
+        registry = open_registry()
+        names = [name] if name else registry.list_models()
+        if not names:
+            typer.echo(f"the registry at {registry.url} is empty; add a bundle with `shardline model push`")
+        for model in names:
+            versions = registry.list_versions(model)
+            if not versions:
+                raise fail(f"model {model!r} is not in the registry at {registry.url}")
+            by_version: dict[int, list[str]] = {}
+            for alias, version in registry.aliases(model).items():
+                by_version.setdefault(version, []).append(alias)
+            for m in versions:
+                aliases = ",".join(by_version.get(m.version or 0, []))
+                inputs = ", ".join(f"{c.name}:{c.type}" for c in m.signature.inputs[:3])
+                more = f" (+{len(m.signature.inputs) - 3})" if len(m.signature.inputs) > 3 else ""
+                typer.echo(f"{m.reference:<24} {aliases:<16} {m.runtime:<6} {m.digest[:12]}  in: {inputs}{more}")
+    except ShardlineError as e:
+        raise fail(e) from e
+
+
+@model_app.command("search")
+def model_search(
+    name: Optional[str] = typer.Option(None, help="Part of the model name."),
+    alias: Optional[str] = typer.Option(None, help="Only versions this alias points at."),
+    tag: Optional[list[str]] = typer.Option(None, help="KEY=VALUE the version must carry; repeat."),
+) -> None:
+    """Find versions by name, alias and tags."""
+    try:
+        found = open_registry().search(name=name, alias=alias, tags=_tags(tag))
+    except ShardlineError as e:
+        raise fail(e) from e
+    for m in found:
+        tags = ",".join(f"{k}={v}" for k, v in sorted(m.tags.items()))
+        typer.echo(f"{m.reference:<24} {m.digest[:12]}  {tags}")
+    if not found:
+        typer.echo("no version matches")
+
+
+@model_app.command("show")
+def model_show(reference: str = typer.Argument(..., help="name:version or name@alias.")) -> None:
+    """Show a version: manifest, lineage, checksums, evaluation, aliases, variants, profiles."""
+    try:
+        registry = open_registry()
+        resolved = registry.resolve(reference)
+        data: dict[str, Any] = json.loads(resolved.manifest.to_json())
+        data["digest"] = resolved.digest
+        data["aliases"] = sorted(a for a, v in registry.aliases(resolved.name).items() if v == resolved.version)
+        data["variants"] = {
+            k: {"precision": v.precision, "device": v.device, "sha256": v.artifact.sha256, "score": v.score,
+                "baseline": v.baseline, "delta": v.delta}
+            for k, v in resolved.variants.items()
+        }
+        data["profiles"] = registry.profiles(resolved.name, resolved.version)
+    except ShardlineError as e:
+        raise fail(e) from e
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+def _set_alias(registry: Any, name: str, alias: str, version: int, reason: str) -> None:
+    from shardline.settings import StorageSettings
+
+    protected = StorageSettings().protected_aliases
+    if alias in protected and registry.current_move(name, alias) is not None:
+        raise ShardlineError(
+            f"{name}@{alias} is protected: once set it moves only through `shardline model promote "
+            f"{name}:{version} --to {alias}` (gated) or `shardline model rollback {name} --alias {alias}`"
+        )
+    registry.set_alias(name, alias, version, reason=reason)
+
+
+@model_app.command("alias")
+def model_alias(
+    name: str = typer.Argument(..., help="Model name."),
+    alias: str = typer.Argument(..., help="Alias to set, e.g. dev."),
+    version: int = typer.Argument(..., help="Version it points at."),
+    reason: str = typer.Option("", help="Why, for the audit log."),
+) -> None:
+    """Point name@alias at a version without gates (protected aliases only the first time)."""
+    try:
+        _set_alias(open_registry(), name, alias, version, reason)
+    except ShardlineError as e:
+        raise fail(e) from e
+    typer.echo(f"{name}@{alias} -> {name}:{version}")
+
+
+@model_app.command("promote")
+def model_promote(
+    reference: str = typer.Argument(..., help="The candidate: name:version."),
+    to: str = typer.Option(..., "--to", help="Alias to move, e.g. staging or prod."),
+    allow_breaking: bool = typer.Option(False, help="Let an incompatible signature through."),
+    registry_to: Optional[str] = typer.Option(None, help="Promote into this registry (another environment)."),
+    reason: str = typer.Option("", help="Why, for the audit log."),
+) -> None:
+    """Run the promotion gates (a Prefect flow) and move the alias if they all pass."""
+    from shardline.flows.promotion import promote_model
+
+    state = promote_model(reference=reference, to_alias=to, allow_breaking=allow_breaking,
+                          target_registry_url=registry_to, reason=reason, return_state=True)
+    result = state.result(raise_on_failure=False)
+    if isinstance(result, BaseException):
+        raise fail(result, EXIT_FAILED)
+    for gate in result["gates"]:
+        typer.echo(f"  gate {gate['gate']:<18} pass  {gate['detail']}")
+    before = f" (was {result['model']}:{result['previous']})" if result["previous"] else ""
+    typer.echo(f"{result['model']}@{result['alias']} -> {result['model']}:{result['version']}{before}")
+
+
+@model_app.command("rollback")
+def model_rollback(
+    name: str = typer.Argument(..., help="Model name."),
+    alias: str = typer.Option("prod", help="Alias to move back."),
+    reason: str = typer.Option("", help="Why, for the audit log."),
+) -> None:
+    """Move an alias back to the version it pointed at before."""
+    try:
+        move = open_registry().rollback(name, alias, reason=reason)
+    except ShardlineError as e:
+        raise fail(e) from e
+    typer.echo(f"{name}@{alias} -> {name}:{move.version} (was {name}:{move.previous})")
+
+
+@model_app.command("history")
+def model_history(
+    name: str = typer.Argument(..., help="Model name."),
+    alias: str = typer.Option("prod", help="Alias whose moves to list."),
+) -> None:
+    """The audit log of an alias: every move with who, when and why."""
+    try:
+        moves = open_registry().alias_history(name, alias)
+    except ShardlineError as e:
+        raise fail(e) from e
+    for m in moves:
+        typer.echo(f"{m.seq:>4}  {m.at:%Y-%m-%d %H:%M:%S}  {m.action:<8} {name}:{m.version:<5} "
+                   f"from {m.previous if m.previous is not None else '-':<5} by {m.by:<12} {m.reason}")
+    if not moves:
+        typer.echo(f"{name}@{alias} was never set")

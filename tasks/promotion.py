@@ -1,0 +1,105 @@
+"""Prefect tasks of the promotion flow: copy across registries, run the gates, move the alias."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from shardline.tasks.logs import run_logger
+
+from shardline.errors import GateFailed
+from shardline.quality.evaluation import evaluate
+from shardline.quality.gates import (
+    GateResult,
+    checksum_gate,
+    evaluation_gate,
+    reference_profile_gate,
+    signature_gate,
+)
+from shardline.runtimes import RuntimeOptions, create_runtime
+from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, download_bundle, fetch_bundle
+
+
+@dataclass
+class PromotionPlan:
+    """The candidate pinned in the registry it will be promoted in, and the alias as it was read."""
+
+    candidate: ResolvedModel
+    current: ResolvedModel | None
+    expected_seq: int
+    registry_url: str
+    storage_options: dict[str, Any]
+
+
+@task(name="prepare-promotion", cache_policy=NO_CACHE)
+def prepare_promotion(
+    reference: str, to_alias: str, registry_url: str, target_registry_url: str | None, storage_options: dict[str, Any]
+) -> PromotionPlan:
+    """Pin the candidate; when promoting into another registry, copy it there and verify it on arrival."""
+    source = ModelRegistry(registry_url, storage_options)
+    candidate = source.resolve(reference)
+    target = source
+    if target_registry_url and target_registry_url != registry_url:
+        target = ModelRegistry(target_registry_url, storage_options)
+        with tempfile.TemporaryDirectory() as folder:
+            fetch_bundle(candidate, Path(folder), storage_options)
+            target.push(folder, keep_version=True)
+        candidate = target.resolve(candidate.pinned)
+        run_logger().info("copied %s to %s", candidate.pinned, target.url)
+    current_move = target.current_move(candidate.name, to_alias)
+    current = target.resolve(f"{candidate.name}:{current_move.version}") if current_move else None
+    return PromotionPlan(candidate, current, current_move.seq if current_move else 0, target.url, storage_options)
+
+
+@task(name="gates", cache_policy=NO_CACHE)
+def run_gates(plan: PromotionPlan, allow_breaking: bool) -> list[GateResult]:
+    """Run every gate on a fresh copy of the candidate, as stored in the target registry."""
+    manifest = plan.candidate.manifest
+    results = [signature_gate(manifest, plan.current.manifest if plan.current else None, allow_breaking)]
+    with tempfile.TemporaryDirectory() as folder:
+        bundle = Path(folder)
+        download_bundle(plan.candidate, bundle, plan.storage_options)
+        results.append(checksum_gate(bundle, manifest))
+        score = None
+        if results[-1].passed and manifest.evaluation is not None:
+            model = create_runtime(bundle, manifest, RuntimeOptions(device="cpu"))
+            model.load()
+            try:
+                score = evaluate(model, manifest, pq.read_table(bundle / manifest.evaluation.golden))
+            finally:
+                model.close()
+        results.append(evaluation_gate(manifest, score))
+        results.append(reference_profile_gate(bundle, manifest))
+    logger = run_logger()
+    for result in results:
+        (logger.info if result.passed else logger.warning)("gate %s: %s: %s", result.gate,
+                                                          "pass" if result.passed else "REFUSED", result.detail)
+    return results
+
+
+@task(name="move-alias", cache_policy=NO_CACHE)
+def move_alias(plan: PromotionPlan, to_alias: str, results: list[GateResult], by: str | None, reason: str) -> AliasMove:
+    """Move the alias if every gate passed and nobody moved it since the plan read it.
+
+    Raises:
+        GateFailed: a gate refused; names the first one and lists every reason.
+        AliasConflict: the alias moved while the gates ran.
+    """
+    refused = [r for r in results if not r.passed]
+    if refused:
+        reasons = "; ".join(f"{r.gate}: {r.detail}" for r in refused)
+        raise GateFailed(
+            f"{plan.candidate.pinned} was not promoted to {to_alias}: gate {refused[0].gate} refused ({reasons})",
+            refused[0].gate,
+        )
+    registry = ModelRegistry(plan.registry_url, plan.storage_options)
+    return registry.move_alias(
+        plan.candidate.name, to_alias, plan.candidate.version, action="promote",
+        expected_seq=plan.expected_seq, by=by, reason=reason,
+    )

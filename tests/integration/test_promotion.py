@@ -1,0 +1,135 @@
+"""Promotion through the gates (a real Prefect flow under the test harness) and rollback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardline.errors import AliasConflict, GateFailed
+from shardline.examples import golden_table, package_breast_cancer, split, breast_cancer
+from shardline.flows.promotion import promote_model
+from shardline.quality.profile import profile_table
+from shardline.storage.registry import ModelRegistry
+
+from tests.conftest import BuiltModel
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def _profile() -> dict:
+    train, _ = split(breast_cancer())
+    return profile_table(golden_table(train))
+
+
+def _promote(reference: str, alias: str, **kwargs):  # type: ignore[no-untyped-def]
+    return promote_model(reference=reference, to_alias=alias, return_state=True, **kwargs)
+
+
+@pytest.fixture
+def registry(shardline_home: Path, breast_cancer_model: BuiltModel, tmp_path: Path) -> ModelRegistry:
+    """breast-cancer:1 (gradient boosting) and :2 (logistic regression), no aliases yet."""
+    registry = ModelRegistry(str(shardline_home / "registry"))
+    registry.push(breast_cancer_model.bundle_dir)
+    package_breast_cancer(tmp_path / "v2", kind="logreg", reference_profile=_profile())
+    registry.push(tmp_path / "v2")
+    return registry
+
+
+def test_promotion_passes_every_gate_and_moves_the_alias(registry: ModelRegistry) -> None:
+    first = _promote("breast-cancer:1", "staging", by="ana", reason="first")
+    second = _promote("breast-cancer:2", "staging", by="bo", reason="logreg is simpler")
+
+    assert first.is_completed() and second.is_completed()
+    result = second.result()
+    assert (result["version"], result["previous"]) == (2, 1)
+    assert [g["gate"] for g in result["gates"]] == ["signature", "checksums", "evaluation", "reference-profile"]
+    assert all(g["passed"] for g in result["gates"])
+    assert "accuracy 0.9" in result["gates"][2]["detail"]
+    assert registry.resolve("breast-cancer@staging").version == 2
+    history = registry.alias_history("breast-cancer", "staging")
+    assert [(m.action, m.version, m.by, m.reason) for m in history] == [
+        ("promote", 1, "ana", "first"), ("promote", 2, "bo", "logreg is simpler")
+    ]
+    back = registry.rollback("breast-cancer", "staging", reason="oops")
+    assert back.version == 1 and registry.resolve("breast-cancer@staging").version == 1
+
+
+def test_a_version_below_its_threshold_is_refused(registry: ModelRegistry, tmp_path: Path) -> None:
+    package_breast_cancer(tmp_path / "strict", kind="logreg", accuracy_threshold=0.9999, reference_profile=_profile())
+    strict = registry.push(tmp_path / "strict")
+
+    state = _promote(strict.reference, "prod")
+
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, GateFailed) and error.gate == "evaluation"
+    assert f"{strict.reference} was not promoted to prod: gate evaluation refused" in str(error)
+    assert "the bundle asks at least 0.9999" in str(error)
+    assert registry.current_move("breast-cancer", "prod") is None
+
+
+def test_a_breaking_signature_is_refused_unless_allowed(registry: ModelRegistry, tmp_path: Path) -> None:
+    from sklearn.linear_model import Ridge
+
+    from shardline.packaging import GoldenSet, package_sklearn
+
+    train, held_out = split(breast_cancer())
+    regressor = Ridge().fit(train.features, train.labels)
+    package_sklearn(regressor, tmp_path / "reg", name="breast-cancer", feature_names=train.names,
+                    golden=GoldenSet(golden_table(held_out), "target", "rmse", "prediction", 0.5),
+                    reference_profile=_profile())
+    candidate = registry.push(tmp_path / "reg")
+    assert _promote("breast-cancer:1", "prod").is_completed()
+
+    refused = _promote(candidate.reference, "prod")
+    error = refused.result(raise_on_failure=False)
+    assert isinstance(error, GateFailed) and error.gate == "signature"
+    assert "output 'label' of breast-cancer:1 is gone" in str(error) and "--allow-breaking" in str(error)
+    assert registry.resolve("breast-cancer@prod").version == 1
+
+    allowed = _promote(candidate.reference, "prod", allow_breaking=True)
+    assert allowed.is_completed() and registry.resolve("breast-cancer@prod").version == candidate.version
+    assert "rmse" in allowed.result()["gates"][2]["detail"]
+
+
+def test_missing_profile_and_tampered_bytes_are_refused(registry: ModelRegistry, tmp_path: Path) -> None:
+    package_breast_cancer(tmp_path / "bare", kind="logreg", accuracy_threshold=0.8)
+    bare = registry.push(tmp_path / "bare")  # same model bytes as :2 but no reference profile
+    error = _promote(bare.reference, "prod").result(raise_on_failure=False)
+    assert isinstance(error, GateFailed) and error.gate == "reference-profile"
+    assert "has no reference data profile" in str(error)
+
+    blob = Path(registry.blob_path("breast-cancer", registry.get_manifest("breast-cancer", 2).artifacts[0].sha256))
+    blob.write_bytes(blob.read_bytes()[:-4] + b"XXXX")
+    error = _promote("breast-cancer:2", "prod").result(raise_on_failure=False)
+    assert isinstance(error, GateFailed) and error.gate == "checksums"
+    assert "was changed after packaging" in str(error)
+
+
+def test_promotion_into_another_registry_copies_and_verifies(registry: ModelRegistry, tmp_path: Path) -> None:
+    prod_url = str(tmp_path / "prod-registry")
+
+    state = _promote("breast-cancer:2", "prod", target_registry_url=prod_url)
+
+    assert state.is_completed(), state.message
+    prod = ModelRegistry(prod_url)
+    assert [m.version for m in prod.list_versions("breast-cancer")] == [2]  # the version number travels
+    assert prod.resolve("breast-cancer@prod").digest == registry.resolve("breast-cancer:2").digest
+    assert registry.current_move("breast-cancer", "prod") is None  # the source registry's aliases are untouched
+
+
+def test_an_alias_moved_during_the_gates_is_not_overwritten(registry: ModelRegistry) -> None:
+    from shardline.settings import StorageSettings
+    from shardline.tasks.promotion import move_alias, prepare_promotion, run_gates
+
+    storage = StorageSettings()
+    registry.set_alias("breast-cancer", "prod", 1)
+    plan = prepare_promotion.fn("breast-cancer:2", "prod", storage.registry, None, {})
+    results = run_gates.fn(plan, False)
+    # another operator moves prod meanwhile
+    registry.set_alias("breast-cancer", "prod", 1, by="someone-else", reason="hotfix")
+
+    with pytest.raises(AliasConflict, match="moved while you were deciding"):
+        move_alias.fn(plan, "prod", results, None, "")
+    assert [m.by for m in registry.alias_history("breast-cancer", "prod")][-1] == "someone-else"

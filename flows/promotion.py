@@ -6,7 +6,9 @@ from typing import Any
 
 from prefect import flow
 from prefect.events import emit_event
+from prefect.states import Failed, State
 
+from shardline.quality.gates import refusal
 from shardline.settings import StorageSettings
 from shardline.tasks.promotion import move_alias, prepare_promotion, run_gates
 
@@ -19,7 +21,7 @@ def promote_model(
     target_registry_url: str | None = None,
     by: str | None = None,
     reason: str = "",
-) -> dict[str, Any]:
+) -> dict[str, Any] | State[Any]:
     """Point ``name@to_alias`` at the version ``reference`` names, if every gate passes.
 
     Args:
@@ -30,10 +32,17 @@ def promote_model(
             bundle is copied there and verified on arrival; the alias moves there.
         by: who asked, for the audit log (default: the OS user).
         reason: why, for the audit log.
+
+    Returns:
+        The move and every gate's verdict; a Failed state holding GateFailed when a
+        gate refused.
     """
     storage = StorageSettings()
     plan = prepare_promotion(reference, to_alias, storage.registry, target_registry_url, storage.storage_options)
     results = run_gates(plan, allow_breaking)
+    refused = refusal(plan.candidate.pinned, to_alias, results)
+    if refused is not None:  # a verdict, not a crash: no traceback in the logs
+        return Failed(message=str(refused), data=refused)
     move = move_alias(plan, to_alias, results, by, reason)
     emit_event(
         event="shardline.model.promoted",

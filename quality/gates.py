@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardline.bundle import Manifest, verify_artifacts
-from shardline.errors import IntegrityError
+from shardline.errors import GateFailed, IntegrityError
 from shardline.signature import is_compatible, parse_type
 
 SIGNATURE, CHECKSUMS, EVALUATION, REFERENCE_PROFILE = "signature", "checksums", "evaluation", "reference-profile"
@@ -108,3 +108,12 @@ def reference_profile_gate(bundle_dir: Path, manifest: Manifest) -> GateResult:
     if missing:
         return GateResult(REFERENCE_PROFILE, False, f"the reference profile lacks input columns {missing}")
     return GateResult(REFERENCE_PROFILE, True, f"{len(columns)} columns profiled over {profile.get('rows')} rows")
+
+
+def refusal(candidate: str, alias: str, results: list[GateResult]) -> GateFailed | None:
+    """The error to refuse a promotion with, naming the first refusing gate and every reason; None if all passed."""
+    refused = [r for r in results if not r.passed]
+    if not refused:
+        return None
+    reasons = "; ".join(f"{r.gate}: {r.detail}" for r in refused)
+    return GateFailed(f"{candidate} was not promoted to {alias}: gate {refused[0].gate} refused ({reasons})", refused[0].gate)

@@ -13,13 +13,13 @@ from prefect.cache_policies import NO_CACHE
 
 from shardline.tasks.logs import run_logger
 
-from shardline.errors import GateFailed
 from shardline.quality.evaluation import evaluate
 from shardline.quality.gates import (
     GateResult,
     checksum_gate,
     evaluation_gate,
     reference_profile_gate,
+    refusal,
     signature_gate,
 )
 from shardline.runtimes import RuntimeOptions, create_runtime
@@ -88,16 +88,12 @@ def move_alias(plan: PromotionPlan, to_alias: str, results: list[GateResult], by
     """Move the alias if every gate passed and nobody moved it since the plan read it.
 
     Raises:
-        GateFailed: a gate refused; names the first one and lists every reason.
+        GateFailed: a gate refused (the flow checks first; this guards direct calls).
         AliasConflict: the alias moved while the gates ran.
     """
-    refused = [r for r in results if not r.passed]
-    if refused:
-        reasons = "; ".join(f"{r.gate}: {r.detail}" for r in refused)
-        raise GateFailed(
-            f"{plan.candidate.pinned} was not promoted to {to_alias}: gate {refused[0].gate} refused ({reasons})",
-            refused[0].gate,
-        )
+    error = refusal(plan.candidate.pinned, to_alias, results)
+    if error is not None:
+        raise error
     registry = ModelRegistry(plan.registry_url, plan.storage_options)
     return registry.move_alias(
         plan.candidate.name, to_alias, plan.candidate.version, action="promote",

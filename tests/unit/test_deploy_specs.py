@@ -189,3 +189,13 @@ def test_settings_named_in_deploy_files_exist(relative: str) -> None:
     mentioned = set(re.findall(r"\bSHARDLINE_[A-Z0-9_]*[A-Z0-9]\b", (REPO / relative).read_text()))
     unknown = mentioned - known_settings()
     assert not unknown, f"{relative} names settings that do not exist: {sorted(unknown)}"
+
+
+def test_promote_deployment_runs_the_promotion_flow_without_a_schedule() -> None:
+    [promote] = [d for d in load("prefect.yaml")["deployments"] if d["name"] == "promote"]
+    flow = entrypoint_flow(promote)
+    assert flow.name == "promote-model"
+    assert "schedules" not in promote  # promotions are asked for, never scheduled
+    required = {n for n, p in inspect.signature(flow.fn).parameters.items() if p.default is inspect.Parameter.empty}
+    assert required == {"reference", "to_alias"}  # a run names the candidate and the alias
+    assert promote["work_pool"]["name"] == "shardline-batch"

@@ -1,0 +1,79 @@
+"""`shardline model ...` as an ML engineer drives it: package, push, promote, show, roll back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import pyarrow.parquet as pq
+
+from shardline.examples import breast_cancer, golden_table, split
+
+from tests.conftest import BuiltModel
+
+Shardline = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def _ok(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_package_push_promote_show_and_roll_back(shardline: Shardline, breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
+    train, held_out = split(breast_cancer())
+    pq.write_table(golden_table(train), tmp_path / "train.parquet")
+    pq.write_table(golden_table(held_out), tmp_path / "golden.parquet")
+    onnx_file = breast_cancer_model.bundle_dir / "model.onnx"
+
+    packaged = _ok(shardline(
+        "model", "package", str(onnx_file), "--name", "churn", "--signature-from", str(tmp_path / "train.parquet"),
+        "--exclude", "target", "--golden", str(tmp_path / "golden.parquet"), "--threshold", "0.9",
+        "--source-commit", "abc123", "--tag", "team=risk", "--out", str(tmp_path / "churn-bundle"),
+    ))
+    assert "packaged churn" in packaged and "out: label:int64, probabilities:fixed_size_list<float32>[2]" in packaged
+
+    assert "pushed churn:1" in _ok(shardline("model", "push", str(tmp_path / "churn-bundle")))
+    promoted = _ok(shardline("model", "promote", "churn:1", "--to", "staging", "--reason", "first cut"))
+    assert "gate evaluation" in promoted and "churn@staging -> churn:1" in promoted
+
+    shown = json.loads(_ok(shardline("model", "show", "churn@staging")))
+    assert shown["version"] == 1 and shown["aliases"] == ["staging"]
+    assert shown["lineage"]["source_commit"] == "abc123" and len(shown["lineage"]["training_data_digest"]) == 64
+    assert {a["role"] for a in shown["artifacts"]} == {"model", "golden", "profile"}
+    assert all(len(a["sha256"]) == 64 for a in shown["artifacts"])
+    assert shown["evaluation"]["metric"] == "accuracy" and shown["tags"] == {"team": "risk"}
+    assert "python" in shown["environment"]
+
+    assert "churn:1" in _ok(shardline("model", "search", "--tag", "team=risk"))
+
+    # staging is protected: once set, `alias` cannot move it
+    refused = shardline("model", "alias", "churn", "staging", "1")
+    assert refused.returncode == 2 and "moves only through `shardline model promote" in refused.stderr
+
+    # a second version with a stricter threshold than the model reaches is refused by its gate
+    _ok(shardline(
+        "model", "package", str(onnx_file), "--name", "churn", "--signature-from", str(tmp_path / "train.parquet"),
+        "--exclude", "target", "--golden", str(tmp_path / "golden.parquet"), "--threshold", "0.9999",
+        "--out", str(tmp_path / "strict"),
+    ))
+    assert "pushed churn:2" in _ok(shardline("model", "push", str(tmp_path / "strict")))
+    strict = shardline("model", "promote", "churn:2", "--to", "staging")
+    assert strict.returncode == 1 and "gate evaluation refused" in strict.stderr
+
+    # with a reachable bar it goes through; rollback returns to :1; history tells it all
+    _ok(shardline(
+        "model", "package", str(onnx_file), "--name", "churn", "--signature-from", str(tmp_path / "train.parquet"),
+        "--exclude", "target", "--golden", str(tmp_path / "golden.parquet"), "--threshold", "0.93",
+        "--out", str(tmp_path / "v3"),
+    ))
+    assert "pushed churn:3" in _ok(shardline("model", "push", str(tmp_path / "v3")))
+    assert "churn@staging -> churn:3 (was churn:1)" in _ok(shardline("model", "promote", "churn:3", "--to", "staging"))
+    rolled = _ok(shardline("model", "rollback", "churn", "--alias", "staging", "--reason", "latency"))
+    assert "churn@staging -> churn:1 (was churn:3)" in rolled
+    history = _ok(shardline("model", "history", "churn", "--alias", "staging")).splitlines()
+    assert [line.split()[3:5] for line in history] == [["promote", "churn:1"], ["promote", "churn:3"], ["rollback", "churn:1"]]
+    assert "first cut" in history[0] and "latency" in history[2]
+    again = shardline("model", "rollback", "churn", "--alias", "dev")
+    assert again.returncode == 2 and "churn@dev was never set" in again.stderr

@@ -15,7 +15,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,package,dev]'
+	$(PY) -m pip install --quiet -e '.[cpu,package,embedding,embedding-build,dev]'
 	touch $@
 
 demo: setup

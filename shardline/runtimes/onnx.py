@@ -7,6 +7,12 @@
   each ONNX input is fed from the column of the same name.
 - ``tensor_outputs``: ``{"onnx_output_name": "column_name"}``; without it, outputs
   keep their ONNX names. Only outputs that the signature lists are returned.
+- ``text_inputs``: ``{"column": "text", "tokenizer": "tokenizer.json", "max_length": 256}``,
+  tokenizing a string column with the ``tokenizers`` package (a tokenizer.json that
+  the manifest lists as an artifact, so its sha256 is checked like the model's) into
+  whichever of ``input_ids``, ``attention_mask`` and ``token_type_ids`` the graph
+  takes, padded to the longest text of the batch and cut at ``max_length`` tokens.
+  Other ONNX inputs are bound as above.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from shardline.runtimes.base import Runtime, RuntimeOptions
 
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
+TOKEN_TENSORS = ("input_ids", "attention_mask", "token_type_ids")
+_TEXT_KEYS = {"column", "tokenizer", "max_length"}
 
 
 def _column_matrix(batch: pa.RecordBatch | pa.Table, columns: list[str], dtype: np.dtype) -> np.ndarray:
@@ -62,6 +70,113 @@ def _to_arrow(values: Any, dtype: pa.DataType) -> pa.Array:
     return pa.array(list(values)).cast(dtype)
 
 
+def _is_text(dtype: pa.DataType) -> bool:
+    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype)
+
+
+class TextBinding:
+    """A string column turned into token tensors by a ``tokenizers`` tokenizer.
+
+    Made by ``from_manifest`` (which checks the ``text_inputs`` setting and loads the
+    tokenizer); ``bind`` then picks the token tensors the ONNX graph takes. ``encode``
+    is safe to call from several threads at once.
+    """
+
+    def __init__(self, column: str, tokenizer: Any, model: str) -> None:
+        self.column = column
+        self.model = model
+        self._tokenizer = tokenizer
+        self.tensors: dict[str, np.dtype] = {name: np.dtype(np.int64) for name in TOKEN_TENSORS}
+
+    @classmethod
+    def from_manifest(cls, bundle_dir: Path, manifest: Manifest) -> "TextBinding":
+        """Check ``runtime_config["text_inputs"]`` and load its tokenizer.
+
+        Raises:
+            InvalidBundle: the setting is malformed or names a file the manifest does not list.
+            RuntimeUnavailable: the ``tokenizers`` package is not installed.
+        """
+        config = manifest.runtime_config["text_inputs"]
+        where = f"{manifest.reference}: runtime_config text_inputs"
+        if not isinstance(config, dict) or set(config) != _TEXT_KEYS:
+            raise InvalidBundle(
+                f"{where} is {config!r}; write it as {{\"column\": \"text\", \"tokenizer\": "
+                f"\"tokenizer.json\", \"max_length\": 256}} (exactly the keys {sorted(_TEXT_KEYS)})"
+            )
+        column, path, max_length = config["column"], config["tokenizer"], config["max_length"]
+        if column not in manifest.signature.input_names:
+            raise InvalidBundle(
+                f"{where} reads column {column!r}, which is not among the signature's inputs "
+                f"{manifest.signature.input_names}; make them agree"
+            )
+        if path not in {a.path for a in manifest.artifacts}:
+            raise InvalidBundle(
+                f"{where} names tokenizer {path!r}, which is not an artifact of the bundle "
+                "(only listed, sha256-checked files are loaded); add it to the manifest's artifacts"
+            )
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise InvalidBundle(f"{where}: max_length is {max_length!r}; it must be a positive whole number")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise RuntimeUnavailable(
+                f"{manifest.reference} reads text and needs the 'tokenizers' package; "
+                "pip install 'shardline[embedding]'"
+            ) from e
+        try:
+            tokenizer = Tokenizer.from_file(str(bundle_dir / path))
+        except Exception as e:  # tokenizers raises plain Exception for a bad file
+            raise InvalidBundle(f"{where}: {path!r} is not a tokenizer.json the tokenizers package reads ({e})") from e
+        padding = tokenizer.padding or {}
+        tokenizer.enable_truncation(max_length=max_length)
+        tokenizer.enable_padding(  # to the longest text of each batch, with the file's pad token
+            direction=padding.get("direction", "right"),
+            pad_id=padding.get("pad_id", 0),
+            pad_type_id=padding.get("pad_type_id", 0),
+            pad_token=padding.get("pad_token", "[PAD]"),
+        )
+        return cls(column, tokenizer, manifest.reference)
+
+    def bind(self, onnx_inputs: dict[str, Any]) -> None:
+        """Keep the token tensors the graph takes, in the graph's integer types."""
+        if "input_ids" not in onnx_inputs:
+            raise InvalidBundle(
+                f"{self.model}: runtime_config text_inputs feeds 'input_ids', but the ONNX graph "
+                f"takes {sorted(onnx_inputs)}; export the model with an input named input_ids"
+            )
+        self.tensors = {
+            name: np.dtype(_numpy_type(onnx_inputs[name].type)) for name in TOKEN_TENSORS if name in onnx_inputs
+        }
+
+    def texts(self, batch: pa.RecordBatch | pa.Table) -> list[str]:
+        """The column's strings; InvalidInput when it is missing, not strings, or has nulls."""
+        if batch.schema.get_field_index(self.column) < 0:
+            raise InvalidInput(
+                f"column {self.column!r} is missing; the model {self.model!r} embeds the text in it"
+            )
+        column = batch.column(self.column)
+        if not _is_text(column.type):
+            raise InvalidInput(
+                f"column {self.column!r} is {column.type}, the model {self.model!r} expects strings; "
+                "cast it to string before scoring"
+            )
+        if column.null_count:
+            raise InvalidInput(
+                f"column {self.column!r} holds {column.null_count} null rows of {len(column)}; the "
+                f"model {self.model!r} needs a string in every row: fill or drop those rows"
+            )
+        return column.to_pylist()
+
+    def encode(self, texts: list[str]) -> dict[str, np.ndarray]:
+        """Token tensors (rows, longest text's tokens) for the graph's token inputs."""
+        encodings = self._tokenizer.encode_batch(texts)
+        fields = {"input_ids": "ids", "attention_mask": "attention_mask", "token_type_ids": "type_ids"}
+        return {
+            name: np.array([getattr(e, fields[name]) for e in encodings], dtype=dtype)
+            for name, dtype in self.tensors.items()
+        }
+
+
 class OnnxModel(Runtime):
     """An ONNX model run by onnxruntime."""
 
@@ -70,6 +185,7 @@ class OnnxModel(Runtime):
         self._session: Any = None
         self._feeds: list[dict[str, Any]] = []
         self._outputs: list[tuple[str, str, pa.DataType]] = []
+        self._text: TextBinding | None = None
 
     def _providers(self, ort: Any) -> list[str]:
         available = ort.get_available_providers()
@@ -96,6 +212,8 @@ class OnnxModel(Runtime):
                 f"an ONNX bundle holds exactly one .onnx artifact; {self.manifest.reference} "
                 f"lists {model_files}"
             )
+        if "text_inputs" in self.manifest.runtime_config:
+            self._text = TextBinding.from_manifest(self.bundle_dir, self.manifest)
         so = ort.SessionOptions()
         threads = self.options.intra_op_threads or (os.cpu_count() or 1)
         so.intra_op_num_threads = threads
@@ -115,7 +233,10 @@ class OnnxModel(Runtime):
     def _bind(self) -> None:
         config = self.manifest.runtime_config
         onnx_inputs = {i.name: i for i in self._session.get_inputs()}
-        bindings = config.get("tensor_inputs") or [{"name": n} for n in onnx_inputs]
+        if self._text is not None:
+            self._text.bind(onnx_inputs)
+        tokens = self._text.tensors if self._text is not None else {}
+        bindings = config.get("tensor_inputs") or [{"name": n} for n in onnx_inputs if n not in tokens]
         self._feeds = []
         for binding in bindings:
             name = binding["name"]
@@ -155,6 +276,12 @@ class OnnxModel(Runtime):
         if self._session is None:
             raise RuntimeError("predict() before load()")
         feed = {}
+        if self._text is not None:
+            if batch.num_rows == 0:  # a graph may not take a (0, 0) token tensor
+                return pa.RecordBatch.from_arrays(
+                    [pa.array([], type=t) for _, _, t in self._outputs], names=[c for _, c, _ in self._outputs]
+                )
+            feed.update(self._text.encode(self._text.texts(batch)))
         try:
             for binding in self._feeds:
                 if binding["columns"]:
@@ -174,8 +301,9 @@ class OnnxModel(Runtime):
         return pa.RecordBatch.from_arrays(arrays, names=[c for _, c, _ in self._outputs])
 
     def close(self) -> None:
-        """Drop the session."""
+        """Drop the session (and the tokenizer)."""
         self._session = None
+        self._text = None
 
 
 def _numpy_type(onnx_type: str) -> str:

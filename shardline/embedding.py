@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from shardline.bundle import MANIFEST, HardwareHints, Lineage, Manifest, describe_artifact, sha256_file, write_manifest
+from shardline.bundle import MANIFEST, HardwareHints, Lineage, Manifest, describe_artifact, sha256_file
 from shardline.errors import InvalidBundle, InvalidSetting, RuntimeUnavailable
-from shardline.packaging import current_environment, new_bundle_dir
+from shardline.packaging import GOLDEN_FILE, PROFILE_FILE, GoldenSet, current_environment, finish_bundle, new_bundle_dir
 from shardline.runtimes.base import RuntimeOptions
 from shardline.runtimes.onnx import TOKEN_TENSORS, OnnxModel, TextBinding
 from shardline.signature import ColumnSpec, Signature
@@ -49,6 +49,28 @@ _PROBES = [
     "Ünïcode, punctuation -- and numbers: 3.14!",
     " ".join(["tokens"] * 600),
 ]
+# The golden set promotion scores a version (and its int8 variant) on: texts with
+# the embeddings torch computes for them.
+GOLDEN_TEXTS = [
+    "The invoice is due at the end of the month.",
+    "Our quarterly revenue grew by twelve percent.",
+    "Please reset my password, I cannot log in.",
+    "The train to Lyon leaves from platform four.",
+    "A kitten chased the red ball under the sofa.",
+    "Dogs are loyal companions and love long walks.",
+    "The patient reported mild headaches after the dose.",
+    "Add two cups of flour and stir until smooth.",
+    "The central bank kept interest rates unchanged.",
+    "Rain is expected over the mountains tonight.",
+    "This laptop's battery lasts about nine hours.",
+    "The court adjourned until Monday morning.",
+    "Photosynthesis turns light into chemical energy.",
+    "He scored twice in the second half of the match.",
+    "Shipping takes three to five business days.",
+    "The museum opens a new exhibition on Roman glass.",
+    *_PROBES,
+]
+GOLDEN_THRESHOLD = 0.999
 _MAX_EXPORT_ERROR = 1e-4
 _RECORDED = ("torch", "transformers", "sentence-transformers", "tokenizers", SOURCE_PACKAGE)
 
@@ -184,7 +206,9 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def package_minilm(out_dir: str | Path, name: str = "minilm", max_length: int = 256) -> Manifest:
+def package_minilm(
+    out_dir: str | Path, name: str = "minilm", max_length: int = 256, reference_profile: dict[str, Any] | None = None
+) -> Manifest:
     """Export all-MiniLM-L6-v2 to an ONNX bundle in a new folder and write its manifest.
 
     Args:
@@ -192,9 +216,11 @@ def package_minilm(out_dir: str | Path, name: str = "minilm", max_length: int = 
         name: the model's name in the registry.
         max_length: tokens per text, special tokens included; longer texts are cut
             (sentence-transformers' own limit for this model is 256).
+        reference_profile: a profile of representative texts, for drift checks.
 
     Returns:
-        The manifest, with ``model.onnx`` and ``tokenizer.json`` among its artifacts.
+        The manifest, with ``model.onnx`` and ``tokenizer.json`` among its artifacts, and a
+        golden set (torch's embeddings of GOLDEN_TEXTS, metric cosine_min).
 
     Raises:
         RuntimeUnavailable: the build packages are missing ('shardline[embedding-build]').
@@ -212,15 +238,28 @@ def package_minilm(out_dir: str | Path, name: str = "minilm", max_length: int = 
         )
     out = new_bundle_dir(Path(out_dir))
     try:
-        return _build_bundle(torch, auto_model, model_dir, out, name, max_length)
+        return _build_bundle(torch, auto_model, model_dir, out, name, max_length, reference_profile)
     except BaseException:
-        for written in (MANIFEST, "model.onnx", "tokenizer.json"):
+        for written in (MANIFEST, "model.onnx", "tokenizer.json", GOLDEN_FILE, PROFILE_FILE):
             (out / written).unlink(missing_ok=True)
         raise
 
 
-def _build_bundle(torch: Any, auto_model: Any, model_dir: Path, out: Path, name: str, max_length: int) -> Manifest:
-    """Export, copy the tokenizer, check the export, write the manifest."""
+def _golden(torch: Any, model: Any, out: Path, manifest: Manifest) -> GoldenSet:
+    """GOLDEN_TEXTS with torch's embeddings of them, as the bundle's golden set."""
+    tokens = TextBinding.from_manifest(out, manifest).encode(GOLDEN_TEXTS)
+    with torch.no_grad():
+        expected = model(*(torch.from_numpy(tokens[name]) for name in TOKEN_TENSORS)).numpy().astype(np.float32)
+    column = pa.FixedSizeListArray.from_arrays(pa.array(expected.ravel()), expected.shape[1])
+    table = pa.table({"text": GOLDEN_TEXTS, "expected": column})
+    return GoldenSet(table, "expected", "cosine_min", "embedding", GOLDEN_THRESHOLD, max_variant_delta=0.05)
+
+
+def _build_bundle(
+    torch: Any, auto_model: Any, model_dir: Path, out: Path, name: str, max_length: int,
+    reference_profile: dict[str, Any] | None,
+) -> Manifest:
+    """Export, copy the tokenizer, check the export, add the golden set, write the manifest."""
     encoder = auto_model.from_pretrained(
         str(model_dir), use_safetensors=True, local_files_only=True, attn_implementation="eager"
     )
@@ -250,5 +289,4 @@ def _build_bundle(torch: Any, auto_model: Any, model_dir: Path, out: Path, name:
         },
     )
     manifest.lineage.metrics["onnx_max_abs_error"] = _check_export(torch, model, out, manifest)
-    write_manifest(out, manifest)
-    return manifest
+    return finish_bundle(out, manifest, _golden(torch, model, out, manifest), reference_profile)

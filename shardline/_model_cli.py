@@ -256,3 +256,87 @@ def model_history(
                    f"from {m.previous if m.previous is not None else '-':<5} by {m.by:<12} {m.reason}")
     if not moves:
         typer.echo(f"{name}@{alias} was never set")
+
+
+@model_app.command("optimize")
+def model_optimize(
+    reference: str = typer.Argument(..., help="name:version or name@alias."),
+    quantize: str = typer.Option(..., help="int8 (CPU, dynamic quantization) or fp16 (GPU)."),
+) -> None:
+    """Make a precision variant, score it against fp32 on the golden set, and record it."""
+    from shardline.quality.variants import make_variant
+    from shardline.settings import RuntimeSettings, StorageSettings
+
+    storage = StorageSettings()
+    try:
+        variant = make_variant(open_registry(), reference, quantize,  # type: ignore[arg-type]
+                               cache_dir=storage.cache, storage_options=storage.storage_options,
+                               device=RuntimeSettings().device)
+    except ShardlineError as e:
+        raise fail(e, EXIT_FAILED if type(e).__name__ == "GateFailed" else 2) from e
+    scored = (f"{variant.metric} {variant.score:.4f} vs fp32 {variant.baseline:.4f} (delta {variant.delta:+.4f})"
+              if variant.score is not None and variant.baseline is not None else "unscored: no golden set")
+    typer.echo(f"{reference}#{variant.name}: {variant.precision} for {variant.device}, "
+               f"sha256 {variant.artifact.sha256[:12]}, {scored}")
+
+
+@model_app.command("profile")
+def model_profile(
+    reference: str = typer.Argument(..., help="name:version or name@alias."),
+    variant: Optional[str] = typer.Option(None, help="Profile this precision variant instead of fp32."),
+    sample: Optional[Path] = typer.Option(None, exists=True, help="Parquet rows to time (default: the golden set)."),
+    batch_sizes: str = typer.Option("1,8,64,512,4096", help="Comma-separated batch sizes."),
+    seconds: float = typer.Option(0.5, min=0.05, help="Seconds per batch size."),
+    threads: int = typer.Option(0, min=0, help="onnxruntime threads (0: every core)."),
+) -> None:
+    """Measure latency and throughput per batch size on this machine and store it in the registry."""
+    import pyarrow.parquet as pq
+
+    from shardline.quality.model_profiles import profile_version
+    from shardline.runtimes import RuntimeOptions
+    from shardline.settings import RuntimeSettings, StorageSettings
+
+    storage = StorageSettings()
+    try:
+        sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
+        profile = profile_version(
+            open_registry(), reference, variant, sample_table=pq.read_table(sample) if sample else None,
+            batch_sizes=sizes, seconds_per_size=seconds,
+            options=RuntimeOptions(RuntimeSettings().device, threads), cache_dir=storage.cache,
+            storage_options=storage.storage_options,
+        )
+    except (ShardlineError, ValueError) as e:
+        raise fail(e) from e
+    typer.echo(f"{profile['model']} ({profile.get('variant') or 'fp32'}) on {profile['machine']}, "
+               f"{profile['threads']} threads:")
+    for row in profile["batches"]:
+        typer.echo(f"  batch {row['batch_size']:>6}: p50 {row['p50_ms']:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  "
+                   f"{row['rows_per_s']:>12,.0f} rows/s")
+
+
+@model_app.command("place")
+def model_place(
+    reference: str = typer.Argument(..., help="name:version or name@alias."),
+    p99_ms: Optional[float] = typer.Option(None, help="Online: p99 latency target per request (ms)."),
+    rps: Optional[float] = typer.Option(None, help="Online: expected requests per second."),
+    rows_per_s: Optional[float] = typer.Option(None, help="Batch: throughput to sustain."),
+) -> None:
+    """Choose device, variant and batch size for a workload from the version's stored profiles."""
+    from shardline.placement import BatchWorkload, CostTable, OnlineWorkload, candidates_from_profiles, choose_placement
+    from shardline.settings import PlacementSettings
+
+    try:
+        registry = open_registry()
+        resolved = registry.resolve(reference)
+        candidates = candidates_from_profiles(registry.profiles(resolved.name, resolved.version),
+                                              CostTable(per_hour=PlacementSettings().costs_per_hour))
+        if p99_ms is not None or rps is not None:
+            if p99_ms is None or rps is None:
+                raise ShardlineError("an online workload needs both --p99-ms and --rps")
+            workload: Any = OnlineWorkload(p99_ms=p99_ms, rps=rps)
+        else:
+            workload = BatchWorkload(rows_per_s=rows_per_s)
+        placement = choose_placement(workload, candidates)
+    except ShardlineError as e:
+        raise fail(e) from e
+    typer.echo(placement.reason)

@@ -106,7 +106,7 @@ class Evaluation(BaseModel):
     prediction_column: str = Field(description="Output column compared with the label.")
     threshold: float = Field(description="At least this (accuracy, cosine_min) or at most this (rmse).")
     max_variant_delta: float = Field(
-        default=0.01, ge=0, description="How much worse than fp32 a precision variant may score."
+        default=0.01, ge=0, description="How far from fp32's score, either way, a precision variant may score."
     )
 
     def passes(self, score: float) -> bool:

@@ -31,7 +31,7 @@ app.add_typer(model_app, name="model")
 
 def run_batch_job(
     model: str, input_uri: str, output_uri: str, tenant: str,
-    passthrough: list[str] | None, batch_rows: int | None, progress: bool = True,
+    passthrough: list[str] | None, batch_rows: int | None, progress: bool = True, variant: str | None = None,
 ) -> tuple[int, dict[str, Any] | None]:
     """Run the batch flow in this process; returns (exit code, summary)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -53,7 +53,7 @@ def run_batch_job(
         with bar:
             state = batch_inference(
                 model=model, input_uri=input_uri, output_uri=output_uri, tenant=tenant,
-                passthrough=passthrough, batch_rows=batch_rows, return_state=True,
+                passthrough=passthrough, batch_rows=batch_rows, variant=variant, return_state=True,
             )
     finally:
         batch_tasks.progress_listeners.remove(listen)
@@ -101,6 +101,10 @@ def batch_run(
         None, help="Input column to copy to the output (repeat); default: every column the model does not read."
     ),
     batch_rows: Optional[int] = typer.Option(None, min=1, help="Rows per batch (bounds worker memory)."),
+    variant: Optional[str] = typer.Option(
+        None, help="Precision variant to run (e.g. int8), or 'auto' to let placement choose from the "
+        "version's profiles; default: the fp32 model."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
 ) -> None:
     """Score every row of the input shards and write Parquet parts to the output.
@@ -108,7 +112,7 @@ def batch_run(
     Exit codes: 0 all scored, 3 some shards quarantined, 1 failed (re-run to resume),
     2 the request was wrong (model, URL, input).
     """
-    code, summary = run_batch_job(model, input, output, tenant, passthrough, batch_rows, progress=not json_out)
+    code, summary = run_batch_job(model, input, output, tenant, passthrough, batch_rows, not json_out, variant)
     if json_out and summary is not None:
         typer.echo(json.dumps(summary, default=str))
     raise typer.Exit(code)

@@ -128,3 +128,14 @@ class BatchSettings(BaseSettings):
     shard_suffixes: tuple[str, ...] = Field(
         default=(".parquet", ".pq"), description="File suffixes that count as shards."
     )
+
+
+class PlacementSettings(BaseSettings):
+    """Prices the placement decision weighs measured profiles with (see docs/placement.md)."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_PLACEMENT_", extra="ignore")
+
+    costs_per_hour: dict[str, float] = Field(
+        default_factory=lambda: {"cpu": 0.20, "cuda": 4.00, "cuda-nvidia-h200-mig": 0.60},
+        description="Machine kind (or a prefix of it, longest wins) -> price of one device per hour (JSON).",
+    )

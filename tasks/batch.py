@@ -21,11 +21,13 @@ from shardline.tasks.logs import run_logger
 
 from shardline.errors import CorruptShard, JobFailed
 from shardline.runtimes import RuntimeOptions
-from shardline.settings import BatchSettings, DaskSettings, RuntimeSettings, StorageSettings
+from shardline.placement import BatchWorkload, CostTable, candidates_from_profiles, choose_placement
+from shardline.profiling import machine_kind
+from shardline.settings import BatchSettings, DaskSettings, PlacementSettings, RuntimeSettings, StorageSettings
 from shardline.signature import schema_problems
 from shardline.storage.jobs import JobSummary, job_id, job_key, summarize
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, split_done
-from shardline.storage.registry import ModelRegistry
+from shardline.storage.registry import ModelRegistry, ResolvedModel
 from shardline.storage.scoring import ScoringJob, score_shard
 from shardline.storage.shards import ShardInfo, list_shards, read_footer
 from shardline.tasks.cluster import threads_per_call
@@ -50,6 +52,30 @@ class JobPlan:
     failed: dict[str, str] = field(default_factory=dict)
 
 
+def choose_variant(registry: ModelRegistry, model: ResolvedModel, variant: str | None, local: bool) -> ResolvedModel:
+    """The model a job runs: fp32 unless a variant is named; 'auto' lets placement choose.
+
+    'auto' weighs the version's profiles (measured on this machine kind when the
+    cluster is local, on every kind otherwise) by rows/s per cost and takes the best
+    variant. A variant changes the numbers (within the golden-set delta its gate
+    allowed), so a job only runs one when asked to.
+    """
+    if variant is None:
+        return model
+    if variant != "auto":
+        return model.variant(variant)
+    here = machine_kind()
+    profiles = {k: p for k, p in registry.profiles(model.name, model.version).items() if not local or p.get("machine") == here}
+    candidates = candidates_from_profiles(profiles, CostTable(per_hour=PlacementSettings().costs_per_hour))
+    known = [c for c in candidates if c.variant == "fp32" or c.variant in model.variants]
+    if not known:
+        run_logger().info("variant auto: %s has no profile on %s; running fp32", model.pinned, here)
+        return model
+    chosen = choose_placement(BatchWorkload(), known)
+    run_logger().info("variant auto: %s", chosen.reason)
+    return model if chosen.candidate.variant == "fp32" else model.variant(chosen.candidate.variant)
+
+
 @task(name="plan", cache_policy=NO_CACHE)
 def plan_batch_job(
     model: str,
@@ -61,9 +87,11 @@ def plan_batch_job(
     batch: BatchSettings,
     runtime: RuntimeSettings,
     dask: DaskSettings,
+    variant: str | None = None,
 ) -> JobPlan:
-    """Pin the model, list the shards, and split off those a previous run settled."""
-    resolved = ModelRegistry(storage.registry, storage.storage_options).resolve(model)
+    """Pin the model (and its variant), list the shards, and split off those a previous run settled."""
+    registry = ModelRegistry(storage.registry, storage.storage_options)
+    resolved = choose_variant(registry, registry.resolve(model), variant, local=dask.cluster == "local")
     shards = list_shards(input_uri, storage.storage_options, batch.shard_suffixes)
     check_part_names(shards)
     key = job_key(resolved.digest, passthrough)
@@ -183,7 +211,7 @@ def commit_job(plan: JobPlan) -> JobSummary:
         "job_id": plan.job_id,
         "tenant": plan.tenant,
         "model": {"reference": plan.job.model.reference, "pinned": plan.job.model.pinned,
-                  "digest": plan.job.model.digest},
+                  "variant": plan.job.model.manifest.tags.get("variant", "fp32"), "digest": plan.job.model.digest},
         "input": plan.input_uri,
         "output": plan.job.output_uri,
         "passthrough": list(plan.job.passthrough) if plan.job.passthrough is not None else "auto",

@@ -15,7 +15,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,package,embedding,embedding-build,dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[cpu,package,embedding,embedding-build,dev]'
 	touch $@
 
 demo: setup
@@ -31,7 +31,7 @@ bench: setup
 	$(PY) bench/batch_throughput.py
 
 typecheck: setup
-	$(PY) -m mypy shardline storage
+	$(PY) -m mypy shardline storage online
 
 clean:
 	rm -rf $(VENV) shardline-demo .pytest_cache

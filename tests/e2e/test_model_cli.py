@@ -77,3 +77,33 @@ def test_package_push_promote_show_and_roll_back(shardline: Shardline, breast_ca
     assert "first cut" in history[0] and "latency" in history[2]
     again = shardline("model", "rollback", "churn", "--alias", "dev")
     assert again.returncode == 2 and "churn@dev was never set" in again.stderr
+
+
+def test_optimize_profile_and_place(shardline: Shardline, tmp_path: Path) -> None:
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from shardline.packaging import GoldenSet, package_sklearn
+
+    data = breast_cancer()
+    mlp = make_pipeline(StandardScaler(), MLPClassifier((32,), max_iter=1000, random_state=0)).fit(data.features, data.labels)
+    golden = GoldenSet(golden_table(data), "target", "accuracy", "label", 0.95, max_variant_delta=0.02)
+    package_sklearn(mlp, tmp_path / "mlp", name="mlp", feature_names=data.names, golden=golden)
+    _ok(shardline("model", "push", str(tmp_path / "mlp")))
+
+    optimized = _ok(shardline("model", "optimize", "mlp:1", "--quantize", "int8"))
+    assert optimized.startswith("mlp:1#int8: int8 for cpu") and "accuracy" in optimized and "vs fp32" in optimized
+    refused = shardline("model", "optimize", "mlp:1", "--quantize", "int4")
+    assert refused.returncode == 2 and "precision 'int4' is not one Shardline makes" in refused.stderr
+
+    for variant in ([], ["--variant", "int8"]):
+        profiled = _ok(shardline("model", "profile", "mlp:1", *variant, "--batch-sizes", "1,256", "--seconds", "0.1"))
+        assert "batch      1:" in profiled and "rows/s" in profiled
+    shown = json.loads(_ok(shardline("model", "show", "mlp:1")))
+    assert set(shown["variants"]) == {"int8"} and len(shown["profiles"]) == 2
+
+    placed = _ok(shardline("model", "place", "mlp:1", "--p99-ms", "50", "--rps", "100"))
+    assert "cpu" in placed
+    impossible = shardline("model", "place", "mlp:1", "--p99-ms", "0.000001", "--rps", "100")
+    assert impossible.returncode == 2 and "error:" in impossible.stderr

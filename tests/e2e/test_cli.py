@@ -35,8 +35,10 @@ def test_model_push_alias_and_list(shardline: Shardline, breast_cancer_model: Bu
     line = listed.stdout.strip().splitlines()[0]
     assert line.split()[:3] == ["breast-cancer:1", "prod", "onnx"] and "mean radius:float32" in line
 
-    wrong = shardline("model", "alias", "breast-cancer", "prod", "4")
+    wrong = shardline("model", "alias", "breast-cancer", "dev", "4")
     assert wrong.returncode == 2 and "has no version 4 (it has versions [1])" in wrong.stderr
+    protected = shardline("model", "alias", "breast-cancer", "prod", "1")
+    assert protected.returncode == 2 and "breast-cancer@prod is protected" in protected.stderr
 
 
 @pytest.mark.usefixtures("local_registry")

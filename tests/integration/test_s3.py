@@ -222,7 +222,7 @@ def test_batch_flow_reads_and_writes_s3_and_reruns_idempotently(
     assert sum(p["rows"] for p in manifest["parts"]) == 12_000 and manifest["quarantined"] == []
 
     # the workers fetched the bundle from S3 into their local cache and verified it
-    cached = shardline_home / "cache" / MODEL / breast_cancer_model.manifest.digest[:32]
+    cached = shardline_home / "cache" / MODEL / breast_cancer_model.manifest.content_digest[:32]
     assert (cached / MANIFEST).is_file()
     verify_artifacts(cached, breast_cancer_model.manifest)
 

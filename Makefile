@@ -31,7 +31,7 @@ bench: setup
 	$(PY) bench/batch_throughput.py
 
 typecheck: setup
-	$(PY) -m mypy shardline storage quality
+	$(PY) -m mypy shardline storage quality online
 
 clean:
 	rm -rf $(VENV) shardline-demo .pytest_cache

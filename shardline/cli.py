@@ -165,6 +165,36 @@ def demo(
     )
 
 
+@app.command()
+def serve(
+    host: Optional[str] = typer.Option(None, help="Address to listen on [default: 127.0.0.1; SHARDLINE_ONLINE_HOST]."),
+    port: Optional[int] = typer.Option(
+        None, min=0, max=65_535, help="TCP port [default: 8000; SHARDLINE_ONLINE_PORT]."
+    ),
+    tenants: Optional[Path] = typer.Option(
+        None, "--tenants", help="Tenants YAML: API key hashes, models, priority, quotas [SHARDLINE_ONLINE_TENANTS_FILE]."
+    ),
+) -> None:
+    """Serve the tenants' models over HTTP: Open Inference Protocol (/v2) and OpenAI-style /v1/embeddings.
+
+    Models come from the registry (SHARDLINE_STORAGE_HOME or SHARDLINE_STORAGE_REGISTRY_URL)
+    through the same model cache as batch jobs; idle models are unloaded and load on
+    their next request. Stop it with Ctrl-C (SIGINT) or SIGTERM.
+    """
+    from pydantic import ValidationError
+
+    from shardline._cli_common import fail
+    from shardline.online.server import serve as run_server
+    from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
+
+    given: dict[str, Any] = {"host": host, "port": port, "tenants_file": str(tenants) if tenants is not None else None}
+    try:
+        online = OnlineSettings.model_validate({k: v for k, v in given.items() if v is not None})
+        run_server(online, StorageSettings(), RuntimeSettings())
+    except (ShardlineError, ValidationError) as e:
+        raise fail(e) from e
+
+
 def main() -> None:
     """Entry point: keep every library off the network, then run the command."""
     for key, value in OFF_THE_NETWORK.items():

@@ -99,3 +99,44 @@ class JobFailed(ShardlineError, RuntimeError):
     def __init__(self, message: str, failed: dict[str, str]) -> None:
         super().__init__(message)
         self.failed = failed
+
+
+class Unauthenticated(ShardlineError, PermissionError):
+    """A request carries no API key, or one that no tenant holds."""
+
+
+class RateLimited(ShardlineError, RuntimeError):
+    """A tenant is over its request rate or its concurrent-request quota; retry after ``retry_after`` s."""
+
+    def __init__(self, message: str, tenant: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.retry_after = retry_after
+
+
+class Overloaded(ShardlineError, RuntimeError):
+    """The server sheds this request to keep latency bounded; retry after ``retry_after`` s."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class PayloadTooLarge(InvalidInput):
+    """A request body is over the server's size limit (before or after decompression)."""
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class UnsupportedEncoding(InvalidInput):
+    """A request body is compressed with an encoding the server does not read."""
+
+
+class InferenceFailed(ShardlineError, RuntimeError):
+    """A model failed on rows that had passed its signature check (a fault of the model or server)."""
+
+
+class NotServed(ShardlineError, NotImplementedError):
+    """An endpoint that this server does not offer yet."""

@@ -37,7 +37,7 @@ class ModelCache:
 
     def local_dir(self, model: ResolvedModel) -> Path:
         """Where a bundle's verified files live on this machine."""
-        return self.cache_dir / model.name / model.manifest.content_digest[:32]
+        return self.cache_dir / model.name / model.content_digest[:32]
 
     def _ensure_local(self, model: ResolvedModel, storage_options: dict[str, Any] | None) -> Path:
         """Fetch the bundle unless a verified copy is already here; re-fetch a damaged copy once."""
@@ -74,7 +74,7 @@ class ModelCache:
             IntegrityError: the registry's artifacts do not match their manifest.
             RuntimeUnavailable: the runtime or device is not available here.
         """
-        key = (model.manifest.content_digest, options)
+        key = (model.content_digest, options)
         with self._lock:
             if key in self._loaded:
                 self._loaded.move_to_end(key)
@@ -99,6 +99,31 @@ class ModelCache:
         """Content digests of the bundles held now, least recently used first."""
         with self._lock:
             return [digest for digest, _ in self._loaded]
+
+    def held(self, content_digest: str, options: RuntimeOptions = RuntimeOptions()) -> Runtime | None:
+        """The loaded model for a bundle's content digest, if it is held now (marked recently used); never loads.
+
+        The online tier calls it on every batch to find a model without loading it.
+        """
+        key = (content_digest, options)
+        with self._lock:
+            runtime = self._loaded.get(key)
+            if runtime is not None:
+                self._loaded.move_to_end(key)
+            return runtime
+
+    def evict(self, content_digest: str) -> bool:
+        """Unload every loaded copy of one bundle (whatever its runtime options); True if one was held.
+
+        The online tier calls it to scale an idle model to zero; the next ``get`` loads it
+        again. The caller makes sure nothing is predicting with it.
+        """
+        with self._lock:
+            keys = [key for key in self._loaded if key[0] == content_digest]
+            runtimes = [self._loaded.pop(key) for key in keys]
+        for runtime in runtimes:
+            runtime.close()
+        return bool(runtimes)
 
     def clear(self) -> None:
         """Unload everything."""

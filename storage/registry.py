@@ -61,6 +61,7 @@ class ResolvedModel(BaseModel):
     name: str
     version: int
     digest: str
+    content_digest: str = Field(description="The manifest's content digest, worked out once at resolve time.")
     registry_url: str
     manifest: Manifest
     variants: dict[str, Variant] = Field(default_factory=dict)
@@ -80,7 +81,10 @@ class ResolvedModel(BaseModel):
         chosen = self.variants[name]
         artifacts = [chosen.artifact if a.role == "model" else a for a in self.manifest.artifacts]
         manifest = self.manifest.model_copy(update={"artifacts": artifacts, "tags": {**self.manifest.tags, "variant": name}})
-        return self.model_copy(update={"manifest": manifest, "digest": manifest.digest, "reference": f"{self.reference}#{name}"})
+        return self.model_copy(update={
+            "manifest": manifest, "digest": manifest.digest, "content_digest": manifest.content_digest,
+            "reference": f"{self.reference}#{name}",
+        })
 
     @property
     def pinned(self) -> str:
@@ -398,7 +402,7 @@ class ModelRegistry:
         manifest = self.get_manifest(ref.name, version)
         return ResolvedModel(
             reference=str(ref), name=ref.name, version=version, digest=manifest.digest,
-            registry_url=self.fs.unstrip_protocol(self.root), manifest=manifest,
+            content_digest=manifest.content_digest, registry_url=self.fs.unstrip_protocol(self.root), manifest=manifest,
             variants=self.list_variants(ref.name, version),
         )
 

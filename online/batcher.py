@@ -1,0 +1,272 @@
+"""Dynamic batching for one loaded model.
+
+Requests queue by priority class; a batch goes to the model when it holds
+``max_batch_size`` rows or its oldest request has waited ``max_wait_s``, and only
+while fewer than ``max_concurrent_batches`` of the model's batches run. With a wait
+of 0 a request goes at once when the model is idle, and batches form by themselves
+while it is busy (Triton's default): low latency at low load, large batches at high.
+
+A request is never split across batches; one larger than the batch limit goes alone.
+If the model fails a batch, its requests are retried one by one, so one bad request
+does not fail its neighbours. Requests are checked against the signature before they
+are submitted (``DataPlane``); the batcher only queues, groups, calls and splits.
+
+The decisions (``batch_wait``, ``take_batch``) are pure and tested without a loop.
+Everything else runs on the event loop thread; the model runs wherever ``predict``
+sends it (a thread pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Iterable, Mapping
+
+import pyarrow as pa
+
+from shardline.errors import InferenceFailed, InvalidBundle, Overloaded, RuntimeUnavailable
+from shardline.online.admission import admits, drain_seconds, retry_after
+from shardline.online.tenants import PRIORITIES, Priority
+
+Predict = Callable[[pa.Table], Awaitable[pa.RecordBatch]]
+BatchObserver = Callable[[int, int, float], None]  # rows, requests, seconds
+# Failures of the model as a whole (it cannot load): retrying rows one by one cannot help.
+_MODEL_WIDE = (RuntimeUnavailable, InvalidBundle)
+_RATE_SMOOTHING = 0.2
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """How one model batches and how much it queues."""
+
+    max_batch_size: int
+    max_wait_s: float
+    queue_capacity: int
+    max_concurrent_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.queue_capacity < 1 or self.max_concurrent_batches < 1:
+            raise ValueError(f"batch limits must be at least 1: {self}")
+        if self.max_wait_s < 0:
+            raise ValueError(f"max_wait_s must not be negative, got {self.max_wait_s}")
+
+
+@dataclass
+class Pending:
+    """One queued request: its rows, class, arrival time and the future its answer goes to."""
+
+    table: pa.Table
+    priority: Priority
+    enqueued: float
+    future: asyncio.Future[pa.Table] = field(repr=False)
+
+    @property
+    def rows(self) -> int:
+        """Rows of the request."""
+        return self.table.num_rows
+
+
+def batch_wait(queued_rows: int, oldest_enqueued: float | None, now: float, limits: BatchLimits) -> float | None:
+    """Seconds until a batch should go: 0.0 now, None when nothing is queued."""
+    if oldest_enqueued is None:
+        return None
+    if queued_rows >= limits.max_batch_size:
+        return 0.0
+    return max(0.0, oldest_enqueued + limits.max_wait_s - now)
+
+
+def take_batch(queues: Mapping[Priority, deque[Pending]], max_rows: int) -> list[Pending]:
+    """Pop the next batch: highest class first, oldest first within a class, up to ``max_rows``.
+
+    The first request is always taken, even when it alone is over ``max_rows``.
+    """
+    batch: list[Pending] = []
+    rows = 0
+    for priority in PRIORITIES:
+        queue = queues[priority]
+        while queue:
+            head = queue[0]
+            if batch and rows + head.rows > max_rows:
+                return batch
+            batch.append(queue.popleft())
+            rows += head.rows
+            if rows >= max_rows:
+                return batch
+    return batch
+
+
+class Batcher:
+    """Queues, groups and runs one model's requests; see the module docstring."""
+
+    def __init__(
+        self,
+        model: str,
+        limits: BatchLimits,
+        predict: Predict,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        observe: BatchObserver | None = None,
+    ) -> None:
+        self.model = model
+        self.limits = limits
+        self._predict = predict
+        self._clock = clock
+        self._observe = observe
+        self._queues: dict[Priority, deque[Pending]] = {p: deque() for p in PRIORITIES}
+        self._queued_rows = 0
+        self._running_batches = 0
+        self._running_requests = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.rows_per_second: float | None = None
+
+    # -- what the metrics and the reaper read -------------------------------------------
+    def depths(self) -> dict[Priority, int]:
+        """Requests queued per priority class."""
+        return {p: len(q) for p, q in self._queues.items()}
+
+    @property
+    def queued(self) -> int:
+        """Requests queued, all classes."""
+        return sum(len(q) for q in self._queues.values())
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in batches that are running now."""
+        return self._running_requests
+
+    @property
+    def busy(self) -> bool:
+        """Whether anything is queued or running."""
+        return self._running_batches > 0 or self.queued > 0
+
+    # -- submitting -------------------------------------------------------------------
+    def submit(self, table: pa.Table, priority: Priority) -> asyncio.Future[pa.Table]:
+        """Queue rows; the future gets the model's output rows for them.
+
+        Raises:
+            Overloaded: the queue is past what this priority class may fill.
+        """
+        queued = self.queued
+        if not admits(queued, self.limits.queue_capacity, priority):
+            wait = drain_seconds(self._queued_rows, self.rows_per_second)
+            raise Overloaded(
+                f"model {self.model!r} has {queued} requests queued, the most a {priority}-priority "
+                f"request may join; it is shed to keep latency bounded: retry after {retry_after(wait)} s "
+                "or ask for a higher priority class",
+                retry_after(wait),
+            )
+        future: asyncio.Future[pa.Table] = asyncio.get_running_loop().create_future()
+        self._queues[priority].append(Pending(table, priority, self._clock(), future))
+        self._queued_rows += table.num_rows
+        self._dispatch()
+        return future
+
+    def _oldest(self) -> float | None:
+        heads = [q[0].enqueued for q in self._queues.values() if q]
+        return min(heads) if heads else None
+
+    def _dispatch(self) -> None:
+        """Start every batch that is due and may run; otherwise set a timer for the next one."""
+        while self._running_batches < self.limits.max_concurrent_batches:
+            wait = batch_wait(self._queued_rows, self._oldest(), self._clock(), self.limits)
+            if wait is None:
+                return
+            if wait > 0:
+                self._arm(wait)
+                return
+            batch = take_batch(self._queues, self.limits.max_batch_size)
+            self._queued_rows -= total_rows(batch)
+            live = [p for p in batch if not p.future.done()]  # a caller that went away is dropped
+            if not live:
+                continue
+            self._running_batches += 1
+            self._running_requests += len(live)
+            task = asyncio.get_running_loop().create_task(self._run(live))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _arm(self, wait: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(wait, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._dispatch()
+
+    async def _run(self, batch: list[Pending]) -> None:
+        started = self._clock()
+        rows = total_rows(batch)
+        try:
+            table = batch[0].table if len(batch) == 1 else pa.concat_tables([p.table for p in batch])
+            try:
+                output = await self._predict(table)
+            except Exception as e:  # noqa: BLE001 - each request gets the outcome that is its own
+                if len(batch) == 1 or isinstance(e, _MODEL_WIDE):
+                    for pending in batch:
+                        _fail(pending, e)
+                else:
+                    await self._one_by_one(batch)
+            else:
+                if output.num_rows != rows:
+                    error = InferenceFailed(
+                        f"model {self.model!r} returned {output.num_rows} rows for {rows}; a runtime must "
+                        "return one row per input row"
+                    )
+                    for pending in batch:
+                        _fail(pending, error)
+                    return
+                offset = 0
+                for pending in batch:
+                    _answer(pending, pa.Table.from_batches([output.slice(offset, pending.rows)]))
+                    offset += pending.rows
+            self._measured(rows, len(batch), self._clock() - started)
+        finally:
+            self._running_batches -= 1
+            self._running_requests -= len(batch)
+            self._dispatch()
+
+    async def _one_by_one(self, batch: list[Pending]) -> None:
+        for pending in batch:
+            try:
+                output = await self._predict(pending.table)
+            except Exception as e:  # noqa: BLE001
+                _fail(pending, e)
+            else:
+                _answer(pending, pa.Table.from_batches([output]))
+
+    def _measured(self, rows: int, requests: int, seconds: float) -> None:
+        if seconds > 0:
+            rate = rows / seconds
+            previous = self.rows_per_second
+            self.rows_per_second = rate if previous is None else previous + _RATE_SMOOTHING * (rate - previous)
+        if self._observe is not None:
+            self._observe(rows, requests, seconds)
+
+    async def close(self, error: BaseException) -> None:
+        """Fail what is queued with ``error`` and wait for running batches to end."""
+        if self._timer is not None:
+            self._timer.cancel()
+        for queue in self._queues.values():
+            while queue:
+                _fail(queue.popleft(), error)
+        self._queued_rows = 0
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _answer(pending: Pending, table: pa.Table) -> None:
+    if not pending.future.done():
+        pending.future.set_result(table)
+
+
+def _fail(pending: Pending, error: BaseException) -> None:
+    if not pending.future.done():
+        pending.future.set_exception(error)
+
+
+def total_rows(batch: Iterable[Pending]) -> int:
+    """Rows of a batch."""
+    return sum(p.rows for p in batch)

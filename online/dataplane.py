@@ -1,0 +1,438 @@
+"""The data plane: tenant, model reference and Arrow rows in, Arrow rows out; no protocol.
+
+Every wire protocol is a thin adapter over it (``online/protocols``). It answers with
+rows or raises domain errors (``shardline.errors``); only the HTTP edge turns those into
+status codes. Per request: authenticate the tenant (``authenticate``), hold its rate and
+concurrency quota (``admit``), find the version it may call (``model``), check the rows
+against the signature, queue them by the tenant's priority in the version's batcher,
+and score them through the same model cache as the batch tier. Idle versions are
+unloaded (scale to zero) and load again on their next request.
+
+Everything here runs on the event loop thread except what is sent to the thread
+pools: inference and loading (``shardline-infer``) and registry reads
+(``shardline-registry``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import re
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
+
+import pyarrow as pa
+
+from shardline.bundle import ModelRef
+from shardline.errors import (
+    InferenceFailed,
+    InvalidInput,
+    ModelNotFound,
+    NullValues,
+    Overloaded,
+    RateLimited,
+    SchemaMismatch,
+    ShardlineError,
+)
+from shardline.online.admission import retry_after, should_unload, take_token
+from shardline.online.batcher import Batcher
+from shardline.online.metrics import Metrics, ModelState, Snapshot
+from shardline.online.models import ModelDirectory, ServedModel, batch_limits
+from shardline.online.tenants import Tenant, TenantDirectory
+from shardline.runtimes import RuntimeOptions
+from shardline.settings import OnlineSettings
+from shardline.signature import Signature, is_compatible, schema_problems
+from shardline.storage.model_cache import ModelCache
+from shardline.storage.registry import ModelRegistry, ResolvedModel, check_alias
+
+log = logging.getLogger("shardline.online")
+T = TypeVar("T")
+_REFERENCE_SPLIT = re.compile(r"[@:]")
+
+
+_SCHEMAS: dict[int, tuple[Signature, pa.Schema]] = {}
+
+
+def input_schema(signature: Signature) -> pa.Schema:
+    """The Arrow schema of the rows a model reads (kept per signature: it is on every request's path)."""
+    hit = _SCHEMAS.get(id(signature))
+    if hit is not None and hit[0] is signature:
+        return hit[1]
+    schema = pa.schema([pa.field(c.name, c.arrow_type, c.nullable) for c in signature.inputs])
+    if len(_SCHEMAS) > 1024:
+        _SCHEMAS.clear()
+    _SCHEMAS[id(signature)] = (signature, schema)
+    return schema
+
+
+def prepare_rows(table: pa.Table, signature: Signature, model: str) -> pa.Table:
+    """The signature's input columns, cast to its types; refuses rows the model cannot read.
+
+    Raises:
+        SchemaMismatch: a column is missing or of a type that cannot feed the model.
+        NullValues: a column the model needs holds nulls.
+        InvalidInput: a value cannot be cast (e.g. out of range).
+    """
+    schema = input_schema(signature)
+    given = table.schema  # (a new object on every access: read it once)
+    if given.equals(schema):  # the protocol adapters build rows this way: only nulls are left to check
+        nulls = {f.name: c.null_count for f, c in zip(schema, table.columns) if not f.nullable and c.null_count}
+        if not nulls:
+            return table
+    columns = []
+    nulls = {}
+    for field in schema:
+        index = given.get_field_index(field.name)
+        if index < 0 or not is_compatible(given.field(index).type, field.type):
+            problems = schema_problems(given, signature.inputs, model)
+            raise SchemaMismatch("; ".join(problems), problems)
+        column = table.column(index)
+        if column.type != field.type:
+            try:
+                column = column.cast(field.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+                raise InvalidInput(f"input {field.name!r} cannot be read as {field.type} by the model {model!r}: {e}") from e
+        if not field.nullable and column.null_count:
+            nulls[field.name] = column.null_count
+        columns.append(column)
+    if nulls:
+        raise NullValues(
+            f"inputs {sorted(nulls)} hold nulls ({nulls}) where the model {model!r} needs values; send a value in every row",
+            nulls,
+        )
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+class DataPlane:
+    """Serves the tenants' models; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: OnlineSettings,
+        registry: ModelRegistry,
+        cache: ModelCache,
+        tenants: TenantDirectory,
+        runtime: RuntimeOptions = RuntimeOptions(),
+        *,
+        storage_options: dict[str, Any] | None = None,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.cache = cache
+        self.tenants = tenants
+        self.runtime = runtime
+        self.storage_options = storage_options
+        self.metrics = metrics or Metrics()
+        self._clock = clock
+        self._infer_pool: ThreadPoolExecutor | None = None
+        self._io_pool: ThreadPoolExecutor | None = None
+        self.directory = ModelDirectory(registry, self._blocking_io, settings.alias_refresh_s, clock)
+        self._served: dict[tuple[str, int], ServedModel] = {}
+        self._buckets: dict[str, Any] = {}
+        self._tenant_in_flight: dict[str, int] = defaultdict(int)
+        self._tokenizers: dict[str, Any] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self.started = False
+        self.stopping = False
+        self.metrics.watch(self.snapshot)
+
+    # -- life cycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the thread pools and the idle reaper; warn about references that do not resolve."""
+        self._infer_pool = ThreadPoolExecutor(self.settings.resolved_threads(), thread_name_prefix="shardline-infer")
+        self._io_pool = ThreadPoolExecutor(2, thread_name_prefix="shardline-registry")
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        self.started = True
+        for tenant in self.tenants.tenants.values():
+            for ref in tenant.models.values():
+                try:
+                    await self.directory.resolve(ref)
+                except Exception as e:  # noqa: BLE001 - pushed or reachable later: its requests will say so
+                    log.warning("a tenant's model does not resolve yet", extra={"fields": {
+                        "tenant": tenant.name, "reference": str(ref), "error": f"{type(e).__name__}: {e}"}})
+
+    async def stop(self) -> None:
+        """Fail what is still queued, stop the reaper and the pools."""
+        self.stopping = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for served in list(self._served.values()):
+            await served.batcher.close(Overloaded("the server is shutting down; retry on another replica", 1))
+        for pool in (self._infer_pool, self._io_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the server takes requests (started, not stopping); models may be scaled to zero."""
+        return self.started and not self.stopping
+
+    async def _blocking_io(self, call: Callable[[], T]) -> T:
+        if self._io_pool is None:
+            raise RuntimeError("DataPlane.start() was not awaited")
+        return await asyncio.get_running_loop().run_in_executor(self._io_pool, call)
+
+    # -- tenants ------------------------------------------------------------------------
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant an ``Authorization`` header names (see ``TenantDirectory.authenticate``)."""
+        return self.tenants.authenticate(authorization)
+
+    @contextmanager
+    def admit(self, tenant: Tenant) -> Iterator[None]:
+        """Hold one of the tenant's concurrent requests and take a token of its rate, or refuse.
+
+        Raises:
+            RateLimited: over ``max_concurrent`` or the token bucket is empty.
+        """
+        name = tenant.name
+        in_flight = self._tenant_in_flight[name]
+        if tenant.max_concurrent is not None and in_flight >= tenant.max_concurrent:
+            self.metrics.rate_limited.labels(name, "concurrency").inc()
+            raise RateLimited(
+                f"tenant {name!r} has {in_flight} requests in flight, its max_concurrent; wait for one to "
+                "finish or ask for a larger quota", name, 1,
+            )
+        if tenant.rate is not None:
+            rate = tenant.rate
+            bucket, wait = take_token(self._buckets.get(name), self._clock(), rate.requests_per_second, rate.burst)
+            self._buckets[name] = bucket
+            if wait > 0:
+                self.metrics.rate_limited.labels(name, "rate").inc()
+                raise RateLimited(
+                    f"tenant {name!r} is over its rate of {rate.requests_per_second:g} requests/s (burst "
+                    f"{rate.burst}); retry after {retry_after(wait)} s", name, retry_after(wait),
+                )
+        self._tenant_in_flight[name] += 1
+        try:
+            yield
+        finally:
+            self._tenant_in_flight[name] -= 1
+
+    # -- models -------------------------------------------------------------------------
+    def _refuse(self, tenant: Tenant, name: str) -> ModelNotFound:
+        # The same answer whether or not the model exists: nothing leaks to other tenants.
+        return ModelNotFound(
+            f"model {name!r} is not available to tenant {tenant.name!r}; it may call {sorted(tenant.models)}", name
+        )
+
+    async def model(
+        self, tenant: Tenant, name: str, version: str | int | None = None, alias: str | None = None
+    ) -> ServedModel:
+        """The version of a model that a request means: ``version``, ``alias``, or the tenant's reference.
+
+        Raises:
+            ModelNotFound: the tenant may not call the model, or the version or alias does not exist.
+            InvalidInput: the version is not a number or the alias is malformed.
+        """
+        listed = tenant.reference_for(name)
+        if listed is None:
+            raise self._refuse(tenant, name)
+        if version is not None:
+            text = str(version).strip()
+            if not text.isdigit():
+                raise InvalidInput(f"version {text!r} of model {name!r} is not a number; versions are 1, 2, ...")
+            ref = ModelRef(name=name, version=int(text))
+        elif alias is not None:
+            try:
+                ref = ModelRef(name=name, alias=check_alias(alias))
+            except ShardlineError as e:
+                raise InvalidInput(str(e)) from e
+        else:
+            ref = listed
+        return await self._served_for(await self.directory.resolve(ref))
+
+    async def model_for_reference(self, tenant: Tenant, reference: str) -> ServedModel:
+        """Like ``model`` for a reference string: ``name``, ``name@alias`` or ``name:version``."""
+        text = reference.strip()
+        name, sep, rest = text.partition("@") if "@" in text else text.partition(":")
+        if tenant.reference_for(name) is None:
+            raise self._refuse(tenant, name)
+        if sep == "@":
+            return await self.model(tenant, name, alias=rest)
+        if sep == ":":
+            return await self.model(tenant, name, version=rest)
+        return await self.model(tenant, name)
+
+    async def versions(self, tenant: Tenant, name: str) -> list[int]:
+        """The registry versions of a model the tenant may call."""
+        if tenant.reference_for(name) is None:
+            raise self._refuse(tenant, name)
+        return await self.directory.versions(name)
+
+    async def _served_for(self, resolved: ResolvedModel) -> ServedModel:
+        key = (resolved.name, resolved.version)
+        served = self._served.get(key)
+        if served is not None:
+            return served
+        profile = None
+        override = self.settings.models.get(resolved.name)
+        if override is None or override.max_batch_size is None:
+            try:
+                profile = await self.directory.profile(resolved, self._machine())
+            except Exception as e:  # noqa: BLE001 - a profile only tunes defaults
+                log.warning("could not read the model's profile", extra={"fields": {
+                    "model": resolved.pinned, "error": f"{type(e).__name__}: {e}"}})
+        served = self._served.get(key)
+        if served is not None:
+            return served
+        limits, idle = batch_limits(resolved.name, self.settings, profile)
+        version = str(resolved.version)
+
+        def observe(rows: int, requests: int, seconds: float) -> None:
+            self.metrics.observe_batch(resolved.name, version, rows, requests, seconds)
+
+        async def predict(table: pa.Table) -> pa.RecordBatch:
+            return await self._predict(key, table)
+
+        batcher = Batcher(resolved.pinned, limits, predict, clock=self._clock, observe=observe)
+        served = ServedModel(resolved, batcher, idle, self._clock())
+        self._served[key] = served
+        log.info("serving a model version", extra={"fields": {
+            "model": resolved.pinned, "max_batch_size": limits.max_batch_size,
+            "max_wait_ms": limits.max_wait_s * 1000, "queue_capacity": limits.queue_capacity,
+            "idle_timeout_s": idle, "batch_size_from": "profile" if profile else "settings"}})
+        return served
+
+    def _machine(self) -> str:
+        from shardline.profiling import machine_kind, profile_key
+
+        return profile_key(machine_kind("cuda" if self.runtime.device == "cuda" else "cpu"))
+
+    def is_loaded(self, served: ServedModel) -> bool:
+        """Whether the version is loaded now (not scaled to zero)."""
+        return served.digest in self.cache.loaded()
+
+    # -- inference ----------------------------------------------------------------------
+    async def infer(self, tenant: Tenant, model: ServedModel | str, table: pa.Table) -> pa.Table:
+        """Score rows with a model the tenant may call; the output has one row per input row.
+
+        Args:
+            tenant: who asks (its priority orders the queue).
+            model: a version from ``model()``, or a reference string.
+            table: at least the signature's input columns.
+
+        Raises:
+            ModelNotFound, InvalidInput (and its subclasses), Overloaded, InferenceFailed,
+            RuntimeUnavailable.
+        """
+        served = model if isinstance(model, ServedModel) else await self.model_for_reference(tenant, model)
+        rows = prepare_rows(table, served.signature, served.pinned)
+        if rows.num_rows == 0:
+            return served.signature.output_schema().empty_table()
+        served.last_used = self._clock()
+        try:
+            future = served.batcher.submit(rows, tenant.priority)
+        except Overloaded:
+            self.metrics.shed.labels(served.name, str(served.version), tenant.name, tenant.priority).inc()
+            raise
+        try:
+            return await future
+        finally:
+            served.last_used = self._clock()
+
+    async def _predict(self, key: tuple[str, int], table: pa.Table) -> pa.RecordBatch:
+        served = self._served[key]
+        while served.unloading is not None:  # an unload in progress ends before the model is used again
+            await asyncio.shield(served.unloading)
+        if self._infer_pool is None:
+            raise RuntimeError("DataPlane.start() was not awaited")
+        context = contextvars.copy_context()  # log lines on the pool thread keep the request id
+        return await asyncio.get_running_loop().run_in_executor(
+            self._infer_pool, context.run, self._predict_blocking, served, table
+        )
+
+    def _predict_blocking(self, served: ServedModel, table: pa.Table) -> pa.RecordBatch:
+        """Score on a pool thread through the model cache (which loads the model if it is not held)."""
+        resolved = served.resolved
+        runtime = self.cache.held(served.digest, self.runtime)
+        if runtime is None:
+            started = time.perf_counter()
+            runtime = self.cache.get(resolved, self.runtime, self.storage_options)
+            self.metrics.loads.labels(resolved.name, str(resolved.version)).inc()
+            log.info("model loaded", extra={"fields": {
+                "model": resolved.pinned, "device": runtime.device, "seconds": round(time.perf_counter() - started, 3)}})
+        try:
+            return runtime.predict(table)
+        except InvalidInput:
+            raise
+        except Exception as e:
+            if self.cache.held(served.digest, self.runtime) is not runtime:  # evicted while it ran: load, run again
+                return self.cache.get(resolved, self.runtime, self.storage_options).predict(table)
+            raise InferenceFailed(
+                f"model {resolved.pinned} failed on {table.num_rows} rows that passed its signature check "
+                f"({type(e).__name__}: {e}); this is a fault of the model or the server, not of the request"
+            ) from e
+
+    async def count_tokens(self, served: ServedModel, texts: list[str]) -> int:
+        """Tokens the model read for ``texts`` (its own tokenizer and cut); 0 for a model without one."""
+        if self._infer_pool is None:
+            raise RuntimeError("DataPlane.start() was not awaited")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._infer_pool, self._count_tokens_blocking, served, texts
+        )
+
+    def _count_tokens_blocking(self, served: ServedModel, texts: list[str]) -> int:
+        resolved = served.resolved
+        config = resolved.manifest.runtime_config.get("text_inputs")
+        if not isinstance(config, dict):
+            return 0
+        digest = served.digest
+        tokenizer = self._tokenizers.get(digest)
+        if tokenizer is None:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(self.cache.local_dir(resolved) / config["tokenizer"]))
+            tokenizer.enable_truncation(max_length=int(config["max_length"]))
+            tokenizer.no_padding()
+            self._tokenizers[digest] = tokenizer
+        return sum(len(e.ids) for e in tokenizer.encode_batch(texts))
+
+    # -- scale to zero ------------------------------------------------------------------
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reap_interval_s)
+            try:
+                await self.reap_idle()
+            except Exception:  # noqa: BLE001 - the reaper must outlive one bad pass
+                log.exception("the idle reaper failed a pass")
+
+    async def reap_idle(self) -> list[str]:
+        """Unload every version idle past its time-out; returns the ones unloaded (``name:version``)."""
+        loaded = set(self.cache.loaded())
+        now = self._clock()
+        unloaded = []
+        for served in list(self._served.values()):
+            idle = now - served.last_used
+            if served.unloading is None and should_unload(idle, served.idle_timeout_s, served.batcher.busy,
+                                                          served.digest in loaded):
+                await self._unload(served, idle)
+                unloaded.append(served.pinned)
+        return unloaded
+
+    async def _unload(self, served: ServedModel, idle: float) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        served.unloading = done
+        try:
+            await self._blocking_io(lambda: self.cache.evict(served.digest))
+        finally:
+            served.unloading = None
+            done.set_result(None)
+        self.metrics.unloads.labels(served.name, str(served.version)).inc()
+        log.info("model unloaded after idling", extra={"fields": {"model": served.pinned, "idle_s": round(idle, 1)}})
+
+    # -- what the metrics read ----------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """The gauges' values now."""
+        loaded = set(self.cache.loaded())
+        now = self._clock()
+        models = [
+            ModelState(s.name, str(s.version), s.digest in loaded, dict(s.batcher.depths()), s.batcher.in_flight,
+                       max(0.0, now - s.last_used))
+            for s in self._served.values()
+        ]
+        return Snapshot(models, dict(self._tenant_in_flight))

@@ -1,0 +1,138 @@
+"""What every protocol adapter shares at the HTTP edge: reading bodies, the tenant, error answers.
+
+``endpoint(protocol, error_body)`` wraps a handler so that a domain error becomes the
+status from the one table (``online/errors.py``) with a body in the protocol's own
+form, and nothing unexpected escapes as a crash. ``read_body`` enforces the size limit
+before and after decompression (gzip and deflate).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import zlib
+from typing import Any, Awaitable, Callable
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from shardline.errors import InvalidInput, PayloadTooLarge, ShardlineError, UnsupportedEncoding
+from shardline.online.dataplane import DataPlane
+from shardline.online.errors import error_status
+from shardline.online.logs import current
+from shardline.online.models import ServedModel
+from shardline.online.tenants import Tenant
+
+log = logging.getLogger("shardline.online")
+Handler = Callable[[Request], Awaitable[Response]]
+ErrorBody = Callable[[str, int], dict[str, Any]]
+JSON = "application/json"
+
+
+def json_response(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response, serialised with orjson (numpy arrays too)."""
+    return Response(orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY), status, headers, media_type=JSON)
+
+
+def endpoint(protocol: str, error_body: ErrorBody) -> Callable[[Handler], Handler]:
+    """Wrap a handler: note the protocol, answer domain errors by the table, log and contain the rest."""
+
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def run(request: Request) -> Response:
+            info = current()
+            if info is not None:
+                info.protocol = protocol
+            try:
+                return await handler(request)
+            except ShardlineError as e:
+                status, headers = error_status(e)
+                if status == 500:  # a fault of the model or the server; 501 and 503 are answers, not faults
+                    log.error("request failed", exc_info=e, extra={"fields": {"status": status}})
+                return json_response(error_body(str(e), status), status, headers)
+            except Exception as e:  # noqa: BLE001 - a bug answers 500 and is logged, the server goes on
+                log.exception("unexpected error while handling a request")
+                request_id = info.request_id if info is not None else "?"
+                message = f"internal error ({type(e).__name__}); the server logged it with request id {request_id}"
+                return json_response(error_body(message, 500), 500)
+
+        return run
+
+    return wrap
+
+
+def authenticate(request: Request, plane: DataPlane) -> Tenant:
+    """The tenant of the request's ``Authorization: Bearer`` key (Unauthenticated otherwise)."""
+    tenant = plane.authenticate(request.headers.get("authorization"))
+    info = current()
+    if info is not None:
+        info.tenant = tenant.name
+    return tenant
+
+
+def note_model(served: ServedModel) -> None:
+    """Label the request's metrics and logs with the version it uses."""
+    info = current()
+    if info is not None:
+        info.model = served.name
+        info.version = str(served.version)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, decompressed (Content-Encoding gzip or deflate), at most ``limit`` bytes.
+
+    Raises:
+        PayloadTooLarge: the body, or what it inflates to, is over the limit.
+        UnsupportedEncoding: another Content-Encoding.
+        InvalidInput: a compressed body that does not decompress.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(_too_large(f"{declared} bytes", limit), limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(_too_large(f"at least {size} bytes", limit), limit)
+        chunks.append(chunk)
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding in ("gzip", "x-gzip"):
+        return _inflate(body, 16 + zlib.MAX_WBITS, limit, "gzip")
+    if encoding == "deflate":
+        try:
+            return _inflate(body, zlib.MAX_WBITS, limit, "deflate")
+        except InvalidInput as e:
+            if isinstance(e, PayloadTooLarge):
+                raise
+            return _inflate(body, -zlib.MAX_WBITS, limit, "deflate")  # raw deflate, as some clients send
+    raise UnsupportedEncoding(
+        f"Content-Encoding {encoding!r} is not supported; send the body uncompressed, gzip or deflate"
+    )
+
+
+def _too_large(size: str, limit: int) -> str:
+    return (
+        f"the request body is {size}, over the limit of {limit} bytes; send fewer rows per request "
+        "(or raise SHARDLINE_ONLINE_MAX_BODY_BYTES on the server)"
+    )
+
+
+def _inflate(body: bytes, wbits: int, limit: int, name: str) -> bytes:
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise InvalidInput(f"the request body is not valid {name} data ({e}); compress it again or send it plain") from e
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise PayloadTooLarge(
+            f"the {name} request body inflates to more than the limit of {limit} bytes; send fewer rows per "
+            "request (or raise SHARDLINE_ONLINE_MAX_BODY_BYTES on the server)", limit,
+        )
+    if not inflater.eof:
+        raise InvalidInput(f"the {name} request body is cut short; send the whole compressed body")
+    return out

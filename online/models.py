@@ -1,0 +1,182 @@
+"""The models the server serves: references resolved to versions, and each version's batching.
+
+``ModelDirectory`` resolves a reference against the registry and remembers the
+answer: a version's manifest forever (versions never change), an alias's version for
+``alias_refresh_s`` seconds, so an alias that moves is followed without a registry
+read on every request. ``ServedModel`` is one version as the server holds it: its
+batcher, when it was last used, and whether it is being unloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, TypeVar
+
+from shardline.bundle import ModelRef
+from shardline.errors import ModelNotFound
+from shardline.online.batcher import Batcher, BatchLimits
+from shardline.settings import OnlineSettings
+from shardline.signature import Signature
+from shardline.storage.registry import ModelRegistry, ResolvedModel
+
+T = TypeVar("T")
+RunBlocking = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+def batch_size_from_profile(profile: dict[str, Any] | None, budget_ms: float) -> int | None:
+    """The largest measured batch size whose p99 latency fits the budget; None without a usable profile."""
+    if not profile:
+        return None
+    fitting = [
+        int(b["batch_size"]) for b in profile.get("batches", [])
+        if isinstance(b, dict) and "batch_size" in b and float(b.get("p99_ms", float("inf"))) <= budget_ms
+    ]
+    return max(fitting) if fitting else None
+
+
+def batch_limits(
+    name: str, settings: OnlineSettings, profile: dict[str, Any] | None
+) -> tuple[BatchLimits, float]:
+    """A model's batch limits and idle time-out: its override, else its profile, else the defaults."""
+    override = settings.models.get(name)
+    size = override.max_batch_size if override and override.max_batch_size else None
+    size = size or batch_size_from_profile(profile, settings.batch_latency_budget_ms) or settings.max_batch_size
+    wait_ms = settings.max_batch_wait_ms
+    capacity = settings.queue_capacity
+    idle = settings.idle_timeout_s
+    if override is not None:
+        wait_ms = override.max_batch_wait_ms if override.max_batch_wait_ms is not None else wait_ms
+        capacity = override.queue_capacity or capacity
+        idle = override.idle_timeout_s if override.idle_timeout_s is not None else idle
+    limits = BatchLimits(size, wait_ms / 1000.0, capacity, settings.max_concurrent_batches)
+    return limits, idle
+
+
+@dataclass
+class ServedModel:
+    """One version as the server holds it (loaded or scaled to zero)."""
+
+    resolved: ResolvedModel
+    batcher: Batcher
+    idle_timeout_s: float
+    last_used: float
+    digest: str = field(default="", repr=False)  # the bundle's content digest: the model cache's key
+    unloading: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.digest = self.digest or self.resolved.manifest.content_digest  # computed once: it is not cheap
+
+    @property
+    def name(self) -> str:
+        """The model's name."""
+        return self.resolved.name
+
+    @property
+    def version(self) -> int:
+        """The registry version number."""
+        return self.resolved.version
+
+    @property
+    def pinned(self) -> str:
+        """``name:version``."""
+        return self.resolved.pinned
+
+    @property
+    def signature(self) -> Signature:
+        """What the model reads and writes."""
+        return self.resolved.manifest.signature
+
+
+@dataclass
+class _Alias:
+    version: int
+    read_at: float
+
+
+class ModelDirectory:
+    """References to pinned versions, remembered (see the module docstring)."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        run_blocking: RunBlocking[Any],
+        alias_refresh_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self._run = run_blocking
+        self._refresh = alias_refresh_s
+        self._clock = clock
+        self._versions: dict[tuple[str, int], ResolvedModel] = {}
+        self._aliases: dict[tuple[str, str], _Alias] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Future[ResolvedModel]] = {}
+
+    async def resolve(self, ref: ModelRef) -> ResolvedModel:
+        """The version a reference means now.
+
+        Raises:
+            ModelNotFound: no such model, version or alias (the message names what exists).
+        """
+        if ref.version is not None:
+            return await self._version(ref.name, ref.version)
+        alias = ref.alias or "prod"
+        known = self._aliases.get((ref.name, alias))
+        if known is not None and self._clock() - known.read_at < self._refresh:
+            return await self._version(ref.name, known.version)
+        resolved = await self._once(("alias", f"{ref.name}@{alias}"), lambda: self.registry.resolve(str(ref)))
+        self._aliases[(ref.name, alias)] = _Alias(resolved.version, self._clock())
+        self._versions.setdefault((resolved.name, resolved.version), resolved)
+        return self._versions[(resolved.name, resolved.version)]
+
+    async def _version(self, name: str, version: int) -> ResolvedModel:
+        found = self._versions.get((name, version))
+        if found is None:
+            found = await self._once(("version", f"{name}:{version}"), lambda: self.registry.resolve(f"{name}:{version}"))
+            self._versions.setdefault((name, version), found)
+        return self._versions[(name, version)]
+
+    async def _once(self, key: tuple[str, str], read: Callable[[], ResolvedModel]) -> ResolvedModel:
+        """One registry read per key at a time; concurrent callers share its answer."""
+        pending = self._inflight.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[ResolvedModel] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            resolved: ResolvedModel = await self._run(read)
+        except ModelNotFound as e:
+            error = ModelNotFound(await self._missing(key[1], e), e.reference)
+            future.set_exception(error)
+            future.exception()  # retrieved: no "never retrieved" warning when nobody else waited
+            raise error from e
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()
+            raise
+        else:
+            future.set_result(resolved)
+            return resolved
+        finally:
+            del self._inflight[key]
+
+    async def _missing(self, reference: str, error: ModelNotFound) -> str:
+        """What a client is told: what is missing and what exists, without the registry's location."""
+        name = reference.split("@")[0].split(":")[0]
+        versions = await self.versions(name)
+        if not versions:
+            return f"model {name!r} has no versions in the registry yet; push and alias one, then retry"
+        return f"{reference} does not exist; model {name!r} has versions {versions}"
+
+    async def versions(self, name: str) -> list[int]:
+        """The version numbers a model has in the registry, oldest first."""
+        manifests = await self._run(lambda: self.registry.list_versions(name))
+        return [m.version for m in manifests if m.version is not None]
+
+    async def profile(self, resolved: ResolvedModel, machine: str) -> dict[str, Any] | None:
+        """The version's measured profile on this kind of machine, if one was stored."""
+        profiles: dict[str, dict[str, Any]] = await self._run(
+            lambda: self.registry.profiles(resolved.name, resolved.version)
+        )
+        return profiles.get(machine)

@@ -1,0 +1,250 @@
+"""Open Inference Protocol (V2) tensors <-> Arrow columns, both ways, JSON and binary.
+
+A signature column maps to one V2 tensor: a primitive column to shape ``[N]`` (``[N, 1]``
+is read too), ``fixed_size_list<T>[k]`` to ``[N, k]``, ``list<T>`` to ``[N, k]``, a
+string column to ``BYTES``. Binary tensor data (the ``binary_data`` extension) is the
+tensor's values, row-major, little-endian; ``BYTES`` elements are each a 4-byte
+little-endian length followed by the bytes. Every refusal is an ``InvalidInput`` that
+names the input.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from shardline.errors import InferenceFailed, InvalidInput
+from shardline.signature import ColumnSpec, is_compatible
+
+DATATYPES: dict[str, pa.DataType] = {
+    "BOOL": pa.bool_(),
+    "UINT8": pa.uint8(), "UINT16": pa.uint16(), "UINT32": pa.uint32(), "UINT64": pa.uint64(),
+    "INT8": pa.int8(), "INT16": pa.int16(), "INT32": pa.int32(), "INT64": pa.int64(),
+    "FP16": pa.float16(), "FP32": pa.float32(), "FP64": pa.float64(),
+    "BYTES": pa.string(),
+}
+_BY_ARROW = {t: name for name, t in DATATYPES.items()} | {pa.large_string(): "BYTES", pa.string_view(): "BYTES"}
+_NUMPY = {name: np.dtype(t.to_pandas_dtype()) for name, t in DATATYPES.items() if name != "BYTES"}
+_LENGTH = struct.Struct("<I")
+
+
+def _value_type(dtype: pa.DataType) -> pa.DataType:
+    if pa.types.is_fixed_size_list(dtype) or pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        return dtype.value_type
+    return dtype
+
+
+def datatype_of(dtype: pa.DataType) -> str:
+    """The V2 datatype of a column's values (``FP32`` for ``fixed_size_list<float32>[384]``)."""
+    value = _value_type(dtype)
+    try:
+        return _BY_ARROW[value]
+    except KeyError as e:
+        raise InferenceFailed(f"Arrow type {value} has no Open Inference Protocol datatype") from e
+
+
+def shape_of(dtype: pa.DataType) -> list[int]:
+    """The V2 shape of a column, -1 where it varies: ``[-1]``, ``[-1, k]`` or ``[-1, -1]``."""
+    if pa.types.is_fixed_size_list(dtype):
+        return [-1, dtype.list_size]
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        return [-1, -1]
+    return [-1]
+
+
+def describe(spec: ColumnSpec) -> dict[str, Any]:
+    """A signature column as V2 tensor metadata: name, datatype, shape."""
+    return {"name": spec.name, "datatype": datatype_of(spec.arrow_type), "shape": shape_of(spec.arrow_type)}
+
+
+def _flatten(data: list[Any], name: str) -> list[Any]:
+    if not data or not isinstance(data[0], list):
+        return data
+    flat: list[Any] = []
+    for row in data:
+        if not isinstance(row, list):
+            raise InvalidInput(f"input {name!r}: data mixes lists and single values; send it flat or nested evenly")
+        flat.extend(_flatten(row, name))
+    return flat
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What reading one signature column needs, worked out once per column (it is on every request's path)."""
+
+    expected: pa.DataType
+    value_type: pa.DataType
+    shape: list[int]
+    accepts: frozenset[str]
+
+
+_PLANS: dict[int, tuple[ColumnSpec, _Plan]] = {}
+
+
+def _plan(spec: ColumnSpec) -> _Plan:
+    hit = _PLANS.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    expected = spec.arrow_type
+    value_type = _value_type(expected)
+    accepts = frozenset(d for d, t in DATATYPES.items() if is_compatible(t, value_type))
+    plan = _Plan(expected, value_type, shape_of(expected), accepts)
+    if len(_PLANS) > 4096:
+        _PLANS.clear()
+    _PLANS[id(spec)] = (spec, plan)
+    return plan
+
+
+def _check_shape(name: str, shape: list[int], plan: _Plan, model: str) -> None:
+    want = plan.shape
+    if len(want) == 1:
+        ok = len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)
+    else:
+        ok = len(shape) == 2 and (want[1] == -1 or shape[1] == want[1])
+    if not ok:
+        raise InvalidInput(
+            f"input {name!r} has shape {shape}, the model {model!r} takes shape {want} (N rows"
+            f"{'' if len(want) == 1 else ' of ' + str(want[1]) + ' values'}); reshape it"
+        )
+
+
+_KINDS = {"b": "bool", "i": "integer", "u": "integer", "f": "floating-point", "U": "string", "O": "null or mixed"}
+
+
+def _from_json(name: str, datatype: str, data: Any) -> np.ndarray | pa.Array:
+    if not isinstance(data, list):
+        raise InvalidInput(f"input {name!r}: 'data' is a {type(data).__name__}, not a list of values")
+    flat = _flatten(data, name)
+    if datatype == "BYTES":
+        try:
+            return pa.array(flat, type=pa.string())
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise InvalidInput(f"input {name!r} is declared BYTES but holds values that are not strings: {e}") from e
+    values = np.array(flat)
+    if values.size == 0:
+        return values.astype(_NUMPY[datatype])
+    kind = values.dtype.kind
+    if not (
+        (datatype == "BOOL" and kind == "b")
+        or (datatype.startswith(("INT", "UINT")) and kind in "iu")
+        or (datatype.startswith("FP") and kind in "iuf")
+    ):
+        raise InvalidInput(
+            f"input {name!r} is declared {datatype} but its data holds {_KINDS.get(kind, values.dtype.name)} "
+            f"values; send {datatype} values"
+        )
+    return values
+
+
+def _split_bytes(raw: bytes | bytearray | memoryview, name: str) -> list[str]:
+    items: list[str] = []
+    offset, end = 0, len(raw)
+    while offset < end:
+        if offset + 4 > end:
+            raise InvalidInput(f"input {name!r}: binary BYTES data ends inside an element's 4-byte length")
+        (length,) = _LENGTH.unpack_from(raw, offset)
+        offset += 4
+        if offset + length > end:
+            raise InvalidInput(f"input {name!r}: element {len(items)} says {length} bytes, only {end - offset} are left")
+        try:
+            items.append(bytes(raw[offset:offset + length]).decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise InvalidInput(f"input {name!r}: element {len(items)} is not UTF-8 text ({e})") from e
+        offset += length
+    return items
+
+
+def _from_binary(
+    name: str, datatype: str, raw: bytes | bytearray | memoryview, count: int, shape: list[int]
+) -> np.ndarray | pa.Array:
+    if datatype == "BYTES":
+        return pa.array(_split_bytes(raw, name), type=pa.string())
+    dtype = _NUMPY[datatype]
+    if len(raw) != count * dtype.itemsize:
+        raise InvalidInput(
+            f"input {name!r} has {len(raw)} bytes of binary data; shape {shape} of {datatype} needs "
+            f"{count * dtype.itemsize}; check binary_data_size"
+        )
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _to_arrow(name: str, values: np.ndarray | pa.Array, value_type: pa.DataType, spec: ColumnSpec) -> pa.Array:
+    """Values as an Arrow array of the column's value type (numpy casts floats; Arrow checks the rest)."""
+    if isinstance(values, np.ndarray) and pa.types.is_floating(value_type) and values.dtype.kind in "iuf":
+        return pa.array(values.astype(value_type.to_pandas_dtype(), copy=False))
+    array = pa.array(values) if isinstance(values, np.ndarray) else values
+    if array.type == value_type:
+        return array
+    try:
+        return array.cast(value_type, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise InvalidInput(f"input {name!r}: its values do not fit {spec.type} ({e})") from e
+
+
+def tensor_to_column(
+    name: str, datatype: str, shape: list[int], values: Any, spec: ColumnSpec, model: str
+) -> pa.Array:
+    """One V2 input as the column its signature names.
+
+    Args:
+        values: the JSON ``data`` (a list, flat or nested) or the tensor's binary bytes.
+
+    Raises:
+        InvalidInput: wrong datatype or shape, values that do not fit, or a wrong count.
+    """
+    plan = _plan(spec)
+    if datatype not in plan.accepts:
+        if datatype not in DATATYPES:
+            raise InvalidInput(f"input {name!r}: datatype {datatype!r} is not a V2 datatype; use one of {sorted(DATATYPES)}")
+        want = datatype_of(plan.expected)
+        raise InvalidInput(
+            f"input {name!r} is {datatype}, the model {model!r} expects {want} ({spec.type}); send it as {want}"
+        )
+    _check_shape(name, shape, plan, model)
+    count = math.prod(shape)
+    if isinstance(values, (bytes, bytearray, memoryview)):
+        decoded = _from_binary(name, datatype, values, count, shape)
+    else:
+        decoded = _from_json(name, datatype, values)
+    if len(decoded) != count:
+        raise InvalidInput(f"input {name!r} holds {len(decoded)} values; its shape {shape} holds {count}")
+    array = _to_arrow(name, decoded, plan.value_type, spec)
+    if len(plan.shape) == 1:
+        return array
+    if pa.types.is_fixed_size_list(plan.expected):
+        return pa.FixedSizeListArray.from_arrays(array, plan.shape[1])
+    offsets = np.arange(0, count + 1, max(shape[1], 1), dtype=np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), array)
+
+
+def column_to_tensor(column: pa.Array | pa.ChunkedArray) -> tuple[str, list[int], Any]:
+    """An output column as (datatype, shape, values): values a flat numpy array, or a list of str for BYTES."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    rows = len(column)
+    dtype = column.type
+    datatype = datatype_of(dtype)
+    if pa.types.is_fixed_size_list(dtype) or pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        values = column.flatten()
+        width = dtype.list_size if pa.types.is_fixed_size_list(dtype) else (len(values) // rows if rows else 0)
+        if not pa.types.is_fixed_size_list(dtype) and any(len(v) != width for v in column.value_lengths().to_pylist()):
+            raise InferenceFailed("a list output has rows of different lengths; V2 tensors are rectangular")
+        shape = [rows, width]
+    else:
+        values, shape = column, [rows]
+    if datatype == "BYTES":
+        return datatype, shape, values.to_pylist()
+    return datatype, shape, values.to_numpy(zero_copy_only=False)
+
+
+def to_binary(datatype: str, values: Any) -> bytes:
+    """Tensor values as binary tensor data."""
+    if datatype == "BYTES":
+        encoded = [v.encode() for v in values]
+        return b"".join(_LENGTH.pack(len(e)) + e for e in encoded)
+    return np.ascontiguousarray(values, dtype=_NUMPY[datatype]).tobytes()

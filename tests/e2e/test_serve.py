@@ -1,0 +1,103 @@
+"""`shardline serve` as a user runs it: a subprocess, a tenants file, a request, JSON logs, a clean stop."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import orjson
+import pytest
+
+from shardline.online.tenants import hash_api_key
+from shardline.storage.registry import ModelRegistry
+
+from tests.conftest import BuiltModel
+from tests.e2e.conftest import SHARDLINE
+
+KEY = "sk-e2e-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_tenants(path: Path, priority: str = "normal") -> Path:
+    path.write_text(
+        "tenants:\n"
+        "  - name: acme\n"
+        f"    api_keys_sha256: [\"{hash_api_key(KEY)}\"]\n"
+        "    models: [\"breast-cancer@prod\"]\n"
+        f"    priority: {priority}\n"
+        "    rate: {requests_per_second: 100, burst: 200}\n"
+        "    max_concurrent: 8\n"
+    )
+    return path
+
+
+def test_serve_answers_logs_json_with_request_ids_and_stops_on_sigterm(
+    local_registry: ModelRegistry, breast_cancer_model: BuiltModel, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    port = free_port()
+    tenants = write_tenants(tmp_path / "tenants.yaml")
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as sink:
+        server = subprocess.Popen([*SHARDLINE, "serve", "--port", str(port)], cwd=tmp_path, stdout=sink, stderr=sink,
+                                  env={**cli_env, "SHARDLINE_ONLINE_TENANTS_FILE": str(tenants)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/v2/health/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        rows = breast_cancer_model.data.features[:2]
+        body = {"inputs": [{"name": n, "datatype": "FP64", "shape": [2], "data": rows[:, j].tolist()}
+                           for j, n in enumerate(breast_cancer_model.data.names)]}
+        answer = httpx.post(f"{url}/v2/models/breast-cancer/infer", content=orjson.dumps(body),
+                            headers={"Authorization": f"Bearer {KEY}", "X-Request-ID": "e2e-req-1"})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["outputs"][0]["data"] == breast_cancer_model.estimator.predict(rows.astype("float32")).tolist()
+        assert answer.headers["x-request-id"] == "e2e-req-1"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=30)
+    assert code in (0, -signal.SIGTERM), log.read_text()  # uvicorn re-raises the signal after a clean shutdown
+    assert "Application shutdown complete." in log.read_text()
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    access = [line for line in lines if line["logger"] == "shardline.online.access" and line.get("request_id") == "e2e-req-1"]
+    assert access and access[0]["status"] == 200 and access[0]["tenant"] == "acme" and access[0]["model"] == "breast-cancer"
+    assert any(line["msg"] == "model loaded" and line.get("request_id") == "e2e-req-1" for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("priority", "tenants[0].priority: Input should be 'high', 'normal' or 'low'"),
+        ("missing", "the tenants file"),
+        ("none", "no tenants file: pass --tenants PATH"),
+    ],
+)
+def test_serve_refuses_to_start_with_a_bad_tenants_file(
+    shardline: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path, setup: str, message: str
+) -> None:
+    args = ["serve", "--port", str(free_port())]
+    if setup == "priority":
+        args += ["--tenants", str(write_tenants(tmp_path / "tenants.yaml", priority="urgent"))]
+    elif setup == "missing":
+        args += ["--tenants", str(tmp_path / "nope.yaml")]
+    done = shardline(*args, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr

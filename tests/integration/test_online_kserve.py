@@ -1,0 +1,268 @@
+"""The Open Inference Protocol over real HTTP: tritonclient (binary and JSON), auth, bad requests, parity, metrics.
+
+One real server (uvicorn on a free loopback port, in a thread) serves the real
+breast-cancer classifier (version 1, gradient boosting, alias prod; version 2,
+logistic regression, alias staging) for the whole module.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import zlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from shardline.examples import package_breast_cancer
+from shardline.online.app import create_app
+from shardline.online.server import build_plane
+from shardline.online.tenants import TenantDirectory, hash_api_key
+from shardline.online.testing import serve_in_thread
+from shardline.runtimes import RuntimeOptions
+from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
+from shardline.storage.jobs import job_key
+from shardline.storage.registry import ModelRegistry
+from shardline.storage.scoring import ScoringJob, score_shard
+from shardline.storage.shards import list_shards
+
+from tests.conftest import BuiltModel
+
+ACME, GLOBEX = "sk-acme-test-key", "sk-globex-test-key"
+MODEL = "breast-cancer"
+BODY_LIMIT = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def home(breast_cancer_model: BuiltModel, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A registry with breast-cancer:1 (gbt, prod) and breast-cancer:2 (logreg, staging)."""
+    home = tmp_path_factory.mktemp("online-home")
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias(MODEL, "prod", registry.push(breast_cancer_model.bundle_dir).version or 1)
+    _, logreg = package_breast_cancer(home / "logreg-bundle", kind="logreg")
+    registry.set_alias(MODEL, "staging", registry.push(home / "logreg-bundle").version or 2)
+    return home, logreg
+
+
+@pytest.fixture(scope="module")
+def url(home: tuple[Path, Any]) -> Iterator[str]:
+    tenants = TenantDirectory.from_config({"tenants": [
+        {"name": "acme", "api_keys_sha256": [hash_api_key(ACME)], "models": [f"{MODEL}@prod"], "priority": "high"},
+        {"name": "globex", "api_keys_sha256": [hash_api_key(GLOBEX)], "models": ["minilm@prod"]},
+    ]})
+    settings = OnlineSettings(max_body_bytes=BODY_LIMIT, alias_refresh_s=0)
+    plane = build_plane(settings, StorageSettings(home=str(home[0])), RuntimeSettings(device="cpu", intra_op_threads=1), tenants)
+    with serve_in_thread(create_app(plane)) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url: str) -> Iterator[triton.InferenceServerClient]:
+    c = triton.InferenceServerClient(url.removeprefix("http://"))
+    yield c
+    c.close()
+
+
+def key(token: str = ACME) -> dict[str, str]:
+    """A fresh header dict each call: tritonclient writes its own headers into the dict it is given."""
+    return {"Authorization": f"Bearer {token}"}
+
+
+def v2_inputs(model: BuiltModel, rows: np.ndarray, binary: bool, datatype: str = "FP32") -> list[triton.InferInput]:
+    inputs = []
+    for j, name in enumerate(model.data.names):
+        tensor = triton.InferInput(name, [len(rows)], datatype)
+        tensor.set_data_from_numpy(rows[:, j].astype(np.float32 if datatype == "FP32" else np.float64), binary_data=binary)
+        inputs.append(tensor)
+    return inputs
+
+
+def json_body(model: BuiltModel, rows: np.ndarray) -> dict[str, Any]:
+    return {"inputs": [{"name": n, "datatype": "FP64", "shape": [len(rows)], "data": rows[:, j].tolist()}
+                       for j, n in enumerate(model.data.names)]}
+
+
+# -- the protocol, as tritonclient speaks it --------------------------------------------------------
+def test_health_answers_without_a_key_and_everything_else_needs_one(client: triton.InferenceServerClient, url: str) -> None:
+    assert client.is_server_live() and client.is_server_ready()
+    assert httpx.get(f"{url}/v2/health/ready").json() == {"ready": True}
+    assert client.get_server_metadata(headers=key())["extensions"] == ["binary_tensor_data"]
+    for path in ("/v2", f"/v2/models/{MODEL}", f"/v2/models/{MODEL}/ready", "/metrics-not-here"):
+        response = httpx.get(url + path)
+        assert response.status_code in (401, 404) and "error" in response.json()
+    refused = httpx.get(f"{url}/v2/models/{MODEL}", headers={"Authorization": "Bearer wrong"})
+    assert refused.status_code == 401 and refused.json() == {"error": refused.json()["error"]}
+    assert "not valid" in refused.json()["error"]
+    wrong_method = httpx.get(f"{url}/v2/models/{MODEL}/infer", headers=key())
+    assert wrong_method.status_code == 405 and wrong_method.json() == {"error": f"/v2/models/{MODEL}/infer does not take GET"}
+
+
+def test_metadata_describes_the_signature_on_both_paths(client: triton.InferenceServerClient, breast_cancer_model: BuiltModel) -> None:
+    latest = client.get_model_metadata(MODEL, headers=key())
+    pinned = client.get_model_metadata(MODEL, model_version="2", headers=key())
+
+    assert latest["versions"] == ["1", "2"] and latest["platform"] == "onnxruntime_onnx"
+    assert [i["name"] for i in latest["inputs"]] == breast_cancer_model.data.names
+    assert {(i["datatype"], tuple(i["shape"])) for i in latest["inputs"]} == {("FP32", (-1,))}
+    assert latest["outputs"] == pinned["outputs"] == [
+        {"name": "label", "datatype": "INT64", "shape": [-1]},
+        {"name": "probabilities", "datatype": "FP32", "shape": [-1, 2]},
+    ]
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+@pytest.mark.parametrize("compression", [None, "gzip", "deflate"])
+def test_tritonclient_scores_rows_like_scikit_learn(
+    client: triton.InferenceServerClient, breast_cancer_model: BuiltModel, binary: bool, compression: str | None
+) -> None:
+    rows = breast_cancer_model.data.features[:40]
+    outputs = [triton.InferRequestedOutput(n, binary_data=binary) for n in ("label", "probabilities")]
+    result = client.infer(MODEL, v2_inputs(breast_cancer_model, rows, binary), outputs=outputs, headers=key(),
+                          request_compression_algorithm=compression, request_id="req-7")
+
+    labels, probabilities = breast_cancer_model.expected(pa.table({n: rows[:, j] for j, n in enumerate(breast_cancer_model.data.names)}))
+    np.testing.assert_array_equal(result.as_numpy("label"), labels)
+    np.testing.assert_allclose(result.as_numpy("probabilities").reshape(-1, 2), probabilities, atol=1e-5)
+    response = result.get_response()
+    assert (response["model_name"], response["model_version"], response["id"]) == (MODEL, "1", "req-7")
+
+
+def test_the_versioned_path_scores_with_that_version(
+    client: triton.InferenceServerClient, breast_cancer_model: BuiltModel, home: tuple[Path, Any]
+) -> None:
+    rows = breast_cancer_model.data.features[100:130]
+    result = client.infer(MODEL, v2_inputs(breast_cancer_model, rows, True, "FP64"), model_version="2", headers=key())
+
+    logreg = home[1]
+    np.testing.assert_array_equal(result.as_numpy("label"), logreg.predict(rows.astype(np.float32)))
+    assert result.get_response()["model_version"] == "2"
+    assert client.is_model_ready(MODEL, "2", headers=key())
+
+
+def test_batch_and_online_score_the_same_rows_identically(
+    url: str, breast_cancer_model: BuiltModel, home: tuple[Path, Any], tmp_path: Path
+) -> None:
+    names = breast_cancer_model.data.names
+    rows = breast_cancer_model.data.features[:200]
+    shard = tmp_path / "in" / "part-0.parquet"
+    shard.parent.mkdir()
+    pq.write_table(pa.table({"id": np.arange(200), **{n: rows[:, j] for j, n in enumerate(names)}}), shard)
+    resolved = ModelRegistry(str(home[0] / "registry")).resolve(f"{MODEL}@prod")
+    job = ScoringJob(job_key(resolved.digest, None), resolved, str(tmp_path / "out"), None, 64,
+                     str(tmp_path / "batch-cache"), runtime=RuntimeOptions("cpu", 1))
+    record = score_shard(job, list_shards(str(shard))[0])
+    assert record.part is not None
+    batch = pq.read_table(record.part.removeprefix("file://"))
+
+    online = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers=key(), content=orjson.dumps(json_body(breast_cancer_model, rows)))
+    assert online.status_code == 200
+    outputs = {o["name"]: o for o in online.json()["outputs"]}
+
+    assert outputs["label"]["data"] == batch.column("label").to_pylist()
+    got = np.array(outputs["probabilities"]["data"], dtype=np.float32).reshape(200, 2)
+    expected = np.array(batch.column("probabilities").to_pylist(), dtype=np.float32)
+    np.testing.assert_array_equal(got, expected)  # bit for bit: same cache, same runtime, same rows
+
+
+# -- refusals -------------------------------------------------------------------------------------
+def test_a_model_the_tenant_may_not_call_is_404_exactly_like_one_that_does_not_exist(
+    client: triton.InferenceServerClient, url: str, breast_cancer_model: BuiltModel
+) -> None:
+    rows = breast_cancer_model.data.features[:2]
+    body = orjson.dumps(json_body(breast_cancer_model, rows))
+    forbidden = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers=key(GLOBEX), content=body)
+    missing = httpx.post(f"{url}/v2/models/no-such-model/infer", headers=key(GLOBEX), content=body)
+
+    assert forbidden.status_code == missing.status_code == 404
+    assert forbidden.json()["error"].replace(MODEL, "X") == missing.json()["error"].replace("no-such-model", "X")
+    with pytest.raises(InferenceServerException) as refused:
+        client.get_model_metadata(MODEL, headers=key(GLOBEX))
+    assert refused.value.status() == "404"
+
+
+def test_an_unknown_version_is_404_naming_the_versions_and_a_bad_one_is_400(url: str) -> None:
+    unknown = httpx.get(f"{url}/v2/models/{MODEL}/versions/9", headers=key())
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == f"{MODEL}:9 does not exist; model '{MODEL}' has versions [1, 2]"
+    bad = httpx.post(f"{url}/v2/models/{MODEL}/versions/latest/infer", headers=key(), content=b"{}")
+    assert bad.status_code == 400 and "version 'latest'" in bad.json()["error"]
+
+
+def bad_requests(model: BuiltModel) -> list[tuple[str, bytes, dict[str, str], int, str]]:
+    rows = model.data.features[:3]
+    good = json_body(model, rows)
+    first = model.data.names[0]
+
+    def changed(**change: Any) -> bytes:
+        doc = orjson.loads(orjson.dumps(good))
+        doc["inputs"][0].update(change)
+        return orjson.dumps(doc)
+
+    missing = orjson.loads(orjson.dumps(good))
+    del missing["inputs"][5]
+    bomb = gzip.compress(b" " * (BODY_LIMIT + 10))
+    return [
+        ("malformed JSON", b'{"inputs": [', {}, 400, "not valid JSON"),
+        ("wrong shape", changed(shape=[4]), {}, 400, f"input '{first}' holds 3 values; its shape [4] holds 4"),
+        ("wrong rank", changed(shape=[3, 2, 1]), {}, 400, f"input '{first}' has shape [3, 2, 1]"),
+        ("wrong datatype", changed(datatype="BYTES", data=["a", "b", "c"]), {}, 400, f"input '{first}' is BYTES"),
+        ("not numbers", changed(data=["a", "b", "c"]), {}, 400, f"input '{first}' is declared FP64 but its data holds string"),
+        ("null values", changed(data=[1.0, None, 2.0]), {}, 400, f"input '{first}' is declared FP64 but its data holds null or mixed values"),
+        ("missing input", orjson.dumps(missing), {}, 400, f"needs '{model.data.names[5]}' (FP32, shape [-1])"),
+        ("oversized body", b"[" + b"0," * BODY_LIMIT + b"0]", {}, 413, f"over the limit of {BODY_LIMIT} bytes"),
+        ("gzip bomb", bomb, {"Content-Encoding": "gzip"}, 413, "inflates to more than the limit"),
+        ("broken gzip", b"\x1f\x8b not gzip", {"Content-Encoding": "gzip"}, 400, "not valid gzip data"),
+        ("brotli", b"{}", {"Content-Encoding": "br"}, 415, "Content-Encoding 'br' is not supported"),
+        ("bad header length", orjson.dumps(good), {"Inference-Header-Content-Length": "-3"}, 400,
+         "Inference-Header-Content-Length is '-3'"),
+    ]
+
+
+def test_each_bad_request_is_a_4xx_that_names_the_field(url: str, breast_cancer_model: BuiltModel) -> None:
+    with httpx.Client(base_url=url, headers=key()) as http:
+        for kind, body, headers, status, message in bad_requests(breast_cancer_model):
+            response = http.post(f"/v2/models/{MODEL}/infer", content=body, headers=headers)
+            assert (kind, response.status_code) == (kind, status), response.text
+            assert message in response.json()["error"], (kind, response.json())
+        again = http.post(f"/v2/models/{MODEL}/infer", content=orjson.dumps(json_body(breast_cancer_model, breast_cancer_model.data.features[:1])))
+        assert again.status_code == 200  # the server took all that and goes on
+
+
+def test_deflate_and_gzip_bodies_decode_the_same(url: str, breast_cancer_model: BuiltModel) -> None:
+    body = orjson.dumps(json_body(breast_cancer_model, breast_cancer_model.data.features[:5]))
+    answers = [
+        httpx.post(f"{url}/v2/models/{MODEL}/infer", headers={**key(), "Content-Encoding": enc}, content=data).json()["outputs"]
+        for enc, data in (("identity", body), ("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)))
+    ]
+    assert answers[0] == answers[1] == answers[2]
+
+
+# -- request ids, logs, metrics ---------------------------------------------------------------------
+def test_every_response_carries_a_request_id(url: str) -> None:
+    mine = httpx.get(f"{url}/v2/models/{MODEL}", headers={**key(), "X-Request-ID": "trace-abc-123"})
+    made = httpx.get(f"{url}/v2/models/nope", headers=key())
+    assert mine.headers["x-request-id"] == "trace-abc-123"
+    assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"]) and made.status_code == 404
+
+
+def test_metrics_show_requests_batches_queues_and_loaded_models(url: str, breast_cancer_model: BuiltModel) -> None:
+    body = orjson.dumps(json_body(breast_cancer_model, breast_cancer_model.data.features[:3]))
+    assert httpx.post(f"{url}/v2/models/{MODEL}/infer", headers=key(), content=body).status_code == 200
+    text = httpx.get(f"{url}/metrics").text
+
+    assert re.search(r'shardline_requests_total\{code="200",model="breast-cancer",protocol="v2",tenant="acme",version="1"\} \d', text)
+    assert 'shardline_request_seconds_bucket{le="0.005",model="breast-cancer",protocol="v2",tenant="acme",version="1"}' in text
+    assert re.search(r'shardline_batch_rows_count\{model="breast-cancer",version="1"\} [1-9]', text)
+    assert 'shardline_queue_depth{model="breast-cancer",priority="high",version="1"} 0.0' in text
+    assert 'shardline_model_loaded{model="breast-cancer",version="1"} 1.0' in text
+    assert re.search(r'shardline_model_idle_seconds\{model="breast-cancer",version="1"\} \d', text)
+    assert re.search(r"shardline_loaded_models [12]\.0", text)
+    assert re.search(r'shardline_requests_total\{code="401",model="",protocol="v2",tenant="",version=""\}', text)

@@ -1,0 +1,138 @@
+"""Quotas, shedding and scale to zero over real HTTP, each on a server with its own settings."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from shardline.online.app import create_app
+from shardline.online.server import build_plane
+from shardline.online.tenants import TenantDirectory, hash_api_key
+from shardline.online.testing import serve_in_thread
+from shardline.settings import ModelServing, OnlineSettings, RuntimeSettings, StorageSettings
+from shardline.storage.registry import ModelRegistry
+
+from tests.conftest import BuiltModel
+
+MODEL = "breast-cancer"
+KEYS = {"gold": "sk-gold", "bronze": "sk-bronze", "metered": "sk-metered"}
+
+
+@pytest.fixture(scope="module")
+def home(breast_cancer_model: BuiltModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("online-scaling")
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias(MODEL, "prod", registry.push(breast_cancer_model.bundle_dir).version or 1)
+    return home
+
+
+TENANTS = {"tenants": [
+    {"name": "gold", "api_keys_sha256": [hash_api_key(KEYS["gold"])], "models": [f"{MODEL}@prod"], "priority": "high"},
+    {"name": "bronze", "api_keys_sha256": [hash_api_key(KEYS["bronze"])], "models": [f"{MODEL}@prod"], "priority": "low"},
+    {"name": "metered", "api_keys_sha256": [hash_api_key(KEYS["metered"])], "models": [f"{MODEL}@prod"],
+     "rate": {"requests_per_second": 0.5, "burst": 2}, "max_concurrent": 1},
+]}
+
+
+@contextmanager
+def server(home: Path, **settings: Any) -> Iterator[tuple[str, Any]]:
+    cache = home / f"cache-{uuid.uuid4().hex[:8]}"  # the model cache is per process and folder: one per server
+    plane = build_plane(OnlineSettings(**settings), StorageSettings(home=str(home), cache_dir=str(cache)),
+                        RuntimeSettings(device="cpu", intra_op_threads=1), TenantDirectory.from_config(TENANTS))
+    with serve_in_thread(create_app(plane, log_requests=False)) as url:
+        yield url, plane
+
+
+def body(model: BuiltModel, start: int, rows: int = 1) -> bytes:
+    features = model.data.features[start:start + rows]
+    return orjson.dumps({"inputs": [{"name": n, "datatype": "FP64", "shape": [rows], "data": features[:, j].tolist()}
+                                    for j, n in enumerate(model.data.names)]})
+
+
+def infer(url: str, tenant: str, content: bytes) -> httpx.Response:
+    return httpx.post(f"{url}/v2/models/{MODEL}/infer", headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+                      content=content, timeout=30)
+
+
+def test_a_tenant_over_its_rate_or_concurrency_gets_429_with_retry_after(home: Path, breast_cancer_model: BuiltModel) -> None:
+    slow = {MODEL: ModelServing(max_batch_wait_ms=400, max_batch_size=64)}  # a lone request waits 400 ms
+    with server(home, models=slow) as (url, _):
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(infer, url, "metered", body(breast_cancer_model, 0))
+            time.sleep(0.15)
+            second = infer(url, "metered", body(breast_cancer_model, 1))
+            assert held.result().status_code == 200
+        assert second.status_code == 429 and second.headers["retry-after"] == "1"
+        assert "has 1 requests in flight, its max_concurrent" in second.json()["error"]
+        # the bucket (burst 2) gave one token to the held request; a refused request takes none
+        assert infer(url, "metered", body(breast_cancer_model, 2)).status_code == 200
+        fourth = infer(url, "metered", body(breast_cancer_model, 3))
+        assert fourth.status_code == 429 and int(fourth.headers["retry-after"]) >= 1
+        assert "over its rate of 0.5 requests/s (burst 2); retry after" in fourth.json()["error"]
+        assert infer(url, "gold", body(breast_cancer_model, 2)).status_code == 200  # other tenants are not held back
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'shardline_rate_limited_total{quota="concurrency",tenant="metered"} 1.0' in metrics
+        assert 'shardline_rate_limited_total{quota="rate",tenant="metered"} 1.0' in metrics
+
+
+def test_overload_sheds_low_priority_with_503_while_high_priority_is_served(home: Path, breast_cancer_model: BuiltModel) -> None:
+    # A queue of 4: low priority may fill 2 of it, high all 4; requests wait 500 ms to batch.
+    held = {MODEL: ModelServing(max_batch_wait_ms=500, max_batch_size=64, queue_capacity=4)}
+    with server(home, models=held) as (url, _):
+        with ThreadPoolExecutor(8) as pool:
+            low = [pool.submit(infer, url, "bronze", body(breast_cancer_model, i)) for i in range(2)]
+            time.sleep(0.2)
+            shed = infer(url, "bronze", body(breast_cancer_model, 3))
+            high = [pool.submit(infer, url, "gold", body(breast_cancer_model, 10 + i)) for i in range(2)]
+            answers = [f.result() for f in low + high]
+
+        assert shed.status_code == 503 and int(shed.headers["retry-after"]) >= 1
+        assert "it is shed to keep latency bounded" in shed.json()["error"]
+        assert [a.status_code for a in answers] == [200] * 4
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'shardline_shed_total{model="breast-cancer",priority="low",tenant="bronze",version="1"} 1.0' in metrics
+        assert 'shardline_batch_requests_count{model="breast-cancer",version="1"} 1.0' in metrics  # all four in one batch
+
+
+def wait_for(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_an_idle_model_scales_to_zero_and_reloads_under_concurrent_requests(
+    home: Path, breast_cancer_model: BuiltModel
+) -> None:
+    with server(home, idle_timeout_s=0.6, reap_interval_s=0.1) as (url, plane):
+        ready = f"{url}/v2/models/{MODEL}/ready"
+        auth = {"Authorization": f"Bearer {KEYS['gold']}"}
+        first = infer(url, "gold", body(breast_cancer_model, 0, 8))
+        assert first.status_code == 200
+        assert httpx.get(ready, headers=auth).json()["ready"] is True
+
+        wait_for(lambda: httpx.get(ready, headers=auth).status_code == 503)
+        assert httpx.get(ready, headers=auth).json() == {"name": MODEL, "version": "1", "ready": False}
+        assert plane.cache.loaded() == []
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'shardline_model_loaded{model="breast-cancer",version="1"} 0.0' in metrics
+        assert 'shardline_model_unloads_total{model="breast-cancer",version="1"} 1.0' in metrics
+
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda i: infer(url, "gold", body(breast_cancer_model, i * 8, 8)), range(16)))
+        assert [a.status_code for a in answers] == [200] * 16  # the first waits for the load, the rest queue
+        labels = np.concatenate([np.array(a.json()["outputs"][0]["data"]) for a in answers])
+        features = breast_cancer_model.data.features[:128].astype(np.float32)
+        np.testing.assert_array_equal(labels, breast_cancer_model.estimator.predict(features))
+        assert httpx.get(ready, headers=auth).json()["ready"] is True
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'shardline_model_loads_total{model="breast-cancer",version="1"} 2.0' in metrics

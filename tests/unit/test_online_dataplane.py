@@ -1,0 +1,106 @@
+"""The data plane without any protocol or socket: tenant, reference and Arrow rows in, rows out."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from shardline.errors import ModelNotFound, NullValues, SchemaMismatch
+from shardline.online.dataplane import DataPlane, prepare_rows
+from shardline.online.logs import CURRENT, JsonFormatter, RequestInfo, request_id_from
+from shardline.online.tenants import TenantDirectory, hash_api_key
+from shardline.runtimes import RuntimeOptions
+from shardline.settings import OnlineSettings
+from shardline.storage.model_cache import ModelCache
+from shardline.storage.registry import ModelRegistry
+
+from tests.conftest import BuiltModel
+
+
+def features(model: BuiltModel, rows: slice) -> pa.Table:
+    return pa.table({n: model.data.features[rows, j] for j, n in enumerate(model.data.names)})
+
+
+@pytest.fixture
+def plane(local_registry: ModelRegistry, tmp_path: Path) -> DataPlane:
+    tenants = TenantDirectory.from_config({"tenants": [
+        {"name": "acme", "api_keys_sha256": [hash_api_key("k")], "models": ["breast-cancer@prod"]},
+    ]})
+    return DataPlane(OnlineSettings(idle_timeout_s=60), local_registry, ModelCache(tmp_path / "cache"), tenants,
+                     RuntimeOptions("cpu", 1))
+
+
+def test_rows_in_rows_out_by_reference_and_scaled_to_zero_when_idle(plane: DataPlane, breast_cancer_model: BuiltModel) -> None:
+    async def scenario() -> tuple[list[pa.Table], list[str], bool]:
+        await plane.start()
+        try:
+            tenant = plane.authenticate("Bearer k")
+            answers = await asyncio.gather(*(plane.infer(tenant, "breast-cancer", features(breast_cancer_model, slice(i, i + 5)))
+                                             for i in range(0, 50, 5)))
+            served = await plane.model(tenant, "breast-cancer")
+            served.last_used -= 61  # as if a minute went by
+            unloaded = await plane.reap_idle()
+            return list(answers), unloaded, plane.is_loaded(served)
+        finally:
+            await plane.stop()
+
+    answers, unloaded, loaded = asyncio.run(scenario())
+    labels = np.concatenate([a.column("label").to_numpy() for a in answers])
+    expected, _ = breast_cancer_model.expected(features(breast_cancer_model, slice(0, 50)))
+    np.testing.assert_array_equal(labels, expected)
+    assert unloaded == ["breast-cancer:1"] and not loaded
+
+
+def test_a_reference_the_tenant_does_not_hold_is_not_found(plane: DataPlane) -> None:
+    async def scenario() -> None:
+        await plane.start()
+        try:
+            tenant = plane.authenticate("Bearer k")
+            with pytest.raises(ModelNotFound, match="model 'churn' is not available to tenant 'acme'"):
+                await plane.infer(tenant, "churn@prod", pa.table({"x": [1.0]}))
+            with pytest.raises(ModelNotFound, match="breast-cancer@canary does not exist; model 'breast-cancer' has versions \\[1\\]"):
+                await plane.model_for_reference(tenant, "breast-cancer@canary")
+        finally:
+            await plane.stop()
+
+    asyncio.run(scenario())
+
+
+def test_rows_are_checked_and_cast_before_they_join_a_batch(breast_cancer_model: BuiltModel) -> None:
+    signature = breast_cancer_model.manifest.signature
+    table = features(breast_cancer_model, slice(0, 3))
+    prepared = prepare_rows(table, signature, "breast-cancer:1")
+    assert prepared.schema.names == signature.input_names
+    assert {f.type for f in prepared.schema} == {pa.float32()}
+    with pytest.raises(SchemaMismatch, match="column 'mean radius' is missing"):
+        prepare_rows(table.drop_columns(["mean radius"]), signature, "breast-cancer:1")
+    holed = table.set_column(0, "mean radius", pa.array([1.0, None, 2.0]))
+    with pytest.raises(NullValues, match="inputs \\['mean radius'\\] hold nulls"):
+        prepare_rows(holed, signature, "breast-cancer:1")
+
+
+def test_log_lines_are_json_with_the_request_id() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("shardline.online.test")
+    logger.addHandler(handler)
+    logger.propagate = False
+    token = CURRENT.set(RequestInfo(request_id_from("trace-1")))
+    try:
+        logger.warning("something happened", extra={"fields": {"model": "m:1", "rows": 3}})
+    finally:
+        CURRENT.reset(token)
+        logger.removeHandler(handler)
+    line: dict[str, Any] = json.loads(stream.getvalue())
+    assert line["request_id"] == "trace-1" and line["msg"] == "something happened"
+    assert (line["level"], line["model"], line["rows"]) == ("warning", "m:1", 3)
+    assert len(request_id_from("bad\nid")) == 32 and len(request_id_from("x" * 200)) == 32

@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 import typer
 
-from shardline._cli_common import EXIT_FAILED, fail, open_registry
-from shardline.errors import ShardlineError
+from shardline._cli_common import EXIT_FAILED, EXIT_USAGE, fail, open_registry
+from shardline.errors import GateFailed, ShardlineError
 
 model_app = typer.Typer(help="The model registry: package, push, promote, roll back, optimize.", no_args_is_help=True)
 
@@ -273,7 +273,7 @@ def model_optimize(
                                cache_dir=storage.cache, storage_options=storage.storage_options,
                                device=RuntimeSettings().device)
     except ShardlineError as e:
-        raise fail(e, EXIT_FAILED if type(e).__name__ == "GateFailed" else 2) from e
+        raise fail(e, EXIT_FAILED if isinstance(e, GateFailed) else EXIT_USAGE) from e
     scored = (f"{variant.metric} {variant.score:.4f} vs fp32 {variant.baseline:.4f} (delta {variant.delta:+.4f})"
               if variant.score is not None and variant.baseline is not None else "unscored: no golden set")
     typer.echo(f"{reference}#{variant.name}: {variant.precision} for {variant.device}, "

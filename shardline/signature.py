@@ -6,6 +6,7 @@ A type is written as a string: a primitive alias Arrow knows (``float32``,
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Iterable
 
@@ -26,8 +27,9 @@ _NAMES = {
 }
 
 
+@functools.lru_cache(maxsize=1024)
 def parse_type(text: str) -> pa.DataType:
-    """Turn a signature type string into an Arrow type.
+    """Turn a signature type string into an Arrow type (cached: it is on every online request's path).
 
     Raises:
         InvalidBundle: the string names no Arrow type.

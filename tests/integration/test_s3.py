@@ -271,3 +271,45 @@ def test_corrupt_shard_on_s3_is_quarantined_and_the_rest_completes(
     assert "bad.parquet" not in objects and "_SUCCESS" in objects
     assert not [k for k in objects if k.startswith("_staging")]
     assert read_scored(s3_server, output_url).num_rows == 12_000
+
+
+def test_racing_promotions_on_s3_keep_one_history_and_rollback_works(
+    s3_server: S3Server, s3_registry: ModelRegistry, tmp_path: Path
+) -> None:
+    import threading
+
+    from shardline.errors import AliasConflict
+
+    package_breast_cancer(tmp_path / "v2", kind="logreg")
+    assert s3_registry.push(tmp_path / "v2").version == 2
+    wins: list[int] = []
+    losses: list[str] = []
+    start = threading.Barrier(4)
+
+    def promote() -> None:
+        registry = ModelRegistry(s3_registry.url, s3_server.storage_options)  # its own client and cache
+        start.wait()
+        for _ in range(3):
+            current = registry.current_move(MODEL, "prod")
+            assert current is not None
+            try:
+                move = registry.move_alias(MODEL, "prod", 2 if current.version == 1 else 1, action="promote",
+                                           expected_seq=current.seq)
+                wins.append(move.seq)
+            except AliasConflict as e:
+                losses.append(str(e))
+
+    threads = [threading.Thread(target=promote) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    history = s3_registry.alias_history(MODEL, "prod")
+    assert [m.seq for m in history] == list(range(1, len(history) + 1))  # If-None-Match: one writer per record
+    assert sorted(wins) == [m.seq for m in history[1:]] and len(wins) + len(losses) == 12
+    for before, after in zip(history, history[1:]):
+        assert after.previous == before.version != after.version
+    current = history[-1].version
+    back = s3_registry.rollback(MODEL, "prod", reason="s3 rollback")
+    assert back.version != current and s3_registry.resolve(f"{MODEL}@prod").version == back.version

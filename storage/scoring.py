@@ -140,7 +140,9 @@ def _write_part(job: ScoringJob, shard: ShardInfo, staged: str) -> tuple[int, in
     rows_in = rows_out = 0
     try:
         source = in_fs.open(in_path, "rb")
-        parquet = pq.ParquetFile(source)
+        # pre_buffer (pyarrow's default) would read every row group's column chunks up
+        # front, so a worker's memory would grow with the shard's size.
+        parquet = pq.ParquetFile(source, pre_buffer=False)
     except (pa.ArrowException, OSError, ValueError) as e:
         if isinstance(e, TRANSIENT):
             raise

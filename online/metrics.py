@@ -9,13 +9,14 @@ models a tenant may call, so unknown names sent by clients cannot grow the serie
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_MAX_CACHED = 4096  # label sets kept (a bound, should labels ever grow)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 
@@ -90,6 +91,9 @@ class Metrics:
         self.loads = Counter("shardline_model_loads", "Times a version was loaded.", ["model", "version"], registry=r)
         self.unloads = Counter("shardline_model_unloads", "Times an idle version was unloaded (scale to zero).",
                                ["model", "version"], registry=r)
+        # Labelled children, looked up once per label set (the label sets are bounded: see the module docstring).
+        self._request_children: dict[tuple[str, str, str, str, int], tuple[Any, Any]] = {}
+        self._batch_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def watch(self, read: Callable[[], Snapshot]) -> None:
         """Read the gauges from ``read`` at every scrape."""
@@ -97,14 +101,30 @@ class Metrics:
 
     def observe_request(self, protocol: str, model: str, version: str, tenant: str, code: int, seconds: float) -> None:
         """Count one answered request and its latency."""
-        self.requests.labels(protocol, model, version, tenant, str(code)).inc()
-        self.latency.labels(protocol, model, version, tenant).observe(seconds)
+        key = (protocol, model, version, tenant, code)
+        children = self._request_children.get(key)
+        if children is None:  # labels() validates and locks on every call: look each series up once
+            if len(self._request_children) > _MAX_CACHED:
+                self._request_children.clear()
+            children = (self.requests.labels(protocol, model, version, tenant, str(code)),
+                        self.latency.labels(protocol, model, version, tenant))
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_batch(self, model: str, version: str, rows: int, requests: int, seconds: float) -> None:
         """Record one batch the model scored."""
-        self.batch_rows.labels(model, version).observe(rows)
-        self.batch_requests.labels(model, version).observe(requests)
-        self.batch_seconds.labels(model, version).observe(seconds)
+        key = (model, version)
+        children = self._batch_children.get(key)
+        if children is None:
+            if len(self._batch_children) > _MAX_CACHED:
+                self._batch_children.clear()
+            children = (self.batch_rows.labels(model, version), self.batch_requests.labels(model, version),
+                        self.batch_seconds.labels(model, version))
+            self._batch_children[key] = children
+        children[0].observe(rows)
+        children[1].observe(requests)
+        children[2].observe(seconds)
 
     def exposition(self) -> tuple[bytes, str]:
         """The metrics in Prometheus' text format, and its content type."""

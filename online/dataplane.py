@@ -364,9 +364,7 @@ class DataPlane:
             return runtime.predict(table)
         except InvalidInput:
             raise
-        except Exception as e:
-            if self.cache.held(served.digest, self.runtime) is not runtime:  # evicted while it ran: load, run again
-                return self.cache.get(resolved, self.runtime, self.storage_options).predict(table)
+        except Exception as e:  # an eviction meanwhile cannot cause it: the cache drops models, never closes them
             raise InferenceFailed(
                 f"model {resolved.pinned} failed on {table.num_rows} rows that passed its signature check "
                 f"({type(e).__name__}: {e}); this is a fault of the model or the server, not of the request"

@@ -91,8 +91,9 @@ class ModelCache:
                 self._loaded[key] = runtime
                 self.loads += 1
                 while len(self._loaded) > self.capacity:
-                    _, evicted = self._loaded.popitem(last=False)
-                    evicted.close()
+                    # Dropped, not closed: a caller may still be predicting with it; it is
+                    # released when the last reference goes.
+                    self._loaded.popitem(last=False)
             return runtime
 
     def loaded(self) -> list[str]:
@@ -116,17 +117,16 @@ class ModelCache:
         """Unload every loaded copy of one bundle (whatever its runtime options); True if one was held.
 
         The online tier calls it to scale an idle model to zero; the next ``get`` loads it
-        again. The caller makes sure nothing is predicting with it.
+        again. Like an LRU eviction it drops the model rather than closing it, so a
+        caller still predicting with it finishes; memory goes with the last reference.
         """
         with self._lock:
             keys = [key for key in self._loaded if key[0] == content_digest]
             runtimes = [self._loaded.pop(key) for key in keys]
-        for runtime in runtimes:
-            runtime.close()
         return bool(runtimes)
 
     def clear(self) -> None:
-        """Unload everything."""
+        """Close and unload everything (at shutdown: nothing may be predicting then)."""
         with self._lock:
             for runtime in self._loaded.values():
                 runtime.close()

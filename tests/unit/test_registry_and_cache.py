@@ -264,3 +264,21 @@ def test_one_cache_per_process_and_folder(tmp_path: Path) -> None:
     assert get_model_cache(tmp_path / "a") is get_model_cache(str(tmp_path / "a"))
     assert get_model_cache(tmp_path / "a") is not get_model_cache(tmp_path / "b")
     shutil.rmtree(tmp_path / "a", ignore_errors=True)
+
+
+def test_an_evicted_model_still_serves_whoever_holds_it(
+    memory_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path
+) -> None:
+    from shardline.examples import shard_table
+
+    memory_registry.push(breast_cancer_model.bundle_dir)
+    resolved = memory_registry.resolve("breast-cancer:1")
+    cache = ModelCache(tmp_path / "cache", capacity=1)
+    held = cache.get(resolved, RuntimeOptions("cpu", 1))
+    cache.get(resolved, RuntimeOptions("cpu", 2))  # evicts the first (LRU) ...
+    assert cache.evict(resolved.content_digest)  # ... and scale-to-zero drops the second
+
+    table = shard_table(breast_cancer_model.data, 20, 0, seed=5)
+    labels, _ = breast_cancer_model.expected(table)
+    assert np.array_equal(held.predict(table).column("label").to_numpy(), labels)  # a caller mid-predict finishes
+    assert cache.loaded() == []

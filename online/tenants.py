@@ -11,6 +11,9 @@ digests only and compared in constant time.
         priority: high            # high | normal | low
         rate: {requests_per_second: 200, burst: 400}
         max_concurrent: 64
+        batch: {storage_prefixes: ["s3://lake/acme/"]}   # batch jobs only (shardline/tenants.py)
+
+A tenant with no API keys but a ``batch:`` section is batch-only: the server ignores it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from shardline.bundle import ModelRef
 from shardline.errors import InvalidSetting, ShardlineError, Unauthenticated
+from shardline.tenants import BatchPolicy
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")  # the order batches are filled in
@@ -51,11 +55,22 @@ class TenantConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Tenant name (metrics, logs).")
-    api_keys_sha256: list[str] = Field(min_length=1, description="Hex sha256 digests of the tenant's API keys.")
-    models: list[str] = Field(min_length=1, description="Model references the tenant may call, one per model.")
+    api_keys_sha256: list[str] = Field(
+        default_factory=list, description="Hex sha256 digests of the tenant's API keys; none: a batch-only tenant."
+    )
+    models: list[str] = Field(default_factory=list, description="Model references the tenant may call, one per model.")
     priority: Priority = Field(default="normal", description="Shedding class: low is shed first.")
     rate: RateQuota | None = Field(default=None, description="Request rate quota; none means unlimited.")
     max_concurrent: int | None = Field(default=None, ge=1, description="Requests in flight at most; none: unlimited.")
+    batch: BatchPolicy | None = Field(default=None, description="Batch jobs' prefixes and quotas (shardline.tenants).")
+
+    @model_validator(mode="after")
+    def _serves_something(self) -> "TenantConfig":
+        if self.api_keys_sha256 and not self.models:
+            raise ValueError("models: list at least one model the tenant may call (or drop its API keys)")
+        if not self.api_keys_sha256 and self.batch is None:
+            raise ValueError("api_keys_sha256: give the tenant an API key, or a batch: section for batch-only use")
+        return self
 
     @field_validator("api_keys_sha256")
     @classmethod
@@ -158,6 +173,7 @@ def parse_tenants(data: Any, where: str) -> list[Tenant]:
             models={ref.name: ref for ref in map(ModelRef.parse, t.models)},
         )
         for t in parsed.tenants
+        if t.api_keys_sha256  # a batch-only tenant is not served
     ]
 
 
@@ -183,7 +199,7 @@ def load_tenants(path: str | Path) -> "TenantDirectory":
 
 
 def _digests(data: Any) -> list[tuple[str, str]]:
-    return [(d.strip().lower(), t["name"]) for t in data["tenants"] for d in t["api_keys_sha256"]]
+    return [(d.strip().lower(), t["name"]) for t in data["tenants"] for d in t.get("api_keys_sha256") or []]
 
 
 class TenantDirectory:

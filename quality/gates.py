@@ -97,7 +97,7 @@ def reference_profile_gate(bundle_dir: Path, manifest: Manifest) -> GateResult:
         return GateResult(
             REFERENCE_PROFILE, False,
             f"{manifest.reference} has no reference data profile; package it with sample data "
-            "(--signature-from or --profile-from) so drift checks have a baseline",
+            "(`shardline model package --signature-from DATA`) so drift checks have a baseline",
         )
     try:
         profile = json.loads((bundle_dir / manifest.reference_profile).read_text())

@@ -50,7 +50,7 @@ def model_package(
 
     from shardline.bundle import Lineage, write_manifest
     from shardline.packaging import GoldenSet, package_onnx
-    from shardline.quality.profile import profile_table
+    from shardline.quality.profile import attach_reference_profile
 
     try:
         sample = pq.read_table(signature_from)
@@ -65,8 +65,10 @@ def model_package(
         folder = out or Path(f"{name}-bundle")
         manifest = package_onnx(
             source, folder, name=name, sample=sample, exclude=exclude or [], lineage=lineage,
-            golden=golden_set, reference_profile=profile_table(sample), image=image,
+            golden=golden_set, image=image,
         )
+        # The sample's profile and the model's outputs on it: the baseline drift checks compare with.
+        manifest = attach_reference_profile(folder, sample)
         if tag:
             manifest = manifest.model_copy(update={"tags": {**manifest.tags, **_tags(tag)}})
             write_manifest(folder, manifest)

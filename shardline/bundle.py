@@ -114,6 +114,57 @@ class Evaluation(BaseModel):
         return score <= self.threshold if self.metric == "rmse" else score >= self.threshold
 
 
+class ColumnDriftThresholds(BaseModel):
+    """Per-column overrides of a drift policy's thresholds; unset fields keep the policy's."""
+
+    psi: float | None = Field(default=None, ge=0, description="Population stability index above which it drifted.")
+    ks: float | None = Field(default=None, ge=0, le=1, description="Kolmogorov-Smirnov D above which it drifted.")
+    js: float | None = Field(default=None, ge=0, le=1, description="Jensen-Shannon divergence (bits) above which it drifted.")
+    null_rate: float | None = Field(
+        default=None, ge=0, le=1, description="Change of the null share (either way) above which it drifted."
+    )
+    new_categories: float | None = Field(
+        default=None, ge=0, le=1, description="Share of rows in categories the reference never had, above which it drifted."
+    )
+    ignore: bool = Field(default=False, description="Never judge this column (ids, timestamps, free text).")
+
+
+class DriftPolicy(ColumnDriftThresholds):
+    """When a model's inputs or outputs count as drifted: thresholds, and overrides per column.
+
+    The defaults follow common practice: PSI 0.2 (0.1-0.25 is a moderate shift), KS
+    D 0.1, Jensen-Shannon 0.1 bits, a null share moved by 5 points, 1% of rows in new
+    categories. PSI, KS and JS must also be significant at ``alpha`` for the two
+    sample sizes, so a small reference raises their thresholds. Outputs are judged
+    like inputs (named after the output column; a fixed-size list element is
+    ``name[i]``). A threshold of None switches that metric off.
+    """
+
+    psi: float | None = Field(default=0.2, ge=0, description="Population stability index above which a column drifted.")
+    ks: float | None = Field(default=0.1, ge=0, le=1, description="Kolmogorov-Smirnov D above which a number drifted.")
+    js: float | None = Field(default=0.1, ge=0, le=1, description="Jensen-Shannon divergence above which a category drifted.")
+    null_rate: float | None = Field(default=0.05, ge=0, le=1, description="Change of the null share above which it drifted.")
+    new_categories: float | None = Field(
+        default=0.01, ge=0, le=1, description="Share of rows in unseen categories above which a column drifted."
+    )
+    alpha: float = Field(
+        default=0.001, gt=0, lt=1,
+        description="PSI, KS and JS must also be significant at this level for the two sample sizes: a small "
+        "reference or sample is not judged on its noise.",
+    )
+    min_rows: int = Field(default=100, ge=1, description="Fewer current rows than this: reported, not judged.")
+    columns: dict[str, ColumnDriftThresholds] = Field(default_factory=dict, description="Overrides by column name.")
+
+    def for_column(self, name: str) -> ColumnDriftThresholds:
+        """The thresholds that apply to one column: the policy's, with that column's overrides on top."""
+        override = self.columns.get(name)
+        base = ColumnDriftThresholds(psi=self.psi, ks=self.ks, js=self.js, null_rate=self.null_rate,
+                                     new_categories=self.new_categories)
+        if override is None:
+            return base
+        return base.model_copy(update=override.model_dump(exclude_unset=True))
+
+
 class Manifest(BaseModel):
     """The contents of ``manifest.json``."""
 
@@ -132,6 +183,9 @@ class Manifest(BaseModel):
     evaluation: Evaluation | None = None
     reference_profile: str | None = Field(
         default=None, description="Artifact path of the reference data profile (for drift checks)."
+    )
+    drift: DriftPolicy | None = Field(
+        default=None, description="When inputs or outputs count as drifted; None: the defaults of DriftPolicy."
     )
     tags: dict[str, str] = Field(default_factory=dict)
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
@@ -167,8 +221,10 @@ class Manifest(BaseModel):
         The registry recognises a re-push of the same bundle by it.
         """
         evaluation = self.evaluation.model_dump(mode="json") if self.evaluation else None
-        return self._hash([(a.path, a.sha256) for a in self.artifacts], evaluation=evaluation,
-                          reference_profile=self.reference_profile)
+        extra: dict[str, Any] = {"evaluation": evaluation, "reference_profile": self.reference_profile}
+        if self.drift is not None:  # only when set: bundles without a policy keep their digest
+            extra["drift"] = self.drift.model_dump(mode="json")
+        return self._hash([(a.path, a.sha256) for a in self.artifacts], **extra)
 
     @property
     def reference(self) -> str:

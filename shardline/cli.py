@@ -27,11 +27,14 @@ app = typer.Typer(help="Shardline: batch-first ML inference on Prefect and Dask.
 batch_app = typer.Typer(help="Batch inference over Parquet shards.", no_args_is_help=True)
 app.add_typer(batch_app, name="batch")
 app.add_typer(model_app, name="model")
+from shardline._drift_cli import drift_app  # noqa: E402
+app.add_typer(drift_app, name="drift")
 
 
 def run_batch_job(
     model: str, input_uri: str, output_uri: str, tenant: str,
     passthrough: list[str] | None, batch_rows: int | None, progress: bool = True, variant: str | None = None,
+    sla: str | None = None, deadline: str | None = None, priority: str | None = None,
 ) -> tuple[int, dict[str, Any] | None]:
     """Run the batch flow in this process; returns (exit code, summary)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -53,7 +56,8 @@ def run_batch_job(
         with bar:
             state = batch_inference(
                 model=model, input_uri=input_uri, output_uri=output_uri, tenant=tenant,
-                passthrough=passthrough, batch_rows=batch_rows, variant=variant, return_state=True,
+                passthrough=passthrough, batch_rows=batch_rows, variant=variant, sla=sla, deadline=deadline,
+                priority=priority, return_state=True,
             )
     finally:
         batch_tasks.progress_listeners.remove(listen)
@@ -105,14 +109,132 @@ def batch_run(
         None, help="Precision variant to run (e.g. int8), or 'auto' to let placement choose from the "
         "version's profiles; default: the fp32 model."
     ),
+    sla: Optional[str] = typer.Option(
+        None, "--sla", help="How long the job may take: 2h, 90m, 1h30m [default: SHARDLINE_BATCH_DEFAULT_SLA, 24h]."
+    ),
+    deadline: Optional[str] = typer.Option(
+        None, "--deadline", help="When the job must be done, ISO 8601: 2026-12-01T06:00Z (instead of --sla)."
+    ),
+    priority: Optional[str] = typer.Option(
+        None, "--priority", help="high, normal or low (backfills) [default: the tenant's, else normal]."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
 ) -> None:
     """Score every row of the input shards and write Parquet parts to the output.
 
     Exit codes: 0 all scored, 3 some shards quarantined, 1 failed (re-run to resume),
-    2 the request was wrong (model, URL, input).
+    2 the request was wrong (model, URL, input, SLA, tenant, prefixes, quota).
     """
-    code, summary = run_batch_job(model, input, output, tenant, passthrough, batch_rows, not json_out, variant)
+    from datetime import datetime, timezone
+
+    from shardline.settings import BatchSettings
+    from shardline.sla import make_sla
+
+    make_sla(datetime.now(timezone.utc), sla, deadline, BatchSettings().default_sla)  # a bad SLA fails before any work
+    code, summary = run_batch_job(
+        model, input, output, tenant, passthrough, batch_rows, not json_out, variant, sla, deadline, priority
+    )
+    if json_out and summary is not None:
+        typer.echo(json.dumps(summary, default=str))
+    raise typer.Exit(code)
+
+
+def _job_records() -> Any:
+    from shardline.settings import StorageSettings
+    from shardline.storage.job_records import JobRecords
+
+    storage = StorageSettings()
+    return JobRecords(storage.home, storage.storage_options)
+
+
+def _span(seconds: float) -> str:
+    """12 s, 41m05s, 2h03m: a duration for people."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, secs = divmod(seconds, 60)
+    return f"{minutes}m{secs:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def _job_lines(record: Any) -> list[tuple[str, str]]:
+    """The `batch status` view of a job record."""
+    from datetime import datetime, timezone
+
+    from shardline.settings import BatchSettings
+
+    now = datetime.now(timezone.utc)
+    state = record.state
+    stale = (now - record.updated_at).total_seconds()
+    if state == "running" and stale > max(60.0, 6 * BatchSettings().sla_check_interval_s):
+        state = f"running? (no update for {_span(stale)}: the flow may have stopped; `shardline batch resume {record.job_id}`)"
+    done, total = record.shards_done, record.shards_total
+    pct = f" ({100 * done / total:.0f}%)" if total else ""
+    if record.finished_at is not None:
+        eta = f"finished {record.finished_at.isoformat(timespec='seconds')}"
+    elif record.projected_finish is not None:
+        left = (record.projected_finish - now).total_seconds()
+        eta = f"{record.projected_finish.isoformat(timespec='seconds')} (in {_span(max(left, 0))})"
+    else:
+        eta = "unknown (no throughput measured yet)"
+    to_deadline = (record.deadline - now).total_seconds()
+    deadline = record.deadline.isoformat(timespec="seconds")
+    if record.finished_at is None:
+        deadline += f" (in {_span(to_deadline)})" if to_deadline >= 0 else f" ({_span(-to_deadline)} ago)"
+    params = record.parameters
+    return [
+        ("job", record.job_id), ("state", state), ("tenant", params.tenant),
+        ("model", f"{params.model} -> {record.model_pinned}"), ("input", params.input_uri), ("output", params.output_uri),
+        ("progress", f"{done}/{total} shards{pct}, {record.rows_done:,} rows this run"),
+        ("throughput", f"{record.rows_per_second:,.0f} rows/s, {record.shards_per_second:.3f} shards/s"),
+        ("started", record.started_at.isoformat(timespec="seconds")), ("deadline", deadline), ("ETA", eta),
+        ("SLA", record.sla_status), ("runs", str(record.runs)), ("message", record.message or "-"),
+    ]
+
+
+@batch_app.command("status")
+def batch_status(
+    job: Optional[str] = typer.Argument(None, help="Job id (or the start of one); none lists recent jobs."),
+    json_out: bool = typer.Option(False, "--json", help="Print the job record as JSON."),
+) -> None:
+    """Progress, throughput, ETA against the SLA and state of a batch job (from its job record)."""
+    records = _job_records()
+    if job is None:
+        ids = records.ids()[-20:]
+        if not ids:
+            typer.echo("no batch jobs recorded under this home yet")
+        for job_id in ids:
+            r = records.find(job_id)
+            if r is not None:
+                typer.echo(f"{r.job_id}  {r.state:<11} {r.sla_status:<9} {r.shards_done}/{r.shards_total} shards  "
+                           f"{r.parameters.tenant}  {r.parameters.model}")
+        return
+    record = records.read(job)
+    if json_out:
+        typer.echo(record.model_dump_json())
+        return
+    lines = _job_lines(record)
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        typer.echo(f"{key.rjust(width)}  {value}")
+
+
+@batch_app.command("resume")
+def batch_resume(
+    job: str = typer.Argument(..., help="Job id (or the start of one) to run again."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
+) -> None:
+    """Run a job again with its recorded parameters and deadline; committed parts are kept, only the rest runs.
+
+    Exit codes as for `batch run`.
+    """
+    record = _job_records().read(job)
+    p = record.parameters
+    typer.echo(f"resuming job {record.job_id} ({record.state}, {record.shards_done}/{record.shards_total} shards settled)")
+    # the pinned version, not the alias: were the alias moved since, the parts already made would not count
+    code, summary = run_batch_job(
+        record.model_pinned or p.model, p.input_uri, p.output_uri, p.tenant, p.passthrough, p.batch_rows,
+        not json_out, p.variant, deadline=record.deadline.isoformat(), priority=p.priority,
+    )
     if json_out and summary is not None:
         typer.echo(json.dumps(summary, default=str))
     raise typer.Exit(code)
@@ -128,7 +250,8 @@ def demo(
     import numpy as np
     import pyarrow.dataset as ds
 
-    from shardline.examples import breast_cancer, package_breast_cancer, write_shards
+    from shardline.examples import breast_cancer, golden_table, package_breast_cancer, split, write_shards
+    from shardline.quality.profile import attach_reference_profile
 
     workdir = workdir.resolve()
     if workdir.exists():
@@ -136,6 +259,8 @@ def demo(
     os.environ["SHARDLINE_STORAGE_HOME"] = str(workdir / "home")
     typer.echo(f"1/4 training and packaging the breast-cancer classifier in {workdir}")
     manifest, estimator = package_breast_cancer(workdir / "bundle")
+    # The training rows' profile and the model's outputs on them: the data contract and drift baseline.
+    attach_reference_profile(workdir / "bundle", golden_table(split(breast_cancer())[0]).drop(["target"]))
     registry = open_registry()
     pushed = registry.push(workdir / "bundle")
     registry.set_alias(pushed.name, "prod", pushed.version or 1, reason="demo")
@@ -174,6 +299,10 @@ def serve(
     tenants: Optional[Path] = typer.Option(
         None, "--tenants", help="Tenants YAML: API key hashes, models, priority, quotas [SHARDLINE_ONLINE_TENANTS_FILE]."
     ),
+    workers: Optional[int] = typer.Option(
+        None, min=0, help="Server processes sharing the port, each with 1/N of every tenant quota; 0: one per "
+        "core [default: 1; SHARDLINE_ONLINE_WORKERS].",
+    ),
 ) -> None:
     """Serve the tenants' models over HTTP: Open Inference Protocol (/v2) and OpenAI-style /v1/embeddings.
 
@@ -187,7 +316,8 @@ def serve(
     from shardline.online.server import serve as run_server
     from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
 
-    given: dict[str, Any] = {"host": host, "port": port, "tenants_file": str(tenants) if tenants is not None else None}
+    given: dict[str, Any] = {"host": host, "port": port, "tenants_file": str(tenants) if tenants is not None else None,
+                             "workers": workers}
     try:
         online = OnlineSettings.model_validate({k: v for k, v in given.items() if v is not None})
         run_server(online, StorageSettings(), RuntimeSettings())

@@ -47,6 +47,14 @@ class CorruptShard(InvalidInput):
     """A shard cannot be read as Parquet."""
 
 
+class DataContractFailed(InvalidInput):
+    """A sample of a shard fails the model's data contract (expectations from its signature and reference profile)."""
+
+    def __init__(self, message: str, failures: list[str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
 class EmptyInput(InvalidInput):
     """An input location holds no shards."""
 
@@ -140,3 +148,21 @@ class InferenceFailed(ShardlineError, RuntimeError):
 
 class NotServed(ShardlineError, NotImplementedError):
     """An endpoint that this server does not offer yet."""
+
+
+class AccessDenied(ShardlineError, PermissionError):
+    """A batch job names a location outside its tenant's storage prefixes, or a tenant the file does not list."""
+
+    def __init__(self, message: str, tenant: str) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+
+
+class QuotaExceeded(ShardlineError, RuntimeError):
+    """A tenant's batch quota (GPU-hours per day) is used up; the job was not started."""
+
+    def __init__(self, message: str, tenant: str, used: float, limit: float) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.used = used
+        self.limit = limit

@@ -104,6 +104,35 @@ def shard_table(data: Dataset, rows: int, first_id: int, seed: int) -> pa.Table:
     return pa.table(columns)
 
 
+SITES = ("north", "south", "east")
+SITE_SHARES = (0.5, 0.3, 0.2)
+
+
+def with_site(table: pa.Table, seed: int, sites: tuple[str, ...] = SITES,
+              shares: tuple[float, ...] = SITE_SHARES) -> pa.Table:
+    """The table with a categorical ``site`` column (which clinic sent the row), drawn at the given shares.
+
+    The breast-cancer features are all numeric; drift checks and data contracts
+    judge categories too, so examples and tests add this passthrough column.
+    """
+    rng = np.random.default_rng(seed)
+    return table.append_column("site", pa.array(rng.choice(list(sites), table.num_rows, p=list(shares))))
+
+
+def shifted_table(table: pa.Table, *, scale: dict[str, float] | None = None,
+                  nulls: dict[str, float] | None = None, seed: int = 0) -> pa.Table:
+    """A copy of the table shifted on purpose: columns multiplied by a factor, a share of rows made null."""
+    rng = np.random.default_rng(seed)
+    for name, factor in (scale or {}).items():
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, name, pa.array(table.column(name).to_numpy() * factor))
+    for name, share in (nulls or {}).items():
+        i = table.schema.get_field_index(name)
+        values = table.column(name).to_numpy(zero_copy_only=False)
+        table = table.set_column(i, name, pa.array(values, mask=rng.random(table.num_rows) < share))
+    return table
+
+
 def write_shards(
     folder: str | Path, shards: int, rows_per_shard: int, *, row_group_rows: int = 65_536, seed: int = 0
 ) -> list[Path]:

@@ -88,11 +88,23 @@ def finish_bundle(
             prediction_column=golden.prediction_column, threshold=golden.threshold,
             max_variant_delta=golden.max_variant_delta,
         )
-    if reference_profile is not None:
-        (folder / PROFILE_FILE).write_text(json.dumps(reference_profile, indent=2))
-        artifacts.append(describe_artifact(folder, PROFILE_FILE, role="profile"))
-        update["reference_profile"] = PROFILE_FILE
     done = manifest.model_copy(update={"artifacts": artifacts, **update})
+    if reference_profile is not None:
+        return set_reference_profile(folder, done, reference_profile)
+    write_manifest(folder, done)
+    return done
+
+
+def set_reference_profile(folder: Path, manifest: Manifest, reference_profile: dict[str, Any]) -> Manifest:
+    """Write the reference profile into a bundle folder (replacing any it had) and rewrite the manifest.
+
+    Only for a bundle not pushed yet: pushed versions are immutable. The profile is
+    compact JSON (``shardline.quality.profile`` makes it), a few KB.
+    """
+    (folder / PROFILE_FILE).write_text(json.dumps(reference_profile, separators=(",", ":")))
+    artifacts = [a for a in manifest.artifacts if a.path != PROFILE_FILE]
+    artifacts.append(describe_artifact(folder, PROFILE_FILE, role="profile"))
+    done = manifest.model_copy(update={"artifacts": artifacts, "reference_profile": PROFILE_FILE})
     write_manifest(folder, done)
     return done
 

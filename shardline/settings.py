@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -34,6 +34,11 @@ class StorageSettings(BaseSettings):
     cache_dir: str | None = Field(
         default=None,
         description="Local folder where fetched bundles are kept; defaults to <home>/cache.",
+    )
+    capture_url: str | None = Field(
+        default=None,
+        description="fsspec URL where both tiers write sampled inputs/outputs (drift checks read it); "
+        "defaults to <home>/capture.",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -100,6 +105,27 @@ class DaskSettings(BaseSettings):
     kubernetes_workers: int = Field(
         default=2, ge=0, description="Workers to scale a kubernetes cluster to."
     )
+    allowed_failures: int = Field(
+        default=10,
+        ge=0,
+        description="Workers that may die (no notice) while running one shard before Dask fails it with "
+        "KilledWorker (distributed.scheduler.allowed-failures; set on clusters this process starts).",
+    )
+    preemption_notices: tuple[str, ...] = Field(
+        default=("sigterm",),
+        description="Where a worker learns it is being preempted (JSON list): 'sigterm' (the worker process "
+        "gets SIGTERM), 'file:/PATH' (the file appears, e.g. written by a preStop hook or a node agent), "
+        "'http://URL' (a metadata endpoint answers 200 with a body other than FALSE). Empty: never.",
+    )
+    preemption_poll_s: float = Field(
+        default=1.0, gt=0, description="How often a worker looks at its file or HTTP notice source."
+    )
+    preemption_drain_s: float = Field(
+        default=20.0,
+        ge=0,
+        description="After a notice, how long a worker may finish the shards it runs before handing the rest "
+        "back; keep it under the notice period (AWS 120 s, GCP 30 s, terminationGracePeriodSeconds).",
+    )
 
     @field_validator("address")
     @classmethod
@@ -108,6 +134,16 @@ class DaskSettings(BaseSettings):
             raise ValueError(
                 f"address {value!r} has no scheme; write it as tcp://HOST:PORT"
             )
+        return value
+
+    @field_validator("preemption_notices")
+    @classmethod
+    def _known_notice_sources(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for source in value:
+            if source != "sigterm" and not source.startswith(("file:", "http://", "https://")):
+                raise ValueError(
+                    f"preemption notice source {source!r} is unknown; use 'sigterm', 'file:/PATH' or an http(s):// URL"
+                )
         return value
 
     def resolved_workers(self) -> int:
@@ -128,6 +164,67 @@ class BatchSettings(BaseSettings):
     shard_suffixes: tuple[str, ...] = Field(
         default=(".parquet", ".pq"), description="File suffixes that count as shards."
     )
+    checkpoint_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1,
+        description="A shard larger than this is scored in ranges of row groups of about this many (compressed) "
+        "bytes, each checkpointed, so a lost worker redoes one range, not the shard.",
+    )
+    retry_attempts: int = Field(
+        default=4, ge=0, description="Retries of a shard after a transient storage error (connection, timeout, throttling)."
+    )
+    retry_base_s: float = Field(
+        default=0.5, gt=0, description="First retry's backoff ceiling; it doubles each retry (full jitter)."
+    )
+    retry_cap_s: float = Field(default=30.0, gt=0, description="Largest backoff between two retries.")
+    max_in_flight: int = Field(
+        default=0, ge=0, description="Shards submitted to the cluster at once; 0: 4 per worker thread (at least 8)."
+    )
+    contract_sample_rows: int = Field(
+        default=1_000,
+        ge=0,
+        description="First rows of each shard checked against the model's data contract before scoring "
+        "(when its bundle has a reference profile); a failing shard is quarantined. 0: no check.",
+    )
+    capture_rows_per_shard: int = Field(
+        default=1_000,
+        ge=0,
+        description="Rows of each shard's inputs and outputs kept for drift checks (tier 'batch'). 0: none.",
+    )
+    default_sla: str = Field(
+        default="24h", description="SLA of a job given neither --sla nor --deadline (a duration: '2h', '90m')."
+    )
+    sla_margin: float = Field(
+        default=0.1, ge=0, lt=1,
+        description="Fraction of a job's SLA before its deadline from which a later projected finish is 'at risk'.",
+    )
+    sla_check_interval_s: float = Field(
+        default=5.0, gt=0, description="How often (seconds) a running job projects its finish and updates its record."
+    )
+    sla_window_s: float = Field(
+        default=300.0, gt=0, description="Seconds of recent progress the throughput (and so the projection) is measured over."
+    )
+
+
+class TenancySettings(BaseSettings):
+    """Which tenants may run batch jobs, and how they share the cluster (see docs/batch.md, Fairness)."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_TENANCY_", extra="ignore")
+
+    tenants_file: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("SHARDLINE_TENANTS_FILE", "SHARDLINE_ONLINE_TENANTS_FILE", "tenants_file"),
+        description="The tenants YAML both tiers read (SHARDLINE_TENANTS_FILE, else SHARDLINE_ONLINE_TENANTS_FILE); "
+        "unset: single-tenant development mode, no batch limits.",
+    )
+    priority_job_slots: dict[str, int] = Field(
+        default_factory=lambda: {"high": 8, "normal": 4, "low": 1},
+        description="Batch jobs of each priority class running at once, across tenants (Prefect global "
+        "concurrency limits shardline-batch-priority-<class>, created or resized at run time) (JSON).",
+    )
+    wait_timeout_s: float | None = Field(
+        default=None, gt=0, description="How long a job waits for its tenant's and class's slots; unset: as long as it takes."
+    )
 
 
 class PlacementSettings(BaseSettings):
@@ -138,6 +235,29 @@ class PlacementSettings(BaseSettings):
     costs_per_hour: dict[str, float] = Field(
         default_factory=lambda: {"cpu": 0.20, "cuda": 4.00, "cuda-nvidia-h200-mig": 0.60},
         description="Machine kind (or a prefix of it, longest wins) -> price of one device per hour (JSON).",
+    )
+
+
+class DriftSettings(BaseSettings):
+    """Drift checks over captured data, and the flows that answer them (see docs/drift.md)."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_DRIFT_", extra="ignore")
+
+    window_hours: float = Field(
+        default=24.0, gt=0, description="How far back a drift check reads captured rows when no window is given."
+    )
+    contract_sample_rows: int = Field(
+        default=10_000, ge=1, description="Newest captured rows checked against the model's data contract per check."
+    )
+    reports_url: str | None = Field(
+        default=None,
+        description="fsspec URL where drift reports are kept, one JSON per check (their history); "
+        "defaults to <home>/drift.",
+    )
+    labelled_url: str | None = Field(
+        default=None,
+        description="fsspec URL of fresh labelled data for re-validation: <url>/<model>/ holds Parquet with the "
+        "model's inputs and its evaluation's label column.",
     )
 
 
@@ -164,7 +284,11 @@ class OnlineSettings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65_535, description="TCP port to listen on (0 picks a free one).")
     tenants_file: str | None = Field(
-        default=None, description="Path of the tenants YAML (API key hashes, models, priority, quotas)."
+        default=None,
+        # the same file batch jobs read (TenancySettings), under either name
+        validation_alias=AliasChoices("SHARDLINE_TENANTS_FILE", "SHARDLINE_ONLINE_TENANTS_FILE", "tenants_file"),
+        description="Path of the tenants YAML (API key hashes, models, priority, quotas) "
+        "(SHARDLINE_TENANTS_FILE, else SHARDLINE_ONLINE_TENANTS_FILE).",
     )
     max_batch_size: int = Field(
         default=64, ge=1, description="Rows per batch at most, for models without a profile or an override."
@@ -199,6 +323,30 @@ class OnlineSettings(BaseSettings):
     inference_threads: int = Field(
         default=0, ge=0, description="Threads that run inference off the event loop; 0 picks one per core."
     )
+    capture_rate: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of requests whose rows and answers are captured to Parquet under the storage's "
+        "capture URL (for drift checks): 0 is off, 0.01 one request in a hundred, 1 all. Written by a background "
+        "thread per model version, never on a request's path; samples are dropped, not queued, if the store "
+        "falls behind.",
+    )
+    workers: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description="Server processes sharing the port (0: one per core). Each holds 1/N of every tenant's rate, "
+        "burst and max_concurrent (rounded up) and its own copy of the models; /metrics sums all of them.",
+    )
+    inline_max_ms: float = Field(
+        default=0.5,
+        ge=0,
+        le=100,
+        description="A loaded model whose measured time for a batch is under this is run on the event loop "
+        "(no thread hand-off: the fastest path for small models); slower ones, and loading, always go to "
+        "the inference threads. 0 sends every batch to the threads.",
+    )
     max_loaded_models: int = Field(default=8, ge=1, description="Models held loaded at once (the model cache's size).")
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="Largest request body, compressed and decompressed."
@@ -218,6 +366,10 @@ class OnlineSettings(BaseSettings):
         for name in value:
             check_model_name(name)
         return value
+
+    def resolved_workers(self) -> int:
+        """Server processes, with 0 meaning one per core."""
+        return self.workers or max(1, os.cpu_count() or 1)
 
     def resolved_threads(self) -> int:
         """Inference threads, with 0 meaning one per core."""

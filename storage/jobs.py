@@ -18,9 +18,15 @@ def job_key(model_digest: str, passthrough: Sequence[str] | None) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def job_id(key: str, shards: Iterable[ShardInfo]) -> str:
-    """A job is its key plus the exact input listing (paths and fingerprints)."""
+def job_id(key: str, shards: Iterable[ShardInfo], output: str | None = None) -> str:
+    """A job is its key plus the exact input listing (paths and fingerprints) and where it writes.
+
+    The output counts: the same input scored by the same model into two folders (two
+    tenants, say) is two jobs, with two job records.
+    """
     digest = hashlib.sha256(key.encode())
+    if output is not None:
+        digest.update(f"\noutput\t{output.rstrip('/')}".encode())
     for shard in shards:
         digest.update(f"\n{shard.relative}\t{shard.fingerprint}".encode())
     return digest.hexdigest()[:16]

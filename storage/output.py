@@ -51,7 +51,11 @@ def check_part_names(shards: Iterable[ShardInfo]) -> None:
 
 
 class PartRecord(BaseModel):
-    """What the ledger keeps about one settled shard."""
+    """What the ledger keeps about one settled shard.
+
+    ``ranges`` is how many row-group ranges a large shard was scored in (1: one pass),
+    ``ranges_resumed`` how many of them an earlier, interrupted attempt had finished.
+    """
 
     shard: str
     relative: str
@@ -65,6 +69,8 @@ class PartRecord(BaseModel):
     reason: str | None = None
     seconds: float = 0.0
     settled_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    ranges: int = 1
+    ranges_resumed: int = 0
 
 
 class OutputLayout:

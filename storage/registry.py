@@ -18,6 +18,7 @@ on the log's length: of two racing moves exactly one wins, the other is told.
 from __future__ import annotations
 
 import getpass
+import hashlib
 import json
 import time
 from datetime import datetime, timezone
@@ -405,6 +406,26 @@ class ModelRegistry:
             content_digest=manifest.content_digest, registry_url=self.fs.unstrip_protocol(self.root), manifest=manifest,
             variants=self.list_variants(ref.name, version),
         )
+
+    def reference_profile(self, model: ResolvedModel) -> dict[str, Any] | None:
+        """The version's reference data profile (sha256-checked), or None when it was packaged without one.
+
+        Raises:
+            IntegrityError: the stored profile does not match its manifest.
+        """
+        manifest = model.manifest
+        artifact = next((a for a in manifest.artifacts if a.path == manifest.reference_profile), None)
+        if manifest.reference_profile is None or artifact is None:
+            return None
+        blob = self.fs.cat_file(self.blob_path(model.name, artifact.sha256))
+        got = hashlib.sha256(blob).hexdigest()
+        if got != artifact.sha256:
+            raise IntegrityError(
+                f"the reference profile of {model.pinned} in the registry has sha256 {got[:12]}..., its manifest "
+                f"says {artifact.sha256[:12]}...; push the bundle again", artifact.path, artifact.sha256, got,
+            )
+        profile: dict[str, Any] = json.loads(blob)
+        return profile
 
     def _missing_message(self, name: str, what: str | None) -> str:
         check_model_name(name)

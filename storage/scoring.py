@@ -2,8 +2,11 @@
 
 Read the shard in bounded batches, check them, predict, write the part to staging,
 commit it atomically and record it in the ledger. A shard whose data is bad is
-quarantined (a ledger record with the reason, no part); any other failure raises,
-leaves nothing visible, and is scored again by the next run.
+quarantined (a ledger record with the reason, no part); a transient storage error is
+retried with backoff; any other failure raises, leaves nothing visible, and is scored
+again by the next run. A shard larger than ``checkpoint_bytes`` is scored in ranges of
+row groups, each checkpointed (see ``checkpoint.py``), so a retry or a re-run resumes
+from the last finished range.
 """
 
 from __future__ import annotations
@@ -12,22 +15,34 @@ import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Generator
+import logging
+from typing import Any, Callable, Generator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardline.errors import CorruptShard, InvalidInput, NullValues, SchemaMismatch
+from shardline.errors import CorruptShard, DataContractFailed, InvalidInput, NullValues, SchemaMismatch
 from shardline.runtimes import RuntimeOptions
 from shardline.signature import Signature, schema_problems
+from shardline.storage.checkpoint import ShardCheckpoint, plan_ranges, row_group_sizes
 from shardline.storage.fs import commit_file, ensure_dir, open_fs, staging_path
 from shardline.storage.model_cache import get_model_cache
 from shardline.storage.output import OutputLayout, PartRecord
 from shardline.storage.registry import ResolvedModel
+from shardline.storage.retry import RetryPolicy, call_with_retries, is_transient
 from shardline.storage.shards import ShardInfo, iter_batches, read_footer
 
-# Errors of the network or the store itself: not the shard's fault, so not quarantined.
-TRANSIENT = (ConnectionError, TimeoutError)
+logger = logging.getLogger("shardline.scoring")
+
+
+@dataclass(frozen=True)
+class ShardCapture:
+    """Keep the first ``rows`` rows of each shard's model inputs and outputs under ``root`` (tier "batch")."""
+
+    root: str
+    rows: int
+    tenant: str
+    source: str  # the job id
 
 
 @dataclass(frozen=True)
@@ -35,7 +50,11 @@ class ScoringJob:
     """What every shard of one job shares; small enough to ship to each worker.
 
     ``passthrough`` None keeps every input column the model does not read (ids and
-    such), so each output part joins back to its shard.
+    such), so each output part joins back to its shard. ``sample_check`` (picklable;
+    the data contract) gets the first ``contract_sample_rows`` rows of each shard's
+    model inputs before scoring and answers the expectations they fail; any answer
+    quarantines the shard. ``capture`` keeps a sample of inputs and outputs per shard
+    for drift checks.
     """
 
     job_key: str
@@ -47,6 +66,11 @@ class ScoringJob:
     cache_capacity: int = 4
     runtime: RuntimeOptions = RuntimeOptions()
     storage_options: dict[str, Any] = field(default_factory=dict)
+    checkpoint_bytes: int = 256 * 1024 * 1024
+    retry: RetryPolicy = RetryPolicy()
+    sample_check: Callable[[pa.Table], list[str]] | None = None
+    contract_sample_rows: int = 1_000
+    capture: ShardCapture | None = None
 
 
 def _reject_nulls(batch: pa.RecordBatch, signature: Signature, model: str) -> None:
@@ -131,86 +155,215 @@ class PartWriter:
                 self._sink.close()
 
 
-def _write_part(job: ScoringJob, shard: ShardInfo, staged: str) -> tuple[int, int]:
-    """Score a shard into the staged file; returns (rows in, rows out)."""
-    model = get_model_cache(job.cache_dir, job.cache_capacity).get(job.model, job.runtime, job.storage_options)
-    signature = job.model.manifest.signature
+@dataclass
+class _Opened:
+    """A shard opened for scoring: its Parquet file and what the part will hold."""
+
+    parquet: pq.ParquetFile
+    carried: list[str]
+    columns: list[str]
+    target: pa.Schema
+
+
+@contextlib.contextmanager
+def _open_shard(job: ScoringJob, shard: ShardInfo) -> Generator[_Opened, None, None]:
+    """Open a shard and check its schema against the model.
+
+    Raises:
+        CorruptShard: not readable Parquet. SchemaMismatch: the model cannot read it.
+    """
     in_fs, in_path = open_fs(shard.uri, job.storage_options)
-    out = OutputLayout(job.output_uri, job.storage_options)
-    rows_in = rows_out = 0
     try:
         source = in_fs.open(in_path, "rb")
         # pre_buffer (pyarrow's default) would read every row group's column chunks up
         # front, so a worker's memory would grow with the shard's size.
         parquet = pq.ParquetFile(source, pre_buffer=False)
     except (pa.ArrowException, OSError, ValueError) as e:
-        if isinstance(e, TRANSIENT):
+        if is_transient(e):
             raise
         raise CorruptShard(f"{shard.uri} is not a readable Parquet file ({e}); re-export it") from e
     with source:
         schema = parquet.schema_arrow
         carried = carried_columns(job, schema)
         _check_schema(schema, job, carried)
-        columns = list(dict.fromkeys([*carried, *signature.input_names]))
-        target = output_schema(job, schema, carried)
-        batches = _read(parquet, columns, job.batch_rows, shard)
-        # closing(): the read-ahead thread stops before the source file closes, even
-        # when a check below raises while the generator is suspended.
-        with contextlib.closing(batches), PartWriter(out.fs, staged, target) as part:
-            for batch in batches:
-                _reject_nulls(batch, signature, job.model.pinned)
-                predicted = model.predict(batch)
-                scored = pa.RecordBatch.from_arrays([batch.column(c) for c in carried] + predicted.columns, schema=target)
-                part.write(scored)
-                rows_in += batch.num_rows
-                rows_out += scored.num_rows
+        columns = list(dict.fromkeys([*carried, *job.model.manifest.signature.input_names]))
+        yield _Opened(parquet, carried, columns, output_schema(job, schema, carried))
+
+
+class _Sample:
+    """The first rows scored in this attempt, model inputs and outputs, up to ``limit`` (for capture)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.rows = 0
+        self.inputs: list[pa.RecordBatch] = []
+        self.outputs: list[pa.RecordBatch] = []
+
+    def take(self, inputs: pa.RecordBatch, outputs: pa.RecordBatch) -> None:
+        """Keep the head of a scored batch while the sample is short."""
+        wanted = min(self.limit - self.rows, inputs.num_rows)
+        if wanted > 0:
+            self.inputs.append(inputs.slice(0, wanted))
+            self.outputs.append(outputs.slice(0, wanted))
+            self.rows += wanted
+
+
+def _check_contract(job: ScoringJob, shard: ShardInfo, opened: _Opened) -> None:
+    """Run the data contract on the shard's first rows.
+
+    Raises:
+        DataContractFailed: the sample fails expectations (the shard is quarantined).
+    """
+    if job.sample_check is None or job.contract_sample_rows <= 0:
+        return
+    names = job.model.manifest.signature.input_names
+    batches, rows = [], 0
+    reader = _read(opened.parquet, names, job.contract_sample_rows, shard)
+    with contextlib.closing(reader):
+        for batch in reader:
+            batches.append(batch)
+            rows += batch.num_rows
+            if rows >= job.contract_sample_rows:
+                break
+    sample = pa.Table.from_batches(batches, schema=pa.schema([opened.parquet.schema_arrow.field(n) for n in names]))
+    failures = job.sample_check(sample.slice(0, job.contract_sample_rows))
+    if failures:
+        raise DataContractFailed(
+            f"the first {sample.num_rows} rows fail {len(failures)} expectation(s) of {job.model.pinned}'s data "
+            f"contract: {'; '.join(failures)}; fix the data or check the model's reference profile",
+            failures,
+        )
+
+
+def _write_capture(job: ScoringJob, shard: ShardInfo, sample: _Sample) -> None:
+    """Write the shard's sample of inputs and outputs for drift checks; a failure is logged, never raised."""
+    if job.capture is None or not sample.rows:
+        return
+    try:
+        from shardline.storage.capture import write_capture
+
+        write_capture(
+            job.capture.root, job.model.name, job.model.version, "batch",
+            pa.Table.from_batches(sample.inputs), pa.Table.from_batches(sample.outputs),
+            tenant=job.capture.tenant, source=job.capture.source, storage_options=job.storage_options,
+        )
+    except Exception as e:  # capture serves drift checks; the shard's part is what matters
+        logger.warning("capture of shard %s failed (%s: %s); the part is committed", shard.relative, type(e).__name__, e)
+
+
+def _score_into(
+    job: ScoringJob, shard: ShardInfo, opened: _Opened, path: str, row_groups: list[int] | None,
+    sample: _Sample | None = None,
+) -> tuple[int, int]:
+    """Score the shard's rows (or only ``row_groups``) into a Parquet file; returns (rows in, rows out)."""
+    model = get_model_cache(job.cache_dir, job.cache_capacity).get(job.model, job.runtime, job.storage_options)
+    signature = job.model.manifest.signature
+    out = OutputLayout(job.output_uri, job.storage_options)
+    rows_in = rows_out = 0
+    batches = _read(opened.parquet, opened.columns, job.batch_rows, shard, row_groups)
+    # closing(): the read-ahead thread stops before the source file closes, even
+    # when a check below raises while the generator is suspended.
+    with contextlib.closing(batches), PartWriter(out.fs, path, opened.target) as part:
+        for batch in batches:
+            _reject_nulls(batch, signature, job.model.pinned)
+            predicted = model.predict(batch)
+            scored = pa.RecordBatch.from_arrays(
+                [batch.column(c) for c in opened.carried] + predicted.columns, schema=opened.target
+            )
+            part.write(scored)
+            if sample is not None and sample.rows < sample.limit:
+                sample.take(batch.select(signature.input_names), predicted)
+            rows_in += batch.num_rows
+            rows_out += scored.num_rows
     return rows_in, rows_out
 
 
-def _read(parquet: pq.ParquetFile, columns: list[str], batch_rows: int, shard: ShardInfo) -> Generator[pa.RecordBatch, None, None]:
+def _read(
+    parquet: pq.ParquetFile, columns: list[str], batch_rows: int, shard: ShardInfo, row_groups: list[int] | None = None
+) -> Generator[pa.RecordBatch, None, None]:
     try:
-        yield from iter_batches(parquet, columns, batch_rows)
+        yield from iter_batches(parquet, columns, batch_rows, row_groups=row_groups)
     except (pa.ArrowException, OSError) as e:
-        if isinstance(e, TRANSIENT):
+        if is_transient(e):
             raise
         raise CorruptShard(f"{shard.uri} has data that cannot be read ({e}); re-export it") from e
+
+
+@dataclass
+class _Scored:
+    rows_in: int
+    rows_out: int
+    ranges: int = 1
+    ranges_resumed: int = 0
+
+
+def _score_to_part(job: ScoringJob, shard: ShardInfo, out: OutputLayout, final: str) -> _Scored:
+    """Score a shard and commit its part: in one pass, or range by range with checkpoints."""
+    ensure_dir(out.fs, out.staging_dir)
+    sample = _Sample(job.capture.rows) if job.capture is not None and job.capture.rows > 0 else None
+    with _open_shard(job, shard) as opened:
+        _check_contract(job, shard, opened)
+        ranges = plan_ranges(row_group_sizes(opened.parquet.metadata), job.checkpoint_bytes)
+        if len(ranges) == 1:
+            staged = staging_path(final, out.staging_dir)
+            try:
+                rows_in, rows_out = _score_into(job, shard, opened, staged, None, sample)
+            except BaseException:
+                if out.fs.exists(staged):
+                    out.fs.rm(staged)
+                raise
+            commit_file(out.fs, staged, final)
+            if sample is not None:
+                _write_capture(job, shard, sample)
+            return _Scored(rows_in, rows_out)
+        checkpoint = ShardCheckpoint.load(out, shard, job.job_key, ranges)
+        try:
+            for start, end in ranges:
+                if (start, end) in checkpoint.done:
+                    continue
+                chunk = checkpoint.new_chunk_path(start, end)
+                try:
+                    rows_in, rows_out = _score_into(job, shard, opened, chunk, list(range(start, end)), sample)
+                except BaseException:
+                    if out.fs.exists(chunk):
+                        out.fs.rm(chunk)
+                    raise
+                checkpoint.finish(start, end, rows_in, rows_out, chunk)
+        except InvalidInput:
+            checkpoint.discard()  # the shard is quarantined: its partial scores are of no use
+            raise
+    checkpoint.assemble(final)
+    rows_in, rows_out = checkpoint.rows()
+    checkpoint.discard()
+    if sample is not None:
+        _write_capture(job, shard, sample)
+    return _Scored(rows_in, rows_out, len(ranges), checkpoint.resumed)
 
 
 def score_shard(job: ScoringJob, shard: ShardInfo) -> PartRecord:
     """Score one shard into its part, or quarantine it; returns its ledger record.
 
+    Transient storage errors (connection, time-out, throttling) are retried with
+    exponential backoff and jitter (``job.retry``); a large shard resumes from its
+    last checkpointed range.
+
     Raises:
-        Exception: anything that is not the shard's fault (storage down, model
-            missing). Nothing is committed then, and a re-run scores the shard again.
+        Exception: anything that is not the shard's fault (storage down past the
+            retries, model missing). Nothing is committed then, and a re-run scores
+            the shard again.
     """
+    return call_with_retries(lambda: _score_shard_once(job, shard), job.retry, what=f"shard {shard.relative}")
+
+
+def _score_shard_once(job: ScoringJob, shard: ShardInfo) -> PartRecord:
     started = time.perf_counter()
     out = OutputLayout(job.output_uri, job.storage_options)
     final = out.part_path(shard.relative)
-    ensure_dir(out.fs, out.staging_dir)
-    staged = staging_path(final, out.staging_dir)
     try:
-        rows_in, rows_out = _write_part(job, shard, staged)
+        scored = _score_to_part(job, shard, out, final)
     except InvalidInput as e:
-        if out.fs.exists(staged):
-            out.fs.rm(staged)
-        record = PartRecord(
-            shard=shard.uri,
-            relative=shard.relative,
-            fingerprint=shard.fingerprint,
-            job_key=job.job_key,
-            status="quarantined",
-            rows_in=_row_count(shard, job),
-            rows_quarantined=_row_count(shard, job) or 0,
-            reason=f"{type(e).__name__}: {e}",
-            seconds=time.perf_counter() - started,
-        )
-        out.record(record)
-        return record
-    except BaseException:
-        if out.fs.exists(staged):
-            out.fs.rm(staged)
-        raise
-    commit_file(out.fs, staged, final)
+        label = "DataContract" if isinstance(e, DataContractFailed) else type(e).__name__
+        return _quarantine(job, shard, out, f"{label}: {e}", started)
     record = PartRecord(
         shard=shard.uri,
         relative=shard.relative,
@@ -218,8 +371,28 @@ def score_shard(job: ScoringJob, shard: ShardInfo) -> PartRecord:
         job_key=job.job_key,
         status="committed",
         part=out.fs.unstrip_protocol(final),
-        rows_in=rows_in,
-        rows_out=rows_out,
+        rows_in=scored.rows_in,
+        rows_out=scored.rows_out,
+        seconds=time.perf_counter() - started,
+        ranges=scored.ranges,
+        ranges_resumed=scored.ranges_resumed,
+    )
+    out.record(record)
+    return record
+
+
+def _quarantine(job: ScoringJob, shard: ShardInfo, out: OutputLayout, reason: str, started: float) -> PartRecord:
+    """Record a shard the model cannot score, with the reason; no part is written."""
+    rows = _row_count(shard, job)
+    record = PartRecord(
+        shard=shard.uri,
+        relative=shard.relative,
+        fingerprint=shard.fingerprint,
+        job_key=job.job_key,
+        status="quarantined",
+        rows_in=rows,
+        rows_quarantined=rows or 0,
+        reason=reason,
         seconds=time.perf_counter() - started,
     )
     out.record(record)
@@ -230,5 +403,5 @@ def _row_count(shard: ShardInfo, job: ScoringJob) -> int | None:
     """Rows the footer declares, or None when even the footer is unreadable."""
     try:
         return read_footer(shard.uri, job.storage_options).num_rows
-    except (CorruptShard, OSError):
+    except (CorruptShard, OSError):  # a transient error here only costs the count
         return None

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 from shardline.errors import CorruptShard, EmptyInput, InvalidSetting
 from shardline.storage.fs import fingerprint, open_fs
+from shardline.storage.retry import is_transient
 
 
 @dataclass(frozen=True)
@@ -91,20 +92,28 @@ def read_footer(uri: str, storage_options: dict[str, Any] | None = None) -> Foot
             meta = pq.ParquetFile(f).metadata
             return Footer(meta.schema.to_arrow_schema(), meta.num_rows, meta.num_row_groups)
     except (pa.ArrowException, OSError, ValueError) as e:
-        if isinstance(e, (ConnectionError, TimeoutError)):
+        if is_transient(e):
             raise
         raise CorruptShard(f"{uri} is not a readable Parquet file ({e}); re-export it") from e
 
 
 def iter_batches(
-    parquet: pq.ParquetFile, columns: list[str], batch_rows: int, prefetch: int = 1
+    parquet: pq.ParquetFile,
+    columns: list[str],
+    batch_rows: int,
+    prefetch: int = 1,
+    row_groups: Sequence[int] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Record batches of at most ``batch_rows`` rows, read ``prefetch`` ahead on a thread.
 
     Reading ahead lets decompression overlap the caller's work (both release the GIL)
-    while memory stays bounded by ``(prefetch + 1) * batch_rows`` rows.
+    while memory stays bounded by ``(prefetch + 1) * batch_rows`` rows. ``row_groups``
+    reads only those row groups (a checkpointed range); None reads them all.
     """
-    source = parquet.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False)
+    source = parquet.iter_batches(
+        batch_size=batch_rows, columns=columns, use_threads=False,
+        row_groups=list(row_groups) if row_groups is not None else None,
+    )
     if prefetch < 1:
         yield from source
         return

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import pyarrow as pa
 from prefect import task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -28,13 +29,21 @@ from shardline.signature import schema_problems
 from shardline.storage.jobs import JobSummary, job_id, job_key, summarize
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, split_done
 from shardline.storage.registry import ModelRegistry, ResolvedModel
-from shardline.storage.scoring import ScoringJob, score_shard
+from shardline.storage.retry import RetryPolicy, call_with_retries
+from shardline.storage.capture import capture_root
+from shardline.storage.scoring import ScoringJob, ShardCapture
 from shardline.storage.shards import ShardInfo, list_shards, read_footer
 from shardline.tasks.cluster import threads_per_call
+from shardline.tasks.dispatch import dispatch_shards
+
+if TYPE_CHECKING:
+    from shardline.tasks.preemption import PreemptionPlugin
 
 # In-process listeners (the CLI's progress bar): called with (shards settled, shards to do, rows).
 ProgressListener = Callable[[int, int, int], None]
 progress_listeners: list[ProgressListener] = []
+# Jobs with more pending shards than this skip the footer check in the flow's process.
+FLOW_FOOTER_CHECK_MAX = 256
 
 
 @dataclass
@@ -50,6 +59,8 @@ class JobPlan:
     total_shards: int
     new: list[PartRecord] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    max_in_flight: int | None = None
+    preemption: PreemptionPlugin | None = None
 
 
 def choose_variant(registry: ModelRegistry, model: ResolvedModel, variant: str | None, local: bool) -> ResolvedModel:
@@ -92,14 +103,23 @@ def plan_batch_job(
     """Pin the model (and its variant), list the shards, and split off those a previous run settled."""
     registry = ModelRegistry(storage.registry, storage.storage_options)
     resolved = choose_variant(registry, registry.resolve(model), variant, local=dask.cluster == "local")
-    shards = list_shards(input_uri, storage.storage_options, batch.shard_suffixes)
+    retry = RetryPolicy(batch.retry_attempts, batch.retry_base_s, max(batch.retry_cap_s, batch.retry_base_s))
+    shards = call_with_retries(
+        lambda: list_shards(input_uri, storage.storage_options, batch.shard_suffixes), retry, what="listing the input"
+    )
     check_part_names(shards)
     key = job_key(resolved.digest, passthrough)
     layout = OutputLayout(output_uri, storage.storage_options)
-    todo, done = split_done(shards, layout.read_ledger(), key, layout.present_parts())
+    ledger = call_with_retries(layout.read_ledger, retry, what="reading the job's ledger")
+    todo, done = split_done(shards, ledger, key, layout.present_parts())
     if todo:
         layout.clear_success()
     options = RuntimeOptions(runtime.device, runtime.intra_op_threads or threads_per_call(dask))
+    this_job = job_id(key, shards, output_uri)
+    capture = (
+        ShardCapture(capture_root(storage), batch.capture_rows_per_shard, tenant, this_job)
+        if batch.capture_rows_per_shard else None
+    )
     job = ScoringJob(
         job_key=key,
         model=resolved,
@@ -110,12 +130,48 @@ def plan_batch_job(
         cache_capacity=runtime.cache_capacity,
         runtime=options,
         storage_options=storage.storage_options,
+        checkpoint_bytes=batch.checkpoint_bytes,
+        retry=retry,
+        sample_check=shard_contract(registry, resolved) if batch.contract_sample_rows and todo else None,
+        contract_sample_rows=batch.contract_sample_rows,
+        capture=capture,
     )
     run_logger().info(
-        "job %s: %s pinned to %s; %d shards, %d already settled, %d to score",
-        job_id(key, shards), model, resolved.pinned, len(shards), len(done), len(todo),
+        "job %s: %s pinned to %s; %d shards, %d already settled, %d to score%s",
+        this_job, model, resolved.pinned, len(shards), len(done), len(todo),
+        "; a sample of each checked against the data contract" if job.sample_check else "",
     )
-    return JobPlan(job, job_id(key, shards), tenant, input_uri, todo, done, len(shards))
+    return JobPlan(
+        job, this_job, tenant, input_uri, todo, done, len(shards), max_in_flight=batch.max_in_flight or None,
+        preemption=preemption_plugin(dask),
+    )
+
+
+def preemption_plugin(dask: DaskSettings) -> PreemptionPlugin | None:
+    """The worker plugin that retires a worker gracefully on a preemption notice (None: no notice source)."""
+    if not dask.preemption_notices:
+        return None
+    from shardline.tasks.preemption import PreemptionPlugin
+
+    return PreemptionPlugin(dask.preemption_notices, dask.preemption_poll_s, dask.preemption_drain_s)
+
+
+def shard_contract(registry: ModelRegistry, model: ResolvedModel) -> Callable[[pa.Table], list[str]] | None:
+    """The model's data contract for shard samples, or None when its bundle has no reference profile.
+
+    The profile is read from the registry's copy of the bundle and checked against
+    the sha256 its manifest records; great-expectations is imported only where the
+    contract first runs (on the workers).
+
+    Raises:
+        IntegrityError: the stored profile does not match its manifest.
+    """
+    profile = registry.reference_profile(model)
+    if profile is None:
+        return None
+    from shardline.quality.contracts import ShardContract
+
+    return ShardContract(model.manifest, profile)
 
 
 def _footer_problem(shard: ShardInfo, plan: JobPlan) -> tuple[str | None, int | None]:
@@ -130,7 +186,18 @@ def _footer_problem(shard: ShardInfo, plan: JobPlan) -> tuple[str | None, int | 
 
 @task(name="validate", cache_policy=NO_CACHE)
 def validate_shards(plan: JobPlan) -> JobPlan:
-    """Read each pending shard's footer; quarantine those the model cannot read."""
+    """Read each pending shard's footer; quarantine those the model cannot read.
+
+    Only for jobs of at most ``FLOW_FOOTER_CHECK_MAX`` pending shards: a larger job
+    leaves the check to the workers (``score_shard`` checks each shard's schema as it
+    opens it, with the same quarantine record), so planning 10,000 shards does not read
+    10,000 footers in this process.
+    """
+    if len(plan.todo) > FLOW_FOOTER_CHECK_MAX:
+        run_logger().info(
+            "%d shards to score: their schemas are checked on the workers as each is opened", len(plan.todo)
+        )
+        return plan
     layout = OutputLayout(plan.job.output_uri, plan.job.storage_options)
     with ThreadPoolExecutor(16) as pool:
         verdicts = list(pool.map(lambda s: _footer_problem(s, plan), plan.todo))
@@ -151,43 +218,69 @@ def validate_shards(plan: JobPlan) -> JobPlan:
 
 
 @task(name="infer-shards", cache_policy=NO_CACHE)
-def infer_shards(plan: JobPlan, scheduler_address: str) -> JobPlan:
-    """Score every pending shard on the Dask cluster; collect records and failures."""
-    from distributed import Client, as_completed
+def infer_shards(
+    plan: JobPlan,
+    scheduler_address: str,
+    watchers: Sequence[ProgressListener] = (),
+    max_in_flight: int | None = None,
+) -> JobPlan:
+    """Score every pending shard on the Dask cluster; collect records and failures.
+
+    Args:
+        plan: the validated plan; its ``todo`` shards are scored.
+        scheduler_address: the Dask scheduler to submit to.
+        watchers: called in this process as ``(shards settled, shards to do, rows)``
+            each time a shard settles (as are the module's ``progress_listeners``).
+        max_in_flight: shards submitted to the cluster at once at most; None takes
+            the plan's (``SHARDLINE_BATCH_MAX_IN_FLIGHT``), else 4 per worker thread
+            (at least 8), re-sized as the cluster scales.
+    """
+    from distributed import Client
 
     logger = run_logger()
     total = len(plan.todo)
     artifact = create_progress_artifact(0.0, description=f"batch job {plan.job_id}: shards settled")
     new, failed = list(plan.new), dict(plan.failed)
-    rows = 0
-    last_update = 0.0
+    counts = {"settled": 0, "rows": 0}
+    last_update = [0.0]
+
+    def settled(shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:
+        if record is None:
+            failed[shard.relative] = f"{type(error).__name__}: {error}"
+            logger.error("shard %s failed: %s", shard.relative, error)
+        else:
+            new.append(record)
+            counts["rows"] += record.rows_out
+            if record.status == "quarantined":
+                logger.warning("quarantined %s: %s", record.relative, record.reason)
+        counts["settled"] += 1
+        for listener in [*progress_listeners, *watchers]:
+            try:
+                listener(counts["settled"], total, counts["rows"])
+            except Exception:  # a watcher's trouble (an event not sent) must not stop the shards
+                logger.exception("progress watcher %r failed", listener)
+        now = time.monotonic()
+        if now - last_update[0] > 1.0 or counts["settled"] == total:
+            update_progress_artifact(artifact, 100.0 * counts["settled"] / total)
+            last_update[0] = now
+
     with Client(scheduler_address) as client:
-        shared = client.scatter(plan.job, broadcast=True)
-        futures = client.map(score_shard, [shared] * total, plan.todo, pure=False)
-        relative = {f.key: s.relative for f, s in zip(futures, plan.todo)}
-        for settled, future in enumerate(as_completed(futures), start=1):
-            if future.status == "error":
-                error = future.exception()
-                failed[relative[future.key]] = f"{type(error).__name__}: {error}"
-                logger.error("shard %s failed: %s", relative[future.key], error)
-            else:
-                record: PartRecord = future.result()
-                new.append(record)
-                rows += record.rows_out
-                if record.status == "quarantined":
-                    logger.warning("quarantined %s: %s", record.relative, record.reason)
-            for listener in progress_listeners:
-                listener(settled, total, rows)
-            now = time.monotonic()
-            if now - last_update > 1.0 or settled == total:
-                update_progress_artifact(artifact, 100.0 * settled / total)
-                last_update = now
+        if plan.preemption is not None:
+            client.register_plugin(plan.preemption)  # every worker, present and future; idempotent
+        bound = max_in_flight if max_in_flight is not None else plan.max_in_flight
+        stats = dispatch_shards(client, plan.job, plan.todo, settled, bound, key_prefix=f"shard-{plan.job_id}")
+    logger.info(
+        "job %s: %d shards on the cluster in %.1f s (at most %d in flight, %d handed out again after lost workers)",
+        plan.job_id, total, stats.seconds, stats.peak_in_flight, stats.resubmitted,
+    )
     return replace(plan, todo=[], new=new, failed=failed)
 
 
 @task(name="commit", cache_policy=NO_CACHE)
-def commit_job(plan: JobPlan) -> JobSummary:
+def commit_job(plan: JobPlan, extra: dict[str, Any] | None = None) -> JobSummary:
     """Write the job manifest and ``_SUCCESS`` once every shard is settled.
+
+    ``extra`` adds top-level sections to the manifest (the flow's ``sla``: planned vs actual).
 
     Raises:
         JobFailed: some shards failed for reasons that are not their data; their
@@ -224,6 +317,7 @@ def commit_job(plan: JobPlan) -> JobSummary:
             {"shard": r.shard, "rows": r.rows_in, "reason": r.reason}
             for r in records if r.status == "quarantined"
         ],
+        **(extra or {}),
     }
     summary.manifest = layout.commit_manifest(manifest)
     return summary

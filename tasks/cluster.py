@@ -31,11 +31,14 @@ def dask_scheduler(settings: DaskSettings) -> Iterator[str]:
         with _kubernetes_cluster(settings) as address:
             yield address
         return
+    import dask
     from distributed import LocalCluster
 
     # The scheduler runs in this process: keep its chatter out of the user's console.
     logging.getLogger("distributed").setLevel(logging.WARNING)
-    with LocalCluster(
+    # A worker lost with no notice counts against its shards' allowed failures; a few
+    # preemptions must never fail a job (the scheduler reads this when it starts).
+    with dask.config.set({"distributed.scheduler.allowed-failures": settings.allowed_failures}), LocalCluster(
         n_workers=settings.resolved_workers(),
         threads_per_worker=settings.threads_per_worker,
         processes=True,

@@ -1,0 +1,111 @@
+"""Job records: what `shardline batch status` and `resume` read, one JSON file per job under the home.
+
+``<home>/jobs/<job_id>.json`` holds the job's parameters (enough to run it again),
+its SLA, its state and its last projection. The flow's SLA tracker rewrites it every
+few seconds; each write replaces the whole file atomically (storage/fs.py), so a
+reader never sees half a record, and a crash leaves the last good one.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from shardline.errors import InvalidSetting
+from shardline.storage.fs import atomic_write_bytes, join, open_fs
+
+JobState = Literal["running", "completed", "quarantined", "failed"]
+
+
+class JobParameters(BaseModel):
+    """The flow parameters a job was started with; `resume` runs them again."""
+
+    model: str
+    input_uri: str
+    output_uri: str
+    tenant: str = "default"
+    passthrough: list[str] | None = None
+    batch_rows: int | None = None
+    variant: str | None = None
+    priority: str | None = None
+
+
+class JobRecord(BaseModel):
+    """One job as status and resume see it."""
+
+    job_id: str
+    parameters: JobParameters
+    model_pinned: str | None = None
+    state: JobState = "running"
+    message: str = ""
+    started_at: datetime
+    deadline: datetime
+    sla_status: str = "on-track"
+    shards_total: int = 0
+    shards_done: int = 0
+    rows_done: int = 0
+    shards_per_second: float = 0.0
+    rows_per_second: float = 0.0
+    projected_finish: datetime | None = None
+    finished_at: datetime | None = None
+    flow_run_id: str | None = None
+    runs: int = 1
+    updated_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+class JobRecords:
+    """The job records under a Shardline home (any fsspec URL)."""
+
+    def __init__(self, home: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.fs, self.root = open_fs(join(home, "jobs"), storage_options)
+
+    def _path(self, job_id: str) -> str:
+        return join(self.root, f"{job_id}.json")
+
+    def write(self, record: JobRecord) -> None:
+        """Replace the job's record as a whole (atomic)."""
+        record.updated_at = datetime.now(timezone.utc)
+        atomic_write_bytes(self.fs, self._path(record.job_id), record.model_dump_json(indent=2).encode(),
+                           join(self.root, "_staging"))
+
+    def find(self, job_id: str) -> JobRecord | None:
+        """The record of ``job_id``, or None."""
+        path = self._path(job_id)
+        if not self.fs.exists(path):
+            return None
+        with self.fs.open(path, "rb") as f:
+            return JobRecord.model_validate(json.loads(f.read()))
+
+    def read(self, job: str) -> JobRecord:
+        """The record of a job id, or of the one job whose id starts with ``job``.
+
+        Raises:
+            InvalidSetting: no job, or several, match.
+        """
+        exact = self.find(job)
+        if exact is not None:
+            return exact
+        ids = self.ids()
+        matches = [i for i in ids if i.startswith(job)] if job else []
+        if len(matches) == 1:
+            found = self.find(matches[0])
+            assert found is not None
+            return found
+        if matches:
+            raise InvalidSetting(f"job {job!r} matches {len(matches)} jobs ({', '.join(matches[:5])}); give more of its id")
+        hint = f"known jobs: {', '.join(ids[-5:])}" if ids else "no job has run with this home yet"
+        raise InvalidSetting(
+            f"no job {job!r} under {self.root}; {hint} (`shardline batch status` lists them; is SHARDLINE_STORAGE_HOME "
+            "the one the job ran with?)"
+        )
+
+    def ids(self) -> list[str]:
+        """Every recorded job id, oldest record first."""
+        if not self.fs.exists(self.root):
+            return []
+        entries = [e for e in self.fs.ls(self.root, detail=True) if e["name"].endswith(".json")]
+        entries.sort(key=lambda e: str(e.get("mtime") or e.get("LastModified") or e.get("created") or ""))
+        return [e["name"].rsplit("/", 1)[-1][: -len(".json")] for e in entries]

@@ -1,0 +1,147 @@
+"""How batch jobs of several tenants share one cluster: isolation, quotas, concurrency limits, metering.
+
+- Isolation: a job's input and output must lie under its tenant's storage prefixes;
+  checked before anything is read or written.
+- GPU-hours: a job that would run on a GPU is refused when its tenant's device-hours
+  of the UTC day (the metering ledger) reached ``gpu_hours_per_day``.
+- Fair share: while its shards are on the cluster a job holds one slot of its
+  priority class's Prefect global concurrency limit (``shardline-batch-priority-<class>``,
+  jobs at once across tenants) and ``min(max_concurrent_shards, shards to do)`` slots
+  of its tenant's (``shardline-batch-tenant-<name>``, shards at once), and submits
+  at most that many shards at a time. Limits are created at run time when missing
+  and resized to the configuration when they differ: the tenants file and
+  ``TenancySettings.priority_job_slots`` are the source of truth.
+
+In single-tenant mode (no tenants file) none of this applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import datetime, timezone
+from typing import Iterator
+
+from shardline.errors import InvalidSetting, QuotaExceeded
+from shardline.settings import RuntimeSettings, TenancySettings
+from shardline.storage.metering import DeviceKind, MeteringLedger
+from shardline.storage.output import PartRecord
+from shardline.tasks.logs import run_logger
+from shardline.tenants import BatchTenant
+
+PRIORITIES = ("high", "normal", "low")
+
+
+def device_kind(runtime: RuntimeSettings) -> DeviceKind:
+    """The device a job's shards will hold: 'gpu' for cuda (or auto with CUDA present), else 'cpu'."""
+    if runtime.device == "cuda":
+        return "gpu"
+    if runtime.device == "cpu":
+        return "cpu"
+    try:
+        import onnxruntime
+    except ImportError:
+        return "cpu"
+    return "gpu" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "cpu"
+
+
+def check_gpu_quota(ledger: MeteringLedger, tenant: BatchTenant, device: DeviceKind, now: datetime | None = None) -> None:
+    """Refuse a GPU job of a tenant whose GPU-hours of the UTC day are used up.
+
+    Raises:
+        QuotaExceeded: with the hours used, the quota and when it resets.
+    """
+    quota = tenant.policy.gpu_hours_per_day
+    if quota is None or device != "gpu":
+        return
+    today = (now or datetime.now(timezone.utc)).astimezone(timezone.utc).date()
+    used = ledger.device_hours(tenant.name, today, "gpu")
+    if used >= quota:
+        raise QuotaExceeded(
+            f"tenant {tenant.name!r} has used {used:.2f} of its {quota:g} GPU-hours for {today.isoformat()} (UTC); "
+            "the job was not started. Run it after 00:00 UTC, on CPU (SHARDLINE_RUNTIME_DEVICE=cpu), or ask for a "
+            "larger gpu_hours_per_day in the tenants file",
+            tenant.name, used, quota,
+        )
+
+
+def priority_of(tenant: BatchTenant | None, priority: str | None) -> str:
+    """The job's priority class: the one asked for, else the tenant's, else 'normal'.
+
+    Raises:
+        InvalidSetting: not one of high, normal, low.
+    """
+    chosen = priority or (tenant.policy.priority if tenant else "normal")
+    if chosen not in PRIORITIES:
+        raise InvalidSetting(f"priority {chosen!r} is not one of high, normal, low; backfills run as low")
+    return chosen
+
+
+def limit_names(tenant: str, priority: str) -> tuple[str, str]:
+    """The Prefect global concurrency limits a job takes: (priority class, tenant)."""
+    return f"shardline-batch-priority-{priority}", f"shardline-batch-tenant-{tenant}"
+
+
+def ensure_limit(name: str, limit: int) -> None:
+    """Create the global concurrency limit ``name`` with ``limit`` slots, or resize it to ``limit``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            existing = client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
+                run_logger().info("created concurrency limit %s with %d slots", name, limit)
+                return
+            except ObjectAlreadyExists:  # another job created it just now
+                existing = client.read_global_concurrency_limit_by_name(name)
+        if existing.limit != limit or not existing.active:
+            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=limit, active=True))
+            run_logger().info("resized concurrency limit %s to %d slots", name, limit)
+
+
+@contextlib.contextmanager
+def fair_share(
+    tenant: BatchTenant | None, priority: str, shards: int, settings: TenancySettings
+) -> Iterator[int | None]:
+    """Hold the job's priority-class slot and its tenant's shard slots; yield max shards in flight.
+
+    Yields None (no limit) in single-tenant mode.
+    """
+    if tenant is None or shards == 0:
+        yield None
+        return
+    from prefect.concurrency.sync import concurrency
+
+    class_name, tenant_name = limit_names(tenant.name, priority)
+    class_slots = settings.priority_job_slots.get(priority)
+    if class_slots is None or class_slots < 1:
+        raise InvalidSetting(
+            f"SHARDLINE_TENANCY_PRIORITY_JOB_SLOTS gives priority {priority!r} no slots ({class_slots}); give each of "
+            "high, normal, low at least 1"
+        )
+    ensure_limit(class_name, class_slots)
+    limit = tenant.policy.max_concurrent_shards
+    log = run_logger()
+    # a lease renewal that fails once (a busy API) must not end a long job; at worst its slots free early
+    wait = settings.wait_timeout_s
+    with concurrency(class_name, occupy=1, timeout_seconds=wait, strict=True, raise_on_lease_renewal_failure=False):
+        if limit is None:
+            yield None
+            return
+        in_flight = min(limit, shards)
+        ensure_limit(tenant_name, limit)
+        log.info("tenant %s: waiting for %d of its %d shard slots", tenant.name, in_flight, limit)
+        with concurrency(tenant_name, occupy=in_flight, timeout_seconds=wait, strict=True,
+                         raise_on_lease_renewal_failure=False):
+            yield in_flight
+
+
+def meter_run(ledger: MeteringLedger, tenant: str, job_id: str, device: DeviceKind, records: list[PartRecord]) -> float:
+    """Record the device-seconds this run's settled shards took; returns them."""
+    seconds = sum(r.seconds for r in records)
+    if records:
+        ledger.record(tenant, job_id, device, seconds, len(records))
+    return seconds

@@ -1,0 +1,69 @@
+"""`shardline drift check` and `shardline drift report` as a user runs them, on real captured data."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from shardline.bundle import read_manifest
+from shardline.storage.registry import ModelRegistry
+
+from tests.conftest import BuiltModel
+from tests.drift_data import capture, fresh_rows, profiled_bundle, scaled
+
+Shardline = Callable[..., subprocess.CompletedProcess[str]]
+MODEL = "breast-cancer"
+EXIT_DRIFT = 4
+
+
+@pytest.fixture
+def captured(shardline_home: Path, breast_cancer_model: BuiltModel, tmp_path: Path) -> Path:
+    """breast-cancer:1 served as prod (profiled), with a fresh batch sample and a shifted online one captured."""
+    bundle = tmp_path / "bundle"
+    manifest = profiled_bundle(breast_cancer_model.bundle_dir, bundle)
+    registry = ModelRegistry(str(shardline_home / "registry"))
+    registry.push(bundle)
+    registry.set_alias(MODEL, "prod", 1)
+    root = str(shardline_home / "capture")
+    capture(root, bundle, read_manifest(bundle), 1, fresh_rows(1_000, seed=21), "batch", "job-1")
+    capture(root, bundle, manifest, 1, scaled(fresh_rows(1_000, seed=22)), "online", "req-1")
+    return bundle
+
+
+@pytest.mark.usefixtures("captured")
+def test_check_prints_verdicts_and_exits_non_zero_on_drift(shardline: Shardline) -> None:
+    drifted = shardline("drift", "check", f"{MODEL}@prod", "--window", "1h")
+    assert drifted.returncode == EXIT_DRIFT, drifted.stderr[-2000:]
+    out = drifted.stdout
+    assert f"{MODEL}@prod -> {MODEL}:1: 2,000 captured rows (batch 1,000, online 1,000)" in out
+    assert "mean radius" in out and "DRIFT" in out and "drift in " in out
+
+    calm = shardline("drift", "check", f"{MODEL}@prod", "--window", "1h", "--tier", "batch")
+    assert calm.returncode == 0, calm.stdout[-2000:] + calm.stderr[-2000:]
+    assert "no drift in" in calm.stdout and "DRIFT" not in calm.stdout
+
+
+@pytest.mark.usefixtures("captured")
+def test_check_errors_are_clear(shardline: Shardline) -> None:
+    unknown = shardline("drift", "check", "churn@prod")
+    assert unknown.returncode == 2 and "model 'churn' is not in the registry" in unknown.stderr
+    nothing = shardline("drift", "check", f"{MODEL}@prod", "--tier", "nightly")
+    assert nothing.returncode == 2 and "was captured" in nothing.stderr and "widen the window" in nothing.stderr
+    bad_window = shardline("drift", "check", f"{MODEL}@prod", "--window", "yesterday")
+    assert bad_window.returncode == 2 and "90s, 30m, 24h" in bad_window.stderr
+
+
+@pytest.mark.usefixtures("captured")
+def test_report_writes_self_contained_html(shardline: Shardline, tmp_path: Path) -> None:
+    saved = shardline("drift", "check", f"{MODEL}@prod", "--window", "1h", "--save")
+    assert saved.returncode == EXIT_DRIFT and "saved " in saved.stderr
+    target = tmp_path / "report.html"
+    done = shardline("drift", "report", f"{MODEL}@prod", "-o", str(target), "--window", "1h")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"wrote {target}" in done.stdout and "1 earlier reports" in done.stdout
+    html = target.read_text()
+    assert html.lstrip().lower().startswith("<!doctype html") and "mean radius" in html
+    assert "<script src=" not in html  # self-contained: nothing fetched when opened

@@ -6,6 +6,8 @@
   high only when the queue is full), so overload sheds the lowest priority first.
 - ``retry_after``: the whole seconds a client is told to wait (``Retry-After``).
 - ``should_unload``: whether an idle model is scaled to zero.
+- ``runs_inline``: whether a batch is scored on the event loop rather than a thread.
+- ``worker_share``: one server process's share of a tenant's quota.
 
 Nothing here reads a clock, a socket or a setting: the caller passes them in.
 """
@@ -82,3 +84,22 @@ def should_unload(idle_seconds: float, idle_timeout: float, busy: bool, loaded: 
     A time-out of 0 keeps the model loaded.
     """
     return loaded and not busy and idle_timeout > 0 and idle_seconds >= idle_timeout
+
+
+def runs_inline(rows: int, seconds_per_row: float | None, budget_s: float) -> bool:
+    """Whether ``rows`` go to the model on the event loop: its measured time for them fits the budget.
+
+    A model not measured yet (``seconds_per_row`` None) goes to a thread, so a slow model never
+    blocks the loop, not even once; a budget of 0 sends everything to threads. The per-row time is
+    measured on small batches, so it over-estimates large ones (on the safe side).
+    """
+    return seconds_per_row is not None and budget_s > 0 and rows * seconds_per_row <= budget_s
+
+
+def worker_share(quota: int, workers: int) -> int:
+    """One of ``workers`` server processes' share of a whole-number quota (burst, max_concurrent).
+
+    Rounded up, so a quota never becomes 0 (a tenant allowed 1 request in flight may have one
+    in each process: the total may exceed the quota by at most ``workers - 1``).
+    """
+    return max(1, math.ceil(quota / max(1, workers)))

@@ -11,6 +11,14 @@ If the model fails a batch, its requests are retried one by one, so one bad requ
 does not fail its neighbours. Requests are checked against the signature before they
 are submitted (``DataPlane``); the batcher only queues, groups, calls and splits.
 
+A fast model need not leave the event loop: with an ``inline`` callable (it scores a
+batch on the caller's thread, or answers None when it should not: the model is not
+loaded, or its measured time for these rows is over the inline budget), ``try_now``
+scores a request at once in the request's own task when nothing is queued or running
+(no future, no task, no thread hand-off), and every batch that forms under load is
+offered to ``inline`` before it goes to ``predict``. Batches still form under load as
+before: while one batch runs, arrivals queue and go together as the next.
+
 The decisions (``batch_wait``, ``take_batch``) are pure and tested without a loop.
 Everything else runs on the event loop thread; the model runs wherever ``predict``
 sends it (a thread pool).
@@ -22,7 +30,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping, TypeVar
 
 import pyarrow as pa
 
@@ -31,10 +39,20 @@ from shardline.online.admission import admits, drain_seconds, retry_after
 from shardline.online.tenants import PRIORITIES, Priority
 
 Predict = Callable[[pa.Table], Awaitable[pa.RecordBatch]]
+InlinePredict = Callable[[pa.Table], "pa.RecordBatch | None"]  # None: not now, send it to ``predict``
 BatchObserver = Callable[[int, int, float], None]  # rows, requests, seconds
 # Failures of the model as a whole (it cannot load): retrying rows one by one cannot help.
 _MODEL_WIDE = (RuntimeUnavailable, InvalidBundle)
 _RATE_SMOOTHING = 0.2
+
+S = TypeVar("S")
+
+
+def _rows_of(output: Any, rows: int) -> int:
+    """Rows of a scoring result: ``num_rows``, or the length of a dict's arrays (one that differs wins)."""
+    if isinstance(output, dict):
+        return next((len(v) for v in output.values() if len(v) != rows), rows)
+    return int(getattr(output, "num_rows", rows))
 
 
 @dataclass(frozen=True)
@@ -108,10 +126,12 @@ class Batcher:
         *,
         clock: Callable[[], float] = time.monotonic,
         observe: BatchObserver | None = None,
+        inline: InlinePredict | None = None,
     ) -> None:
         self.model = model
         self.limits = limits
         self._predict = predict
+        self._inline = inline
         self._clock = clock
         self._observe = observe
         self._queues: dict[Priority, deque[Pending]] = {p: deque() for p in PRIORITIES}
@@ -164,6 +184,60 @@ class Batcher:
         self._dispatch()
         return future
 
+    def try_now(self, table: pa.Table) -> pa.Table | None:
+        """Score rows at once on the caller's thread when the model is idle and ``inline`` takes them.
+
+        Returns None (nothing was done: ``submit`` them) when something is queued or running,
+        the model waits for companions (``max_wait_s`` > 0), there is no ``inline`` callable,
+        or it declined.
+
+        Raises:
+            Whatever the model raised for these rows (they were a batch of their own).
+        """
+        inline = self._inline
+        if inline is None:
+            return None
+        output = self.run_now(table.num_rows, lambda: inline(table))
+        return None if output is None else pa.Table.from_batches([output])
+
+    def run_now(self, rows: int, score: Callable[[], S | None]) -> S | None:
+        """``try_now`` for any scoring call (e.g. a runtime's matrix fast path) that gives ``rows`` rows.
+
+        ``score`` runs at once, counted as a batch of one request, when nothing is queued or
+        running and the model does not wait for companions; its result (None: it declined) is
+        returned. Its rows are checked with ``len()`` of a dict's arrays or ``num_rows``.
+        """
+        if self._running_batches or self._queued_rows or self.limits.max_wait_s > 0:
+            return None
+        started = self._clock()
+        self._running_batches += 1
+        self._running_requests += 1
+        try:
+            output = score()
+        finally:
+            self._running_batches -= 1
+            self._running_requests -= 1
+        if output is None:
+            return None
+        got = _rows_of(output, rows)
+        if got != rows:
+            raise self._wrong_rows(got, rows)
+        self._measured(rows, 1, self._clock() - started)
+        return output
+
+    def _wrong_rows(self, got: int, rows: int) -> InferenceFailed:
+        return InferenceFailed(
+            f"model {self.model!r} returned {got} rows for {rows}; a runtime must return one row per input row"
+        )
+
+    async def _score(self, table: pa.Table) -> pa.RecordBatch:
+        """On the event loop when ``inline`` takes the rows, else through ``predict``."""
+        if self._inline is not None:
+            output = self._inline(table)
+            if output is not None:
+                return output
+        return await self._predict(table)
+
     def _oldest(self) -> float | None:
         heads = [q[0].enqueued for q in self._queues.values() if q]
         return min(heads) if heads else None
@@ -203,7 +277,7 @@ class Batcher:
         try:
             table = batch[0].table if len(batch) == 1 else pa.concat_tables([p.table for p in batch])
             try:
-                output = await self._predict(table)
+                output = await self._score(table)
             except Exception as e:  # noqa: BLE001 - each request gets the outcome that is its own
                 if len(batch) == 1 or isinstance(e, _MODEL_WIDE):
                     for pending in batch:
@@ -212,10 +286,7 @@ class Batcher:
                     await self._one_by_one(batch)
             else:
                 if output.num_rows != rows:
-                    error = InferenceFailed(
-                        f"model {self.model!r} returned {output.num_rows} rows for {rows}; a runtime must "
-                        "return one row per input row"
-                    )
+                    error = self._wrong_rows(output.num_rows, rows)
                     for pending in batch:
                         _fail(pending, error)
                     return
@@ -232,7 +303,7 @@ class Batcher:
     async def _one_by_one(self, batch: list[Pending]) -> None:
         for pending in batch:
             try:
-                output = await self._predict(pending.table)
+                output = await self._score(pending.table)
             except Exception as e:  # noqa: BLE001
                 _fail(pending, e)
             else:

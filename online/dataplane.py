@@ -10,7 +10,13 @@ unloaded (scale to zero) and load again on their next request.
 
 Everything here runs on the event loop thread except what is sent to the thread
 pools: inference and loading (``shardline-infer``) and registry reads
-(``shardline-registry``).
+(``shardline-registry``). A loaded model whose measured time for a batch fits
+``inline_max_ms`` is scored on the event loop instead (a thread hand-off costs more
+than such a model); loading, and any slower model, always goes to the pool.
+
+Capture (``capture_rate`` > 0 and a ``capture_root``, see ``online/capture.py``): a sampled
+request's checked rows and its answer are appended to the version's capture buffer, whose
+own thread writes Parquet; the buffers are flushed and closed when the plane stops.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
 
+import numpy as np
 import pyarrow as pa
 
 from shardline.bundle import ModelRef
@@ -38,8 +45,9 @@ from shardline.errors import (
     SchemaMismatch,
     ShardlineError,
 )
-from shardline.online.admission import retry_after, should_unload, take_token
+from shardline.online.admission import retry_after, runs_inline, should_unload, take_token, worker_share
 from shardline.online.batcher import Batcher
+from shardline.online.capture import OnlineCapture
 from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ServedModel, batch_limits
 from shardline.online.tenants import Tenant, TenantDirectory
@@ -52,6 +60,7 @@ from shardline.storage.registry import ModelRegistry, ResolvedModel, check_alias
 log = logging.getLogger("shardline.online")
 T = TypeVar("T")
 _REFERENCE_SPLIT = re.compile(r"[@:]")
+_SPEED_SMOOTHING = 0.2
 
 
 _SCHEMAS: dict[int, tuple[Signature, pa.Schema]] = {}
@@ -121,6 +130,7 @@ class DataPlane:
         storage_options: dict[str, Any] | None = None,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        capture_root: str | None = None,
     ) -> None:
         self.settings = settings
         self.cache = cache
@@ -137,6 +147,8 @@ class DataPlane:
         self._tenant_in_flight: dict[str, int] = defaultdict(int)
         self._tokenizers: dict[str, Any] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._workers = settings.resolved_workers()  # each of N server processes holds 1/N of every quota
+        self.capture = OnlineCapture(capture_root, settings.capture_rate, self.metrics, storage_options)
         self.started = False
         self.stopping = False
         self.metrics.watch(self.snapshot)
@@ -157,15 +169,17 @@ class DataPlane:
                         "tenant": tenant.name, "reference": str(ref), "error": f"{type(e).__name__}: {e}"}})
 
     async def stop(self) -> None:
-        """Fail what is still queued, stop the reaper and the pools."""
+        """Fail what is still queued, write what capture holds, stop the reaper and the pools."""
         self.stopping = True
         if self._reaper is not None:
             self._reaper.cancel()
         for served in list(self._served.values()):
             await served.batcher.close(Overloaded("the server is shutting down; retry on another replica", 1))
+        await self.capture.close(self._blocking_io)  # writes what is pending
         for pool in (self._infer_pool, self._io_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        self.metrics.close()
 
     @property
     def ready(self) -> bool:
@@ -186,12 +200,15 @@ class DataPlane:
     def admit(self, tenant: Tenant) -> Iterator[None]:
         """Hold one of the tenant's concurrent requests and take a token of its rate, or refuse.
 
+        With ``workers`` server processes, each holds its share of the quotas (``worker_share``).
+
         Raises:
             RateLimited: over ``max_concurrent`` or the token bucket is empty.
         """
         name = tenant.name
         in_flight = self._tenant_in_flight[name]
-        if tenant.max_concurrent is not None and in_flight >= tenant.max_concurrent:
+        workers = self._workers
+        if tenant.max_concurrent is not None and in_flight >= worker_share(tenant.max_concurrent, workers):
             self.metrics.rate_limited.labels(name, "concurrency").inc()
             raise RateLimited(
                 f"tenant {name!r} has {in_flight} requests in flight, its max_concurrent; wait for one to "
@@ -199,7 +216,8 @@ class DataPlane:
             )
         if tenant.rate is not None:
             rate = tenant.rate
-            bucket, wait = take_token(self._buckets.get(name), self._clock(), rate.requests_per_second, rate.burst)
+            bucket, wait = take_token(self._buckets.get(name), self._clock(), rate.requests_per_second / workers,
+                                      worker_share(rate.burst, workers))
             self._buckets[name] = bucket
             if wait > 0:
                 self.metrics.rate_limited.labels(name, "rate").inc()
@@ -277,6 +295,7 @@ class DataPlane:
             except Exception as e:  # noqa: BLE001 - a profile only tunes defaults
                 log.warning("could not read the model's profile", extra={"fields": {
                     "model": resolved.pinned, "error": f"{type(e).__name__}: {e}"}})
+        await self.capture.open(resolved.name, resolved.version, self._blocking_io)
         served = self._served.get(key)
         if served is not None:
             return served
@@ -289,7 +308,11 @@ class DataPlane:
         async def predict(table: pa.Table) -> pa.RecordBatch:
             return await self._predict(key, table)
 
-        batcher = Batcher(resolved.pinned, limits, predict, clock=self._clock, observe=observe)
+        def inline(table: pa.Table) -> pa.RecordBatch | None:
+            return self._predict_inline(key, table)
+
+        batcher = Batcher(resolved.pinned, limits, predict, clock=self._clock, observe=observe, inline=inline)
+
         served = ServedModel(resolved, batcher, idle, self._clock())
         self._served[key] = served
         log.info("serving a model version", extra={"fields": {
@@ -309,7 +332,8 @@ class DataPlane:
 
     # -- inference ----------------------------------------------------------------------
     async def infer(
-        self, tenant: Tenant, model: ServedModel | str, table: pa.Table, *, checked: bool = False
+        self, tenant: Tenant, model: ServedModel | str, table: pa.Table, *, checked: bool = False,
+        captured: bool | None = None,
     ) -> pa.Table:
         """Score rows with a model the tenant may call; the output has one row per input row.
 
@@ -319,6 +343,7 @@ class DataPlane:
             table: at least the signature's input columns.
             checked: the caller built ``table`` with ``input_schema(signature)`` of this very
                 signature and it holds no nulls (a protocol adapter's fast path): it is not checked again.
+            captured: whether the request is captured, as ``capture.draw()`` said for it; None: draw here.
 
         Raises:
             ModelNotFound, InvalidInput (and its subclasses), Overloaded, InferenceFailed,
@@ -329,15 +354,48 @@ class DataPlane:
         if rows.num_rows == 0:
             return served.signature.output_schema().empty_table()
         served.last_used = self._clock()
-        try:
-            future = served.batcher.submit(rows, tenant.priority)
-        except Overloaded:
-            self.metrics.shed.labels(served.name, str(served.version), tenant.name, tenant.priority).inc()
-            raise
-        try:
-            return await future
-        finally:
-            served.last_used = self._clock()
+        answer = served.batcher.try_now(rows)  # a fast, loaded, idle model: scored here, at once
+        if answer is None:
+            try:
+                future = served.batcher.submit(rows, tenant.priority)
+            except Overloaded:
+                self.metrics.shed.labels(served.name, str(served.version), tenant.name, tenant.priority).inc()
+                raise
+            try:
+                answer = await future
+            finally:
+                served.last_used = self._clock()
+        served.last_used = self._clock()
+        self.capture.sample(served.name, served.version, tenant.name, rows, answer, captured)
+        return answer
+
+    def infer_matrix_now(self, served: ServedModel, matrix: np.ndarray,
+                         captured: bool = False) -> dict[str, np.ndarray] | pa.RecordBatch | None:
+        """Score rows given as one matrix at once, on the event loop, skipping Arrow; None: call ``infer``.
+
+        For a protocol adapter's fast path: ``matrix`` is ``(rows, len(signature.inputs))`` of the
+        signature's one float input type, columns in its order (a matrix holds no nulls: the
+        row checks of ``infer`` have nothing left to check). It runs only where ``infer`` would
+        score inline on the event loop at once (loaded, measured fast enough, nothing queued) and
+        the request is not ``captured`` (capture keeps Arrow rows; draw with ``capture.draw()``
+        and pass the same answer to ``infer``, so unsampled requests keep this path); the answer is the runtime's ``predict_matrix``: the output columns as
+        numpy arrays (or a record batch), one row per input row. None also when the runtime has
+        no such path.
+
+        Raises:
+            InvalidInput, InferenceFailed: as ``infer``.
+        """
+        rows = matrix.shape[0]
+        if (captured or served.unloading is not None or not rows
+                or not runs_inline(rows, served.seconds_per_row, self.settings.inline_max_ms / 1000.0)):
+            return None
+        runtime = self.cache.held(served.digest, self.runtime)
+        if runtime is None:
+            return None
+        served.last_used = self._clock()
+        answer = served.batcher.run_now(rows, lambda: self._timed(served, rows, lambda: runtime.predict_matrix(matrix)))
+        served.last_used = self._clock()
+        return answer
 
     async def _predict(self, key: tuple[str, int], table: pa.Table) -> pa.RecordBatch:
         served = self._served[key]
@@ -350,6 +408,17 @@ class DataPlane:
             self._infer_pool, context.run, self._predict_blocking, served, table
         )
 
+    def _predict_inline(self, key: tuple[str, int], table: pa.Table) -> pa.RecordBatch | None:
+        """Score on the event loop when the model is loaded and fast enough (see ``runs_inline``), else None."""
+        served = self._served[key]
+        if served.unloading is not None or not runs_inline(
+                table.num_rows, served.seconds_per_row, self.settings.inline_max_ms / 1000.0):
+            return None
+        runtime = self.cache.held(served.digest, self.runtime)
+        if runtime is None:  # scaled to zero or evicted: loading is for the pool
+            return None
+        return self._score(served, runtime, table)
+
     def _predict_blocking(self, served: ServedModel, table: pa.Table) -> pa.RecordBatch:
         """Score on a pool thread through the model cache (which loads the model if it is not held)."""
         resolved = served.resolved
@@ -360,15 +429,31 @@ class DataPlane:
             self.metrics.loads.labels(resolved.name, str(resolved.version)).inc()
             log.info("model loaded", extra={"fields": {
                 "model": resolved.pinned, "device": runtime.device, "seconds": round(time.perf_counter() - started, 3)}})
+        return self._score(served, runtime, table)
+
+    def _score(self, served: ServedModel, runtime: Any, table: pa.Table) -> pa.RecordBatch:
+        """``runtime.predict``, timed (its smoothed time per row decides what runs inline)."""
+        output: pa.RecordBatch = self._timed(served, table.num_rows, lambda: runtime.predict(table))
+        return output
+
+    def _timed(self, served: ServedModel, rows: int, score: Callable[[], T]) -> T:
+        """A scoring call, timed into ``served.seconds_per_row``; a failure not the request's is InferenceFailed."""
+        started = time.perf_counter()
         try:
-            return runtime.predict(table)
+            output = score()
         except InvalidInput:
             raise
         except Exception as e:  # an eviction meanwhile cannot cause it: the cache drops models, never closes them
             raise InferenceFailed(
-                f"model {resolved.pinned} failed on {table.num_rows} rows that passed its signature check "
+                f"model {served.resolved.pinned} failed on {rows} rows that passed its signature check "
                 f"({type(e).__name__}: {e}); this is a fault of the model or the server, not of the request"
             ) from e
+        if output is None:  # declined: nothing was scored, nothing to time
+            return output
+        per_row = (time.perf_counter() - started) / max(1, rows)
+        previous = served.seconds_per_row
+        served.seconds_per_row = per_row if previous is None else previous + _SPEED_SMOOTHING * (per_row - previous)
+        return output
 
     async def count_tokens(self, served: ServedModel, texts: list[str]) -> int:
         """Tokens the model read for ``texts`` (its own tokenizer and cut); 0 for a model without one."""
@@ -400,6 +485,7 @@ class DataPlane:
             await asyncio.sleep(self.settings.reap_interval_s)
             try:
                 await self.reap_idle()
+                self.metrics.refresh()  # with several workers, the gauges the others read
             except Exception:  # noqa: BLE001 - the reaper must outlive one bad pass
                 log.exception("the idle reaper failed a pass")
 

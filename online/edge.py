@@ -2,8 +2,9 @@
 
 ``endpoint(protocol, error_body)`` wraps a handler so that a domain error becomes the
 status from the one table (``online/errors.py``) with a body in the protocol's own
-form, and nothing unexpected escapes as a crash. ``read_body`` enforces the size limit
-before and after decompression (gzip and deflate).
+form, and nothing unexpected escapes as a crash (``error_answer`` is that table's use, for
+plain ASGI endpoints too). ``read_body`` (``read_asgi_body`` for plain ASGI) enforces the
+size limit before and after decompression (gzip and deflate).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Awaitable, Callable
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive
 
 from shardline.errors import InvalidInput, PayloadTooLarge, ShardlineError, UnsupportedEncoding
 from shardline.online.dataplane import DataPlane
@@ -46,20 +48,31 @@ def endpoint(protocol: str, error_body: ErrorBody) -> Callable[[Handler], Handle
                 info.protocol = protocol
             try:
                 return await handler(request)
-            except ShardlineError as e:
-                status, headers = error_status(e)
-                if status == 500:  # a fault of the model or the server; 501 and 503 are answers, not faults
-                    log.error("request failed", exc_info=e, extra={"fields": {"status": status}})
-                return json_response(error_body(str(e), status), status, headers)
-            except Exception as e:  # noqa: BLE001 - a bug answers 500 and is logged, the server goes on
-                log.exception("unexpected error while handling a request")
-                request_id = info.request_id if info is not None else "?"
-                message = f"internal error ({type(e).__name__}); the server logged it with request id {request_id}"
-                return json_response(error_body(message, 500), 500)
+            except Exception as e:  # noqa: BLE001 - a domain error by the table; a bug answers 500, logged
+                status, body, headers = error_answer(e, error_body)
+                return json_response(body, status, headers)
 
         return run
 
     return wrap
+
+
+def error_answer(error: Exception, error_body: ErrorBody) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Status, body (in the protocol's form) and headers that answer an error raised by a handler.
+
+    A domain error gets its status from the one table; anything else is a bug: it answers
+    500, is logged with its traceback, and the server goes on.
+    """
+    if isinstance(error, ShardlineError):
+        status, headers = error_status(error)
+        if status == 500:  # a fault of the model or the server; 501 and 503 are answers, not faults
+            log.error("request failed", exc_info=error, extra={"fields": {"status": status}})
+        return status, error_body(str(error), status), headers
+    log.error("unexpected error while handling a request", exc_info=error)
+    info = current()
+    request_id = info.request_id if info is not None else "?"
+    message = f"internal error ({type(error).__name__}); the server logged it with request id {request_id}"
+    return 500, error_body(message, 500), {}
 
 
 def authenticate(request: Request, plane: DataPlane) -> Tenant:
@@ -87,9 +100,8 @@ async def read_body(request: Request, limit: int) -> bytes:
         UnsupportedEncoding: another Content-Encoding.
         InvalidInput: a compressed body that does not decompress.
     """
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(_too_large(f"{declared} bytes", limit), limit)
+    headers = request.headers
+    _check_declared(headers.get("content-length"), limit)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -98,7 +110,51 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise PayloadTooLarge(_too_large(f"at least {size} bytes", limit), limit)
         chunks.append(chunk)
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    encoding = request.headers.get("content-encoding", "").strip().lower()
+    return decode_body(body, headers.get("content-encoding"), limit)
+
+
+async def read_asgi_body(receive: Receive, content_length: str | None, encoding: str | None, limit: int) -> bytes:
+    """``read_body`` for a plain ASGI app: the request's body from ``receive``, decompressed, at most ``limit``.
+
+    Raises:
+        PayloadTooLarge, UnsupportedEncoding, InvalidInput: as ``read_body``.
+        ClientGone: the client disconnected before the body was read.
+    """
+    _check_declared(content_length, limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientGone("the client disconnected before sending the whole body")
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(_too_large(f"at least {size} bytes", limit), limit)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return decode_body(body, encoding, limit)
+
+
+class ClientGone(Exception):
+    """The client went away while its request was read: nobody is left to answer."""
+
+
+def _check_declared(declared: str | None, limit: int) -> None:
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(_too_large(f"{declared} bytes", limit), limit)
+
+
+def decode_body(body: bytes, content_encoding: str | None, limit: int) -> bytes:
+    """A body as sent with ``Content-Encoding`` (none, identity, gzip or deflate), decompressed within ``limit``.
+
+    Raises:
+        PayloadTooLarge, UnsupportedEncoding, InvalidInput: as ``read_body``.
+    """
+    encoding = (content_encoding or "").strip().lower()
     if encoding in ("", "identity"):
         return body
     if encoding in ("gzip", "x-gzip"):

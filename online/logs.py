@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -67,16 +68,91 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(line, default=str).decode()
 
 
+class BufferedLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A stream handler that writes its lines in batches: at most ``interval_s`` late, or when
+    ``max_bytes`` are pending, and on ``flush()``/``close()`` (the server's shutdown calls them).
+
+    For the access log: a ``write`` to stderr per request (it is line-buffered) costs a system
+    call, ~20-30 us of server CPU per request under load, more than the line itself. A line is
+    never lost while the process ends normally; a killed process loses at most ``interval_s`` of them.
+    """
+
+    def __init__(self, stream: Any = None, interval_s: float = 0.25, max_bytes: int = 64 * 1024) -> None:
+        super().__init__(stream)
+        self._pending: list[str] = []
+        self._size = 0
+        self._max_bytes = max_bytes
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_forever, name="shardline-log-flush", daemon=True)
+        self._flusher.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Keep the formatted line; write the batch when it is large."""
+        try:
+            line = self.format(record) + self.terminator
+        except Exception:  # noqa: BLE001 - as StreamHandler: a bad record must not fail the request
+            self.handleError(record)
+            return
+        self._pending.append(line)  # (emit runs under the handler's lock)
+        self._size += len(line)
+        if self._size >= self._max_bytes:
+            self._write()
+
+    def _write(self) -> None:
+        if self._pending:
+            batch, self._pending, self._size = "".join(self._pending), [], 0
+            self.stream.write(batch)
+            self.stream.flush()
+
+    def flush(self) -> None:
+        """Write every pending line now."""
+        self.acquire()
+        try:
+            if self.stream is not None and not getattr(self.stream, "closed", False):
+                self._write()
+        finally:
+            self.release()
+
+    def _flush_forever(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - e.g. the stream went away at exit: nothing to write to
+                return
+
+    def close(self) -> None:
+        """Write what is pending and stop the flushing thread."""
+        self._stopped.set()
+        self.flush()
+        super().close()
+
+
+def flush_access_log() -> None:
+    """Write the access log's pending lines (a worker process's end does not run ``logging.shutdown``)."""
+    for handler in logging.getLogger(ACCESS_LOGGER).handlers:
+        handler.flush()
+
+
+ACCESS_LOGGER = "shardline.online.access"
+
+
 def log_config(level: str = "info") -> dict[str, Any]:
-    """A ``logging.config.dictConfig`` that writes Shardline's and uvicorn's logs as JSON lines to stderr."""
+    """A ``logging.config.dictConfig`` that writes Shardline's and uvicorn's logs as JSON lines to stderr.
+
+    The access log (a line per request) is written in batches, at most 0.25 s late (``BufferedLineHandler``).
+    """
     handler = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
+    access = {"()": BufferedLineHandler, "formatter": "json", "stream": "ext://sys.stderr"}
+    loggers = {
+        name: {"handlers": ["json"], "level": level.upper(), "propagate": False}
+        for name in ("shardline", "uvicorn", "uvicorn.error")
+    }
+    loggers[ACCESS_LOGGER] = {"handlers": ["access"], "level": level.upper(), "propagate": False}
     return {
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"json": {"()": JsonFormatter}},
-        "handlers": {"json": handler},
-        "loggers": {
-            name: {"handlers": ["json"], "level": level.upper(), "propagate": False}
-            for name in ("shardline", "uvicorn", "uvicorn.error")
-        },
+        "handlers": {"json": handler, "access": access},
+        "loggers": loggers,
     }

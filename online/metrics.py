@@ -4,14 +4,23 @@ Counters and histograms are updated as things happen; the gauges an autoscaler r
 (queue depth, requests in flight, loaded models, idle seconds) are read from the data
 plane when Prometheus scrapes, so they are never stale. Model labels are set only for
 models a tenant may call, so unknown names sent by clients cannot grow the series.
+
+With several server processes (``workers`` > 1) the metrics are Prometheus' multiprocess
+mode: ``shardline serve`` points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh folder before the
+workers start, counters and histograms are summed over the workers, and whichever worker
+answers ``/metrics`` reads them all. The gauges are then written by each worker from its
+data plane (at every scrape it answers, and every ``reap_interval_s``) and combined: queue
+depth, in flight and tenant in-flight summed over the live workers, loaded the max (1 when
+any worker holds the version), idle seconds the min.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -68,10 +77,49 @@ class _Gauges(Collector):
         yield from (queued, in_flight, loaded, idle, total, tenants)
 
 
+def multiprocess_dir() -> str | None:
+    """The folder of Prometheus' multiprocess mode when it is on (set by ``shardline serve`` for its workers)."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class _SharedGauges:
+    """The gauges in multiprocess mode: written by each worker, combined across live workers."""
+
+    def __init__(self, read: Callable[[], Snapshot], registry: CollectorRegistry) -> None:
+        self._read = read
+        r = registry
+        self.queued = Gauge("shardline_queue_depth", "Requests queued per model version and priority class.",
+                            ["model", "version", "priority"], registry=r, multiprocess_mode="livesum")
+        self.in_flight = Gauge("shardline_model_in_flight", "Requests in batches running now.",
+                               ["model", "version"], registry=r, multiprocess_mode="livesum")
+        self.loaded = Gauge("shardline_model_loaded", "1 while the version is loaded, 0 when scaled to zero.",
+                            ["model", "version"], registry=r, multiprocess_mode="livemax")
+        self.idle = Gauge("shardline_model_idle_seconds", "Seconds since the version was last used.",
+                          ["model", "version"], registry=r, multiprocess_mode="livemin")
+        self.total = Gauge("shardline_loaded_models", "Model versions loaded now (the most any worker holds).",
+                           registry=r, multiprocess_mode="livemax")
+        self.tenants = Gauge("shardline_tenant_in_flight", "Requests in flight per tenant.", ["tenant"],
+                             registry=r, multiprocess_mode="livesum")
+
+    def refresh(self) -> None:
+        snapshot = self._read()
+        for m in snapshot.models:
+            for priority, depth in m.queued.items():
+                self.queued.labels(m.model, m.version, priority).set(depth)
+            self.in_flight.labels(m.model, m.version).set(m.in_flight)
+            self.loaded.labels(m.model, m.version).set(1.0 if m.loaded else 0.0)
+            self.idle.labels(m.model, m.version).set(m.idle_seconds)
+        self.total.set(sum(1 for m in snapshot.models if m.loaded))
+        for tenant, count in snapshot.tenants_in_flight.items():
+            self.tenants.labels(tenant).set(count)
+
+
 class Metrics:
     """The server's metrics; ``exposition()`` is what ``/metrics`` answers."""
 
     def __init__(self) -> None:
+        self.shared_dir = multiprocess_dir()
+        self._shared_gauges: _SharedGauges | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("shardline_requests", "HTTP requests answered.",
@@ -91,13 +139,31 @@ class Metrics:
         self.loads = Counter("shardline_model_loads", "Times a version was loaded.", ["model", "version"], registry=r)
         self.unloads = Counter("shardline_model_unloads", "Times an idle version was unloaded (scale to zero).",
                                ["model", "version"], registry=r)
+        self.captured = Counter("shardline_capture_rows", "Rows sampled for capture: kept, or dropped because "
+                                "the capture store fell behind.", ["model", "version", "outcome"], registry=r)
         # Labelled children, looked up once per label set (the label sets are bounded: see the module docstring).
         self._request_children: dict[tuple[str, str, str, str, int], tuple[Any, Any]] = {}
         self._batch_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self._capture_children: dict[tuple[str, str, bool], Any] = {}
 
     def watch(self, read: Callable[[], Snapshot]) -> None:
-        """Read the gauges from ``read`` at every scrape."""
-        self.registry.register(_Gauges(read))
+        """Read the gauges from ``read`` at every scrape (in multiprocess mode also at every ``refresh``)."""
+        if self.shared_dir is None:
+            self.registry.register(_Gauges(read))
+        else:
+            self._shared_gauges = _SharedGauges(read, self.registry)
+
+    def refresh(self) -> None:
+        """Write this worker's gauges for the others to read (multiprocess mode; otherwise nothing to do)."""
+        if self._shared_gauges is not None:
+            self._shared_gauges.refresh()
+
+    def close(self) -> None:
+        """This worker is stopping: its live gauges leave the sums (multiprocess mode)."""
+        if self.shared_dir is not None:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(os.getpid(), self.shared_dir)
 
     def observe_request(self, protocol: str, model: str, version: str, tenant: str, code: int, seconds: float) -> None:
         """Count one answered request and its latency."""
@@ -126,6 +192,23 @@ class Metrics:
         children[1].observe(requests)
         children[2].observe(seconds)
 
+    def observe_capture(self, model: str, version: str, rows: int, kept: bool) -> None:
+        """Count rows handed to capture (``kept``) or dropped by a full buffer."""
+        key = (model, version, kept)
+        child = self._capture_children.get(key)
+        if child is None:
+            if len(self._capture_children) > _MAX_CACHED:
+                self._capture_children.clear()
+            child = self._capture_children[key] = self.captured.labels(model, version, "kept" if kept else "dropped")
+        child.inc(rows)
+
     def exposition(self) -> tuple[bytes, str]:
-        """The metrics in Prometheus' text format, and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The metrics in Prometheus' text format, and its content type (every worker's, in multiprocess mode)."""
+        if self.shared_dir is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        from prometheus_client import multiprocess
+
+        self.refresh()
+        combined = CollectorRegistry()
+        multiprocess.MultiProcessCollector(combined, self.shared_dir)
+        return generate_latest(combined), CONTENT_TYPE_LATEST

@@ -19,7 +19,10 @@ Content-Type is not required (tritonclient's JSON mode sends none). Errors are
 
 from __future__ import annotations
 
+import gzip
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -28,16 +31,36 @@ import pyarrow as pa
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
 
 from shardline import __version__
 from shardline.errors import InvalidInput
 from shardline.online.dataplane import DataPlane, input_schema
-from shardline.online.edge import authenticate, endpoint, json_response, note_model, read_body
-from shardline.online.protocols.v2_tensors import column_to_tensor, describe, tensor_to_column, to_binary
+from shardline.online.edge import (
+    ClientGone,
+    authenticate,
+    endpoint,
+    error_answer,
+    json_response,
+    note_model,
+    read_asgi_body,
+)
+from shardline.online.logs import current
+from shardline.online.matrix_rows import MatrixRows
+from shardline.online.protocols.v2_tensors import (
+    array_to_tensor,
+    column_to_tensor,
+    describe,
+    tensor_to_column,
+    to_binary,
+)
 from shardline.signature import Signature
 
 PROTOCOL = "v2"
 HEADER_LENGTH = "Inference-Header-Content-Length"
+_HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
+JSON = b"application/json"
+GZIP_MIN_BYTES = 1024  # answers this large are gzipped for clients that accept it (as GZipMiddleware does)
 EXTENSIONS = ["binary_tensor_data"]
 
 
@@ -48,13 +71,29 @@ def error_body(message: str, status: int) -> dict[str, Any]:
 
 @dataclass
 class InferRequest:
-    """A decoded inference request: the rows, and what the answer should hold."""
+    """A decoded inference request: the rows, and what the answer should hold.
 
-    table: pa.Table
+    The fast path (every input a float column, JSON data) decodes the rows into ``matrix``
+    (rows, columns in the signature's order, of its type) and makes the Arrow ``table``
+    only when it is read (most requests are scored from the matrix: ``DataPlane.infer_matrix_now``).
+    """
+
+    rows: pa.Table | None
     request_id: str | None
     outputs: list[str]
     binary: dict[str, bool]
     checked: bool = False  # the table has the signature's input schema and no nulls (the fast path built it)
+    matrix: np.ndarray | None = None
+    builder: MatrixRows | None = None
+
+    @property
+    def table(self) -> pa.Table:
+        """The rows as a table of the signature's input columns."""
+        if self.rows is None:
+            if self.matrix is None or self.builder is None:
+                raise RuntimeError("an InferRequest holds neither rows nor a matrix")
+            self.rows = self.builder.table(self.matrix)
+        return self.rows
 
 
 def _json_header(body: bytes, header_length: str | None) -> tuple[Any, memoryview]:
@@ -105,11 +144,12 @@ def decode_infer_request(body: bytes, header_length: str | None, signature: Sign
     if not isinstance(inputs, list) or not inputs:
         raise InvalidInput("field 'inputs' is missing, empty or not a list; send one input per model input")
     if not binary:
-        fast = _fast_float_table(inputs, signature)
+        fast = _fast_float_matrix(inputs, signature)
         if fast is not None:
             outputs, binary_out = _requested_outputs(doc, signature, model)
             request_id = doc.get("id")
-            return InferRequest(fast, request_id if isinstance(request_id, str) else None, outputs, binary_out, True)
+            return InferRequest(None, request_id if isinstance(request_id, str) else None, outputs, binary_out, True,
+                                fast[0], fast[1])
     specs = {c.name: c for c in signature.inputs}
     columns: dict[str, pa.Array] = {}
     offset = 0
@@ -153,72 +193,72 @@ def decode_infer_request(body: bytes, header_length: str | None, signature: Sign
 
 
 _FLOAT_DATATYPES = frozenset({"FP16", "FP32", "FP64"})
-_FAST: dict[int, tuple[Signature, tuple[dict[str, int], np.dtype, pa.Schema] | None]] = {}
+_FAST: dict[int, tuple[Signature, "_FastPlan | None"]] = {}
+_NAME, _DATA, _SHAPE, _DATATYPE = (itemgetter(k) for k in ("name", "data", "shape", "datatype"))
+_DICT, _LIST, _INT, _FLOAT = {dict}, {list}, {int}, {float}
 
 
-def _fast_plan(signature: Signature) -> tuple[dict[str, int], np.dtype, pa.Schema] | None:
+@dataclass(frozen=True)
+class _FastPlan:
+    names: list[str]  # the signature's inputs, in order
+    positions: dict[str, int]
+    builder: MatrixRows
+
+
+def _fast_plan(signature: Signature) -> _FastPlan | None:
     """For a signature whose inputs are all float32 (or all float64) primitive columns: the column
-    positions by name, the numpy type and the input schema; None for any other signature."""
+    positions by name and the table builder; None for any other signature."""
     hit = _FAST.get(id(signature))
     if hit is not None and hit[0] is signature:
         return hit[1]
     types = {c.arrow_type for c in signature.inputs}
     plan = None
     if len(types) == 1 and next(iter(types)) in (pa.float32(), pa.float64()):
-        dtype = np.dtype(next(iter(types)).to_pandas_dtype())
-        plan = ({c.name: i for i, c in enumerate(signature.inputs)}, dtype, input_schema(signature))
+        names = [c.name for c in signature.inputs]
+        plan = _FastPlan(names, {n: i for i, n in enumerate(names)}, MatrixRows(input_schema(signature)))
     if len(_FAST) > 1024:
         _FAST.clear()
     _FAST[id(signature)] = (signature, plan)
     return plan
 
 
-def _fast_float_table(inputs: list[Any], signature: Signature) -> pa.Table | None:
-    """The rows of the commonest request, built in one go: one JSON input per float column, FP
+def _fast_float_matrix(inputs: list[Any], signature: Signature) -> tuple[np.ndarray, MatrixRows] | None:
+    """The rows of the commonest request as one matrix: one JSON input per float column, FP
     datatype, shape ``[N]`` or ``[N, 1]``, flat ``data`` of JSON floats, no parameters.
 
-    Returns None (and the general path decides, with its errors) for anything else. The values
+    Returns the (rows, columns) matrix in the signature's order and type, and the builder of its
+    table; None (and the general path decides, with its errors) for anything else. The values
     are what the general path gives: float64 from JSON, cast by numpy to the column's type.
+    Every check is a ``map`` or a ``set`` (loops in C: this runs for every request).
     """
     plan = _fast_plan(signature)
-    if plan is None:
+    if plan is None or len(inputs) != len(plan.names) or set(map(type, inputs)) != _DICT:
         return None
-    positions, dtype, schema = plan
-    width = len(positions)
-    if len(inputs) != width:
+    width = len(plan.names)
+    try:
+        names = list(map(_NAME, inputs))
+        data = list(map(_DATA, inputs))
+        shapes = list(map(_SHAPE, inputs))
+        datatypes = set(map(_DATATYPE, inputs))
+        order = None if names == plan.names else list(map(plan.positions.__getitem__, names))
+    except (KeyError, TypeError):  # a field missing, or a name that is not an input (or not a string)
         return None
-    slots: list[Any] = [None] * width
-    rows = -1
-    one: list[int] = []
-    column: list[int] = []
-    for tensor in inputs:
-        if type(tensor) is not dict:
-            return None
-        get = tensor.get
-        name, shape, data = get("name"), get("shape"), get("data")
-        if (type(name) is not str or type(shape) is not list or type(data) is not list or get("parameters")
-                or get("datatype") not in _FLOAT_DATATYPES):
-            return None
-        j = positions.get(name)
-        if j is None or slots[j] is not None:
-            return None
-        if rows < 0:
-            rows = len(data)
-            one, column = [rows], [rows, 1]
-        elif len(data) != rows:
-            return None
-        if not (shape == one or shape == column) or type(shape[0]) is not int or type(shape[-1]) is not int:
-            return None
-        for v in data:
-            if type(v) is not float:
-                return None
-        slots[j] = data
-    if rows <= 0:
+    if set(map(type, data)) != _LIST or set(map(type, shapes)) != _LIST:
         return None
-    flat = slots[0] if width == 1 else [v for data in slots for v in data]
-    values = pa.array(np.array(flat, dtype=np.float64).astype(dtype, copy=False))
-    columns = [values.slice(j * rows, rows) for j in range(width)] if width > 1 else [values]
-    return pa.Table.from_arrays(columns, schema=schema)
+    rows = len(data[0])
+    if (rows == 0 or not datatypes <= _FLOAT_DATATYPES or (order is not None and len(set(order)) != width)
+            or set(map(len, data)) != {rows}
+            or shapes.count([rows]) + shapes.count([rows, 1]) != width  # (True == 1: the types come next)
+            or set(map(type, chain.from_iterable(shapes))) != _INT
+            or (max(map(len, inputs)) > 4 and any(t.get("parameters") for t in inputs))
+            or set(map(type, chain.from_iterable(data))) != _FLOAT):
+        return None
+    given = np.array(data, dtype=np.float64)  # (inputs, rows) in the request's order
+    if order is not None:
+        matrix = np.empty_like(given)
+        matrix[order] = given
+        given = matrix
+    return np.ascontiguousarray(given.T, dtype=plan.builder.dtype), plan.builder  # (rows, columns), the signature's order
 
 
 def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) -> tuple[list[str], dict[str, bool]]:
@@ -244,13 +284,20 @@ def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) ->
 
 
 def encode_infer_response(
-    model: str, version: int, request: InferRequest, output: pa.Table
+    model: str, version: int, request: InferRequest, output: pa.Table | pa.RecordBatch | dict[str, np.ndarray]
 ) -> tuple[bytes, int | None]:
-    """The V2 response body, and the JSON header's length when binary tensors follow it."""
+    """The V2 response body, and the JSON header's length when binary tensors follow it.
+
+    ``output``: the model's rows, or its columns as numpy arrays (``DataPlane.infer_matrix_now``).
+    """
     docs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
+    arrays = output if isinstance(output, dict) else None
     for name in request.outputs:
-        datatype, shape, values = column_to_tensor(output.column(name))
+        if arrays is not None:
+            datatype, shape, values = array_to_tensor(arrays[name])
+        else:
+            datatype, shape, values = column_to_tensor(output.column(name))  # type: ignore[union-attr]
         doc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
         if request.binary[name]:
             raw = to_binary(datatype, values)
@@ -277,6 +324,83 @@ def model_metadata(name: str, versions: list[int], runtime: str, signature: Sign
         "inputs": [describe(c) for c in signature.inputs],
         "outputs": [describe(c) for c in signature.outputs],
     }
+
+
+def infer_path_params(path: str) -> dict[str, str] | None:
+    """``{"name"[, "version"]}`` of an inference path (``/v2/models/{name}[/versions/{version}]/infer``), else None."""
+    parts = path.split("/")
+    if len(parts) == 5 and parts[4] == "infer" and parts[1] == "v2" and parts[2] == "models" and parts[3]:
+        return {"name": parts[3]}
+    if (len(parts) == 7 and parts[6] == "infer" and parts[4] == "versions" and parts[1] == "v2"
+            and parts[2] == "models" and parts[3] and parts[5]):
+        return {"name": parts[3], "version": parts[5]}
+    return None
+
+
+class InferEndpoint:
+    """``POST /v2/models/{name}[/versions/{version}]/infer`` as a plain ASGI app: the hot path.
+
+    It does what a Starlette endpoint wrapped by ``edge.endpoint`` does (the tenant from the
+    key, its quota, the version, the body within the size limit, decode, infer, encode,
+    errors by the one table, gzip for large answers when the client accepts it), without a
+    Request or Response object per request. ``scope["path_params"]`` holds the name (and version).
+    """
+
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer one inference request."""
+        headers = dict(reversed(scope["headers"]))  # the first of a repeated header wins, as in Starlette
+        content_type = JSON
+        extra: list[tuple[bytes, bytes]] = []
+        try:
+            payload, header_length = await self._infer(scope, receive, headers)
+            status = 200
+            if header_length is not None:
+                content_type = b"application/octet-stream"
+                extra.append((HEADER_LENGTH.lower().encode(), str(header_length).encode()))
+        except ClientGone:
+            return  # nobody is left to answer
+        except Exception as e:  # noqa: BLE001 - answered by the one table (a bug: 500, logged)
+            status, body, error_headers = error_answer(e, error_body)
+            payload = orjson.dumps(body)
+            extra.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error_headers.items())
+        if len(payload) >= GZIP_MIN_BYTES and b"gzip" in headers.get(b"accept-encoding", b""):
+            payload = gzip.compress(payload, compresslevel=9)
+            extra += [(b"content-encoding", b"gzip"), (b"vary", b"Accept-Encoding")]
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-length", str(len(payload)).encode()), (b"content-type", content_type), *extra]})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _infer(self, scope: Scope, receive: Receive, headers: dict[bytes, bytes]) -> tuple[bytes, int | None]:
+        plane = self.plane
+        info = current()
+        if info is not None:
+            info.protocol = PROTOCOL
+        authorization = headers.get(b"authorization")
+        tenant = plane.authenticate(authorization.decode("latin-1") if authorization is not None else None)
+        if info is not None:
+            info.tenant = tenant.name
+        params = scope["path_params"]
+        with plane.admit(tenant):
+            served = await plane.model(tenant, params["name"], params.get("version"))
+            note_model(served)
+            body = await read_asgi_body(receive, _text(headers, b"content-length"), _text(headers, b"content-encoding"),
+                                        plane.settings.max_body_bytes)
+            decoded = decode_infer_request(body, _text(headers, _HEADER_LENGTH_KEY), served.signature, served.pinned)
+            output: pa.Table | pa.RecordBatch | dict[str, np.ndarray] | None = None
+            captured = plane.capture.draw()  # once per request, whichever path scores it
+            if decoded.matrix is not None:  # a fast model, idle: scored from the matrix, no Arrow either way
+                output = plane.infer_matrix_now(served, decoded.matrix, captured)
+            if output is None:
+                output = await plane.infer(tenant, served, decoded.table, checked=decoded.checked, captured=captured)
+        return encode_infer_response(served.name, served.version, decoded, output)
+
+
+def _text(headers: dict[bytes, bytes], name: bytes) -> str | None:
+    value = headers.get(name)
+    return value.decode("latin-1") if value is not None else None
 
 
 def routes(plane: DataPlane) -> list[BaseRoute]:
@@ -316,20 +440,7 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
         return json_response({"name": served.name, "version": str(served.version), "ready": loaded},
                              200 if loaded else 503)
 
-    @wrap
-    async def infer(request: Request) -> Response:
-        tenant = authenticate(request, plane)
-        with plane.admit(tenant):
-            served = await plane.model(tenant, request.path_params["name"], request.path_params.get("version"))
-            note_model(served)
-            body = await read_body(request, plane.settings.max_body_bytes)
-            decoded = decode_infer_request(body, request.headers.get(HEADER_LENGTH), served.signature, served.pinned)
-            output = await plane.infer(tenant, served, decoded.table, checked=decoded.checked)
-        payload, header_length = encode_infer_response(served.name, served.version, decoded, output)
-        if header_length is None:
-            return Response(payload, media_type="application/json")
-        return Response(payload, headers={HEADER_LENGTH: str(header_length)}, media_type="application/octet-stream")
-
+    infer = InferEndpoint(plane)  # plain ASGI; app.py also sends POSTs straight to it, past the router
     base = "/v2/models/{name}"
     versioned = base + "/versions/{version}"
     return [  # infer first: the router tries routes in order, and no other path overlaps these two

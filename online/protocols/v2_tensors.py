@@ -225,11 +225,14 @@ def tensor_to_column(
 def column_to_tensor(column: pa.Array | pa.ChunkedArray) -> tuple[str, list[int], Any]:
     """An output column as (datatype, shape, values): values a flat numpy array, or a list of str for BYTES."""
     if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
+        column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     rows = len(column)
     dtype = column.type
     datatype = datatype_of(dtype)
-    if pa.types.is_fixed_size_list(dtype) or pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+    if pa.types.is_fixed_size_list(dtype) and not column.null_count:  # a model's usual (rows, k) output
+        width = dtype.list_size  # .values, sliced, is .flatten() without its null handling (~2 us less)
+        values, shape = column.values.slice(column.offset * width, rows * width), [rows, width]
+    elif pa.types.is_fixed_size_list(dtype) or pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
         values = column.flatten()
         width = dtype.list_size if pa.types.is_fixed_size_list(dtype) else (len(values) // rows if rows else 0)
         if not pa.types.is_fixed_size_list(dtype) and any(len(v) != width for v in column.value_lengths().to_pylist()):
@@ -240,6 +243,19 @@ def column_to_tensor(column: pa.Array | pa.ChunkedArray) -> tuple[str, list[int]
     if datatype == "BYTES":
         return datatype, shape, values.to_pylist()
     return datatype, shape, values.to_numpy(zero_copy_only=False)
+
+
+_BY_NUMPY = {dtype: name for name, dtype in _NUMPY.items()}
+
+
+def array_to_tensor(values: np.ndarray) -> tuple[str, list[int], np.ndarray]:
+    """An output column given as a numpy array ((rows,) or (rows, k), see ``Runtime.predict_matrix``)
+    as (datatype, shape, flat values): what ``column_to_tensor`` gives for the same column."""
+    try:
+        datatype = _BY_NUMPY[values.dtype]
+    except KeyError as e:
+        raise InferenceFailed(f"numpy type {values.dtype} has no Open Inference Protocol datatype") from e
+    return datatype, list(values.shape), values.ravel()
 
 
 def to_binary(datatype: str, values: Any) -> bytes:

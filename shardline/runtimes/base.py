@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from shardline.bundle import Manifest
@@ -44,6 +45,18 @@ class Runtime(ABC):
     @abstractmethod
     def predict(self, batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
         """Score rows; see the class docstring for the contract."""
+
+    def predict_matrix(self, matrix: np.ndarray) -> dict[str, np.ndarray] | pa.RecordBatch | None:
+        """Optional fast path for small batches: score rows given as one matrix, skipping Arrow.
+
+        ``matrix`` is ``(rows, len(signature.inputs))``, C-ordered, of the signature's input
+        type (every input a float column of one type), columns in the signature's order.
+        Returns what ``predict`` would for the same rows: each output column as a numpy
+        array of exactly its signature type (shape ``(rows,)``, or ``(rows, k)`` for
+        ``fixed_size_list[k]``), or as the record batch when an output does not fit that form;
+        None when this runtime does not take matrices (call ``predict``). The default: None.
+        """
+        return None
 
     @property
     @abstractmethod

@@ -101,3 +101,45 @@ def test_serve_refuses_to_start_with_a_bad_tenants_file(
     done = shardline(*args, timeout=60)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
+
+
+def test_serve_with_two_workers_answers_on_one_port_and_sums_their_metrics(
+    local_registry: ModelRegistry, breast_cancer_model: BuiltModel, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    port = free_port()
+    tenants = write_tenants(tmp_path / "tenants.yaml")
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as sink:
+        server = subprocess.Popen([*SHARDLINE, "serve", "--port", str(port), "--workers", "2"], cwd=tmp_path,
+                                  stdout=sink, stderr=sink, env={**cli_env, "SHARDLINE_ONLINE_TENANTS_FILE": str(tenants)})
+    url = f"http://127.0.0.1:{port}"
+    rows = breast_cancer_model.data.features[:3]
+    body = orjson.dumps({"inputs": [{"name": n, "datatype": "FP64", "shape": [3], "data": rows[:, j].tolist()}
+                                    for j, n in enumerate(breast_cancer_model.data.names)]})
+    expected = breast_cancer_model.estimator.predict(rows.astype("float32")).tolist()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/v2/health/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        for _ in range(12):  # a new connection each: the kernel hands them to either worker
+            answer = httpx.post(f"{url}/v2/models/breast-cancer/infer", content=body,
+                                headers={"Authorization": f"Bearer {KEY}"})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["outputs"][0]["data"] == expected
+        scraped = [httpx.get(f"{url}/metrics").text for _ in range(4)]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=30)
+    assert code in (0, -signal.SIGTERM), log.read_text()
+    for text in scraped:  # whichever worker answered the scrape, it counts every worker's requests
+        counted = [line for line in text.splitlines()
+                   if line.startswith("shardline_requests_total{") and 'code="200"' in line and 'model="breast-cancer"' in line]
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in counted) == 12, text
+        assert 'shardline_model_loaded{model="breast-cancer",version="1"} 1.0' in text

@@ -171,6 +171,14 @@ def test_batch_and_online_score_the_same_rows_identically(
     expected = np.array(batch.column("probabilities").to_pylist(), dtype=np.float32)
     np.testing.assert_array_equal(got, expected)  # bit for bit: same cache, same runtime, same rows
 
+    for i in range(0, 200, 20):  # one row each: once measured, scored from a matrix (no Arrow), still bit for bit
+        one = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers=key(),
+                         content=orjson.dumps(json_body(breast_cancer_model, rows[i:i + 1])))
+        answer = {o["name"]: o for o in one.json()["outputs"]}
+        assert answer["label"]["data"] == [outputs["label"]["data"][i]]
+        assert answer["probabilities"]["shape"] == [1, 2]
+        np.testing.assert_array_equal(np.array(answer["probabilities"]["data"], dtype=np.float32), expected[i])
+
 
 # -- refusals -------------------------------------------------------------------------------------
 def test_a_model_the_tenant_may_not_call_is_404_exactly_like_one_that_does_not_exist(

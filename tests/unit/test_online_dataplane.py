@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,15 @@ import pytest
 
 from shardline.errors import ModelNotFound, NullValues, SchemaMismatch
 from shardline.online.dataplane import DataPlane, prepare_rows
-from shardline.online.logs import CURRENT, JsonFormatter, RequestInfo, request_id_from
+from shardline.online.logs import (
+    ACCESS_LOGGER,
+    CURRENT,
+    BufferedLineHandler,
+    JsonFormatter,
+    RequestInfo,
+    log_config,
+    request_id_from,
+)
 from shardline.online.tenants import TenantDirectory, hash_api_key
 from shardline.runtimes import RuntimeOptions
 from shardline.settings import OnlineSettings
@@ -104,3 +113,37 @@ def test_log_lines_are_json_with_the_request_id() -> None:
     assert line["request_id"] == "trace-1" and line["msg"] == "something happened"
     assert (line["level"], line["model"], line["rows"]) == ("warning", "m:1", 3)
     assert len(request_id_from("bad\nid")) == 32 and len(request_id_from("x" * 200)) == 32
+
+
+def test_the_access_log_is_written_in_batches_and_nothing_is_lost() -> None:
+    config = log_config("info")
+    assert config["loggers"][ACCESS_LOGGER]["handlers"] == ["access"]  # the serve config batches only the access log
+    logger = logging.getLogger("shardline.online.test-access")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+
+    def lines(stream: io.StringIO) -> list[int]:
+        return [json.loads(line)["n"] for line in stream.getvalue().splitlines()]
+
+    batched, timed = io.StringIO(), io.StringIO()
+    for stream, interval in ((batched, 60.0), (timed, 0.02)):
+        handler = BufferedLineHandler(stream, interval_s=interval, max_bytes=400)
+        handler.setFormatter(JsonFormatter())
+        logger.addHandler(handler)
+        try:
+            logger.info("request", extra={"fields": {"n": 0}})
+            if stream is batched:
+                assert stream.getvalue() == ""  # pending: no write per line
+                for n in range(1, 6):  # past max_bytes: written at once
+                    logger.info("request", extra={"fields": {"n": n}})
+                assert 3 <= len(lines(stream)) < 6
+                logger.info("request", extra={"fields": {"n": 6}})
+            else:
+                deadline = time.monotonic() + 5
+                while not stream.getvalue() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert lines(stream) == [0]  # the flushing thread wrote it within interval_s
+        finally:
+            handler.close()  # writes what is pending
+            logger.removeHandler(handler)
+    assert lines(batched) == list(range(7))

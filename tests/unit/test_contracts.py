@@ -130,11 +130,18 @@ def test_the_fast_screen_and_great_expectations_give_the_same_verdicts(site_mode
     assert screened(samples["0.5% out of range (mostly 0.99 allows it)"]) == []
 
 
-def test_a_passing_sample_does_not_import_great_expectations(site_model: tuple[Manifest, dict], tmp_path: Any) -> None:
+def test_a_passing_sample_does_not_import_great_expectations(
+    site_model: tuple[Manifest, dict], tmp_path: Any
+) -> None:
+    import pyarrow.parquet as pq
+
     manifest, profile = site_model
-    bad = _sample(31).drop_columns(["mean texture"])
-    (tmp_path / "contract.pkl").write_bytes(pickle.dumps((ShardContract(manifest, profile), _sample(30), bad)))
-    code = ("import pickle, sys; contract, good, bad = pickle.load(open(sys.argv[1], 'rb')); "
-            "assert contract(good) == []; assert 'great_expectations' not in sys.modules; "
-            "assert contract(bad) and 'great_expectations' in sys.modules")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "contract.pkl")], check=True, timeout=120)
+    (tmp_path / "contract.pkl").write_bytes(pickle.dumps(ShardContract(manifest, profile)))
+    pq.write_table(_sample(30), tmp_path / "good.parquet")
+    pq.write_table(_sample(31).drop_columns(["mean texture"]), tmp_path / "bad.parquet")
+    code = ("import pickle, sys; import pyarrow.parquet as pq; contract = pickle.load(open(sys.argv[1], 'rb')); "
+            "assert contract(pq.ParquetFile(sys.argv[2]).read()) == []; "
+            "assert 'great_expectations' not in sys.modules; "
+            "assert contract(pq.ParquetFile(sys.argv[3]).read()) and 'great_expectations' in sys.modules")
+    files = [str(tmp_path / f) for f in ("contract.pkl", "good.parquet", "bad.parquet")]
+    subprocess.run([sys.executable, "-c", code, *files], check=True, timeout=120)

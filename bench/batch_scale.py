@@ -37,12 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-OFF_THE_NETWORK = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DO_NOT_TRACK": "1",
-    "ORT_DISABLE_TELEMETRY": "1",
-    "GX_ANALYTICS_ENABLED": "false",
-}
+from shardline._cli_common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
+
 for _key, _value in OFF_THE_NETWORK.items():
     os.environ.setdefault(_key, _value)
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the figures, not every task run's log

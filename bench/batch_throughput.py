@@ -40,12 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-OFF_THE_NETWORK = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DO_NOT_TRACK": "1",
-    "ORT_DISABLE_TELEMETRY": "1",
-    "GX_ANALYTICS_ENABLED": "false",
-}
+from shardline._cli_common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
+
 for _key, _value in OFF_THE_NETWORK.items():
     os.environ.setdefault(_key, _value)
 

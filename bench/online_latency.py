@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import NOISY, P99_TARGET_MS, held  # noqa: E402
 from online_peers import open_session  # noqa: E402
 
-OFF_THE_NETWORK = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "ORT_DISABLE_TELEMETRY": "1"}
+from shardline._cli_common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
+
 for _key, _value in OFF_THE_NETWORK.items():
     os.environ.setdefault(_key, _value)
 

@@ -26,7 +26,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import json_response
-from shardline.online.logs import ACCESS_LOGGER, CURRENT, RequestInfo, flush_access_log, request_id_from
+from shardline.online.logs import (
+    ACCESS_LOGGER,
+    CURRENT,
+    BufferedLineHandler,
+    RequestInfo,
+    flush_access_log,
+    request_id_from,
+)
 from shardline.online.metrics import Metrics
 from shardline.online.protocols import kserve_v2, openai
 
@@ -66,13 +73,18 @@ class RequestMiddleware:
             seconds = time.perf_counter() - started
             self.metrics.observe_request(info.protocol or "http", info.model, info.version, info.tenant, status, seconds)
             if self.log_requests and access_log.isEnabledFor(logging.INFO):
-                # makeRecord + handle is what .info() does, less finding the caller's frame (a stack walk
-                # per request): the record goes through the same handlers, filters and formatter.
-                access_log.handle(access_log.makeRecord(
-                    access_log.name, logging.INFO, __file__, 0, "request", (), None, extra={"fields": {
-                        "method": scope["method"], "path": scope["path"], "status": status,
-                        "ms": round(seconds * 1000, 3), "protocol": info.protocol, "tenant": info.tenant,
-                        "model": info.model, "version": info.version}}))
+                fields = {"method": scope["method"], "path": scope["path"], "status": status,
+                          "ms": round(seconds * 1000, 3), "protocol": info.protocol, "tenant": info.tenant,
+                          "model": info.model, "version": info.version}
+                handler = access_log.handlers[0] if len(access_log.handlers) == 1 else None
+                if (isinstance(handler, BufferedLineHandler) and type(handler) is BufferedLineHandler
+                        and not access_log.filters and handler.takes_fields()):
+                    handler.emit_fields(access_log.name, "request", fields)  # the same line, no LogRecord
+                else:
+                    # makeRecord + handle is what .info() does, less finding the caller's frame (a stack
+                    # walk per request): the record goes through the same handlers, filters and formatter.
+                    access_log.handle(access_log.makeRecord(
+                        access_log.name, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields}))
             CURRENT.reset(token)
 
 

@@ -147,3 +147,31 @@ def test_the_access_log_is_written_in_batches_and_nothing_is_lost() -> None:
             handler.close()  # writes what is pending
             logger.removeHandler(handler)
     assert lines(batched) == list(range(7))
+
+
+def test_the_access_logs_fast_line_is_the_formatters_line() -> None:
+    import json
+    import logging
+
+    stream = io.StringIO()
+    handler = BufferedLineHandler(stream, interval_s=60.0)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("shardline.test.fast-line")
+    token = CURRENT.set(RequestInfo("req-7"))
+    try:
+        assert handler.takes_fields()
+        fields = {"method": "POST", "status": 200, "ms": 0.412, "tenant": "acme"}
+        handler.emit_fields(logger.name, "request", fields)
+        handler.handle(logger.makeRecord(logger.name, logging.INFO, __file__, 0, "request", (), None,
+                                         extra={"fields": fields}))
+    finally:
+        CURRENT.reset(token)
+        handler.close()
+    fast, slow = (json.loads(line) for line in stream.getvalue().splitlines())
+    from datetime import datetime
+
+    stamps = [datetime.strptime(line.pop("ts"), "%Y-%m-%dT%H:%M:%S.%fZ") for line in (fast, slow)]
+    assert abs((stamps[1] - stamps[0]).total_seconds()) < 1  # the same format, made microseconds apart
+    assert fast == slow == {"level": "info", "logger": logger.name, "msg": "request", "request_id": "req-7", **fields}
+    handler.addFilter(lambda record: True)
+    assert not handler.takes_fields()  # a filter must see records: the middleware takes the record path

@@ -1,57 +1,106 @@
-"""Admission decisions as pure functions: state and time in, decision out.
+"""Admission decisions: state and time in, decision out.
 
-- ``take_token``: a tenant's token bucket (rate and burst); how long to wait when empty.
+- ``TokenBucket``: a tenant's rate and burst; how long to wait when empty.
+- ``TenantGate``: one tenant's quotas in a server process (concurrent requests and its
+  bucket), entered around each request.
 - ``admits``: whether a model's queue takes one more request of a priority class; the
   lower the class, the sooner it is shed (low at half the capacity, normal at 80%,
   high only when the queue is full), so overload sheds the lowest priority first.
 - ``retry_after``: the whole seconds a client is told to wait (``Retry-After``).
 - ``should_unload``: whether an idle model is scaled to zero.
-- ``runs_inline``: whether a batch is scored on the event loop rather than a thread.
+- ``runs_inline``: whether a batch is scored on the event loop rather than a thread, and
+  ``next_seconds_per_row``: the measured speed that decides it.
 - ``worker_share``: one server process's share of a tenant's quota.
 
-Nothing here reads a clock, a socket or a setting: the caller passes them in.
+Nothing here reads a clock, a socket or a setting: the caller passes them in (a gate is
+given its clock).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
-from shardline.online.tenants import Priority
+from shardline.errors import RateLimited
+from shardline.online.tenants import Priority, Tenant
 
 # Share of a model's queue capacity that a request of each class may fill.
 SHED_SHARE: Mapping[Priority, float] = {"high": 1.0, "normal": 0.8, "low": 0.5}
 
 
-@dataclass(frozen=True)
 class TokenBucket:
-    """Tokens left and when they were counted (seconds on the caller's monotonic clock)."""
+    """Tokens refilled at ``rate`` a second up to ``burst``; full when made. Times are seconds on
+    the caller's monotonic clock."""
 
-    tokens: float
-    updated: float
+    __slots__ = ("rate", "burst", "tokens", "updated")
+
+    def __init__(self, rate: float, burst: int) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError(f"a token bucket needs rate > 0 and burst >= 1, got rate={rate}, burst={burst}")
+        self.rate = rate
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.updated: float | None = None
+
+    def take(self, now: float) -> float:
+        """Take one token: 0.0 when one was taken, else the seconds until one will be there
+        (nothing is taken then). A clock that steps back adds nothing."""
+        tokens, updated = self.tokens, self.updated
+        if updated is not None and now > updated:
+            tokens = min(self.burst, tokens + (now - updated) * self.rate)
+        if updated is None or now > updated:
+            self.updated = now
+        if tokens >= 1.0:
+            self.tokens = tokens - 1.0
+            return 0.0
+        self.tokens = tokens
+        return (1.0 - tokens) / self.rate
 
 
-def take_token(
-    bucket: TokenBucket | None, now: float, rate: float, burst: int
-) -> tuple[TokenBucket, float]:
-    """Take one token from a bucket refilled at ``rate`` per second up to ``burst``.
+class TenantGate:
+    """One tenant's quotas in this server process, entered around each of its requests.
 
-    A tenant's first request finds a full bucket (``bucket`` None).
-
-    Returns:
-        The bucket after the attempt, and 0.0 when a token was taken, else the
-        seconds until one will be there (nothing is taken then).
+    Entering takes one of its concurrent requests and a token of its rate, or raises
+    ``RateLimited`` (and calls ``refused(tenant, quota)``, ``quota`` "concurrency" or "rate");
+    leaving gives the request back. With ``workers`` server processes the gate holds this
+    process's share of each quota (``worker_share``; the rate divided evenly).
     """
-    if rate <= 0 or burst < 1:
-        raise ValueError(f"a token bucket needs rate > 0 and burst >= 1, got rate={rate}, burst={burst}")
-    if bucket is None:
-        tokens = float(burst)
-    else:
-        tokens = min(float(burst), bucket.tokens + max(0.0, now - bucket.updated) * rate)
-    if tokens >= 1.0:
-        return TokenBucket(tokens - 1.0, now), 0.0
-    return TokenBucket(tokens, now), (1.0 - tokens) / rate
+
+    __slots__ = ("tenant", "in_flight", "max_concurrent", "bucket", "clock", "refused")
+
+    def __init__(self, tenant: Tenant, workers: int, clock: Callable[[], float],
+                 refused: Callable[[str, str], None]) -> None:
+        self.tenant = tenant
+        self.in_flight = 0
+        self.max_concurrent = None if tenant.max_concurrent is None else worker_share(tenant.max_concurrent, workers)
+        rate = tenant.rate
+        self.bucket = None if rate is None else TokenBucket(rate.requests_per_second / workers,
+                                                            worker_share(rate.burst, workers))
+        self.clock = clock
+        self.refused = refused
+
+    def __enter__(self) -> None:
+        if self.max_concurrent is not None and self.in_flight >= self.max_concurrent:
+            name = self.tenant.name
+            self.refused(name, "concurrency")
+            raise RateLimited(
+                f"tenant {name!r} has {self.in_flight} requests in flight, its max_concurrent; wait for one to "
+                "finish or ask for a larger quota", name, 1,
+            )
+        if self.bucket is not None:
+            wait = self.bucket.take(self.clock())
+            if wait > 0:
+                name, rate = self.tenant.name, self.tenant.rate
+                assert rate is not None
+                self.refused(name, "rate")
+                raise RateLimited(
+                    f"tenant {name!r} is over its rate of {rate.requests_per_second:g} requests/s (burst "
+                    f"{rate.burst}); retry after {retry_after(wait)} s", name, retry_after(wait),
+                )
+        self.in_flight += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.in_flight -= 1
 
 
 def queue_limit(capacity: int, priority: Priority) -> int:
@@ -94,6 +143,23 @@ def runs_inline(rows: int, seconds_per_row: float | None, budget_s: float) -> bo
     measured on small batches, so it over-estimates large ones (on the safe side).
     """
     return seconds_per_row is not None and budget_s > 0 and rows * seconds_per_row <= budget_s
+
+
+SPEED_SMOOTHING = 0.2  # weight of a new measurement in the smoothed seconds per row
+SPEED_MAX_STEP = 2.0  # one measurement may at most double the estimate
+
+
+def next_seconds_per_row(previous: float | None, measured: float) -> float:
+    """The smoothed seconds per row after one more measurement (the first sets it).
+
+    An exponential average whose rise is bounded: one measurement counts as at most twice the
+    estimate, so a single slow call (a garbage collection or page faults inside it) moves it
+    by at most 20% and a fast model stays on the event loop; a model that really became slower
+    is followed within a few calls (x1.2 per call). Falls are followed at once.
+    """
+    if previous is None:
+        return measured
+    return previous + SPEED_SMOOTHING * (min(measured, SPEED_MAX_STEP * previous) - previous)
 
 
 def worker_share(quota: int, workers: int) -> int:

@@ -19,6 +19,12 @@ scores a request at once in the request's own task when nothing is queued or run
 offered to ``inline`` before it goes to ``predict``. Batches still form under load as
 before: while one batch runs, arrivals queue and go together as the next.
 
+A request's rows are an Arrow table, or a ``Matrix`` (the protocol adapters' fast path);
+the callables take either and answer a record batch or a dict of numpy columns. A batch
+that holds both kinds is scored in two calls, its matrices together and its tables
+together, so that a batch under load costs no more per request than a request scored
+alone (a matrix made into Arrow and back would cost more than the model).
+
 The decisions (``batch_wait``, ``take_batch``) are pure and tested without a loop.
 Everything else runs on the event loop thread; the model runs wherever ``predict``
 sends it (a thread pool).
@@ -30,28 +36,34 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Mapping, TypeAlias
 
+import numpy as np
 import pyarrow as pa
 
 from shardline.errors import InferenceFailed, InvalidBundle, Overloaded, RuntimeUnavailable
 from shardline.online.admission import admits, drain_seconds, retry_after
+from shardline.online.matrix_rows import Matrix
 from shardline.online.tenants import PRIORITIES, Priority
 
-Predict = Callable[[pa.Table], Awaitable[pa.RecordBatch]]
-InlinePredict = Callable[[pa.Table], "pa.RecordBatch | None"]  # None: not now, send it to ``predict``
+Inputs: TypeAlias = "pa.Table | Matrix"  # a request's (or a batch's) rows
+Output: TypeAlias = "pa.RecordBatch | dict[str, np.ndarray]"  # a model's answer: rows, or numpy columns (from a Matrix)
+Answer: TypeAlias = "pa.Table | dict[str, np.ndarray]"  # a request's part of it
+Predict = Callable[[Inputs], Awaitable[Output]]
+InlinePredict = Callable[[Inputs], "Output | None"]  # None: not now, send it to ``predict``
 BatchObserver = Callable[[int, int, float], None]  # rows, requests, seconds
 # Failures of the model as a whole (it cannot load): retrying rows one by one cannot help.
 _MODEL_WIDE = (RuntimeUnavailable, InvalidBundle)
 _RATE_SMOOTHING = 0.2
 
-S = TypeVar("S")
-
 
 def _rows_of(output: Any, rows: int) -> int:
     """Rows of a scoring result: ``num_rows``, or the length of a dict's arrays (one that differs wins)."""
     if isinstance(output, dict):
-        return next((len(v) for v in output.values() if len(v) != rows), rows)
+        for values in output.values():
+            if len(values) != rows:
+                return len(values)
+        return rows
     return int(getattr(output, "num_rows", rows))
 
 
@@ -75,15 +87,15 @@ class BatchLimits:
 class Pending:
     """One queued request: its rows, class, arrival time and the future its answer goes to."""
 
-    table: pa.Table
+    inputs: Inputs
     priority: Priority
     enqueued: float
-    future: asyncio.Future[pa.Table] = field(repr=False)
+    future: asyncio.Future[Answer] = field(repr=False)
 
     @property
     def rows(self) -> int:
         """Rows of the request."""
-        return self.table.num_rows
+        return self.inputs.num_rows
 
 
 def batch_wait(queued_rows: int, oldest_enqueued: float | None, now: float, limits: BatchLimits) -> float | None:
@@ -163,8 +175,9 @@ class Batcher:
         return self._running_batches > 0 or self.queued > 0
 
     # -- submitting -------------------------------------------------------------------
-    def submit(self, table: pa.Table, priority: Priority) -> asyncio.Future[pa.Table]:
-        """Queue rows; the future gets the model's output rows for them.
+    def submit(self, inputs: Inputs, priority: Priority) -> asyncio.Future[Answer]:
+        """Queue rows; the future gets the model's answer for them (output rows for a table,
+        numpy columns or output rows for a matrix).
 
         Raises:
             Overloaded: the queue is past what this priority class may fill.
@@ -178,42 +191,31 @@ class Batcher:
                 "or ask for a higher priority class",
                 retry_after(wait),
             )
-        future: asyncio.Future[pa.Table] = asyncio.get_running_loop().create_future()
-        self._queues[priority].append(Pending(table, priority, self._clock(), future))
-        self._queued_rows += table.num_rows
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._queues[priority].append(Pending(inputs, priority, self._clock(), future))
+        self._queued_rows += inputs.num_rows
         self._dispatch()
         return future
 
-    def try_now(self, table: pa.Table) -> pa.Table | None:
+    def try_now(self, inputs: Inputs) -> Answer | None:
         """Score rows at once on the caller's thread when the model is idle and ``inline`` takes them.
 
-        Returns None (nothing was done: ``submit`` them) when something is queued or running,
-        the model waits for companions (``max_wait_s`` > 0), there is no ``inline`` callable,
-        or it declined.
+        The rows count as a batch of one request. Returns their answer, or None (nothing was
+        done: ``submit`` them) when something is queued or running, the model waits for
+        companions (``max_wait_s`` > 0), there is no ``inline`` callable, or it declined.
 
         Raises:
             Whatever the model raised for these rows (they were a batch of their own).
         """
         inline = self._inline
-        if inline is None:
+        if inline is None or self._running_batches or self._queued_rows or self.limits.max_wait_s > 0:
             return None
-        output = self.run_now(table.num_rows, lambda: inline(table))
-        return None if output is None else pa.Table.from_batches([output])
-
-    def run_now(self, rows: int, score: Callable[[], S | None]) -> S | None:
-        """``try_now`` for any scoring call (e.g. a runtime's matrix fast path) that gives ``rows`` rows.
-
-        ``score`` runs at once, counted as a batch of one request, when nothing is queued or
-        running and the model does not wait for companions; its result (None: it declined) is
-        returned. Its rows are checked with ``len()`` of a dict's arrays or ``num_rows``.
-        """
-        if self._running_batches or self._queued_rows or self.limits.max_wait_s > 0:
-            return None
+        rows = inputs.num_rows
         started = self._clock()
         self._running_batches += 1
         self._running_requests += 1
         try:
-            output = score()
+            output = inline(inputs)
         finally:
             self._running_batches -= 1
             self._running_requests -= 1
@@ -223,20 +225,20 @@ class Batcher:
         if got != rows:
             raise self._wrong_rows(got, rows)
         self._measured(rows, 1, self._clock() - started)
-        return output
+        return output if isinstance(output, dict) else pa.Table.from_batches([output])
 
     def _wrong_rows(self, got: int, rows: int) -> InferenceFailed:
         return InferenceFailed(
             f"model {self.model!r} returned {got} rows for {rows}; a runtime must return one row per input row"
         )
 
-    async def _score(self, table: pa.Table) -> pa.RecordBatch:
+    async def _score(self, inputs: Inputs) -> Output:
         """On the event loop when ``inline`` takes the rows, else through ``predict``."""
         if self._inline is not None:
-            output = self._inline(table)
+            output = self._inline(inputs)
             if output is not None:
                 return output
-        return await self._predict(table)
+        return await self._predict(inputs)
 
     def _oldest(self) -> float | None:
         heads = [q[0].enqueued for q in self._queues.values() if q]
@@ -273,41 +275,57 @@ class Batcher:
 
     async def _run(self, batch: list[Pending]) -> None:
         started = self._clock()
-        rows = total_rows(batch)
         try:
-            table = batch[0].table if len(batch) == 1 else pa.concat_tables([p.table for p in batch])
-            try:
-                output = await self._score(table)
-            except Exception as e:  # noqa: BLE001 - each request gets the outcome that is its own
-                if len(batch) == 1 or isinstance(e, _MODEL_WIDE):
-                    for pending in batch:
-                        _fail(pending, e)
-                else:
-                    await self._one_by_one(batch)
+            matrices = [p for p in batch if isinstance(p.inputs, Matrix)]
+            if matrices and len(matrices) < len(batch):  # both kinds: each scored in its own call
+                await self._run_part(matrices)
+                await self._run_part([p for p in batch if not isinstance(p.inputs, Matrix)])
             else:
-                if output.num_rows != rows:
-                    error = self._wrong_rows(output.num_rows, rows)
-                    for pending in batch:
-                        _fail(pending, error)
-                    return
-                offset = 0
-                for pending in batch:
-                    _answer(pending, pa.Table.from_batches([output.slice(offset, pending.rows)]))
-                    offset += pending.rows
-            self._measured(rows, len(batch), self._clock() - started)
+                await self._run_part(batch)
+            self._measured(total_rows(batch), len(batch), self._clock() - started)
         finally:
             self._running_batches -= 1
             self._running_requests -= len(batch)
             self._dispatch()
 
+    async def _run_part(self, batch: list[Pending]) -> None:
+        """Score requests of one kind (all tables or all matrices) in one call and answer each."""
+        rows = total_rows(batch)
+        first = batch[0].inputs
+        if len(batch) == 1:
+            inputs = first
+        elif isinstance(first, Matrix):
+            inputs = Matrix.concat([p.inputs for p in batch])  # type: ignore[misc]
+        else:
+            inputs = pa.concat_tables([p.inputs for p in batch])  # type: ignore[misc]
+        try:
+            output = await self._score(inputs)
+        except Exception as e:  # noqa: BLE001 - each request gets the outcome that is its own
+            if len(batch) == 1 or isinstance(e, _MODEL_WIDE):
+                for pending in batch:
+                    _fail(pending, e)
+            else:
+                await self._one_by_one(batch)
+            return
+        got = _rows_of(output, rows)
+        if got != rows:
+            error = self._wrong_rows(got, rows)
+            for pending in batch:
+                _fail(pending, error)
+            return
+        offset = 0
+        for pending in batch:
+            _answer(pending, _part(output, offset, pending.rows))
+            offset += pending.rows
+
     async def _one_by_one(self, batch: list[Pending]) -> None:
         for pending in batch:
             try:
-                output = await self._score(pending.table)
+                output = await self._score(pending.inputs)
             except Exception as e:  # noqa: BLE001
                 _fail(pending, e)
             else:
-                _answer(pending, pa.Table.from_batches([output]))
+                _answer(pending, _part(output, 0, pending.rows))
 
     def _measured(self, rows: int, requests: int, seconds: float) -> None:
         if seconds > 0:
@@ -328,9 +346,20 @@ class Batcher:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _answer(pending: Pending, table: pa.Table) -> None:
+def _part(output: Output, offset: int, rows: int) -> Answer:
+    """A request's rows of a batch's output: numpy columns (views) or a table."""
+    if isinstance(output, dict):
+        if offset == 0 and rows == _rows_of(output, rows):
+            return output
+        return {name: values[offset:offset + rows] for name, values in output.items()}
+    if offset == 0 and rows == output.num_rows:
+        return pa.Table.from_batches([output])
+    return pa.Table.from_batches([output.slice(offset, rows)])
+
+
+def _answer(pending: Pending, answer: Answer) -> None:
     if not pending.future.done():
-        pending.future.set_result(table)
+        pending.future.set_result(answer)
 
 
 def _fail(pending: Pending, error: BaseException) -> None:

@@ -26,10 +26,8 @@ import contextvars
 import logging
 import re
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -41,13 +39,13 @@ from shardline.errors import (
     ModelNotFound,
     NullValues,
     Overloaded,
-    RateLimited,
     SchemaMismatch,
     ShardlineError,
 )
-from shardline.online.admission import retry_after, runs_inline, should_unload, take_token, worker_share
+from shardline.online.admission import TenantGate, next_seconds_per_row, runs_inline, should_unload
 from shardline.online.batcher import Batcher
 from shardline.online.capture import OnlineCapture
+from shardline.online.matrix_rows import Matrix
 from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ServedModel, batch_limits
 from shardline.online.tenants import Tenant, TenantDirectory
@@ -60,7 +58,6 @@ from shardline.storage.registry import ModelRegistry, ResolvedModel, check_alias
 log = logging.getLogger("shardline.online")
 T = TypeVar("T")
 _REFERENCE_SPLIT = re.compile(r"[@:]")
-_SPEED_SMOOTHING = 0.2
 
 
 _SCHEMAS: dict[int, tuple[Signature, pa.Schema]] = {}
@@ -143,8 +140,7 @@ class DataPlane:
         self._io_pool: ThreadPoolExecutor | None = None
         self.directory = ModelDirectory(registry, self._blocking_io, settings.alias_refresh_s, clock)
         self._served: dict[tuple[str, int], ServedModel] = {}
-        self._buckets: dict[str, Any] = {}
-        self._tenant_in_flight: dict[str, int] = defaultdict(int)
+        self._gates: dict[str, TenantGate] = {}
         self._tokenizers: dict[str, Any] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._workers = settings.resolved_workers()  # each of N server processes holds 1/N of every quota
@@ -196,40 +192,22 @@ class DataPlane:
         """The tenant an ``Authorization`` header names (see ``TenantDirectory.authenticate``)."""
         return self.tenants.authenticate(authorization)
 
-    @contextmanager
-    def admit(self, tenant: Tenant) -> Iterator[None]:
-        """Hold one of the tenant's concurrent requests and take a token of its rate, or refuse.
+    def admit(self, tenant: Tenant) -> TenantGate:
+        """The tenant's gate, to enter around a request (``with plane.admit(tenant):``): it holds
+        one of the tenant's concurrent requests and takes a token of its rate, or refuses.
 
         With ``workers`` server processes, each holds its share of the quotas (``worker_share``).
 
-        Raises:
+        Raises (on entering):
             RateLimited: over ``max_concurrent`` or the token bucket is empty.
         """
-        name = tenant.name
-        in_flight = self._tenant_in_flight[name]
-        workers = self._workers
-        if tenant.max_concurrent is not None and in_flight >= worker_share(tenant.max_concurrent, workers):
-            self.metrics.rate_limited.labels(name, "concurrency").inc()
-            raise RateLimited(
-                f"tenant {name!r} has {in_flight} requests in flight, its max_concurrent; wait for one to "
-                "finish or ask for a larger quota", name, 1,
-            )
-        if tenant.rate is not None:
-            rate = tenant.rate
-            bucket, wait = take_token(self._buckets.get(name), self._clock(), rate.requests_per_second / workers,
-                                      worker_share(rate.burst, workers))
-            self._buckets[name] = bucket
-            if wait > 0:
-                self.metrics.rate_limited.labels(name, "rate").inc()
-                raise RateLimited(
-                    f"tenant {name!r} is over its rate of {rate.requests_per_second:g} requests/s (burst "
-                    f"{rate.burst}); retry after {retry_after(wait)} s", name, retry_after(wait),
-                )
-        self._tenant_in_flight[name] += 1
-        try:
-            yield
-        finally:
-            self._tenant_in_flight[name] -= 1
+        gate = self._gates.get(tenant.name)
+        if gate is None or gate.tenant is not tenant:
+            gate = self._gates[tenant.name] = TenantGate(tenant, self._workers, self._clock, self._count_refusal)
+        return gate
+
+    def _count_refusal(self, tenant: str, quota: str) -> None:
+        self.metrics.rate_limited.labels(tenant, quota).inc()
 
     # -- models -------------------------------------------------------------------------
     def _refuse(self, tenant: Tenant, name: str) -> ModelNotFound:
@@ -353,6 +331,27 @@ class DataPlane:
         rows = table if checked and isinstance(model, ServedModel) else prepare_rows(table, served.signature, served.pinned)
         if rows.num_rows == 0:
             return served.signature.output_schema().empty_table()
+        answer = await self._score_rows(tenant, served, rows)
+        self.capture.sample(served.name, served.version, tenant.name, rows, answer, captured)
+        return answer  # type: ignore[return-value]  # (rows in, so rows out)
+
+    async def infer_matrix(self, tenant: Tenant, served: ServedModel, matrix: Matrix) -> pa.Table | dict[str, np.ndarray]:
+        """``infer`` for rows a protocol adapter decoded into a ``Matrix`` (checked, no nulls, the
+        signature's columns in order): the model scores the matrix (``predict_matrix``) at once
+        when it is fast and idle, or in a batch with the other matrices queued with it; no Arrow
+        either way. The answer is the output columns as numpy arrays, one row per input row
+        (output rows where the runtime takes no matrix). Not for a captured request (capture
+        keeps Arrow rows: call ``infer`` with ``captured=True``).
+
+        Raises:
+            Overloaded, InferenceFailed, RuntimeUnavailable: as ``infer``.
+        """
+        if matrix.num_rows == 0:
+            return served.signature.output_schema().empty_table()
+        return await self._score_rows(tenant, served, matrix)
+
+    async def _score_rows(self, tenant: Tenant, served: ServedModel, rows: pa.Table | Matrix) -> Any:
+        """At once when the model is fast and idle (``Batcher.try_now``), else through its queue."""
         served.last_used = self._clock()
         answer = served.batcher.try_now(rows)  # a fast, loaded, idle model: scored here, at once
         if answer is None:
@@ -366,38 +365,9 @@ class DataPlane:
             finally:
                 served.last_used = self._clock()
         served.last_used = self._clock()
-        self.capture.sample(served.name, served.version, tenant.name, rows, answer, captured)
         return answer
 
-    def infer_matrix_now(self, served: ServedModel, matrix: np.ndarray,
-                         captured: bool = False) -> dict[str, np.ndarray] | pa.RecordBatch | None:
-        """Score rows given as one matrix at once, on the event loop, skipping Arrow; None: call ``infer``.
-
-        For a protocol adapter's fast path: ``matrix`` is ``(rows, len(signature.inputs))`` of the
-        signature's one float input type, columns in its order (a matrix holds no nulls: the
-        row checks of ``infer`` have nothing left to check). It runs only where ``infer`` would
-        score inline on the event loop at once (loaded, measured fast enough, nothing queued) and
-        the request is not ``captured`` (capture keeps Arrow rows; draw with ``capture.draw()``
-        and pass the same answer to ``infer``, so unsampled requests keep this path); the answer is the runtime's ``predict_matrix``: the output columns as
-        numpy arrays (or a record batch), one row per input row. None also when the runtime has
-        no such path.
-
-        Raises:
-            InvalidInput, InferenceFailed: as ``infer``.
-        """
-        rows = matrix.shape[0]
-        if (captured or served.unloading is not None or not rows
-                or not runs_inline(rows, served.seconds_per_row, self.settings.inline_max_ms / 1000.0)):
-            return None
-        runtime = self.cache.held(served.digest, self.runtime)
-        if runtime is None:
-            return None
-        served.last_used = self._clock()
-        answer = served.batcher.run_now(rows, lambda: self._timed(served, rows, lambda: runtime.predict_matrix(matrix)))
-        served.last_used = self._clock()
-        return answer
-
-    async def _predict(self, key: tuple[str, int], table: pa.Table) -> pa.RecordBatch:
+    async def _predict(self, key: tuple[str, int], inputs: pa.Table | Matrix) -> Any:
         served = self._served[key]
         while served.unloading is not None:  # an unload in progress ends before the model is used again
             await asyncio.shield(served.unloading)
@@ -405,21 +375,21 @@ class DataPlane:
             raise RuntimeError("DataPlane.start() was not awaited")
         context = contextvars.copy_context()  # log lines on the pool thread keep the request id
         return await asyncio.get_running_loop().run_in_executor(
-            self._infer_pool, context.run, self._predict_blocking, served, table
+            self._infer_pool, context.run, self._predict_blocking, served, inputs
         )
 
-    def _predict_inline(self, key: tuple[str, int], table: pa.Table) -> pa.RecordBatch | None:
+    def _predict_inline(self, key: tuple[str, int], inputs: pa.Table | Matrix) -> Any:
         """Score on the event loop when the model is loaded and fast enough (see ``runs_inline``), else None."""
         served = self._served[key]
         if served.unloading is not None or not runs_inline(
-                table.num_rows, served.seconds_per_row, self.settings.inline_max_ms / 1000.0):
+                inputs.num_rows, served.seconds_per_row, self.settings.inline_max_ms / 1000.0):
             return None
         runtime = self.cache.held(served.digest, self.runtime)
         if runtime is None:  # scaled to zero or evicted: loading is for the pool
             return None
-        return self._score(served, runtime, table)
+        return self._score(served, runtime, inputs)
 
-    def _predict_blocking(self, served: ServedModel, table: pa.Table) -> pa.RecordBatch:
+    def _predict_blocking(self, served: ServedModel, inputs: pa.Table | Matrix) -> Any:
         """Score on a pool thread through the model cache (which loads the model if it is not held)."""
         resolved = served.resolved
         runtime = self.cache.held(served.digest, self.runtime)
@@ -429,16 +399,34 @@ class DataPlane:
             self.metrics.loads.labels(resolved.name, str(resolved.version)).inc()
             log.info("model loaded", extra={"fields": {
                 "model": resolved.pinned, "device": runtime.device, "seconds": round(time.perf_counter() - started, 3)}})
-        return self._score(served, runtime, table)
+        return self._score(served, runtime, inputs)
 
-    def _score(self, served: ServedModel, runtime: Any, table: pa.Table) -> pa.RecordBatch:
-        """``runtime.predict``, timed (its smoothed time per row decides what runs inline)."""
-        output: pa.RecordBatch = self._timed(served, table.num_rows, lambda: runtime.predict(table))
-        return output
+    def _score(self, served: ServedModel, runtime: Any, inputs: pa.Table | Matrix) -> Any:
+        """``runtime.predict`` (``predict_matrix`` for a ``Matrix``, its table if the runtime takes
+        no matrix), timed (its smoothed time per row decides what runs inline)."""
+        rows = inputs.num_rows
+        if isinstance(inputs, Matrix):
+            values = inputs.values
+            output = self._timed(served, runtime, rows, lambda: runtime.predict_matrix(values))
+            if output is not None:
+                return output
+            inputs = inputs.table()
+        table = inputs
+        return self._timed(served, runtime, rows, lambda: runtime.predict(table))
 
-    def _timed(self, served: ServedModel, rows: int, score: Callable[[], T]) -> T:
-        """A scoring call, timed into ``served.seconds_per_row``; a failure not the request's is InferenceFailed."""
-        started = time.perf_counter()
+    def _timed(self, served: ServedModel, runtime: Any, rows: int, score: Callable[[], T]) -> T:
+        """A scoring call, timed into ``served.seconds_per_row``; a failure not the request's is InferenceFailed.
+
+        On a CPU runtime the time is the calling thread's CPU time: what the call would hold the
+        event loop for, without the time the thread waited for the GIL or for a core (a pool
+        thread under load waits for both, and would make a fast model look slow and keep it off
+        the loop exactly when the loop is busiest). On a GPU the call's wall time counts (the
+        thread sleeps while the device works, but the loop would wait all the same).
+        """
+        clock = served.clock
+        if clock is None:
+            clock = served.clock = time.thread_time if getattr(runtime, "device", "cpu") == "cpu" else time.perf_counter
+        started = clock()
         try:
             output = score()
         except InvalidInput:
@@ -450,9 +438,7 @@ class DataPlane:
             ) from e
         if output is None:  # declined: nothing was scored, nothing to time
             return output
-        per_row = (time.perf_counter() - started) / max(1, rows)
-        previous = served.seconds_per_row
-        served.seconds_per_row = per_row if previous is None else previous + _SPEED_SMOOTHING * (per_row - previous)
+        served.seconds_per_row = next_seconds_per_row(served.seconds_per_row, (clock() - started) / max(1, rows))
         return output
 
     async def count_tokens(self, served: ServedModel, texts: list[str]) -> int:
@@ -523,4 +509,4 @@ class DataPlane:
                        max(0.0, now - s.last_used))
             for s in self._served.values()
         ]
-        return Snapshot(models, dict(self._tenant_in_flight))
+        return Snapshot(models, {name: gate.in_flight for name, gate in self._gates.items()})

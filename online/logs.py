@@ -9,10 +9,11 @@ request is handled carries its id, whichever module writes it. Extra fields go i
 from __future__ import annotations
 
 import contextvars
+import itertools
 import logging
+import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +36,33 @@ class RequestInfo:
 CURRENT: contextvars.ContextVar[RequestInfo | None] = contextvars.ContextVar("shardline_request", default=None)
 
 
+class _RequestIds:
+    """New request ids: 32 hex digits, a random 64-bit prefix for this process and a 64-bit
+    counter scrambled by a random odd multiplier (a bijection: never the same id twice in a
+    process, and the ids do not show how many requests came before). A uuid4 would read the
+    OS's randomness for every request, ~4 µs; this is a multiplication."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)  # a forked worker must not repeat its parent's ids
+
+    def reseed(self) -> None:
+        self.prefix = os.urandom(8).hex()
+        self.multiplier = int.from_bytes(os.urandom(8), "big") | 1
+        self.counter = itertools.count(1)
+
+    def new(self) -> str:
+        return f"{self.prefix}{next(self.counter) * self.multiplier & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+
+_IDS = _RequestIds()
+
+
 def request_id_from(header: str | None) -> str:
     """The client's request id if it is sensible (printable, at most 128 characters), else a new one."""
     if header and len(header) <= _MAX_ID and header.isprintable() and header.strip() == header:
         return header
-    return uuid.uuid4().hex
+    return _IDS.new()
 
 
 def current() -> RequestInfo | None:

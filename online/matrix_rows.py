@@ -1,4 +1,4 @@
-"""Rows of a float matrix as an Arrow table, in one C++ call.
+"""A request's rows as a float matrix (``Matrix``), and as an Arrow table in one C++ call.
 
 The protocol adapters' fast path decodes the commonest request (every input a float
 column) into a (rows, columns) numpy matrix. Building the Arrow table from it column by
@@ -18,6 +18,35 @@ import numpy as np
 import pyarrow as pa
 
 _MAX_TEMPLATES = 256  # row counts remembered per schema (a bound: requests choose the row count)
+
+
+class Matrix:
+    """A request's rows as a ``(rows, columns)`` matrix, the columns in the signature's order and
+    of its one float type (the protocol adapters' fast path decodes them so). The data plane and
+    the batcher score it with the runtime's ``predict_matrix``; ``table()`` gives the same rows as
+    Arrow, for a runtime that takes no matrix."""
+
+    __slots__ = ("values", "builder")
+
+    def __init__(self, values: np.ndarray, builder: MatrixRows) -> None:
+        self.values = values
+        self.builder = builder
+
+    @property
+    def num_rows(self) -> int:
+        """Rows (as a table's ``num_rows``)."""
+        return int(self.values.shape[0])
+
+    def table(self) -> pa.Table:
+        """The rows as a table of the signature's input columns."""
+        return self.builder.table(self.values)
+
+    @staticmethod
+    def concat(parts: list[Matrix]) -> Matrix:
+        """The rows of ``parts`` (of one signature) one after the other."""
+        if len(parts) == 1:
+            return parts[0]
+        return Matrix(np.concatenate([p.values for p in parts]), parts[0].builder)
 
 
 class MatrixRows:

@@ -65,6 +65,7 @@ class ServedModel:
     digest: str = field(default="", repr=False)  # the bundle's content digest: the model cache's key
     unloading: asyncio.Future[None] | None = field(default=None, repr=False)
     seconds_per_row: float | None = field(default=None, repr=False)  # the runtime's measured time, smoothed
+    clock: Callable[[], float] | None = field(default=None, repr=False)  # what times it (see DataPlane._timed)
 
     def __post_init__(self) -> None:
         self.digest = self.digest or self.resolved.manifest.content_digest  # computed once: it is not cheap

@@ -46,7 +46,7 @@ from shardline.online.edge import (
     read_asgi_body,
 )
 from shardline.online.logs import current
-from shardline.online.matrix_rows import MatrixRows
+from shardline.online.matrix_rows import Matrix, MatrixRows
 from shardline.online.protocols.v2_tensors import (
     array_to_tensor,
     column_to_tensor,
@@ -75,7 +75,7 @@ class InferRequest:
 
     The fast path (every input a float column, JSON data) decodes the rows into ``matrix``
     (rows, columns in the signature's order, of its type) and makes the Arrow ``table``
-    only when it is read (most requests are scored from the matrix: ``DataPlane.infer_matrix_now``).
+    only when it is read (most requests are scored from the matrix: ``DataPlane.infer_matrix``).
     """
 
     rows: pa.Table | None
@@ -83,16 +83,15 @@ class InferRequest:
     outputs: list[str]
     binary: dict[str, bool]
     checked: bool = False  # the table has the signature's input schema and no nulls (the fast path built it)
-    matrix: np.ndarray | None = None
-    builder: MatrixRows | None = None
+    matrix: Matrix | None = None
 
     @property
     def table(self) -> pa.Table:
         """The rows as a table of the signature's input columns."""
         if self.rows is None:
-            if self.matrix is None or self.builder is None:
+            if self.matrix is None:
                 raise RuntimeError("an InferRequest holds neither rows nor a matrix")
-            self.rows = self.builder.table(self.matrix)
+            self.rows = self.matrix.table()
         return self.rows
 
 
@@ -149,7 +148,7 @@ def decode_infer_request(body: bytes, header_length: str | None, signature: Sign
             outputs, binary_out = _requested_outputs(doc, signature, model)
             request_id = doc.get("id")
             return InferRequest(None, request_id if isinstance(request_id, str) else None, outputs, binary_out, True,
-                                fast[0], fast[1])
+                                fast)
     specs = {c.name: c for c in signature.inputs}
     columns: dict[str, pa.Array] = {}
     offset = 0
@@ -222,12 +221,12 @@ def _fast_plan(signature: Signature) -> _FastPlan | None:
     return plan
 
 
-def _fast_float_matrix(inputs: list[Any], signature: Signature) -> tuple[np.ndarray, MatrixRows] | None:
+def _fast_float_matrix(inputs: list[Any], signature: Signature) -> Matrix | None:
     """The rows of the commonest request as one matrix: one JSON input per float column, FP
     datatype, shape ``[N]`` or ``[N, 1]``, flat ``data`` of JSON floats, no parameters.
 
-    Returns the (rows, columns) matrix in the signature's order and type, and the builder of its
-    table; None (and the general path decides, with its errors) for anything else. The values
+    Returns the (rows, columns) matrix in the signature's order and type (and the builder of its
+    table); None (and the general path decides, with its errors) for anything else. The values
     are what the general path gives: float64 from JSON, cast by numpy to the column's type.
     Every check is a ``map`` or a ``set`` (loops in C: this runs for every request).
     """
@@ -253,12 +252,19 @@ def _fast_float_matrix(inputs: list[Any], signature: Signature) -> tuple[np.ndar
             or (max(map(len, inputs)) > 4 and any(t.get("parameters") for t in inputs))
             or set(map(type, chain.from_iterable(data))) != _FLOAT):
         return None
-    given = np.array(data, dtype=np.float64)  # (inputs, rows) in the request's order
+    # Python floats straight to the column type: numpy rounds each double once, as a float64 array's cast would.
+    dtype = plan.builder.dtype
+    if rows == 1:  # the commonest online request: one row, the values in one pass
+        given = np.fromiter(chain.from_iterable(data), dtype, width)
+    else:
+        given = np.array(data, dtype=dtype)  # (inputs, rows) in the request's order
     if order is not None:
         matrix = np.empty_like(given)
         matrix[order] = given
         given = matrix
-    return np.ascontiguousarray(given.T, dtype=plan.builder.dtype), plan.builder  # (rows, columns), the signature's order
+    if rows == 1:
+        return Matrix(given.reshape(1, width), plan.builder)
+    return Matrix(np.ascontiguousarray(given.T), plan.builder)  # (rows, columns), the signature's order
 
 
 def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) -> tuple[list[str], dict[str, bool]]:
@@ -288,7 +294,7 @@ def encode_infer_response(
 ) -> tuple[bytes, int | None]:
     """The V2 response body, and the JSON header's length when binary tensors follow it.
 
-    ``output``: the model's rows, or its columns as numpy arrays (``DataPlane.infer_matrix_now``).
+    ``output``: the model's rows, or its columns as numpy arrays (``DataPlane.infer_matrix``).
     """
     docs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
@@ -389,11 +395,11 @@ class InferEndpoint:
             body = await read_asgi_body(receive, _text(headers, b"content-length"), _text(headers, b"content-encoding"),
                                         plane.settings.max_body_bytes)
             decoded = decode_infer_request(body, _text(headers, _HEADER_LENGTH_KEY), served.signature, served.pinned)
-            output: pa.Table | pa.RecordBatch | dict[str, np.ndarray] | None = None
             captured = plane.capture.draw()  # once per request, whichever path scores it
-            if decoded.matrix is not None:  # a fast model, idle: scored from the matrix, no Arrow either way
-                output = plane.infer_matrix_now(served, decoded.matrix, captured)
-            if output is None:
+            output: pa.Table | dict[str, np.ndarray]
+            if decoded.matrix is not None and not captured:  # scored from the matrix, no Arrow either way
+                output = await plane.infer_matrix(tenant, served, decoded.matrix)
+            else:
                 output = await plane.infer(tenant, served, decoded.table, checked=decoded.checked, captured=captured)
         return encode_infer_response(served.name, served.version, decoded, output)
 

@@ -21,7 +21,7 @@ from shardline.errors import (
     Unauthenticated,
     UnsupportedEncoding,
 )
-from shardline.online.admission import admits, drain_seconds, retry_after, should_unload, take_token
+from shardline.online.admission import TokenBucket, admits, drain_seconds, retry_after, should_unload
 from shardline.online.errors import error_status
 from shardline.online.models import batch_limits, batch_size_from_profile
 from shardline.online.tenants import TenantDirectory, hash_api_key, load_tenants
@@ -45,33 +45,29 @@ def tenants_config(**overrides: Any) -> dict[str, Any]:
 
 # -- token bucket ---------------------------------------------------------------------------------
 def test_a_new_tenant_may_burst_then_waits_for_the_refill() -> None:
-    bucket = None
-    for _ in range(3):
-        bucket, wait = take_token(bucket, now=10.0, rate=2.0, burst=3)
-        assert wait == 0.0
-    bucket, wait = take_token(bucket, now=10.0, rate=2.0, burst=3)
-    assert wait == pytest.approx(0.5)  # one token comes back every 1/rate seconds
-    bucket, wait = take_token(bucket, now=10.25, rate=2.0, burst=3)
-    assert wait == pytest.approx(0.25)
-    bucket, wait = take_token(bucket, now=10.5, rate=2.0, burst=3)
-    assert wait == 0.0 and bucket.tokens == pytest.approx(0.0)
+    bucket = TokenBucket(rate=2.0, burst=3)
+    assert [bucket.take(10.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.take(10.0) == pytest.approx(0.5)  # one token comes back every 1/rate seconds
+    assert bucket.take(10.25) == pytest.approx(0.25)
+    assert bucket.take(10.5) == 0.0 and bucket.tokens == pytest.approx(0.0)
 
 
 def test_a_quiet_bucket_refills_only_up_to_its_burst() -> None:
-    bucket, _ = take_token(None, now=0.0, rate=100.0, burst=5)
-    bucket, wait = take_token(bucket, now=3600.0, rate=100.0, burst=5)
-    assert wait == 0.0 and bucket.tokens == pytest.approx(4.0)
+    bucket = TokenBucket(rate=100.0, burst=5)
+    assert bucket.take(0.0) == 0.0
+    assert bucket.take(3600.0) == 0.0 and bucket.tokens == pytest.approx(4.0)
 
 
 def test_a_clock_that_steps_back_does_not_mint_tokens() -> None:
-    bucket, _ = take_token(None, now=5.0, rate=1.0, burst=1)
-    bucket, wait = take_token(bucket, now=4.0, rate=1.0, burst=1)
-    assert wait == pytest.approx(1.0)
+    bucket = TokenBucket(rate=1.0, burst=1)
+    assert bucket.take(5.0) == 0.0
+    assert bucket.take(4.0) == pytest.approx(1.0)
+    assert bucket.take(5.5) == pytest.approx(0.5)  # refilled from 5.0, the latest time seen, not from 4.0
 
 
 def test_a_bucket_without_rate_is_refused() -> None:
     with pytest.raises(ValueError, match="rate > 0 and burst >= 1"):
-        take_token(None, 0.0, rate=0.0, burst=1)
+        TokenBucket(rate=0.0, burst=1)
 
 
 # -- shedding and unloading -----------------------------------------------------------------------

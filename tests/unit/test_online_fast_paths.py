@@ -4,6 +4,7 @@ the infer path parser."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 from pathlib import Path
@@ -15,10 +16,12 @@ import pyarrow as pa
 import pytest
 
 from shardline.errors import InvalidInput, RateLimited
-from shardline.online.admission import runs_inline, worker_share
+from shardline.online.admission import next_seconds_per_row, runs_inline, worker_share
 from shardline.online.batcher import Batcher, BatchLimits
 from shardline.online.dataplane import DataPlane, input_schema
-from shardline.online.matrix_rows import MatrixRows
+from shardline.online.logs import request_id_from
+from shardline.online.matrix_rows import Matrix, MatrixRows
+from shardline.online.metrics import Metrics, _Tally
 from shardline.online.protocols.kserve_v2 import decode_infer_request, encode_infer_response, infer_path_params
 from shardline.online.tenants import TenantDirectory, hash_api_key
 from shardline.runtimes import RuntimeOptions
@@ -36,6 +39,20 @@ def test_only_a_measured_model_whose_rows_fit_the_budget_runs_inline() -> None:
     assert not runs_inline(64, 20e-6, 0.0005)  # 1.28 ms: to a thread
     assert not runs_inline(1, None, 0.0005)  # never measured: to a thread, so a slow model never blocks the loop
     assert not runs_inline(1, 1e-9, 0.0)  # budget 0: everything to threads
+
+
+def test_one_slow_call_barely_moves_the_speed_a_lasting_change_is_followed() -> None:
+    fast = 10e-6
+    assert next_seconds_per_row(None, 2e-3) == 2e-3  # the first measurement sets it
+    spiked = next_seconds_per_row(fast, 5e-3)  # one call preempted or collecting garbage for 5 ms
+    assert spiked == pytest.approx(12e-6) and runs_inline(1, spiked, 0.0005)
+    slower = fast
+    for calls in range(1, 100):  # the model really takes 1 ms a row now
+        slower = next_seconds_per_row(slower, 1e-3)
+        if not runs_inline(1, slower, 0.0005):
+            break
+    assert 20 < calls < 40 and slower < 1e-3  # off the loop within a few dozen calls
+    assert next_seconds_per_row(1e-3, 1e-6) == pytest.approx(0.8e-3 + 0.2e-6)  # a fall is followed at once
 
 
 def test_each_worker_holds_its_share_of_a_quota_rounded_up() -> None:
@@ -223,28 +240,110 @@ def signature_matrix(model: BuiltModel, rows: slice) -> np.ndarray:
     return np.ascontiguousarray(model.data.features[rows][:, index], dtype=np.float32)
 
 
-def test_a_measured_fast_model_scores_a_matrix_exactly_like_its_rows(
+def test_a_matrix_is_scored_from_the_matrix_on_every_path_exactly_like_its_rows(
     local_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path
 ) -> None:
-    async def scenario(plane: DataPlane) -> tuple[Any, pa.Table, Any]:
+    calls: list[str] = []
+
+    async def scenario(plane: DataPlane) -> tuple[Any, pa.Table, Any, list[Any]]:
         await plane.start()
         try:
             tenant = plane.authenticate("Bearer k")
             served = await plane.model(tenant, "breast-cancer")
-            matrix = signature_matrix(breast_cancer_model, slice(0, 3))
-            unmeasured = plane.infer_matrix_now(served, matrix)  # not loaded, not measured: the table path loads it
+            original = plane._score
+
+            def spy(served: Any, runtime: Any, inputs: Any) -> Any:
+                thread = "loop" if threading.current_thread() is threading.main_thread() else "pool"
+                calls.append(f"{thread} {type(inputs).__name__} {inputs.num_rows}")
+                return original(served, runtime, inputs)
+
+            plane._score = spy  # type: ignore[method-assign]
+            matrix = Matrix(signature_matrix(breast_cancer_model, slice(0, 3)), MatrixRows(input_schema(served.signature)))
+            loaded = await plane.infer_matrix(tenant, served, matrix)  # not loaded, not measured: loaded on the pool
             table = await plane.infer(tenant, served, features(breast_cancer_model, slice(0, 3)))
-            assert plane.infer_matrix_now(served, matrix, captured=True) is None  # capture keeps Arrow rows
-            return unmeasured, table, plane.infer_matrix_now(served, matrix)
+            fast = await plane.infer_matrix(tenant, served, matrix)  # measured, fast, idle: on the loop (if allowed)
+            parts = [Matrix(signature_matrix(breast_cancer_model, slice(i, i + 2)), matrix.builder) for i in range(0, 8, 2)]
+            together = await asyncio.gather(*(plane.infer_matrix(tenant, served, part) for part in parts))
+            return loaded, table, fast, together
         finally:
             await plane.stop()
 
-    unmeasured, table, fast = asyncio.run(scenario(make_plane(local_registry, tmp_path, inline_max_ms=50)))
-    assert unmeasured is None and isinstance(fast, dict)
-    np.testing.assert_array_equal(fast["label"], table.column("label").to_numpy())
-    np.testing.assert_array_equal(fast["probabilities"].ravel(), table.column("probabilities").combine_chunks().flatten().to_numpy())
-    _, _, pooled = asyncio.run(scenario(make_plane(local_registry, tmp_path / "b", inline_max_ms=0)))
-    assert pooled is None  # a model kept off the event loop is never scored there, matrix or not
+    expected, _ = breast_cancer_model.expected(features(breast_cancer_model, slice(0, 8)))
+    for inline_max_ms, path in ((50, "loop"), (0, "pool")):
+        calls.clear()
+        loaded, table, fast, together = asyncio.run(
+            scenario(make_plane(local_registry, tmp_path / str(inline_max_ms), inline_max_ms=inline_max_ms)))
+        assert calls[:3] == ["pool Matrix 3", f"{path} Table 3", f"{path} Matrix 3"]
+        if path == "loop":  # each of the four concurrent requests is scored at once, before the next is read
+            assert calls[3:] == ["loop Matrix 2"] * 4
+        else:  # the first goes alone; the three that queued behind it go together, as one matrix
+            assert calls[3:] == ["pool Matrix 2", "pool Matrix 6"]
+        for answer in (loaded, fast):
+            assert isinstance(answer, dict)
+            np.testing.assert_array_equal(answer["label"], table.column("label").to_numpy())
+            np.testing.assert_array_equal(answer["probabilities"].ravel(),
+                                          table.column("probabilities").combine_chunks().flatten().to_numpy())
+        assert [len(a["label"]) for a in together] == [2, 2, 2, 2]
+        np.testing.assert_array_equal(np.concatenate([a["label"] for a in together]), expected)
+
+
+def test_a_runtime_without_the_matrix_path_scores_the_matrix_as_its_table(
+    local_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardline.runtimes.onnx import OnnxModel
+
+    tables: list[int] = []
+    predict = OnnxModel.predict
+
+    def counted(self: OnnxModel, batch: Any) -> pa.RecordBatch:
+        tables.append(batch.num_rows)
+        return predict(self, batch)
+
+    monkeypatch.setattr(OnnxModel, "predict_matrix", lambda self, matrix: None)  # as a runtime without one
+    monkeypatch.setattr(OnnxModel, "predict", counted)
+
+    async def scenario(plane: DataPlane) -> list[Any]:
+        await plane.start()
+        try:
+            tenant = plane.authenticate("Bearer k")
+            served = await plane.model(tenant, "breast-cancer")
+            matrix = Matrix(signature_matrix(breast_cancer_model, slice(0, 3)), MatrixRows(input_schema(served.signature)))
+            return [await plane.infer_matrix(tenant, served, matrix) for _ in range(2)]  # on the pool, then at once
+        finally:
+            await plane.stop()
+
+    answers = asyncio.run(scenario(make_plane(local_registry, tmp_path, inline_max_ms=50)))
+    expected, _ = breast_cancer_model.expected(features(breast_cancer_model, slice(0, 3)))
+    assert tables == [3, 3]
+    for answer in answers:
+        assert isinstance(answer, pa.Table)
+        np.testing.assert_array_equal(answer.column("label").to_numpy(), expected)
+
+
+def test_a_batch_of_matrices_and_tables_scores_each_kind_in_one_call() -> None:
+    async def scenario() -> tuple[list[Any], list[tuple[str, int]]]:
+        calls: list[tuple[str, int]] = []
+
+        async def predict(inputs: Any) -> Any:
+            await asyncio.sleep(0.005)
+            if isinstance(inputs, Matrix):
+                calls.append(("matrix", inputs.num_rows))
+                return {"y": 2 * inputs.values[:, 0]}
+            calls.append(("table", inputs.num_rows))
+            return pa.RecordBatch.from_pydict({"y": [2 * v for v in inputs.column("x").to_pylist()]})
+
+        builder = MatrixRows(pa.schema([pa.field("x", pa.float64())]))
+        batcher = Batcher("m:1", BatchLimits(64, 0.0, 100), predict)
+        first = batcher.submit(rows(0.5), "normal")  # runs alone; the next four queue behind it
+        await asyncio.sleep(0)
+        mixed = [batcher.submit(Matrix(np.array([[1.0], [2.0]]), builder), "normal"), batcher.submit(rows(3.0), "high"),
+                 batcher.submit(Matrix(np.array([[4.0]]), builder), "low"), batcher.submit(rows(5.0, 6.0), "normal")]
+        return await asyncio.gather(first, *mixed), calls
+
+    answers, calls = asyncio.run(scenario())
+    assert calls == [("table", 1), ("matrix", 3), ("table", 3)]
+    assert [list(a["y"]) if isinstance(a, dict) else a.column("y").to_pylist() for a in answers] == \
+        [[1.0], [2.0, 4.0], [6.0], [8.0], [10.0, 12.0]]
 
 
 def fast_body(values: list[list[Any]], **tensor: Any) -> bytes:
@@ -264,10 +363,20 @@ def test_json_floats_decode_to_a_matrix_whose_table_is_the_general_paths() -> No
         {"name": "f0", "datatype": "FP32", "shape": [2], "data": [1.5, -2.0]},
         {"name": "f1", "datatype": "FP32", "shape": [2], "data": [3.0, 1e30]}]})
     decoded = decode_infer_request(body, None, FLOATS, "m:1")
-    assert decoded.matrix is not None and decoded.matrix.dtype == np.float32
-    np.testing.assert_array_equal(decoded.matrix, np.array([[1.5, 3.0, 0.1], [-2.0, 1e30, 0.2]], np.float32))
-    assert decoded.table.equals(pa.table({f"f{j}": decoded.matrix[:, j] for j in range(3)},
+    assert decoded.matrix is not None and decoded.matrix.values.dtype == np.float32
+    np.testing.assert_array_equal(decoded.matrix.values, np.array([[1.5, 3.0, 0.1], [-2.0, 1e30, 0.2]], np.float32))
+    assert decoded.table.equals(pa.table({f"f{j}": decoded.matrix.values[:, j] for j in range(3)},
                                          schema=input_schema(FLOATS)))
+
+
+def test_a_one_row_request_decodes_to_the_same_float32_values_as_a_float64_cast() -> None:
+    values = {"f1": 16777217.0, "f2": 0.1, "f0": 1e-40}  # past float32's integers, inexact, subnormal
+    body = orjson.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": [1], "data": [v]} for n, v in values.items()]})
+    decoded = decode_infer_request(body, None, FLOATS, "m:1")
+    matrix = decoded.matrix.values if decoded.matrix is not None else None
+    assert matrix is not None and matrix.shape == (1, 3) and matrix.flags.c_contiguous
+    want = np.array([[values["f0"], values["f1"], values["f2"]]], np.float64).astype(np.float32)
+    assert matrix.tobytes() == want.tobytes()
 
 
 @pytest.mark.parametrize("body, outcome", [
@@ -313,3 +422,49 @@ def test_a_capture_rate_samples_that_share_of_requests_once_each() -> None:
     assert not OnlineCapture("/nowhere", 0.0, None).draw()  # type: ignore[arg-type]
     assert not OnlineCapture(None, 1.0, None).draw()  # type: ignore[arg-type]  # no root: off
     assert all(OnlineCapture("/nowhere", 1.0, None).draw() for _ in range(10))  # type: ignore[arg-type]
+
+
+# -- metrics tallies and request ids --------------------------------------------------------------
+def _series(text: bytes) -> dict[str, float]:
+    """The exposition's samples, less the creation times (which differ between registries)."""
+    lines = [line.rsplit(" ", 1) for line in text.decode().splitlines()
+             if line and not line.startswith("#") and "_created" not in line]
+    return {name: float(value) for name, value in lines}
+
+
+def test_tallied_metrics_expose_exactly_what_observing_one_by_one_does() -> None:
+    tallied, direct = Metrics(), Metrics()
+    direct._tallies = None  # every series observed one value at a time, as in multiprocess mode
+    latencies = [0.0001, 0.0005, 0.0007, 0.005, 0.0051, 0.3, 10.0, 12.5]  # on bounds, between, past the last
+    for exposed in range(2):  # the second round adds to what the first flushed, nothing counted twice
+        for metrics in (tallied, direct):
+            for i, seconds in enumerate(latencies):
+                metrics.observe_request("v2", "m", "1", "acme" if i % 2 else "beta", 200 if i % 3 else 429, seconds)
+                metrics.observe_batch("m", "1", rows=2 ** i, requests=1 + i % 2, seconds=seconds)
+        got, want = _series(tallied.exposition()[0]), _series(direct.exposition()[0])
+        assert got == pytest.approx(want, rel=1e-12)  # the sums are added in another order
+    acme = 'model="m",protocol="v2",tenant="acme",version="1"}'
+    # acme's values: 0.0005 and 0.005 (on bounds: Prometheus buckets are "<="), 0.3, 12.5 (past the last), twice
+    assert [want[f'shardline_request_seconds_bucket{{le="{le}",{acme}'] for le in ("0.0005", "0.001", "0.005", "10.0")] \
+        == [2, 2, 4, 6]
+    assert want['shardline_request_seconds_count{model="m",protocol="v2",tenant="acme",version="1"}'] == 8
+    assert want['shardline_requests_total{code="429",model="m",protocol="v2",tenant="beta",version="1"}'] == 4
+    assert want['shardline_batch_rows_bucket{le="+Inf",model="m",version="1"}'] == 16
+    assert any(isinstance(t, _Tally) for t in tallied._tallies or ())  # the fast path was taken
+
+
+def test_new_request_ids_are_unique_hex_and_a_forked_worker_makes_its_own() -> None:
+    ids = [request_id_from(None) for _ in range(10_000)]
+    assert len(set(ids)) == len(ids) and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    assert request_id_from("trace-1") == "trace-1" and request_id_from(" padded") != " padded"
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the worker: its first ids, then gone
+        os.write(write, " ".join(request_id_from(None) for _ in range(3)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    theirs = os.read(read, 4096).decode().split()
+    os.close(read)
+    mine = [request_id_from(None) for _ in range(3)]
+    assert len(theirs) == 3 and not set(theirs) & set(mine) and theirs[0][:16] != mine[0][:16]

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import NOISY, P99_TARGET_MS, held  # noqa: E402
+from loadgen import NOISY, PEERS_NOISY, P99_TARGET_MS, held  # noqa: E402
 from online_peers import open_session  # noqa: E402
 
 from shardline._cli_common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
@@ -281,7 +281,7 @@ def report_steps(name: str, steps: list[dict[str, Any]]) -> None:
     print(f"\n{name}")
     header = (f"{'rate/s':>8}{'achieved/s':>11}{'p50 ms':>8}{'p99 ms':>9}{'max ms':>9}{'errors':>8}"
               f"{'srv CPU':>8}{'busiest':>8}{'gen CPU':>8}{'gen us/req':>11}{'lag p99':>8}{'rest':>6}{'conns':>6}"
-              "  held")
+              f"{'tries':>6}  held")
     print(header)
     print("-" * len(header))
     for s in sorted(steps, key=lambda s: s["rate"]):
@@ -290,7 +290,7 @@ def report_steps(name: str, steps: list[dict[str, Any]]) -> None:
               f"{_fmt(s['max_ms'], '.1f'):>9}{errors:>8}{s['server_cpu']:>8.0%}{s['server_busiest']:>8.0%}"
               f"{s['gen_cpu']:>8.0%}{s['gen_us_per_req']:>11.0f}{s['lag_p99_ms']:>8.2f}"
               f"{format(s['other_cpu'], '.0%') + ('!' if s['other_cpu'] > NOISY else ''):>6}"
-              f"{s['connections']:>6}  "
+              f"{s['connections']:>6}{s.get('tries', 1):>6}  "
               f"{'yes' if held(s) else 'no'}")
         if s["errors"]:
             print(f"{'':>8}errors: {s['errors']}")
@@ -333,7 +333,8 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, l
           "srv CPU: the server's process tree, in cores; busiest: its busiest process; gen CPU, gen us/req:\n"
           "the load generator's own process; lag p99: how late the generator sent (ms); rest: the rest of the\n"
           f"machine (kernel, interrupts, other processes; '!': over {NOISY:g} core even at the best of the tries,\n"
-          "a noisy figure); conns: connections open.")
+          f"a noisy figure); conns: connections open; tries: windows measured (again when the rest used over\n"
+          f"{NOISY:g} core, or the other servers under test over {PEERS_NOISY:g}: the quietest kept).")
     summary = {name: summarize(steps, light) for name, steps in results.items()}
     print(f"\n{'server':<10}{'p50 ms @ ' + format(light, ',.0f') + '/s':>16}{'held at p99<10ms':>18}  limited by")
     for name, s in summary.items():
@@ -418,7 +419,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--refine", type=int, help="bisection steps between the highest held and lowest failed rate "
                         "(default 2, quick 1)")
     parser.add_argument("--retries", type=int, help="measure a step again, up to this many times, when the rest of "
-                        f"the machine used over {NOISY:g} core during it (default 2, quick 1)")
+                        f"the machine used over {NOISY:g} core during it, or the other servers under test over "
+                        f"{PEERS_NOISY:g} (default 2, quick 1)")
     parser.add_argument("--model", choices=("gbt", "logreg"), default="gbt",
                         help="the breast-cancer classifier: gradient-boosted trees (default) or logistic regression")
     parser.add_argument("--workers", type=int, default=1,

@@ -169,6 +169,7 @@ class DataPlane:
         self.stopping = True
         if self._reaper is not None:
             self._reaper.cancel()
+        await self.directory.close()
         for served in list(self._served.values()):
             await served.batcher.close(Overloaded("the server is shutting down; retry on another replica", 1))
         await self.capture.close(self._blocking_io)  # writes what is pending

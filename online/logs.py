@@ -92,21 +92,32 @@ class JsonFormatter(logging.Formatter):
 
 
 class BufferedLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """A stream handler that writes its lines in batches: at most ``interval_s`` late, or when
-    ``max_bytes`` are pending, and on ``flush()``/``close()`` (the server's shutdown calls them).
+    """A stream handler whose lines are written in batches by a thread of its own: at most
+    ``interval_s`` late, sooner when ``max_bytes`` are pending, and on ``flush()``/``close()``
+    (the server's shutdown calls them).
 
     For the access log: a ``write`` to stderr per request (it is line-buffered) costs a system
-    call, ~20-30 us of server CPU per request under load, more than the line itself. A line is
-    never lost while the process ends normally; a killed process loses at most ``interval_s`` of them.
+    call, ~20-30 us of server CPU per request under load, more than the line itself. And the
+    thread that logs (the event loop) never writes: a write can block for tens of milliseconds
+    when the kernel holds back a file's dirty pages, and every request would wait with it.
+    A line is never lost while the process ends normally (a killed process loses at most
+    ``interval_s`` of them), unless the stream takes nothing for so long that
+    ``max_pending_bytes`` pile up: then new lines are dropped and a line says how many.
     """
 
-    def __init__(self, stream: Any = None, interval_s: float = 0.25, max_bytes: int = 64 * 1024) -> None:
+    def __init__(self, stream: Any = None, interval_s: float = 0.25, max_bytes: int = 64 * 1024,
+                 max_pending_bytes: int = 64 * 1024 * 1024) -> None:
         super().__init__(stream)
         self._pending: list[str] = []
         self._size = 0
+        self._dropped = 0
         self._max_bytes = max_bytes
+        self._max_pending = max_pending_bytes
         self._interval_s = interval_s
         self._second, self._stamp = -1, ""
+        self._pending_lock = threading.Lock()  # held only to append or to take the batch: never while writing
+        self._write_lock = threading.Lock()  # one batch written at a time, in order
+        self._wake = threading.Event()
         self._stopped = threading.Event()
         self._flusher = threading.Thread(target=self._flush_forever, name="shardline-log-flush", daemon=True)
         self._flusher.start()
@@ -131,50 +142,60 @@ class BufferedLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         if info is not None:
             line["request_id"] = info.request_id
         line.update(fields)
-        text = orjson.dumps(line, default=str).decode() + self.terminator
-        with self.lock:  # type: ignore[union-attr]
-            self._pending.append(text)
-            self._size += len(text)
-            if self._size >= self._max_bytes:
-                self._write()
+        self._append(orjson.dumps(line, default=str).decode() + self.terminator)
 
     def emit(self, record: logging.LogRecord) -> None:
-        """Keep the formatted line; write the batch when it is large."""
+        """Keep the formatted line for the writing thread."""
         try:
             line = self.format(record) + self.terminator
         except Exception:  # noqa: BLE001 - as StreamHandler: a bad record must not fail the request
             self.handleError(record)
             return
-        self._pending.append(line)  # (emit runs under the handler's lock)
-        self._size += len(line)
-        if self._size >= self._max_bytes:
-            self._write()
+        self._append(line)
 
-    def _write(self) -> None:
-        if self._pending:
-            batch, self._pending, self._size = "".join(self._pending), [], 0
-            self.stream.write(batch)
-            self.stream.flush()
+    def _append(self, line: str) -> None:
+        with self._pending_lock:
+            if self._size >= self._max_pending:
+                self._dropped += 1
+                return
+            self._pending.append(line)
+            self._size += len(line)
+            full = self._size >= self._max_bytes
+        if full:
+            self._wake.set()
+
+    def _take(self) -> str:
+        with self._pending_lock:
+            batch, self._pending, self._size = self._pending, [], 0
+            dropped, self._dropped = self._dropped, 0
+        if dropped:
+            batch.append(orjson.dumps({
+                "ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "level": "warning",
+                "logger": "shardline.online.logs", "msg": "log lines dropped: the stream took nothing for too long",
+                "dropped": dropped}).decode() + self.terminator)
+        return "".join(batch)
 
     def flush(self) -> None:
         """Write every pending line now."""
-        self.acquire()
-        try:
-            if self.stream is not None and not getattr(self.stream, "closed", False):
-                self._write()
-        finally:
-            self.release()
+        with self._write_lock:
+            batch = self._take()
+            if batch and self.stream is not None and not getattr(self.stream, "closed", False):
+                self.stream.write(batch)
+                self.stream.flush()
 
     def _flush_forever(self) -> None:
-        while not self._stopped.wait(self._interval_s):
+        while not self._stopped.is_set():
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
             try:
                 self.flush()
             except Exception:  # noqa: BLE001 - e.g. the stream went away at exit: nothing to write to
                 return
 
     def close(self) -> None:
-        """Write what is pending and stop the flushing thread."""
+        """Write what is pending and stop the writing thread."""
         self._stopped.set()
+        self._wake.set()
         self.flush()
         super().close()
 

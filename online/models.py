@@ -3,13 +3,19 @@
 ``ModelDirectory`` resolves a reference against the registry and remembers the
 answer: a version's manifest forever (versions never change), an alias's version for
 ``alias_refresh_s`` seconds, so an alias that moves is followed without a registry
-read on every request. ``ServedModel`` is one version as the server holds it: its
+read on every request. Past that, the next request still gets the version known and
+starts a re-read in the background (stale-while-revalidate): once an alias is known,
+no request waits for the registry (under load, a registry read on a thread waits for
+the GIL, and every request of the model would wait with it). An alias the registry no
+longer has is forgotten (the next request is told); a registry that cannot be read
+leaves the known version in use (logged). ``alias_refresh_s`` 0 reads it every time. ``ServedModel`` is one version as the server holds it: its
 batcher, when it was last used, and whether it is being unloaded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
@@ -21,6 +27,7 @@ from shardline.settings import OnlineSettings
 from shardline.signature import Signature
 from shardline.storage.registry import ModelRegistry, ResolvedModel
 
+log = logging.getLogger("shardline.online")
 T = TypeVar("T")
 RunBlocking = Callable[[Callable[[], T]], Awaitable[T]]
 
@@ -114,6 +121,7 @@ class ModelDirectory:
         self._versions: dict[tuple[str, int], ResolvedModel] = {}
         self._aliases: dict[tuple[str, str], _Alias] = {}
         self._inflight: dict[tuple[str, str], asyncio.Future[ResolvedModel]] = {}
+        self._refreshing: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     async def resolve(self, ref: ModelRef) -> ResolvedModel:
         """The version a reference means now.
@@ -124,13 +132,41 @@ class ModelDirectory:
         if ref.version is not None:
             return await self._version(ref.name, ref.version)
         alias = ref.alias or "prod"
-        known = self._aliases.get((ref.name, alias))
-        if known is not None and self._clock() - known.read_at < self._refresh:
+        key = (ref.name, alias)
+        known = self._aliases.get(key)
+        if known is not None and self._refresh > 0:
+            if self._clock() - known.read_at >= self._refresh and key not in self._refreshing:
+                task = asyncio.get_running_loop().create_task(self._reread(ref, key))
+                self._refreshing[key] = task
+                task.add_done_callback(lambda _: self._refreshing.pop(key, None))
             return await self._version(ref.name, known.version)
-        resolved = await self._once(("alias", f"{ref.name}@{alias}"), lambda: self.registry.resolve(str(ref)))
-        self._aliases[(ref.name, alias)] = _Alias(resolved.version, self._clock())
+        return await self._read_alias(ref, key)
+
+    async def _read_alias(self, ref: ModelRef, key: tuple[str, str]) -> ResolvedModel:
+        resolved = await self._once(("alias", f"{key[0]}@{key[1]}"), lambda: self.registry.resolve(str(ref)))
+        self._aliases[key] = _Alias(resolved.version, self._clock())
         self._versions.setdefault((resolved.name, resolved.version), resolved)
         return self._versions[(resolved.name, resolved.version)]
+
+    async def _reread(self, ref: ModelRef, key: tuple[str, str]) -> None:
+        """Read a known alias again, in the background (see the module docstring)."""
+        try:
+            await self._read_alias(ref, key)
+        except ModelNotFound:
+            self._aliases.pop(key, None)  # the next request reads it and is told what exists
+        except Exception as e:  # noqa: BLE001 - the known version stays in use; tried again after the interval
+            known = self._aliases.get(key)
+            if known is not None:
+                self._aliases[key] = _Alias(known.version, self._clock())
+            log.warning("could not read an alias again; its known version stays in use", extra={"fields": {
+                "alias": f"{key[0]}@{key[1]}", "error": f"{type(e).__name__}: {e}"}})
+
+    async def close(self) -> None:
+        """Stop the background re-reads (the server is stopping)."""
+        tasks = list(self._refreshing.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _version(self, name: str, version: int) -> ResolvedModel:
         found = self._versions.get((name, version))

@@ -318,7 +318,8 @@ class OnlineSettings(BaseSettings):
     )
     reap_interval_s: float = Field(default=1.0, gt=0, description="How often idle models are looked for.")
     alias_refresh_s: float = Field(
-        default=5.0, ge=0, description="How long an alias's version is trusted before the registry is read again."
+        default=5.0, ge=0, description="How long an alias's version is trusted before the registry is read again "
+        "(in the background: requests keep the known version meanwhile); 0: read it for every request."
     )
     inference_threads: int = Field(
         default=0, ge=0, description="Threads that run inference off the event loop; 0 picks one per core."

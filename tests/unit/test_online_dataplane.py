@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -115,38 +116,66 @@ def test_log_lines_are_json_with_the_request_id() -> None:
     assert len(request_id_from("bad\nid")) == 32 and len(request_id_from("x" * 200)) == 32
 
 
-def test_the_access_log_is_written_in_batches_and_nothing_is_lost() -> None:
+class GatedStream(io.StringIO):
+    """A stream whose writes wait for ``gate`` (a disk the kernel holds back), noting who wrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.writing = False
+        self.writers: set[str] = set()
+
+    def write(self, text: str) -> int:
+        self.writing = True
+        self.writers.add(threading.current_thread().name)
+        self.gate.wait(30)
+        self.writing = False
+        return super().write(text)
+
+
+def test_the_access_log_is_written_in_batches_by_its_own_thread_and_nothing_is_lost() -> None:
     config = log_config("info")
     assert config["loggers"][ACCESS_LOGGER]["handlers"] == ["access"]  # the serve config batches only the access log
     logger = logging.getLogger("shardline.online.test-access")
     logger.propagate = False
     logger.setLevel(logging.INFO)
 
-    def lines(stream: io.StringIO) -> list[int]:
-        return [json.loads(line)["n"] for line in stream.getvalue().splitlines()]
+    def lines(stream: io.StringIO) -> list[Any]:
+        return [json.loads(line).get("n", "dropped") for line in stream.getvalue().splitlines()]
 
-    batched, timed = io.StringIO(), io.StringIO()
+    def wait_for(check: Any) -> None:
+        deadline = time.monotonic() + 10
+        while not check() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    batched, timed = GatedStream(), io.StringIO()
     for stream, interval in ((batched, 60.0), (timed, 0.02)):
-        handler = BufferedLineHandler(stream, interval_s=interval, max_bytes=400)
+        handler = BufferedLineHandler(stream, interval_s=interval, max_bytes=400, max_pending_bytes=4000)
         handler.setFormatter(JsonFormatter())
         logger.addHandler(handler)
         try:
             logger.info("request", extra={"fields": {"n": 0}})
             if stream is batched:
-                assert stream.getvalue() == ""  # pending: no write per line
-                for n in range(1, 6):  # past max_bytes: written at once
+                assert stream.getvalue() == "" and not batched.writers  # pending: no write per line
+                for n in range(1, 6):  # past max_bytes: the writing thread is woken, the caller goes on
                     logger.info("request", extra={"fields": {"n": n}})
-                assert 3 <= len(lines(stream)) < 6
-                logger.info("request", extra={"fields": {"n": 6}})
+                wait_for(lambda: batched.writing)
+                for n in range(6, 100):  # while the write hangs, lines pile up (to the bound, then dropped)
+                    handler.emit_fields(logger.name, "request", {"n": n})
+                assert batched.writing and stream.getvalue() == ""  # this thread never waited for the write
+                batched.gate.set()
             else:
-                deadline = time.monotonic() + 5
-                while not stream.getvalue() and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                wait_for(lambda: bool(stream.getvalue()))
                 assert lines(stream) == [0]  # the flushing thread wrote it within interval_s
         finally:
             handler.close()  # writes what is pending
             logger.removeHandler(handler)
-    assert lines(batched) == list(range(7))
+    assert batched.writers == {"shardline-log-flush", threading.current_thread().name}  # the thread, then close()
+    written = lines(batched)
+    assert written[-1] == "dropped" and written[:-1] == list(range(len(written) - 1))  # in order, none twice
+    assert 6 < len(written) - 1 < 100
+    dropped = json.loads(batched.getvalue().splitlines()[-1])["dropped"]
+    assert len(written) - 1 + dropped == 100  # every line written or counted
 
 
 def test_the_access_logs_fast_line_is_the_formatters_line() -> None:
@@ -175,3 +204,56 @@ def test_the_access_logs_fast_line_is_the_formatters_line() -> None:
     assert fast == slow == {"level": "info", "logger": logger.name, "msg": "request", "request_id": "req-7", **fields}
     handler.addFilter(lambda record: True)
     assert not handler.takes_fields()  # a filter must see records: the middleware takes the record path
+
+
+def test_a_known_alias_is_read_again_in_the_background_while_requests_keep_its_version(
+    local_registry: ModelRegistry, tmp_path: Path
+) -> None:
+    from shardline.bundle import ModelRef
+    from shardline.examples import package_breast_cancer
+    from shardline.online.models import ModelDirectory
+
+    package_breast_cancer(tmp_path / "logreg", name="breast-cancer", kind="logreg")
+
+    reads: list[str] = []
+    fail: list[BaseException] = []
+    resolve = local_registry.resolve
+
+    def counted(reference: Any) -> Any:  # the real registry, with its reads counted (and a fault on demand)
+        reads.append(str(reference))
+        if fail:
+            raise fail.pop()
+        return resolve(reference)
+
+    local_registry.resolve = counted  # type: ignore[method-assign]
+    clock = [0.0]
+
+    async def in_thread(call: Any) -> Any:
+        return await asyncio.to_thread(call)
+
+    async def scenario() -> list[Any]:
+        directory = ModelDirectory(local_registry, in_thread, alias_refresh_s=5.0, clock=lambda: clock[0])
+        prod = ModelRef(name="breast-cancer", alias="prod")
+        seen = [(await directory.resolve(prod)).version, len(reads)]  # unknown: read, and waited for
+        version_2 = local_registry.push(tmp_path / "logreg").version
+        local_registry.set_alias("breast-cancer", "prod", version_2 or 2)
+        clock[0] = 4.0
+        seen += [(await directory.resolve(prod)).version, len(reads)]  # fresh: no read
+        clock[0] = 6.0
+        seen += [(await directory.resolve(prod)).version, len(reads)]  # stale: the known version at once, a read queued
+        await asyncio.gather(*directory._refreshing.values())
+        seen += [(await directory.resolve(prod)).version, len(reads)]  # the moved alias, from the re-read
+        clock[0] = 12.0
+        fail.append(OSError("registry unreachable"))
+        seen += [(await directory.resolve(prod)).version]
+        await asyncio.gather(*directory._refreshing.values())
+        seen += [(await directory.resolve(prod)).version, len(reads)]  # still the known one, not read again yet
+        clock[0] = 18.0
+        fail.append(ModelNotFound("breast-cancer@prod does not exist", "breast-cancer@prod"))
+        await directory.resolve(prod)
+        await asyncio.gather(*directory._refreshing.values())
+        seen.append((await directory.resolve(prod)).version)  # forgotten, so read (and found) at once
+        await directory.close()
+        return seen
+
+    assert asyncio.run(scenario()) == [1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 2]

@@ -31,7 +31,7 @@ from typing import Any
 
 P99_TARGET_MS = 10.0
 NOISY = 0.5  # cores used by the rest of the machine during a window that make it worth measuring again
-PEERS_NOISY = 0.05  # ... or by the other servers under test, which should be idle (a deferred write: capture's)
+PEERS_NOISY = 0.02  # ... or by the other servers under test, which should be idle (a deferred write: capture's)
 
 
 def _response_end(buf: bytearray) -> int | None:
@@ -389,7 +389,8 @@ async def _generate(spec: dict[str, Any]) -> None:
             tries.append(await run_step(spec, target, rate, [p for p in pids if p != target["pid"]]))
             if tries[-1]["other_cpu"] <= NOISY and tries[-1]["peers_cpu"] <= PEERS_NOISY:
                 break
-        best = min(tries, key=lambda t: t["other_cpu"])
+        best = min(tries, key=lambda t: (t["other_cpu"] > NOISY or t["peers_cpu"] > PEERS_NOISY,
+                                         t["other_cpu"] + t["peers_cpu"]))  # a quiet try, else the least noisy
         best["tries"] = len(tries)
         steps[target["name"]].append(best)
         print(json.dumps(best), flush=True)

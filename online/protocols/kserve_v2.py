@@ -22,9 +22,10 @@ from __future__ import annotations
 import gzip
 from dataclasses import dataclass
 from itertools import chain
-from operator import itemgetter
+from operator import attrgetter
 from typing import Any
 
+import msgspec
 import numpy as np
 import orjson
 import pyarrow as pa
@@ -138,17 +139,14 @@ def decode_infer_request(body: bytes, header_length: str | None, signature: Sign
     Raises:
         InvalidInput: naming the field or input that is wrong.
     """
+    if header_length is None:
+        fast = _fast_request(body, signature, model)
+        if fast is not None:
+            return fast
     doc, binary = _json_header(body, header_length)
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise InvalidInput("field 'inputs' is missing, empty or not a list; send one input per model input")
-    if not binary:
-        fast = _fast_float_matrix(inputs, signature)
-        if fast is not None:
-            outputs, binary_out = _requested_outputs(doc, signature, model)
-            request_id = doc.get("id")
-            return InferRequest(None, request_id if isinstance(request_id, str) else None, outputs, binary_out, True,
-                                fast)
     specs = {c.name: c for c in signature.inputs}
     columns: dict[str, pa.Array] = {}
     offset = 0
@@ -193,8 +191,30 @@ def decode_infer_request(body: bytes, header_length: str | None, signature: Sign
 
 _FLOAT_DATATYPES = frozenset({"FP16", "FP32", "FP64"})
 _FAST: dict[int, tuple[Signature, "_FastPlan | None"]] = {}
-_NAME, _DATA, _SHAPE, _DATATYPE = (itemgetter(k) for k in ("name", "data", "shape", "datatype"))
-_DICT, _LIST, _INT, _FLOAT = {dict}, {list}, {int}, {float}
+_NAME, _DATA, _SHAPE, _DATATYPE, _PARAMETERS = (attrgetter(k) for k in ("name", "data", "shape", "datatype", "parameters"))
+_FLOAT = {float}
+
+
+class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
+    """An input as the fast path takes it: flat JSON numbers (ints stay ints: the general path reads them)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: list[int | float]
+    parameters: Any = None
+
+
+class _Request(msgspec.Struct):
+    """A request as the fast path takes it; the rest is read as the general path reads it."""
+
+    inputs: list[_Tensor]
+    id: Any = None
+    outputs: Any = None
+    parameters: Any = None
+
+
+_FAST_DECODER = msgspec.json.Decoder(_Request, strict=True)
 
 
 @dataclass(frozen=True)
@@ -221,35 +241,44 @@ def _fast_plan(signature: Signature) -> _FastPlan | None:
     return plan
 
 
-def _fast_float_matrix(inputs: list[Any], signature: Signature) -> Matrix | None:
-    """The rows of the commonest request as one matrix: one JSON input per float column, FP
-    datatype, shape ``[N]`` or ``[N, 1]``, flat ``data`` of JSON floats, no parameters.
+def _fast_request(body: bytes, signature: Signature, model: str) -> InferRequest | None:
+    """The commonest request, decoded and checked in one pass: JSON (no binary tensors), one input
+    per float column of the signature, FP datatype, shape ``[N]`` or ``[N, 1]``, flat ``data``
+    of JSON floats, no parameters.
 
-    Returns the (rows, columns) matrix in the signature's order and type (and the builder of its
-    table); None (and the general path decides, with its errors) for anything else. The values
-    are what the general path gives: float64 from JSON, cast by numpy to the column's type.
-    Every check is a ``map`` or a ``set`` (loops in C: this runs for every request).
+    ``msgspec`` decodes the body straight into typed structs (the types checked in C as it
+    reads); what is left is a few ``map`` and ``set`` calls. Returns the request with its rows
+    as a ``Matrix`` in the signature's order and type; None (and the general path decides,
+    with its errors) for anything else, invalid JSON included. The values are what the
+    general path gives: the JSON floats, rounded once by numpy to the column's type.
     """
     plan = _fast_plan(signature)
-    if plan is None or len(inputs) != len(plan.names) or set(map(type, inputs)) != _DICT:
+    if plan is None:
         return None
-    width = len(plan.names)
     try:
-        names = list(map(_NAME, inputs))
-        data = list(map(_DATA, inputs))
-        shapes = list(map(_SHAPE, inputs))
-        datatypes = set(map(_DATATYPE, inputs))
-        order = None if names == plan.names else list(map(plan.positions.__getitem__, names))
-    except (KeyError, TypeError):  # a field missing, or a name that is not an input (or not a string)
+        request = _FAST_DECODER.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError):
         return None
-    if set(map(type, data)) != _LIST or set(map(type, shapes)) != _LIST:
+    inputs = request.inputs
+    width = len(plan.names)
+    if len(inputs) != width:
         return None
+    names = list(map(_NAME, inputs))
+    data = list(map(_DATA, inputs))
+    shapes = list(map(_SHAPE, inputs))
+    order = None
+    if names != plan.names:
+        try:
+            order = list(map(plan.positions.__getitem__, names))
+        except KeyError:
+            return None
+        if len(set(order)) != width:
+            return None
     rows = len(data[0])
-    if (rows == 0 or not datatypes <= _FLOAT_DATATYPES or (order is not None and len(set(order)) != width)
+    if (rows == 0 or not set(map(_DATATYPE, inputs)) <= _FLOAT_DATATYPES
             or set(map(len, data)) != {rows}
-            or shapes.count([rows]) + shapes.count([rows, 1]) != width  # (True == 1: the types come next)
-            or set(map(type, chain.from_iterable(shapes))) != _INT
-            or (max(map(len, inputs)) > 4 and any(t.get("parameters") for t in inputs))
+            or shapes.count([rows]) + shapes.count([rows, 1]) != width
+            or any(map(_PARAMETERS, inputs))
             or set(map(type, chain.from_iterable(data))) != _FLOAT):
         return None
     # Python floats straight to the column type: numpy rounds each double once, as a float64 array's cast would.
@@ -262,9 +291,27 @@ def _fast_float_matrix(inputs: list[Any], signature: Signature) -> Matrix | None
         matrix = np.empty_like(given)
         matrix[order] = given
         given = matrix
-    if rows == 1:
-        return Matrix(given.reshape(1, width), plan.builder)
-    return Matrix(np.ascontiguousarray(given.T), plan.builder)  # (rows, columns), the signature's order
+    values = given.reshape(1, width) if rows == 1 else np.ascontiguousarray(given.T)  # (rows, columns)
+    outputs, binary_out = _requested_outputs({"outputs": request.outputs, "parameters": request.parameters},
+                                             signature, model)
+    request_id = request.id
+    return InferRequest(None, request_id if isinstance(request_id, str) else None, outputs, binary_out, True,
+                        Matrix(values, plan.builder))
+
+
+_ALL_OUTPUTS: dict[tuple[int, bool], tuple[Signature, list[str], dict[str, bool]]] = {}
+
+
+def _all_outputs(signature: Signature, binary: bool) -> tuple[list[str], dict[str, bool]]:
+    """Every output, each binary or not: kept per signature (most requests name no outputs), so read-only."""
+    hit = _ALL_OUTPUTS.get((id(signature), binary))
+    if hit is not None and hit[0] is signature:
+        return hit[1], hit[2]
+    names = signature.output_names
+    if len(_ALL_OUTPUTS) > 1024:
+        _ALL_OUTPUTS.clear()
+    _ALL_OUTPUTS[(id(signature), binary)] = (signature, names, {n: binary for n in names})
+    return names, {n: binary for n in names}
 
 
 def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) -> tuple[list[str], dict[str, bool]]:
@@ -272,7 +319,7 @@ def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) ->
     default = bool(parameters.get("binary_data_output", False)) if isinstance(parameters, dict) else False
     requested = doc.get("outputs")
     if requested is None:
-        return signature.output_names, {n: default for n in signature.output_names}
+        return _all_outputs(signature, default)
     if not isinstance(requested, list):
         raise InvalidInput("field 'outputs' is not a list of {\"name\": ...} objects")
     names: list[str] = []

@@ -13,7 +13,8 @@ again. It reports its own CPU time per request and how late it sent (``lag``).
     python bench/loadgen.py SPEC.json     # one JSON line per step on stdout
 
 SPEC: {"targets": [{"name", "port", "pid", "requests": [raw HTTP request text, ...]}],
-"ladder": [rates], "warmup", "seconds", "refine", "connections", "drain", "retries"}.
+"ladder": [rates], "warmup", "seconds", "refine", "connections", "drain", "retries", "prewarm"}
+(prewarm: seconds at 4x the lightest rate against each server before the ladder, not counted).
 """
 
 from __future__ import annotations
@@ -395,6 +396,12 @@ async def _generate(spec: dict[str, Any]) -> None:
         steps[target["name"]].append(best)
         print(json.dumps(best), flush=True)
 
+    prewarm = spec.get("prewarm", 0.0)
+    if prewarm > 0:  # each server's first requests pay for lazy set-up; not counted (see bench/README.md)
+        for target in targets:
+            await _quiet(pids)
+            await run_step({**spec, "warmup": prewarm, "seconds": 0.2}, target, 4 * min(spec["ladder"]),
+                           [p for p in pids if p != target["pid"]])
     for rate in spec["ladder"]:
         for target in targets:
             if not any(saturated(s) for s in steps[target["name"]]):

@@ -254,6 +254,7 @@ def run_ladder(servers: list[Server], bodies: dict[str, list[str]], args: argpar
                      f"Content-Length: {len(b)}\r\n\r\n{b}" for b in bodies[server.name]],
     } for server in servers]
     spec = {"targets": targets, "ladder": args.ladder, "warmup": args.warmup, "seconds": args.seconds,
+            "prewarm": args.prewarm,
             "refine": args.refine, "connections": args.connections, "drain": args.drain, "retries": args.retries}
     spec_file = DATA / "generator.json"
     spec_file.write_text(json.dumps(spec))
@@ -416,6 +417,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the ladder, req/s, comma-separated (default 100..25600 doubling; quick 100,1600,6400,12800)")
     parser.add_argument("--seconds", type=float, help="measured window per rate (default 5, quick 2)")
     parser.add_argument("--warmup", type=float, help="seconds at each rate before the window (default 1, quick 0.5)")
+    parser.add_argument("--prewarm", type=float, default=3.0,
+                        help="seconds at 4x the lightest rate against each server before the ladder, not counted "
+                        "(a process's first requests pay for lazy set-up; default 3)")
     parser.add_argument("--refine", type=int, help="bisection steps between the highest held and lowest failed rate "
                         "(default 2, quick 1)")
     parser.add_argument("--retries", type=int, help="measure a step again, up to this many times, when the rest of "

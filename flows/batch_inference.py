@@ -9,6 +9,7 @@ record (`shardline batch status`) and emits the SLA events prefect.yaml answers.
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 from prefect import flow
@@ -16,13 +17,14 @@ from prefect.states import Completed, Failed, State
 
 from shardline.settings import BatchSettings, DaskSettings, RuntimeSettings, StorageSettings, TenancySettings
 from shardline.sla import make_sla
+from shardline.storage.fs import resolve_location
 from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
 from shardline.storage.metering import MeteringLedger
 from shardline.tasks.batch import commit_job, infer_shards, plan_batch_job, report_job, validate_shards
 from shardline.tasks.cluster import dask_scheduler
 from shardline.tasks.fairness import check_gpu_quota, device_kind, fair_share, meter_run, priority_of
 from shardline.tasks.sla import SlaTracker, TrackedJob, planned_vs_actual, publish_sla_table
-from shardline.tenants import batch_tenant, check_locations, job_locations
+from shardline.tenants import admit_locations, batch_tenant
 
 
 def _run_context() -> tuple[str | None, str | None]:
@@ -70,8 +72,10 @@ def batch_inference(
     batch = BatchSettings() if batch_rows is None else BatchSettings(batch_rows=batch_rows)
     promise = make_sla(started, sla, deadline, batch.default_sla, batch.sla_margin, allow_past=True)
     allowed = batch_tenant(tenancy.tenants_file, tenant)
-    if allowed is not None:
-        check_locations(allowed, job_locations(input_uri, output_uri))
+    # From here on the job uses the locations it was admitted with: resolved, as the file system sees them.
+    input_uri, output_uri = admit_locations(
+        allowed, input_uri, output_uri, partial(resolve_location, storage_options=storage.storage_options)
+    )
     job_priority = priority_of(allowed, priority)
     device = device_kind(runtime)
     ledger = MeteringLedger(storage.home, storage.storage_options)

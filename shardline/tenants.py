@@ -16,22 +16,22 @@ an entry may also carry a ``batch:`` section, and a batch-only tenant needs no k
 Batch jobs read it through ``TenancySettings.tenants_file`` (SHARDLINE_TENANTS_FILE,
 else SHARDLINE_ONLINE_TENANTS_FILE). No file: single-tenant development mode, no
 limits. A file: a job for a tenant it does not list, or one without ``batch:``, is
-refused; a job's input and output must lie under one of its tenant's prefixes.
+refused; a job's input and output must lie under one of its tenant's prefixes, compared
+after both are resolved to what the file system will open (``admit_locations``).
 """
 
 from __future__ import annotations
 
-import os
-import posixpath
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shardline.errors import AccessDenied, InvalidSetting
+from shardline.locations import check_separate, is_within
 
 BatchPriority = Literal["high", "normal", "low"]
 
@@ -56,9 +56,12 @@ class BatchPolicy(BaseModel):
     @classmethod
     def _prefixes(cls, value: list[str]) -> list[str]:
         for i, prefix in enumerate(value):
-            normalized = urlsplit(normalize_location(prefix)) if prefix.strip() else None
-            if normalized is None or (not normalized.netloc and normalized.path in ("", "/")):
+            text = prefix.strip()
+            parts = urlsplit(text)
+            if not text or (not parts.netloc and parts.path.strip("/") in ("", ".")):
                 raise ValueError(f"entry {i} ({prefix!r}) is empty or the root; name the tenant's own folder")
+            if "?" in text or "#" in text or "::" in text:
+                raise ValueError(f"entry {i} ({prefix!r}) holds '?', '#' or '::'; give a plain folder or URL")
         return value
 
 
@@ -70,42 +73,43 @@ class BatchTenant:
     policy: BatchPolicy
 
 
-def normalize_location(uri: str) -> str:
-    """A URL or path in one comparable form: 'scheme://netloc/path' without '..' or a trailing '/'.
-
-    Local paths become absolute ``file://`` locations, so '/data/acme/../other' and
-    'file:///data/other' compare equal.
-    """
-    text = uri.strip()
-    parts = urlsplit(text)
-    if parts.scheme and parts.scheme != "file" and len(parts.scheme) > 1:
-        path = posixpath.normpath("/" + parts.path.lstrip("/")) if parts.path else "/"
-        return f"{parts.scheme}://{parts.netloc}{path.rstrip('/') or '/'}"
-    local = parts.path if parts.scheme == "file" else text
-    return "file://" + (os.path.abspath(os.path.expanduser(local)).rstrip("/") or "/") if local else ""
+Resolve = Callable[[str], str]
+"""A URL -> the exact location the file system will use (``storage.fs.resolve_location``)."""
 
 
-def is_under(location: str, prefix: str) -> bool:
-    """True when ``location`` is ``prefix`` or inside it (whole path segments: /acme is not /acme-old)."""
-    loc, pre = normalize_location(location), normalize_location(prefix)
-    return loc == pre or loc.startswith(pre.rstrip("/") + "/")
+def check_locations(tenant: BatchTenant, locations: dict[str, str], resolve: Resolve) -> dict[str, str]:
+    """Refuse a job whose locations (role -> URL) do not all resolve to places under the tenant's prefixes.
 
+    Locations and prefixes are compared after ``resolve``, so what is checked is what the
+    job will open (links followed on local storage, no query or fragment left over).
+    The job must then use the returned locations, not the ones it was given.
 
-def check_locations(tenant: BatchTenant, locations: dict[str, str]) -> None:
-    """Refuse a job whose locations (role -> URL) are not all under the tenant's prefixes.
+    Returns:
+        Role -> resolved location.
 
     Raises:
         AccessDenied: naming the location, its role and the prefixes allowed.
+        InvalidSetting: a location cannot be resolved (a query, a fragment, a host...).
     """
+    prefixes = []
+    for prefix in tenant.policy.storage_prefixes:
+        try:
+            prefixes.append(resolve(prefix))
+        except InvalidSetting:
+            continue  # a prefix on a file system this process cannot open holds nothing it can open
+    resolved = {}
     for role, location in locations.items():
-        if not any(is_under(location, p) for p in tenant.policy.storage_prefixes):
+        resolved[role] = where = resolve(location)
+        if not any(is_within(where, p) for p in prefixes):
             allowed = ", ".join(repr(p) for p in tenant.policy.storage_prefixes)
+            shown = repr(location) if where == location else f"{location!r} (which resolves to {where!r})"
             raise AccessDenied(
-                f"tenant {tenant.name!r} may not use {location!r} as its {role}: it is not under its storage "
+                f"tenant {tenant.name!r} may not use {shown} as its {role}: it is not under its storage "
                 f"prefixes ({allowed}); use a location under one of them, or add a prefix to the tenant's "
                 "batch: section of the tenants file",
                 tenant.name,
             )
+    return resolved
 
 
 def parse_batch_tenants(data: Any, where: str) -> dict[str, BatchTenant | None]:
@@ -184,6 +188,19 @@ def batch_tenant(tenants_file: str | None, name: str) -> BatchTenant | None:
     return tenant
 
 
-def job_locations(input_uri: str, output_uri: str) -> dict[str, str]:
-    """The locations a batch job reads and writes, by role, for :func:`check_locations`."""
-    return {"input": input_uri, "output": output_uri}
+def admit_locations(
+    tenant: BatchTenant | None, input_uri: str, output_uri: str, resolve: Resolve
+) -> tuple[str, str]:
+    """The (input, output) a batch job will really use, once they are resolved, separate and allowed.
+
+    Every job resolves both (single-tenant mode too), so what was checked is what is
+    opened; with a tenant, both must lie under its prefixes.
+
+    Raises:
+        InvalidSetting: a location cannot be resolved, or the output overlaps the input.
+        AccessDenied: a location is outside the tenant's prefixes.
+    """
+    given = {"input": input_uri, "output": output_uri}
+    where = check_locations(tenant, given, resolve) if tenant is not None else {r: resolve(u) for r, u in given.items()}
+    check_separate(where["input"], where["output"])
+    return where["input"], where["output"]

@@ -1,17 +1,22 @@
 """fsspec file systems: open any URL, write a file so it appears whole or not at all.
 
 Nothing here branches on the URL scheme: ``fsspec.url_to_fs`` picks the file system
-and the rest is the same for local disk, memory and S3.
+and the rest is the same for local disk, memory and S3. One function knows local
+storage: ``resolve_location`` follows symbolic links there, since the OS will.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
+import re
 import uuid
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
 
 from shardline.errors import InvalidSetting
 
@@ -96,3 +101,55 @@ def create_exclusive(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def resolve_location(uri: str, storage_options: dict[str, Any] | None = None) -> str:
+    """The one location a URL names, exactly as the file system will use it: what jobs check and use.
+
+    Permission checks must compare what fsspec will touch, not the text the user typed:
+    fsspec keeps a ``?query`` or ``#fragment`` in the path it opens, reads ``file://host/p``
+    as the relative path ``host/p`` and lets the OS follow symbolic links. So the URL is
+    refused when it carries any of those or a path that object stores would take
+    literally (``//``, ``.``, ``..``), then resolved through fsspec itself; on local
+    storage the result is the real path (links and ``..`` resolved), elsewhere the
+    file system's own ``protocol://path`` (``s3a://`` becomes ``s3://``).
+
+    Raises:
+        InvalidSetting: the URL carries a query, fragment, credentials, a host for
+            ``file://``, control characters, a chained ``::`` URL or empty/dot segments.
+    """
+    text = (uri or "").strip()
+    if not text:
+        raise InvalidSetting("an empty location was given; pass a local path or a URL such as s3://bucket/prefix")
+
+    def refuse(why: str, do: str) -> InvalidSetting:
+        return InvalidSetting(f"the location {uri!r} {why}; {do}")
+
+    if _CONTROL.search(text):
+        raise refuse("holds a control character", "remove it")
+    if "?" in text or "#" in text:
+        raise refuse("holds '?' or '#' (a URL query or fragment, which the file system would keep in the path)",
+                     "pass the plain folder, and rename files or folders whose names hold '?' or '#'")
+    if "::" in text:
+        raise refuse("is a chained fsspec URL ('::')", "pass one plain URL or path")
+    parts = urlsplit(text)
+    scheme = parts.scheme if len(parts.scheme) > 1 else ""  # 'c:' is a drive, not a scheme
+    if scheme and "@" in parts.netloc:
+        raise refuse("carries credentials or a user in its host part",
+                     "give credentials through the storage settings (SHARDLINE_STORAGE_*), not in the URL")
+    if scheme == "file" and parts.netloc:
+        raise refuse(f"names the host {parts.netloc!r} (file:// URLs are local)",
+                     f"write file:///{parts.netloc}{parts.path} or the plain path")
+    fs, path = open_fs(text, storage_options)
+    if isinstance(fs, LocalFileSystem):
+        # The one place that knows local storage: the OS follows links and '..', so the
+        # location is where they lead (links below it that do not exist yet are followed
+        # when the job creates them, inside this real folder).
+        return os.path.realpath(path)
+    if any(s in ("", ".", "..") for s in path.lstrip("/").split("/")):
+        raise refuse("has an empty, '.' or '..' path segment, which object stores keep as part of the key",
+                     "write the path without '//', '/./' or '/../'")
+    return str(fs.unstrip_protocol(path))

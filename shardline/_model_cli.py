@@ -183,13 +183,10 @@ def model_show(reference: str = typer.Argument(..., help="name:version or name@a
 def _set_alias(registry: Any, name: str, alias: str, version: int, reason: str) -> None:
     from shardline.settings import StorageSettings
 
-    protected = StorageSettings().protected_aliases
-    if alias in protected and registry.current_move(name, alias) is not None:
-        raise ShardlineError(
-            f"{name}@{alias} is protected: once set it moves only through `shardline model promote "
-            f"{name}:{version} --to {alias}` (gated) or `shardline model rollback {name} --alias {alias}`"
-        )
-    registry.set_alias(name, alias, version, reason=reason)
+    # A protected alias is set here only the first time: one compare-and-swap against a never-set
+    # alias, so of two racing first sets one wins and the other gets ProtectedAlias.
+    protected = alias in StorageSettings().protected_aliases
+    registry.set_alias(name, alias, version, reason=reason, protected=protected)
 
 
 @model_app.command("alias")

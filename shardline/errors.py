@@ -166,3 +166,15 @@ class QuotaExceeded(ShardlineError, RuntimeError):
         self.tenant = tenant
         self.used = used
         self.limit = limit
+
+
+class ProtectedAlias(AliasConflict):
+    """A protected alias is set already (or a racing first set won): it moves only through promotion or rollback."""
+
+    def __init__(self, message: str, reference: str) -> None:
+        super().__init__(message)
+        self.reference = reference
+
+
+class RegistryUnreadable(ShardlineError, OSError):
+    """The registry's storage refused to read a record; the message names the model, the log its location."""

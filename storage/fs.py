@@ -1,12 +1,16 @@
 """fsspec file systems: open any URL, write a file so it appears whole or not at all.
 
 Nothing here branches on the URL scheme: ``fsspec.url_to_fs`` picks the file system
-and the rest is the same for local disk, memory and S3. One function knows local
-storage: ``resolve_location`` follows symbolic links there, since the OS will.
+and the rest is the same for local disk, memory and S3. Two functions know local
+storage: ``resolve_location`` follows symbolic links there, since the OS will, and
+``create_exclusive`` links a fully written file into place, since an O_EXCL create is
+visible (empty) before its write lands.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import posixpath
 import re
@@ -91,16 +95,73 @@ def atomic_write_bytes(fs: AbstractFileSystem, final: str, data: bytes, staging_
 def create_exclusive(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
     """Create ``path`` holding ``data`` unless it exists; False when it already did.
 
-    The check and the create are one step: O_EXCL on local disk, ``If-None-Match: *``
-    on S3. This is the compare-and-swap the registry builds on.
+    The check and the create are one step, and the file appears whole or not at all:
+    on local disk ``data`` is written (and fsynced) to a temporary name beside ``path``
+    and hard-linked to ``path`` (``link`` fails when the name exists), so no reader
+    ever sees it empty or cut short, even when the writer dies halfway; on S3 it is
+    one PUT with ``If-None-Match: *``. This is the compare-and-swap the registry builds on.
     """
     ensure_dir(fs, parent(path))
+    if isinstance(fs, LocalFileSystem):  # an O_EXCL create is visible empty until its write lands
+        return _link_exclusive(fs._strip_protocol(path), data)
     try:
         with fs.open(path, "xb") as f:
             f.write(data)
     except FileExistsError:
         return False
     return True
+
+
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV}
+
+
+def _link_exclusive(path: str, data: bytes) -> bool:
+    """Local create-exclusive: write a temporary file, then link it to ``path`` (atomic, never partial)."""
+    staged = f"{path}.{uuid.uuid4().hex}.tmp"  # beside it: the same file system, so the link can be made
+    try:
+        with open(staged, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(staged, path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in _NO_HARD_LINKS:
+                raise
+            return _open_exclusive(path, data)  # no hard links here: O_EXCL, written and fsynced at once
+        _fsync_dir(posixpath.dirname(path))
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged)
+
+
+def _open_exclusive(path: str, data: bytes) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def _fsync_dir(folder: str) -> None:
+    """Make a new name in ``folder`` survive a power cut (where the OS lets a folder be fsynced)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

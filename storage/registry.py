@@ -12,7 +12,14 @@ Versions never change: artifacts are stored by content, so a racing push cannot
 overwrite another's bytes, and a version's manifest is created with an exclusive
 create (O_EXCL on disk, ``If-None-Match: *`` on S3). An alias is the newest record of
 its log; moving it creates the next record exclusively, which is a compare-and-swap
-on the log's length: of two racing moves exactly one wins, the other is told.
+on the log's length: of two racing moves exactly one wins, the other is told. A first
+set of a protected alias is the same compare-and-swap against an empty log.
+
+A record that is empty, cut short or unparseable (what a writer that died between
+create and write leaves on storage that lets a create be seen before its write) is
+treated as not written: readers skip it and the alias is its newest readable record;
+the next move takes the number after it, superseding it. Its location goes to the
+log (``shardline.registry``), never into an error message, which a tenant may read.
 """
 
 from __future__ import annotations
@@ -20,21 +27,32 @@ from __future__ import annotations
 import getpass
 import hashlib
 import json
-import time
+import logging
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from shardline.bundle import MANIFEST, Artifact, Manifest, ModelRef, check_model_name, read_manifest, verify_artifacts, sha256_file
-from shardline.errors import AliasConflict, ImmutableVersion, IntegrityError, InvalidSetting, ModelNotFound
+from shardline.errors import (
+    AliasConflict,
+    ImmutableVersion,
+    IntegrityError,
+    InvalidSetting,
+    ModelNotFound,
+    ProtectedAlias,
+    RegistryUnreadable,
+)
 from shardline.storage.fs import atomic_write_bytes, create_exclusive, join, open_fs
 
 _ALIAS_CHARS = set("0123456789abcdefghijklmnopqrstuvwxyz-_.")
 _PUSH_ATTEMPTS = 20
 
 AliasAction = Literal["set", "promote", "rollback"]
+
+logger = logging.getLogger("shardline.registry")
 
 
 class Variant(BaseModel):
@@ -109,6 +127,36 @@ class AliasMove(BaseModel):
     by: str
     at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class AliasLog:
+    """An alias's log as read: its readable moves (oldest first) and the highest record number present."""
+
+    moves: list[AliasMove]
+    head: int
+
+    @property
+    def current(self) -> AliasMove | None:
+        """The newest readable move, or None when the alias was never (readably) set."""
+        return self.moves[-1] if self.moves else None
+
+
+def record_seq(filename: str) -> int | None:
+    """The record number of an alias record's file name (``00000012.json`` -> 12), None for other names."""
+    stem = filename[: -len(".json")] if filename.endswith(".json") else ""
+    return int(stem) if stem.isascii() and stem.isdigit() else None
+
+
+def parse_move(blob: bytes, seq: int, alias: str) -> AliasMove | None:
+    """The move an alias record holds, or None when it is empty, cut short, unparseable or misnamed."""
+    if not blob.strip():
+        return None
+    try:
+        move = AliasMove.model_validate_json(blob)
+    except ValidationError:
+        return None
+    return move if move.seq == seq and move.alias == alias else None
 
 
 def check_alias(alias: str) -> str:
@@ -283,23 +331,46 @@ class ModelRegistry:
 
     # -- aliases ----------------------------------------------------------------
     def alias_history(self, name: str, alias: str) -> list[AliasMove]:
-        """Every move of ``name@alias``, oldest first."""
-        directory = self._alias_dir(name, check_alias(alias))
-        paths = [join(directory, f) for f in self._listing(directory) if f.endswith(".json")]
-        return sorted((self._read_move(p) for p in paths), key=lambda m: m.seq)
+        """Every readable move of ``name@alias``, oldest first (unreadable records are skipped)."""
+        return self.alias_log(name, alias).moves
 
-    def _read_move(self, path: str) -> AliasMove:
-        for _ in range(50):  # a record being created on local disk can be read empty for a moment
+    def alias_log(self, name: str, alias: str) -> AliasLog:
+        """The readable moves of ``name@alias`` and the highest record number present, readable or not.
+
+        Raises:
+            RegistryUnreadable: the storage refused to read a record (the log names it).
+        """
+        directory = self._alias_dir(name, check_alias(alias))
+        numbered = [(seq, f) for f in self._listing(directory) if (seq := record_seq(f)) is not None]
+        moves = []
+        for seq, filename in sorted(numbered):
+            move = self._read_move(join(directory, filename), seq, name, alias)
+            if move is not None:
+                moves.append(move)
+        return AliasLog(moves, max((seq for seq, _ in numbered), default=0))
+
+    def _read_move(self, path: str, seq: int, name: str, alias: str) -> AliasMove | None:
+        try:
             blob = self.fs.cat_file(path)
-            if blob:
-                return AliasMove.model_validate_json(blob)
-            time.sleep(0.02)
-        raise AliasConflict(f"the alias record {path} stays empty; remove it if its writer died")
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            logger.error("cannot read alias record %s: %s", self.fs.unstrip_protocol(path), e)
+            raise RegistryUnreadable(
+                f"the registry could not read record {seq} of {name}@{alias} ({type(e).__name__}); the server "
+                "log names its location: check the registry storage's permissions and health"
+            ) from e
+        move = parse_move(blob, seq, alias)
+        if move is None:
+            logger.warning(
+                "alias record %s of %s@%s is %s; it is treated as not written (the next move supersedes it)",
+                self.fs.unstrip_protocol(path), name, alias, "empty" if not blob.strip() else "unreadable",
+            )
+        return move
 
     def current_move(self, name: str, alias: str) -> AliasMove | None:
-        """The newest move of ``name@alias``, or None if it was never set."""
-        history = self.alias_history(name, alias)
-        return history[-1] if history else None
+        """The newest readable move of ``name@alias``, or None if it was never set."""
+        return self.alias_log(name, alias).current
 
     def aliases(self, name: str) -> dict[str, int]:
         """Alias -> version for one model."""
@@ -321,7 +392,11 @@ class ModelRegistry:
         by: str | None = None,
         reason: str = "",
     ) -> AliasMove:
-        """Move ``name@alias`` to ``version`` if its log still has ``expected_seq`` records.
+        """Move ``name@alias`` to ``version`` if its newest readable record is still number ``expected_seq``.
+
+        The move is the exclusive create of the record after the highest one present, so
+        its success proves the log it was decided on (``expected_seq``, 0 for never set)
+        was still the whole log; unreadable records after ``expected_seq`` are superseded.
 
         Raises:
             ModelNotFound: the version does not exist.
@@ -329,10 +404,10 @@ class ModelRegistry:
         """
         check_alias(alias)
         self.get_manifest(name, version)
-        history = self.alias_history(name, alias)
-        current = history[-1] if history else None
+        log = self.alias_log(name, alias)
+        current = log.current
         move = AliasMove(
-            seq=expected_seq + 1, alias=alias, version=version, previous=current.version if current else None,
+            seq=log.head + 1, alias=alias, version=version, previous=current.version if current else None,
             action=action, by=by or getpass.getuser(), reason=reason,
         )
         path = join(self._alias_dir(name, alias), f"{move.seq:08d}.json")
@@ -342,10 +417,30 @@ class ModelRegistry:
                 f"{name}@{alias} moved while you were deciding (now {name}:{latest.version if latest else '?'}, "
                 f"by {latest.by if latest else '?'}, record {latest.seq if latest else 0}); check it and try again"
             )
+        if log.head != (current.seq if current else 0):
+            logger.warning("%s@%s: record %d supersedes unreadable records %d-%d", name, alias, move.seq,
+                           (current.seq if current else 0) + 1, log.head)
         return move
 
-    def set_alias(self, name: str, alias: str, version: int, *, by: str | None = None, reason: str = "") -> AliasMove:
-        """Point ``name@alias`` at a version now, whatever it pointed at (recorded as 'set')."""
+    def set_alias(
+        self, name: str, alias: str, version: int, *, by: str | None = None, reason: str = "", protected: bool = False
+    ) -> AliasMove:
+        """Point ``name@alias`` at a version now (recorded as 'set').
+
+        Args:
+            protected: the alias may only be set the first time (later it moves through
+                gated promotion or rollback): one compare-and-swap against a never-set
+                alias, so of racing first sets exactly one wins.
+
+        Raises:
+            ProtectedAlias: ``protected`` and the alias is set already (or was set first by a racing writer).
+            AliasConflict: the alias kept moving under an unprotected set.
+        """
+        if protected:
+            try:
+                return self.move_alias(name, alias, version, action="set", expected_seq=0, by=by, reason=reason)
+            except AliasConflict as e:
+                raise self._protected(name, alias, version) from e
         for _ in range(_PUSH_ATTEMPTS):
             current = self.current_move(name, alias)
             try:
@@ -355,6 +450,15 @@ class ModelRegistry:
             except AliasConflict:
                 continue
         raise AliasConflict(f"{name}@{alias} kept moving; try again")
+
+    def _protected(self, name: str, alias: str, version: int) -> ProtectedAlias:
+        now = self.current_move(name, alias)
+        where = f" (it points at {name}:{now.version}, set by {now.by}, record {now.seq})" if now else ""
+        return ProtectedAlias(
+            f"{name}@{alias} is protected and already set{where}: it moves only through `shardline model promote "
+            f"{name}:{version} --to {alias}` (gated) or `shardline model rollback {name} --alias {alias}`",
+            f"{name}@{alias}",
+        )
 
     def rollback(self, name: str, alias: str, *, by: str | None = None, reason: str = "") -> AliasMove:
         """Move ``name@alias`` back to the version it pointed at before its current one.

@@ -115,7 +115,9 @@ class DaskSettings(BaseSettings):
         default=("sigterm",),
         description="Where a worker learns it is being preempted (JSON list): 'sigterm' (the worker process "
         "gets SIGTERM), 'file:/PATH' (the file appears, e.g. written by a preStop hook or a node agent), "
-        "'http://URL' (a metadata endpoint answers 200 with a body other than FALSE). Empty: never.",
+        "'http://URL' (a metadata endpoint answers 200 with a body other than FALSE: GCP), 'aws' (EC2 spot "
+        "instance-action through IMDSv2, token first), 'azure' (a Scheduled Events 'Preempt' for this VM); "
+        "'aws:URL'/'azure:URL' point those at another metadata address. Empty: never.",
     )
     preemption_poll_s: float = Field(
         default=1.0, gt=0, description="How often a worker looks at its file or HTTP notice source."
@@ -140,9 +142,15 @@ class DaskSettings(BaseSettings):
     @classmethod
     def _known_notice_sources(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for source in value:
-            if source != "sigterm" and not source.startswith(("file:", "http://", "https://")):
+            kind, _, rest = source.partition(":")
+            if kind in ("aws", "azure") and rest and not rest.startswith(("http://", "https://")):
+                raise ValueError(f"preemption notice source {source!r}: after '{kind}:' comes an http(s):// address")
+            if source not in ("sigterm", "aws", "azure") and not source.startswith(
+                ("file:", "http://", "https://", "aws:", "azure:")
+            ):
                 raise ValueError(
-                    f"preemption notice source {source!r} is unknown; use 'sigterm', 'file:/PATH' or an http(s):// URL"
+                    f"preemption notice source {source!r} is unknown; use 'sigterm', 'file:/PATH', an http(s):// "
+                    "URL, 'aws' or 'azure'"
                 )
         return value
 

@@ -8,7 +8,12 @@ future has it) watches the notice sources of ``DaskSettings.preemption_notices``
   or ``kill -TERM`` on it);
 - ``file:/PATH``: the file exists (a Kubernetes preStop hook or a node agent writes it);
 - ``http(s)://URL``: a metadata endpoint answers 200 with a body that is not
-  ``FALSE`` (AWS ``/latest/meta-data/spot/instance-action``, GCP ``instance/preempted``).
+  ``FALSE`` (GCP ``instance/preempted``, sent with ``Metadata-Flavor: Google``; AWS
+  ``/latest/meta-data/spot/instance-action`` where IMDSv1 is still allowed);
+- ``aws`` (or ``aws:http://HOST:PORT``): EC2 spot through IMDSv2, a session token first
+  (``PUT /latest/api/token``), then ``GET /latest/meta-data/spot/instance-action``;
+- ``azure`` (or ``azure:http://HOST:PORT``): Azure Scheduled Events
+  (``GET /metadata/scheduledevents``): an event of type ``Preempt`` for this VM.
 
 On a notice the worker (1) asks the scheduler to stop giving it work (it becomes
 ``closing_gracefully``; what it holds in memory is copied to other workers), (2) lets
@@ -24,6 +29,7 @@ No Prefect here: this runs on the workers.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -40,6 +46,27 @@ logger = logging.getLogger("shardline.preemption")
 
 PLUGIN_NAME = "shardline-preemption"
 
+# The link-local metadata address both clouds serve their instance metadata on.
+METADATA_HOST = "http://169.254.169.254"
+# AWS IMDSv2 (docs.aws.amazon.com/AWSEC2/latest/UserGuide/configuring-instance-metadata-service.html and
+# .../spot-instance-termination-notices.html): PUT /latest/api/token with header
+# X-aws-ec2-metadata-token-ttl-seconds (1-21600) answers a token; each GET carries it in
+# X-aws-ec2-metadata-token. /latest/meta-data/spot/instance-action answers 404 until EC2 will
+# stop or terminate the spot instance, then 200 {"action": "terminate"|"stop"|"hibernate", "time": ISO}.
+AWS_TOKEN_PATH = "/latest/api/token"
+AWS_TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
+AWS_TOKEN_HEADER = "X-aws-ec2-metadata-token"
+AWS_SPOT_ACTION_PATH = "/latest/meta-data/spot/instance-action"
+# Azure Scheduled Events (learn.microsoft.com/azure/virtual-machines/linux/scheduled-events):
+# GET /metadata/scheduledevents?api-version=2020-07-01 with header "Metadata: true" answers
+# {"DocumentIncarnation": n, "Events": [{"EventId", "EventType", "ResourceType", "Resources",
+# "EventStatus", "NotBefore", "Description", "EventSource", "DurationInSeconds"}]}; a Spot
+# eviction is EventType "Preempt". Events reach every VM of an availability set or scale-set
+# placement group, so only one whose Resources name this VM (instance/compute/name) counts.
+AZURE_EVENTS_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
+AZURE_NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
+AZURE_HEADERS = {"Metadata": "true"}
+
 
 def notice_in_body(status: int, body: bytes) -> bool:
     """True when a metadata endpoint's answer means "you are being preempted".
@@ -53,6 +80,102 @@ def notice_in_body(status: int, body: bytes) -> bool:
     return bool(text) and text != b"FALSE"
 
 
+def aws_spot_notice(status: int, body: bytes) -> str | None:
+    """What an IMDS ``spot/instance-action`` answer says: None (404: no notice) or the action and its time."""
+    if status != 200 or not body.strip():
+        return None
+    try:
+        action = json.loads(body)
+    except ValueError:
+        action = None
+    if isinstance(action, dict) and action.get("action"):
+        return f"AWS spot {action['action']} at {action.get('time', '?')}"
+    return "AWS spot instance-action"
+
+
+def azure_preempt_notice(body: bytes, vm_name: str | None) -> str | None:
+    """The first ``Preempt`` event of a Scheduled Events document that concerns ``vm_name`` (any VM when unknown)."""
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return None
+    events = document.get("Events") if isinstance(document, dict) else None
+    for event in events if isinstance(events, list) else []:
+        if not isinstance(event, dict) or event.get("EventType") != "Preempt":
+            continue
+        resources = event.get("Resources") or []
+        if vm_name and isinstance(resources, list) and resources and vm_name not in resources:
+            continue  # another VM of the same availability set or placement group
+        return f"Azure Preempt event {event.get('EventId', '?')} (not before {event.get('NotBefore') or 'now'})"
+    return None
+
+
+def _http(method: str, url: str, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
+    """Status and (the first 64 KiB of) the body; an HTTP error status is an answer, not an exception."""
+    request = urllib.request.Request(url, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:  # noqa: S310 (a configured URL)
+            return answer.status, answer.read(65536)
+    except urllib.error.HTTPError as e:
+        return e.code, b""
+
+
+@dataclass
+class AwsSpotNotice:
+    """EC2 spot interruption through IMDSv2: a session token (kept until near its expiry), then the notice."""
+
+    base: str = METADATA_HOST
+    token_ttl_s: int = 21600
+    clock: Any = time.monotonic
+    _token: str | None = None
+    _token_until: float = 0.0
+
+    def poll(self, timeout: float) -> str | None:
+        """The notice, or None; OSError when the endpoint cannot be reached."""
+        token = self._session_token(timeout)
+        headers = {AWS_TOKEN_HEADER: token} if token else {}  # no token: IMDSv1, where it is still allowed
+        status, body = _http("GET", self.base + AWS_SPOT_ACTION_PATH, headers, timeout)
+        if status == 401:
+            self._token = None  # expired or revoked: a new one next time
+        return aws_spot_notice(status, body)
+
+    def _session_token(self, timeout: float) -> str | None:
+        if self._token is None or self.clock() >= self._token_until:
+            status, body = _http("PUT", self.base + AWS_TOKEN_PATH, {AWS_TOKEN_TTL_HEADER: str(self.token_ttl_s)}, timeout)
+            self._token = body.decode("ascii", "replace").strip() if status == 200 and body.strip() else None
+            self._token_until = self.clock() + max(1, self.token_ttl_s - 60)
+        return self._token
+
+
+@dataclass
+class AzurePreemptNotice:
+    """Azure Spot eviction through Scheduled Events: a ``Preempt`` event naming this VM."""
+
+    base: str = METADATA_HOST
+    _vm_name: str | None = None
+
+    def poll(self, timeout: float) -> str | None:
+        """The notice, or None; OSError when the endpoint cannot be reached."""
+        if self._vm_name is None:
+            status, body = _http("GET", self.base + AZURE_NAME_PATH, AZURE_HEADERS, timeout)
+            if status == 200 and body.strip():
+                self._vm_name = body.decode("utf-8", "replace").strip()
+        status, body = _http("GET", self.base + AZURE_EVENTS_PATH, AZURE_HEADERS, timeout)
+        return azure_preempt_notice(body, self._vm_name) if status == 200 else None
+
+
+def _cloud_source(source: str) -> AwsSpotNotice | AzurePreemptNotice | None:
+    """``aws``/``azure``, optionally ``:http(s)://HOST:PORT`` (the metadata service's address), else None."""
+    kind, _, base = source.partition(":")
+    if kind not in ("aws", "azure"):
+        return None
+    if base and not base.startswith(("http://", "https://")):
+        raise ValueError(f"preemption notice source {source!r}: after '{kind}:' comes the metadata service's "
+                         "http(s):// address, e.g. 'aws:http://169.254.169.254'")
+    base = base.rstrip("/") or METADATA_HOST
+    return AwsSpotNotice(base) if kind == "aws" else AzurePreemptNotice(base)
+
+
 @dataclass
 class NoticeSources:
     """Where to look for a preemption notice; parsed from ``DaskSettings.preemption_notices``."""
@@ -61,17 +184,27 @@ class NoticeSources:
     files: tuple[str, ...] = ()
     urls: tuple[str, ...] = ()
     headers: dict[str, str] = field(default_factory=lambda: {"Metadata-Flavor": "Google"})
+    clouds: tuple[AwsSpotNotice | AzurePreemptNotice, ...] = ()
+
+    @property
+    def polled(self) -> bool:
+        """Whether any source has to be polled (a file, a URL or a cloud's metadata service)."""
+        return bool(self.files or self.urls or self.clouds)
 
     @classmethod
     def parse(cls, sources: tuple[str, ...] | list[str]) -> NoticeSources:
-        """Read ``sigterm``, ``file:/PATH`` and ``http(s)://URL`` entries.
+        """Read ``sigterm``, ``file:/PATH``, ``http(s)://URL``, ``aws[:URL]`` and ``azure[:URL]`` entries.
 
         Raises:
             ValueError: an entry of another form.
         """
         files, urls, sigterm = [], [], False
+        clouds: list[AwsSpotNotice | AzurePreemptNotice] = []
         for source in sources:
-            if source == "sigterm":
+            cloud = _cloud_source(source)
+            if cloud is not None:
+                clouds.append(cloud)
+            elif source == "sigterm":
                 sigterm = True
             elif source.startswith("file:"):
                 path = source[len("file:"):]
@@ -80,9 +213,10 @@ class NoticeSources:
                 urls.append(source)
             else:
                 raise ValueError(
-                    f"preemption notice source {source!r} is unknown; use 'sigterm', 'file:/PATH' or an http(s):// URL"
+                    f"preemption notice source {source!r} is unknown; use 'sigterm', 'file:/PATH', an http(s):// "
+                    "URL, 'aws' or 'azure'"
                 )
-        return cls(sigterm, tuple(files), tuple(urls))
+        return cls(sigterm, tuple(files), tuple(urls), clouds=tuple(clouds))
 
     def polled_notice(self, timeout: float = 0.5) -> str | None:
         """The first file or URL source that holds a notice now, or None (blocking I/O)."""
@@ -100,6 +234,13 @@ class NoticeSources:
                     return f"endpoint {url}"
             except (OSError, ValueError):
                 continue  # no metadata service here, or it is slow: no notice
+        for cloud in self.clouds:
+            try:
+                notice = cloud.poll(timeout)
+            except (OSError, ValueError):
+                continue  # no metadata service here, or it is slow: no notice
+            if notice:
+                return notice
         return None
 
 
@@ -130,7 +271,7 @@ class PreemptionPlugin(WorkerPlugin):
             self._previous_handler = signal.signal(
                 signal.SIGTERM, lambda *_: loop.call_soon_threadsafe(self.notice, "SIGTERM")
             )
-        if self.sources.files or self.sources.urls:
+        if self.sources.polled:
             self._task = loop.create_task(self._poll())
 
     def teardown(self, worker: Any) -> None:

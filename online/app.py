@@ -1,7 +1,9 @@
-"""The ASGI application: the protocol adapters' routes, request ids, access logs, metrics.
+"""The ASGI applications: the protocol adapters' routes, request ids, access logs; and metrics.
 
-``create_app(plane)`` wires a data plane to the routes of both protocols, ``/metrics``
-and the request middleware; the app's lifespan starts and stops the data plane.
+``create_app(plane)`` wires a data plane to the routes of both protocols and the request
+middleware; the app's lifespan starts and stops the data plane. It has no ``/metrics``: the
+metrics name every tenant, so ``metrics_app`` serves them on a listener of their own (loopback
+by default, ``shardline.online.server``).
 ``RequestMiddleware`` (plain ASGI, no per-request task) gives every request an id
 (``X-Request-ID`` from the client, or a new one) that is echoed in the response and
 carried by every log line, writes one JSON access-log line per request and counts it
@@ -13,8 +15,9 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
+import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -132,10 +135,6 @@ def create_app(plane: DataPlane, *, log_requests: bool = True) -> ASGIApp:
     (V2 inference, the hot path), then the Starlette app with every route.
     """
 
-    async def metrics_endpoint(request: Request) -> Response:
-        payload, content_type = plane.metrics.exposition()
-        return Response(payload, media_type=content_type)
-
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await plane.start()
@@ -149,7 +148,6 @@ def create_app(plane: DataPlane, *, log_requests: bool = True) -> ASGIApp:
     routes: list[Any] = [
         *v2_routes,
         *openai.routes(plane),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
     ]
     starlette = Starlette(
         routes=routes, middleware=[Middleware(GZipMiddleware, minimum_size=kserve_v2.GZIP_MIN_BYTES)],
@@ -157,3 +155,23 @@ def create_app(plane: DataPlane, *, log_requests: bool = True) -> ASGIApp:
     )
     infer = next(r.app for r in v2_routes if isinstance(r, Route) and r.path.endswith("/infer"))
     return RequestMiddleware(InferFirst(starlette, infer), plane.metrics, log_requests)
+
+
+def metrics_app(exposition: Callable[[], tuple[bytes, str]]) -> ASGIApp:
+    """The app of the metrics listener: ``GET /metrics`` answers ``exposition()`` (Prometheus' text
+    format), anything else 404. No lifespan, no access log."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
+            status, (body, content_type) = 200, exposition()
+        else:
+            status, content_type = 404, "application/json"
+            body = orjson.dumps({"error": f"no endpoint {scope['method']} {scope['path']}; this listener serves "
+                                          "GET /metrics"})
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", content_type.encode("latin-1")), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+
+    return app

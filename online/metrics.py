@@ -10,9 +10,9 @@ models a tenant may call, so unknown names sent by clients cannot grow the serie
 
 With several server processes (``workers`` > 1) the metrics are Prometheus' multiprocess
 mode: ``shardline serve`` points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh folder before the
-workers start, counters and histograms are summed over the workers, and whichever worker
-answers ``/metrics`` reads them all. The gauges are then written by each worker from its
-data plane (at every scrape it answers, and every ``reap_interval_s``) and combined: queue
+workers start, counters and histograms are summed over the workers, and the supervisor's
+metrics listener reads them all (``multiprocess_exposition``). The gauges are then written by each worker from its
+data plane (every ``reap_interval_s``) and combined: queue
 depth, in flight and tenant in-flight summed over the live workers, loaded the max (1 when
 any worker holds the version), idle seconds the min.
 """
@@ -182,7 +182,10 @@ class _SharedGauges:
 
 
 class Metrics:
-    """The server's metrics; ``exposition()`` is what ``/metrics`` answers."""
+    """The server's metrics; ``exposition()`` is what the metrics listener's ``/metrics`` answers.
+
+    They name tenants, the models each calls, its traffic and errors: ``shardline serve`` serves
+    them on their own listener (loopback by default), never on the tenants' port."""
 
     def __init__(self) -> None:
         self.shared_dir = multiprocess_dir()
@@ -292,9 +295,15 @@ class Metrics:
         if self.shared_dir is None:
             self.flush()
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
-        from prometheus_client import multiprocess
-
         self.refresh()
-        combined = CollectorRegistry()
-        multiprocess.MultiProcessCollector(combined, self.shared_dir)
-        return generate_latest(combined), CONTENT_TYPE_LATEST
+        return multiprocess_exposition(self.shared_dir)
+
+
+def multiprocess_exposition(shared_dir: str) -> tuple[bytes, str]:
+    """Every worker's metrics in ``shared_dir``, combined, in Prometheus' text format (and its content
+    type): what the metrics listener of ``shardline serve --workers N`` answers, from the supervisor."""
+    from prometheus_client import multiprocess
+
+    combined = CollectorRegistry()
+    multiprocess.MultiProcessCollector(combined, shared_dir)
+    return generate_latest(combined), CONTENT_TYPE_LATEST

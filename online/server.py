@@ -8,6 +8,14 @@ worker processes that accept on it; each builds its own data plane (``worker_app
 the settings this process checked, which it hands them in ``SERVE_SETTINGS_ENV``, and
 holds 1/N of every tenant's quota. Prometheus' multiprocess mode combines their metrics
 (a fresh ``PROMETHEUS_MULTIPROC_DIR``, removed at exit).
+
+Metrics name tenants, so they have a listener of their own (``metrics_host``:``metrics_port``,
+127.0.0.1:8002 by default; port 0 or ``off``: none), never the tenants' port. With one process
+it is a second socket of the same uvicorn server (``LimitedHttpToolsProtocol`` picks the app by
+listener, once per connection); with workers, the supervisor serves it from a thread, reading
+every worker's metrics. Every listener holds its connections to ``resolve_limits(settings)``
+(head size, time-outs, connection and in-flight caps: ``shardline.online.connection``), in each
+worker alike.
 """
 
 from __future__ import annotations
@@ -18,13 +26,18 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
+from typing import Any, Callable
 
 from starlette.types import ASGIApp
 
 from shardline.errors import InvalidSetting
-from shardline.online.app import create_app
+from shardline.online.app import create_app, metrics_app
+from shardline.online.connection import limited_protocol
 from shardline.online.dataplane import DataPlane
+from shardline.online.limits import ConnectionLimits, open_files_limit, resolve_limits
 from shardline.online.logs import log_config
+from shardline.online.metrics import multiprocess_exposition
 from shardline.online.tenants import TenantDirectory, load_tenants
 from shardline.runtimes import RuntimeOptions
 from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
@@ -32,6 +45,7 @@ from shardline.storage.capture import capture_root
 from shardline.storage.model_cache import get_model_cache
 from shardline.storage.registry import ModelRegistry
 
+log = logging.getLogger(__name__)
 SERVE_SETTINGS_ENV = "SHARDLINE_SERVE_WORKER_SETTINGS"  # the checked OnlineSettings, as JSON, for the workers
 
 
@@ -74,31 +88,115 @@ def worker_app() -> ASGIApp:
     return app
 
 
-def serve(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings) -> None:
-    """Run the server in this process (or its workers) until it is stopped (SIGINT or SIGTERM)."""
-    import uvicorn
-
-    config = log_config(online.log_level)
-    logging.config.dictConfig(config)
-    app = build_app(online, storage, runtime)
-    try:
-        socket.getaddrinfo(online.host, online.port)
-    except socket.gaierror as e:
-        raise InvalidSetting(f"--host {online.host!r} is not an address this machine can listen on ({e})") from e
+def uvicorn_options(limits: ConnectionLimits, apps_by_port: dict[int, ASGIApp] | None = None) -> dict[str, Any]:
+    """The uvicorn ``Config`` options every listener of ``shardline serve`` (and ``serve_in_thread``) uses:
+    the bounded protocol (``shardline.online.connection``), no websockets, no server header."""
     # proxy_headers off: nothing here reads the client's address (uvicorn would rewrite it from
     # X-Forwarded-For on every request, ~1 us).
-    common = dict(host=online.host, port=online.port, log_config=config, access_log=False,
-                  timeout_graceful_shutdown=10, server_header=False, proxy_headers=False)
+    return dict(http=limited_protocol(limits, apps_by_port), ws="none", timeout_keep_alive=limits.keep_alive_s,
+                access_log=False, server_header=False, proxy_headers=False)
+
+
+def _check_address(host: str, port: int, what: str) -> None:
+    try:
+        socket.getaddrinfo(host, port)
+    except socket.gaierror as e:
+        raise InvalidSetting(f"{what} {host!r} is not an address this machine can listen on ({e})") from e
+
+
+def bind_metrics_socket(online: OnlineSettings) -> socket.socket | None:
+    """The metrics listener's socket, bound (None when ``metrics_port`` is 0: no metrics listener).
+
+    Raises:
+        InvalidSetting: the address is not one to listen on, the port is the main port or is taken.
+    """
+    if not online.metrics_port:
+        return None
+    _check_address(online.metrics_host, online.metrics_port, "SHARDLINE_ONLINE_METRICS_HOST")
+    if online.metrics_port == online.port:
+        raise InvalidSetting(f"the metrics port and the main port are both {online.port}: set "
+                             "SHARDLINE_ONLINE_METRICS_PORT to another port, or 'off'")
+    family = socket.AF_INET6 if ":" in online.metrics_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((online.metrics_host, online.metrics_port))
+    except OSError as e:
+        sock.close()
+        raise InvalidSetting(f"cannot listen for metrics on {online.metrics_host}:{online.metrics_port} ({e.strerror}); "
+                             "set SHARDLINE_ONLINE_METRICS_PORT to a free port, or 'off'") from e
+    log.info("metrics on http://%s:%d/metrics", online.metrics_host, sock.getsockname()[1])
+    return sock
+
+
+def serve(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings) -> None:
+    """Run the server in this process (or its workers) until it is stopped (SIGINT or SIGTERM).
+
+    The tenants' port serves the app; ``/metrics`` is on the metrics listener only (``metrics_host``:
+    ``metrics_port``, loopback by default), answered by this process (the supervisor, with workers).
+
+    Raises:
+        InvalidSetting: a bad setting, tenants file, or address.
+    """
+    config = log_config(online.log_level)
+    logging.config.dictConfig(config)
+    limits = resolve_limits(online, open_files_limit())
+    _check_address(online.host, online.port, "--host")
     workers = online.resolved_workers()
     if workers == 1:
+        plane = build_plane(online, storage, runtime)
+        app = create_app(plane, log_requests=online.access_log)
+        _serve_one(online, limits, config, app, plane.metrics.exposition)
+    else:
+        build_plane(online, storage, runtime)  # checked; each worker builds its own
+        _serve_workers(online, limits, config, workers)
+
+
+def _serve_one(online: OnlineSettings, limits: ConnectionLimits, config: dict[str, Any], app: ASGIApp,
+               exposition: Callable[[], tuple[bytes, str]]) -> None:
+    import uvicorn
+
+    metrics_sock = bind_metrics_socket(online)
+    apps = {metrics_sock.getsockname()[1]: metrics_app(exposition)} if metrics_sock is not None else None
+    server_config = uvicorn.Config(app, host=online.host, port=online.port, log_config=config,
+                                   timeout_graceful_shutdown=10, **uvicorn_options(limits, apps))
+    try:
+        sockets = [server_config.bind_socket()] + ([metrics_sock] if metrics_sock is not None else [])
+        server = uvicorn.Server(server_config)
         gc.freeze()  # what is loaded by now lives as long as the server: keep it out of every collection
-        uvicorn.run(app, workers=1, **common)  # type: ignore[arg-type]
-        return
-    del app  # checked; each worker builds its own
+        server.run(sockets=sockets)
+    finally:
+        if metrics_sock is not None:
+            metrics_sock.close()
+    if not server.started:
+        raise SystemExit(3)  # uvicorn's startup failure (the log says why)
+
+
+def _serve_workers(online: OnlineSettings, limits: ConnectionLimits, config: dict[str, Any], workers: int) -> None:
+    import uvicorn
+
     metrics_dir = tempfile.mkdtemp(prefix="shardline-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     os.environ[SERVE_SETTINGS_ENV] = online.model_dump_json()
+    metrics: tuple[Any, threading.Thread] | None = None
     try:
-        uvicorn.run("shardline.online.server:worker_app", factory=True, workers=workers, **common)  # type: ignore[arg-type]
+        metrics_sock = bind_metrics_socket(online)
+        if metrics_sock is not None:
+            metrics = _start_in_thread(metrics_app(lambda: multiprocess_exposition(metrics_dir)), metrics_sock, limits)
+        uvicorn.run("shardline.online.server:worker_app", factory=True, workers=workers, host=online.host,  # type: ignore[arg-type]
+                    port=online.port, log_config=config, timeout_graceful_shutdown=10, **uvicorn_options(limits))
     finally:
+        if metrics is not None:
+            metrics[0].should_exit = True
+            metrics[1].join(timeout=10)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _start_in_thread(app: ASGIApp, sock: socket.socket, limits: ConnectionLimits) -> tuple[Any, threading.Thread]:
+    """A uvicorn server for ``app`` on ``sock`` in a thread of this process (the supervisor's metrics)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", **uvicorn_options(limits)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="shardline-metrics", daemon=True)
+    thread.start()
+    return server, thread

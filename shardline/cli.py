@@ -303,12 +303,34 @@ def serve(
         None, min=0, help="Server processes sharing the port, each with 1/N of every tenant quota; 0: one per "
         "core [default: 1; SHARDLINE_ONLINE_WORKERS].",
     ),
+    metrics_host: Optional[str] = typer.Option(
+        None, help="Address of the Prometheus /metrics listener (it names every tenant: keep it private) "
+        "[default: 127.0.0.1; SHARDLINE_ONLINE_METRICS_HOST]."),
+    metrics_port: Optional[str] = typer.Option(
+        None, help="Port of the /metrics listener; 0 or 'off': none. The main port has no /metrics "
+        "[default: 8002; SHARDLINE_ONLINE_METRICS_PORT]."),
+    max_connections: Optional[int] = typer.Option(
+        None, min=0, help="Open connections per process; at the cap the longest-idle one makes room, or 503 when "
+        "all are busy; 0: from ulimit -n (less an eighth, at most 4096) [default: 0; SHARDLINE_ONLINE_MAX_CONNECTIONS]."),
+    max_in_flight: Optional[int] = typer.Option(
+        None, min=0, help="Requests answered at once per process, more get 503 + Retry-After (not health checks); "
+        "0: 3/4 of the connection cap [default: 0; SHARDLINE_ONLINE_MAX_IN_FLIGHT]."),
+    max_header_bytes: Optional[int] = typer.Option(
+        None, min=1024, help="Largest request head in bytes, else 431 [default: 65536; "
+        "SHARDLINE_ONLINE_MAX_HEADER_BYTES; also SHARDLINE_ONLINE_MAX_HEADERS, 100 fields]."),
+    header_timeout: Optional[float] = typer.Option(
+        None, help="Seconds a new connection has to send its first request's head, else 408 and closed "
+        "[default: 10; SHARDLINE_ONLINE_HEADER_TIMEOUT_S; later heads: SHARDLINE_ONLINE_KEEP_ALIVE_S, 5]."),
+    body_timeout: Optional[float] = typer.Option(
+        None, help="Seconds a request's whole body has to arrive, else 408 and closed [default: 60; "
+        "SHARDLINE_ONLINE_BODY_TIMEOUT_S]."),
 ) -> None:
     """Serve the tenants' models over HTTP: Open Inference Protocol (/v2) and OpenAI-style /v1/embeddings.
 
     Models come from the registry (SHARDLINE_STORAGE_HOME or SHARDLINE_STORAGE_REGISTRY_URL)
     through the same model cache as batch jobs; idle models are unloaded and load on
-    their next request. Stop it with Ctrl-C (SIGINT) or SIGTERM.
+    their next request. Prometheus metrics are on their own listener (127.0.0.1:8002 by
+    default). Stop it with Ctrl-C (SIGINT) or SIGTERM.
     """
     from pydantic import ValidationError
 
@@ -317,7 +339,10 @@ def serve(
     from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
 
     given: dict[str, Any] = {"host": host, "port": port, "tenants_file": str(tenants) if tenants is not None else None,
-                             "workers": workers}
+                             "workers": workers, "metrics_host": metrics_host, "metrics_port": metrics_port,
+                             "max_connections": max_connections, "max_in_flight": max_in_flight,
+                             "max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout,
+                             "body_timeout_s": body_timeout}
     try:
         online = OnlineSettings.model_validate({k: v for k, v in given.items() if v is not None})
         run_server(online, StorageSettings(), RuntimeSettings())

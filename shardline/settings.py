@@ -366,6 +366,53 @@ class OnlineSettings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Log level.")
     access_log: bool = Field(default=True, description="Write one JSON line per request.")
+    # -- what a connection may hold (per server process; see online/limits.py) --
+    max_header_bytes: int = Field(
+        default=64 * 1024, ge=1024, le=1024 * 1024,
+        description="Largest request head (request line and headers), in bytes; a larger one is answered 431 "
+        "and the connection closed.",
+    )
+    max_headers: int = Field(default=100, ge=8, le=1000, description="Most header fields in one request (else 431).")
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, le=300,
+        description="A new connection must send its first request's whole head within this (slow or silent "
+        "clients are answered 408 and closed).",
+    )
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, le=3600,
+        description="A request's whole body must arrive within this of its head (else 408 and the connection "
+        "closed).",
+    )
+    keep_alive_s: float = Field(
+        default=5.0, gt=0, le=300,
+        description="An idle keep-alive connection is closed after this; the next request's whole head must "
+        "arrive within it.",
+    )
+    max_connections: int = Field(
+        default=0, ge=0,
+        description="Open connections per server process; at the cap the longest-waiting idle one is closed for "
+        "a new one, or the new one is answered 503 when all are busy. 0: derived from the open-file limit "
+        "(ulimit -n less an eighth, at most 4096).",
+    )
+    max_in_flight: int = Field(
+        default=0, ge=0,
+        description="Requests being answered at once per server process; more are answered 503 with Retry-After "
+        "(health checks never are). 0: three quarters of max_connections.",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address of the Prometheus /metrics listener (its own port; the main port has no /metrics).",
+    )
+    metrics_port: int = Field(
+        default=8002, ge=0, le=65_535,
+        description="Port of the /metrics listener (8002, as Triton's); 0 or 'off': no metrics listener.",
+    )
+
+    @field_validator("metrics_port", mode="before")
+    @classmethod
+    def _metrics_off(cls, value: Any) -> Any:
+        return 0 if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", "") else value
+
 
     @field_validator("models")
     @classmethod

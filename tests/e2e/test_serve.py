@@ -103,16 +103,17 @@ def test_serve_refuses_to_start_with_a_bad_tenants_file(
     assert message in done.stderr
 
 
-def test_serve_with_two_workers_answers_on_one_port_and_sums_their_metrics(
+def test_serve_with_two_workers_answers_on_one_port_and_sums_their_metrics_on_the_metrics_port(
     local_registry: ModelRegistry, breast_cancer_model: BuiltModel, cli_env: dict[str, str], tmp_path: Path
 ) -> None:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     tenants = write_tenants(tmp_path / "tenants.yaml")
     log = tmp_path / "serve.log"
     with open(log, "wb") as sink:
-        server = subprocess.Popen([*SHARDLINE, "serve", "--port", str(port), "--workers", "2"], cwd=tmp_path,
+        server = subprocess.Popen([*SHARDLINE, "serve", "--port", str(port), "--workers", "2",
+                                   "--metrics-port", str(metrics_port), "--max-header-bytes", "4096"], cwd=tmp_path,
                                   stdout=sink, stderr=sink, env={**cli_env, "SHARDLINE_ONLINE_TENANTS_FILE": str(tenants)})
-    url = f"http://127.0.0.1:{port}"
+    url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}"
     rows = breast_cancer_model.data.features[:3]
     body = orjson.dumps({"inputs": [{"name": n, "datatype": "FP64", "shape": [3], "data": rows[:, j].tolist()}
                                     for j, n in enumerate(breast_cancer_model.data.names)]})
@@ -133,13 +134,21 @@ def test_serve_with_two_workers_answers_on_one_port_and_sums_their_metrics(
                                 headers={"Authorization": f"Bearer {KEY}"})
             assert answer.status_code == 200, answer.text
             assert answer.json()["outputs"][0]["data"] == expected
-        scraped = [httpx.get(f"{url}/metrics").text for _ in range(4)]
+        for _ in range(100):  # the gauges are written by each worker every reap_interval_s (1 s)
+            if 'shardline_model_loaded{model="breast-cancer",version="1"} 1.0' in httpx.get(f"{metrics_url}/metrics").text:
+                break
+            time.sleep(0.1)
+        scraped = [httpx.get(f"{metrics_url}/metrics").text for _ in range(4)]  # the supervisor reads every worker's
+        on_main = [httpx.get(f"{url}/metrics") for _ in range(4)]  # either worker: no metrics on the tenants' port
+        big_heads = [httpx.get(f"{url}/v2/health/live", headers={"x-big": "a" * 8192}) for _ in range(4)]
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(timeout=30)
     assert code in (0, -signal.SIGTERM), log.read_text()
-    for text in scraped:  # whichever worker answered the scrape, it counts every worker's requests
+    for text in scraped:  # it counts every worker's requests
         counted = [line for line in text.splitlines()
                    if line.startswith("shardline_requests_total{") and 'code="200"' in line and 'model="breast-cancer"' in line]
         assert sum(float(line.rsplit(" ", 1)[1]) for line in counted) == 12, text
         assert 'shardline_model_loaded{model="breast-cancer",version="1"} 1.0' in text
+    assert all(r.status_code == 404 and "acme" not in r.text for r in on_main)
+    assert all(r.status_code == 431 for r in big_heads)  # each worker holds the limits

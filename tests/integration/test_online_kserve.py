@@ -23,10 +23,10 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from shardline.examples import package_breast_cancer
-from shardline.online.app import create_app
+from shardline.online.app import create_app, metrics_app
 from shardline.online.server import build_plane
 from shardline.online.tenants import TenantDirectory, hash_api_key
-from shardline.online.testing import serve_in_thread
+from shardline.online.testing import Served, serve_listeners_in_thread
 from shardline.runtimes import RuntimeOptions
 from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
 from shardline.storage.jobs import job_key
@@ -53,15 +53,20 @@ def home(breast_cancer_model: BuiltModel, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="module")
-def url(home: tuple[Path, Any]) -> Iterator[str]:
+def served(home: tuple[Path, Any]) -> Iterator[Served]:
     tenants = TenantDirectory.from_config({"tenants": [
         {"name": "acme", "api_keys_sha256": [hash_api_key(ACME)], "models": [f"{MODEL}@prod"], "priority": "high"},
         {"name": "globex", "api_keys_sha256": [hash_api_key(GLOBEX)], "models": ["minilm@prod"]},
     ]})
     settings = OnlineSettings(max_body_bytes=BODY_LIMIT, alias_refresh_s=0)
     plane = build_plane(settings, StorageSettings(home=str(home[0])), RuntimeSettings(device="cpu", intra_op_threads=1), tenants)
-    with serve_in_thread(create_app(plane)) as base:
-        yield base
+    with serve_listeners_in_thread(create_app(plane), metrics_app=metrics_app(plane.metrics.exposition)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def url(served: Served) -> str:
+    return served.url
 
 
 @pytest.fixture
@@ -261,10 +266,11 @@ def test_every_response_carries_a_request_id(url: str) -> None:
     assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"]) and made.status_code == 404
 
 
-def test_metrics_show_requests_batches_queues_and_loaded_models(url: str, breast_cancer_model: BuiltModel) -> None:
+def test_metrics_show_requests_batches_queues_and_loaded_models(served: Served, breast_cancer_model: BuiltModel) -> None:
+    url = served.url
     body = orjson.dumps(json_body(breast_cancer_model, breast_cancer_model.data.features[:3]))
     assert httpx.post(f"{url}/v2/models/{MODEL}/infer", headers=key(), content=body).status_code == 200
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{served.metrics_url}/metrics").text
 
     assert re.search(r'shardline_requests_total\{code="200",model="breast-cancer",protocol="v2",tenant="acme",version="1"\} \d', text)
     assert 'shardline_request_seconds_bucket{le="0.005",model="breast-cancer",protocol="v2",tenant="acme",version="1"}' in text

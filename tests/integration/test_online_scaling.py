@@ -14,10 +14,10 @@ import numpy as np
 import orjson
 import pytest
 
-from shardline.online.app import create_app
+from shardline.online.app import create_app, metrics_app
 from shardline.online.server import build_plane
 from shardline.online.tenants import TenantDirectory, hash_api_key
-from shardline.online.testing import serve_in_thread
+from shardline.online.testing import serve_listeners_in_thread
 from shardline.settings import ModelServing, OnlineSettings, RuntimeSettings, StorageSettings
 from shardline.storage.registry import ModelRegistry
 
@@ -44,12 +44,14 @@ TENANTS = {"tenants": [
 
 
 @contextmanager
-def server(home: Path, **settings: Any) -> Iterator[tuple[str, Any]]:
+def server(home: Path, **settings: Any) -> Iterator[tuple[str, str, Any]]:
+    """A server with these settings: its URL, its metrics listener's, its data plane."""
     cache = home / f"cache-{uuid.uuid4().hex[:8]}"  # the model cache is per process and folder: one per server
     plane = build_plane(OnlineSettings(**settings), StorageSettings(home=str(home), cache_dir=str(cache)),
                         RuntimeSettings(device="cpu", intra_op_threads=1), TenantDirectory.from_config(TENANTS))
-    with serve_in_thread(create_app(plane, log_requests=False)) as url:
-        yield url, plane
+    with serve_listeners_in_thread(create_app(plane, log_requests=False),
+                                   metrics_app=metrics_app(plane.metrics.exposition)) as served:
+        yield served.url, served.metrics_url or "", plane
 
 
 def body(model: BuiltModel, start: int, rows: int = 1) -> bytes:
@@ -65,7 +67,7 @@ def infer(url: str, tenant: str, content: bytes) -> httpx.Response:
 
 def test_a_tenant_over_its_rate_or_concurrency_gets_429_with_retry_after(home: Path, breast_cancer_model: BuiltModel) -> None:
     slow = {MODEL: ModelServing(max_batch_wait_ms=400, max_batch_size=64)}  # a lone request waits 400 ms
-    with server(home, models=slow) as (url, _):
+    with server(home, models=slow) as (url, metrics_url, _):
         with ThreadPoolExecutor(2) as pool:
             held = pool.submit(infer, url, "metered", body(breast_cancer_model, 0))
             time.sleep(0.15)
@@ -79,7 +81,7 @@ def test_a_tenant_over_its_rate_or_concurrency_gets_429_with_retry_after(home: P
         assert fourth.status_code == 429 and int(fourth.headers["retry-after"]) >= 1
         assert "over its rate of 0.5 requests/s (burst 2); retry after" in fourth.json()["error"]
         assert infer(url, "gold", body(breast_cancer_model, 2)).status_code == 200  # other tenants are not held back
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = httpx.get(f"{metrics_url}/metrics").text
         assert 'shardline_rate_limited_total{quota="concurrency",tenant="metered"} 1.0' in metrics
         assert 'shardline_rate_limited_total{quota="rate",tenant="metered"} 1.0' in metrics
 
@@ -87,7 +89,7 @@ def test_a_tenant_over_its_rate_or_concurrency_gets_429_with_retry_after(home: P
 def test_overload_sheds_low_priority_with_503_while_high_priority_is_served(home: Path, breast_cancer_model: BuiltModel) -> None:
     # A queue of 4: low priority may fill 2 of it, high all 4; requests wait 500 ms to batch.
     held = {MODEL: ModelServing(max_batch_wait_ms=500, max_batch_size=64, queue_capacity=4)}
-    with server(home, models=held) as (url, _):
+    with server(home, models=held) as (url, metrics_url, _):
         with ThreadPoolExecutor(8) as pool:
             low = [pool.submit(infer, url, "bronze", body(breast_cancer_model, i)) for i in range(2)]
             time.sleep(0.2)
@@ -98,7 +100,7 @@ def test_overload_sheds_low_priority_with_503_while_high_priority_is_served(home
         assert shed.status_code == 503 and int(shed.headers["retry-after"]) >= 1
         assert "it is shed to keep latency bounded" in shed.json()["error"]
         assert [a.status_code for a in answers] == [200] * 4
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = httpx.get(f"{metrics_url}/metrics").text
         assert 'shardline_shed_total{model="breast-cancer",priority="low",tenant="bronze",version="1"} 1.0' in metrics
         assert 'shardline_batch_requests_count{model="breast-cancer",version="1"} 1.0' in metrics  # all four in one batch
 
@@ -113,7 +115,7 @@ def wait_for(check: Any, timeout: float = 10.0) -> None:
 def test_an_idle_model_scales_to_zero_and_reloads_under_concurrent_requests(
     home: Path, breast_cancer_model: BuiltModel
 ) -> None:
-    with server(home, idle_timeout_s=0.6, reap_interval_s=0.1) as (url, plane):
+    with server(home, idle_timeout_s=0.6, reap_interval_s=0.1) as (url, metrics_url, plane):
         ready = f"{url}/v2/models/{MODEL}/ready"
         auth = {"Authorization": f"Bearer {KEYS['gold']}"}
         first = infer(url, "gold", body(breast_cancer_model, 0, 8))
@@ -123,7 +125,7 @@ def test_an_idle_model_scales_to_zero_and_reloads_under_concurrent_requests(
         wait_for(lambda: httpx.get(ready, headers=auth).status_code == 503)
         assert httpx.get(ready, headers=auth).json() == {"name": MODEL, "version": "1", "ready": False}
         assert plane.cache.loaded() == []
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = httpx.get(f"{metrics_url}/metrics").text
         assert 'shardline_model_loaded{model="breast-cancer",version="1"} 0.0' in metrics
         assert 'shardline_model_unloads_total{model="breast-cancer",version="1"} 1.0' in metrics
 
@@ -134,5 +136,5 @@ def test_an_idle_model_scales_to_zero_and_reloads_under_concurrent_requests(
         features = breast_cancer_model.data.features[:128].astype(np.float32)
         np.testing.assert_array_equal(labels, breast_cancer_model.estimator.predict(features))
         assert httpx.get(ready, headers=auth).json()["ready"] is True
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = httpx.get(f"{metrics_url}/metrics").text
         assert 'shardline_model_loads_total{model="breast-cancer",version="1"} 2.0' in metrics

@@ -360,6 +360,21 @@ class OnlineSettings(BaseSettings):
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="Largest request body, compressed and decompressed."
     )
+    offload_min_bytes: int = Field(
+        default=256 * 1024,
+        ge=0,
+        description="Request bodies at least this large (decompressed; a compressed one from a 32nd of it) are "
+        "decompressed and decoded, and answers this large encoded and gzipped, on the codec threads instead of "
+        "the event loop (zlib and numpy let the loop answer others meanwhile; a JSON parse still holds the GIL "
+        "while it runs); smaller ones stay on the loop (a hand-off costs more). 0 sends every body to the threads.",
+    )
+    queue_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1,
+        description="Bytes of decoded rows queued per model at most (besides queue_capacity requests); low "
+        "priority is shed at half of it, normal at 80%, high when full (503 with Retry-After). A request alone "
+        "in the queue is always taken.",
+    )
     models: dict[str, ModelServing] = Field(
         default_factory=dict,
         description='Per-model overrides (JSON), e.g. {"minilm": {"max_batch_size": 16, "idle_timeout_s": 60}}.',

@@ -25,7 +25,12 @@ that holds both kinds is scored in two calls, its matrices together and its tabl
 together, so that a batch under load costs no more per request than a request scored
 alone (a matrix made into Arrow and back would cost more than the model).
 
-The decisions (``batch_wait``, ``take_batch``) are pure and tested without a loop.
+The queue is bounded in requests (``queue_capacity``, by priority: ``admits``) and in
+bytes of rows (``queue_bytes``, by the same shares: ``admits_bytes``), so a few large
+requests cannot hold unbounded memory while they wait; a request refused either way is
+``Overloaded`` (503, Retry-After).
+
+The decisions (``batch_wait``, ``take_batch``, ``admits_bytes``) are pure and tested without a loop.
 Everything else runs on the event loop thread; the model runs wherever ``predict``
 sends it (a thread pool).
 """
@@ -42,7 +47,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardline.errors import InferenceFailed, InvalidBundle, Overloaded, RuntimeUnavailable
-from shardline.online.admission import admits, drain_seconds, retry_after
+from shardline.online.admission import SHED_SHARE, admits, drain_seconds, retry_after
 from shardline.online.matrix_rows import Matrix
 from shardline.online.tenants import PRIORITIES, Priority
 
@@ -75,9 +80,11 @@ class BatchLimits:
     max_wait_s: float
     queue_capacity: int
     max_concurrent_batches: int = 1
+    queue_bytes: int = 256 * 1024 * 1024  # bytes of rows queued at most (OnlineSettings.queue_bytes)
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.queue_capacity < 1 or self.max_concurrent_batches < 1:
+        if (self.max_batch_size < 1 or self.queue_capacity < 1 or self.max_concurrent_batches < 1
+                or self.queue_bytes < 1):
             raise ValueError(f"batch limits must be at least 1: {self}")
         if self.max_wait_s < 0:
             raise ValueError(f"max_wait_s must not be negative, got {self.max_wait_s}")
@@ -91,11 +98,28 @@ class Pending:
     priority: Priority
     enqueued: float
     future: asyncio.Future[Answer] = field(repr=False)
+    nbytes: int = 0  # of the rows, as ``rows_nbytes`` counts them
 
     @property
     def rows(self) -> int:
         """Rows of the request."""
         return self.inputs.num_rows
+
+
+def rows_nbytes(inputs: Inputs) -> int:
+    """Bytes a request's rows hold (what its place in the queue costs in memory)."""
+    if isinstance(inputs, Matrix):
+        return int(inputs.values.nbytes)
+    return int(inputs.nbytes)
+
+
+def admits_bytes(queued_bytes: int, request_bytes: int, capacity_bytes: int, priority: Priority) -> bool:
+    """Whether a model's queue, holding ``queued_bytes`` of rows, takes a request of ``request_bytes``.
+
+    A class may fill its share of ``capacity_bytes`` (``SHED_SHARE``: low half, normal 80%, high all);
+    an empty queue takes any request (the body limit bounds it; refusing it would refuse it forever).
+    """
+    return queued_bytes == 0 or queued_bytes + request_bytes <= capacity_bytes * SHED_SHARE[priority]
 
 
 def batch_wait(queued_rows: int, oldest_enqueued: float | None, now: float, limits: BatchLimits) -> float | None:
@@ -148,6 +172,7 @@ class Batcher:
         self._observe = observe
         self._queues: dict[Priority, deque[Pending]] = {p: deque() for p in PRIORITIES}
         self._queued_rows = 0
+        self._queued_bytes = 0
         self._running_batches = 0
         self._running_requests = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -191,9 +216,20 @@ class Batcher:
                 "or ask for a higher priority class",
                 retry_after(wait),
             )
+        nbytes = rows_nbytes(inputs)
+        if not admits_bytes(self._queued_bytes, nbytes, self.limits.queue_bytes, priority):
+            wait = drain_seconds(self._queued_rows, self.rows_per_second)
+            raise Overloaded(
+                f"model {self.model!r} has {self._queued_bytes} bytes of rows queued; this request's {nbytes} "
+                f"would pass the {SHED_SHARE[priority]:.0%} of the queue's {self.limits.queue_bytes} bytes "
+                f"(SHARDLINE_ONLINE_QUEUE_BYTES) that a {priority}-priority request may fill: retry after "
+                f"{retry_after(wait)} s, send fewer rows per request or ask for a higher priority class",
+                retry_after(wait),
+            )
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        self._queues[priority].append(Pending(inputs, priority, self._clock(), future))
+        self._queues[priority].append(Pending(inputs, priority, self._clock(), future, nbytes))
         self._queued_rows += inputs.num_rows
+        self._queued_bytes += nbytes
         self._dispatch()
         return future
 
@@ -255,6 +291,7 @@ class Batcher:
                 return
             batch = take_batch(self._queues, self.limits.max_batch_size)
             self._queued_rows -= total_rows(batch)
+            self._queued_bytes -= sum(p.nbytes for p in batch)
             live = [p for p in batch if not p.future.done()]  # a caller that went away is dropped
             if not live:
                 continue
@@ -343,6 +380,7 @@ class Batcher:
             while queue:
                 _fail(queue.popleft(), error)
         self._queued_rows = 0
+        self._queued_bytes = 0
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 

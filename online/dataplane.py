@@ -9,8 +9,9 @@ and score them through the same model cache as the batch tier. Idle versions are
 unloaded (scale to zero) and load again on their next request.
 
 Everything here runs on the event loop thread except what is sent to the thread
-pools: inference and loading (``shardline-infer``) and registry reads
-(``shardline-registry``). A loaded model whose measured time for a batch fits
+pools: inference and loading (``shardline-infer``), registry reads
+(``shardline-registry``), and the protocol adapters' work on large bodies (``off_loop``:
+decompressing, decoding, encoding; ``shardline-codec``). A loaded model whose measured time for a batch fits
 ``inline_max_ms`` is scored on the event loop instead (a thread hand-off costs more
 than such a model); loading, and any slower model, always goes to the pool.
 
@@ -32,7 +33,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 import pyarrow as pa
 
-from shardline.bundle import ModelRef
+from shardline.bundle import ModelRef, version_number
 from shardline.errors import (
     InferenceFailed,
     InvalidInput,
@@ -45,6 +46,7 @@ from shardline.errors import (
 from shardline.online.admission import TenantGate, next_seconds_per_row, runs_inline, should_unload
 from shardline.online.batcher import Batcher
 from shardline.online.capture import OnlineCapture
+from shardline.online.errors import shown
 from shardline.online.matrix_rows import Matrix
 from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ServedModel, batch_limits
@@ -58,6 +60,7 @@ from shardline.storage.registry import ModelRegistry, ResolvedModel, check_alias
 log = logging.getLogger("shardline.online")
 T = TypeVar("T")
 _REFERENCE_SPLIT = re.compile(r"[@:]")
+_CODEC_THREADS = 2  # decoding holds the GIL (orjson, numpy): more threads would not decode faster
 
 
 _SCHEMAS: dict[int, tuple[Signature, pa.Schema]] = {}
@@ -138,6 +141,7 @@ class DataPlane:
         self._clock = clock
         self._infer_pool: ThreadPoolExecutor | None = None
         self._io_pool: ThreadPoolExecutor | None = None
+        self._codec_pool: ThreadPoolExecutor | None = None
         self.directory = ModelDirectory(registry, self._blocking_io, settings.alias_refresh_s, clock)
         self._served: dict[tuple[str, int], ServedModel] = {}
         self._gates: dict[str, TenantGate] = {}
@@ -154,6 +158,7 @@ class DataPlane:
         """Start the thread pools and the idle reaper; warn about references that do not resolve."""
         self._infer_pool = ThreadPoolExecutor(self.settings.resolved_threads(), thread_name_prefix="shardline-infer")
         self._io_pool = ThreadPoolExecutor(2, thread_name_prefix="shardline-registry")
+        self._codec_pool = ThreadPoolExecutor(_CODEC_THREADS, thread_name_prefix="shardline-codec")
         self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
         self.started = True
         for tenant in self.tenants.tenants.values():
@@ -173,7 +178,7 @@ class DataPlane:
         for served in list(self._served.values()):
             await served.batcher.close(Overloaded("the server is shutting down; retry on another replica", 1))
         await self.capture.close(self._blocking_io)  # writes what is pending
-        for pool in (self._infer_pool, self._io_pool):
+        for pool in (self._infer_pool, self._io_pool, self._codec_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         self.metrics.close()
@@ -182,6 +187,14 @@ class DataPlane:
     def ready(self) -> bool:
         """Whether the server takes requests (started, not stopping); models may be scaled to zero."""
         return self.started and not self.stopping
+
+    async def off_loop(self, call: Callable[[], T]) -> T:
+        """Run a protocol adapter's CPU-heavy work on a large body (decompress, decode, encode) on the
+        codec threads, so the event loop answers other requests meanwhile (with the request's context)."""
+        if self._codec_pool is None:
+            raise RuntimeError("DataPlane.start() was not awaited")
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._codec_pool, context.run, call)
 
     async def _blocking_io(self, call: Callable[[], T]) -> T:
         if self._io_pool is None:
@@ -214,7 +227,7 @@ class DataPlane:
     def _refuse(self, tenant: Tenant, name: str) -> ModelNotFound:
         # The same answer whether or not the model exists: nothing leaks to other tenants.
         return ModelNotFound(
-            f"model {name!r} is not available to tenant {tenant.name!r}; it may call {sorted(tenant.models)}", name
+            f"model {shown(name)} is not available to tenant {tenant.name!r}; it may call {sorted(tenant.models)}", name
         )
 
     async def model(
@@ -231,9 +244,11 @@ class DataPlane:
             raise self._refuse(tenant, name)
         if version is not None:
             text = str(version).strip()
-            if not text.isdigit():
-                raise InvalidInput(f"version {text!r} of model {name!r} is not a number; versions are 1, 2, ...")
-            ref = ModelRef(name=name, version=int(text))
+            number = version_number(text)
+            if number is None:
+                raise InvalidInput(f"version {shown(text)} of model {name!r} is not a version number; send 1, 2, ... "
+                                   "(1-9 ASCII digits) or leave the version out")
+            ref = ModelRef(name=name, version=number)
         elif alias is not None:
             try:
                 ref = ModelRef(name=name, alias=check_alias(alias))

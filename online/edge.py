@@ -4,13 +4,18 @@
 status from the one table (``online/errors.py``) with a body in the protocol's own
 form, and nothing unexpected escapes as a crash (``error_answer`` is that table's use, for
 plain ASGI endpoints too). ``read_body`` (``read_asgi_body`` for plain ASGI) enforces the
-size limit before and after decompression (gzip and deflate).
+size limit before and after decompression (gzip, every member of it, and deflate).
+
+A large body is decompressed on the data plane's codec threads, not the event loop
+(``runs_off_loop``: ``offload_min_bytes``, or a 32nd of it for a compressed body), so that
+health checks and small requests are answered meanwhile; a small one takes no detour.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
 import zlib
 from typing import Any, Awaitable, Callable
 
@@ -21,7 +26,7 @@ from starlette.types import Receive
 
 from shardline.errors import InvalidInput, PayloadTooLarge, ShardlineError, UnsupportedEncoding
 from shardline.online.dataplane import DataPlane
-from shardline.online.errors import error_status
+from shardline.online.errors import error_status, shown
 from shardline.online.logs import current
 from shardline.online.models import ServedModel
 from shardline.online.tenants import Tenant
@@ -30,6 +35,17 @@ log = logging.getLogger("shardline.online")
 Handler = Callable[[Request], Awaitable[Response]]
 ErrorBody = Callable[[str, int], dict[str, Any]]
 JSON = "application/json"
+MAX_GZIP_MEMBERS = 64  # concatenated gzip streams in one body (gzip(1) reads them all; so does this)
+COMPRESSION_RATIO = 32  # a compressed body this much smaller than offload_min_bytes may inflate past it
+_BYTE_COUNT = re.compile(r"[0-9]{1,15}")  # ASCII digits (str.isdigit takes '²', int() does not), a sane length
+
+
+def runs_off_loop(size: int, compressed: bool, threshold: int) -> bool:
+    """Whether work on a body of ``size`` bytes goes to the codec threads (else it is done on the loop).
+
+    A compressed body counts ``COMPRESSION_RATIO`` times its size (what it may inflate to).
+    """
+    return size * COMPRESSION_RATIO >= threshold if compressed else size >= threshold
 
 
 def json_response(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -92,8 +108,8 @@ def note_model(served: ServedModel) -> None:
         info.version = str(served.version)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, decompressed (Content-Encoding gzip or deflate), at most ``limit`` bytes.
+async def read_body(request: Request, plane: DataPlane) -> bytes:
+    """The request body, decompressed (Content-Encoding gzip or deflate), at most ``max_body_bytes``.
 
     Raises:
         PayloadTooLarge: the body, or what it inflates to, is over the limit.
@@ -101,6 +117,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         InvalidInput: a compressed body that does not decompress.
     """
     headers = request.headers
+    limit = plane.settings.max_body_bytes
     _check_declared(headers.get("content-length"), limit)
     chunks: list[bytes] = []
     size = 0
@@ -110,16 +127,17 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise PayloadTooLarge(_too_large(f"at least {size} bytes", limit), limit)
         chunks.append(chunk)
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    return decode_body(body, headers.get("content-encoding"), limit)
+    return await _decoded(body, headers.get("content-encoding"), plane)
 
 
-async def read_asgi_body(receive: Receive, content_length: str | None, encoding: str | None, limit: int) -> bytes:
-    """``read_body`` for a plain ASGI app: the request's body from ``receive``, decompressed, at most ``limit``.
+async def read_asgi_body(receive: Receive, content_length: str | None, encoding: str | None, plane: DataPlane) -> bytes:
+    """``read_body`` for a plain ASGI app: the request's body from ``receive``, decompressed, at most ``max_body_bytes``.
 
     Raises:
         PayloadTooLarge, UnsupportedEncoding, InvalidInput: as ``read_body``.
         ClientGone: the client disconnected before the body was read.
     """
+    limit = plane.settings.max_body_bytes
     _check_declared(content_length, limit)
     chunks: list[bytes] = []
     size = 0
@@ -136,6 +154,15 @@ async def read_asgi_body(receive: Receive, content_length: str | None, encoding:
         if not message.get("more_body", False):
             break
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return await _decoded(body, encoding, plane)
+
+
+async def _decoded(body: bytes, encoding: str | None, plane: DataPlane) -> bytes:
+    if not encoding or encoding.strip().lower() == "identity":  # the commonest request: nothing to do
+        return body
+    limit = plane.settings.max_body_bytes
+    if runs_off_loop(len(body), True, plane.settings.offload_min_bytes):
+        return await plane.off_loop(lambda: decode_body(body, encoding, limit))
     return decode_body(body, encoding, limit)
 
 
@@ -144,7 +171,7 @@ class ClientGone(Exception):
 
 
 def _check_declared(declared: str | None, limit: int) -> None:
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and _BYTE_COUNT.fullmatch(declared.strip()) and int(declared) > limit:
         raise PayloadTooLarge(_too_large(f"{declared} bytes", limit), limit)
 
 
@@ -158,16 +185,11 @@ def decode_body(body: bytes, content_encoding: str | None, limit: int) -> bytes:
     if encoding in ("", "identity"):
         return body
     if encoding in ("gzip", "x-gzip"):
-        return _inflate(body, 16 + zlib.MAX_WBITS, limit, "gzip")
+        return _inflate(body, 16 + zlib.MAX_WBITS, limit, "gzip", MAX_GZIP_MEMBERS)
     if encoding == "deflate":
-        try:
-            return _inflate(body, zlib.MAX_WBITS, limit, "deflate")
-        except InvalidInput as e:
-            if isinstance(e, PayloadTooLarge):
-                raise
-            return _inflate(body, -zlib.MAX_WBITS, limit, "deflate")  # raw deflate, as some clients send
+        return _inflate(body, zlib.MAX_WBITS, limit, "deflate", 1)  # (raw deflate too, as some clients send)
     raise UnsupportedEncoding(
-        f"Content-Encoding {encoding!r} is not supported; send the body uncompressed, gzip or deflate"
+        f"Content-Encoding {shown(encoding)} is not supported; send the body uncompressed, gzip or deflate"
     )
 
 
@@ -178,17 +200,36 @@ def _too_large(size: str, limit: int) -> str:
     )
 
 
-def _inflate(body: bytes, wbits: int, limit: int, name: str) -> bytes:
-    inflater = zlib.decompressobj(wbits)
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise InvalidInput(f"the request body is not valid {name} data ({e}); compress it again or send it plain") from e
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise PayloadTooLarge(
-            f"the {name} request body inflates to more than the limit of {limit} bytes; send fewer rows per "
-            "request (or raise SHARDLINE_ONLINE_MAX_BODY_BYTES on the server)", limit,
-        )
-    if not inflater.eof:
-        raise InvalidInput(f"the {name} request body is cut short; send the whole compressed body")
-    return out
+def _inflate(body: bytes, wbits: int, limit: int, name: str, members: int) -> bytes:
+    """Every member of a compressed body (gzip: concatenated streams, as gzip(1) reads them; trailing
+    zero bytes are padding), within ``limit`` bytes in all."""
+    parts: list[bytes] = []
+    size, rest = 0, body
+    for _ in range(members):
+        inflater = zlib.decompressobj(wbits)
+        try:
+            part = inflater.decompress(rest, limit - size + 1)
+        except zlib.error as e:
+            if wbits == zlib.MAX_WBITS and not parts:  # deflate without the zlib wrapper, as some clients send
+                return _inflate(body, -zlib.MAX_WBITS, limit, name, members)
+            raise InvalidInput(
+                f"the request body is not valid {name} data ({e}){' after its first member' if parts else ''}; "
+                "compress it again or send it plain"
+            ) from e
+        size += len(part)
+        if size > limit or inflater.unconsumed_tail:
+            raise PayloadTooLarge(
+                f"the {name} request body inflates to more than the limit of {limit} bytes; send fewer rows per "
+                "request (or raise SHARDLINE_ONLINE_MAX_BODY_BYTES on the server)", limit,
+            )
+        if not inflater.eof:
+            raise InvalidInput(f"the {name} request body is cut short; send the whole compressed body")
+        parts.append(part)
+        rest = inflater.unused_data
+        if not rest.strip(b"\0"):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+    raise InvalidInput(
+        f"the {name} request body goes on after {members} compressed "
+        f"{'stream' if members == 1 else 'members'}; send {'one stream' if members == 1 else 'fewer members'} "
+        "(or the body uncompressed)"
+    )

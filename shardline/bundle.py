@@ -21,7 +21,8 @@ from shardline.errors import IntegrityError, InvalidBundle, InvalidSetting
 from shardline.signature import Signature
 
 MANIFEST = "manifest.json"
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+_VERSION = re.compile(r"[0-9]{1,9}")  # ASCII digits only (str.isdigit takes '²', int() does not), a sane length
 _CHUNK = 1 << 20
 
 
@@ -39,9 +40,14 @@ def sha256_file(path: str | Path) -> str:
         return sha256_of(f)
 
 
+def version_number(text: str) -> int | None:
+    """The version a text names (``"3"`` -> 3): 1-9 ASCII digits, else None."""
+    return int(text) if _VERSION.fullmatch(text) else None
+
+
 def check_model_name(name: str) -> str:
     """Return ``name`` if it is a valid model name, else raise InvalidSetting."""
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):  # fullmatch: '$' would let a trailing newline through
         raise InvalidSetting(
             f"model name {name!r} is not allowed; use 1-64 lower-case letters, digits, "
             "'.', '_' or '-', starting with a letter or digit"
@@ -319,12 +325,13 @@ class ModelRef(BaseModel):
             return cls(name=check_model_name(name), alias=alias)
         if ":" in text:
             name, version = text.split(":", 1)
-            if not version.isdigit():
+            number = version_number(version)
+            if number is None:
                 raise InvalidSetting(
                     f"model reference {text!r}: the version {version!r} is not a number; "
                     "write name:3 for a version or name@prod for an alias"
                 )
-            return cls(name=check_model_name(name), version=int(version))
+            return cls(name=check_model_name(name), version=number)
         return cls(name=check_model_name(text), alias="prod")
 
     def __str__(self) -> str:

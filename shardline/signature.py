@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Iterable
+from typing import Any, Iterable
 
 import pyarrow as pa
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from shardline.errors import InvalidBundle
 
@@ -63,12 +63,26 @@ class ColumnSpec(BaseModel):
     name: str = Field(min_length=1, description="Column name.")
     type: str = Field(description="Arrow type string, e.g. 'float32'.")
     nullable: bool = Field(default=False, description="Whether nulls are allowed.")
+    non_finite: bool = Field(
+        default=False,
+        description="Whether NaN and +/-infinity are values the model takes in this (float) column, e.g. a tree "
+        "model's missing value. Without it the online tier refuses them with 400 naming the input; the batch "
+        "tier does not look at them (they reach the model).",
+    )
 
     @field_validator("type")
     @classmethod
     def _known_type(cls, value: str) -> str:
         parse_type(value)
         return value
+
+    @model_serializer(mode="wrap")
+    def _without_default_flags(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # non_finite is written only when set, so every bundle made before it keeps its manifest and digests.
+        data: dict[str, Any] = handler(self)
+        if not self.non_finite:
+            data.pop("non_finite", None)
+        return data
 
     @property
     def arrow_type(self) -> pa.DataType:

@@ -26,6 +26,7 @@ from starlette.routing import BaseRoute, Route
 from shardline.errors import InvalidInput, NotServed
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import authenticate, endpoint, json_response, note_model, read_body
+from shardline.online.errors import shown
 from shardline.online.models import ServedModel
 
 PROTOCOL = "openai"
@@ -72,10 +73,10 @@ def parse_embedding_request(body: bytes) -> tuple[str, list[str], str, int | Non
             raise InvalidInput(f"field 'input'[{i}] is {kind}; this server embeds text: send strings")
     encoding = doc.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
-        raise InvalidInput(f"field 'encoding_format' is {encoding!r}; use 'float' or 'base64'")
+        raise InvalidInput(f"field 'encoding_format' is {shown(encoding)}; use 'float' or 'base64'")
     dimensions = doc.get("dimensions")
     if dimensions is not None and (type(dimensions) is not int or dimensions < 1):
-        raise InvalidInput(f"field 'dimensions' is {dimensions!r}, not a positive whole number")
+        raise InvalidInput(f"field 'dimensions' is {shown(dimensions)}, not a positive whole number")
     return model.strip(), texts, encoding, dimensions
 
 
@@ -115,8 +116,11 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
     async def embeddings(request: Request) -> Response:
         tenant = authenticate(request, plane)
         with plane.admit(tenant):
-            body = await read_body(request, plane.settings.max_body_bytes)
-            reference, texts, encoding, dimensions = parse_embedding_request(body)
+            body = await read_body(request, plane)
+            if len(body) >= plane.settings.offload_min_bytes:  # parsed on a codec thread: the loop goes on
+                reference, texts, encoding, dimensions = await plane.off_loop(lambda: parse_embedding_request(body))
+            else:
+                reference, texts, encoding, dimensions = parse_embedding_request(body)
             served = await plane.model_for_reference(tenant, reference)
             note_model(served)
             text_column, embedding_column, size = embedding_columns(served)
@@ -129,6 +133,8 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
             tokens = await plane.count_tokens(served, texts)
         column = output.column(embedding_column).combine_chunks()
         vectors = column.flatten().to_numpy().astype(np.float32, copy=False).reshape(len(texts), size)
+        if vectors.nbytes * 4 >= plane.settings.offload_min_bytes:  # the JSON: ~4x the floats' bytes
+            return await plane.off_loop(lambda: json_response(embedding_response(served.pinned, vectors, encoding, tokens)))
         return json_response(embedding_response(served.pinned, vectors, encoding, tokens))
 
     @wrap

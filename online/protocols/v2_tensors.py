@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardline.errors import InferenceFailed, InvalidInput
+from shardline.online.errors import shown
 from shardline.signature import ColumnSpec, is_compatible
 
 DATATYPES: dict[str, pa.DataType] = {
@@ -62,15 +63,28 @@ def describe(spec: ColumnSpec) -> dict[str, Any]:
     return {"name": spec.name, "datatype": datatype_of(spec.arrow_type), "shape": shape_of(spec.arrow_type)}
 
 
-def _flatten(data: list[Any], name: str) -> list[Any]:
-    if not data or not isinstance(data[0], list):
-        return data
-    flat: list[Any] = []
-    for row in data:
-        if not isinstance(row, list):
-            raise InvalidInput(f"input {name!r}: data mixes lists and single values; send it flat or nested evenly")
-        flat.extend(_flatten(row, name))
-    return flat
+def _flatten(data: list[Any], name: str, shape: list[int]) -> list[Any]:
+    """The values of ``data``, flat or nested at most as deep as ``shape`` has dimensions (a loop, not a
+    recursion: a client chooses the depth)."""
+    depth = 1
+    while data and isinstance(data[0], list):
+        depth += 1
+        if depth > len(shape):
+            raise InvalidInput(
+                f"input {name!r}: 'data' is nested deeper than its shape {shape} has dimensions; send the values "
+                "flat, or nested as the shape says"
+            )
+        flat: list[Any] = []
+        for row in data:
+            if not isinstance(row, list):
+                raise _mixed(name)
+            flat.extend(row)
+        data = flat
+    return data
+
+
+def _mixed(name: str) -> InvalidInput:
+    return InvalidInput(f"input {name!r}: 'data' mixes lists and single values; send it flat or nested evenly")
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,7 @@ class _Plan:
     value_type: pa.DataType
     shape: list[int]
     accepts: frozenset[str]
+    finite_only: bool  # a float column whose signature does not declare NaN and infinity
 
 
 _PLANS: dict[int, tuple[ColumnSpec, _Plan]] = {}
@@ -93,7 +108,8 @@ def _plan(spec: ColumnSpec) -> _Plan:
     expected = spec.arrow_type
     value_type = _value_type(expected)
     accepts = frozenset(d for d, t in DATATYPES.items() if is_compatible(t, value_type))
-    plan = _Plan(expected, value_type, shape_of(expected), accepts)
+    finite_only = pa.types.is_floating(value_type) and not spec.non_finite
+    plan = _Plan(expected, value_type, shape_of(expected), accepts, finite_only)
     if len(_PLANS) > 4096:
         _PLANS.clear()
     _PLANS[id(spec)] = (spec, plan)
@@ -116,16 +132,19 @@ def _check_shape(name: str, shape: list[int], plan: _Plan, model: str) -> None:
 _KINDS = {"b": "bool", "i": "integer", "u": "integer", "f": "floating-point", "U": "string", "O": "null or mixed"}
 
 
-def _from_json(name: str, datatype: str, data: Any) -> np.ndarray | pa.Array:
+def _from_json(name: str, datatype: str, data: Any, shape: list[int]) -> np.ndarray | pa.Array:
     if not isinstance(data, list):
         raise InvalidInput(f"input {name!r}: 'data' is a {type(data).__name__}, not a list of values")
-    flat = _flatten(data, name)
+    flat = _flatten(data, name, shape)
     if datatype == "BYTES":
         try:
             return pa.array(flat, type=pa.string())
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise InvalidInput(f"input {name!r} is declared BYTES but holds values that are not strings: {e}") from e
-    values = np.array(flat)
+    try:
+        values = np.array(flat)
+    except (ValueError, TypeError, OverflowError) as e:  # e.g. [1, [2]]: lists below single values
+        raise _mixed(name) from e
     if values.size == 0:
         return values.astype(_NUMPY[datatype])
     kind = values.dtype.kind
@@ -173,17 +192,48 @@ def _from_binary(
     return np.frombuffer(raw, dtype=dtype)
 
 
-def _to_arrow(name: str, values: np.ndarray | pa.Array, value_type: pa.DataType, spec: ColumnSpec) -> pa.Array:
-    """Values as an Arrow array of the column's value type (numpy casts floats; Arrow checks the rest)."""
+def _to_arrow(name: str, values: np.ndarray | pa.Array, plan: _Plan, spec: ColumnSpec, model: str) -> pa.Array:
+    """Values as an Arrow array of the column's value type (numpy casts floats; Arrow checks the rest).
+
+    Raises:
+        InvalidInput: values that do not fit, or NaN or infinity (also from a cast that overflows)
+            in a column whose signature does not declare them (``non_finite``).
+    """
+    value_type = plan.value_type
     if isinstance(values, np.ndarray) and pa.types.is_floating(value_type) and values.dtype.kind in "iuf":
-        return pa.array(values.astype(value_type.to_pandas_dtype(), copy=False))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is inf, refused just below
+            converted = values.astype(value_type.to_pandas_dtype(), copy=False)
+        if plan.finite_only and converted.dtype.kind == "f":
+            refuse_non_finite(name, converted, spec, model)
+        return pa.array(converted)
     array = pa.array(values) if isinstance(values, np.ndarray) else values
     if array.type == value_type:
         return array
     try:
         return array.cast(value_type, safe=True)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
         raise InvalidInput(f"input {name!r}: its values do not fit {spec.type} ({e})") from e
+
+
+def refuse_non_finite(name: str, values: np.ndarray, spec: ColumnSpec, model: str) -> None:
+    """Refuse NaN and infinity among float ``values`` of input ``name``.
+
+    Raises:
+        InvalidInput: naming the input, how many values and the first one's position.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        if math.isfinite(values.sum(dtype=np.float64)):  # one pass; a sum that overflows is looked at closely
+            return
+    bad = ~np.isfinite(values)
+    if not bad.any():
+        return
+    first = int(np.flatnonzero(bad.ravel())[0])
+    raise InvalidInput(
+        f"input {name!r} holds {int(bad.sum())} NaN or infinite values (the first is value {first}, counting from 0 "
+        f"in the order sent; a number out of {spec.type}'s range is infinite too); the model {model!r} takes "
+        "finite numbers only: send a number in every row (a model that reads NaN declares non_finite: true on the "
+        "input in its signature)"
+    )
 
 
 def tensor_to_column(
@@ -200,7 +250,9 @@ def tensor_to_column(
     plan = _plan(spec)
     if datatype not in plan.accepts:
         if datatype not in DATATYPES:
-            raise InvalidInput(f"input {name!r}: datatype {datatype!r} is not a V2 datatype; use one of {sorted(DATATYPES)}")
+            raise InvalidInput(
+                f"input {name!r}: datatype {shown(datatype)} is not a V2 datatype; use one of {sorted(DATATYPES)}"
+            )
         want = datatype_of(plan.expected)
         raise InvalidInput(
             f"input {name!r} is {datatype}, the model {model!r} expects {want} ({spec.type}); send it as {want}"
@@ -210,10 +262,10 @@ def tensor_to_column(
     if isinstance(values, (bytes, bytearray, memoryview)):
         decoded = _from_binary(name, datatype, values, count, shape)
     else:
-        decoded = _from_json(name, datatype, values)
+        decoded = _from_json(name, datatype, values, shape)
     if len(decoded) != count:
         raise InvalidInput(f"input {name!r} holds {len(decoded)} values; its shape {shape} holds {count}")
-    array = _to_arrow(name, decoded, plan.value_type, spec)
+    array = _to_arrow(name, decoded, plan, spec, model)
     if len(plan.shape) == 1:
         return array
     if pa.types.is_fixed_size_list(plan.expected):

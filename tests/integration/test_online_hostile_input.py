@@ -1,0 +1,151 @@
+"""Bad and heavy client input over real HTTP: 400s that name the field (no traceback logged), NaN
+refused unless the model takes it, and every gzip member read.
+
+One real server (uvicorn on a free loopback port, in a thread) with the default body limit
+(16 MiB) serves the breast-cancer classifier, and a copy of it whose signature declares that
+its inputs take NaN (``non_finite``), for the whole module.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from shardline.online.app import create_app
+from shardline.online.server import build_plane
+from shardline.online.tenants import TenantDirectory, hash_api_key
+from shardline.online.testing import serve_in_thread
+from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
+from shardline.storage.registry import ModelRegistry
+
+from tests.conftest import BuiltModel
+
+KEY = "sk-acme-hostile"
+MODEL, TAKES_NAN = "breast-cancer", "bc-takes-nan"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def url(breast_cancer_model: BuiltModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    home = tmp_path_factory.mktemp("hostile-home")
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias(MODEL, "prod", registry.push(breast_cancer_model.bundle_dir).version or 1)
+    copy = home / "takes-nan"
+    shutil.copytree(breast_cancer_model.bundle_dir, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["name"] = TAKES_NAN
+    for column in manifest["signature"]["inputs"]:
+        column["non_finite"] = True  # gradient boosting in ONNX reads NaN as a missing value
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    registry.set_alias(TAKES_NAN, "prod", registry.push(copy).version or 1)
+    tenants = TenantDirectory.from_config({"tenants": [
+        {"name": "acme", "api_keys_sha256": [hash_api_key(KEY)], "models": [f"{MODEL}@prod", f"{TAKES_NAN}@prod"]},
+    ]})
+    plane = build_plane(OnlineSettings(alias_refresh_s=0), StorageSettings(home=str(home)),
+                        RuntimeSettings(device="cpu", intra_op_threads=1), tenants)
+    with serve_in_thread(create_app(plane)) as base:
+        yield base
+
+
+def body_for(model: BuiltModel, rows: np.ndarray) -> dict[str, object]:
+    return {"inputs": [{"name": n, "datatype": "FP64", "shape": [len(rows)], "data": rows[:, j].tolist()}
+                       for j, n in enumerate(model.data.names)]}
+
+
+def binary_body(model: BuiltModel, rows: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    columns = [np.ascontiguousarray(rows[:, j], np.float32) for j in range(rows.shape[1])]
+    header = orjson.dumps({"inputs": [
+        {"name": n, "datatype": "FP32", "shape": [len(rows)], "parameters": {"binary_data_size": c.nbytes}}
+        for n, c in zip(model.data.names, columns)]})
+    return header + b"".join(c.tobytes() for c in columns), {"Inference-Header-Content-Length": str(len(header))}
+
+
+# -- item 6: bad input is a 400 naming the field, and no traceback ---------------------------------
+def test_each_hostile_request_is_a_4xx_naming_the_field_and_logs_no_traceback(
+    url: str, breast_cancer_model: BuiltModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = orjson.dumps(body_for(breast_cancer_model, breast_cancer_model.data.features[:2]))
+    first = breast_cancer_model.data.names[0]
+    deep = orjson.loads(good)
+    deep["inputs"][0]["data"] = "X"
+    nested = orjson.dumps(deep).replace(b'"X"', b"[" * 1000 + b"1.0" + b"]" * 1000)
+    cases = [
+        (f"/v2/models/{MODEL}/versions/%C2%B2/infer", good, {}, 400, "version '²' of model 'breast-cancer' is not a version number"),
+        (f"/v2/models/{MODEL}/versions/{'9' * 5000}/infer", good, {}, 400, "is not a version number; send 1, 2, ..."),
+        (f"/v2/models/{MODEL}/versions/%C2%B2", b"", {}, 400, "is not a version number"),
+        (f"/v2/models/{MODEL}/infer", good, {"Inference-Header-Content-Length": b"\xb2"}, 400,
+         "header Inference-Header-Content-Length is '²', not a number of bytes; send the length"),
+        (f"/v2/models/{MODEL}/infer", nested, {}, 400, f"input '{first}': 'data' is nested deeper than its shape [2]"),
+        (f"/v2/models/{MODEL}%0A/infer", good, {}, 404, "model 'breast-cancer\\n' is not available"),
+        (f"/v2/models/{MODEL}/infer", orjson.dumps({"inputs": [{"name": "x" * 100_000, "datatype": "FP32",
+                                                              "shape": [1], "data": [1.0]}]}), {}, 400, "is not an input"),
+    ]
+    with caplog.at_level(logging.ERROR, logger="shardline.online"), httpx.Client(base_url=url, headers=AUTH) as http:
+        for path, body, headers, status, message in cases:  # type: ignore[assignment]
+            response = (http.get(path, headers=headers) if not body else
+                        http.post(path, content=body, headers=headers))
+            assert (path[:60], response.status_code) == (path[:60], status), response.text[:300]
+            assert message in response.json()["error"], (path[:60], response.json())
+            assert len(response.text) < 2000  # the client's value is quoted cut short
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_embedding_requests_with_hostile_versions_are_400(url: str) -> None:
+    for reference in (f"{MODEL}:²", f"{MODEL}:{'9' * 5000}"):
+        response = httpx.post(f"{url}/v1/embeddings", headers=AUTH, json={"model": reference, "input": "hi"})
+        assert response.status_code == 400 and "is not a version number" in response.json()["error"]["message"]
+
+
+# -- item 10: NaN and infinity --------------------------------------------------------------------
+def test_nan_and_infinity_are_refused_naming_the_input(url: str, breast_cancer_model: BuiltModel) -> None:
+    rows = breast_cancer_model.data.features[:3].copy()
+    rows[1, 4] = np.nan
+    rows[2, 4] = np.inf
+    body, headers = binary_body(breast_cancer_model, rows)
+    refused = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers={**AUTH, **headers}, content=body)
+    name = breast_cancer_model.data.names[4]
+    assert refused.status_code == 400
+    assert f"input '{name}' holds 2 NaN or infinite values (the first is value 1" in refused.json()["error"]
+
+    doc = body_for(breast_cancer_model, breast_cancer_model.data.features[:2])
+    doc["inputs"][4]["data"][0] = 1e39  # past float32's range: infinite once cast
+    doc["inputs"][4]["datatype"] = "FP32"
+    overflow = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers=AUTH, content=orjson.dumps(doc))
+    assert overflow.status_code == 400 and f"input '{name}' holds 1 NaN or infinite values" in overflow.json()["error"]
+
+
+def test_a_model_whose_signature_takes_nan_scores_it(url: str, breast_cancer_model: BuiltModel) -> None:
+    rows = breast_cancer_model.data.features[:3].copy()
+    rows[1, 4] = np.nan
+    body, headers = binary_body(breast_cancer_model, rows)
+    answer = httpx.post(f"{url}/v2/models/{TAKES_NAN}/infer", headers={**AUTH, **headers}, content=body)
+    assert answer.status_code == 200, answer.text
+    labels = {o["name"]: o for o in answer.json()["outputs"]}["label"]["data"]
+    assert len(labels) == 3 and set(labels) <= {0, 1}
+
+
+# -- item 10: gzip members ------------------------------------------------------------------------
+def test_a_body_of_two_gzip_members_is_read_whole(url: str, breast_cancer_model: BuiltModel) -> None:
+    plain = orjson.dumps(body_for(breast_cancer_model, breast_cancer_model.data.features[:4]))
+    cut = len(plain) // 2
+    members = gzip.compress(plain[:cut]) + gzip.compress(plain[cut:])
+    expected = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers=AUTH, content=plain)
+    got = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers={**AUTH, "Content-Encoding": "gzip"}, content=members)
+    assert got.status_code == expected.status_code == 200, got.text
+    assert got.json()["outputs"] == expected.json()["outputs"]
+
+    trailing = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers={**AUTH, "Content-Encoding": "gzip"},
+                          content=gzip.compress(plain) + b"garbage")
+    assert trailing.status_code == 400 and "after its first member" in trailing.json()["error"]
+    bomb = gzip.compress(b" " * (9 << 20)) * 2  # 18 MiB in all, past the 16 MiB limit
+    refused = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers={**AUTH, "Content-Encoding": "gzip"}, content=bomb)
+    assert refused.status_code == 413 and "inflates to more than the limit" in refused.json()["error"]

@@ -231,7 +231,8 @@ def make_servers(names: list[str], data: dict[str, Any], args: argparse.Namespac
         port = free_port()
         if name in ("platform", "capture"):
             command = [sys.executable, "-m", "shardline.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                       "--tenants", data["tenants"], "--workers", str(args.workers)]
+                       "--tenants", data["tenants"], "--workers", str(args.workers),
+                       "--metrics-port", str(free_port())]  # metrics on, on a listener of their own
             platform_env = dict(env, SHARDLINE_STORAGE_HOME=data["home"], SHARDLINE_RUNTIME_INTRA_OP_THREADS=str(args.threads),
                                 SHARDLINE_ONLINE_CAPTURE_RATE=str(args.capture_rate if name == "capture" else 0.0))
             servers.append(Server(name, command, platform_env, port, f"/v2/models/{MODEL}/infer", "/v2/health/ready"))

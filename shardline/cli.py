@@ -292,37 +292,37 @@ def demo(
 
 @app.command()
 def serve(
-    host: Optional[str] = typer.Option(None, help="Address to listen on [default: 127.0.0.1; SHARDLINE_ONLINE_HOST]."),
+    host: Optional[str] = typer.Option(None, help="Address to listen on \\[default: 127.0.0.1; SHARDLINE_ONLINE_HOST]."),
     port: Optional[int] = typer.Option(
-        None, min=0, max=65_535, help="TCP port [default: 8000; SHARDLINE_ONLINE_PORT]."
+        None, min=0, max=65_535, help="TCP port \\[default: 8000; SHARDLINE_ONLINE_PORT]."
     ),
     tenants: Optional[Path] = typer.Option(
-        None, "--tenants", help="Tenants YAML: API key hashes, models, priority, quotas [SHARDLINE_ONLINE_TENANTS_FILE]."
+        None, "--tenants", help="Tenants YAML: API key hashes, models, priority, quotas \\[SHARDLINE_ONLINE_TENANTS_FILE]."
     ),
     workers: Optional[int] = typer.Option(
         None, min=0, help="Server processes sharing the port, each with 1/N of every tenant quota; 0: one per "
-        "core [default: 1; SHARDLINE_ONLINE_WORKERS].",
+        "core \\[default: 1; SHARDLINE_ONLINE_WORKERS].",
     ),
     metrics_host: Optional[str] = typer.Option(
         None, help="Address of the Prometheus /metrics listener (it names every tenant: keep it private) "
-        "[default: 127.0.0.1; SHARDLINE_ONLINE_METRICS_HOST]."),
+        "\\[default: 127.0.0.1; SHARDLINE_ONLINE_METRICS_HOST]."),
     metrics_port: Optional[str] = typer.Option(
         None, help="Port of the /metrics listener; 0 or 'off': none. The main port has no /metrics "
-        "[default: 8002; SHARDLINE_ONLINE_METRICS_PORT]."),
+        "\\[default: 8002; SHARDLINE_ONLINE_METRICS_PORT]."),
     max_connections: Optional[int] = typer.Option(
         None, min=0, help="Open connections per process; at the cap the longest-idle one makes room, or 503 when "
-        "all are busy; 0: from ulimit -n (less an eighth, at most 4096) [default: 0; SHARDLINE_ONLINE_MAX_CONNECTIONS]."),
+        "all are busy; 0: from ulimit -n (less an eighth, at most 4096) \\[default: 0; SHARDLINE_ONLINE_MAX_CONNECTIONS]."),
     max_in_flight: Optional[int] = typer.Option(
         None, min=0, help="Requests answered at once per process, more get 503 + Retry-After (not health checks); "
-        "0: 3/4 of the connection cap [default: 0; SHARDLINE_ONLINE_MAX_IN_FLIGHT]."),
+        "0: 3/4 of the connection cap \\[default: 0; SHARDLINE_ONLINE_MAX_IN_FLIGHT]."),
     max_header_bytes: Optional[int] = typer.Option(
-        None, min=1024, help="Largest request head in bytes, else 431 [default: 65536; "
+        None, min=1024, help="Largest request head in bytes, else 431 \\[default: 65536; "
         "SHARDLINE_ONLINE_MAX_HEADER_BYTES; also SHARDLINE_ONLINE_MAX_HEADERS, 100 fields]."),
     header_timeout: Optional[float] = typer.Option(
         None, help="Seconds a new connection has to send its first request's head, else 408 and closed "
-        "[default: 10; SHARDLINE_ONLINE_HEADER_TIMEOUT_S; later heads: SHARDLINE_ONLINE_KEEP_ALIVE_S, 5]."),
+        "\\[default: 10; SHARDLINE_ONLINE_HEADER_TIMEOUT_S; later heads: SHARDLINE_ONLINE_KEEP_ALIVE_S, 5]."),
     body_timeout: Optional[float] = typer.Option(
-        None, help="Seconds a request's whole body has to arrive, else 408 and closed [default: 60; "
+        None, help="Seconds a request's whole body has to arrive, else 408 and closed \\[default: 60; "
         "SHARDLINE_ONLINE_BODY_TIMEOUT_S]."),
 ) -> None:
     """Serve the tenants' models over HTTP: Open Inference Protocol (/v2) and OpenAI-style /v1/embeddings.

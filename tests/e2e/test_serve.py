@@ -49,7 +49,8 @@ def test_serve_answers_logs_json_with_request_ids_and_stops_on_sigterm(
     tenants = write_tenants(tmp_path / "tenants.yaml")
     log = tmp_path / "serve.log"
     with open(log, "wb") as sink:
-        server = subprocess.Popen([*SHARDLINE, "serve", "--port", str(port)], cwd=tmp_path, stdout=sink, stderr=sink,
+        server = subprocess.Popen([*SHARDLINE, "serve", "--port", str(port), "--metrics-port", str(free_port())],
+                                  cwd=tmp_path, stdout=sink, stderr=sink,
                                   env={**cli_env, "SHARDLINE_ONLINE_TENANTS_FILE": str(tenants)})
     url = f"http://127.0.0.1:{port}"
     try:

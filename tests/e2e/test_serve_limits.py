@@ -228,3 +228,17 @@ def test_metrics_are_not_on_the_main_port_but_on_their_own_listener(capped: Serv
     assert 'tenant="acme"' in scraped.text and "shardline_requests_total" in scraped.text
     assert httpx.get(f"{capped.metrics_url}/v2/health/live").status_code == 404  # nothing else there
     assert f"metrics on http://127.0.0.1:{capped.metrics_port}/metrics" in capped.log.read_text()
+
+
+def test_serve_refuses_to_start_when_the_metrics_port_is_taken(home: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
+        done = subprocess.run([*SHARDLINE, "serve", "--port", str(free_port()), "--metrics-port", str(port),
+                               "--tenants", str(home / "tenants.yaml")], cwd=home, capture_output=True, text=True,
+                              timeout=120, env={**env, "SHARDLINE_STORAGE_HOME": str(home), "DO_NOT_TRACK": "1"})
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen for metrics on 127.0.0.1:{port}" in done.stderr
+    assert "SHARDLINE_ONLINE_METRICS_PORT to a free port, or 'off'" in done.stderr and "Traceback" not in done.stderr

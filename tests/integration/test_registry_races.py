@@ -185,3 +185,26 @@ def test_an_unreadable_alias_record_answers_without_the_registry_location(
     assert answer.status_code >= 500
     message = answer.json()["error"]
     assert f"{MODEL}@prod" in message and local_registry.root not in message and "/" not in message
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_promotion_goes_on_past_a_dead_writers_record(
+    shardline_home: Path, breast_cancer_model: BuiltModel, tmp_path: Path
+) -> None:
+    from shardline.examples import breast_cancer, golden_table, package_breast_cancer, split
+    from shardline.flows.promotion import promote_model
+    from shardline.quality.profile import profile_table
+
+    registry = ModelRegistry(str(shardline_home / "registry"))
+    registry.push(breast_cancer_model.bundle_dir)
+    train, _ = split(breast_cancer())
+    package_breast_cancer(tmp_path / "v2", kind="logreg", reference_profile=profile_table(golden_table(train)))
+    registry.push(tmp_path / "v2")
+    assert promote_model(reference=f"{MODEL}:1", to_alias="staging", return_state=True).is_completed()
+    (Path(registry.root) / MODEL / "aliases" / "staging" / "00000002.json").write_bytes(b"")
+
+    state = promote_model(reference=f"{MODEL}:2", to_alias="staging", return_state=True)
+
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    assert (state.result()["version"], state.result()["previous"]) == (2, 1)
+    assert [(m.seq, m.version) for m in registry.alias_history(MODEL, "staging")] == [(1, 1), (3, 2)]

@@ -150,7 +150,8 @@ def create_app(plane: DataPlane, *, log_requests: bool = True) -> ASGIApp:
         *openai.routes(plane),
     ]
     starlette = Starlette(
-        routes=routes, middleware=[Middleware(GZipMiddleware, minimum_size=kserve_v2.GZIP_MIN_BYTES)],
+        routes=routes, middleware=[Middleware(GZipMiddleware, minimum_size=kserve_v2.GZIP_MIN_BYTES,
+                                                  compresslevel=kserve_v2.GZIP_LEVEL)],
         lifespan=lifespan, exception_handlers={HTTPException: _http_error},
     )
     infer = next(r.app for r in v2_routes if isinstance(r, Route) and r.path.endswith("/infer"))

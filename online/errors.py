@@ -23,6 +23,7 @@ from shardline.errors import (
     Overloaded,
     PayloadTooLarge,
     RateLimited,
+    RegistryUnreadable,
     RuntimeUnavailable,
     ShardlineError,
     Unauthenticated,
@@ -39,6 +40,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (NotServed, 501),  # an endpoint not offered yet (the LLM endpoints)
     (Overloaded, 503),  # shed under overload, lowest priority first; Retry-After
     (RuntimeUnavailable, 503),  # the model cannot load on this server
+    (RegistryUnreadable, 503),  # the storage refused to read the registry: the client may retry
     (InvalidBundle, 500),  # the registry's bundle is broken (bad manifest, sha256 mismatch)
     (InferenceFailed, 500),  # the model failed on rows that passed its signature check
     (ShardlineError, 500),

@@ -182,7 +182,7 @@ def test_an_unreadable_alias_record_answers_without_the_registry_location(
     answer = httpx.post(f"{served}/v2/models/{MODEL}/infer", json=_infer_body(breast_cancer_model),
                         headers={"Authorization": "Bearer k"}, timeout=60)
 
-    assert answer.status_code >= 500
+    assert answer.status_code == 503  # the storage, not the request, is at fault: the client may retry
     message = answer.json()["error"]
     assert f"{MODEL}@prod" in message and local_registry.root not in message and "/" not in message
 

@@ -20,7 +20,7 @@ from shardline.sla import make_sla
 from shardline.storage.fs import resolve_location
 from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
 from shardline.storage.metering import MeteringLedger
-from shardline.tasks.batch import commit_job, infer_shards, plan_batch_job, report_job, validate_shards
+from shardline.tasks.batch import commit_job, infer_shards, plan_batch_job, release_output, report_job, validate_shards
 from shardline.tasks.cluster import dask_scheduler
 from shardline.tasks.fairness import check_gpu_quota, device_kind, fair_share, meter_run, priority_of
 from shardline.tasks.sla import SlaTracker, TrackedJob, planned_vs_actual, publish_sla_table
@@ -83,36 +83,39 @@ def batch_inference(
         check_gpu_quota(ledger, allowed, device)
 
     plan = plan_batch_job(model, input_uri, output_uri, tenant, passthrough, storage, batch, runtime, dask, variant)
-    records = JobRecords(storage.home, storage.storage_options)
-    deployment_name, flow_run_id = _run_context()
-    earlier = records.find(plan.job_id)
-    record = JobRecord(
-        job_id=plan.job_id, model_pinned=plan.job.model.pinned, started_at=started, deadline=promise.deadline,
-        parameters=JobParameters(model=model, input_uri=input_uri, output_uri=output_uri, tenant=tenant,
-                                 passthrough=passthrough, batch_rows=batch_rows, variant=variant, priority=priority),
-        shards_total=plan.total_shards, shards_done=len(plan.done), flow_run_id=flow_run_id,
-        runs=earlier.runs + 1 if earlier else 1,
-    )
-    tracker = SlaTracker(
-        TrackedJob(plan.job_id, tenant, plan.job.model.pinned, job_priority, deployment_name, flow_run_id),
-        promise, records, record, batch.sla_check_interval_s, batch.sla_window_s,
-    )
-    tracker.start()
-    try:
-        plan = validate_shards(plan)
-        if plan.todo:
-            with fair_share(allowed, job_priority, len(plan.todo), tenancy) as max_in_flight:
-                scored = len(plan.new)
-                with dask_scheduler(dask) as address:
-                    plan = infer_shards(plan, address, watchers=[tracker], max_in_flight=max_in_flight)
-            meter_run(ledger, tenant, plan.job_id, device, plan.new[scored:])
-        finished = datetime.now(timezone.utc)
-        rows = sum(r.rows_out for r in plan.new)
-        planned = planned_vs_actual(promise, finished, plan.total_shards, rows)
-        summary = report_job(commit_job(plan, {"sla": planned, "priority": job_priority}))
-    except BaseException as e:
-        tracker.finish("failed", f"{type(e).__name__}: {e}")
-        raise
+    try:  # the plan took the output's lease (one job per output folder): give it back however the job ends
+        records = JobRecords(storage.home, storage.storage_options)
+        deployment_name, flow_run_id = _run_context()
+        earlier = records.find(plan.job_id)
+        record = JobRecord(
+            job_id=plan.job_id, model_pinned=plan.job.model.pinned, started_at=started, deadline=promise.deadline,
+            parameters=JobParameters(model=model, input_uri=input_uri, output_uri=output_uri, tenant=tenant,
+                                     passthrough=passthrough, batch_rows=batch_rows, variant=variant, priority=priority),
+            shards_total=plan.total_shards, shards_done=len(plan.done), flow_run_id=flow_run_id,
+            runs=earlier.runs + 1 if earlier else 1,
+        )
+        tracker = SlaTracker(
+            TrackedJob(plan.job_id, tenant, plan.job.model.pinned, job_priority, deployment_name, flow_run_id),
+            promise, records, record, batch.sla_check_interval_s, batch.sla_window_s,
+        )
+        tracker.start()
+        try:
+            plan = validate_shards(plan)
+            if plan.todo:
+                with fair_share(allowed, job_priority, len(plan.todo), tenancy) as max_in_flight:
+                    scored = len(plan.new)
+                    with dask_scheduler(dask) as address:
+                        plan = infer_shards(plan, address, watchers=[tracker], max_in_flight=max_in_flight)
+                meter_run(ledger, tenant, plan.job_id, device, plan.new[scored:])
+            finished = datetime.now(timezone.utc)
+            rows = sum(r.rows_out for r in plan.new)
+            planned = planned_vs_actual(promise, finished, plan.total_shards, rows)
+            summary = report_job(commit_job(plan, {"sla": planned, "priority": job_priority}))
+        except BaseException as e:
+            tracker.finish("failed", f"{type(e).__name__}: {e}")
+            raise
+    finally:
+        release_output(plan)
     publish_sla_table(plan.job_id, planned)
     if summary["shards_quarantined"] == 0:
         tracker.finish("completed", f"{summary['rows_out']} rows scored", summary["rows_scored"])

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import typer
 
@@ -53,7 +55,7 @@ def run_batch_job(
 
     batch_tasks.progress_listeners.append(listen)
     try:
-        with bar:
+        with bar, _one_line_user_errors():
             state = batch_inference(
                 model=model, input_uri=input_uri, output_uri=output_uri, tenant=tenant,
                 passthrough=passthrough, batch_rows=batch_rows, variant=variant, sla=sla, deadline=deadline,
@@ -63,14 +65,55 @@ def run_batch_job(
         batch_tasks.progress_listeners.remove(listen)
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
-        code = EXIT_FAILED if isinstance(result, JobFailed) or not isinstance(result, ShardlineError) else EXIT_USAGE
-        typer.secho(f"error: {result}", fg="red", err=True)
-        return code, None
+        typer.secho(f"error: {_error_line(result)}", fg="red", err=True)
+        return _exit_code(result), None
     summary: dict[str, Any] = result
     _print_summary(summary, state.message or "")
     if state.is_failed():
         return EXIT_FAILED, summary
     return (EXIT_QUARANTINED if summary["shards_quarantined"] else EXIT_OK), summary
+
+
+class _NoTracebackForUserErrors(logging.Filter):
+    """Prefect logs a failed task or flow with its traceback; for a Shardline error the one line says it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], ShardlineError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+@contextlib.contextmanager
+def _one_line_user_errors() -> Iterator[None]:
+    quiet = _NoTracebackForUserErrors()
+    loggers = [logging.getLogger(name) for name in ("prefect.task_runs", "prefect.flow_runs")]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
+def _exit_code(error: BaseException) -> int:
+    """1 for a job a re-run resumes (some shards failed, or an unexpected fault); 2 for a request to change."""
+    from shardline.storage.lease import refuses_writes
+
+    if isinstance(error, JobFailed):
+        return EXIT_FAILED
+    if isinstance(error, ShardlineError) or refuses_writes(error):  # re-running cannot cure a refused write
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+def _error_line(error: BaseException) -> str:
+    from shardline.storage.lease import refuses_writes
+
+    if refuses_writes(error) and not isinstance(error, ShardlineError):
+        return (f"{type(error).__name__}: {error}; the output (or a file under it) cannot be written: make it "
+                "writable or choose another --output (running again will not help)")
+    return str(error)
 
 
 def _print_summary(summary: dict[str, Any], message: str) -> None:
@@ -122,8 +165,10 @@ def batch_run(
 ) -> None:
     """Score every row of the input shards and write Parquet parts to the output.
 
-    Exit codes: 0 all scored, 3 some shards quarantined, 1 failed (re-run to resume),
-    2 the request was wrong (model, URL, input, SLA, tenant, prefixes, quota).
+    Exit codes: 0 all scored (or already scored: a finished job writes nothing), 3 some
+    shards quarantined, 1 failed (re-run to resume), 2 the request was wrong (model, URL,
+    input, SLA, tenant, prefixes, quota; an output that is a file, read-only, in use by
+    another running job, or holding another model's parts).
     """
     from datetime import datetime, timezone
 
@@ -351,9 +396,22 @@ def serve(
 
 
 def main() -> None:
-    """Entry point: keep every library off the network, then run the command."""
+    """Entry point: keep every library off the network, then run the command.
+
+    `batch run` and `batch resume` run in a supervised child (shardline/_supervise.py),
+    so that nothing they start (Prefect's temporary server, Dask workers) outlives the
+    command, even when it is killed with SIGKILL.
+    """
+    from shardline._supervise import CHILD_FLAG, become_supervised_child, run_supervised, wants_supervision
+
     for key, value in OFF_THE_NETWORK.items():
         os.environ.setdefault(key, value)
+    argv = sys.argv[1:]
+    if argv[:1] == [CHILD_FLAG] and len(argv) > 1:
+        become_supervised_child(int(argv[1]))
+        sys.argv = [sys.argv[0], *argv[2:]]
+    elif wants_supervision(argv):
+        sys.exit(run_supervised(argv))
     try:
         app()
     except ShardlineError as e:

@@ -178,3 +178,23 @@ class ProtectedAlias(AliasConflict):
 
 class RegistryUnreadable(ShardlineError, OSError):
     """The registry's storage refused to read a record; the message names the model, the log its location."""
+
+
+class OutputInUse(ShardlineError, RuntimeError):
+    """A batch output folder is owned by another running job, or holds another model's parts; nothing was written.
+
+    ``holder`` is the job id of the running job or of the one whose parts are there (None when unknown).
+    """
+
+    def __init__(self, message: str, output: str, holder: str | None) -> None:
+        super().__init__(message)
+        self.output = output
+        self.holder = holder
+
+
+class OutputNotWritable(ShardlineError, PermissionError):
+    """A batch output cannot be written (it is a file, read-only or not permitted): re-running will not help."""
+
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(message)
+        self.output = output

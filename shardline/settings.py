@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -212,6 +212,25 @@ class BatchSettings(BaseSettings):
     sla_window_s: float = Field(
         default=300.0, gt=0, description="Seconds of recent progress the throughput (and so the projection) is measured over."
     )
+    lease_ttl_s: float = Field(
+        default=180.0, gt=0,
+        description="How long a running job's lease on its output folder lasts unless renewed: a job whose owner "
+        "died (on another host, or whose process cannot be checked) is taken over this long after its last renewal.",
+    )
+    lease_renew_s: float = Field(
+        default=30.0, gt=0,
+        description="How often (seconds) a running job renews its output lease; must be under lease_ttl_s "
+        "(a third of it or less leaves room for slow storage).",
+    )
+
+    @model_validator(mode="after")
+    def _renew_within_ttl(self) -> "BatchSettings":
+        if self.lease_renew_s >= self.lease_ttl_s:
+            raise ValueError(
+                f"SHARDLINE_BATCH_LEASE_RENEW_S ({self.lease_renew_s}) must be under SHARDLINE_BATCH_LEASE_TTL_S "
+                f"({self.lease_ttl_s}), or the lease lapses between renewals"
+            )
+        return self
 
 
 class TenancySettings(BaseSettings):

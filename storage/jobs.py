@@ -94,3 +94,43 @@ def summarize(
         steady_seconds=steady,
         quarantined=quarantined,
     )
+
+
+def manifest_job_key(manifest: dict[str, Any]) -> str | None:
+    """The job key a manifest was written under (older manifests: computed from its model digest and passthrough)."""
+    if manifest.get("job_key"):
+        return str(manifest["job_key"])
+    digest = (manifest.get("model") or {}).get("digest")
+    if not digest:
+        return None
+    passthrough = manifest.get("passthrough")
+    return job_key(digest, None if passthrough == "auto" else passthrough)
+
+
+def foreign_parts(manifest: dict[str, Any] | None, ledger: dict[str, PartRecord], key: str) -> str | None:
+    """What of another job (another model or passthrough) the output holds, in words; None when nothing.
+
+    A job may add to an output that holds parts of its own key (the same model and
+    columns: a resume, or new shards in the input), never to one holding another's:
+    the folder would mix two models' predictions under one manifest.
+    """
+    if manifest is not None:
+        theirs = manifest_job_key(manifest)
+        if theirs is not None and theirs != key:
+            model = (manifest.get("model") or {}).get("pinned", "another model")
+            return f"the parts of job {manifest.get('job_id', '?')} (model {model}; its manifest is there)"
+    others = [r for r in ledger.values() if r.job_key != key]
+    if others:
+        return f"{len(others)} parts settled by another model or passthrough (first: {others[0].relative})"
+    return None
+
+
+def up_to_date(manifest: dict[str, Any] | None, job: str, settled: Sequence[PartRecord]) -> bool:
+    """Whether a finished manifest of this very job already lists exactly these settled shards: nothing to write."""
+    if manifest is None or manifest.get("job_id") != job:
+        return False
+    parts = sorted(str(p.get("part")) for p in manifest.get("parts", []))
+    quarantined = sorted(str(q.get("shard")) for q in manifest.get("quarantined", []))
+    return parts == sorted(str(r.part) for r in settled if r.status == "committed") and quarantined == sorted(
+        r.shard for r in settled if r.status == "quarantined"
+    )

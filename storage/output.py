@@ -4,9 +4,13 @@ Layout under the output URL::
 
     <relative>.parquet            one part per input shard, named after it
     _ledger/<relative>.json       one record per settled shard (committed or quarantined)
-    _staging/                     parts being written; never read, removed at the end
+    _staging/<job_id>/            one job's parts being written; never read, removed at its end
+    _lease/<generation>.json      who owns the folder now (storage/lease.py): one job at a time
     _manifest.json                every part with its row counts, written last
     _SUCCESS                      present only while the manifest describes the output
+
+Each job stages under its own job id, so a job never deletes the files another is
+writing; the lease keeps a second job from writing the folder at all.
 
 Readers (pyarrow, Spark, polars) skip names that start with '_', so a reader of the
 folder sees committed parts only.
@@ -17,7 +21,7 @@ from __future__ import annotations
 import json
 import posixpath
 from datetime import datetime, timezone
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 from pydantic import BaseModel, Field
 
@@ -76,9 +80,10 @@ class PartRecord(BaseModel):
 class OutputLayout:
     """Paths of one job's output, on whatever file system its URL names."""
 
-    def __init__(self, output_uri: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, output_uri: str, storage_options: dict[str, Any] | None = None, job_id: str = "") -> None:
         self.uri = output_uri
         self.storage_options = storage_options or {}
+        self.job_id = job_id
         self.fs, self.root = open_fs(output_uri, self.storage_options)
 
     def part_path(self, relative: str) -> str:
@@ -91,8 +96,8 @@ class OutputLayout:
 
     @property
     def staging_dir(self) -> str:
-        """Where parts are written before they are committed."""
-        return join(self.root, STAGING)
+        """Where this job's parts are written before they are committed (``_staging/<job_id>``)."""
+        return join(self.root, STAGING, self.job_id) if self.job_id else join(self.root, STAGING)
 
     def record(self, record: PartRecord) -> None:
         """Write a shard's ledger record (atomically; the last write wins)."""
@@ -132,19 +137,61 @@ class OutputLayout:
         if self.fs.exists(path):
             self.fs.rm(path)
 
-    def commit_manifest(self, manifest: dict[str, Any]) -> str:
-        """Write the job manifest, then ``_SUCCESS``, and drop leftover staging files."""
+    def commit_manifest(self, manifest: dict[str, Any], still_owner: Callable[[], None] = lambda: None) -> str:
+        """Write the job manifest, then ``_SUCCESS``, and drop this job's staging files.
+
+        ``still_owner`` is called before each of the two writes and raises when the
+        folder is no longer this job's (its lease was taken over): no manifest or
+        ``_SUCCESS`` is ever written over another job's parts.
+        """
+        still_owner()
         atomic_write_bytes(
             self.fs, join(self.root, MANIFEST), json.dumps(manifest, indent=2, default=str).encode(), self.staging_dir
         )
+        still_owner()
         atomic_write_bytes(self.fs, join(self.root, SUCCESS), b"", self.staging_dir)
+        self.drop_staging()
+        return self.manifest_uri
+
+    def drop_staging(self) -> None:
+        """Remove this job's staging files (never another job's), and ``_staging`` itself once it is empty."""
         if self.fs.exists(self.staging_dir):
             self.fs.rm(self.staging_dir, recursive=True)
-        return self.fs.unstrip_protocol(join(self.root, MANIFEST))
+        shared = join(self.root, STAGING)
+        self.fs.invalidate_cache(shared)
+        try:
+            if self.fs.exists(shared) and not self.fs.ls(shared, detail=False):
+                self.fs.rmdir(shared)
+        except OSError:  # another job staged something meanwhile: it is theirs
+            pass
+
+    @property
+    def manifest_uri(self) -> str:
+        """The manifest's URL."""
+        return str(self.fs.unstrip_protocol(join(self.root, MANIFEST)))
 
     def read_manifest(self) -> dict[str, Any]:
         """The committed job manifest."""
         return json.loads(self.fs.cat_file(join(self.root, MANIFEST)))
+
+    def finished_manifest(self) -> dict[str, Any] | None:
+        """The manifest when ``_SUCCESS`` says it describes the output; None otherwise (or when unreadable)."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            if not self.fs.exists(join(self.root, SUCCESS)):
+                return None
+            manifest = self.read_manifest()
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            return None
+        return manifest if isinstance(manifest, dict) else None
+
+    def any_manifest(self) -> dict[str, Any] | None:
+        """The manifest a job left here, with or without ``_SUCCESS``; None when there is none."""
+        try:
+            manifest = self.read_manifest()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
+            return None
+        return manifest if isinstance(manifest, dict) else None
 
 
 def split_done(

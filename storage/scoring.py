@@ -71,6 +71,7 @@ class ScoringJob:
     sample_check: Callable[[pa.Table], list[str]] | None = None
     contract_sample_rows: int = 1_000
     capture: ShardCapture | None = None
+    job_id: str = ""  # the job's staging folder under the output is _staging/<job_id>
 
 
 def _reject_nulls(batch: pa.RecordBatch, signature: Signature, model: str) -> None:
@@ -258,7 +259,7 @@ def _score_into(
     """Score the shard's rows (or only ``row_groups``) into a Parquet file; returns (rows in, rows out)."""
     model = get_model_cache(job.cache_dir, job.cache_capacity).get(job.model, job.runtime, job.storage_options)
     signature = job.model.manifest.signature
-    out = OutputLayout(job.output_uri, job.storage_options)
+    out = OutputLayout(job.output_uri, job.storage_options, job.job_id)
     rows_in = rows_out = 0
     batches = _read(opened.parquet, opened.columns, job.batch_rows, shard, row_groups)
     # closing(): the read-ahead thread stops before the source file closes, even
@@ -357,7 +358,7 @@ def score_shard(job: ScoringJob, shard: ShardInfo) -> PartRecord:
 
 def _score_shard_once(job: ScoringJob, shard: ShardInfo) -> PartRecord:
     started = time.perf_counter()
-    out = OutputLayout(job.output_uri, job.storage_options)
+    out = OutputLayout(job.output_uri, job.storage_options, job.job_id)
     final = out.part_path(shard.relative)
     try:
         scored = _score_to_part(job, shard, out, final)

@@ -20,13 +20,14 @@ from prefect.cache_policies import NO_CACHE
 
 from shardline.tasks.logs import run_logger
 
-from shardline.errors import CorruptShard, JobFailed
+from shardline.errors import CorruptShard, JobFailed, OutputInUse
 from shardline.runtimes import RuntimeOptions
 from shardline.placement import BatchWorkload, CostTable, candidates_from_profiles, choose_placement
 from shardline.profiling import machine_kind
 from shardline.settings import BatchSettings, DaskSettings, PlacementSettings, RuntimeSettings, StorageSettings
 from shardline.signature import schema_problems
-from shardline.storage.jobs import JobSummary, job_id, job_key, summarize
+from shardline.storage.jobs import JobSummary, foreign_parts, job_id, job_key, summarize, up_to_date
+from shardline.storage.lease import LeaseTerms, OutputLease
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, split_done
 from shardline.storage.registry import ModelRegistry, ResolvedModel
 from shardline.storage.retry import RetryPolicy, call_with_retries
@@ -61,6 +62,59 @@ class JobPlan:
     failed: dict[str, str] = field(default_factory=dict)
     max_in_flight: int | None = None
     preemption: PreemptionPlugin | None = None
+    lease: OutputLease | None = None
+    finished: bool = False  # the output already holds this job's finished manifest: nothing is written
+
+
+def _take_output(
+    layout: OutputLayout, this_job: str, model: str, key: str, shards: list[ShardInfo], retry: RetryPolicy,
+    terms: LeaseTerms,
+) -> tuple[OutputLease | None, list[ShardInfo], list[PartRecord]]:
+    """Own the output (its lease) unless it is already finished for this job; the shards left and those settled.
+
+    A finished job's output is only read (a read-only archive re-run writes nothing).
+    Otherwise the lease is taken first (it is also the probe that the output can be
+    written), then the ledger is read and checked: an output holding another model's
+    parts is refused.
+
+    Raises:
+        OutputInUse: another job holds the output, or the output holds another job's parts.
+        OutputNotWritable: the output is a file, read-only, or not permitted.
+    """
+    def refuse_foreign(manifest: dict[str, Any] | None, ledger: dict[str, PartRecord]) -> None:
+        foreign = foreign_parts(manifest, ledger, key)
+        if foreign is not None:
+            raise OutputInUse(
+                f"the output {layout.uri} holds {foreign}; this job runs {model}, and mixing two models' parts "
+                "in one folder would corrupt it: choose another --output, or delete the folder to score it anew",
+                layout.uri, manifest.get("job_id") if manifest else None,
+            )
+
+    manifest = layout.finished_manifest()
+    if manifest is not None and manifest.get("job_id") == this_job:
+        ledger = call_with_retries(layout.read_ledger, retry, what="reading the job's ledger")
+        todo, done = split_done(shards, ledger, key, layout.present_parts())
+        if not todo and up_to_date(manifest, this_job, done):
+            return None, todo, done
+    refuse_foreign(layout.any_manifest(), {})  # before taking anything: a refused job writes nothing
+    lease = OutputLease.acquire(layout.fs, layout.root, layout.uri, this_job, model, terms)
+    try:
+        ledger = call_with_retries(layout.read_ledger, retry, what="reading the job's ledger")
+        refuse_foreign(layout.any_manifest(), ledger)
+        todo, done = split_done(shards, ledger, key, layout.present_parts())
+        if todo:
+            layout.clear_success()
+    except BaseException:
+        lease.release()
+        raise
+    lease.start_heartbeat()
+    return lease, todo, done
+
+
+def release_output(plan: JobPlan) -> None:
+    """Give the output's lease back (the job ended, well or not); a no-op when the job took none."""
+    if plan.lease is not None:
+        plan.lease.release()
 
 
 def choose_variant(registry: ModelRegistry, model: ResolvedModel, variant: str | None, local: bool) -> ResolvedModel:
@@ -109,13 +163,12 @@ def plan_batch_job(
     )
     check_part_names(shards)
     key = job_key(resolved.digest, passthrough)
-    layout = OutputLayout(output_uri, storage.storage_options)
-    ledger = call_with_retries(layout.read_ledger, retry, what="reading the job's ledger")
-    todo, done = split_done(shards, ledger, key, layout.present_parts())
-    if todo:
-        layout.clear_success()
-    options = RuntimeOptions(runtime.device, runtime.intra_op_threads or threads_per_call(dask))
     this_job = job_id(key, shards, output_uri)
+    layout = OutputLayout(output_uri, storage.storage_options, this_job)
+    lease, todo, done = _take_output(
+        layout, this_job, resolved.pinned, key, shards, retry, LeaseTerms(batch.lease_ttl_s, batch.lease_renew_s)
+    )
+    options = RuntimeOptions(runtime.device, runtime.intra_op_threads or threads_per_call(dask))
     capture = (
         ShardCapture(capture_root(storage), batch.capture_rows_per_shard, tenant, this_job)
         if batch.capture_rows_per_shard else None
@@ -135,15 +188,18 @@ def plan_batch_job(
         sample_check=shard_contract(registry, resolved) if batch.contract_sample_rows and todo else None,
         contract_sample_rows=batch.contract_sample_rows,
         capture=capture,
+        job_id=this_job,
     )
     run_logger().info(
         "job %s: %s pinned to %s; %d shards, %d already settled, %d to score%s",
         this_job, model, resolved.pinned, len(shards), len(done), len(todo),
         "; a sample of each checked against the data contract" if job.sample_check else "",
     )
+    if lease is None:
+        run_logger().info("job %s: the output already holds its finished manifest; nothing to write", this_job)
     return JobPlan(
         job, this_job, tenant, input_uri, todo, done, len(shards), max_in_flight=batch.max_in_flight or None,
-        preemption=preemption_plugin(dask),
+        preemption=preemption_plugin(dask), lease=lease, finished=lease is None,
     )
 
 
@@ -198,7 +254,7 @@ def validate_shards(plan: JobPlan) -> JobPlan:
             "%d shards to score: their schemas are checked on the workers as each is opened", len(plan.todo)
         )
         return plan
-    layout = OutputLayout(plan.job.output_uri, plan.job.storage_options)
+    layout = OutputLayout(plan.job.output_uri, plan.job.storage_options, plan.job_id)
     with ThreadPoolExecutor(16) as pool:
         verdicts = list(pool.map(lambda s: _footer_problem(s, plan), plan.todo))
     keep, rejected = [], []
@@ -245,6 +301,8 @@ def infer_shards(
     last_update = [0.0]
 
     def settled(shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:
+        if plan.lease is not None and plan.lease.lost is not None:
+            raise plan.lease.lost  # another job owns the folder now: stop handing out shards
         if record is None:
             failed[shard.relative] = f"{type(error).__name__}: {error}"
             logger.error("shard %s failed: %s", shard.relative, error)
@@ -298,10 +356,14 @@ def commit_job(plan: JobPlan, extra: dict[str, Any] | None = None) -> JobSummary
             "again to resume",
             plan.failed,
         )
+    layout = OutputLayout(plan.job.output_uri, plan.job.storage_options, plan.job_id)
+    if plan.finished:
+        summary.manifest = layout.manifest_uri
+        return summary
     records = sorted([*plan.done, *plan.new], key=lambda r: r.relative)
-    layout = OutputLayout(plan.job.output_uri, plan.job.storage_options)
     manifest: dict[str, Any] = {
         "job_id": plan.job_id,
+        "job_key": plan.job.job_key,
         "tenant": plan.tenant,
         "model": {"reference": plan.job.model.reference, "pinned": plan.job.model.pinned,
                   "variant": plan.job.model.manifest.tags.get("variant", "fp32"), "digest": plan.job.model.digest},
@@ -319,7 +381,7 @@ def commit_job(plan: JobPlan, extra: dict[str, Any] | None = None) -> JobSummary
         ],
         **(extra or {}),
     }
-    summary.manifest = layout.commit_manifest(manifest)
+    summary.manifest = layout.commit_manifest(manifest, plan.lease.check if plan.lease is not None else lambda: None)
     return summary
 
 

@@ -1,0 +1,216 @@
+"""Who owns a batch output folder, as real `shardline batch run` processes see it.
+
+Two jobs on one output, a SIGKILLed owner, an output that cannot be written, a
+finished job re-run against a read-only archive: each with the exit code and the one
+line a user acts on, and the folder checked afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import psutil
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from shardline.examples import breast_cancer, package_breast_cancer, write_shards
+from shardline.storage.registry import ModelRegistry
+
+from tests.conftest import BuiltModel
+from tests.e2e.conftest import SHARDLINE
+
+Shardline = Callable[..., subprocess.CompletedProcess[str]]
+# Slow on purpose (5 rows a batch): the first job must still run while a second starts.
+SLOW = ("--batch-rows", "5")
+
+
+@pytest.fixture(scope="session")
+def logreg_model(tmp_path_factory: pytest.TempPathFactory) -> BuiltModel:
+    """A second breast-cancer model (logistic regression): other predictions than the gradient-boosted one."""
+    folder = tmp_path_factory.mktemp("bundle-logreg") / "breast-cancer"
+    manifest, estimator = package_breast_cancer(folder, kind="logreg")
+    return BuiltModel(folder, manifest, estimator, breast_cancer())
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder`` with its size and mtime."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+@contextlib.contextmanager
+def read_only(folder: Path) -> Iterator[None]:
+    """``folder`` read-only for the commands run inside: a read-only bind mount as root (root ignores modes)."""
+    if os.geteuid() != 0:
+        modes = {p: p.stat().st_mode for p in [folder, *folder.rglob("*")]}
+        for p in modes:
+            p.chmod(modes[p] & ~0o222)
+        try:
+            yield
+        finally:
+            for p, mode in modes.items():
+                p.chmod(mode)
+        return
+    if subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("needs a read-only bind mount (root without CAP_SYS_ADMIN here)")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("cannot remount the bind mount read-only here")
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def wait_for(what: str, ready: Callable[[], bool], process: subprocess.Popen[str] | None = None,
+             seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert process is None or process.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
+        time.sleep(0.05)
+
+
+def check_parts_are_the_models(out: Path, inputs: Path, model: BuiltModel, other: BuiltModel) -> None:
+    """Every part's probabilities are ``model``'s for its shard (and not ``other``'s)."""
+    parts = sorted(out.glob("*.parquet"))
+    assert parts and [p.name for p in parts] == sorted(p.name for p in inputs.glob("*.parquet"))
+    for part in parts:
+        shard = pq.read_table(inputs / part.name)
+        got = np.stack(pq.read_table(part).column("probabilities").to_numpy(zero_copy_only=False))
+        np.testing.assert_allclose(got, model.expected(shard)[1], atol=1e-5, err_msg=part.name)
+        assert not np.allclose(got, other.expected(shard)[1], atol=1e-3)
+
+
+@pytest.mark.usefixtures("local_registry")
+def test_a_second_job_on_a_running_jobs_output_is_refused_and_the_folder_stays_one_models(
+    cli_env: dict[str, str], shardline: Shardline, shardline_home: Path, tmp_path: Path,
+    breast_cancer_model: BuiltModel, logreg_model: BuiltModel,
+) -> None:
+    assert ModelRegistry(str(shardline_home / "registry")).push(logreg_model.bundle_dir).version == 2
+    inputs, out = tmp_path / "input", tmp_path / "out"
+    write_shards(inputs, 20, 10_000, row_group_rows=2_500)
+    first = subprocess.Popen(
+        [*SHARDLINE, "batch", "run", "--model", "breast-cancer:1", "--input", str(inputs), "--output", str(out),
+         *SLOW, "--json"],
+        env={**cli_env, "SHARDLINE_DASK_N_WORKERS": "1"}, cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        wait_for("lease taken", lambda: any((out / "_lease").glob("*.json")), first)
+
+        second = shardline("batch", "run", "--model", "breast-cancer:2", "--input", str(inputs), "--output", str(out))
+
+        assert first.poll() is None, "the first job ended before the second was refused: make it slower"
+        stdout, _ = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert first.returncode == 0
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in second.stderr
+    assert f"the output {out} is in use by job {summary['job_id']} (model breast-cancer:1, on host " in errors[0]
+    assert f"wait for it to finish (`shardline batch status {summary['job_id']}`) or choose another --output" in errors[0]
+
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["model"]["pinned"] == "breast-cancer:1" and len(manifest["parts"]) == 20
+    assert (out / "_SUCCESS").exists() and not (out / "_staging").exists()
+    check_parts_are_the_models(out, inputs, breast_cancer_model, logreg_model)
+
+    # the folder is finished, but with the other model's parts: still refused, nothing touched
+    before = snapshot(out)
+    later = shardline("batch", "run", "--model", "breast-cancer:2", "--input", str(inputs), "--output", str(out))
+    assert later.returncode == 2, later.stderr[-2000:]
+    assert f"holds the parts of job {summary['job_id']} (model breast-cancer:1; its manifest is there)" in later.stderr
+    assert "choose another --output, or delete the folder" in later.stderr
+    assert snapshot(out) == before
+
+
+def descendants_alive(processes: list[psutil.Process]) -> list[str]:
+    alive = []
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+    return alive
+
+
+@pytest.mark.usefixtures("local_registry")
+def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_output_over(
+    cli_env: dict[str, str], tmp_path: Path, breast_cancer_model: BuiltModel, logreg_model: BuiltModel,
+) -> None:
+    inputs, out = tmp_path / "input", tmp_path / "out"
+    write_shards(inputs, 20, 10_000, row_group_rows=2_500)
+    args = [*SHARDLINE, "batch", "run", "--model", "breast-cancer@prod", "--input", str(inputs), "--output", str(out)]
+    env = {**cli_env, "SHARDLINE_DASK_N_WORKERS": "1", "SHARDLINE_BATCH_LEASE_TTL_S": "600"}
+    victim = subprocess.Popen([*args, *SLOW], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for("two shards committed", lambda: len(list((out / "_ledger").glob("*.json"))) >= 2, victim)
+        started = psutil.Process(victim.pid).children(recursive=True)
+        commands = [" ".join(p.cmdline()) for p in started]
+    finally:
+        os.kill(victim.pid, signal.SIGKILL)  # the command only: what it started must go with it
+        victim.wait()
+    assert any("uvicorn" in c and "prefect" in c for c in commands), commands  # Prefect's temporary server
+    assert any("multiprocessing" in c for c in commands), commands  # the Dask worker
+    deadline = time.monotonic() + 30
+    while descendants_alive(started):
+        assert time.monotonic() < deadline, f"still running after the command was killed: {descendants_alive(started)}"
+        time.sleep(0.1)
+    settled = len(list((out / "_ledger").glob("*.json")))
+    assert 2 <= settled < 20 and not (out / "_SUCCESS").exists()
+
+    # the lease lasts 10 minutes, but its holder is a dead process of this host: taken over at once
+    resumed = subprocess.run([*args, "--json"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["shards_skipped"] >= settled and summary["rows_out"] == 200_000
+    assert sorted(ds.dataset(out).to_table(columns=["id"]).column("id").to_pylist()) == list(range(200_000))
+    assert [p.name for p in (out / "_lease").glob("*.json")] == ["0000000002.json"]
+    assert json.loads((out / "_lease" / "0000000002.json").read_text())["released"] is True
+    check_parts_are_the_models(out, inputs, breast_cancer_model, logreg_model)
+
+
+@pytest.mark.usefixtures("local_registry")
+def test_an_output_that_cannot_be_written_exits_2_and_a_finished_read_only_output_exits_0(
+    shardline: Shardline, input_shards: Path, tmp_path: Path
+) -> None:
+    a_file = tmp_path / "scores.parquet"
+    a_file.write_bytes(b"not a folder")
+    run = ("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards), "--output")
+
+    into_file = shardline(*run, str(a_file))
+
+    assert into_file.returncode == 2, into_file.stderr[-2000:]
+    assert f"error: the output {a_file} is a file, not a folder" in into_file.stderr
+    assert "running again will not help: choose a folder for --output" in into_file.stderr
+    assert a_file.read_bytes() == b"not a folder"
+
+    empty = tmp_path / "archive-empty"
+    empty.mkdir()
+    with read_only(empty):
+        refused = shardline(*run, str(empty))
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert f"error: the output {empty} cannot be written" in refused.stderr and "make it writable" in refused.stderr
+
+    out = tmp_path / "archive"
+    assert shardline(*run, str(out)).returncode == 0
+    before = snapshot(out)
+    with read_only(out):
+        again = shardline(*run, str(out), "--json")
+    assert again.returncode == 0, again.stderr[-2000:]
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary["shards_skipped"] == 6 and summary["rows_scored"] == 0 and summary["rows_out"] == 12_000
+    assert summary["manifest"] == f"file://{out}/_manifest.json"
+    assert snapshot(out) == before

@@ -59,8 +59,8 @@ def _assert_exactly_once(input_dir: Path, out: Path) -> None:
     ids = ds.dataset(input_dir).to_table(columns=["id"]).column("id").to_pylist()
     scored = ds.dataset(out, format="parquet").to_table(columns=["id"]).column("id").to_pylist()
     assert len(scored) == len(ids) and sorted(scored) == sorted(ids)  # every row once: no loss, no duplicate
-    visible = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and not p.name.startswith("_")
-                     and "_ledger" not in p.parts)
+    visible = sorted(p.relative_to(out).as_posix() for p in out.rglob("*")  # what readers see: no '_' name on the way
+                     if p.is_file() and not any(n.startswith("_") for n in p.relative_to(out).parts))
     assert visible == sorted(p.name for p in input_dir.glob("*.parquet"))  # one whole part per shard, no orphan
     for part in visible:
         assert pq.read_metadata(out / part).num_rows == ROWS

@@ -447,7 +447,6 @@ class OnlineSettings(BaseSettings):
     def _metrics_off(cls, value: Any) -> Any:
         return 0 if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", "") else value
 
-
     @field_validator("models")
     @classmethod
     def _model_names(cls, value: dict[str, ModelServing]) -> dict[str, ModelServing]:

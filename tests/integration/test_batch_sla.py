@@ -8,6 +8,7 @@ real `prefect deploy` and fire here (tests/integration/automations.py).
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from datetime import datetime, timezone
@@ -155,10 +156,10 @@ def test_two_tenants_at_once_both_finish_within_their_limits(
 
     monkeypatch.setenv("SHARDLINE_TENANTS_FILE", str(_tenants_file(tmp_path)))
     states: dict[str, Any] = {}
-    # each tenant's input lies under its own prefix (a link to the same shards)
+    # each tenant's input lies under its own prefix (a copy of the same shards: a link out of the
+    # prefix would be refused, since the job checks where the link leads)
     for tenant in ("acme", "globex"):
-        (tmp_path / tenant).mkdir()
-        (tmp_path / tenant / "in").symlink_to(input_shards, target_is_directory=True)
+        shutil.copytree(input_shards, tmp_path / tenant / "in")
     # Both must progress at once: each job's first settled shard waits until the other's has settled
     # too. Were one tenant's job held back until the other's ended, the barrier would break.
     barrier, met = threading.Barrier(2, timeout=120), set()
@@ -212,9 +213,10 @@ def test_a_job_outside_its_tenants_prefixes_is_refused_before_anything_is_writte
     input_shards: Path, tmp_path: Path, shardline_home: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("SHARDLINE_TENANTS_FILE", str(_tenants_file(tmp_path)))
-    (tmp_path / "acme").mkdir()
-    (tmp_path / "acme" / "in").symlink_to(input_shards, target_is_directory=True)
+    shutil.copytree(input_shards, tmp_path / "acme" / "in")
+    (tmp_path / "acme" / "linked").symlink_to(input_shards, target_is_directory=True)
     cases = [
+        ("acme", str(tmp_path / "acme" / "linked"), str(tmp_path / "acme" / "out"), "as its input"),
         ("acme", str(tmp_path / "acme" / "in"), str(tmp_path / "globex" / "out"), "as its output"),
         ("acme", str(input_shards), str(tmp_path / "acme" / "out"), "as its input"),
         ("acme", str(tmp_path / "acme" / "in"), str(tmp_path / "acme-old" / "out"), "as its output"),

@@ -43,6 +43,14 @@ class NullValues(InvalidInput):
         self.columns = columns
 
 
+class NonFiniteValues(InvalidInput):
+    """A float column the model needs finite numbers in holds NaN or infinity."""
+
+    def __init__(self, message: str, columns: dict[str, int]) -> None:
+        super().__init__(message)
+        self.columns = columns
+
+
 class CorruptShard(InvalidInput):
     """A shard cannot be read as Parquet."""
 

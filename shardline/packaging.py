@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from shardline.bundle import Evaluation, Lineage, Manifest, describe_artifact, write_manifest
 from shardline.errors import InvalidInput, InvalidSetting, RuntimeUnavailable
-from shardline.signature import ColumnSpec, Signature, is_compatible, parse_type, type_name
+from shardline.signature import ColumnSpec, Signature, is_compatible, non_finite_counts, parse_type, type_name
 
 _RECORDED_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnx", "scikit-learn", "skl2onnx", "pyarrow", "tokenizers")
 GOLDEN_FILE = "golden.parquet"
@@ -180,6 +180,10 @@ def infer_onnx_signature(
         got = sample.schema.field(spec.name).type
         if not is_compatible(got, parse_type(spec.type)):
             raise InvalidInput(f"sample column {spec.name!r} is {type_name(got)}, the model's input is {spec.type}")
+    # A sample that holds NaN or infinity in a float column is data the model is meant to take
+    # (a tree model's missing values): the column declares it, so neither tier refuses them.
+    for name in non_finite_counts(sample, inputs):
+        next(spec for spec in inputs if spec.name == name).non_finite = True
     feeds = {}
     for binding in config.get("tensor_inputs", []):
         feeds[binding["name"]] = np.column_stack([head.column(c).to_numpy() for c in binding["columns"]]).astype(binding["dtype"])

@@ -7,10 +7,13 @@ A type is written as a string: a primitive alias Arrow knows (``float32``,
 from __future__ import annotations
 
 import functools
+import math
 import re
 from typing import Any, Iterable
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from shardline.errors import InvalidBundle
@@ -66,8 +69,8 @@ class ColumnSpec(BaseModel):
     non_finite: bool = Field(
         default=False,
         description="Whether NaN and +/-infinity are values the model takes in this (float) column, e.g. a tree "
-        "model's missing value. Without it the online tier refuses them with 400 naming the input; the batch "
-        "tier does not look at them (they reach the model).",
+        "model's missing value. Without it both tiers refuse them: the online tier with 400 naming the input, "
+        "the batch tier by quarantining the shard. Packaging sets it for a float column whose sample holds them.",
     )
 
     @field_validator("type")
@@ -171,3 +174,33 @@ def schema_problems(schema: pa.Schema, inputs: Iterable[ColumnSpec], model: str)
                 f"{spec.type}; cast it to {spec.type} before scoring"
             )
     return problems
+
+
+def non_finite_counts(batch: pa.RecordBatch | pa.Table, inputs: Iterable[ColumnSpec]) -> dict[str, int]:
+    """Input column -> how many NaN or infinite values it holds, for float columns (and lists of floats)
+    whose spec does not declare ``non_finite``; columns without any are left out. Nulls do not count.
+
+    One pass per column in the common case: the float64 sum of finite values is finite.
+    """
+    found = {}
+    for spec in inputs:
+        if spec.non_finite:
+            continue
+        column = batch.column(spec.name)
+        values = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        while pa.types.is_list(values.type) or pa.types.is_fixed_size_list(values.type) or pa.types.is_large_list(
+                values.type):
+            values = values.flatten()
+        if not pa.types.is_floating(values.type) or len(values) == 0:
+            continue
+        if values.null_count == 0:
+            array = values.to_numpy(zero_copy_only=False)
+            with np.errstate(over="ignore", invalid="ignore"):
+                if math.isfinite(array.sum(dtype=np.float64)):
+                    continue
+            bad = int(np.count_nonzero(~np.isfinite(array)))
+        else:
+            bad = int(pc.sum(pc.invert(pc.is_finite(values))).as_py() or 0)
+        if bad:
+            found[spec.name] = bad
+    return found

@@ -21,9 +21,16 @@ from typing import Any, Callable, Generator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardline.errors import CorruptShard, DataContractFailed, InvalidInput, NullValues, SchemaMismatch
+from shardline.errors import (
+    CorruptShard,
+    DataContractFailed,
+    InvalidInput,
+    NonFiniteValues,
+    NullValues,
+    SchemaMismatch,
+)
 from shardline.runtimes import RuntimeOptions
-from shardline.signature import Signature, schema_problems
+from shardline.signature import Signature, non_finite_counts, schema_problems
 from shardline.storage.checkpoint import ShardCheckpoint, plan_ranges, row_group_sizes
 from shardline.storage.fs import commit_file, ensure_dir, open_fs, staging_path
 from shardline.storage.model_cache import get_model_cache
@@ -85,6 +92,17 @@ def _reject_nulls(batch: pa.RecordBatch, signature: Signature, model: str) -> No
             f"columns {sorted(nulls)} hold nulls ({nulls} in one batch) where the model "
             f"{model!r} needs values; fill or drop those rows and re-run",
             nulls,
+        )
+
+
+def _reject_non_finite(batch: pa.RecordBatch, signature: Signature, model: str) -> None:
+    bad = non_finite_counts(batch, signature.inputs)
+    if bad:
+        raise NonFiniteValues(
+            f"columns {sorted(bad)} hold NaN or infinite values ({bad} in one batch) where the model {model!r} "
+            "takes finite numbers only; fill or drop those rows and re-run (a model that reads NaN as a missing "
+            "value declares non_finite: true on the column in its signature)",
+            bad,
         )
 
 
@@ -267,6 +285,7 @@ def _score_into(
     with contextlib.closing(batches), PartWriter(out.fs, path, opened.target) as part:
         for batch in batches:
             _reject_nulls(batch, signature, job.model.pinned)
+            _reject_non_finite(batch, signature, job.model.pinned)
             predicted = model.predict(batch)
             scored = pa.RecordBatch.from_arrays(
                 [batch.column(c) for c in opened.carried] + predicted.columns, schema=opened.target

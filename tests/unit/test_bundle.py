@@ -80,3 +80,21 @@ def test_tampered_artifact_is_refused(breast_cancer_model: BuiltModel, tmp_path:
 def test_folder_without_manifest_is_not_a_bundle(tmp_path: Path) -> None:
     with pytest.raises(InvalidBundle, match="has no manifest.json"):
         read_manifest(tmp_path)
+
+
+def test_a_sample_with_nan_makes_its_float_column_declare_non_finite(breast_cancer_model: BuiltModel) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shardline.packaging import infer_onnx_signature
+
+    sample = pq.read_table(breast_cancer_model.bundle_dir / "golden.parquet")
+    radius = sample.column("mean radius").to_pylist()
+    radius[3] = float("nan")
+    with_nan = sample.set_column(sample.schema.get_field_index("mean radius"), "mean radius",
+                                 pa.array(radius, pa.float32()))
+    signature, _ = infer_onnx_signature(breast_cancer_model.bundle_dir / "model.onnx", with_nan, exclude=["target"])
+    declared = {c.name for c in signature.inputs if c.non_finite}
+    assert declared == {"mean radius"}
+    plain, _ = infer_onnx_signature(breast_cancer_model.bundle_dir / "model.onnx", sample, exclude=["target"])
+    assert not any(c.non_finite for c in plain.inputs)

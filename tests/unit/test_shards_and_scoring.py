@@ -151,6 +151,8 @@ def _write(path: Path, table: pa.Table) -> Path:
     "damage, reason",
     [
         ("nulls", "NullValues: columns \\['mean radius'\\] hold nulls .*fill or drop those rows"),
+        ("nan", "NonFiniteValues: columns \\['mean radius'\\] hold NaN or infinite values .*declares non_finite"),
+        ("inf", "NonFiniteValues: columns \\['mean radius'\\] hold NaN or infinite values \\(\\{'mean radius': 2\\}"),
         ("string", "SchemaMismatch: column 'mean area' is string, the model 'breast-cancer:1' expects float32"),
         ("missing", "SchemaMismatch: column 'worst symmetry' is missing"),
         ("truncated", "CorruptShard: .*re-export it"),
@@ -162,9 +164,10 @@ def test_bad_shards_are_quarantined_with_their_reason(
 ) -> None:
     table = pq.read_table(input_shards / "part-00000.parquet")
     bad = tmp_path / "bad" / "bad.parquet"
-    if damage == "nulls":
+    if damage in ("nulls", "nan", "inf"):
         column = table.column("mean radius").to_pylist()
-        column[1500] = None
+        column[1500] = {"nulls": None, "nan": float("nan"), "inf": float("inf")}[damage]
+        column[1501] = column[1500] if damage == "inf" else column[1501]
         _write(bad, table.set_column(table.schema.get_field_index("mean radius"), "mean radius", pa.array(column)))
     elif damage == "string":
         index = table.schema.get_field_index("mean area")

@@ -6,7 +6,15 @@ import pyarrow as pa
 import pytest
 
 from shardline.errors import InvalidBundle
-from shardline.signature import ColumnSpec, Signature, is_compatible, parse_type, schema_problems, type_name
+from shardline.signature import (
+    ColumnSpec,
+    Signature,
+    is_compatible,
+    non_finite_counts,
+    parse_type,
+    schema_problems,
+    type_name,
+)
 
 
 @pytest.mark.parametrize(
@@ -77,3 +85,21 @@ def test_output_schema_carries_types_and_nullability() -> None:
     schema = signature.output_schema()
     assert schema.field("y").type == pa.list_(pa.float32(), 2) and not schema.field("y").nullable
     assert schema.field("z").nullable
+
+
+def test_non_finite_values_are_counted_per_float_column_unless_declared() -> None:
+    nan, inf = float("nan"), float("inf")
+    batch = pa.table({
+        "a": pa.array([1.0, nan, 3.0], pa.float32()),
+        "b": pa.array([1.0, None, -inf], pa.float64()),  # a null is not a NaN
+        "v": pa.array([[1.0, inf], [nan, nan], [0.0, 0.0]], pa.list_(pa.float32(), 2)),
+        "ok": pa.array([1e308, 1e308, 1e308]),  # finite values whose sum overflows are looked at one by one
+        "n": pa.array([1, 2, 3]),
+        "t": pa.array([nan, nan, nan], pa.float32()),
+    })
+    specs = [ColumnSpec(name="a", type="float32"), ColumnSpec(name="b", type="float64", nullable=True),
+             ColumnSpec(name="v", type="fixed_size_list<float32>[2]"), ColumnSpec(name="ok", type="float64"),
+             ColumnSpec(name="n", type="int64"), ColumnSpec(name="t", type="float32", non_finite=True)]
+    assert non_finite_counts(batch, specs) == {"a": 1, "b": 1, "v": 3}
+    assert ColumnSpec(name="t", type="float32", non_finite=True).model_dump()["non_finite"] is True
+    assert "non_finite" not in ColumnSpec(name="a", type="float32").model_dump()  # old manifests keep their digest

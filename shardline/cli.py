@@ -176,12 +176,26 @@ def batch_run(
     from shardline.sla import make_sla
 
     make_sla(datetime.now(timezone.utc), sla, deadline, BatchSettings().default_sla)  # a bad SLA fails before any work
+    _admit(tenant, input, output)  # so do bad locations: before Prefect starts (the flow checks them again)
     code, summary = run_batch_job(
         model, input, output, tenant, passthrough, batch_rows, not json_out, variant, sla, deadline, priority
     )
     if json_out and summary is not None:
         typer.echo(json.dumps(summary, default=str))
     raise typer.Exit(code)
+
+
+def _admit(tenant: str, input_uri: str, output_uri: str) -> None:
+    """Refuse locations the batch flow would refuse (outside the tenant's prefixes, overlapping, a URL trick)."""
+    from functools import partial
+
+    from shardline.settings import StorageSettings, TenancySettings
+    from shardline.storage.fs import resolve_location
+    from shardline.tenants import admit_locations, batch_tenant
+
+    options = StorageSettings().storage_options
+    allowed = batch_tenant(TenancySettings().tenants_file, tenant)
+    admit_locations(allowed, input_uri, output_uri, partial(resolve_location, storage_options=options))
 
 
 def _job_records() -> Any:

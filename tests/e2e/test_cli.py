@@ -66,6 +66,35 @@ def test_batch_run_prints_a_summary_and_exit_codes_tell_the_outcome(
 
 
 @pytest.mark.usefixtures("local_registry")
+def test_batch_run_refuses_locations_outside_the_tenant_or_over_the_input_before_anything_starts(
+    shardline: Shardline, tmp_path: Path
+) -> None:
+    lake = tmp_path / "lake"
+    write_shards(lake / "globex" / "in", 1, 100)
+    (lake / "acme").mkdir()
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(f"tenants:\n  - name: acme\n    batch: {{storage_prefixes: ['{lake / 'acme'}']}}\n")
+    before = sorted(p.name for p in (lake / "globex").rglob("*"))
+    cases = [
+        (f"file://{lake}/acme?/../globex/in", f"{lake}/acme/out", "holds '?' or '#'"),
+        (f"{lake}/acme/../globex/in", f"{lake}/acme/out", "may not use"),
+        (f"{lake}/acme/in", f"file://{lake}/acme#/../globex/x", "holds '?' or '#'"),
+    ]
+    for source, target, message in cases:
+        refused = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", source, "--output", target,
+                            "--tenant", "acme", SHARDLINE_TENANTS_FILE=str(tenants))
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], refused.stderr
+        assert "Traceback" not in refused.stderr and "temporary server" not in refused.stderr + refused.stdout
+    overlap = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(lake / "globex" / "in"),
+                        "--output", str(lake / "globex" / "in" / "scored"))
+    assert overlap.returncode == 2 and "lies inside the input" in overlap.stderr
+    assert sorted(p.name for p in (lake / "globex").rglob("*")) == before
+    assert not (lake / "acme" / "out").exists()
+
+
+@pytest.mark.usefixtures("local_registry")
 def test_run_killed_midway_resumes_with_exactly_the_right_rows(
     cli_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -23,6 +23,7 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from shardline.errors import InvalidSetting
+from shardline.locations import is_within
 
 
 def open_fs(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
@@ -214,3 +215,36 @@ def resolve_location(uri: str, storage_options: dict[str, Any] | None = None) ->
         raise refuse("has an empty, '.' or '..' path segment, which object stores keep as part of the key",
                      "write the path without '//', '/./' or '/../'")
     return str(fs.unstrip_protocol(path))
+
+
+def inside(fs: AbstractFileSystem, root: str, path: str) -> str:
+    """``path``, once it is sure the OS will not lead it out of ``root`` through a symbolic link below root.
+
+    A job was admitted to ``root`` (resolved, links and all, by :func:`resolve_location`);
+    a link that someone put *below* it (``out/_ledger -> /elsewhere``) would carry the
+    job's writes outside. Object stores have no links: there ``path`` is as given.
+
+    Raises:
+        InvalidSetting: naming the link's target and what to do.
+    """
+    if isinstance(fs, LocalFileSystem):
+        base, where = os.path.realpath(root), os.path.realpath(path)
+        if not is_within(where, base):
+            raise InvalidSetting(
+                f"{path!r} leads outside the output folder {root!r} (to {where!r}) through a symbolic link "
+                "below it; remove the link: a job writes only inside the folder it was admitted to"
+            )
+    return path
+
+
+def links_out(fs: AbstractFileSystem, root: str) -> list[tuple[str, str]]:
+    """(link, where it leads) for every symbolic link below ``root`` that leads out of it; [] off local disk."""
+    if not isinstance(fs, LocalFileSystem) or not os.path.isdir(root):
+        return []
+    base, found = os.path.realpath(root), []
+    for folder, dirs, files in os.walk(root):  # links to folders are listed, not entered
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            if os.path.islink(path) and not is_within(os.path.realpath(path), base):
+                found.append((path, os.path.realpath(path)))
+    return found

@@ -35,7 +35,7 @@ from fsspec import AbstractFileSystem
 from pydantic import BaseModel, ValidationError
 
 from shardline.errors import OutputInUse, OutputNotWritable
-from shardline.storage.fs import atomic_write_bytes, create_exclusive, join
+from shardline.storage.fs import atomic_write_bytes, create_exclusive, inside, join
 
 LEASE_DIR = "_lease"
 _GENERATION = re.compile(r"^(\d{10})\.json$")
@@ -206,7 +206,7 @@ class OutputLease:
             OutputNotWritable: the output is a file, read-only or not permitted.
         """
         here = here or ThisProcess.here()
-        folder = join(root, LEASE_DIR)
+        folder = inside(fs, root, join(root, LEASE_DIR))
         for _ in range(_ACQUIRE_ROUNDS):
             try:
                 generation, holder = cls.current(fs, folder)

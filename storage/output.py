@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterable, Literal
 
 from pydantic import BaseModel, Field
 
-from shardline.errors import InvalidInput
-from shardline.storage.fs import atomic_write_bytes, join, open_fs
+from shardline.errors import InvalidInput, InvalidSetting
+from shardline.storage.fs import atomic_write_bytes, inside, join, links_out, open_fs
 from shardline.storage.shards import ShardInfo
 
 LEDGER = "_ledger"
@@ -86,18 +86,37 @@ class OutputLayout:
         self.job_id = job_id
         self.fs, self.root = open_fs(output_uri, self.storage_options)
 
+    def _inside(self, *parts: str) -> str:
+        """A path below the output that no symbolic link leads out of it (``storage.fs.inside``)."""
+        return inside(self.fs, self.root, join(self.root, *parts))
+
+    def refuse_links_out(self) -> None:
+        """Refuse an output folder holding a symbolic link that leads out of it (a job's writes would follow it).
+
+        Raises:
+            InvalidSetting: naming the link, where it leads and what to do.
+        """
+        found = links_out(self.fs, self.root)
+        if found:
+            link, target = found[0]
+            raise InvalidSetting(
+                f"the output folder {self.uri!r} holds a symbolic link {link!r} that leads outside it (to "
+                f"{target!r}){f' and {len(found) - 1} more' if len(found) > 1 else ''}; remove it, or choose "
+                "another --output: a job writes only inside the folder it was admitted to"
+            )
+
     def part_path(self, relative: str) -> str:
         """Where the part for a shard is committed."""
-        return join(self.root, part_name(relative))
+        return self._inside(part_name(relative))
 
     def ledger_path(self, relative: str) -> str:
         """Where a shard's ledger record lives."""
-        return join(self.root, LEDGER, f"{relative}.json")
+        return self._inside(LEDGER, f"{relative}.json")
 
     @property
     def staging_dir(self) -> str:
         """Where this job's parts are written before they are committed (``_staging/<job_id>``)."""
-        return join(self.root, STAGING, self.job_id) if self.job_id else join(self.root, STAGING)
+        return self._inside(STAGING, self.job_id) if self.job_id else self._inside(STAGING)
 
     def record(self, record: PartRecord) -> None:
         """Write a shard's ledger record (atomically; the last write wins)."""
@@ -146,10 +165,10 @@ class OutputLayout:
         """
         still_owner()
         atomic_write_bytes(
-            self.fs, join(self.root, MANIFEST), json.dumps(manifest, indent=2, default=str).encode(), self.staging_dir
+            self.fs, self._inside(MANIFEST), json.dumps(manifest, indent=2, default=str).encode(), self.staging_dir
         )
         still_owner()
-        atomic_write_bytes(self.fs, join(self.root, SUCCESS), b"", self.staging_dir)
+        atomic_write_bytes(self.fs, self._inside(SUCCESS), b"", self.staging_dir)
         self.drop_staging()
         return self.manifest_uri
 

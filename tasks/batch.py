@@ -80,6 +80,7 @@ def _take_output(
     Raises:
         OutputInUse: another job holds the output, or the output holds another job's parts.
         OutputNotWritable: the output is a file, read-only, or not permitted.
+        InvalidSetting: a symbolic link below the output leads out of it.
     """
     def refuse_foreign(manifest: dict[str, Any] | None, ledger: dict[str, PartRecord]) -> None:
         foreign = foreign_parts(manifest, ledger, key)
@@ -90,6 +91,7 @@ def _take_output(
                 layout.uri, manifest.get("job_id") if manifest else None,
             )
 
+    layout.refuse_links_out()  # a link below the output would carry the job's writes out of the folder admitted
     manifest = layout.finished_manifest()
     if manifest is not None and manifest.get("job_id") == this_job:
         ledger = call_with_retries(layout.read_ledger, retry, what="reading the job's ledger")

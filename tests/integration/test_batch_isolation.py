@@ -118,3 +118,17 @@ def test_s3_keys_outside_the_prefix_are_refused_and_nothing_is_written(
     fs = s3_server.filesystem()
     assert not [k for k in fs.find(s3_server.bucket) if "globex" in k or "acme#" in k or k.startswith("/")]
     assert keys_under(s3_server, s3_server.url("acme", s3_prefix)) == sorted(p.name for p in (lake / "acme" / "in").iterdir())
+
+
+@pytest.mark.usefixtures("on_cluster")
+@pytest.mark.parametrize("link", ["_ledger", "_staging", "_lease", "sub"])
+def test_a_link_below_the_output_into_another_tenant_carries_no_write_out(lake: Path, link: str) -> None:
+    write_shards(lake / "acme" / "nested" / "sub", 1, 100)
+    (lake / "acme" / "out").mkdir()
+    (lake / "globex" / "target").mkdir()
+    (lake / "acme" / "out" / link).symlink_to(lake / "globex" / "target")
+    before = snapshot(lake / "globex")
+    state = run(f"{lake}/acme/nested", f"{lake}/acme/out")
+    with pytest.raises(InvalidSetting, match=r"holds a symbolic link .*/out/" + link + r"' that leads outside it"):
+        state.result()
+    assert snapshot(lake / "globex") == before

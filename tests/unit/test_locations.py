@@ -164,3 +164,19 @@ def test_nothing_outside_a_prefix_is_admitted(tmp_path_factory: pytest.TempPathF
         real = os.path.realpath(path)
         assert real == str(lake / "acme") or real.startswith(f"{lake}/acme/"), (location, real)
         assert posixpath.normpath(real) == real
+
+
+def test_a_write_below_the_output_never_follows_a_link_out_of_it(lake: Path) -> None:
+    from shardline.storage.fs import inside, links_out
+
+    out = lake / "acme" / "out"
+    (out / "ok").mkdir(parents=True)
+    (out / "_ledger").symlink_to(lake / "globex")
+    (out / "same").symlink_to(out / "ok")  # a link that stays inside is fine
+    fs = fsspec.filesystem("file")
+    assert links_out(fs, str(out)) == [(str(out / "_ledger"), str(lake / "globex"))]
+    assert inside(fs, str(out), str(out / "same" / "a.json")) == str(out / "same" / "a.json")
+    with pytest.raises(InvalidSetting, match=r"_ledger/x.json' leads outside the output folder .* \(to '.*globex/x.json'\)"):
+        inside(fs, str(out), str(out / "_ledger" / "x.json"))
+    memory = fsspec.filesystem("memory")
+    assert links_out(memory, "/out") == [] and inside(memory, "/out", "/out/_ledger/x") == "/out/_ledger/x"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from shardline.errors import OutputInUse
 from shardline.flows.batch_inference import batch_inference
 from shardline.storage.lease import LeaseTerms, OutputLease, ThisProcess
 
+from tests.concurrency import at_once
 from tests.integration.conftest import S3Server
 
 T0 = datetime(2026, 12, 1, 6, 0, tzinfo=timezone.utc)
@@ -46,23 +46,10 @@ def test_on_s3_one_job_holds_the_output_and_a_lapsed_one_is_taken_over(s3_server
 
 def test_on_s3_of_racing_jobs_exactly_one_takes_the_output(s3_server: S3Server, s3_prefix: str) -> None:
     root = f"{s3_server.bucket}/{s3_prefix}/out"
-    start = threading.Barrier(8)
-    won: list[str] = []
-    refused: list[str] = []
-
-    def race(i: int) -> None:
-        start.wait()
-        try:
-            acquire(s3_server, root, f"job-{i}", host=f"host-{i}")
-            won.append(f"job-{i}")
-        except OutputInUse as e:
-            refused.append(str(e))
-
-    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    outcomes = at_once(8, lambda i: acquire(s3_server, root, f"job-{i}", host=f"host-{i}").record.job_id,
+                       catch=(OutputInUse,))
+    won = [o for o in outcomes if isinstance(o, str)]
+    refused = [str(o) for o in outcomes if isinstance(o, OutputInUse)]
 
     assert len(won) == 1 and len(refused) == 7, (won, refused)
     assert all(f"in use by job {won[0]} " in r for r in refused)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -16,6 +15,7 @@ from shardline.errors import ShardlineError
 from shardline.settings import StorageSettings
 from shardline.storage.registry import ModelRegistry
 
+from tests.concurrency import at_once
 from tests.conftest import BuiltModel
 from tests.integration.conftest import S3Server
 
@@ -42,19 +42,7 @@ def _protect(monkeypatch: pytest.MonkeyPatch, aliases: list[str]) -> None:
 
 
 def _race_in_threads(url: str, options: dict[str, Any], alias: str) -> list[str]:
-    start = threading.Barrier(RACERS)
-    outcomes: list[str] = []
-
-    def racer(i: int) -> None:
-        start.wait()
-        outcomes.append(_first_set(url, options, alias, f"thread-{i}"))
-
-    threads = [threading.Thread(target=racer, args=(i,)) for i in range(RACERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return outcomes
+    return [str(o) for o in at_once(RACERS, lambda i: _first_set(url, options, alias, f"thread-{i}"))]
 
 
 def _assert_one_winner(registry: ModelRegistry, alias: str, outcomes: list[str]) -> None:

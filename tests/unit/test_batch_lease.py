@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -17,6 +16,8 @@ from shardline.settings import BatchSettings
 from shardline.storage.jobs import foreign_parts, up_to_date
 from shardline.storage.lease import LEASE_DIR, LeaseTerms, OutputLease, ThisProcess
 from shardline.storage.output import PartRecord
+
+from tests.concurrency import at_once
 
 T0 = datetime(2026, 12, 1, 6, 0, tzinfo=timezone.utc)
 TERMS = LeaseTerms(ttl_s=120, renew_s=30)
@@ -97,23 +98,10 @@ def test_a_released_lease_is_free_at_once(tmp_path: Path) -> None:
 
 
 def test_of_racing_jobs_exactly_one_takes_the_output(tmp_path: Path) -> None:
-    start = threading.Barrier(12)
-    won: list[str] = []
-    refused: list[str] = []
-
-    def race(i: int) -> None:
-        start.wait()
-        try:
-            acquire(tmp_path, f"job-{i}", host=f"host-{i}")
-            won.append(f"job-{i}")
-        except OutputInUse as e:
-            refused.append(str(e))
-
-    threads = [threading.Thread(target=race, args=(i,)) for i in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    outcomes = at_once(12, lambda i: acquire(tmp_path, f"job-{i}", host=f"host-{i}").record.job_id,
+                       catch=(OutputInUse,))
+    won = [o for o in outcomes if isinstance(o, str)]
+    refused = [str(o) for o in outcomes if isinstance(o, OutputInUse)]
 
     assert len(won) == 1 and len(refused) == 11
     assert all(f"in use by job {won[0]} " in r for r in refused)

@@ -1,19 +1,22 @@
 """Drift reports for people: a self-contained HTML page with plots, and a markdown summary.
 
 ``render_html`` draws, with matplotlib (Agg backend, inline SVG: the page needs no
-file, script or network), the drift score over time from earlier reports, a table
+file, script or network), the drift score over time (this report and the earlier
+ones, each once; one report alone is a point on a two-day axis), a table
 of every judged column, and for each drifted column (and the next most moved, up
 to ``PLOTTED_COLUMNS``) the reference against the current distribution: density
 on the reference's quantile sketch for numbers, shares per category for
 categories (new ones in red). ``render_markdown`` is the short form for a Prefect
 markdown artifact. Both read only the report and the reference profile; matplotlib
-is imported inside ``render_html``.
+is imported inside ``render_html``. Every plot is an inline SVG with a viewBox that
+the page's CSS scales down to its grid cell (``max-width: 100%``), so none is cut.
 """
 
 from __future__ import annotations
 
 import html
 import io
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -25,6 +28,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
 PLOTTED_COLUMNS = 8
+SINGLE_POINT_SPAN = timedelta(days=1)  # the time axis around one moment: one day either side
+MIN_TIME_PAD = timedelta(minutes=30)  # at least this much either side of several moments
 DENSITY_STEP = 5
 REFERENCE_COLOR, CURRENT_COLOR, NEW_COLOR = "#4C72B0", "#DD8452", "#C44E52"
 
@@ -35,9 +40,12 @@ h1{font-size:1.5em;margin-bottom:.2em} h2{font-size:1.2em;margin-top:1.6em}
 .bad{background:#C44E52}.good{background:#55A868}.muted{color:#666}
 table{border-collapse:collapse;width:100%;font-size:.9em}th,td{padding:.3em .5em;border-bottom:1px solid #ddd;text-align:left}
 tr.drifted td{background:#fbeaea} td.num{text-align:right;font-variant-numeric:tabular-nums}
-.plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(480px,1fr));gap:1em}
-figure{margin:0} figcaption{font-size:.85em;color:#444}
+.plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(480px,100%),1fr));gap:1em}
+figure{margin:0;min-width:0} figcaption{font-size:.85em;color:#444}
+figure svg{display:block;max-width:100%;height:auto}
 """
+# Each plot is an SVG with a viewBox, drawn wider than a grid cell: the rule above scales it
+# down to its cell (min-width:0 lets a grid cell be narrower than its content).
 
 
 def _ratio(column: ColumnDrift) -> float:
@@ -111,13 +119,38 @@ def _categorical_plot(column: ColumnDrift, entry: dict[str, Any]) -> str | None:
     return _svg(figure)
 
 
+def _moment(report: DriftReport) -> datetime:
+    return report.until or report.computed_at
+
+
+def _distinct(reports: Sequence[DriftReport]) -> list[DriftReport]:
+    """The reports oldest first, each once (a caller may pass the current report in the history too)."""
+    seen: dict[tuple[str, datetime, datetime | None], DriftReport] = {}
+    for r in reports:
+        seen.setdefault((r.model, r.computed_at, r.until), r)
+    return sorted(seen.values(), key=_moment)
+
+
+def time_axis_limits(when: Sequence[datetime]) -> tuple[datetime, datetime]:
+    """The span of the drift-over-time axis: one day either side of a single moment, else the moments padded.
+
+    matplotlib widens a zero span to years (one report drew 2025 to 2029); a few
+    reports minutes apart get at least ``MIN_TIME_PAD`` either side.
+    """
+    first, last = min(when), max(when)
+    if first == last:
+        return first - SINGLE_POINT_SPAN, last + SINGLE_POINT_SPAN
+    pad = max((last - first) / 20, MIN_TIME_PAD)
+    return first - pad, last + pad
+
+
 def _history_plot(report: DriftReport, history: Sequence[DriftReport]) -> str | None:
+    import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
-    reports = sorted([*history, report], key=lambda r: r.until or r.computed_at)
-    if len(reports) < 2:
-        return None
-    when = [r.until or r.computed_at for r in reports]
+    reports = _distinct([*history, report])
+    moments = [_moment(r) for r in reports]
+    when = mdates.date2num(moments)
     figure, ax = plt.subplots(figsize=(9, 2.8))
     ax.plot(when, [r.score for r in reports], marker="o", color="#333", label="report (worst column)")
     worst = sorted({c for r in reports for c in r.drifted_columns},
@@ -126,10 +159,14 @@ def _history_plot(report: DriftReport, history: Sequence[DriftReport]) -> str | 
         series = [next((_ratio(c) for c in r.columns if c.column == name), np.nan) for r in reports]
         ax.plot(when, series, marker=".", linewidth=1, label=name)
     ax.axhline(1.0, color=NEW_COLOR, linestyle="--", linewidth=1, label="threshold")
+    ax.set_xlim(*(float(mdates.date2num(t)) for t in time_axis_limits(moments)))
+    locator = mdates.AutoDateLocator(minticks=3, maxticks=8)
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
     ax.set_ylabel("score / threshold", fontsize=8)
+    ax.set_xlabel("end of the report's window (UTC)", fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(labelsize=7)
-    figure.autofmt_xdate()
     return _svg(figure)
 
 

@@ -23,7 +23,7 @@ from shardline.storage.metering import MeteringLedger
 from shardline.tasks.batch import commit_job, infer_shards, plan_batch_job, release_output, report_job, validate_shards
 from shardline.tasks.cluster import dask_scheduler
 from shardline.tasks.fairness import check_gpu_quota, device_kind, fair_share, meter_run, priority_of
-from shardline.tasks.sla import SlaTracker, TrackedJob, planned_vs_actual, publish_sla_table
+from shardline.tasks.sla import SlaTracker, TrackedJob, planned_vs_actual
 from shardline.tenants import admit_locations, batch_tenant
 
 
@@ -110,13 +110,12 @@ def batch_inference(
             finished = datetime.now(timezone.utc)
             rows = sum(r.rows_out for r in plan.new)
             planned = planned_vs_actual(promise, finished, plan.total_shards, rows)
-            summary = report_job(commit_job(plan, {"sla": planned, "priority": job_priority}))
+            summary = report_job(commit_job(plan, {"sla": planned, "priority": job_priority}), planned)
         except BaseException as e:
             tracker.finish("failed", f"{type(e).__name__}: {e}")
             raise
     finally:
         release_output(plan)
-    publish_sla_table(plan.job_id, planned)
     if summary["shards_quarantined"] == 0:
         tracker.finish("completed", f"{summary['rows_out']} rows scored", summary["rows_scored"])
         return Completed(message=f"{summary['rows_out']} rows scored", data=summary)

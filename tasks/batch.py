@@ -11,11 +11,17 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import pyarrow as pa
 from prefect import task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 
 from shardline.tasks.logs import run_logger
@@ -34,8 +40,10 @@ from shardline.storage.retry import RetryPolicy, call_with_retries
 from shardline.storage.capture import capture_root
 from shardline.storage.scoring import ScoringJob, ShardCapture
 from shardline.storage.shards import ShardInfo, list_shards, read_footer
+from shardline.tasks.artifacts import batch_artifact_key, current_deployment, summary_markdown
 from shardline.tasks.cluster import threads_per_call
 from shardline.tasks.dispatch import dispatch_shards
+from shardline.tasks.sla import publish_sla_table
 
 if TYPE_CHECKING:
     from shardline.tasks.preemption import PreemptionPlugin
@@ -297,7 +305,8 @@ def infer_shards(
 
     logger = run_logger()
     total = len(plan.todo)
-    artifact = create_progress_artifact(0.0, description=f"batch job {plan.job_id}: shards settled")
+    progress_key = batch_artifact_key("progress", plan.job.model.pinned, plan.job.output_uri, current_deployment())
+    artifact = create_progress_artifact(0.0, key=progress_key, description=f"batch job {plan.job_id}: shards settled")
     new, failed = list(plan.new), dict(plan.failed)
     counts = {"settled": 0, "rows": 0}
     last_update = [0.0]
@@ -388,10 +397,20 @@ def commit_job(plan: JobPlan, extra: dict[str, Any] | None = None) -> JobSummary
 
 
 @task(name="report", cache_policy=NO_CACHE)
-def report_job(summary: JobSummary) -> dict[str, Any]:
-    """Publish the summary as a Prefect table artifact and return it as plain data."""
+def report_job(summary: JobSummary, planned: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Publish the run's artifacts and return the summary as plain data.
+
+    Under keys stable per job (``tasks/artifacts.py``), so runs of one job form a history:
+    a markdown summary (what a person reads first), the summary as a table, and, given
+    ``planned`` (the SLA's planned vs actual), the SLA table.
+    """
+    key = partial(batch_artifact_key, model=summary.model, output=summary.output, deployment=current_deployment())
     data = summary.as_dict()
+    create_markdown_artifact(summary_markdown(summary, planned), key=key("summary"),
+                             description=f"batch job {summary.job_id}: summary")
     rows = [{"measure": k, "value": str(v)} for k, v in data.items() if k != "quarantined"]
     rows += [{"measure": f"quarantined {k}", "value": v} for k, v in summary.quarantined.items()]
-    create_table_artifact(rows, description=f"batch job {summary.job_id}")
+    create_table_artifact(rows, key=key("totals"), description=f"batch job {summary.job_id}")
+    if planned is not None:
+        publish_sla_table(summary.job_id, planned, key=key("sla"))
     return data

@@ -210,8 +210,8 @@ def planned_vs_actual(sla: Sla, finished: datetime, shards: int, rows: int) -> d
     }
 
 
-def publish_sla_table(job_id: str, planned: dict[str, Any]) -> None:
-    """A Prefect table artifact: planned vs actual, one row per measure."""
+def publish_sla_table(job_id: str, planned: dict[str, Any], key: str) -> None:
+    """A Prefect table artifact: planned vs actual, one row per measure, under ``key`` (the job's, not the run's)."""
     pairs = [
         ("finish", planned["deadline"], planned["finished"]),
         ("seconds", planned["budget_seconds"], planned["actual_seconds"]),
@@ -219,4 +219,4 @@ def publish_sla_table(job_id: str, planned: dict[str, Any]) -> None:
         ("SLA", "met", planned["status"]),
     ]
     rows = [{"measure": m, "planned": str(p), "actual": str(a)} for m, p, a in pairs]
-    create_table_artifact(rows, key=f"sla-{job_id}".lower(), description=f"batch job {job_id}: SLA planned vs actual")
+    create_table_artifact(rows, key=key, description=f"batch job {job_id}: SLA planned vs actual")

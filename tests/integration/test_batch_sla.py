@@ -26,6 +26,7 @@ from shardline.flows.batch_inference import batch_inference
 from shardline.storage.job_records import JobRecords
 from shardline.storage.metering import MeteringLedger
 from shardline.tasks import batch as batch_tasks
+from shardline.tasks.artifacts import batch_artifact_key
 
 from tests.integration.automations import deploy_with_triggers, run_flow_run_here, wait_for_flow_run
 
@@ -99,7 +100,8 @@ def test_a_late_job_emits_sla_events_and_the_automation_answers(
     assert manifest["sla"]["status"] == "breached" and manifest["sla"]["shards"] == 6
     record = JobRecords(str(shardline_home)).read(job_id[:8])
     assert (record.state, record.sla_status, record.shards_done) == ("completed", "breached", 6)
-    artifacts = httpx.post(f"{api_url}/artifacts/filter", json={"artifacts": {"key": {"any_": [f"sla-{job_id}"]}}},
+    sla_key = batch_artifact_key("sla", "breast-cancer:1", state.result()["output"], None)  # the job's key, not the run's
+    artifacts = httpx.post(f"{api_url}/artifacts/filter", json={"artifacts": {"key": {"any_": [sla_key]}}},
                            timeout=30).json()
     assert artifacts and {row["measure"] for row in json.loads(artifacts[0]["data"])} >= {"finish", "SLA"}
 

@@ -24,7 +24,7 @@ from shardline.tasks.batch import commit_job, infer_shards, plan_batch_job, rele
 from shardline.tasks.cluster import dask_scheduler
 from shardline.tasks.fairness import check_gpu_quota, device_kind, fair_share, meter_run, priority_of
 from shardline.tasks.sla import SlaTracker, TrackedJob, planned_vs_actual
-from shardline.tenants import admit_locations, batch_tenant
+from shardline.tenants import admit_locations, batch_tenant, resolved_prefixes
 
 
 def _run_context() -> tuple[str | None, str | None]:
@@ -73,16 +73,17 @@ def batch_inference(
     promise = make_sla(started, sla, deadline, batch.default_sla, batch.sla_margin, allow_past=True)
     allowed = batch_tenant(tenancy.tenants_file, tenant)
     # From here on the job uses the locations it was admitted with: resolved, as the file system sees them.
-    input_uri, output_uri = admit_locations(
-        allowed, input_uri, output_uri, partial(resolve_location, storage_options=storage.storage_options)
-    )
+    resolve = partial(resolve_location, storage_options=storage.storage_options)
+    input_uri, output_uri = admit_locations(allowed, input_uri, output_uri, resolve)
     job_priority = priority_of(allowed, priority)
     device = device_kind(runtime)
     ledger = MeteringLedger(storage.home, storage.storage_options)
     if allowed is not None:
         check_gpu_quota(ledger, allowed, device)
 
-    plan = plan_batch_job(model, input_uri, output_uri, tenant, passthrough, storage, batch, runtime, dask, variant)
+    link_roots = resolved_prefixes(allowed, resolve) if allowed is not None else None  # where input links may lead
+    plan = plan_batch_job(model, input_uri, output_uri, tenant, passthrough, storage, batch, runtime, dask, variant,
+                          link_roots)
     try:  # the plan took the output's lease (one job per output folder): give it back however the job ends
         records = JobRecords(storage.home, storage.storage_options)
         deployment_name, flow_run_id = _run_context()

@@ -77,6 +77,17 @@ Resolve = Callable[[str], str]
 """A URL -> the exact location the file system will use (``storage.fs.resolve_location``)."""
 
 
+def resolved_prefixes(tenant: BatchTenant, resolve: Resolve) -> list[str]:
+    """The tenant's storage prefixes as the file system will use them (those this process can open)."""
+    prefixes = []
+    for prefix in tenant.policy.storage_prefixes:
+        try:
+            prefixes.append(resolve(prefix))
+        except InvalidSetting:
+            continue  # a prefix on a file system this process cannot open holds nothing it can open
+    return prefixes
+
+
 def check_locations(tenant: BatchTenant, locations: dict[str, str], resolve: Resolve) -> dict[str, str]:
     """Refuse a job whose locations (role -> URL) do not all resolve to places under the tenant's prefixes.
 
@@ -91,12 +102,7 @@ def check_locations(tenant: BatchTenant, locations: dict[str, str], resolve: Res
         AccessDenied: naming the location, its role and the prefixes allowed.
         InvalidSetting: a location cannot be resolved (a query, a fragment, a host...).
     """
-    prefixes = []
-    for prefix in tenant.policy.storage_prefixes:
-        try:
-            prefixes.append(resolve(prefix))
-        except InvalidSetting:
-            continue  # a prefix on a file system this process cannot open holds nothing it can open
+    prefixes = resolved_prefixes(tenant, resolve)
     resolved = {}
     for role, location in locations.items():
         resolved[role] = where = resolve(location)

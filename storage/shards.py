@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import posixpath
 import queue
 import threading
@@ -10,8 +11,10 @@ from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec import AbstractFileSystem
 
 from shardline.errors import CorruptShard, EmptyInput, InvalidSetting
+from shardline.locations import is_within
 from shardline.storage.fs import fingerprint, open_fs
 from shardline.storage.retry import is_transient
 
@@ -43,41 +46,112 @@ def list_shards(
     input_uri: str,
     storage_options: dict[str, Any] | None = None,
     suffixes: Sequence[str] = (".parquet", ".pq"),
+    link_roots: Sequence[str] | None = None,
 ) -> list[ShardInfo]:
     """Every shard under a folder (recursively), or the single file named, sorted by path.
 
-    Names starting with '_' or '.' are skipped, as Spark and pyarrow do.
+    Names starting with '_' or '.' are skipped, as Spark and pyarrow do. Symbolic links
+    (local storage: data versioning tools such as DVC make folders of them) are followed
+    to files and folders: a shard is read from the link's real target, which gives its
+    fingerprint (a changed target is scored again), under the link's own name (which
+    names its part and must end with a suffix). With ``link_roots`` (resolved locations:
+    a tenant's storage prefixes) every link must lead under one of them; None lets links
+    lead anywhere (single-tenant mode).
 
     Raises:
-        InvalidSetting: the location does not exist.
+        InvalidSetting: the location does not exist; a link leads outside ``link_roots``,
+            nowhere (broken, or a loop of links) or back into a folder that holds it.
         EmptyInput: it holds no file with one of ``suffixes``.
     """
     fs, root = open_fs(input_uri, storage_options)
     fs.invalidate_cache(root)  # a long-lived process must see the input as it is now
+    listing = _Listing(fs, tuple(suffixes), link_roots)
     try:
         info = fs.info(root)
+        if info.get("islink"):  # the input itself is a link (a batch job's input comes resolved already)
+            listing.vet(root, os.path.realpath(root))
+            root = os.path.realpath(root)
+            info = fs.info(root)
     except FileNotFoundError as e:
         raise InvalidSetting(
             f"the input {input_uri!r} does not exist; check the path (and the bucket's "
             "endpoint and credentials for s3://)"
         ) from e
     if info["type"] == "file":
-        entries = {root: info}
-        base = posixpath.dirname(root)
+        name = posixpath.basename(root)
+        shards = [ShardInfo(fs.unstrip_protocol(root), name, int(info["size"]), fingerprint(info))]
+        shards = shards if name.endswith(listing.suffixes) and not _hidden(name) else []
     else:
-        entries = fs.find(root, detail=True)
-        base = root
-    shards = []
-    for path, entry in sorted(entries.items()):
-        relative = posixpath.relpath(path, base) if base else path
-        if entry.get("type") == "file" and path.endswith(tuple(suffixes)) and not _hidden(relative):
-            shards.append(ShardInfo(fs.unstrip_protocol(path), relative, int(entry["size"]), fingerprint(entry)))
+        shards = listing.folder(root)
     if not shards:
         raise EmptyInput(
             f"the input {input_uri!r} holds no shard (no file ending in {', '.join(suffixes)}); "
             "point --input at the folder of Parquet files"
         )
     return shards
+
+
+class _Listing:
+    """The shards under a folder, links followed (see ``list_shards``)."""
+
+    def __init__(self, fs: AbstractFileSystem, suffixes: tuple[str, ...], link_roots: Sequence[str] | None) -> None:
+        self.fs, self.suffixes, self.link_roots = fs, suffixes, link_roots
+
+    def folder(self, root: str) -> list[ShardInfo]:
+        shards: list[ShardInfo] = []
+        pending: list[tuple[str, str, tuple[str, ...]]] = [(root, "", (os.path.realpath(root),))]
+        while pending:  # (folder, its name under the input, the real folders on the way): no recursion
+            folder, prefix, chain = pending.pop()
+            for path, entry in self.fs.find(folder, detail=True).items():
+                relative = posixpath.join(prefix, posixpath.relpath(path, folder))
+                if _hidden(relative):
+                    continue
+                if entry.get("islink"):  # only local storage has links
+                    entry = self._link(path, relative, chain, pending)
+                    if entry is None:
+                        continue
+                    path = entry["name"]
+                if entry.get("type") == "file" and relative.endswith(self.suffixes):
+                    shards.append(ShardInfo(self.fs.unstrip_protocol(path), relative, int(entry["size"]),
+                                            fingerprint(entry)))
+        return sorted(shards, key=lambda s: s.relative)
+
+    def _link(
+        self, path: str, relative: str, chain: tuple[str, ...], pending: list[tuple[str, str, tuple[str, ...]]]
+    ) -> dict[str, Any] | None:
+        """The target file's entry (named by its real path); a target folder is queued, None returned."""
+        target = os.path.realpath(path)
+        if os.path.isdir(target):
+            self.vet(path, target)
+            # A loop: the target holds the link, or a folder this walk came through (the check is exact:
+            # every step into a folder through a link is checked, and fs.find itself follows none).
+            if any(is_within(folder, target) for folder in (*chain, os.path.realpath(posixpath.dirname(path)))):
+                raise InvalidSetting(
+                    f"the link {path!r} in the input leads back to {target!r}, a folder that holds it (a loop); "
+                    "remove the link or point it at the data itself"
+                )
+            pending.append((target, relative, (*chain, target)))
+            return None
+        if not relative.endswith(self.suffixes):
+            return None  # not a shard, whatever it is
+        if not os.path.isfile(target):
+            raise InvalidSetting(
+                f"the link {path!r} in the input leads to {target!r}, which is not a file (a broken link, or "
+                "a loop of links); restore its target (e.g. `dvc checkout`) or remove the link"
+            )
+        self.vet(path, target)
+        entry: dict[str, Any] = self.fs.info(target)
+        return entry
+
+    def vet(self, path: str, target: str) -> None:
+        """Refuse a link whose real target is outside ``link_roots``."""
+        if self.link_roots is None or any(is_within(target, root) for root in self.link_roots):
+            return
+        raise InvalidSetting(
+            f"the link {path!r} in the input leads to {target!r}, outside the tenant's storage prefixes "
+            f"({', '.join(repr(r) for r in self.link_roots)}); a job reads only there: copy the data under a "
+            "prefix, or point the link at a copy there"
+        )
 
 
 def read_footer(uri: str, storage_options: dict[str, Any] | None = None) -> Footer:

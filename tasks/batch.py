@@ -163,13 +163,18 @@ def plan_batch_job(
     runtime: RuntimeSettings,
     dask: DaskSettings,
     variant: str | None = None,
+    link_roots: list[str] | None = None,
 ) -> JobPlan:
-    """Pin the model (and its variant), list the shards, and split off those a previous run settled."""
+    """Pin the model (and its variant), list the shards, and split off those a previous run settled.
+
+    ``link_roots``: where links in the input may lead (the tenant's resolved prefixes); None: anywhere.
+    """
     registry = ModelRegistry(storage.registry, storage.storage_options)
     resolved = choose_variant(registry, registry.resolve(model), variant, local=dask.cluster == "local")
     retry = RetryPolicy(batch.retry_attempts, batch.retry_base_s, max(batch.retry_cap_s, batch.retry_base_s))
     shards = call_with_retries(
-        lambda: list_shards(input_uri, storage.storage_options, batch.shard_suffixes), retry, what="listing the input"
+        lambda: list_shards(input_uri, storage.storage_options, batch.shard_suffixes, link_roots), retry,
+        what="listing the input",
     )
     check_part_names(shards)
     key = job_key(resolved.digest, passthrough)

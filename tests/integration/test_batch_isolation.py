@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +133,55 @@ def test_a_link_below_the_output_into_another_tenant_carries_no_write_out(lake: 
     with pytest.raises(InvalidSetting, match=r"holds a symbolic link .*/out/" + link + r"' that leads outside it"):
         state.result()
     assert snapshot(lake / "globex") == before
+
+
+def dvc_like(folder: Path, cache: Path, shards: list[Path]) -> None:
+    """``folder`` holds a link per shard into ``cache``, where the shard's bytes live under their md5 (as DVC keeps them)."""
+    folder.mkdir(parents=True)
+    for shard in shards:
+        digest = hashlib.md5(shard.read_bytes()).hexdigest()
+        blob = cache / digest[:2] / digest[2:]
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        shard.rename(blob)
+        (folder / shard.name).symlink_to(os.path.relpath(blob, folder))
+
+
+@pytest.mark.usefixtures("on_cluster")
+def test_a_folder_of_links_and_a_linked_folder_inside_the_prefix_are_scored_row_for_row(lake: Path) -> None:
+    dvc_like(lake / "acme" / "dataset", lake / "acme" / ".dvc" / "cache", write_shards(lake / "acme" / "tmp", 3, 200))
+    (lake / "acme" / "dataset" / "earlier").symlink_to(lake / "acme" / "in")  # a linked sub-folder: 2 x 300 rows
+    state = run(f"{lake}/acme/dataset", f"{lake}/acme/out")
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert summary["rows_in"] == summary["rows_out"] == 1200 and summary["shards"] == 5
+    assert ds.dataset(str(lake / "acme" / "out")).count_rows() == 1200
+    parts = sorted(p.relative_to(lake / "acme" / "out").as_posix() for p in (lake / "acme" / "out").rglob("*.parquet")
+                   if not any(s.startswith(("_", ".")) for s in p.relative_to(lake / "acme" / "out").parts))
+    assert len(parts) == 5 and sum(p.startswith("earlier/") for p in parts) == 2  # named after the links
+
+
+@pytest.mark.usefixtures("on_cluster")
+@pytest.mark.parametrize(("link", "target"), [("stolen.parquet", "globex/in/part-00000.parquet"), ("stolen", "globex/in")])
+def test_a_link_in_the_input_into_another_tenants_prefix_is_refused_and_nothing_is_written(
+    lake: Path, link: str, target: str,
+) -> None:
+    write_shards(lake / "acme" / "mixed", 1, 100)
+    (lake / "acme" / "mixed" / link).symlink_to(lake / target)
+    before = snapshot(lake / "globex")
+    state = run(f"{lake}/acme/mixed", f"{lake}/acme/out")
+    assert state.is_failed()
+    with pytest.raises(InvalidSetting, match=re.escape(
+            f"the link '{lake}/acme/mixed/{link}' in the input leads to '{lake}/{target}', outside the tenant's")):
+        state.result()
+    assert snapshot(lake / "globex") == before
+    assert not (lake / "acme" / "out").exists()
+
+
+@pytest.mark.usefixtures("on_cluster")
+def test_a_link_loop_in_the_input_is_refused_at_once(lake: Path) -> None:
+    write_shards(lake / "acme" / "looped" / "sub", 1, 100)
+    (lake / "acme" / "looped" / "sub" / "again").symlink_to(lake / "acme" / "looped")
+    state = run(f"{lake}/acme/looped", f"{lake}/acme/out")
+    with pytest.raises(InvalidSetting, match=r"again' in the input leads back to .*, a folder that holds it \(a loop\)"):
+        state.result()
+    assert not (lake / "acme" / "out").exists()

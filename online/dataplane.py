@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
@@ -49,7 +48,7 @@ from shardline.online.capture import OnlineCapture
 from shardline.online.errors import shown
 from shardline.online.matrix_rows import Matrix
 from shardline.online.metrics import Metrics, ModelState, Snapshot
-from shardline.online.models import ModelDirectory, ServedModel, batch_limits
+from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, batch_limits, missing_for_serving
 from shardline.online.tenants import Tenant, TenantDirectory
 from shardline.runtimes import RuntimeOptions
 from shardline.settings import OnlineSettings
@@ -59,7 +58,6 @@ from shardline.storage.registry import ModelRegistry, ResolvedModel, check_alias
 
 log = logging.getLogger("shardline.online")
 T = TypeVar("T")
-_REFERENCE_SPLIT = re.compile(r"[@:]")
 _CODEC_THREADS = 2  # decoding holds the GIL (orjson, numpy): more threads would not decode faster
 
 
@@ -323,6 +321,29 @@ class DataPlane:
     def is_loaded(self, served: ServedModel) -> bool:
         """Whether the version is loaded now (not scaled to zero)."""
         return served.digest in self.cache.loaded()
+
+    async def model_status(self, tenant: Tenant, name: str, version: str | int | None = None) -> ModelStatus:
+        """Whether a request for the model would be served now, and whether it is loaded; loads nothing.
+
+        Ready means a request would be served: the server takes requests, the tenant may call
+        the model, its version resolves, and (unless it is loaded) its runtime is installed and
+        its bundle is at hand (``missing_for_serving``, remembered once found: versions never change).
+
+        Raises:
+            ModelNotFound, InvalidInput: as ``model``.
+        """
+        served = await self.model(tenant, name, version)
+        if self.is_loaded(served):
+            return ModelStatus(served, True, None if self.ready else "the server is shutting down")
+        if not self.ready:
+            return ModelStatus(served, False, "the server is shutting down")
+        if not served.servable:
+            problem = await self._blocking_io(lambda: missing_for_serving(
+                served.resolved, self.directory.registry, self.cache.local_dir(served.resolved)))
+            if problem is not None:
+                return ModelStatus(served, False, problem)
+            served.servable = True
+        return ModelStatus(served, False)
 
     # -- inference ----------------------------------------------------------------------
     async def infer(

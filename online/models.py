@@ -15,12 +15,14 @@ batcher, when it was last used, and whether it is being unloaded.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Literal, TypeVar
 
-from shardline.bundle import ModelRef
+from shardline.bundle import MANIFEST, ModelRef
 from shardline.errors import ModelNotFound
 from shardline.online.batcher import Batcher, BatchLimits
 from shardline.settings import OnlineSettings
@@ -73,6 +75,7 @@ class ServedModel:
     unloading: asyncio.Future[None] | None = field(default=None, repr=False)
     seconds_per_row: float | None = field(default=None, repr=False)  # the runtime's measured time, smoothed
     clock: Callable[[], float] | None = field(default=None, repr=False)  # what times it (see DataPlane._timed)
+    servable: bool = field(default=False, repr=False)  # its runtime and bundle were found (see missing_for_serving)
 
     def __post_init__(self) -> None:
         self.digest = self.digest or self.resolved.manifest.content_digest  # computed once: it is not cheap
@@ -96,6 +99,51 @@ class ServedModel:
     def signature(self) -> Signature:
         """What the model reads and writes."""
         return self.resolved.manifest.signature
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """Whether a request for a version would be served now, and whether it is loaded (answered without loading it)."""
+
+    served: ServedModel
+    loaded: bool
+    problem: str | None = None  # what keeps it from being served; None: a request would be served
+
+    @property
+    def ready(self) -> bool:
+        """A request would be served (loading the version first when it is not loaded)."""
+        return self.problem is None
+
+    @property
+    def state(self) -> Literal["loaded", "unloaded"]:
+        """``loaded``, or ``unloaded`` (never requested yet, or scaled to zero: it loads on the next request)."""
+        return "loaded" if self.loaded else "unloaded"
+
+
+def missing_for_serving(resolved: ResolvedModel, registry: ModelRegistry, local_dir: Path) -> str | None:
+    """What would keep an unloaded version from loading, found without loading it; None: nothing.
+
+    Its runtime must be known and its packages importable here, and its bundle must be in
+    the local model cache (``local_dir``) or every artifact in the registry. Blocking
+    (imports, registry reads): call it off the event loop.
+    """
+    from shardline.runtimes import KNOWN_RUNTIMES
+
+    runtime = resolved.manifest.runtime
+    if runtime not in KNOWN_RUNTIMES:
+        return f"{resolved.pinned} asks for runtime {runtime!r}, which this server does not know ({sorted(KNOWN_RUNTIMES)})"
+    module, _, extra = KNOWN_RUNTIMES[runtime]
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        return f"runtime {runtime!r} of {resolved.pinned} needs a package that is not installed here ({e.name}); {extra}"
+    if (local_dir / MANIFEST).is_file():
+        return None
+    missing = [a.path for a in resolved.manifest.artifacts
+               if not registry.fs.exists(registry.blob_path(resolved.name, a.sha256))]
+    if missing:
+        return f"the registry lacks artifacts of {resolved.pinned} ({missing}); push its bundle again"
+    return None
 
 
 @dataclass

@@ -515,17 +515,21 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
             served = await plane.model(tenant, name, request.path_params.get("version"))
             note_model(served)
             versions = await plane.versions(tenant, name)
-        return json_response(model_metadata(name, versions, served.resolved.manifest.runtime, served.signature))
+        answer = model_metadata(name, versions, served.resolved.manifest.runtime, served.signature)
+        answer["parameters"] = {"state": "loaded" if plane.is_loaded(served) else "unloaded"}
+        return json_response(answer)
 
     @wrap
     async def model_ready(request: Request) -> Response:
         tenant = authenticate(request, plane)
-        with plane.admit(tenant):
-            served = await plane.model(tenant, request.path_params["name"], request.path_params.get("version"))
+        with plane.admit(tenant):  # ready: a request would be served (an unloaded model loads on it)
+            status = await plane.model_status(tenant, request.path_params["name"], request.path_params.get("version"))
+        served = status.served
         note_model(served)
-        loaded = plane.is_loaded(served)
-        return json_response({"name": served.name, "version": str(served.version), "ready": loaded},
-                             200 if loaded else 503)
+        answer = {"name": served.name, "version": str(served.version), "ready": status.ready, "state": status.state}
+        if status.problem is not None:
+            answer["reason"] = status.problem
+        return json_response(answer, 200 if status.ready else 503)
 
     infer = InferEndpoint(plane)  # plain ASGI; app.py also sends POSTs straight to it, past the router
     base = "/v2/models/{name}"

@@ -56,7 +56,7 @@ def server(home: Path, **settings: Any) -> Iterator[tuple[str, str, Any]]:
 
 def body(model: BuiltModel, start: int, rows: int = 1) -> bytes:
     features = model.data.features[start:start + rows]
-    return orjson.dumps({"inputs": [{"name": n, "datatype": "FP64", "shape": [rows], "data": features[:, j].tolist()}
+    return orjson.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": [rows], "data": features[:, j].tolist()}
                                     for j, n in enumerate(model.data.names)]})
 
 
@@ -122,8 +122,9 @@ def test_an_idle_model_scales_to_zero_and_reloads_under_concurrent_requests(
         assert first.status_code == 200
         assert httpx.get(ready, headers=auth).json()["ready"] is True
 
-        wait_for(lambda: httpx.get(ready, headers=auth).status_code == 503)
-        assert httpx.get(ready, headers=auth).json() == {"name": MODEL, "version": "1", "ready": False}
+        wait_for(lambda: httpx.get(ready, headers=auth).json()["state"] == "unloaded")
+        # scaled to zero, still ready: the next request loads it
+        assert httpx.get(ready, headers=auth).json() == {"name": MODEL, "version": "1", "ready": True, "state": "unloaded"}
         assert plane.cache.loaded() == []
         metrics = httpx.get(f"{metrics_url}/metrics").text
         assert 'shardline_model_loaded{model="breast-cancer",version="1"} 0.0' in metrics
@@ -135,6 +136,6 @@ def test_an_idle_model_scales_to_zero_and_reloads_under_concurrent_requests(
         labels = np.concatenate([np.array(a.json()["outputs"][0]["data"]) for a in answers])
         features = breast_cancer_model.data.features[:128].astype(np.float32)
         np.testing.assert_array_equal(labels, breast_cancer_model.estimator.predict(features))
-        assert httpx.get(ready, headers=auth).json()["ready"] is True
+        assert httpx.get(ready, headers=auth).json()["state"] == "loaded"
         metrics = httpx.get(f"{metrics_url}/metrics").text
         assert 'shardline_model_loads_total{model="breast-cancer",version="1"} 2.0' in metrics

@@ -61,6 +61,8 @@ def parse_embedding_request(body: bytes) -> tuple[str, list[str], str, int | Non
     if not isinstance(model, str) or not model.strip():
         raise InvalidInput("field 'model' is missing or not a string; name an embedding model you may call")
     texts = doc.get("input")
+    if texts == "":
+        raise InvalidInput("field 'input' is an empty string; send the text to embed")
     if isinstance(texts, str):
         texts = [texts]
     if not isinstance(texts, list) or not texts:
@@ -70,7 +72,9 @@ def parse_embedding_request(body: bytes) -> tuple[str, list[str], str, int | Non
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             kind = "token ids" if isinstance(text, (int, list)) else type(text).__name__
-            raise InvalidInput(f"field 'input'[{i}] is {kind}; this server embeds text: send strings")
+            raise InvalidInput(f"field 'input[{i}]' is {kind}; this server embeds text: send strings")
+        if not text:
+            raise InvalidInput(f"field 'input[{i}]' is an empty string; send the text to embed or leave the entry out")
     encoding = doc.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise InvalidInput(f"field 'encoding_format' is {shown(encoding)}; use 'float' or 'base64'")

@@ -105,7 +105,7 @@ def test_refusals_come_as_the_openai_client_expects(client: openai.OpenAI, url: 
         client.embeddings.create(model="breast-cancer", input="hi")
     with pytest.raises(openai.BadRequestError, match="makes 384-dimensional embeddings and cannot shorten them"):
         client.embeddings.create(model="minilm", input="hi", dimensions=128)
-    with pytest.raises(openai.BadRequestError, match=r"field 'input'\[0\] is token ids"):
+    with pytest.raises(openai.BadRequestError, match=r"field 'input\[0\]' is token ids"):
         client.embeddings.create(model="minilm", input=[[101, 2023]])
     with pytest.raises(openai.AuthenticationError, match="the API key is not valid"):
         openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0).embeddings.create(model="minilm", input="x")
@@ -114,6 +114,20 @@ def test_refusals_come_as_the_openai_client_expects(client: openai.OpenAI, url: 
     assert llm.value.status_code == 501
     raw = httpx.post(f"{url}/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"}, content=b"{oops")
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_empty_text_is_a_400_naming_the_field_as_openai_answers(client: openai.OpenAI, url: str) -> None:
+    with pytest.raises(openai.BadRequestError, match="field 'input' is an empty string") as whole:
+        client.embeddings.create(model="minilm", input="")
+    with pytest.raises(openai.BadRequestError, match=r"field 'input\[3\]' is an empty string") as entry:
+        client.embeddings.create(model="minilm", input=["one", "two", "three", "", "five"])
+    assert whole.value.status_code == entry.value.status_code == 400
+    raw = httpx.post(f"{url}/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": "minilm", "input": ["", "x"]})
+    assert raw.status_code == 400
+    assert raw.json() == {"error": {"message": "field 'input[0]' is an empty string; send the text to embed or leave "
+                                    "the entry out", "type": "invalid_request_error", "param": None, "code": None}}
+    assert len(client.embeddings.create(model="minilm", input=[" "]).data) == 1  # a blank is text, as for OpenAI
 
 
 def test_models_lists_what_the_tenant_may_call(client: openai.OpenAI) -> None:

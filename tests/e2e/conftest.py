@@ -1,13 +1,22 @@
-"""End-to-end fixtures: the `shardline` command run as a user runs it, in a subprocess."""
+"""End-to-end fixtures: the `shardline` command run as a user runs it, in a subprocess.
+
+The session's commands talk to one real `prefect server` (``PREFECT_API_URL``), as a user
+who follows the README's Prefect section does; without one, every `batch run` starts a
+temporary server first (~8 s each). Tests of that embedded default (the demo, a killed
+command's leftovers) drop the URL: pass ``PREFECT_API_URL=None`` to ``shardline(...)``.
+"""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+import httpx
 import pytest
 
 SHARDLINE = [sys.executable, "-m", "shardline.cli"]
@@ -19,13 +28,50 @@ def prefect_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("prefect-home")
 
 
+@pytest.fixture(scope="session")
+def prefect_api(prefect_home: Path) -> Iterator[str]:
+    """`prefect server start` on a free loopback port for the session; its API URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
+    env.update(PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false",
+               DO_NOT_TRACK="1")
+    url = f"http://127.0.0.1:{port}/api"
+    log = prefect_home / "server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
+                                   "127.0.0.1", "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, f"prefect server exited {server.returncode}: {log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).json() is True:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert time.monotonic() < deadline, f"prefect server not healthy after 120 s: {log.read_text()[-3000:]}"
+            time.sleep(0.25)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 @pytest.fixture
-def cli_env(shardline_home: Path, prefect_home: Path) -> dict[str, str]:
-    """The environment a user's shell would have: off the network, own homes."""
+def cli_env(shardline_home: Path, prefect_home: Path, prefect_api: str) -> dict[str, str]:
+    """The environment a user's shell would have: off the network, own homes, the session's Prefect server."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
     env.update(
         SHARDLINE_STORAGE_HOME=str(shardline_home),
         PREFECT_HOME=str(prefect_home),
+        PREFECT_API_URL=prefect_api,
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         DO_NOT_TRACK="1",
         ORT_DISABLE_TELEMETRY="1",
@@ -38,9 +84,10 @@ def cli_env(shardline_home: Path, prefect_home: Path) -> dict[str, str]:
 def shardline(cli_env: dict[str, str], tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run `shardline ARGS...` to completion; returns the finished process."""
 
-    def run(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
+    def run(*args: str, timeout: float = 300, **env: str | None) -> subprocess.CompletedProcess[str]:
+        merged = {k: v for k, v in {**cli_env, **env}.items() if v is not None}  # None: unset it
         return subprocess.run(
-            [*SHARDLINE, *args], env={**cli_env, **env}, cwd=tmp_path, capture_output=True, text=True, timeout=timeout
+            [*SHARDLINE, *args], env=merged, cwd=tmp_path, capture_output=True, text=True, timeout=timeout
         )
 
     return run

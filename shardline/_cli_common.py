@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Iterator
 
 import typer
+
+from shardline.errors import JobFailed, ShardlineError
 
 if TYPE_CHECKING:
     from shardline.storage.registry import ModelRegistry
@@ -32,3 +36,65 @@ def open_registry(url: str | None = None) -> "ModelRegistry":
 
     storage = StorageSettings()
     return ModelRegistry(url or storage.registry, storage.storage_options)
+
+
+def exit_code(error: BaseException) -> int:
+    """1 for a job a re-run resumes (some shards failed, or an unexpected fault); 2 for a request to change."""
+    from shardline.storage.lease import refuses_writes
+
+    if isinstance(error, JobFailed):
+        return EXIT_FAILED
+    if isinstance(error, ShardlineError) or refuses_writes(error):  # re-running cannot cure a refused write
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+def error_line(error: BaseException) -> str:
+    """The one line that tells the user what went wrong and what to do."""
+    from shardline.storage.lease import refuses_writes
+
+    if refuses_writes(error) and not isinstance(error, ShardlineError):
+        return (f"{type(error).__name__}: {error}; the output (or a file under it) cannot be written: make it "
+                "writable or choose another --output (running again will not help)")
+    return str(error)
+
+
+class _UserErrorsAtDebug(logging.Filter):
+    """Prefect's run loggers report a failed task or flow at ERROR, with the traceback, then repeat the
+    error in their "Finished in state Failed(...)" lines. For a user error (exit 2) the CLI's one
+    ``error:`` line says it all: those records are logged at DEBUG instead, traceback kept (shown with
+    PREFECT_LOGGING_LEVEL=DEBUG, and in the Prefect UI's debug logs). Other Shardline errors (a failed
+    job) keep their ERROR lines without the traceback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()  # the user errors' texts, to know their repeats
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and exit_code(error) == EXIT_USAGE:
+            if str(error):
+                self._seen.add(str(error))
+        elif error is not None:
+            if isinstance(error, ShardlineError):
+                record.exc_info, record.exc_text = None, None
+            return True
+        elif not any(text in record.getMessage() for text in self._seen):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)  # as a record logged at DEBUG would be
+
+
+@contextlib.contextmanager
+def one_line_user_errors() -> Iterator[None]:
+    """While a flow runs here: a user error's records from Prefect's run loggers go to DEBUG (see
+    ``_UserErrorsAtDebug``), so the user reads one ``error:`` line, not tracebacks."""
+    quiet = _UserErrorsAtDebug()
+    loggers = [logging.getLogger(name) for name in ("prefect.task_runs", "prefect.flow_runs")]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)

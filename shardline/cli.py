@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import typer
 
-from shardline.errors import JobFailed, ShardlineError
+from shardline.errors import ShardlineError
 
 from shardline._cli_common import (
     EXIT_FAILED,
@@ -21,6 +19,9 @@ from shardline._cli_common import (
     EXIT_QUARANTINED,
     EXIT_USAGE,
     OFF_THE_NETWORK,
+    error_line,
+    exit_code,
+    one_line_user_errors,
     open_registry,
 )
 from shardline._model_cli import model_app
@@ -55,7 +56,7 @@ def run_batch_job(
 
     batch_tasks.progress_listeners.append(listen)
     try:
-        with bar, _one_line_user_errors():
+        with bar, one_line_user_errors():
             state = batch_inference(
                 model=model, input_uri=input_uri, output_uri=output_uri, tenant=tenant,
                 passthrough=passthrough, batch_rows=batch_rows, variant=variant, sla=sla, deadline=deadline,
@@ -65,55 +66,13 @@ def run_batch_job(
         batch_tasks.progress_listeners.remove(listen)
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
-        typer.secho(f"error: {_error_line(result)}", fg="red", err=True)
-        return _exit_code(result), None
+        typer.secho(f"error: {error_line(result)}", fg="red", err=True)
+        return exit_code(result), None
     summary: dict[str, Any] = result
     _print_summary(summary, state.message or "")
     if state.is_failed():
         return EXIT_FAILED, summary
     return (EXIT_QUARANTINED if summary["shards_quarantined"] else EXIT_OK), summary
-
-
-class _NoTracebackForUserErrors(logging.Filter):
-    """Prefect logs a failed task or flow with its traceback; for a Shardline error the one line says it all."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], ShardlineError):
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-@contextlib.contextmanager
-def _one_line_user_errors() -> Iterator[None]:
-    quiet = _NoTracebackForUserErrors()
-    loggers = [logging.getLogger(name) for name in ("prefect.task_runs", "prefect.flow_runs")]
-    for logger in loggers:
-        logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(quiet)
-
-
-def _exit_code(error: BaseException) -> int:
-    """1 for a job a re-run resumes (some shards failed, or an unexpected fault); 2 for a request to change."""
-    from shardline.storage.lease import refuses_writes
-
-    if isinstance(error, JobFailed):
-        return EXIT_FAILED
-    if isinstance(error, ShardlineError) or refuses_writes(error):  # re-running cannot cure a refused write
-        return EXIT_USAGE
-    return EXIT_FAILED
-
-
-def _error_line(error: BaseException) -> str:
-    from shardline.storage.lease import refuses_writes
-
-    if refuses_writes(error) and not isinstance(error, ShardlineError):
-        return (f"{type(error).__name__}: {error}; the output (or a file under it) cannot be written: make it "
-                "writable or choose another --output (running again will not help)")
-    return str(error)
 
 
 def _print_summary(summary: dict[str, Any], message: str) -> None:

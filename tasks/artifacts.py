@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from datetime import datetime
 from typing import Any
 
 from shardline.storage.jobs import JobSummary
@@ -59,11 +60,18 @@ def _throughput(summary: JobSummary, planned: dict[str, Any] | None) -> str:
     return line
 
 
+def _moment(iso: str) -> str:
+    try:
+        return datetime.fromisoformat(iso).strftime("%Y-%m-%d %H:%M:%S %Z").strip()
+    except ValueError:
+        return iso
+
+
 def _sla_line(planned: dict[str, Any] | None) -> str:
     if not planned:
         return "not tracked"
     verdict = "**met**" if planned["status"] == "met" else "**breached**"
-    return (f"{verdict}: finished {planned['finished']} for a deadline of {planned['deadline']} "
+    return (f"{verdict}: finished {_moment(planned['finished'])} for a deadline of {_moment(planned['deadline'])} "
             f"({planned['actual_seconds']:,} s of {planned['budget_seconds']:,} s)")
 
 
@@ -80,13 +88,13 @@ def summary_markdown(summary: JobSummary, planned: dict[str, Any] | None = None)
         "",
         f"Model `{summary.model}` for tenant `{summary.tenant}`.",
         "",
-        "| | |",
+        "| measure | count |",
         "|---|---:|",
         f"| rows in | {summary.rows_in:,} |",
         f"| rows out | {summary.rows_out:,} |",
         f"| rows quarantined | {summary.rows_quarantined:,} |",
-        f"| shards | {summary.shards:,} ({summary.shards_committed:,} committed, "
-        f"{summary.shards_skipped:,} done before this run, {summary.shards_quarantined:,} quarantined) |",
+        f"| shards | {summary.shards:,} ({summary.shards_committed:,} committed, {summary.shards_quarantined:,} "
+        f"quarantined; {summary.shards_skipped:,} of them settled by an earlier run) |",
         "",
         f"**Throughput:** {_throughput(summary, planned)}.",
         "",

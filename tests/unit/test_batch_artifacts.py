@@ -57,7 +57,7 @@ def test_the_summary_says_rows_quarantined_shards_throughput_sla_and_where() -> 
     assert "| rows in | 20,000 |" in text and "| rows out | 15,000 |" in text and "| rows quarantined | 5,000 |" in text
     assert "- `a/nulls.parquet`: NullValues: 'age'" in text and "- `b/corrupt.parquet`: CorruptShard" in text
     assert "5,000 rows/s scoring (12,500 rows in 2.5 s)" in text
-    assert "**SLA:** **breached**: finished 2026-12-01T06:10:00+00:00 for a deadline of 2026-12-01T06:00:00+00:00" in text
+    assert "**SLA:** **breached**: finished 2026-12-01 06:10:00 UTC for a deadline of 2026-12-01 06:00:00 UTC" in text
     assert "**Output:** `s3://lake/acme/scored` (manifest `s3://lake/acme/scored/_manifest.json`)" in text
 
 

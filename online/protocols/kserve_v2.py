@@ -6,7 +6,7 @@ for the model, e.g. ``name@prod``, picks the version):
     GET  /v2/health/live, /v2/health/ready          no key (Kubernetes probes)
     GET  /v2                                        server metadata
     GET  /v2/models/{name}[/versions/{version}]     model metadata (inputs, outputs)
-    GET  /v2/models/{name}[/versions/{version}]/ready   200 loaded, 503 scaled to zero
+    GET  /v2/models/{name}[/versions/{version}]/ready   200 a request would be served (state: loaded or unloaded), 503 not
     POST /v2/models/{name}[/versions/{version}]/infer
 
 A request carries one input per signature input column; the binary tensor data

@@ -215,7 +215,4 @@ def convert_fp16(manifest: Manifest, bundle_dir: str | Path, out_file: str | Pat
     return _output_artifact(out)
 
 
-_BUILDERS = {"int8": quantize_int8, "fp16": convert_fp16}
-
-
 BUILDERS = {"int8": quantize_int8, "fp16": convert_fp16}

@@ -45,10 +45,6 @@ if TYPE_CHECKING:
 
 CAPTURE_META = ("_captured_at", "_tier", "_tenant", "_source")
 CAPTURED_AT_TYPE = pa.timestamp("us", tz="UTC")
-META_SCHEMA = pa.schema(
-    [(CAPTURE_META[0], CAPTURED_AT_TYPE), (CAPTURE_META[1], pa.string()),
-     (CAPTURE_META[2], pa.string()), (CAPTURE_META[3], pa.string())]
-)
 _TIER = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 _STAGING = "_staging"
@@ -76,10 +72,6 @@ def _check_version(version: int) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise InvalidSetting(f"capture needs a model version number >= 1, got {version!r}")
     return version
-
-
-def _as_table(rows: Rows) -> pa.Table:
-    return pa.Table.from_batches([rows]) if isinstance(rows, pa.RecordBatch) else rows
 
 
 @dataclass(frozen=True)

@@ -543,8 +543,18 @@ class ModelRegistry:
         return f"model {name!r} has no {what} (it has versions {numbers}); list them with `shardline model list`"
 
 
-def download_bundle(model: ResolvedModel, dest: Path, storage_options: dict[str, Any] | None = None) -> None:
-    """Download a resolved version's artifacts and manifest into the local folder ``dest``, unchecked."""
+def fetch_bundle(
+    model: ResolvedModel, dest: Path, storage_options: dict[str, Any] | None = None, verify: bool = True
+) -> None:
+    """Download a resolved version's artifacts and manifest into the local folder ``dest``.
+
+    Args:
+        verify: check every artifact's sha256 (off only where the caller reports the
+            check itself, as the promotion's checksum gate does).
+
+    Raises:
+        IntegrityError: a stored artifact differs from its manifest (with ``verify``).
+    """
     registry = ModelRegistry(model.registry_url, storage_options)
     dest.mkdir(parents=True, exist_ok=True)
     for artifact in model.manifest.artifacts:
@@ -552,13 +562,5 @@ def download_bundle(model: ResolvedModel, dest: Path, storage_options: dict[str,
         local.parent.mkdir(parents=True, exist_ok=True)
         registry.fs.get_file(registry.blob_path(model.name, artifact.sha256), str(local))
     (dest / MANIFEST).write_text(model.manifest.to_json())
-
-
-def fetch_bundle(model: ResolvedModel, dest: Path, storage_options: dict[str, Any] | None = None) -> None:
-    """Download a resolved version into ``dest`` and verify every artifact's sha256.
-
-    Raises:
-        IntegrityError: a stored artifact differs from its manifest.
-    """
-    download_bundle(model, dest, storage_options)
-    verify_artifacts(dest, model.manifest)
+    if verify:
+        verify_artifacts(dest, model.manifest)

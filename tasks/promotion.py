@@ -23,7 +23,7 @@ from shardline.quality.gates import (
     signature_gate,
 )
 from shardline.runtimes import RuntimeOptions, create_runtime
-from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, download_bundle, fetch_bundle
+from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
 
 
 @dataclass
@@ -64,7 +64,7 @@ def run_gates(plan: PromotionPlan, allow_breaking: bool) -> list[GateResult]:
     results = [signature_gate(manifest, plan.current.manifest if plan.current else None, allow_breaking)]
     with tempfile.TemporaryDirectory() as folder:
         bundle = Path(folder)
-        download_bundle(plan.candidate, bundle, plan.storage_options)
+        fetch_bundle(plan.candidate, bundle, plan.storage_options, verify=False)  # the checksum gate checks it
         results.append(checksum_gate(bundle, manifest))
         score = None
         if results[-1].passed and manifest.evaluation is not None:

@@ -24,7 +24,7 @@ from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.settings import DriftSettings, StorageSettings
 from shardline.storage.fs import join, open_fs
 from shardline.storage.output import OutputLayout
-from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, download_bundle
+from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
 from shardline.storage.shards import list_shards
 from shardline.tasks.logs import run_logger
 
@@ -128,7 +128,7 @@ def revalidate_version(model: ResolvedModel, alias: str | None, labelled_uri: st
     needed = [*manifest.signature.input_names, evaluation.label_column]
     table = read_labelled(labelled_uri, list(dict.fromkeys(needed)), storage.storage_options)
     with tempfile.TemporaryDirectory() as folder:
-        download_bundle(model, Path(folder), storage.storage_options)
+        fetch_bundle(model, Path(folder), storage.storage_options)  # verified: what is scored is what was pushed
         runtime = create_runtime(Path(folder), manifest, RuntimeOptions(device="cpu"))
         runtime.load()
         try:

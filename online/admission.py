@@ -22,7 +22,8 @@ import math
 from typing import Callable, Mapping
 
 from shardline.errors import RateLimited
-from shardline.online.tenants import Priority, Tenant
+from shardline.online.tenants import Tenant
+from shardline.tenants import Priority
 
 # Share of a model's queue capacity that a request of each class may fill.
 SHED_SHARE: Mapping[Priority, float] = {"high": 1.0, "normal": 0.8, "low": 0.5}

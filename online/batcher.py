@@ -49,7 +49,7 @@ import pyarrow as pa
 from shardline.errors import InferenceFailed, InvalidBundle, Overloaded, RuntimeUnavailable
 from shardline.online.admission import SHED_SHARE, admits, drain_seconds, retry_after
 from shardline.online.matrix_rows import Matrix
-from shardline.online.tenants import PRIORITIES, Priority
+from shardline.tenants import PRIORITIES, Priority
 
 Inputs: TypeAlias = "pa.Table | Matrix"  # a request's (or a batch's) rows
 Output: TypeAlias = "pa.RecordBatch | dict[str, np.ndarray]"  # a model's answer: rows, or numpy columns (from a Matrix)

@@ -22,17 +22,14 @@ import hashlib
 import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shardline.bundle import ModelRef
 from shardline.errors import InvalidSetting, ShardlineError, Unauthenticated
-from shardline.tenants import BatchPolicy
-
-Priority = Literal["high", "normal", "low"]
-PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")  # the order batches are filled in
+from shardline.tenants import BatchPolicy, Priority
 
 
 def hash_api_key(key: str) -> str:

@@ -33,7 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from shardline.errors import AccessDenied, InvalidSetting
 from shardline.locations import check_separate, is_within
 
-BatchPriority = Literal["high", "normal", "low"]
+Priority = Literal["high", "normal", "low"]
+"""A priority class, the same in both tiers: batch jobs' share of the cluster, online requests' shedding."""
+PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")  # highest first: the order work is taken in
 
 
 class BatchPolicy(BaseModel):
@@ -44,7 +46,7 @@ class BatchPolicy(BaseModel):
     storage_prefixes: list[str] = Field(
         min_length=1, description="Folders or URL prefixes the tenant's jobs may read and write under."
     )
-    priority: BatchPriority = Field(default="normal", description="Default priority class of the tenant's jobs.")
+    priority: Priority = Field(default="normal", description="Default priority class of the tenant's jobs.")
     max_concurrent_shards: int | None = Field(
         default=None, ge=1, description="Shards of this tenant on the cluster at once, across its jobs; none: unlimited."
     )

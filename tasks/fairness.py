@@ -26,9 +26,7 @@ from shardline.settings import RuntimeSettings, TenancySettings
 from shardline.storage.metering import DeviceKind, MeteringLedger
 from shardline.storage.output import PartRecord
 from shardline.tasks.logs import run_logger
-from shardline.tenants import BatchTenant
-
-PRIORITIES = ("high", "normal", "low")
+from shardline.tenants import PRIORITIES, BatchTenant
 
 
 def device_kind(runtime: RuntimeSettings) -> DeviceKind:

@@ -11,7 +11,7 @@ import pytest
 
 from shardline.errors import InvalidInput, Overloaded, RuntimeUnavailable
 from shardline.online.batcher import Batcher, BatchLimits, Pending, batch_wait, take_batch
-from shardline.online.tenants import PRIORITIES, Priority
+from shardline.tenants import PRIORITIES, Priority
 
 
 def rows(*values: float) -> pa.Table:

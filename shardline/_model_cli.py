@@ -27,13 +27,23 @@ def _tags(pairs: list[str] | None) -> dict[str, str]:
     return tags
 
 
+_NO_PROFILE = (
+    "  no reference profile: drift checks and the promotion gate 'reference-profile' need one (`shardline model "
+    "promote` refuses a version without it); package again with --signature-from ROWS.parquet (rows the model "
+    "reads, e.g. its training data: they also check the signature on real rows), or add it to this folder before "
+    "`shardline model push` with shardline.quality.profile.attach_reference_profile(folder, rows)"
+)
+
+
 @model_app.command("package")
 def model_package(
     source: Path = typer.Argument(..., exists=True, dir_okay=False, help="The model as an ONNX file."),
     name: str = typer.Option(..., help="Model name (lower-case letters, digits, '.', '_', '-')."),
-    signature_from: Path = typer.Option(..., exists=True, help="Sample Parquet data: the signature is inferred "
-                                        "from it and checked by running the model; its profile becomes the "
-                                        "reference profile."),
+    signature_from: Optional[Path] = typer.Option(
+        None, exists=True, help="Sample Parquet data: the signature is inferred from it (a column per model input, "
+        "named after it: a fixed_size_list<T>[k] column for an input [N, k]; or, for a model of one [N, k] input, "
+        "k feature columns) and checked by running the model; its profile becomes the reference profile. Left out: "
+        "the signature is the ONNX file's own inputs and outputs, and the bundle has no reference profile."),
     exclude: Optional[list[str]] = typer.Option(None, help="Sample column that is not a feature (label, id); repeat."),
     golden: Optional[Path] = typer.Option(None, exists=True, help="Golden Parquet set with known answers."),
     label: str = typer.Option("target", help="Golden-set column with the expected answer."),
@@ -53,10 +63,13 @@ def model_package(
     from shardline.quality.profile import attach_reference_profile
 
     try:
-        sample = pq.read_table(signature_from)
+        if exclude and signature_from is None:
+            raise ShardlineError("--exclude names columns of the sample data; give the sample with --signature-from, "
+                                 "or leave out --exclude to package from the ONNX file alone")
+        sample = pq.read_table(signature_from) if signature_from is not None else None
         lineage = Lineage(
-            training_data=str(signature_from.resolve()),
-            training_data_digest=hashlib.sha256(signature_from.read_bytes()).hexdigest(),
+            training_data=str(signature_from.resolve()) if signature_from is not None else None,
+            training_data_digest=hashlib.sha256(signature_from.read_bytes()).hexdigest() if signature_from else None,
             source_commit=source_commit,
         )
         golden_set = None
@@ -67,8 +80,8 @@ def model_package(
             source, folder, name=name, sample=sample, exclude=exclude or [], lineage=lineage,
             golden=golden_set, image=image,
         )
-        # The sample's profile and the model's outputs on it: the baseline drift checks compare with.
-        manifest = attach_reference_profile(folder, sample)
+        if sample is not None:  # the sample's profile and the model's outputs on it: the baseline drift checks compare with
+            manifest = attach_reference_profile(folder, sample)
         if tag:
             manifest = manifest.model_copy(update={"tags": {**manifest.tags, **_tags(tag)}})
             write_manifest(folder, manifest)
@@ -78,6 +91,9 @@ def model_package(
     outputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.outputs)
     typer.echo(f"packaged {name} in {folder} (digest {manifest.digest[:12]})\n  in: {inputs}"
                f"{' ...' if len(manifest.signature.inputs) > 4 else ''}\n  out: {outputs}")
+    if sample is None:
+        typer.echo("  signature: the ONNX file's own input and output types and shapes (no sample data)")
+        typer.echo(_NO_PROFILE)
 
 
 @model_app.command("package-minilm")

@@ -22,7 +22,16 @@ import pyarrow.parquet as pq
 
 from shardline.bundle import Evaluation, Lineage, Manifest, describe_artifact, write_manifest
 from shardline.errors import InvalidInput, InvalidSetting, RuntimeUnavailable
-from shardline.signature import ColumnSpec, Signature, is_compatible, non_finite_counts, parse_type, type_name
+from shardline.signature import (
+    ColumnSpec,
+    Signature,
+    is_compatible,
+    leaf_type,
+    non_finite_counts,
+    row_shape,
+    tensor_type_name,
+    type_name,
+)
 
 _RECORDED_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnx", "scikit-learn", "skl2onnx", "pyarrow", "tokenizers")
 GOLDEN_FILE = "golden.parquet"
@@ -115,8 +124,11 @@ _NUMPY_TO_TYPE = {
 }
 _ONNX_TO_TYPE = {
     "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
-    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(string)": "string",
+    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int16)": "int16", "tensor(int8)": "int8",
+    "tensor(uint64)": "uint64", "tensor(uint32)": "uint32", "tensor(uint16)": "uint16", "tensor(uint8)": "uint8",
+    "tensor(bool)": "bool", "tensor(string)": "string",
 }
+_SAMPLE_ROWS = 16  # rows of the sample the model is run on to learn (and check) its outputs
 
 
 def _output_type(name: str, values: Any) -> str:
@@ -128,12 +140,134 @@ def _output_type(name: str, values: Any) -> str:
         )
     base = _NUMPY_TO_TYPE.get(array.dtype)
     if base is None:
-        raise InvalidInput(f"ONNX output {name!r} has dtype {array.dtype}, which bundles do not support")
+        raise InvalidInput(f"ONNX output {name!r} has dtype {array.dtype}, which bundles do not support; "
+                           "cast it in the graph to float32, float64, int32, int64 or bool")
     if array.ndim == 1 or (array.ndim == 2 and array.shape[1] == 1):
         return base
     if array.ndim == 2:
         return f"fixed_size_list<{base}>[{array.shape[1]}]"
-    raise InvalidInput(f"ONNX output {name!r} has {array.ndim} dimensions; bundles hold one row per example")
+    raise InvalidInput(f"ONNX output {name!r} has {array.ndim} dimensions; bundles hold one value or one vector "
+                       "per row: reshape it to [N, k] in the graph")
+
+
+def _session(onnx_file: str | Path) -> Any:
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        raise RuntimeUnavailable("inferring a signature runs the model: pip install 'shardline[cpu]'") from e
+    try:
+        return ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types for an unreadable file
+        raise InvalidInput(f"{onnx_file} is not an ONNX model onnxruntime loads ({e}); give the .onnx file") from e
+
+
+def _value_type(info: Any) -> str:
+    """The signature type of one value of an ONNX input."""
+    base = _ONNX_TO_TYPE.get(info.type)
+    if base is None:
+        raise InvalidInput(f"ONNX input {info.name!r} is {info.type}, which bundles do not support; "
+                           f"export it as one of {sorted(set(_ONNX_TO_TYPE.values()))}")
+    return base
+
+
+def _shape(info: Any) -> list[int]:
+    """An ONNX input's shape as V2 metadata writes it: -1 where the graph names or omits a dimension."""
+    return [d if isinstance(d, int) and d >= 0 else -1 for d in info.shape or []]
+
+
+def _row_dims(info: Any) -> list[int | None]:
+    """An ONNX input's dimensions after the batch one (None where the graph names or omits it).
+
+    Raises:
+        InvalidInput: the graph declares no rank, or a fixed batch dimension.
+    """
+    shape = list(info.shape or [])
+    if not shape:
+        raise InvalidInput(f"ONNX input {info.name!r} declares no shape; give sample rows (--signature-from) "
+                           "or export the model with input shapes")
+    if isinstance(shape[0], int) and shape[0] > 0:
+        raise InvalidInput(
+            f"ONNX input {info.name!r} has shape {shape}, a fixed batch of {shape[0]}; both tiers feed a model "
+            "any number of rows: export it with a dynamic first dimension (skl2onnx: [None, k]; torch.onnx.export: "
+            "dynamic_axes={'" + str(info.name) + "': {0: 'batch'}})"
+        )
+    return [d if isinstance(d, int) and d >= 0 else None for d in shape[1:]]
+
+
+def _declared_input(info: Any) -> ColumnSpec:
+    """The column an ONNX input is fed from, from the graph's own type and shape (no sample)."""
+    base, dims = _value_type(info), _row_dims(info)
+    if dims == [1]:
+        return ColumnSpec(name=info.name, type=base)
+    if any(d is None for d in dims[:-1]):
+        raise InvalidInput(f"ONNX input {info.name!r} has shape {_shape(info)}, with a varying dimension before the "
+                           "last; give sample rows (--signature-from) with the column as the model reads it")
+    return ColumnSpec(name=info.name, type=tensor_type_name(base, [-1 if d is None else d for d in dims]))
+
+
+def _sample_input(info: Any, got: pa.DataType) -> ColumnSpec:
+    """The column an ONNX input is fed from, by the sample's same-named column; refused if it cannot feed it."""
+    rows = row_shape(got)
+    base, dims = _value_type(info), _row_dims(info) if info.shape else [None] * len(rows)
+    if dims == [1] and not rows:
+        dims = []
+    if len(rows) != len(dims):
+        if dims:
+            want = tensor_type_name(base, [-1 if d is None else d for d in dims])
+            raise InvalidInput(
+                f"sample column {info.name!r} is {type_name(got)}, the model's input {info.name!r} has shape "
+                f"{_shape(info)} ({'x'.join(str(d or 'k') for d in dims)} {base} values per row): give it as one "
+                f"{want} column, a list per row (pyarrow: pa.FixedSizeListArray.from_arrays(values, "
+                f"{dims[-1] or 'k'}))"
+            )
+        raise InvalidInput(f"sample column {info.name!r} is {type_name(got)}, the model's input {info.name!r} takes "
+                           f"one {base} value per row (shape {_shape(info)}): give a {base} column")
+    for d, r in zip(dims, rows):
+        if d is not None and r != d:
+            raise InvalidInput(
+                f"sample column {info.name!r} is {type_name(got)}, the model's input {info.name!r} has shape "
+                f"{_shape(info)}: give rows of {d} values ({tensor_type_name(base, [x or -1 for x in dims])})"
+            )
+    spec = ColumnSpec(name=info.name, type=tensor_type_name(base, [d if d is not None else r for d, r in zip(dims, rows)]))
+    if not is_compatible(got, spec.arrow_type):
+        raise InvalidInput(f"sample column {info.name!r} is {type_name(got)}, the model's input {info.name!r} is "
+                           f"{spec.type}: cast the column to {spec.type}")
+    return spec
+
+
+def _stacked_inputs(only: Any, sample: pa.Table, columns: list[str], exclude: Sequence[str]) -> tuple[list[ColumnSpec], dict[str, Any]]:
+    """One 2-D ONNX input fed by every feature column of the sample, stacked in order."""
+    width = only.shape[1]
+    if isinstance(width, int) and width != len(columns):
+        raise InvalidInput(
+            f"the ONNX input {only.name!r} takes {width} features per row, the sample has {len(columns)} "
+            f"columns besides {list(exclude)} ({columns[:5]}...); exclude the label and id columns with "
+            f"--exclude, give data with exactly those features, or give them as one fixed_size_list column "
+            f"named {only.name!r}"
+        )
+    dtype = _value_type(only)
+    inputs = [ColumnSpec(name=c, type=dtype) for c in columns]
+    for spec in inputs:
+        got = sample.schema.field(spec.name).type
+        if not is_compatible(got, spec.arrow_type):
+            raise InvalidInput(f"sample column {spec.name!r} is {type_name(got)}, the model's input {only.name!r} "
+                               f"stacks {dtype} features: cast it to {dtype}, or exclude it with --exclude")
+    return inputs, {"tensor_inputs": [{"name": only.name, "columns": columns, "dtype": dtype}]}
+
+
+def _numpy_type(spec: ColumnSpec) -> np.dtype:
+    leaf = leaf_type(spec.arrow_type)
+    return np.dtype(object) if pa.types.is_string(leaf) or pa.types.is_large_string(leaf) else np.dtype(leaf.to_pandas_dtype())
+
+
+def _run_outputs(session: Any, feeds: dict[str, np.ndarray], where: str) -> list[ColumnSpec]:
+    """Run the model once and read its output columns from what it gives."""
+    try:
+        results = session.run(None, feeds)
+    except Exception as e:  # onnxruntime's own exception types
+        raise InvalidInput(f"the model does not run on {where} ({e}); check the rows against its inputs "
+                           f"{[(i.name, i.type, i.shape) for i in session.get_inputs()]}") from e
+    return [ColumnSpec(name=o.name, type=_output_type(o.name, r)) for o, r in zip(session.get_outputs(), results)]
 
 
 def infer_onnx_signature(
@@ -141,57 +275,65 @@ def infer_onnx_signature(
 ) -> tuple[Signature, dict[str, Any]]:
     """Work out an ONNX model's signature and tensor bindings from sample data, and check them.
 
-    The ONNX inputs are fed from the sample's columns of the same names, or, for one
-    2-D input, from every sample column not in ``exclude``, stacked in order. The
-    model is then run on the first rows; their outputs give the output columns.
+    Each ONNX input is fed from the sample's column of the same name (a
+    ``fixed_size_list<T>[k]`` column for an input ``[N, k]``, nested for more
+    dimensions); or, for one 2-D input that no column is named after, from every sample
+    column not in ``exclude``, stacked in order. The model is then run on the first rows;
+    their outputs give the output columns.
 
     Raises:
-        InvalidInput: the sample cannot feed the model, or an output is not a tensor.
+        InvalidInput: the sample cannot feed the model (saying how to make it), or an output is not a tensor.
     """
-    try:
-        import onnxruntime as ort
-    except ImportError as e:
-        raise RuntimeUnavailable("inferring a signature runs the model: pip install 'shardline[cpu]'") from e
-    session = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    session = _session(onnx_file)
     onnx_inputs = session.get_inputs()
     columns = [c for c in sample.column_names if c not in set(exclude)]
-    head = sample.slice(0, min(16, sample.num_rows))
+    head = sample.slice(0, min(_SAMPLE_ROWS, sample.num_rows))
     config: dict[str, Any] = {}
     if all(i.name in columns for i in onnx_inputs):
-        inputs = [ColumnSpec(name=i.name, type=_ONNX_TO_TYPE.get(i.type, "float32")) for i in onnx_inputs]
-    elif len(onnx_inputs) == 1 and len(onnx_inputs[0].shape) == 2:
-        only = onnx_inputs[0]
-        width = only.shape[1]
-        if isinstance(width, int) and width != len(columns):
-            raise InvalidInput(
-                f"the ONNX input {only.name!r} takes {width} features per row, the sample has {len(columns)} "
-                f"columns besides {list(exclude)} ({columns[:5]}...); exclude the label and id columns with "
-                "--exclude, or give data with exactly those features"
-            )
-        dtype = _ONNX_TO_TYPE.get(only.type, "float32")
-        inputs = [ColumnSpec(name=c, type=dtype) for c in columns]
-        config["tensor_inputs"] = [{"name": only.name, "columns": columns, "dtype": dtype}]
+        inputs = [_sample_input(i, sample.schema.field(i.name).type) for i in onnx_inputs]
+    elif len(onnx_inputs) == 1 and len(onnx_inputs[0].shape or []) == 2:
+        inputs, config = _stacked_inputs(onnx_inputs[0], sample, columns, exclude)
     else:
+        missing = [i.name for i in onnx_inputs if i.name not in columns]
         raise InvalidInput(
-            f"the model's inputs are {[(i.name, i.shape) for i in onnx_inputs]}; name the sample's columns "
-            "after them, or give one 2-D input fed by all feature columns"
+            f"the model's inputs are {[(i.name, _shape(i)) for i in onnx_inputs]}; the sample has no column "
+            f"{missing}: name one column after each input (a fixed_size_list<T>[k] column for an input [N, k]), "
+            "or package from the ONNX file alone (leave out --signature-from)"
         )
-    for spec in inputs:
-        got = sample.schema.field(spec.name).type
-        if not is_compatible(got, parse_type(spec.type)):
-            raise InvalidInput(f"sample column {spec.name!r} is {type_name(got)}, the model's input is {spec.type}")
     # A sample that holds NaN or infinity in a float column is data the model is meant to take
     # (a tree model's missing values): the column declares it, so neither tier refuses them.
     for name in non_finite_counts(sample, inputs):
         next(spec for spec in inputs if spec.name == name).non_finite = True
+    from shardline.runtimes.onnx import column_tensor
+
     feeds = {}
     for binding in config.get("tensor_inputs", []):
         feeds[binding["name"]] = np.column_stack([head.column(c).to_numpy() for c in binding["columns"]]).astype(binding["dtype"])
-    for spec in inputs if not feeds else []:
-        feeds[spec.name] = head.column(spec.name).to_numpy(zero_copy_only=False).astype(spec.type if spec.type != "string" else object)
-    results = session.run(None, feeds)
-    outputs = [ColumnSpec(name=o.name, type=_output_type(o.name, r)) for o, r in zip(session.get_outputs(), results)]
+    for info, spec in zip(onnx_inputs, inputs) if not feeds else []:
+        feeds[info.name] = column_tensor(head.column(spec.name), _numpy_type(spec), len(info.shape or []))
+    outputs = _run_outputs(session, feeds, f"the sample's first {head.num_rows} rows")
     return Signature(inputs=inputs, outputs=outputs), config
+
+
+def onnx_signature(onnx_file: str | Path) -> Signature:
+    """An ONNX model's signature from the file alone, as Triton's auto-complete makes it: each input a column
+    of its name, typed from the graph's input type and shape (``[N]``: a primitive column, ``[N, k]``:
+    ``fixed_size_list<T>[k]``, ``[N, k]`` with k unnamed: ``list<T>``); the outputs from running the model on
+    two rows of zeros (so they are checked to be tensors, as from sample data).
+
+    Raises:
+        InvalidInput: an input's type or shape cannot be a column (saying what to do), or the model does not run.
+    """
+    session = _session(onnx_file)
+    inputs = [_declared_input(i) for i in session.get_inputs()]
+    feeds = {}
+    for info, spec in zip(session.get_inputs(), inputs):
+        dims = [2, *[max(d, 1) for d in row_shape(spec.arrow_type)]]
+        if len(info.shape) == 2 and not row_shape(spec.arrow_type):
+            dims.append(1)  # an input [N, 1] fed by a primitive column
+        dtype = _numpy_type(spec)
+        feeds[info.name] = np.full(dims, "", dtype=object) if dtype == np.dtype(object) else np.zeros(dims, dtype)
+    return Signature(inputs=inputs, outputs=_run_outputs(session, feeds, "two rows of zeros"))
 
 
 def package_onnx(
@@ -210,14 +352,15 @@ def package_onnx(
 ) -> Manifest:
     """Copy an ONNX file into a new bundle folder with its manifest.
 
-    Give either ``signature`` (and ``runtime_config``) or ``sample`` data to infer
-    and check them from.
+    Give ``signature`` (and ``runtime_config``), or ``sample`` data to infer and check them
+    from, or neither: the signature is then the model's own (``onnx_signature``).
     """
     if signature is None:
         if sample is None:
-            raise InvalidSetting("give the model's signature or sample data to infer it from (--signature-from)")
-        signature, inferred = infer_onnx_signature(onnx_file, sample, exclude)
-        runtime_config = {**inferred, **(runtime_config or {})}
+            signature = onnx_signature(onnx_file)
+        else:
+            signature, inferred = infer_onnx_signature(onnx_file, sample, exclude)
+            runtime_config = {**inferred, **(runtime_config or {})}
     out = new_bundle_dir(out_dir)
     shutil.copyfile(onnx_file, out / "model.onnx")
     manifest = Manifest(

@@ -60,6 +60,37 @@ def type_name(dtype: pa.DataType) -> str:
     return _NAMES.get(dtype, str(dtype))
 
 
+def leaf_type(dtype: pa.DataType) -> pa.DataType:
+    """The type of a column's single values: ``float32`` for ``fixed_size_list<fixed_size_list<float32>[4]>[3]``."""
+    while pa.types.is_fixed_size_list(dtype) or pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        dtype = dtype.value_type
+    return dtype
+
+
+def row_shape(dtype: pa.DataType) -> list[int]:
+    """The tensor shape of one row of a column, -1 where it varies: ``[]`` for a primitive column,
+    ``[k]`` for ``fixed_size_list<T>[k]``, ``[a, b]`` for ``fixed_size_list<fixed_size_list<T>[b]>[a]``,
+    ``[-1]`` for ``list<T>``. A model's tensor for the column has shape ``[N, *row_shape]``."""
+    dims = []
+    while True:
+        if pa.types.is_fixed_size_list(dtype):
+            dims.append(dtype.list_size)
+        elif pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+            dims.append(-1)
+        else:
+            return dims
+        dtype = dtype.value_type
+
+
+def tensor_type_name(value_type: str, dims: list[int]) -> str:
+    """The signature type of a column whose rows are tensors of shape ``dims`` (-1: varies) of ``value_type``
+    (the inverse of ``row_shape``): ``tensor_type_name("float32", [30])`` is ``fixed_size_list<float32>[30]``."""
+    name = value_type
+    for dim in reversed(dims):
+        name = f"list<{name}>" if dim < 0 else f"fixed_size_list<{name}>[{dim}]"
+    return name
+
+
 class ColumnSpec(BaseModel):
     """One column of a signature."""
 

@@ -4,7 +4,10 @@
 
 - ``tensor_inputs``: ``[{"name": "X", "columns": ["a", "b"], "dtype": "float32"}]``,
   feeding the ONNX input ``X`` with those columns stacked side by side. Without it,
-  each ONNX input is fed from the column of the same name.
+  each ONNX input is fed from the column of the same name: a primitive column feeds an
+  input ``[N]`` (or ``[N, 1]``), a ``fixed_size_list<T>[k]`` column an input ``[N, k]``
+  (nested lists for more dimensions); ``load`` refuses a column whose rows cannot have
+  the input's shape.
 - ``tensor_outputs``: ``{"onnx_output_name": "column_name"}``; without it, outputs
   keep their ONNX names. Only outputs that the signature lists are returned.
 - ``text_inputs``: ``{"column": "text", "tokenizer": "tokenizer.json", "max_length": 256}``,
@@ -27,6 +30,7 @@ import pyarrow as pa
 from shardline.bundle import Manifest
 from shardline.errors import InvalidBundle, InvalidInput, RuntimeUnavailable
 from shardline.runtimes.base import Runtime, RuntimeOptions
+from shardline.signature import leaf_type, row_shape, tensor_type_name, type_name
 
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
@@ -99,14 +103,22 @@ class _ColumnPlan:
         return found
 
 
-def _column_tensor(column: pa.Array | pa.ChunkedArray, dtype: np.dtype, rank: int | None) -> np.ndarray:
-    """One column as a tensor: lists become 2-D, strings object arrays."""
+def column_tensor(column: pa.Array | pa.ChunkedArray, dtype: np.dtype, rank: int | None) -> np.ndarray:
+    """One column as the tensor an ONNX input of ``rank`` dimensions takes: ``fixed_size_list<T>[k]``
+    (nested for more dimensions) becomes ``(rows, k, ...)``, ``list<T>`` ``(rows, k)`` when every row holds
+    k values, strings an object array, and a primitive column ``(rows,)`` (``(rows, 1)`` for rank 2)."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     if pa.types.is_fixed_size_list(column.type):
-        values = column.flatten().to_numpy(zero_copy_only=False)
-        return values.astype(dtype, copy=False).reshape(len(column), column.type.list_size)
-    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        dims = [len(column)]
+        values: pa.Array = column
+        while pa.types.is_fixed_size_list(values.type):
+            dims.append(values.type.list_size)
+            values = values.flatten()
+        if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
+            flat = values.to_numpy(zero_copy_only=False)
+            return flat.astype(dtype, copy=False).reshape(dims)
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(column.type):
         return np.asarray(column.to_pylist(), dtype=dtype)
     values = column.to_numpy(zero_copy_only=False)
     if dtype != np.dtype(object):
@@ -311,6 +323,8 @@ class OnnxModel(Runtime):
                     f"the model's inputs are {sorted(onnx_inputs)}"
                 )
             info = onnx_inputs[name]
+            if not binding.get("columns"):
+                self._check_named_feed(info)
             dtype = np.dtype(binding.get("dtype") or _numpy_type(info.type))
             self._feeds.append(
                 {"name": name, "columns": binding.get("columns"), "dtype": dtype, "rank": len(info.shape)}
@@ -331,6 +345,34 @@ class OnnxModel(Runtime):
             )
         self._matrix = _MatrixPlan.of(self.manifest, self._feeds, self._outputs, self._session.get_outputs(),
                                       self._text is None)
+
+    def _check_named_feed(self, info: Any) -> None:
+        """Refuse, at load, an ONNX input fed from the column of its name whose rows cannot have the tensor's shape."""
+        specs = {c.name: c for c in self.manifest.signature.inputs}
+        spec = specs.get(info.name)
+        if spec is None:
+            raise InvalidBundle(
+                f"{self.manifest.reference}: the ONNX graph takes input {info.name!r}, which is not a signature "
+                f"input ({sorted(specs)}); name a signature column after it, or bind it in runtime_config tensor_inputs"
+            )
+        shape = list(info.shape or [])
+        if not shape:
+            return  # the graph does not say its rank
+        row = row_shape(spec.arrow_type)
+        inner = shape[1:]
+        if not row:
+            fits = len(inner) == 0 or (len(inner) == 1 and (not isinstance(inner[0], int) or inner[0] == 1))
+        else:
+            fits = len(inner) == len(row) and all(
+                not isinstance(d, int) or d < 0 or r < 0 or d == r for d, r in zip(inner, row))
+        if not fits:
+            want = tensor_type_name(spec.type if not row else type_name(leaf_type(spec.arrow_type)),
+                                    [d if isinstance(d, int) else -1 for d in inner])
+            raise InvalidBundle(
+                f"{self.manifest.reference}: ONNX input {info.name!r} has shape {shape}, but the signature's column "
+                f"{spec.name!r} is {spec.type}, whose rows are not of shape {inner}; declare it as {want} "
+                "(`shardline model package` does)"
+            )
 
     @property
     def device(self) -> str:
@@ -357,7 +399,7 @@ class OnnxModel(Runtime):
                 if binding["columns"]:
                     feed[binding["name"]] = _column_matrix(batch, binding["columns"], binding["dtype"], at)
                 else:
-                    feed[binding["name"]] = _column_tensor(
+                    feed[binding["name"]] = column_tensor(
                         batch.column(binding["name"]), binding["dtype"], binding["rank"]
                     )
         except (KeyError, ValueError, pa.ArrowException) as e:
@@ -373,7 +415,8 @@ class OnnxModel(Runtime):
     def predict_matrix(self, matrix: np.ndarray) -> dict[str, np.ndarray] | pa.RecordBatch | None:
         """``predict`` for rows given as one matrix (see ``Runtime.predict_matrix``): ~5 us over
         ``session.run`` for a row, against ~15 us through Arrow. None unless the model's one
-        tensor input takes every signature column in order and its outputs have the signature's types."""
+        tensor input takes every signature column in order (or is fed by the one ``fixed_size_list<float>[k]``
+        column of its name: the matrix is then that (rows, k) tensor) and its outputs have the signature's types."""
         plan = self._matrix
         if plan is None or self._session is None:
             return None
@@ -410,8 +453,15 @@ class _MatrixPlan:
         """The plan, or None when a matrix of the signature's columns cannot feed the model as is."""
         inputs = manifest.signature.inputs
         types = {c.arrow_type for c in inputs}
-        if (not no_text or len(feeds) != 1 or feeds[0]["columns"] != [c.name for c in inputs]
-                or len(types) != 1 or next(iter(types)) not in (pa.float32(), pa.float64())):
+        if not no_text or len(feeds) != 1 or len(types) != 1:
+            return None
+        only = next(iter(types))
+        stacked = feeds[0]["columns"] == [c.name for c in inputs] and only in (pa.float32(), pa.float64())
+        # one fixed_size_list<float>[k] column feeding an input [N, k] of its name: the matrix is that tensor
+        listed = (not feeds[0]["columns"] and len(inputs) == 1 and inputs[0].name == feeds[0]["name"]
+                  and feeds[0]["rank"] == 2 and pa.types.is_fixed_size_list(only)
+                  and only.value_type in (pa.float32(), pa.float64()))
+        if not (stacked or listed):
             return None
         onnx_types = {o.name: o.type for o in graph_outputs}
         planned: list[tuple[str, np.dtype, int | None]] = []

@@ -1,0 +1,48 @@
+"""`shardline model package` for a model of one [-1, k] input: from a Parquet list column, from the ONNX file
+alone (and what it then says is missing), and its refusals, one line each."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.tensor_models import feature_column, list_classifier
+
+Shardline = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def test_packaged_from_a_list_column_or_from_the_onnx_file_alone(shardline: Shardline, tmp_path: Path) -> None:
+    onnx_file, _, features = list_classifier(tmp_path / "model")
+    pq.write_table(pa.table({"input": feature_column(features), "target": pa.array(range(len(features)))}),
+                   tmp_path / "train.parquet")
+
+    sampled = shardline("model", "package", str(onnx_file), "--name", "vec", "--signature-from",
+                        str(tmp_path / "train.parquet"), "--exclude", "target", "--out", str(tmp_path / "sampled"))
+    alone = shardline("model", "package", str(onnx_file), "--name", "vec", "--out", str(tmp_path / "alone"))
+
+    assert sampled.returncode == 0, sampled.stderr
+    assert "in: input:fixed_size_list<float32>[30]" in sampled.stdout and "no reference profile" not in sampled.stdout
+    assert alone.returncode == 0, alone.stderr
+    assert "in: input:fixed_size_list<float32>[30]" in alone.stdout
+    assert "out: label:int64, probabilities:fixed_size_list<float32>[2]" in alone.stdout
+    assert "no reference profile: drift checks and the promotion gate 'reference-profile' need one" in alone.stdout
+    assert "package again with --signature-from ROWS.parquet" in alone.stdout
+    assert json.loads((tmp_path / "alone" / "manifest.json").read_text())["reference_profile"] is None
+    assert json.loads((tmp_path / "sampled" / "manifest.json").read_text())["reference_profile"] is not None
+
+
+def test_a_refusal_is_one_line_that_says_what_to_do(shardline: Shardline, tmp_path: Path) -> None:
+    onnx_file, _, features = list_classifier(tmp_path / "model")
+    pq.write_table(pa.table({"input": features[:, 0]}), tmp_path / "flat.parquet")
+
+    flat = shardline("model", "package", str(onnx_file), "--name", "vec", "--signature-from", str(tmp_path / "flat.parquet"))
+    stray = shardline("model", "package", str(onnx_file), "--name", "vec", "--exclude", "target")
+
+    assert flat.returncode == 2 and len(flat.stderr.strip().splitlines()) == 1 and "Traceback" not in flat.stderr
+    assert "give it as one fixed_size_list<float32>[30] column" in flat.stderr
+    assert stray.returncode == 2 and "give the sample with --signature-from" in stray.stderr

@@ -9,7 +9,9 @@ for the model, e.g. ``name@prod``, picks the version):
     GET  /v2/models/{name}[/versions/{version}]/ready   200 a request would be served (state: loaded or unloaded), 503 not
     POST /v2/models/{name}[/versions/{version}]/infer
 
-A request carries one input per signature input column; the binary tensor data
+A request carries one input per signature input column, of exactly the datatype and
+rank the model metadata advertises for it (a ``fixed_size_list<float32>[k]`` column is
+one FP32 input of shape ``[N, k]``, as Triton takes a model's ``[-1, k]`` input); the binary tensor data
 extension is read when ``Inference-Header-Content-Length`` splits the body into the
 JSON header and the tensors, and outputs are sent binary when the request asks
 (``parameters.binary_data_output`` or an output's ``parameters.binary_data``).
@@ -20,14 +22,10 @@ Content-Type is not required (tritonclient's JSON mode sends none). Errors are
 from __future__ import annotations
 
 import gzip
-import math
 import re
 from dataclasses import dataclass
-from itertools import chain
-from operator import attrgetter
 from typing import Any
 
-import msgspec
 import numpy as np
 import orjson
 import pyarrow as pa
@@ -50,7 +48,8 @@ from shardline.online.edge import (
 )
 from shardline.online.errors import shown
 from shardline.online.logs import current
-from shardline.online.matrix_rows import Matrix, MatrixRows
+from shardline.online.matrix_rows import Matrix
+from shardline.online.protocols.v2_fast import fast_rows, tensor_matrix
 from shardline.online.protocols.v2_tensors import (
     array_to_tensor,
     column_to_tensor,
@@ -195,122 +194,26 @@ def decode_infer_request(body: bytes, header_length: str | None, signature: Sign
     table = pa.Table.from_arrays([columns[c.name] for c in signature.inputs], schema=input_schema(signature))
     outputs, binary_out = _requested_outputs(doc, signature, model)
     request_id = doc.get("id")
-    return InferRequest(table, request_id if isinstance(request_id, str) else None, outputs, binary_out)
+    matrix = tensor_matrix(table, signature)
+    return InferRequest(table, request_id if isinstance(request_id, str) else None, outputs, binary_out,
+                        matrix is not None, matrix)
 
 
 _MAX_RANK = 8  # a shape longer than this is refused before anything reads it (models take [N] or [N, k])
-_FLOAT_DATATYPES = frozenset({"FP16", "FP32", "FP64"})
-_FAST: dict[int, tuple[Signature, "_FastPlan | None"]] = {}
-_NAME, _DATA, _SHAPE, _DATATYPE, _PARAMETERS = (attrgetter(k) for k in ("name", "data", "shape", "datatype", "parameters"))
-_FLOAT = {float}
-
-
-class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
-    """An input as the fast path takes it: flat JSON numbers (ints stay ints: the general path reads them)."""
-
-    name: str
-    datatype: str
-    shape: list[int]
-    data: list[int | float]
-    parameters: Any = None
-
-
-class _Request(msgspec.Struct):
-    """A request as the fast path takes it; the rest is read as the general path reads it."""
-
-    inputs: list[_Tensor]
-    id: Any = None
-    outputs: Any = None
-    parameters: Any = None
-
-
-_FAST_DECODER = msgspec.json.Decoder(_Request, strict=True)
-
-
-@dataclass(frozen=True)
-class _FastPlan:
-    names: list[str]  # the signature's inputs, in order
-    positions: dict[str, int]
-    builder: MatrixRows
-    finite_only: bool  # float32 columns, not all declaring NaN: a JSON number past float32's range is inf
-
-
-def _fast_plan(signature: Signature) -> _FastPlan | None:
-    """For a signature whose inputs are all float32 (or all float64) primitive columns: the column
-    positions by name and the table builder; None for any other signature."""
-    hit = _FAST.get(id(signature))
-    if hit is not None and hit[0] is signature:
-        return hit[1]
-    types = {c.arrow_type for c in signature.inputs}
-    plan = None
-    if len(types) == 1 and next(iter(types)) in (pa.float32(), pa.float64()):
-        names = [c.name for c in signature.inputs]
-        finite_only = next(iter(types)) == pa.float32() and not all(c.non_finite for c in signature.inputs)
-        plan = _FastPlan(names, {n: i for i, n in enumerate(names)}, MatrixRows(input_schema(signature)), finite_only)
-    if len(_FAST) > 1024:
-        _FAST.clear()
-    _FAST[id(signature)] = (signature, plan)
-    return plan
 
 
 def _fast_request(body: bytes, signature: Signature, model: str) -> InferRequest | None:
-    """The commonest request, decoded and checked in one pass: JSON (no binary tensors), one input
-    per float column of the signature, FP datatype, shape ``[N]`` or ``[N, 1]``, flat ``data``
-    of JSON floats, no parameters.
-
-    ``msgspec`` decodes the body straight into typed structs (the types checked in C as it
-    reads); what is left is a few ``map`` and ``set`` calls. Returns the request with its rows
-    as a ``Matrix`` in the signature's order and type; None (and the general path decides,
-    with its errors) for anything else, invalid JSON included. The values are what the
-    general path gives: the JSON floats, rounded once by numpy to the column's type.
-    """
-    plan = _fast_plan(signature)
-    if plan is None:
+    """The commonest requests (``v2_fast``), decoded and checked in one pass: JSON (no binary tensors),
+    flat ``data`` of JSON floats, no parameters, and either one input per float column of the
+    signature (datatype and shape ``[N]`` as the metadata says) or, for a signature of one
+    ``fixed_size_list<float>[k]`` column, that one input of shape ``[N, k]``. None (and the general
+    path decides, with its errors) for anything else."""
+    fast = fast_rows(body, signature)
+    if fast is None:
         return None
-    try:
-        request = _FAST_DECODER.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):  # (msgspec's own depth limit)
-        return None
-    inputs = request.inputs
-    width = len(plan.names)
-    if len(inputs) != width:
-        return None
-    names = list(map(_NAME, inputs))
-    data = list(map(_DATA, inputs))
-    shapes = list(map(_SHAPE, inputs))
-    order = None
-    if names != plan.names:
-        try:
-            order = list(map(plan.positions.__getitem__, names))
-        except KeyError:
-            return None
-        if len(set(order)) != width:
-            return None
-    rows = len(data[0])
-    if (rows == 0 or not set(map(_DATATYPE, inputs)) <= _FLOAT_DATATYPES
-            or set(map(len, data)) != {rows}
-            or shapes.count([rows]) + shapes.count([rows, 1]) != width
-            or any(map(_PARAMETERS, inputs))
-            or set(map(type, chain.from_iterable(data))) != _FLOAT):
-        return None
-    # Python floats straight to the column type: numpy rounds each double once, as a float64 array's cast would.
-    dtype = plan.builder.dtype
-    if rows == 1:  # the commonest online request: one row, the values in one pass
-        given = np.fromiter(chain.from_iterable(data), dtype, width)
-    else:
-        given = np.array(data, dtype=dtype)  # (inputs, rows) in the request's order
-    if plan.finite_only and not math.isfinite(given.sum(dtype=np.float64)):  # (JSON holds no NaN; float64 cannot overflow)
-        return None  # the general path names the input (or the sum overflowed, and it finds nothing)
-    if order is not None:
-        matrix = np.empty_like(given)
-        matrix[order] = given
-        given = matrix
-    values = given.reshape(1, width) if rows == 1 else np.ascontiguousarray(given.T)  # (rows, columns)
-    outputs, binary_out = _requested_outputs({"outputs": request.outputs, "parameters": request.parameters},
-                                             signature, model)
-    request_id = request.id
-    return InferRequest(None, request_id if isinstance(request_id, str) else None, outputs, binary_out, True,
-                        Matrix(values, plan.builder))
+    matrix, request_id, requested, parameters = fast
+    outputs, binary_out = _requested_outputs({"outputs": requested, "parameters": parameters}, signature, model)
+    return InferRequest(None, request_id if isinstance(request_id, str) else None, outputs, binary_out, True, matrix)
 
 
 _ALL_OUTPUTS: dict[tuple[int, bool], tuple[Signature, list[str], dict[str, bool]]] = {}

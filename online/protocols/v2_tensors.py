@@ -1,8 +1,11 @@
 """Open Inference Protocol (V2) tensors <-> Arrow columns, both ways, JSON and binary.
 
-A signature column maps to one V2 tensor: a primitive column to shape ``[N]`` (``[N, 1]``
-is read too), ``fixed_size_list<T>[k]`` to ``[N, k]``, ``list<T>`` to ``[N, k]``, a
-string column to ``BYTES``. Binary tensor data (the ``binary_data`` extension) is the
+A signature column maps to one V2 tensor: a primitive column to shape ``[N]``,
+``fixed_size_list<T>[k]`` to ``[N, k]`` (nested fixed-size lists to ``[N, a, b]``),
+``list<T>`` to ``[N, k]``, a string column to ``BYTES``. A request is read as the protocol
+says: each input of exactly the datatype and rank the metadata advertises (``FP32`` for a
+``float32`` column, not ``INT32`` or ``FP64``; ``[N]`` for ``[-1]``, not ``[N, 1]``), as
+Triton reads it. Binary tensor data (the ``binary_data`` extension) is the
 tensor's values, row-major, little-endian; ``BYTES`` elements are each a 4-byte
 little-endian length followed by the bytes. Every refusal is an ``InvalidInput`` that
 names the input.
@@ -20,7 +23,7 @@ import pyarrow as pa
 
 from shardline.errors import InferenceFailed, InvalidInput
 from shardline.online.errors import shown
-from shardline.signature import ColumnSpec, is_compatible
+from shardline.signature import ColumnSpec, leaf_type, row_shape
 
 DATATYPES: dict[str, pa.DataType] = {
     "BOOL": pa.bool_(),
@@ -34,15 +37,9 @@ _NUMPY = {name: np.dtype(t.to_pandas_dtype()) for name, t in DATATYPES.items() i
 _LENGTH = struct.Struct("<I")
 
 
-def _value_type(dtype: pa.DataType) -> pa.DataType:
-    if pa.types.is_fixed_size_list(dtype) or pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
-        return dtype.value_type
-    return dtype
-
-
 def datatype_of(dtype: pa.DataType) -> str:
     """The V2 datatype of a column's values (``FP32`` for ``fixed_size_list<float32>[384]``)."""
-    value = _value_type(dtype)
+    value = leaf_type(dtype)
     try:
         return _BY_ARROW[value]
     except KeyError as e:
@@ -50,12 +47,9 @@ def datatype_of(dtype: pa.DataType) -> str:
 
 
 def shape_of(dtype: pa.DataType) -> list[int]:
-    """The V2 shape of a column, -1 where it varies: ``[-1]``, ``[-1, k]`` or ``[-1, -1]``."""
-    if pa.types.is_fixed_size_list(dtype):
-        return [-1, dtype.list_size]
-    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
-        return [-1, -1]
-    return [-1]
+    """The V2 shape of a column, -1 where it varies: ``[-1]``, ``[-1, k]`` (``[-1, a, b]`` for nested
+    fixed-size lists) or ``[-1, -1]``."""
+    return [-1, *row_shape(dtype)]
 
 
 def describe(spec: ColumnSpec) -> dict[str, Any]:
@@ -94,7 +88,7 @@ class _Plan:
     expected: pa.DataType
     value_type: pa.DataType
     shape: list[int]
-    accepts: frozenset[str]
+    datatype: str  # the one V2 datatype the input takes (what the metadata advertises)
     finite_only: bool  # a float column whose signature does not declare NaN and infinity
 
 
@@ -106,27 +100,25 @@ def _plan(spec: ColumnSpec) -> _Plan:
     if hit is not None and hit[0] is spec:
         return hit[1]
     expected = spec.arrow_type
-    value_type = _value_type(expected)
-    accepts = frozenset(d for d, t in DATATYPES.items() if is_compatible(t, value_type))
+    value_type = leaf_type(expected)
     finite_only = pa.types.is_floating(value_type) and not spec.non_finite
-    plan = _Plan(expected, value_type, shape_of(expected), accepts, finite_only)
+    plan = _Plan(expected, value_type, shape_of(expected), datatype_of(expected), finite_only)
     if len(_PLANS) > 4096:
         _PLANS.clear()
     _PLANS[id(spec)] = (spec, plan)
     return plan
 
 
-def _check_shape(name: str, shape: list[int], plan: _Plan, model: str) -> None:
+def _check_shape(name: str, shape: list[int], plan: _Plan) -> None:
+    """The shape's rank is the model's, and each fixed dimension is its size (as Triton checks)."""
     want = plan.shape
-    if len(want) == 1:
-        ok = len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)
-    else:
-        ok = len(shape) == 2 and (want[1] == -1 or shape[1] == want[1])
-    if not ok:
-        raise InvalidInput(
-            f"input {name!r} has shape {shape}, the model {model!r} takes shape {want} (N rows"
-            f"{'' if len(want) == 1 else ' of ' + str(want[1]) + ' values'}); reshape it"
-        )
+    if len(shape) == len(want) and all(w < 0 or s == w for s, w in zip(shape[1:], want[1:])):
+        return
+    send = ", ".join(["N", *("k" if w < 0 else str(w) for w in want[1:])])
+    raise InvalidInput(
+        f"input {name!r} has shape {shape} (rank {len(shape)}), the model takes {want} (rank {len(want)}): "
+        f"send shape [{send}]"
+    )
 
 
 _KINDS = {"b": "bool", "i": "integer", "u": "integer", "f": "floating-point", "U": "string", "O": "null or mixed"}
@@ -248,16 +240,13 @@ def tensor_to_column(
         InvalidInput: wrong datatype or shape, values that do not fit, or a wrong count.
     """
     plan = _plan(spec)
-    if datatype not in plan.accepts:
+    if datatype != plan.datatype:
         if datatype not in DATATYPES:
             raise InvalidInput(
                 f"input {name!r}: datatype {shown(datatype)} is not a V2 datatype; use one of {sorted(DATATYPES)}"
             )
-        want = datatype_of(plan.expected)
-        raise InvalidInput(
-            f"input {name!r} is {datatype}, the model {model!r} expects {want} ({spec.type}); send it as {want}"
-        )
-    _check_shape(name, shape, plan, model)
+        raise InvalidInput(f"input {name!r} is {datatype}, the model takes {plan.datatype}: send datatype {plan.datatype}")
+    _check_shape(name, shape, plan)
     count = math.prod(shape)
     if isinstance(values, (bytes, bytearray, memoryview)):
         decoded = _from_binary(name, datatype, values, count, shape)
@@ -266,12 +255,13 @@ def tensor_to_column(
     if len(decoded) != count:
         raise InvalidInput(f"input {name!r} holds {len(decoded)} values; its shape {shape} holds {count}")
     array = _to_arrow(name, decoded, plan, spec, model)
-    if len(plan.shape) == 1:
-        return array
-    if pa.types.is_fixed_size_list(plan.expected):
-        return pa.FixedSizeListArray.from_arrays(array, plan.shape[1])
-    offsets = np.arange(0, count + 1, max(shape[1], 1), dtype=np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), array)
+    for level in range(len(shape) - 1, 0, -1):  # innermost first: [N, a, b] is N lists of a lists of b values
+        size, lists = shape[level], math.prod(shape[:level])
+        if plan.shape[level] < 0:
+            array = pa.ListArray.from_arrays(pa.array(np.arange(lists + 1, dtype=np.int32) * size), array)
+        else:
+            array = pa.FixedSizeListArray.from_arrays(array, size)
+    return array
 
 
 def column_to_tensor(column: pa.Array | pa.ChunkedArray) -> tuple[str, list[int], Any]:

@@ -65,7 +65,7 @@ def test_serve_answers_logs_json_with_request_ids_and_stops_on_sigterm(
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         rows = breast_cancer_model.data.features[:2]
-        body = {"inputs": [{"name": n, "datatype": "FP64", "shape": [2], "data": rows[:, j].tolist()}
+        body = {"inputs": [{"name": n, "datatype": "FP32", "shape": [2], "data": rows[:, j].tolist()}
                            for j, n in enumerate(breast_cancer_model.data.names)]}
         answer = httpx.post(f"{url}/v2/models/breast-cancer/infer", content=orjson.dumps(body),
                             headers={"Authorization": f"Bearer {KEY}", "X-Request-ID": "e2e-req-1"})
@@ -116,7 +116,7 @@ def test_serve_with_two_workers_answers_on_one_port_and_sums_their_metrics_on_th
                                   stdout=sink, stderr=sink, env={**cli_env, "SHARDLINE_ONLINE_TENANTS_FILE": str(tenants)})
     url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}"
     rows = breast_cancer_model.data.features[:3]
-    body = orjson.dumps({"inputs": [{"name": n, "datatype": "FP64", "shape": [3], "data": rows[:, j].tolist()}
+    body = orjson.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": [3], "data": rows[:, j].tolist()}
                                     for j, n in enumerate(breast_cancer_model.data.names)]})
     expected = breast_cancer_model.estimator.predict(rows.astype("float32")).tolist()
     try:

@@ -108,7 +108,7 @@ def read_all(sock: socket.socket, timeout: float = 30.0) -> bytes:
 
 def infer(server: Server, model: BuiltModel) -> httpx.Response:
     rows = model.data.features[:2]
-    body = {"inputs": [{"name": n, "datatype": "FP64", "shape": [2], "data": rows[:, j].tolist()}
+    body = {"inputs": [{"name": n, "datatype": "FP32", "shape": [2], "data": rows[:, j].tolist()}
                        for j, n in enumerate(model.data.names)]}
     return httpx.post(f"{server.url}/v2/models/breast-cancer/infer", content=orjson.dumps(body),
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30)

@@ -57,7 +57,7 @@ def url(breast_cancer_model: BuiltModel, tmp_path_factory: pytest.TempPathFactor
 
 
 def body_for(model: BuiltModel, rows: np.ndarray) -> dict[str, object]:
-    return {"inputs": [{"name": n, "datatype": "FP64", "shape": [len(rows)], "data": rows[:, j].tolist()}
+    return {"inputs": [{"name": n, "datatype": "FP32", "shape": [len(rows)], "data": rows[:, j].tolist()}
                        for j, n in enumerate(model.data.names)]}
 
 

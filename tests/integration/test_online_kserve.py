@@ -91,7 +91,7 @@ def v2_inputs(model: BuiltModel, rows: np.ndarray, binary: bool, datatype: str =
 
 
 def json_body(model: BuiltModel, rows: np.ndarray) -> dict[str, Any]:
-    return {"inputs": [{"name": n, "datatype": "FP64", "shape": [len(rows)], "data": rows[:, j].tolist()}
+    return {"inputs": [{"name": n, "datatype": "FP32", "shape": [len(rows)], "data": rows[:, j].tolist()}
                        for j, n in enumerate(model.data.names)]}
 
 
@@ -144,7 +144,7 @@ def test_the_versioned_path_scores_with_that_version(
     client: triton.InferenceServerClient, breast_cancer_model: BuiltModel, home: tuple[Path, Any]
 ) -> None:
     rows = breast_cancer_model.data.features[100:130]
-    result = client.infer(MODEL, v2_inputs(breast_cancer_model, rows, True, "FP64"), model_version="2", headers=key())
+    result = client.infer(MODEL, v2_inputs(breast_cancer_model, rows, True), model_version="2", headers=key())
 
     logreg = home[1]
     np.testing.assert_array_equal(result.as_numpy("label"), logreg.predict(rows.astype(np.float32)))
@@ -227,8 +227,8 @@ def bad_requests(model: BuiltModel) -> list[tuple[str, bytes, dict[str, str], in
         ("wrong shape", changed(shape=[4]), {}, 400, f"input '{first}' holds 3 values; its shape [4] holds 4"),
         ("wrong rank", changed(shape=[3, 2, 1]), {}, 400, f"input '{first}' has shape [3, 2, 1]"),
         ("wrong datatype", changed(datatype="BYTES", data=["a", "b", "c"]), {}, 400, f"input '{first}' is BYTES"),
-        ("not numbers", changed(data=["a", "b", "c"]), {}, 400, f"input '{first}' is declared FP64 but its data holds string"),
-        ("null values", changed(data=[1.0, None, 2.0]), {}, 400, f"input '{first}' is declared FP64 but its data holds null or mixed values"),
+        ("not numbers", changed(data=["a", "b", "c"]), {}, 400, f"input '{first}' is declared FP32 but its data holds string"),
+        ("null values", changed(data=[1.0, None, 2.0]), {}, 400, f"input '{first}' is declared FP32 but its data holds null or mixed values"),
         ("missing input", orjson.dumps(missing), {}, 400, f"needs '{model.data.names[5]}' (FP32, shape [-1])"),
         ("oversized body", b"[" + b"0," * BODY_LIMIT + b"0]", {}, 413, f"over the limit of {BODY_LIMIT} bytes"),
         ("gzip bomb", bomb, {"Content-Encoding": "gzip"}, 413, "inflates to more than the limit"),

@@ -144,7 +144,7 @@ def served(local_registry: ModelRegistry, shardline_home: Path) -> Iterator[str]
 
 def _infer_body(model: BuiltModel) -> dict[str, Any]:
     rows = model.data.features[:3]
-    return {"inputs": [{"name": n, "datatype": "FP64", "shape": [3], "data": rows[:, j].tolist()}
+    return {"inputs": [{"name": n, "datatype": "FP32", "shape": [3], "data": rows[:, j].tolist()}
                        for j, n in enumerate(model.data.names)]}
 
 

@@ -180,7 +180,7 @@ def test_nan_and_infinity_are_refused_naming_the_input_unless_the_signature_decl
 
 def test_a_json_number_past_float32s_range_is_infinite_and_refused_on_the_fast_path_too() -> None:
     assert "input 'a' holds 1 NaN or infinite values" in refused(request(data=[1.0, 1e39]))
-    assert "input 'a' holds 1 NaN" in refused(request(shape=[2, 1], data=[[1.0], [-1e39]]))
+    assert "input 'a' holds 1 NaN" in refused(request(data=[1, -1e39]))  # an int in the data: the general path
     assert decode_infer_request(request(data=[1.0, 3e38]), None, SIGNATURE, "m:1").matrix is not None  # still fast
     assert decode_infer_request(request(data=[1.0, 1e39]), None, TAKES_NAN, "m:1").table.column("a")[1].as_py() == float("inf")
 

@@ -320,7 +320,7 @@ class DataPlane:
 
     def is_loaded(self, served: ServedModel) -> bool:
         """Whether the version is loaded now (not scaled to zero)."""
-        return served.digest in self.cache.loaded()
+        return served.content_digest in self.cache.loaded()
 
     async def model_status(self, tenant: Tenant, name: str, version: str | int | None = None) -> ModelStatus:
         """Whether a request for the model would be served now, and whether it is loaded; loads nothing.
@@ -421,7 +421,7 @@ class DataPlane:
         if served.unloading is not None or not runs_inline(
                 inputs.num_rows, served.seconds_per_row, self.settings.inline_max_ms / 1000.0):
             return None
-        runtime = self.cache.held(served.digest, self.runtime)
+        runtime = self.cache.held(served.content_digest, self.runtime)
         if runtime is None:  # scaled to zero or evicted: loading is for the pool
             return None
         return self._score(served, runtime, inputs)
@@ -429,7 +429,7 @@ class DataPlane:
     def _predict_blocking(self, served: ServedModel, inputs: pa.Table | Matrix) -> Any:
         """Score on a pool thread through the model cache (which loads the model if it is not held)."""
         resolved = served.resolved
-        runtime = self.cache.held(served.digest, self.runtime)
+        runtime = self.cache.held(served.content_digest, self.runtime)
         if runtime is None:
             started = time.perf_counter()
             runtime = self.cache.get(resolved, self.runtime, self.storage_options)
@@ -491,7 +491,7 @@ class DataPlane:
         config = resolved.manifest.runtime_config.get("text_inputs")
         if not isinstance(config, dict):
             return 0
-        digest = served.digest
+        digest = served.content_digest
         tokenizer = self._tokenizers.get(digest)
         if tokenizer is None:
             from tokenizers import Tokenizer
@@ -520,7 +520,7 @@ class DataPlane:
         for served in list(self._served.values()):
             idle = now - served.last_used
             if served.unloading is None and should_unload(idle, served.idle_timeout_s, served.batcher.busy,
-                                                          served.digest in loaded):
+                                                          served.content_digest in loaded):
                 await self._unload(served, idle)
                 unloaded.append(served.pinned)
         return unloaded
@@ -529,7 +529,7 @@ class DataPlane:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         served.unloading = done
         try:
-            await self._blocking_io(lambda: self.cache.evict(served.digest))
+            await self._blocking_io(lambda: self.cache.evict(served.content_digest))
         finally:
             served.unloading = None
             done.set_result(None)
@@ -542,7 +542,7 @@ class DataPlane:
         loaded = set(self.cache.loaded())
         now = self._clock()
         models = [
-            ModelState(s.name, str(s.version), s.digest in loaded, dict(s.batcher.depths()), s.batcher.in_flight,
+            ModelState(s.name, str(s.version), s.content_digest in loaded, dict(s.batcher.depths()), s.batcher.in_flight,
                        max(0.0, now - s.last_used))
             for s in self._served.values()
         ]

@@ -71,14 +71,15 @@ class ServedModel:
     batcher: Batcher
     idle_timeout_s: float
     last_used: float
-    digest: str = field(default="", repr=False)  # the bundle's content digest: the model cache's key
     unloading: asyncio.Future[None] | None = field(default=None, repr=False)
     seconds_per_row: float | None = field(default=None, repr=False)  # the runtime's measured time, smoothed
     clock: Callable[[], float] | None = field(default=None, repr=False)  # what times it (see DataPlane._timed)
     servable: bool = field(default=False, repr=False)  # its runtime and bundle were found (see missing_for_serving)
 
-    def __post_init__(self) -> None:
-        self.digest = self.digest or self.resolved.manifest.content_digest  # computed once: it is not cheap
+    @property
+    def content_digest(self) -> str:
+        """The bundle's content digest (the model cache's key), worked out once when the version was resolved."""
+        return self.resolved.content_digest
 
     @property
     def name(self) -> str:

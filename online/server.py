@@ -67,7 +67,7 @@ def build_plane(
                 "(see online/README.md for its format)"
             )
         tenants = load_tenants(online.tenants_file)
-    registry = ModelRegistry(storage.registry, storage.storage_options)
+    registry = ModelRegistry.from_settings(storage)
     cache = get_model_cache(storage.cache, max(online.max_loaded_models, runtime.cache_capacity))
     options = RuntimeOptions(runtime.device, runtime.intra_op_threads)
     return DataPlane(online, registry, cache, tenants, options, storage_options=storage.storage_options,

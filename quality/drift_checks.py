@@ -138,7 +138,7 @@ def check_drift(
         InvalidBundle: the version has no reference profile.
         EmptyInput: nothing of the version was captured in the window.
     """
-    registry = registry or ModelRegistry(storage.registry, storage.storage_options)
+    registry = registry or ModelRegistry.from_settings(storage)
     target = load_target(registry, reference)
     since, end = window_bounds(window, until)
     frame = current_capture(storage, target, since, end, tier)

@@ -31,7 +31,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -46,6 +46,9 @@ from shardline.errors import (
     RegistryUnreadable,
 )
 from shardline.storage.fs import atomic_write_bytes, create_exclusive, join, open_fs
+
+if TYPE_CHECKING:
+    from shardline.settings import StorageSettings
 
 _ALIAS_CHARS = set("0123456789abcdefghijklmnopqrstuvwxyz-_.")
 _PUSH_ATTEMPTS = 20
@@ -173,6 +176,11 @@ class ModelRegistry:
         self.url = url
         self.storage_options = storage_options or {}
         self.fs, self.root = open_fs(url, self.storage_options)
+
+    @classmethod
+    def from_settings(cls, storage: StorageSettings) -> ModelRegistry:
+        """The registry the storage settings name (``SHARDLINE_STORAGE_REGISTRY_URL``, else ``<home>/registry``)."""
+        return cls(storage.registry, storage.storage_options)
 
     # -- layout -----------------------------------------------------------------
     def _version_dir(self, name: str, version: int) -> str:

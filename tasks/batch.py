@@ -169,7 +169,7 @@ def plan_batch_job(
 
     ``link_roots``: where links in the input may lead (the tenant's resolved prefixes); None: anywhere.
     """
-    registry = ModelRegistry(storage.registry, storage.storage_options)
+    registry = ModelRegistry.from_settings(storage)
     resolved = choose_variant(registry, registry.resolve(model), variant, local=dask.cluster == "local")
     retry = RetryPolicy(batch.retry_attempts, batch.retry_base_s, max(batch.retry_cap_s, batch.retry_base_s))
     shards = call_with_retries(

@@ -147,7 +147,7 @@ def revalidate_version(model: ResolvedModel, alias: str | None, labelled_uri: st
 def revalidate_task(reference: str, alias: str | None, labelled_uri: str | None) -> Revalidation:
     """Pin the reference, score it on fresh labels, announce the verdict as an event."""
     storage, drift = StorageSettings(), DriftSettings()
-    registry = ModelRegistry(storage.registry, storage.storage_options)
+    registry = ModelRegistry.from_settings(storage)
     model = registry.resolve(reference)
     if alias is None and "@" in reference:
         alias = reference.split("@", 1)[1]
@@ -166,7 +166,7 @@ def rollback_task(model: str, alias: str, expected_version: int | None, by: str,
     alias back once, and a version someone already replaced is left alone.
     """
     storage = StorageSettings()
-    registry = ModelRegistry(storage.registry, storage.storage_options)
+    registry = ModelRegistry.from_settings(storage)
     current = registry.current_move(model, alias)
     if expected_version is not None and (current is None or current.version != expected_version):
         run_logger().info(
@@ -209,5 +209,5 @@ def rescored_location(job_output_uri: str, model: ResolvedModel) -> str:
 def pin(reference: str) -> ResolvedModel:
     """Resolve a reference in the registry the settings name."""
     storage = StorageSettings()
-    return ModelRegistry(storage.registry, storage.storage_options).resolve(reference)
+    return ModelRegistry.from_settings(storage).resolve(reference)
 

@@ -1,23 +1,31 @@
-"""The batch side of the one tenants file both tiers read: storage prefixes, priority, quotas.
+"""The tenants file, read and checked in one place for both tiers, and its batch side.
 
-The file is the online tier's (``online/tenants.py``: API key digests, models, rate);
-an entry may also carry a ``batch:`` section, and a batch-only tenant needs no keys:
+One YAML file says who the tenants are: the online tier's API key digests, models,
+priority and rate, and batch jobs' storage prefixes and quotas (a ``batch:`` section).
+``load_tenants_file`` reads it once and checks all of it (a wrong field stops the start
+or the job with the same message in both tiers, naming it: ``tenants[0].rate.burst: ...``);
+the online tier builds its key directory from it (``online/tenants.py``), batch jobs take
+``batch_tenants()``. A batch-only tenant needs no keys:
 
     tenants:
       - name: acme
         api_keys_sha256: ["<hex sha256>"]        # online only
         models: ["churn@prod"]                   # online only
+        priority: high                           # online shedding class
+        rate: {requests_per_second: 200, burst: 400}
+        max_concurrent: 64
         batch:
           storage_prefixes: ["s3://lake/acme/", "/data/acme"]
           priority: normal                       # high | normal | low (backfills: low)
           max_concurrent_shards: 16              # shards of this tenant on the cluster at once
           gpu_hours_per_day: 40                  # device-hours on GPUs per UTC day
 
-Batch jobs read it through ``TenancySettings.tenants_file`` (SHARDLINE_TENANTS_FILE,
-else SHARDLINE_ONLINE_TENANTS_FILE). No file: single-tenant development mode, no
-limits. A file: a job for a tenant it does not list, or one without ``batch:``, is
-refused; a job's input and output must lie under one of its tenant's prefixes, compared
-after both are resolved to what the file system will open (``admit_locations``).
+Both tiers find it through ``TenancySettings.tenants_file`` (SHARDLINE_TENANTS_FILE,
+else SHARDLINE_ONLINE_TENANTS_FILE; ``shardline serve --tenants``). No file: batch jobs
+run in single-tenant development mode, no limits (the server needs one). A file: a job
+for a tenant it does not list, or one without ``batch:``, is refused; a job's input and
+output must lie under one of its tenant's prefixes, compared after both are resolved to
+what the file system will open (``admit_locations``).
 """
 
 from __future__ import annotations
@@ -28,9 +36,11 @@ from typing import Any, Callable, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from shardline.errors import AccessDenied, InvalidSetting
+from shardline.bundle import ModelRef
+
+from shardline.errors import AccessDenied, InvalidSetting, ShardlineError
 from shardline.locations import check_separate, is_within
 
 Priority = Literal["high", "normal", "low"]
@@ -65,6 +75,106 @@ class BatchPolicy(BaseModel):
             if "?" in text or "#" in text or "::" in text:
                 raise ValueError(f"entry {i} ({prefix!r}) holds '?', '#' or '::'; give a plain folder or URL")
         return value
+
+
+class RateQuota(BaseModel):
+    """A token bucket: ``requests_per_second`` on average, up to ``burst`` at once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_second: float = Field(gt=0, description="Average requests per second allowed.")
+    burst: int = Field(ge=1, description="Requests allowed at once after a quiet spell.")
+
+
+class TenantConfig(BaseModel):
+    """One entry of the tenants file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Tenant name (metrics, logs).")
+    api_keys_sha256: list[str] = Field(
+        default_factory=list, description="Hex sha256 digests of the tenant's API keys; none: a batch-only tenant."
+    )
+    models: list[str] = Field(default_factory=list, description="Model references the tenant may call, one per model.")
+    priority: Priority = Field(default="normal", description="Online shedding class: low is shed first.")
+    rate: RateQuota | None = Field(default=None, description="Request rate quota; none means unlimited.")
+    max_concurrent: int | None = Field(default=None, ge=1, description="Requests in flight at most; none: unlimited.")
+    batch: BatchPolicy | None = Field(default=None, description="Batch jobs' prefixes and quotas; none: no batch jobs.")
+
+    @model_validator(mode="after")
+    def _serves_something(self) -> "TenantConfig":
+        if self.api_keys_sha256 and not self.models:
+            raise ValueError("models: list at least one model the tenant may call (or drop its API keys)")
+        if not self.api_keys_sha256 and self.batch is None:
+            raise ValueError("api_keys_sha256: give the tenant an API key, or a batch: section for batch-only use")
+        return self
+
+    @field_validator("api_keys_sha256")
+    @classmethod
+    def _hex_digests(cls, value: list[str]) -> list[str]:
+        digests = [v.strip().lower() for v in value]
+        for i, digest in enumerate(digests):
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(
+                    f"entry {i} is not a hex sha256 digest (64 hex characters); store the key's digest, "
+                    "e.g. `printf %s \"$KEY\" | sha256sum`, never the key itself"
+                )
+        return digests
+
+    @field_validator("models")
+    @classmethod
+    def _references(cls, value: list[str]) -> list[str]:
+        seen: dict[str, str] = {}
+        for i, text in enumerate(value):
+            try:
+                ref = ModelRef.parse(text)
+            except ShardlineError as e:
+                raise ValueError(f"entry {i}: {e}") from e
+            if ref.name in seen:
+                raise ValueError(
+                    f"entry {i} ({text!r}) names model {ref.name!r} again (first as {seen[ref.name]!r}); list a "
+                    "model once: its reference picks the version on unversioned paths, other versions are "
+                    "reached on versioned paths or as name@alias"
+                )
+            seen[ref.name] = text
+        return value
+
+    def model_refs(self) -> dict[str, ModelRef]:
+        """The tenant's references by model name."""
+        return {ref.name: ref for ref in map(ModelRef.parse, self.models)}
+
+
+class TenantsFile(BaseModel):
+    """The whole tenants file, checked; each tier takes its view of it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenants: list[TenantConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "TenantsFile":
+        names: set[str] = set()
+        owners: dict[str, str] = {}
+        for tenant in self.tenants:
+            if tenant.name in names:
+                raise ValueError(f"tenant name {tenant.name!r} appears twice; give each tenant its own name")
+            names.add(tenant.name)
+            for digest in tenant.api_keys_sha256:
+                if digest in owners:
+                    raise ValueError(
+                        f"one API key digest is listed for both {owners[digest]!r} and {tenant.name!r}; "
+                        "a key belongs to one tenant"
+                    )
+                owners[digest] = tenant.name
+        return self
+
+    def served(self) -> list[TenantConfig]:
+        """The online tier's view: the tenants with API keys (a batch-only tenant is not served)."""
+        return [t for t in self.tenants if t.api_keys_sha256]
+
+    def batch_tenants(self) -> dict[str, "BatchTenant | None"]:
+        """Batch jobs' view: every tenant by name, with its batch policy (None: no ``batch:`` section)."""
+        return {t.name: BatchTenant(t.name, t.batch) if t.batch is not None else None for t in self.tenants}
 
 
 @dataclass(frozen=True)
@@ -120,54 +230,52 @@ def check_locations(tenant: BatchTenant, locations: dict[str, str], resolve: Res
     return resolved
 
 
-def parse_batch_tenants(data: Any, where: str) -> dict[str, BatchTenant | None]:
-    """Every tenant of a parsed tenants file, with its batch policy (None: no ``batch:`` section).
+def _field_path(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "the file"
 
-    Only the batch part is checked here; the online tier checks the rest.
+
+def parse_tenants_file(data: Any, where: str) -> TenantsFile:
+    """Check parsed YAML against the tenants format (both tiers' fields).
 
     Raises:
-        InvalidSetting: the file has no ``tenants`` list, or a ``batch:`` section is wrong.
+        InvalidSetting: naming every wrong field (``tenants[0].rate.burst``) and what it got.
     """
-    if not isinstance(data, dict) or not isinstance(data.get("tenants"), list):
-        raise InvalidSetting(f"the tenants file {where} has no 'tenants:' list; see docs/batch.md for the format")
-    found: dict[str, BatchTenant | None] = {}
-    for i, entry in enumerate(data["tenants"]):
-        name = entry.get("name") if isinstance(entry, dict) else None
-        if not isinstance(name, str) or not name:
-            raise InvalidSetting(f"the tenants file {where}: tenants[{i}] has no name")
-        section = entry.get("batch")
-        if section is None:
-            found[name] = None
-            continue
-        try:
-            found[name] = BatchTenant(name, BatchPolicy.model_validate(section))
-        except ValidationError as e:
-            problems = "; ".join(
-                f"tenants[{i}].batch.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-                + (f" (got {err['input']!r})" if err["type"] != "missing" else "")
-                for err in e.errors()
-            )
-            raise InvalidSetting(f"the tenants file {where} is not valid: {problems}") from e
-    return found
+    try:
+        return TenantsFile.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for error in e.errors():
+            got = f" (got {error['input']!r})" if error["type"] not in ("missing", "model_type") else ""
+            problems.append(f"{_field_path(error['loc'])}: {error['msg']}{got}")
+        raise InvalidSetting(
+            f"the tenants file {where} is not valid: " + "; ".join(problems)
+            + "; see online/README.md and docs/batch.md for the format"
+        ) from e
 
 
-def load_batch_tenants(path: str | Path) -> dict[str, BatchTenant | None]:
-    """Read the tenants file's batch sections.
+def load_tenants_file(path: str | Path) -> TenantsFile:
+    """Read the tenants file (YAML, once) and check all of it; both tiers call this.
 
     Raises:
-        InvalidSetting: the file is missing, not YAML, or a batch section is wrong.
+        InvalidSetting: the file is missing, is not YAML, or a field is wrong.
     """
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
     except OSError as e:
         raise InvalidSetting(
-            f"the tenants file {path} cannot be read ({e.strerror}); fix SHARDLINE_TENANTS_FILE "
-            "(or SHARDLINE_ONLINE_TENANTS_FILE), or unset it for single-tenant development"
+            f"the tenants file {path} cannot be read ({e.strerror}); fix SHARDLINE_TENANTS_FILE (or "
+            "SHARDLINE_ONLINE_TENANTS_FILE, or `shardline serve --tenants PATH`), or unset it for "
+            "single-tenant batch development"
         ) from e
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise InvalidSetting(f"the tenants file {path} is not valid YAML: {e}") from e
-    return parse_batch_tenants(data, str(path))
+    return parse_tenants_file(data, str(path))
 
 
 def batch_tenant(tenants_file: str | None, name: str) -> BatchTenant | None:
@@ -178,7 +286,7 @@ def batch_tenant(tenants_file: str | None, name: str) -> BatchTenant | None:
     """
     if tenants_file is None:
         return None
-    tenants = load_batch_tenants(tenants_file)
+    tenants = load_tenants_file(tenants_file).batch_tenants()
     if name not in tenants:
         known = ", ".join(sorted(tenants)) or "none"
         raise AccessDenied(

@@ -12,13 +12,20 @@ import pytest
 import yaml
 
 from shardline.errors import AccessDenied, InvalidSetting, QuotaExceeded
-from shardline.online.tenants import TenantDirectory, hash_api_key
+from shardline.online.tenants import TenantDirectory, hash_api_key, load_tenants
 from shardline.settings import TenancySettings
 from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
 from shardline.storage.metering import MeteringLedger
 from shardline.tasks.fairness import check_gpu_quota, limit_names, priority_of
 from shardline.storage.fs import resolve_location
-from shardline.tenants import BatchPolicy, BatchTenant, batch_tenant, check_locations, parse_batch_tenants
+from shardline.tenants import (
+    BatchPolicy,
+    BatchTenant,
+    batch_tenant,
+    check_locations,
+    load_tenants_file,
+    parse_tenants_file,
+)
 
 KEY = "sk-acme-0123456789"
 
@@ -69,7 +76,33 @@ def test_a_tenant_the_file_does_not_allow_to_run_batch_is_refused(tmp_path: Path
 ])
 def test_a_bad_batch_section_is_refused_naming_the_field(section: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidSetting, match=message):
-        parse_batch_tenants({"tenants": [{"name": "acme", "batch": section}]}, "t.yaml")
+        parse_tenants_file({"tenants": [{"name": "acme", "batch": section}]}, "t.yaml")
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"name": "acme", "batch": {"storage_prefixes": ["/d"], "priority": "urgent"}},
+     r"tenants\[0\]\.batch\.priority: .*got 'urgent'"),
+    ({"name": "acme", "api_keys_sha256": [hash_api_key(KEY)], "models": ["bc@prod"], "rate": {"burst": 1},
+      "batch": {"storage_prefixes": ["/d"]}}, r"tenants\[0\]\.rate\.requests_per_second: Field required"),
+])
+def test_both_tiers_refuse_a_bad_file_with_the_same_message(tmp_path: Path, entry: dict[str, Any], message: str) -> None:
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump({"tenants": [entry]}))
+    with pytest.raises(InvalidSetting, match=message) as online:
+        load_tenants(path)
+    with pytest.raises(InvalidSetting, match=message) as batch:
+        batch_tenant(str(path), "acme")  # a wrong online field stops a batch job too: one file, one check
+    assert str(online.value) == str(batch.value)
+
+
+def test_one_read_gives_both_views(tmp_path: Path) -> None:
+    parsed = load_tenants_file(tenants_file(tmp_path))
+    assert [t.name for t in parsed.served()] == ["acme", "online-only"]
+    views = parsed.batch_tenants()
+    assert views["online-only"] is None and views["globex"] is not None and views["globex"].policy.priority == "low"
+    assert set(TenantDirectory.from_file(parsed).tenants) == {"acme", "online-only"}
+    with pytest.raises(InvalidSetting, match=r"cannot be read .*SHARDLINE_TENANTS_FILE .*serve --tenants"):
+        load_tenants_file(tmp_path / "missing.yaml")
 
 
 def test_the_online_tier_still_needs_models_for_keys_and_keys_or_batch(tmp_path: Path) -> None:

@@ -258,15 +258,10 @@ class DataPlane:
 
     async def model_for_reference(self, tenant: Tenant, reference: str) -> ServedModel:
         """Like ``model`` for a reference string: ``name``, ``name@alias`` or ``name:version``."""
-        text = reference.strip()
-        name, sep, rest = text.partition("@") if "@" in text else text.partition(":")
+        name, alias, version = ModelRef.split(reference)
         if tenant.reference_for(name) is None:
             raise self._refuse(tenant, name)
-        if sep == "@":
-            return await self.model(tenant, name, alias=rest)
-        if sep == ":":
-            return await self.model(tenant, name, version=rest)
-        return await self.model(tenant, name)
+        return await self.model(tenant, name, version=version, alias=alias)
 
     async def versions(self, tenant: Tenant, name: str) -> list[int]:
         """The registry versions of a model the tenant may call."""

@@ -250,7 +250,7 @@ class ModelDirectory:
 
     async def _missing(self, reference: str, error: ModelNotFound) -> str:
         """What a client is told: what is missing and what exists, without the registry's location."""
-        name = reference.split("@")[0].split(":")[0]
+        name = ModelRef.split(reference)[0]
         versions = await self.versions(name)
         if not versions:
             return f"model {name!r} has no versions in the registry yet; push and alias one, then retry"

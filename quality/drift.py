@@ -44,7 +44,7 @@ import polars as pl
 import pyarrow as pa
 from pydantic import BaseModel, Field
 
-from shardline.bundle import ColumnDriftThresholds, DriftPolicy
+from shardline.bundle import ColumnDriftThresholds, DriftPolicy, ModelRef
 from shardline.errors import InvalidInput
 
 EPSILON = 1e-4
@@ -102,11 +102,11 @@ class DriftReport(BaseModel):
 
     def event_payload(self) -> dict[str, Any]:
         """A small JSON-able dict for a ``shardline.drift.detected`` event."""
-        name, _, version = self.model.partition(":")
+        name, _, version = ModelRef.split(self.model)
         return {
             "model": self.model,
             "name": name,
-            "version": int(version) if version.isdigit() else None,
+            "version": int(version) if version and version.isdigit() else None,
             "rows_reference": self.rows_reference,
             "rows_current": self.rows_current,
             "since": self.since.isoformat() if self.since else None,

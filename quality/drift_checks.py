@@ -178,10 +178,10 @@ def reports_root(storage: StorageSettings, drift: DriftSettings) -> str:
 
 def save_report(root: str, report: DriftReport, storage_options: dict[str, Any] | None = None) -> str:
     """Store a report as ``<root>/<model>/<version>/<computed_at>.json`` (atomically); returns its URL."""
-    name, _, version = report.model.partition(":")
+    name, _, version = ModelRef.split(report.model)  # pinned: "name:version"
     fs, base = open_fs(root, storage_options)
     stamp = report.computed_at.astimezone(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    path = join(base, name, version, f"{stamp}.json")
+    path = join(base, name, version or "", f"{stamp}.json")
     atomic_write_bytes(fs, path, report.model_dump_json(indent=1).encode(), join(base, "_staging"))
     return str(fs.unstrip_protocol(path))
 

@@ -314,17 +314,31 @@ class ModelRef(BaseModel):
     version: int | None = None
     alias: str | None = None
 
+    @staticmethod
+    def split(text: str) -> tuple[str, str | None, str | None]:
+        """The (name, alias, version) a reference is written with, unchecked: the one place its syntax lives.
+
+        ``name@alias`` -> (name, alias, None); ``name:version`` -> (name, None, version); a bare
+        ``name`` -> (name, None, None). An empty part stays "" (``name@`` -> alias ""). Callers
+        that answer a wire request check the parts in their own words; others use ``parse``.
+        """
+        text = text.strip()
+        name, at, alias = text.partition("@")
+        if at:
+            return name, alias, None
+        name, colon, version = text.partition(":")
+        return name, None, version if colon else None
+
     @classmethod
     def parse(cls, text: str) -> "ModelRef":
         """Parse a reference string; a bare name means the alias ``prod``."""
         text = text.strip()
-        if "@" in text:
-            name, alias = text.split("@", 1)
+        name, alias, version = cls.split(text)
+        if alias is not None:
             if not alias:
                 raise InvalidSetting(f"model reference {text!r} has an empty alias")
             return cls(name=check_model_name(name), alias=alias)
-        if ":" in text:
-            name, version = text.split(":", 1)
+        if version is not None:
             number = version_number(version)
             if number is None:
                 raise InvalidSetting(

@@ -40,6 +40,14 @@ def test_bad_references_say_how_to_write_them(text: str, message: str) -> None:
         ModelRef.parse(text)
 
 
+@pytest.mark.parametrize("text, parts", [
+    ("churn@prod", ("churn", "prod", None)), ("churn:3", ("churn", None, "3")), (" churn ", ("churn", None, None)),
+    ("churn@", ("churn", "", None)), ("churn:", ("churn", None, "")), ("a:1@x", ("a:1", "x", None)),
+])
+def test_a_reference_splits_in_one_place_as_parse_reads_it(text: str, parts: tuple[str, str | None, str | None]) -> None:
+    assert ModelRef.split(text) == parts  # the wire tier checks these parts in its own words (400, not 500)
+
+
 def test_manifest_records_signature_artifacts_and_environment(breast_cancer_model: BuiltModel) -> None:
     manifest = read_manifest(breast_cancer_model.bundle_dir)
     assert manifest.runtime == "onnx" and manifest.version is None

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from shardline.errors import ModelNotFound, NullValues, SchemaMismatch
+from shardline.errors import InvalidInput, ModelNotFound, NullValues, SchemaMismatch
 from shardline.online.dataplane import DataPlane, prepare_rows
 from shardline.online.logs import (
     ACCESS_LOGGER,
@@ -78,6 +78,11 @@ def test_a_reference_the_tenant_does_not_hold_is_not_found(plane: DataPlane) -> 
                 await plane.infer(tenant, "churn@prod", pa.table({"x": [1.0]}))
             with pytest.raises(ModelNotFound, match="breast-cancer@canary does not exist; model 'breast-cancer' has versions \\[1\\]"):
                 await plane.model_for_reference(tenant, "breast-cancer@canary")
+            assert (await plane.model_for_reference(tenant, "breast-cancer:1")).resolved.version == 1
+            with pytest.raises(InvalidInput, match="version 'x' of model 'breast-cancer' is not a version number"):
+                await plane.model_for_reference(tenant, "breast-cancer:x")
+            with pytest.raises(ModelNotFound, match="model 'churn' is not available"):
+                await plane.model_for_reference(tenant, "churn:x")  # who may call it is asked first
         finally:
             await plane.stop()
 

@@ -208,7 +208,7 @@ def score_one(shard: str, output: str) -> None:
 
     storage = StorageSettings()
     model = ModelRegistry(storage.registry).resolve(f"{MODEL}@prod")
-    job = ScoringJob(job_key=job_key(model.digest, None), model=model, output_uri=output, passthrough=None,
+    job = ScoringJob(job_key=job_key(model.outputs_digest, None), model=model, output_uri=output, passthrough=None,
                      batch_rows=MEMORY_BATCH_ROWS, cache_dir=storage.cache, runtime=RuntimeOptions("cpu", 1),
                      checkpoint_bytes=MEMORY_CHECKPOINT_BYTES)
     record = score_shard(job, list_shards(shard)[0])

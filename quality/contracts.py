@@ -335,7 +335,7 @@ class ShardContract:
         # Screen passing samples with vectorized checks of the same expectations and run
         # great-expectations only on the others: ~2 ms a sample instead of ~210 ms.
         self.screen = True
-        content = json.dumps([manifest.digest, manifest.reference, (manifest.drift or DriftPolicy()).model_dump(mode="json"),
+        content = json.dumps([manifest.outputs_digest, manifest.reference, (manifest.drift or DriftPolicy()).model_dump(mode="json"),
                               reference_profile, asdict(self.rules)], sort_keys=True, default=str)
         self.key = hashlib.sha256(content.encode()).hexdigest()
 

@@ -89,7 +89,7 @@ def model_package(
         raise fail(e) from e
     inputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.inputs[:4])
     outputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.outputs)
-    typer.echo(f"packaged {name} in {folder} (digest {manifest.digest[:12]})\n  in: {inputs}"
+    typer.echo(f"packaged {name} in {folder} (digest {manifest.outputs_digest[:12]})\n  in: {inputs}"
                f"{' ...' if len(manifest.signature.inputs) > 4 else ''}\n  out: {outputs}")
     if sample is None:
         typer.echo("  signature: the ONNX file's own input and output types and shapes (no sample data)")
@@ -114,7 +114,7 @@ def model_package_minilm(
                                   reference_profile=profile_table(pa.table({"text": GOLDEN_TEXTS})))
     except ShardlineError as e:
         raise fail(e) from e
-    typer.echo(f"packaged {name} in {folder} (digest {manifest.digest[:12]}); in: text:string, "
+    typer.echo(f"packaged {name} in {folder} (digest {manifest.outputs_digest[:12]}); in: text:string, "
                f"out: {manifest.signature.outputs[0].type}")
 
 
@@ -131,7 +131,7 @@ def model_push(
             _set_alias(registry, manifest.name, alias, manifest.version or 0, "model push --alias")
     except ShardlineError as e:
         raise fail(e) from e
-    typer.echo(f"pushed {manifest.reference} (digest {manifest.digest[:12]})" + (f", {alias} -> it" if alias else ""))
+    typer.echo(f"pushed {manifest.reference} (digest {manifest.outputs_digest[:12]})" + (f", {alias} -> it" if alias else ""))
 
 
 @model_app.command("list")
@@ -153,7 +153,7 @@ def model_list(name: Optional[str] = typer.Argument(None, help="One model; all w
                 aliases = ",".join(by_version.get(m.version or 0, []))
                 inputs = ", ".join(f"{c.name}:{c.type}" for c in m.signature.inputs[:3])
                 more = f" (+{len(m.signature.inputs) - 3})" if len(m.signature.inputs) > 3 else ""
-                typer.echo(f"{m.reference:<24} {aliases:<16} {m.runtime:<6} {m.digest[:12]}  in: {inputs}{more}")
+                typer.echo(f"{m.reference:<24} {aliases:<16} {m.runtime:<6} {m.outputs_digest[:12]}  in: {inputs}{more}")
     except ShardlineError as e:
         raise fail(e) from e
 
@@ -171,7 +171,7 @@ def model_search(
         raise fail(e) from e
     for m in found:
         tags = ",".join(f"{k}={v}" for k, v in sorted(m.tags.items()))
-        typer.echo(f"{m.reference:<24} {m.digest[:12]}  {tags}")
+        typer.echo(f"{m.reference:<24} {m.outputs_digest[:12]}  {tags}")
     if not found:
         typer.echo("no version matches")
 
@@ -183,7 +183,7 @@ def model_show(reference: str = typer.Argument(..., help="name:version or name@a
         registry = open_registry()
         resolved = registry.resolve(reference)
         data: dict[str, Any] = json.loads(resolved.manifest.to_json())
-        data["digest"] = resolved.digest
+        data["digest"] = resolved.outputs_digest
         data["aliases"] = sorted(a for a, v in registry.aliases(resolved.name).items() if v == resolved.version)
         data["variants"] = {
             k: {"precision": v.precision, "device": v.device, "sha256": v.artifact.sha256, "score": v.score,

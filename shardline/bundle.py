@@ -1,9 +1,10 @@
 """Model bundles: a folder with ``manifest.json`` and the artifacts it lists.
 
 The manifest names the model, its runtime, every artifact with its sha256, the
-input/output signature, hardware hints, environment and lineage. A bundle's
-``digest`` covers everything that changes what the model computes, so two pushes
-of the same bytes are recognised as the same version.
+input/output signature, hardware hints, environment and lineage. Two digests name
+a bundle: ``outputs_digest`` covers what decides the model's outputs (batch jobs key
+their output on it), ``content_digest`` covers the whole bundle (the registry
+recognises a re-push of the same bytes by it, the model cache keys on it).
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class Manifest(BaseModel):
         return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     @property
-    def digest(self) -> str:
+    def outputs_digest(self) -> str:
         """sha256 over what decides the model's outputs: runtime, config, signature, model artifacts.
 
         Batch jobs key their output on it: re-packaging a model with another golden
@@ -224,11 +225,11 @@ class Manifest(BaseModel):
     def content_digest(self) -> str:
         """sha256 over the whole bundle: every artifact and the evaluation it declares.
 
-        The registry recognises a re-push of the same bundle by it.
+        The registry recognises a re-push of the same bundle by it; the model cache keys on it.
         """
         evaluation = self.evaluation.model_dump(mode="json") if self.evaluation else None
         extra: dict[str, Any] = {"evaluation": evaluation, "reference_profile": self.reference_profile}
-        if self.drift is not None:  # only when set: bundles without a policy keep their digest
+        if self.drift is not None:  # only when set: bundles without a policy keep their content digest
             extra["drift"] = self.drift.model_dump(mode="json")
         return self._hash([(a.path, a.sha256) for a in self.artifacts], **extra)
 

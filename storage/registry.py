@@ -82,7 +82,7 @@ class ResolvedModel(BaseModel):
     reference: str
     name: str
     version: int
-    digest: str
+    outputs_digest: str = Field(description="The manifest's outputs digest (what batch jobs key on), worked out once at resolve time.")
     content_digest: str = Field(description="The manifest's content digest, worked out once at resolve time.")
     registry_url: str
     manifest: Manifest
@@ -104,7 +104,7 @@ class ResolvedModel(BaseModel):
         artifacts = [chosen.artifact if a.role == "model" else a for a in self.manifest.artifacts]
         manifest = self.manifest.model_copy(update={"artifacts": artifacts, "tags": {**self.manifest.tags, "variant": name}})
         return self.model_copy(update={
-            "manifest": manifest, "digest": manifest.digest, "content_digest": manifest.content_digest,
+            "manifest": manifest, "outputs_digest": manifest.outputs_digest, "content_digest": manifest.content_digest,
             "reference": f"{self.reference}#{name}",
         })
 
@@ -514,7 +514,7 @@ class ModelRegistry:
             version = ref.version
         manifest = self.get_manifest(ref.name, version)
         return ResolvedModel(
-            reference=str(ref), name=ref.name, version=version, digest=manifest.digest,
+            reference=str(ref), name=ref.name, version=version, outputs_digest=manifest.outputs_digest,
             content_digest=manifest.content_digest, registry_url=self.fs.unstrip_protocol(self.root), manifest=manifest,
             variants=self.list_variants(ref.name, version),
         )

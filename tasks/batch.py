@@ -177,7 +177,7 @@ def plan_batch_job(
         what="listing the input",
     )
     check_part_names(shards)
-    key = job_key(resolved.digest, passthrough)
+    key = job_key(resolved.outputs_digest, passthrough)
     this_job = job_id(key, shards, output_uri)
     layout = OutputLayout(output_uri, storage.storage_options, this_job)
     lease, todo, done = _take_output(
@@ -382,7 +382,7 @@ def commit_job(plan: JobPlan, extra: dict[str, Any] | None = None) -> JobSummary
         "job_key": plan.job.job_key,
         "tenant": plan.tenant,
         "model": {"reference": plan.job.model.reference, "pinned": plan.job.model.pinned,
-                  "variant": plan.job.model.manifest.tags.get("variant", "fp32"), "digest": plan.job.model.digest},
+                  "variant": plan.job.model.manifest.tags.get("variant", "fp32"), "digest": plan.job.model.outputs_digest},
         "input": plan.input_uri,
         "output": plan.job.output_uri,
         "passthrough": list(plan.job.passthrough) if plan.job.passthrough is not None else "auto",

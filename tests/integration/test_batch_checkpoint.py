@@ -62,7 +62,7 @@ def job(breast_cancer_model: BuiltModel, tmp_path: Path) -> ScoringJob:
     registry.push(breast_cancer_model.bundle_dir)
     model = registry.resolve("breast-cancer:1")
     return ScoringJob(
-        job_key=job_key(model.digest, None), model=model, output_uri=str(tmp_path / "out"), passthrough=None,
+        job_key=job_key(model.outputs_digest, None), model=model, output_uri=str(tmp_path / "out"), passthrough=None,
         batch_rows=1_000, cache_dir=str(tmp_path / "cache"), runtime=RuntimeOptions("cpu", 1),
         checkpoint_bytes=1,  # every row group is a range of its own
     )

@@ -77,7 +77,7 @@ def test_a_capture_failure_never_fails_the_shard(
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the capture folder should be")
     job = ScoringJob(
-        job_key=job_key(model.digest, None), model=model, output_uri=str(tmp_path / "out"), passthrough=None,
+        job_key=job_key(model.outputs_digest, None), model=model, output_uri=str(tmp_path / "out"), passthrough=None,
         batch_rows=700, cache_dir=str(tmp_path / "cache"), runtime=RuntimeOptions("cpu", 1),
         capture=ShardCapture(str(blocker / "capture"), 100, "acme", "job-1"),
     )

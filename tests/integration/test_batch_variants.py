@@ -54,7 +54,7 @@ def test_a_named_variant_scores_every_row_with_the_variant(
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["model"]["variant"] == "int8" and manifest["model"]["pinned"] == "mlp:1"
     resolved = mlp_registry.resolve("mlp:1")
-    assert manifest["model"]["digest"] == resolved.variant("int8").digest != resolved.digest
+    assert manifest["model"]["digest"] == resolved.variant("int8").outputs_digest != resolved.outputs_digest
     inputs = ds.dataset(input_shards).to_table().sort_by("id")
     scored = ds.dataset(out).to_table().sort_by("id")
     int8 = ModelCache(tmp_path / "cache").get(resolved.variant("int8"), RuntimeOptions("cpu", 1))

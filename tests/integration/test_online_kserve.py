@@ -161,7 +161,7 @@ def test_batch_and_online_score_the_same_rows_identically(
     shard.parent.mkdir()
     pq.write_table(pa.table({"id": np.arange(200), **{n: rows[:, j] for j, n in enumerate(names)}}), shard)
     resolved = ModelRegistry(str(home[0] / "registry")).resolve(f"{MODEL}@prod")
-    job = ScoringJob(job_key(resolved.digest, None), resolved, str(tmp_path / "out"), None, 64,
+    job = ScoringJob(job_key(resolved.outputs_digest, None), resolved, str(tmp_path / "out"), None, 64,
                      str(tmp_path / "batch-cache"), runtime=RuntimeOptions("cpu", 1))
     record = score_shard(job, list_shards(str(shard))[0])
     assert record.part is not None

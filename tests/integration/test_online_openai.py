@@ -72,7 +72,7 @@ def batch_embeddings(home: Path, tmp_path_factory: pytest.TempPathFactory) -> np
     work = tmp_path_factory.mktemp("minilm-batch")
     pq.write_table(pa.table({"id": np.arange(len(TEXTS)), "text": TEXTS}), work / "texts.parquet")
     resolved = ModelRegistry(str(home / "registry")).resolve("minilm@prod")
-    job = ScoringJob(job_key(resolved.digest, None), resolved, str(work / "out"), None, 2, str(work / "cache"),
+    job = ScoringJob(job_key(resolved.outputs_digest, None), resolved, str(work / "out"), None, 2, str(work / "cache"),
                      runtime=RuntimeOptions("cpu", 2))
     record = score_shard(job, list_shards(str(work / "texts.parquet"))[0])
     assert record.part is not None

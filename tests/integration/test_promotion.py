@@ -115,7 +115,7 @@ def test_promotion_into_another_registry_copies_and_verifies(registry: ModelRegi
     assert state.is_completed(), state.message
     prod = ModelRegistry(prod_url)
     assert [m.version for m in prod.list_versions("breast-cancer")] == [2]  # the version number travels
-    assert prod.resolve("breast-cancer@prod").digest == registry.resolve("breast-cancer:2").digest
+    assert prod.resolve("breast-cancer@prod").outputs_digest == registry.resolve("breast-cancer:2").outputs_digest
     assert registry.current_move("breast-cancer", "prod") is None  # the source registry's aliases are untouched
 
 

@@ -113,7 +113,7 @@ def test_registry_on_s3_pushes_resolves_and_lists(
     by_alias = registry.resolve(f"{MODEL}@prod")
     by_version = registry.resolve(f"{MODEL}:1")
     assert (by_alias.version, by_version.version) == (1, 1)
-    assert by_alias.digest == by_version.digest == manifest.digest
+    assert by_alias.outputs_digest == by_version.outputs_digest == manifest.outputs_digest
     assert by_alias.uri == f"{registry_url}/{MODEL}/versions/1"
     assert registry.list_models() == [MODEL]
     assert [m.version for m in registry.list_versions(MODEL)] == [1]

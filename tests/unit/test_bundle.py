@@ -65,11 +65,11 @@ def test_manifest_records_signature_artifacts_and_environment(breast_cancer_mode
 def test_digest_ignores_version_time_and_golden_data_but_not_model_bytes(breast_cancer_model: BuiltModel) -> None:
     manifest = breast_cancer_model.manifest
     model, golden, profile = manifest.artifacts
-    assert manifest.model_copy(update={"version": 7}).digest == manifest.digest
+    assert manifest.model_copy(update={"version": 7}).outputs_digest == manifest.outputs_digest
     other_golden = manifest.model_copy(update={"artifacts": [model, golden.model_copy(update={"sha256": "1" * 64}), profile]})
-    assert other_golden.digest == manifest.digest
+    assert other_golden.outputs_digest == manifest.outputs_digest
     changed = manifest.model_copy(update={"artifacts": [model.model_copy(update={"sha256": "0" * 64}), golden, profile]})
-    assert changed.digest != manifest.digest
+    assert changed.outputs_digest != manifest.outputs_digest
 
 
 def test_tampered_artifact_is_refused(breast_cancer_model: BuiltModel, tmp_path: Path) -> None:

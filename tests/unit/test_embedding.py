@@ -233,7 +233,7 @@ def test_a_text_shard_is_scored_into_a_part_with_embeddings(
     shard.parent.mkdir()
     pq.write_table(pa.table({"id": np.arange(100, 100 + len(texts)), "text": texts}), shard, row_group_size=5)
     job = ScoringJob(
-        job_key=job_key(resolved.digest, None), model=resolved, output_uri=str(tmp_path / "out"),
+        job_key=job_key(resolved.outputs_digest, None), model=resolved, output_uri=str(tmp_path / "out"),
         passthrough=None, batch_rows=4, cache_dir=str(tmp_path / "cache"), runtime=RuntimeOptions("cpu", 2),
     )
 
@@ -254,7 +254,7 @@ def test_a_text_shard_with_a_null_row_is_quarantined_naming_the_column(
     shard.parent.mkdir()
     pq.write_table(pa.table({"id": [1, 2, 3], "text": ["fine", None, "also fine"]}), shard)
     job = ScoringJob(
-        job_key=job_key(resolved.digest, None), model=resolved, output_uri=str(tmp_path / "out"),
+        job_key=job_key(resolved.outputs_digest, None), model=resolved, output_uri=str(tmp_path / "out"),
         passthrough=None, batch_rows=4, cache_dir=str(tmp_path / "cache"), runtime=RuntimeOptions("cpu", 1),
     )
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shardline.bundle import DriftPolicy, read_manifest, write_manifest
 from shardline.errors import IntegrityError, InvalidSetting, ModelNotFound
 from shardline.runtimes import RuntimeOptions
 from shardline.storage.model_cache import ModelCache, get_model_cache
@@ -48,8 +49,25 @@ def test_aliases_resolve_and_pin_a_version(memory_registry: ModelRegistry, breas
     assert memory_registry.aliases("breast-cancer") == {"prod": 1, "staging": 2}
     prod = memory_registry.resolve("breast-cancer@prod")
     assert (prod.version, prod.pinned, prod.reference) == (1, "breast-cancer:1", "breast-cancer@prod")
-    assert memory_registry.resolve("breast-cancer:2").digest == v2.digest
+    assert memory_registry.resolve("breast-cancer:2").outputs_digest == v2.outputs_digest
     assert memory_registry.resolve("breast-cancer").version == 1  # a bare name means @prod
+
+
+def test_outputs_digest_and_content_digest_say_what_they_cover(
+    memory_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path
+) -> None:
+    memory_registry.push(breast_cancer_model.bundle_dir)
+    repackaged = tmp_path / "bundle"
+    shutil.copytree(breast_cancer_model.bundle_dir, repackaged)
+    manifest = read_manifest(repackaged)
+    write_manifest(repackaged, manifest.model_copy(update={"drift": DriftPolicy(min_rows=10)}))
+    memory_registry.push(repackaged)  # a new policy: a new bundle, the same model outputs
+
+    first, second = memory_registry.resolve("breast-cancer:1"), memory_registry.resolve("breast-cancer:2")
+    assert first.outputs_digest == second.outputs_digest == manifest.outputs_digest  # batch output stays valid
+    assert first.content_digest != second.content_digest  # the registry and the model cache tell them apart
+    assert (second.outputs_digest, second.content_digest) == (second.manifest.outputs_digest, second.manifest.content_digest)
+    assert "digest" not in type(first).model_fields and not hasattr(manifest, "digest")  # no name that says nothing
 
 
 def test_missing_names_say_what_exists_and_what_to_do(memory_registry: ModelRegistry, breast_cancer_model: BuiltModel) -> None:
@@ -81,7 +99,7 @@ def test_versions_are_immutable(memory_registry: ModelRegistry, breast_cancer_mo
     with pytest.raises(ImmutableVersion, match="breast-cancer:1 already exists .* with other bytes"):
         memory_registry.push(other, keep_version=True)
     assert memory_registry.push(other).version == 2  # without keeping the number: the next one
-    assert memory_registry.get_manifest("breast-cancer", 1).digest == breast_cancer_model.manifest.digest
+    assert memory_registry.get_manifest("breast-cancer", 1).outputs_digest == breast_cancer_model.manifest.outputs_digest
 
 
 def test_alias_moves_are_audited_and_rollback_goes_back(

@@ -3,8 +3,9 @@
 ``endpoint(protocol, error_body)`` wraps a handler so that a domain error becomes the
 status from the one table (``online/errors.py``) with a body in the protocol's own
 form, and nothing unexpected escapes as a crash (``error_answer`` is that table's use, for
-plain ASGI endpoints too). ``read_body`` (``read_asgi_body`` for plain ASGI) enforces the
-size limit before and after decompression (gzip, every member of it, and deflate).
+plain ASGI endpoints too). ``read_body``, the one body reader (from an ASGI ``receive``, which
+a Starlette request has too), enforces the size limit before and after decompression (gzip,
+every member of it, and deflate).
 
 A large body is decompressed on the data plane's codec threads, not the event loop
 (``runs_off_loop``: ``offload_min_bytes``, or a 32nd of it for a compressed body), so that
@@ -64,6 +65,8 @@ def endpoint(protocol: str, error_body: ErrorBody) -> Callable[[Handler], Handle
                 info.protocol = protocol
             try:
                 return await handler(request)
+            except ClientGone:
+                return Response(status_code=400)  # nobody is left to read it; not a fault of the server
             except Exception as e:  # noqa: BLE001 - a domain error by the table; a bug answers 500, logged
                 status, body, headers = error_answer(e, error_body)
                 return json_response(body, status, headers)
@@ -108,33 +111,16 @@ def note_model(served: ServedModel) -> None:
         info.version = str(served.version)
 
 
-async def read_body(request: Request, plane: DataPlane) -> bytes:
-    """The request body, decompressed (Content-Encoding gzip or deflate), at most ``max_body_bytes``.
+async def read_body(receive: Receive, content_length: str | None, encoding: str | None, plane: DataPlane) -> bytes:
+    """The request's body from ``receive``, decompressed (Content-Encoding gzip or deflate), at most ``max_body_bytes``.
+
+    The one body reader of every protocol: a plain ASGI app passes its ``receive`` and the two
+    headers; a Starlette handler passes ``request.receive`` and ``request.headers``' values.
 
     Raises:
-        PayloadTooLarge: the body, or what it inflates to, is over the limit.
+        PayloadTooLarge: the body (as declared, as sent, or what it inflates to) is over the limit.
         UnsupportedEncoding: another Content-Encoding.
         InvalidInput: a compressed body that does not decompress.
-    """
-    headers = request.headers
-    limit = plane.settings.max_body_bytes
-    _check_declared(headers.get("content-length"), limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(_too_large(f"at least {size} bytes", limit), limit)
-        chunks.append(chunk)
-    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    return await _decoded(body, headers.get("content-encoding"), plane)
-
-
-async def read_asgi_body(receive: Receive, content_length: str | None, encoding: str | None, plane: DataPlane) -> bytes:
-    """``read_body`` for a plain ASGI app: the request's body from ``receive``, decompressed, at most ``max_body_bytes``.
-
-    Raises:
-        PayloadTooLarge, UnsupportedEncoding, InvalidInput: as ``read_body``.
         ClientGone: the client disconnected before the body was read.
     """
     limit = plane.settings.max_body_bytes

@@ -44,7 +44,7 @@ from shardline.online.edge import (
     error_answer,
     json_response,
     note_model,
-    read_asgi_body,
+    read_body,
 )
 from shardline.online.errors import shown
 from shardline.online.logs import current
@@ -368,8 +368,7 @@ class InferEndpoint:
         with plane.admit(tenant):
             served = await plane.model(tenant, params["name"], params.get("version"))
             note_model(served)
-            body = await read_asgi_body(receive, _text(headers, b"content-length"), _text(headers, b"content-encoding"),
-                                        plane)
+            body = await read_body(receive, _text(headers, b"content-length"), _text(headers, b"content-encoding"), plane)
             header_length = _text(headers, _HEADER_LENGTH_KEY)
             large = len(body) >= plane.settings.offload_min_bytes
             if large:  # decoded on a codec thread: the loop answers others meanwhile

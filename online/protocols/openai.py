@@ -120,7 +120,8 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
     async def embeddings(request: Request) -> Response:
         tenant = authenticate(request, plane)
         with plane.admit(tenant):
-            body = await read_body(request, plane)
+            headers = request.headers
+            body = await read_body(request.receive, headers.get("content-length"), headers.get("content-encoding"), plane)
             if len(body) >= plane.settings.offload_min_bytes:  # parsed on a codec thread: the loop goes on
                 reference, texts, encoding, dimensions = await plane.off_loop(lambda: parse_embedding_request(body))
             else:

@@ -23,14 +23,19 @@ class RuntimeOptions:
 class Runtime(ABC):
     """A loaded model: a batch of rows in, a batch of rows out.
 
-    Contract:
+    Contract (``tests/runtime_conformance.py`` checks it; a new runtime's tests mix it in):
         - ``__init__`` only stores its arguments; ``load()`` does the work and may
-          raise ``RuntimeUnavailable`` or ``InvalidBundle``.
+          raise ``RuntimeUnavailable`` (a package or device is missing: the message names
+          the extra to install) or ``InvalidBundle`` (an artifact is missing or unreadable).
         - ``predict(batch)`` takes an Arrow record batch or table holding at least the
-          signature's input columns (already checked against it) and returns a record
-          batch with exactly the signature's output columns, one row per input row,
-          in the same order. It is safe to call from several threads at once.
-        - ``close()`` releases what ``load()`` took; the object is then unusable.
+          signature's input columns (already checked against it; other columns are ignored)
+          and returns a record batch with exactly the signature's output columns and types,
+          one row per input row, in the same order. An empty batch answers no rows; a row
+          gets the same answer alone as in any batch (floats to rounding). Input columns that
+          are missing or cannot become the model's tensors raise ``InvalidInput`` naming the
+          column. It is safe to call from several threads at once.
+        - ``predict`` before ``load()`` or after ``close()`` raises ``RuntimeError``.
+        - ``close()`` releases what ``load()`` took (twice is harmless); the object is then unusable.
     """
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None:

@@ -296,9 +296,15 @@ class OnnxModel(Runtime):
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
-        self._session = ort.InferenceSession(
-            str(self.bundle_dir / model_files[0]), sess_options=so, providers=self._providers(ort)
-        )
+        providers = self._providers(ort)
+        try:
+            self._session = ort.InferenceSession(str(self.bundle_dir / model_files[0]), sess_options=so,
+                                                 providers=providers)
+        except Exception as e:  # onnxruntime's own errors (NoSuchFile, InvalidProtobuf, Fail) share no public base
+            raise InvalidBundle(
+                f"{self.manifest.reference}: onnxruntime could not load {model_files[0]} from {self.bundle_dir} "
+                f"({e}); check that the file is there and is an ONNX model, or re-package it with `shardline model package`"
+            ) from e
         if self.options.device == "cuda" and self.device != "cuda":
             raise RuntimeUnavailable(
                 f"{self.manifest.reference} asked for CUDA but the session got "
@@ -402,7 +408,7 @@ class OnnxModel(Runtime):
                     feed[binding["name"]] = column_tensor(
                         batch.column(binding["name"]), binding["dtype"], binding["rank"]
                     )
-        except (KeyError, ValueError, pa.ArrowException) as e:
+        except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
             raise InvalidInput(
                 f"rows for {self.manifest.reference} could not be turned into tensors: {e}; "
                 "check them against the model's signature (`shardline model list`)"

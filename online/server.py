@@ -5,7 +5,7 @@ start, naming the field), the registry URL and the settings.
 
 With ``workers`` > 1, uvicorn's supervisor binds the port once and starts that many
 worker processes that accept on it; each builds its own data plane (``worker_app``) from
-the settings this process checked, which it hands them in ``SERVE_SETTINGS_ENV``, and
+the settings this process checked (online and tenancy), which it hands them in ``SERVE_SETTINGS_ENV``, and
 holds 1/N of every tenant's quota. Prometheus' multiprocess mode combines their metrics
 (a fresh ``PROMETHEUS_MULTIPROC_DIR``, removed at exit).
 
@@ -21,6 +21,7 @@ worker alike.
 from __future__ import annotations
 
 import gc
+import json
 import logging.config
 import os
 import shutil
@@ -40,50 +41,53 @@ from shardline.online.logs import log_config
 from shardline.online.metrics import multiprocess_exposition
 from shardline.online.tenants import TenantDirectory, load_tenants
 from shardline.runtimes import RuntimeOptions
-from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
+from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings, TenancySettings
 from shardline.storage.capture import capture_root
 from shardline.storage.model_cache import get_model_cache
 from shardline.storage.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
-SERVE_SETTINGS_ENV = "SHARDLINE_SERVE_WORKER_SETTINGS"  # the checked OnlineSettings, as JSON, for the workers
+SERVE_SETTINGS_ENV = "SHARDLINE_SERVE_WORKER_SETTINGS"  # the checked online and tenancy settings, as JSON, for the workers
+
+
+def tenant_directory(tenancy: TenancySettings) -> TenantDirectory:
+    """The server's tenants, from the tenants file both tiers read (``TenancySettings.tenants_file``).
+
+    Raises:
+        InvalidSetting: no tenants file (the server needs one), or a bad one.
+    """
+    if not tenancy.tenants_file:
+        raise InvalidSetting(
+            "no tenants file: pass --tenants PATH or set SHARDLINE_TENANTS_FILE (or SHARDLINE_ONLINE_TENANTS_FILE) "
+            "(see online/README.md for its format)"
+        )
+    return load_tenants(tenancy.tenants_file)
 
 
 def build_plane(
-    online: OnlineSettings,
-    storage: StorageSettings,
-    runtime: RuntimeSettings,
-    tenants: TenantDirectory | None = None,
+    online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings, tenants: TenantDirectory
 ) -> DataPlane:
-    """A data plane over the registry and the process's model cache that the settings name.
-
-    Raises:
-        InvalidSetting: no tenants file, or a bad one.
-    """
-    if tenants is None:
-        if not online.tenants_file:
-            raise InvalidSetting(
-                "no tenants file: pass --tenants PATH or set SHARDLINE_ONLINE_TENANTS_FILE "
-                "(see online/README.md for its format)"
-            )
-        tenants = load_tenants(online.tenants_file)
+    """A data plane over the registry and the process's model cache (``runtime.cache_capacity``) that the settings name."""
     registry = ModelRegistry.from_settings(storage)
-    cache = get_model_cache(storage.cache, max(online.max_loaded_models, runtime.cache_capacity))
+    cache = get_model_cache(storage.cache, runtime.cache_capacity)
     options = RuntimeOptions(runtime.device, runtime.intra_op_threads)
     return DataPlane(online, registry, cache, tenants, options, storage_options=storage.storage_options,
                      capture_root=capture_root(storage))
 
 
-def build_app(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings) -> ASGIApp:
+def build_app(
+    online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings, tenancy: TenancySettings
+) -> ASGIApp:
     """The ASGI app ``shardline serve`` runs (tenants and settings checked)."""
-    return create_app(build_plane(online, storage, runtime), log_requests=online.access_log)
+    return create_app(build_plane(online, storage, runtime, tenant_directory(tenancy)), log_requests=online.access_log)
 
 
 def worker_app() -> ASGIApp:
     """The app of one worker process (uvicorn's factory): the settings ``serve`` checked, from the environment."""
-    online = OnlineSettings.model_validate_json(os.environ[SERVE_SETTINGS_ENV])
+    given = json.loads(os.environ[SERVE_SETTINGS_ENV])
+    online = OnlineSettings.model_validate(given["online"])
     logging.config.dictConfig(log_config(online.log_level))
-    app = build_app(online, StorageSettings(), RuntimeSettings())
+    app = build_app(online, StorageSettings(), RuntimeSettings(), TenancySettings.model_validate(given["tenancy"]))
     gc.freeze()  # what is loaded by now lives as long as the server: keep it out of every collection
     return app
 
@@ -129,7 +133,7 @@ def bind_metrics_socket(online: OnlineSettings) -> socket.socket | None:
     return sock
 
 
-def serve(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings) -> None:
+def serve(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings, tenancy: TenancySettings) -> None:
     """Run the server in this process (or its workers) until it is stopped (SIGINT or SIGTERM).
 
     The tenants' port serves the app; ``/metrics`` is on the metrics listener only (``metrics_host``:
@@ -143,13 +147,14 @@ def serve(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSett
     limits = resolve_limits(online, open_files_limit())
     _check_address(online.host, online.port, "--host")
     workers = online.resolved_workers()
+    tenants = tenant_directory(tenancy)
     if workers == 1:
-        plane = build_plane(online, storage, runtime)
+        plane = build_plane(online, storage, runtime, tenants)
         app = create_app(plane, log_requests=online.access_log)
         _serve_one(online, limits, config, app, plane.metrics.exposition)
     else:
-        build_plane(online, storage, runtime)  # checked; each worker builds its own
-        _serve_workers(online, limits, config, workers)
+        build_plane(online, storage, runtime, tenants)  # checked; each worker builds its own
+        _serve_workers(online, tenancy, limits, config, workers)
 
 
 def _serve_one(online: OnlineSettings, limits: ConnectionLimits, config: dict[str, Any], app: ASGIApp,
@@ -172,12 +177,14 @@ def _serve_one(online: OnlineSettings, limits: ConnectionLimits, config: dict[st
         raise SystemExit(3)  # uvicorn's startup failure (the log says why)
 
 
-def _serve_workers(online: OnlineSettings, limits: ConnectionLimits, config: dict[str, Any], workers: int) -> None:
+def _serve_workers(online: OnlineSettings, tenancy: TenancySettings, limits: ConnectionLimits, config: dict[str, Any],
+                   workers: int) -> None:
     import uvicorn
 
     metrics_dir = tempfile.mkdtemp(prefix="shardline-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    os.environ[SERVE_SETTINGS_ENV] = online.model_dump_json()
+    os.environ[SERVE_SETTINGS_ENV] = json.dumps(
+        {"online": online.model_dump(mode="json"), "tenancy": tenancy.model_dump(mode="json")})
     metrics: tuple[Any, threading.Thread] | None = None
     try:
         metrics_sock = bind_metrics_socket(online)

@@ -315,7 +315,8 @@ def serve(
         None, min=0, max=65_535, help="TCP port \\[default: 8000; SHARDLINE_ONLINE_PORT]."
     ),
     tenants: Optional[Path] = typer.Option(
-        None, "--tenants", help="Tenants YAML: API key hashes, models, priority, quotas \\[SHARDLINE_ONLINE_TENANTS_FILE]."
+        None, "--tenants", help="Tenants YAML: API key hashes, models, priority, quotas (the file batch jobs read) "
+        "\\[SHARDLINE_TENANTS_FILE, else SHARDLINE_ONLINE_TENANTS_FILE]."
     ),
     workers: Optional[int] = typer.Option(
         None, min=0, help="Server processes sharing the port, each with 1/N of every tenant quota; 0: one per "
@@ -354,16 +355,16 @@ def serve(
 
     from shardline._cli_common import fail
     from shardline.online.server import serve as run_server
-    from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
+    from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings, TenancySettings
 
-    given: dict[str, Any] = {"host": host, "port": port, "tenants_file": str(tenants) if tenants is not None else None,
-                             "workers": workers, "metrics_host": metrics_host, "metrics_port": metrics_port,
+    given: dict[str, Any] = {"host": host, "port": port, "workers": workers, "metrics_host": metrics_host, "metrics_port": metrics_port,
                              "max_connections": max_connections, "max_in_flight": max_in_flight,
                              "max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout,
                              "body_timeout_s": body_timeout}
     try:
         online = OnlineSettings.model_validate({k: v for k, v in given.items() if v is not None})
-        run_server(online, StorageSettings(), RuntimeSettings())
+        tenancy = TenancySettings(tenants_file=str(tenants)) if tenants is not None else TenancySettings()
+        run_server(online, StorageSettings(), RuntimeSettings(), tenancy)
     except (ShardlineError, ValidationError) as e:
         raise fail(e) from e
 

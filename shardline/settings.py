@@ -77,7 +77,15 @@ class RuntimeSettings(BaseSettings):
         description="Threads per inference call; 0 lets the caller pick from its cores.",
     )
     cache_capacity: int = Field(
-        default=4, ge=1, description="Loaded models kept per process (LRU)."
+        default=8,
+        ge=1,
+        # SHARDLINE_ONLINE_MAX_LOADED_MODELS: the online tier's former name of this setting (deprecated)
+        validation_alias=AliasChoices(
+            "SHARDLINE_RUNTIME_CACHE_CAPACITY", "SHARDLINE_ONLINE_MAX_LOADED_MODELS", "cache_capacity"
+        ),
+        description="Loaded models the process's model cache keeps (LRU), in batch workers and the server alike "
+        "(SHARDLINE_RUNTIME_CACHE_CAPACITY; the deprecated SHARDLINE_ONLINE_MAX_LOADED_MODELS is read when it "
+        "is unset).",
     )
 
 
@@ -234,15 +242,16 @@ class BatchSettings(BaseSettings):
 
 
 class TenancySettings(BaseSettings):
-    """Which tenants may run batch jobs, and how they share the cluster (see docs/batch.md, Fairness)."""
+    """The tenants file both tiers read, and how batch tenants share the cluster (see docs/batch.md, Fairness)."""
 
     model_config = SettingsConfigDict(env_prefix="SHARDLINE_TENANCY_", extra="ignore")
 
     tenants_file: str | None = Field(
         default=None,
         validation_alias=AliasChoices("SHARDLINE_TENANTS_FILE", "SHARDLINE_ONLINE_TENANTS_FILE", "tenants_file"),
-        description="The tenants YAML both tiers read (SHARDLINE_TENANTS_FILE, else SHARDLINE_ONLINE_TENANTS_FILE); "
-        "unset: single-tenant development mode, no batch limits.",
+        description="The tenants YAML both tiers read, batch jobs and `shardline serve` (SHARDLINE_TENANTS_FILE, "
+        "else SHARDLINE_ONLINE_TENANTS_FILE; `serve --tenants` overrides both); unset: batch jobs run in "
+        "single-tenant development mode, no limits, and the server refuses to start.",
     )
     priority_job_slots: dict[str, int] = Field(
         default_factory=lambda: {"high": 8, "normal": 4, "low": 1},
@@ -304,19 +313,16 @@ class ModelServing(BaseModel):
 
 
 class OnlineSettings(BaseSettings):
-    """The HTTP tier: where it listens, who may call it, how it batches, sheds and scales to zero."""
+    """The HTTP tier: where it listens, how it batches, sheds and scales to zero.
+
+    Who may call it is the tenants file (``TenancySettings.tenants_file``, shared with batch jobs);
+    how many models it keeps loaded is the model cache's ``RuntimeSettings.cache_capacity``.
+    """
 
     model_config = SettingsConfigDict(env_prefix="SHARDLINE_ONLINE_", extra="ignore")
 
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65_535, description="TCP port to listen on (0 picks a free one).")
-    tenants_file: str | None = Field(
-        default=None,
-        # the same file batch jobs read (TenancySettings), under either name
-        validation_alias=AliasChoices("SHARDLINE_TENANTS_FILE", "SHARDLINE_ONLINE_TENANTS_FILE", "tenants_file"),
-        description="Path of the tenants YAML (API key hashes, models, priority, quotas) "
-        "(SHARDLINE_TENANTS_FILE, else SHARDLINE_ONLINE_TENANTS_FILE).",
-    )
     max_batch_size: int = Field(
         default=64, ge=1, description="Rows per batch at most, for models without a profile or an override."
     )
@@ -375,7 +381,6 @@ class OnlineSettings(BaseSettings):
         "(no thread hand-off: the fastest path for small models); slower ones, and loading, always go to "
         "the inference threads. 0 sends every batch to the threads.",
     )
-    max_loaded_models: int = Field(default=8, ge=1, description="Models held loaded at once (the model cache's size).")
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="Largest request body, compressed and decompressed."
     )

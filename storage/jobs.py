@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable, Sequence
+
+from pydantic import BaseModel, Field
 
 from shardline.storage.output import PartRecord
 from shardline.storage.shards import ShardInfo
@@ -32,9 +33,11 @@ def job_id(key: str, shards: Iterable[ShardInfo], output: str | None = None) -> 
     return digest.hexdigest()[:16]
 
 
-@dataclass
-class JobSummary:
-    """Totals of a settled job: shards, rows, time, and what was quarantined."""
+class JobSummary(BaseModel):
+    """Totals of a settled job: shards, rows, time, and what was quarantined.
+
+    ``as_dict()`` is what the flow returns and ``shardline batch run --json`` prints.
+    """
 
     job_id: str
     model: str
@@ -49,7 +52,7 @@ class JobSummary:
     rows_quarantined: int
     rows_scored: int
     steady_seconds: float
-    quarantined: dict[str, str] = field(default_factory=dict)
+    quarantined: dict[str, str] = Field(default_factory=dict)  # shard's relative path -> reason
     manifest: str | None = None
 
     @property
@@ -59,9 +62,11 @@ class JobSummary:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data, for manifests, artifacts and JSON output."""
-        data = self.__dict__.copy()
-        data["steady_rows_per_second"] = round(self.steady_rows_per_second, 1)
-        return data
+        return {**self.model_dump(), "steady_rows_per_second": round(self.steady_rows_per_second, 1)}
+
+    def totals(self) -> dict[str, int]:
+        """The shard and row counts (the manifest's ``totals``)."""
+        return {k: v for k, v in self.model_dump().items() if k.startswith(("shards", "rows"))}
 
 
 def summarize(

@@ -35,6 +35,57 @@ MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS"
 
 
+class ManifestModel(BaseModel):
+    """The manifest's ``model``: what was asked for, the version it was pinned to, the variant, its digest."""
+
+    reference: str
+    pinned: str
+    variant: str
+    digest: str
+
+
+class ManifestPart(BaseModel):
+    """A committed part in the manifest."""
+
+    part: str | None
+    shard: str
+    rows: int
+
+
+class ManifestQuarantine(BaseModel):
+    """A quarantined shard in the manifest, with why."""
+
+    shard: str
+    rows: int | None
+    reason: str | None
+
+
+class JobManifest(BaseModel):
+    """``_manifest.json``: every part with its row counts, written last (input rows = output + quarantined).
+
+    ``sla`` (planned vs actual) and ``priority`` are written by the flow; they are left
+    out of the file when not given.
+    """
+
+    job_id: str
+    job_key: str
+    tenant: str
+    model: ManifestModel
+    input: str
+    output: str
+    passthrough: list[str] | Literal["auto"]
+    totals: dict[str, int]
+    parts: list[ManifestPart]
+    quarantined: list[ManifestQuarantine]
+    sla: dict[str, Any] | None = None
+    priority: str | None = None
+
+    def to_json(self) -> bytes:
+        """The file's bytes: indented JSON, without the optional sections that were not given."""
+        absent = {name for name in ("sla", "priority") if getattr(self, name) is None}
+        return self.model_dump_json(indent=2, exclude=absent).encode()
+
+
 def part_name(relative: str) -> str:
     """The output part's path for an input shard's relative path."""
     stem, _ = posixpath.splitext(relative)
@@ -156,7 +207,7 @@ class OutputLayout:
         if self.fs.exists(path):
             self.fs.rm(path)
 
-    def commit_manifest(self, manifest: dict[str, Any], still_owner: Callable[[], None] = lambda: None) -> str:
+    def commit_manifest(self, manifest: JobManifest, still_owner: Callable[[], None] = lambda: None) -> str:
         """Write the job manifest, then ``_SUCCESS``, and drop this job's staging files.
 
         ``still_owner`` is called before each of the two writes and raises when the
@@ -164,9 +215,7 @@ class OutputLayout:
         ``_SUCCESS`` is ever written over another job's parts.
         """
         still_owner()
-        atomic_write_bytes(
-            self.fs, self._inside(MANIFEST), json.dumps(manifest, indent=2, default=str).encode(), self.staging_dir
-        )
+        atomic_write_bytes(self.fs, self._inside(MANIFEST), manifest.to_json(), self.staging_dir)
         still_owner()
         atomic_write_bytes(self.fs, self._inside(SUCCESS), b"", self.staging_dir)
         self.drop_staging()

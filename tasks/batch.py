@@ -26,7 +26,7 @@ from prefect.cache_policies import NO_CACHE
 
 from shardline.tasks.logs import run_logger
 
-from shardline.errors import CorruptShard, JobFailed, OutputInUse
+from shardline.errors import CorruptShard, InvalidSetting, JobFailed, OutputInUse
 from shardline.runtimes import RuntimeOptions
 from shardline.placement import BatchWorkload, CostTable, candidates_from_profiles, choose_placement
 from shardline.profiling import machine_kind
@@ -34,7 +34,16 @@ from shardline.settings import BatchSettings, DaskSettings, PlacementSettings, R
 from shardline.signature import schema_problems
 from shardline.storage.jobs import JobSummary, foreign_parts, job_id, job_key, summarize, up_to_date
 from shardline.storage.lease import LeaseTerms, OutputLease
-from shardline.storage.output import OutputLayout, PartRecord, check_part_names, split_done
+from shardline.storage.output import (
+    JobManifest,
+    ManifestModel,
+    ManifestPart,
+    ManifestQuarantine,
+    OutputLayout,
+    PartRecord,
+    check_part_names,
+    split_done,
+)
 from shardline.storage.registry import ModelRegistry, ResolvedModel
 from shardline.storage.retry import RetryPolicy, call_with_retries
 from shardline.storage.capture import capture_root
@@ -48,9 +57,9 @@ from shardline.tasks.sla import publish_sla_table
 if TYPE_CHECKING:
     from shardline.tasks.preemption import PreemptionPlugin
 
-# In-process listeners (the CLI's progress bar): called with (shards settled, shards to do, rows).
-ProgressListener = Callable[[int, int, int], None]
-progress_listeners: list[ProgressListener] = []
+# Called in the flow's process as shards settle: (shards settled, shards to do, rows). The flow's
+# ``watchers`` (the CLI's progress bar, a test) and the SLA tracker are handed to ``infer_shards``.
+ProgressWatcher = Callable[[int, int, int], None]
 # Jobs with more pending shards than this skip the footer check in the flow's process.
 FLOW_FOOTER_CHECK_MAX = 256
 
@@ -121,17 +130,13 @@ def _take_output(
     return lease, todo, done
 
 
-def release_output(plan: JobPlan) -> None:
-    """Give the output's lease back (the job ended, well or not); a no-op when the job took none."""
-    if plan.lease is not None:
-        plan.lease.release()
-
-
-def choose_variant(registry: ModelRegistry, model: ResolvedModel, variant: str | None, local: bool) -> ResolvedModel:
+def choose_variant(
+    registry: ModelRegistry, model: ResolvedModel, variant: str | None, local: bool, costs: CostTable
+) -> ResolvedModel:
     """The model a job runs: fp32 unless a variant is named; 'auto' lets placement choose.
 
     'auto' weighs the version's profiles (measured on this machine kind when the
-    cluster is local, on every kind otherwise) by rows/s per cost and takes the best
+    cluster is local, on every kind otherwise) by rows/s per cost (``costs``) and takes the best
     variant. A variant changes the numbers (within the golden-set delta its gate
     allowed), so a job only runs one when asked to.
     """
@@ -141,7 +146,7 @@ def choose_variant(registry: ModelRegistry, model: ResolvedModel, variant: str |
         return model.variant(variant)
     here = machine_kind()
     profiles = {k: p for k, p in registry.profiles(model.name, model.version).items() if not local or p.get("machine") == here}
-    candidates = candidates_from_profiles(profiles, CostTable(per_hour=PlacementSettings().costs_per_hour))
+    candidates = candidates_from_profiles(profiles, costs)
     known = [c for c in candidates if c.variant == "fp32" or c.variant in model.variants]
     if not known:
         run_logger().info("variant auto: %s has no profile on %s; running fp32", model.pinned, here)
@@ -164,20 +169,28 @@ def plan_batch_job(
     dask: DaskSettings,
     variant: str | None = None,
     link_roots: list[str] | None = None,
+    placement: PlacementSettings | None = None,
 ) -> JobPlan:
     """Pin the model (and its variant), list the shards, and split off those a previous run settled.
 
     ``link_roots``: where links in the input may lead (the tenant's resolved prefixes); None: anywhere.
+    ``placement``: the prices ``variant='auto'`` weighs profiles with (needed only then).
+
+    Raises:
+        InvalidSetting: ``variant='auto'`` without ``placement``.
     """
     registry = ModelRegistry.from_settings(storage)
-    resolved = choose_variant(registry, registry.resolve(model), variant, local=dask.cluster == "local")
+    if variant == "auto" and placement is None:
+        raise InvalidSetting("variant 'auto' weighs profiles by price: pass the placement settings")
+    costs = CostTable(per_hour=placement.costs_per_hour if placement is not None else {})
+    resolved = choose_variant(registry, registry.resolve(model), variant, dask.cluster == "local", costs)
     retry = RetryPolicy(batch.retry_attempts, batch.retry_base_s, max(batch.retry_cap_s, batch.retry_base_s))
     shards = call_with_retries(
         lambda: list_shards(input_uri, storage.storage_options, batch.shard_suffixes, link_roots), retry,
         what="listing the input",
     )
     check_part_names(shards)
-    key = job_key(resolved.outputs_digest, passthrough)
+    key = job_key(resolved.digest, passthrough)
     this_job = job_id(key, shards, output_uri)
     layout = OutputLayout(output_uri, storage.storage_options, this_job)
     lease, todo, done = _take_output(
@@ -292,7 +305,7 @@ def validate_shards(plan: JobPlan) -> JobPlan:
 def infer_shards(
     plan: JobPlan,
     scheduler_address: str,
-    watchers: Sequence[ProgressListener] = (),
+    watchers: Sequence[ProgressWatcher] = (),
     max_in_flight: int | None = None,
 ) -> JobPlan:
     """Score every pending shard on the Dask cluster; collect records and failures.
@@ -301,7 +314,7 @@ def infer_shards(
         plan: the validated plan; its ``todo`` shards are scored.
         scheduler_address: the Dask scheduler to submit to.
         watchers: called in this process as ``(shards settled, shards to do, rows)``
-            each time a shard settles (as are the module's ``progress_listeners``).
+            each time a shard settles (the SLA tracker, the flow's own watchers).
         max_in_flight: shards submitted to the cluster at once at most; None takes
             the plan's (``SHARDLINE_BATCH_MAX_IN_FLIGHT``), else 4 per worker thread
             (at least 8), re-sized as the cluster scales.
@@ -328,11 +341,11 @@ def infer_shards(
             if record.status == "quarantined":
                 logger.warning("quarantined %s: %s", record.relative, record.reason)
         counts["settled"] += 1
-        for listener in [*progress_listeners, *watchers]:
+        for watcher in watchers:
             try:
-                listener(counts["settled"], total, counts["rows"])
+                watcher(counts["settled"], total, counts["rows"])
             except Exception:  # a watcher's trouble (an event not sent) must not stop the shards
-                logger.exception("progress watcher %r failed", listener)
+                logger.exception("progress watcher %r failed", watcher)
         now = time.monotonic()
         if now - last_update[0] > 1.0 or counts["settled"] == total:
             update_progress_artifact(artifact, 100.0 * counts["settled"] / total)
@@ -351,10 +364,10 @@ def infer_shards(
 
 
 @task(name="commit", cache_policy=NO_CACHE)
-def commit_job(plan: JobPlan, extra: dict[str, Any] | None = None) -> JobSummary:
+def commit_job(plan: JobPlan, sla: dict[str, Any] | None = None, priority: str | None = None) -> JobSummary:
     """Write the job manifest and ``_SUCCESS`` once every shard is settled.
 
-    ``extra`` adds top-level sections to the manifest (the flow's ``sla``: planned vs actual).
+    ``sla`` (the flow's planned vs actual) and ``priority`` become sections of the manifest.
 
     Raises:
         JobFailed: some shards failed for reasons that are not their data; their
@@ -377,26 +390,25 @@ def commit_job(plan: JobPlan, extra: dict[str, Any] | None = None) -> JobSummary
         summary.manifest = layout.manifest_uri
         return summary
     records = sorted([*plan.done, *plan.new], key=lambda r: r.relative)
-    manifest: dict[str, Any] = {
-        "job_id": plan.job_id,
-        "job_key": plan.job.job_key,
-        "tenant": plan.tenant,
-        "model": {"reference": plan.job.model.reference, "pinned": plan.job.model.pinned,
-                  "variant": plan.job.model.manifest.tags.get("variant", "fp32"), "digest": plan.job.model.outputs_digest},
-        "input": plan.input_uri,
-        "output": plan.job.output_uri,
-        "passthrough": list(plan.job.passthrough) if plan.job.passthrough is not None else "auto",
-        "totals": {k: v for k, v in summary.as_dict().items() if k.startswith(("shards", "rows"))},
-        "parts": [
-            {"part": r.part, "shard": r.shard, "rows": r.rows_out}
-            for r in records if r.status == "committed"
-        ],
-        "quarantined": [
-            {"shard": r.shard, "rows": r.rows_in, "reason": r.reason}
+    model = plan.job.model
+    manifest = JobManifest(
+        job_id=plan.job_id,
+        job_key=plan.job.job_key,
+        tenant=plan.tenant,
+        model=ManifestModel(reference=model.reference, pinned=model.pinned,
+                            variant=model.manifest.tags.get("variant", "fp32"), digest=model.digest),
+        input=plan.input_uri,
+        output=plan.job.output_uri,
+        passthrough=list(plan.job.passthrough) if plan.job.passthrough is not None else "auto",
+        totals=summary.totals(),
+        parts=[ManifestPart(part=r.part, shard=r.shard, rows=r.rows_out) for r in records if r.status == "committed"],
+        quarantined=[
+            ManifestQuarantine(shard=r.shard, rows=r.rows_in, reason=r.reason)
             for r in records if r.status == "quarantined"
         ],
-        **(extra or {}),
-    }
+        sla=sla,
+        priority=priority,
+    )
     summary.manifest = layout.commit_manifest(manifest, plan.lease.check if plan.lease is not None else lambda: None)
     return summary
 

@@ -20,7 +20,6 @@ import pytest
 
 from shardline.examples import write_shards
 from shardline.storage.output import OutputLayout
-from shardline.tasks import batch as batch_tasks
 
 SHARDS, ROWS = 40, 4_000
 SEED = 20261130
@@ -96,16 +95,14 @@ def test_workers_killed_and_preempted_at_random_lose_nothing(on_chaos_cluster: A
     def listen(n: int, total: int, rows: int) -> None:
         settled["n"] = n
 
-    batch_tasks.progress_listeners.append(listen)
     with Client(on_chaos_cluster.scheduler_address, set_as_default=False) as client:
         monkey = threading.Thread(target=chaos, args=(client,), daemon=True)
         monkey.start()
         try:
             state = batch_inference(model="breast-cancer@prod", input_uri=str(tmp_path / "input"),
-                                    output_uri=str(out), batch_rows=100, return_state=True)
+                                    output_uri=str(out), batch_rows=100, watchers=[listen], return_state=True)
         finally:
             stop.set()
-            batch_tasks.progress_listeners.remove(listen)
             monkey.join(10)
         retired = [w for action, w in done if action == "notice"]
         deadline = time.monotonic() + 20

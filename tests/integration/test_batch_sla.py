@@ -25,7 +25,6 @@ from shardline.errors import AccessDenied, QuotaExceeded
 from shardline.flows.batch_inference import batch_inference
 from shardline.storage.job_records import JobRecords
 from shardline.storage.metering import MeteringLedger
-from shardline.tasks import batch as batch_tasks
 from shardline.tasks.artifacts import batch_artifact_key
 
 from tests.integration.automations import deploy_with_triggers, run_flow_run_here, wait_for_flow_run
@@ -173,15 +172,11 @@ def test_two_tenants_at_once_both_finish_within_their_limits(
 
     threads = [threading.Thread(name=t, target=lambda t=t: states.__setitem__(t, batch_inference(
         model="breast-cancer@prod", input_uri=str(tmp_path / t / "in"), output_uri=str(tmp_path / t / "out"),
-        tenant=t, return_state=True))) for t in ("acme", "globex")]
-    batch_tasks.progress_listeners.append(meet)
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(300)
-    finally:
-        batch_tasks.progress_listeners.remove(meet)
+        tenant=t, watchers=[meet], return_state=True))) for t in ("acme", "globex")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
     assert met == {"acme", "globex"} and not barrier.broken
     for tenant in ("acme", "globex"):
         assert states[tenant].is_completed(), (tenant, states[tenant])

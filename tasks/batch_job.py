@@ -1,0 +1,179 @@
+"""The batch flow's job-level steps: admission, the job's record and SLA tracker, fair share, metering, outcome.
+
+The flow (``flows/batch_inference.py``) wires these with the shard tasks of
+``tasks/batch.py``; settings are read once there (:meth:`BatchJobSettings.read`) and
+passed down, so no task reads the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import partial
+from typing import Any, Iterator, Sequence
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, Failed, State
+
+from shardline.settings import (
+    BatchSettings,
+    DaskSettings,
+    PlacementSettings,
+    RuntimeSettings,
+    StorageSettings,
+    TenancySettings,
+)
+from shardline.sla import Sla, make_sla
+from shardline.storage.fs import resolve_location
+from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
+from shardline.storage.jobs import JobSummary
+from shardline.storage.metering import DeviceKind, MeteringLedger
+from shardline.tasks.batch import JobPlan, ProgressWatcher, commit_job, infer_shards, report_job
+from shardline.tasks.cluster import dask_scheduler
+from shardline.tasks.fairness import check_gpu_quota, device_kind, fair_share, meter_run, priority_of
+from shardline.tasks.sla import SlaTracker, TrackedJob, planned_vs_actual
+from shardline.tenants import BatchTenant, admit_locations, batch_tenant, resolved_prefixes
+
+
+@dataclass(frozen=True)
+class BatchJobSettings:
+    """Every settings area a batch job reads, read once at the flow's start."""
+
+    storage: StorageSettings
+    batch: BatchSettings
+    runtime: RuntimeSettings
+    dask: DaskSettings
+    tenancy: TenancySettings
+    placement: PlacementSettings
+
+    @classmethod
+    def read(cls, batch_rows: int | None = None) -> BatchJobSettings:
+        """The settings from the environment; ``batch_rows`` (a flow parameter) overrides the batch setting."""
+        batch = BatchSettings() if batch_rows is None else BatchSettings(batch_rows=batch_rows)
+        return cls(StorageSettings(), batch, RuntimeSettings(), DaskSettings(), TenancySettings(), PlacementSettings())
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A job as it was admitted: its parameters with the resolved locations, its tenant, priority, device and SLA."""
+
+    request: JobParameters  # input_uri and output_uri as the file system sees them: what the job uses
+    tenant: BatchTenant | None  # None in single-tenant mode (no tenants file)
+    priority: str
+    device: DeviceKind
+    sla: Sla
+    started: datetime
+    link_roots: list[str] | None  # where links in the input may lead (the tenant's resolved prefixes); None: anywhere
+
+
+@task(name="admit", cache_policy=NO_CACHE)
+def admit_job(
+    request: JobParameters, sla: str | None, deadline: str | None, settings: BatchJobSettings
+) -> Admission:
+    """Admit a job before anything is read or written: its SLA, tenant, locations, priority and GPU quota.
+
+    Raises:
+        InvalidSetting: a bad SLA or priority, an unknown tenant, locations outside its prefixes.
+        QuotaExceeded: the tenant's GPU-hours of the day are used up.
+    """
+    started = datetime.now(timezone.utc)
+    batch, storage = settings.batch, settings.storage
+    promise = make_sla(started, sla, deadline, batch.default_sla, batch.sla_margin, allow_past=True)
+    allowed = batch_tenant(settings.tenancy.tenants_file, request.tenant)
+    resolve = partial(resolve_location, storage_options=storage.storage_options)
+    input_uri, output_uri = admit_locations(allowed, request.input_uri, request.output_uri, resolve)
+    priority = priority_of(allowed, request.priority)
+    device = device_kind(settings.runtime)
+    if allowed is not None:
+        check_gpu_quota(MeteringLedger(storage.home, storage.storage_options), allowed, device)
+    return Admission(
+        request=request.model_copy(update={"input_uri": input_uri, "output_uri": output_uri}),
+        tenant=allowed, priority=priority, device=device, sla=promise, started=started,
+        link_roots=resolved_prefixes(allowed, resolve) if allowed is not None else None,
+    )
+
+
+def _run_context() -> tuple[str | None, str | None]:
+    """(deployment name, flow run id) of this run, when Prefect knows them."""
+    from prefect.runtime import deployment, flow_run
+
+    return deployment.name, flow_run.id
+
+
+@contextlib.contextmanager
+def holding_output(plan: JobPlan) -> Iterator[JobPlan]:
+    """The plan took the output's lease (one job per output folder): give it back however the job ends."""
+    try:
+        yield plan
+    finally:
+        if plan.lease is not None:
+            plan.lease.release()
+
+
+@contextlib.contextmanager
+def track_job(plan: JobPlan, admitted: Admission, settings: BatchJobSettings) -> Iterator[SlaTracker]:
+    """Write the job record and run its SLA tracker while the body runs; a body that raises ends the job failed.
+
+    The tracker is also a progress watcher (give it to :func:`score_shards`); a body
+    that returns leaves the outcome to :func:`job_outcome`.
+    """
+    records = JobRecords(settings.storage.home, settings.storage.storage_options)
+    deployment_name, flow_run_id = _run_context()
+    earlier = records.find(plan.job_id)
+    record = JobRecord(
+        job_id=plan.job_id, model_pinned=plan.job.model.pinned, started_at=admitted.started,
+        deadline=admitted.sla.deadline, parameters=admitted.request, shards_total=plan.total_shards,
+        shards_done=len(plan.done), flow_run_id=flow_run_id, runs=earlier.runs + 1 if earlier else 1,
+    )
+    tracker = SlaTracker(
+        TrackedJob(plan.job_id, admitted.request.tenant, plan.job.model.pinned, admitted.priority, deployment_name,
+                   flow_run_id),
+        admitted.sla, records, record, settings.batch.sla_check_interval_s, settings.batch.sla_window_s,
+    )
+    tracker.start()
+    try:
+        yield tracker
+    except BaseException as e:
+        tracker.finish("failed", f"{type(e).__name__}: {e}")
+        raise
+
+
+def score_shards(
+    plan: JobPlan, admitted: Admission, settings: BatchJobSettings, watchers: Sequence[ProgressWatcher] = ()
+) -> JobPlan:
+    """Score the pending shards within the tenant's fair share on the job's Dask cluster; meter what they took."""
+    if not plan.todo:
+        return plan
+    with fair_share(admitted.tenant, admitted.priority, len(plan.todo), settings.tenancy) as max_in_flight:
+        scored = len(plan.new)
+        with dask_scheduler(settings.dask) as address:
+            plan = infer_shards(plan, address, watchers=watchers, max_in_flight=max_in_flight)
+    ledger = MeteringLedger(settings.storage.home, settings.storage.storage_options)
+    meter_run(ledger, plan.tenant, plan.job_id, admitted.device, plan.new[scored:])
+    return plan
+
+
+def finish_job(plan: JobPlan, admitted: Admission) -> dict[str, Any]:
+    """Commit the manifest (with the SLA's planned vs actual and the priority) and publish the run's artifacts."""
+    rows = sum(r.rows_out for r in plan.new)
+    planned = planned_vs_actual(admitted.sla, datetime.now(timezone.utc), plan.total_shards, rows)
+    return report_job(commit_job(plan, sla=planned, priority=admitted.priority), planned)
+
+
+def job_outcome(summary: dict[str, Any], tracker: SlaTracker) -> State[Any]:
+    """The flow's final state (and the job record's): Completed, Completed "Quarantined", or Failed (all quarantined)."""
+    done = JobSummary.model_validate(summary)
+    if done.shards_quarantined == 0:
+        tracker.finish("completed", f"{done.rows_out} rows scored", done.rows_scored)
+        return Completed(message=f"{done.rows_out} rows scored", data=summary)
+    message = (
+        f"{done.shards_quarantined} of {done.shards} shards quarantined "
+        f"({done.rows_quarantined} rows); reasons in {done.manifest}"
+    )
+    if done.rows_out == 0:
+        tracker.finish("failed", message)
+        return Failed(message=f"every shard was quarantined: {message}", data=summary)
+    tracker.finish("quarantined", message, done.rows_scored)
+    return Completed(name="Quarantined", message=message, data=summary)

@@ -1,0 +1,81 @@
+"""The batch flow's job-level tasks: admission, the manifest and summary types, progress watchers."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from shardline.errors import InvalidSetting
+from shardline.storage.job_records import JobParameters
+from shardline.storage.jobs import JobSummary
+from shardline.storage.output import JobManifest, ManifestModel, ManifestPart, ManifestQuarantine, OutputLayout
+from shardline.tasks import batch as batch_tasks
+from shardline.tasks.batch_job import BatchJobSettings, admit_job
+
+
+def _manifest(**changes: object) -> JobManifest:
+    fields: dict[str, object] = dict(
+        job_id="j1", job_key="k1", tenant="acme",
+        model=ManifestModel(reference="bc@prod", pinned="bc:3", variant="fp32", digest="d" * 64),
+        input="/in", output="/out", passthrough="auto",
+        totals={"shards": 2, "rows_in": 10}, parts=[ManifestPart(part="a.parquet", shard="/in/a.parquet", rows=7)],
+        quarantined=[ManifestQuarantine(shard="/in/b.parquet", rows=None, reason=None)],
+    )
+    fields.update(changes)
+    return JobManifest(**fields)  # type: ignore[arg-type]
+
+
+def test_the_manifest_file_keeps_its_field_names_and_leaves_out_sections_not_given(tmp_path: Path) -> None:
+    layout = OutputLayout(str(tmp_path / "out"), job_id="j1")
+    layout.commit_manifest(_manifest())
+    plain = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert list(plain) == ["job_id", "job_key", "tenant", "model", "input", "output", "passthrough", "totals",
+                           "parts", "quarantined"]
+    assert plain["model"] == {"reference": "bc@prod", "pinned": "bc:3", "variant": "fp32", "digest": "d" * 64}
+    assert plain["quarantined"] == [{"shard": "/in/b.parquet", "rows": None, "reason": None}]  # nulls kept
+    assert plain["passthrough"] == "auto" and (tmp_path / "out" / "_SUCCESS").exists()
+
+    layout.commit_manifest(_manifest(sla={"status": "met"}, priority="low", passthrough=["id"]))
+    flowed = layout.read_manifest()
+    assert flowed["sla"] == {"status": "met"} and flowed["priority"] == "low" and flowed["passthrough"] == ["id"]
+    assert JobManifest.model_validate(flowed) == _manifest(sla={"status": "met"}, priority="low", passthrough=["id"])
+
+
+def test_the_summary_is_typed_and_its_plain_data_is_what_batch_run_json_prints() -> None:
+    summary = JobSummary(job_id="j", model="m:1", tenant="t", output="/o", shards=3, shards_committed=2,
+                         shards_skipped=1, shards_quarantined=1, rows_in=30, rows_out=20, rows_quarantined=10,
+                         rows_scored=20, steady_seconds=3.0, quarantined={"c.parquet": "CorruptShard: x"})
+    data = summary.as_dict()
+    assert list(data) == ["job_id", "model", "tenant", "output", "shards", "shards_committed", "shards_skipped",
+                          "shards_quarantined", "rows_in", "rows_out", "rows_quarantined", "rows_scored",
+                          "steady_seconds", "quarantined", "manifest", "steady_rows_per_second"]
+    assert data["steady_rows_per_second"] == 6.7 and json.loads(json.dumps(data))["quarantined"] == {
+        "c.parquet": "CorruptShard: x"}
+    assert summary.totals() == {"shards": 3, "shards_committed": 2, "shards_skipped": 1, "shards_quarantined": 1,
+                                "rows_in": 30, "rows_out": 20, "rows_quarantined": 10, "rows_scored": 20}
+    with pytest.raises(ValueError):
+        JobSummary.model_validate({**data, "rows_in": "many"})
+
+
+def test_admission_returns_the_resolved_locations_the_job_then_uses(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "in").symlink_to(tmp_path / "data")
+    request = JobParameters(model="bc@prod", input_uri=str(tmp_path / "in"), output_uri=str(tmp_path / "x" / ".." / "out"))
+    with pytest.raises(InvalidSetting, match="priority"):
+        admit_job.fn(request.model_copy(update={"priority": "urgent"}), "2h", None, BatchJobSettings.read())
+    admitted = admit_job.fn(request, "2h", None, BatchJobSettings.read(batch_rows=500))
+    assert admitted.request.input_uri == str((tmp_path / "data").resolve())  # the link's target, not the link
+    assert admitted.request.output_uri == str((tmp_path / "out").resolve())
+    assert admitted.tenant is None and admitted.priority == "normal" and admitted.link_roots is None
+    assert (admitted.sla.deadline - admitted.sla.started).total_seconds() == 7200
+
+
+def test_progress_has_one_mechanism_watchers_passed_down_from_the_flow() -> None:
+    from shardline.flows.batch_inference import batch_inference
+
+    assert not hasattr(batch_tasks, "progress_listeners")  # no module-level list to append to
+    assert "watchers" in inspect.signature(batch_inference.fn).parameters
+    assert "watchers" in inspect.signature(batch_tasks.infer_shards.fn).parameters

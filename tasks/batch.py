@@ -190,7 +190,7 @@ def plan_batch_job(
         what="listing the input",
     )
     check_part_names(shards)
-    key = job_key(resolved.digest, passthrough)
+    key = job_key(resolved.outputs_digest, passthrough)
     this_job = job_id(key, shards, output_uri)
     layout = OutputLayout(output_uri, storage.storage_options, this_job)
     lease, todo, done = _take_output(
@@ -396,7 +396,7 @@ def commit_job(plan: JobPlan, sla: dict[str, Any] | None = None, priority: str |
         job_key=plan.job.job_key,
         tenant=plan.tenant,
         model=ManifestModel(reference=model.reference, pinned=model.pinned,
-                            variant=model.manifest.tags.get("variant", "fp32"), digest=model.digest),
+                            variant=model.manifest.tags.get("variant", "fp32"), digest=model.outputs_digest),
         input=plan.input_uri,
         output=plan.job.output_uri,
         passthrough=list(plan.job.passthrough) if plan.job.passthrough is not None else "auto",

@@ -201,7 +201,7 @@ def score_one(shard: str, output: str) -> None:
     """Child process: score one shard as a worker would; print peak RSS as JSON."""
     from shardline.runtimes import RuntimeOptions
     from shardline.settings import StorageSettings
-    from shardline.storage.jobs import job_key
+    from shardline.storage.job_identity import job_key
     from shardline.storage.registry import ModelRegistry
     from shardline.storage.scoring import ScoringJob, score_shard
     from shardline.storage.shards import list_shards

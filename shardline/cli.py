@@ -127,7 +127,7 @@ def batch_run(
     from datetime import datetime, timezone
 
     from shardline.settings import BatchSettings
-    from shardline.sla import make_sla
+    from shardline.sla_projection import make_sla
 
     make_sla(datetime.now(timezone.utc), sla, deadline, BatchSettings().default_sla)  # a bad SLA fails before any work
     _admit(tenant, input, output)  # so do bad locations: before Prefect starts (the flow checks them again)
@@ -269,6 +269,10 @@ def demo(
     workdir = workdir.resolve()
     if workdir.exists():
         shutil.rmtree(workdir)
+    # The demo is an entry point choosing its own home, as `SHARDLINE_STORAGE_HOME=... shardline batch run`
+    # would: set for this process (and the Dask workers it starts). Not a flow parameter on purpose: a
+    # `home` parameter would let anyone who starts a deployment move the registry and the metering
+    # ledger that GPU-hour quotas are counted in.
     os.environ["SHARDLINE_STORAGE_HOME"] = str(workdir / "home")
     typer.echo(f"1/4 training and packaging the breast-cancer classifier in {workdir}")
     manifest, estimator = package_breast_cancer(workdir / "bundle")

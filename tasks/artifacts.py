@@ -17,7 +17,8 @@ import re
 from datetime import datetime
 from typing import Any
 
-from shardline.storage.jobs import JobSummary
+from shardline.bundle import ModelRef
+from shardline.storage.job_identity import JobSummary
 
 MAX_NAME = 60  # characters of the job name in a key; the rest of a long name is cut
 MAX_QUARANTINED_LISTED = 20  # quarantined shards listed by name in the summary; the manifest has all
@@ -31,7 +32,7 @@ def batch_job_name(deployment: str | None, model: str, output: str) -> str:
     """The job's name in artifact keys: the deployment's, else the model name + output folder + a hash."""
     if deployment and _slug(deployment):
         return _slug(deployment)[:MAX_NAME].strip("-")
-    name = _slug(model.split(":", 1)[0].split("@", 1)[0]) or "model"
+    name = _slug(ModelRef.split(model)[0]) or "model"
     folder = _slug(output.rstrip("/").rsplit("/", 1)[-1])
     digest = hashlib.sha256(output.rstrip("/").encode()).hexdigest()[:8]
     return "-".join(p for p in (name[:30].strip("-"), folder[:20].strip("-"), digest) if p)

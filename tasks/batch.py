@@ -32,7 +32,7 @@ from shardline.placement import BatchWorkload, CostTable, candidates_from_profil
 from shardline.profiling import machine_kind
 from shardline.settings import BatchSettings, DaskSettings, PlacementSettings, RuntimeSettings, StorageSettings
 from shardline.signature import schema_problems
-from shardline.storage.jobs import JobSummary, foreign_parts, job_id, job_key, summarize, up_to_date
+from shardline.storage.job_identity import JobSummary, foreign_parts, job_id, job_key, summarize, up_to_date
 from shardline.storage.lease import LeaseTerms, OutputLease
 from shardline.storage.output import (
     JobManifest,
@@ -52,7 +52,7 @@ from shardline.storage.shards import ShardInfo, list_shards, read_footer
 from shardline.tasks.artifacts import batch_artifact_key, current_deployment, summary_markdown
 from shardline.tasks.cluster import threads_per_call
 from shardline.tasks.dispatch import dispatch_shards
-from shardline.tasks.sla import publish_sla_table
+from shardline.tasks.sla_tracking import publish_sla_table
 
 if TYPE_CHECKING:
     from shardline.tasks.preemption import PreemptionPlugin

@@ -25,15 +25,15 @@ from shardline.settings import (
     StorageSettings,
     TenancySettings,
 )
-from shardline.sla import Sla, make_sla
+from shardline.sla_projection import Sla, make_sla
 from shardline.storage.fs import resolve_location
 from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
-from shardline.storage.jobs import JobSummary
+from shardline.storage.job_identity import JobSummary
 from shardline.storage.metering import DeviceKind, MeteringLedger
 from shardline.tasks.batch import JobPlan, ProgressWatcher, commit_job, infer_shards, report_job
 from shardline.tasks.cluster import dask_scheduler
 from shardline.tasks.fairness import check_gpu_quota, device_kind, fair_share, meter_run, priority_of
-from shardline.tasks.sla import SlaTracker, TrackedJob, planned_vs_actual
+from shardline.tasks.sla_tracking import SlaTracker, TrackedJob, planned_vs_actual
 from shardline.tenants import BatchTenant, admit_locations, batch_tenant, resolved_prefixes
 
 

@@ -18,6 +18,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
+from shardline.bundle import ModelRef
 from shardline.errors import InvalidInput
 from shardline.quality.evaluation import evaluate, evaluation_of
 from shardline.runtimes import RuntimeOptions, create_runtime
@@ -149,8 +150,8 @@ def revalidate_task(reference: str, alias: str | None, labelled_uri: str | None)
     storage, drift = StorageSettings(), DriftSettings()
     registry = ModelRegistry.from_settings(storage)
     model = registry.resolve(reference)
-    if alias is None and "@" in reference:
-        alias = reference.split("@", 1)[1]
+    if alias is None:
+        alias = ModelRef.split(reference)[1]
     where = labelled_location(model.name, labelled_uri, drift)
     result = revalidate_version(model, alias, where, storage)
     (run_logger().info if result.passed else run_logger().warning)("%s", result.reason)

@@ -19,7 +19,7 @@ from shardline.examples import write_shards
 from shardline.runtimes import RuntimeOptions
 from shardline.storage import scoring
 from shardline.storage.checkpoint import CHECKPOINTS
-from shardline.storage.jobs import job_key
+from shardline.storage.job_identity import job_key
 from shardline.storage.output import OutputLayout
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.retry import RetryPolicy

@@ -14,7 +14,7 @@ import pytest
 from shardline.flows.batch_inference import batch_inference
 from shardline.runtimes import RuntimeOptions
 from shardline.storage.capture import CAPTURE_META, scan_capture
-from shardline.storage.jobs import job_key
+from shardline.storage.job_identity import job_key
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.scoring import ScoringJob, ShardCapture, score_shard
 from shardline.storage.shards import list_shards

@@ -29,7 +29,7 @@ from shardline.online.tenants import TenantDirectory, hash_api_key
 from shardline.online.testing import Served, serve_listeners_in_thread
 from shardline.runtimes import RuntimeOptions
 from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
-from shardline.storage.jobs import job_key
+from shardline.storage.job_identity import job_key
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.scoring import ScoringJob, score_shard
 from shardline.storage.shards import list_shards

@@ -23,7 +23,7 @@ from shardline.online.tenants import TenantDirectory, hash_api_key  # noqa: E402
 from shardline.online.testing import serve_in_thread  # noqa: E402
 from shardline.runtimes import RuntimeOptions  # noqa: E402
 from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings  # noqa: E402
-from shardline.storage.jobs import job_key  # noqa: E402
+from shardline.storage.job_identity import job_key  # noqa: E402
 from shardline.storage.registry import ModelRegistry  # noqa: E402
 from shardline.storage.scoring import ScoringJob, score_shard  # noqa: E402
 from shardline.storage.shards import list_shards  # noqa: E402

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from shardline.storage.jobs import JobSummary
+from shardline.storage.job_identity import JobSummary
 from shardline.tasks.artifacts import batch_artifact_key, batch_job_name, summary_markdown
 
 KEY = re.compile(r"^[a-z0-9-]+$")  # what Prefect accepts as an artifact key

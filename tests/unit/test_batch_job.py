@@ -10,7 +10,7 @@ import pytest
 
 from shardline.errors import InvalidSetting
 from shardline.storage.job_records import JobParameters
-from shardline.storage.jobs import JobSummary
+from shardline.storage.job_identity import JobSummary
 from shardline.storage.output import JobManifest, ManifestModel, ManifestPart, ManifestQuarantine, OutputLayout
 from shardline.tasks import batch as batch_tasks
 from shardline.tasks.batch_job import BatchJobSettings, admit_job

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from shardline.errors import OutputInUse, OutputNotWritable
 from shardline.settings import BatchSettings
-from shardline.storage.jobs import foreign_parts, up_to_date
+from shardline.storage.job_identity import foreign_parts, up_to_date
 from shardline.storage.lease import LEASE_DIR, LeaseTerms, OutputLease, ThisProcess
 from shardline.storage.output import PartRecord
 

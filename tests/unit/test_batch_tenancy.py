@@ -190,7 +190,7 @@ def test_job_records_are_found_by_id_or_prefix() -> None:
 
 
 def test_the_same_input_written_to_two_outputs_is_two_jobs() -> None:
-    from shardline.storage.jobs import job_id
+    from shardline.storage.job_identity import job_id
     from shardline.storage.shards import ShardInfo
 
     shards = [ShardInfo("s3://lake/in/a.parquet", "a.parquet", 10, "10:x")]

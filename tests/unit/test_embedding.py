@@ -21,7 +21,7 @@ from shardline.bundle import Manifest, read_manifest, sha256_file  # noqa: E402
 from shardline.embedding import package_minilm  # noqa: E402
 from shardline.errors import IntegrityError, InvalidBundle, InvalidInput, InvalidSetting  # noqa: E402
 from shardline.runtimes import Runtime, RuntimeOptions  # noqa: E402
-from shardline.storage.jobs import job_key  # noqa: E402
+from shardline.storage.job_identity import job_key  # noqa: E402
 from shardline.storage.model_cache import ModelCache  # noqa: E402
 from shardline.storage.registry import ModelRegistry, ResolvedModel  # noqa: E402
 from shardline.storage.scoring import ScoringJob, score_shard  # noqa: E402

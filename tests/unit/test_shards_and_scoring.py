@@ -12,7 +12,7 @@ import pytest
 
 from shardline.errors import EmptyInput, InvalidInput, InvalidSetting
 from shardline.runtimes import RuntimeOptions
-from shardline.storage.jobs import job_id, job_key, summarize
+from shardline.storage.job_identity import job_id, job_key, summarize
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, part_name, split_done
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.scoring import ScoringJob, score_shard

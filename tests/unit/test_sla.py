@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from shardline.errors import InvalidSetting
-from shardline.sla import ProgressPoint, Sla, make_sla, parse_deadline, parse_duration, project
+from shardline.sla_projection import ProgressPoint, Sla, make_sla, parse_deadline, parse_duration, project
 
 T0 = datetime(2026, 12, 1, 2, 0, tzinfo=timezone.utc)
 
@@ -114,7 +114,7 @@ def test_the_tracker_emits_once_per_status_change_and_keeps_the_record() -> None
     import uuid
 
     from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
-    from shardline.tasks.sla import SlaTracker, TrackedJob
+    from shardline.tasks.sla_tracking import SlaTracker, TrackedJob
 
     now = [T0]
     sent: list[dict[str, Any]] = []
@@ -156,7 +156,7 @@ def test_a_late_finish_that_no_check_saw_is_still_reported_breached() -> None:
     import uuid
 
     from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
-    from shardline.tasks.sla import SlaTracker, TrackedJob
+    from shardline.tasks.sla_tracking import SlaTracker, TrackedJob
 
     now = [T0]
     sent: list[str] = []

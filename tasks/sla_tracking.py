@@ -3,7 +3,7 @@
 It is an ``infer_shards`` watcher (called as shards settle) and also ticks on its own
 every ``sla_check_interval_s``, so a job that stalls (no shard settles) still goes
 at-risk and breached on time. Each check runs the pure projection
-(``shardline.sla.project``), rewrites the job record and, when the SLA status
+(``shardline.sla_projection.project``), rewrites the job record and, when the SLA status
 changes to at-risk or breached, emits one event:
 
     shardline.batch.started       after planning (the proactive "never finished" trigger keys on it)
@@ -26,7 +26,7 @@ from typing import Any, Callable
 from prefect.artifacts import create_table_artifact
 from prefect.events import emit_event
 
-from shardline.sla import ProgressPoint, Projection, Sla, project
+from shardline.sla_projection import ProgressPoint, Projection, Sla, project
 from shardline.storage.job_records import JobRecord, JobRecords, JobState
 from shardline.tasks.logs import run_logger
 

@@ -1,7 +1,7 @@
 """Batch SLAs: a duration or a deadline, and the pure projection of a job's finish from its progress.
 
 Everything here is state in, decision out: no clock is read, no I/O. The flow's SLA
-tracker (``shardline.tasks.sla``) feeds it a trace of (time, shards settled, rows)
+tracker (``shardline.tasks.sla_tracking``) feeds it a trace of (time, shards settled, rows)
 and acts on the verdict.
 
 A trace's first point is where this run started, carrying the shards an earlier run

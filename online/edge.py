@@ -41,6 +41,15 @@ COMPRESSION_RATIO = 32  # a compressed body this much smaller than offload_min_b
 _BYTE_COUNT = re.compile(r"[0-9]{1,15}")  # ASCII digits (str.isdigit takes '²', int() does not), a sane length
 
 
+def byte_count(header: str | None) -> int | None:
+    """A header that counts bytes (Content-Length, Inference-Header-Content-Length) as a number; None
+    when it is absent or not 1-15 ASCII digits."""
+    if header is None:
+        return None
+    text = header.strip()
+    return int(text) if _BYTE_COUNT.fullmatch(text) else None
+
+
 def runs_off_loop(size: int, compressed: bool, threshold: int) -> bool:
     """Whether work on a body of ``size`` bytes goes to the codec threads (else it is done on the loop).
 
@@ -157,7 +166,8 @@ class ClientGone(Exception):
 
 
 def _check_declared(declared: str | None, limit: int) -> None:
-    if declared is not None and _BYTE_COUNT.fullmatch(declared.strip()) and int(declared) > limit:
+    size = byte_count(declared)
+    if size is not None and size > limit:
         raise PayloadTooLarge(_too_large(f"{declared} bytes", limit), limit)
 
 

@@ -1,10 +1,10 @@
 """fsspec file systems: open any URL, write a file so it appears whole or not at all.
 
 Nothing here branches on the URL scheme: ``fsspec.url_to_fs`` picks the file system
-and the rest is the same for local disk, memory and S3. Two functions know local
-storage: ``resolve_location`` follows symbolic links there, since the OS will, and
-``create_exclusive`` links a fully written file into place, since an O_EXCL create is
-visible (empty) before its write lands.
+and the rest is the same for local disk, memory and S3. Four functions know local
+storage: ``resolve_location``, ``inside`` and ``links_out`` follow symbolic links there,
+since the OS will, and ``create_exclusive`` links a fully written file into place, since
+an O_EXCL create is visible (empty) before its write lands.
 """
 
 from __future__ import annotations
@@ -121,9 +121,7 @@ def _link_exclusive(path: str, data: bytes) -> bool:
     staged = f"{path}.{uuid.uuid4().hex}.tmp"  # beside it: the same file system, so the link can be made
     try:
         with open(staged, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            _write_synced(f, data)
         try:
             os.link(staged, path)
         except FileExistsError:
@@ -145,10 +143,15 @@ def _open_exclusive(path: str, data: bytes) -> bool:
     except FileExistsError:
         return False
     with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        _write_synced(f, data)
     return True
+
+
+def _write_synced(f: Any, data: bytes) -> None:
+    """Write ``data`` and wait until it is on the disk."""
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def _fsync_dir(folder: str) -> None:
@@ -207,9 +210,8 @@ def resolve_location(uri: str, storage_options: dict[str, Any] | None = None) ->
                      f"write file:///{parts.netloc}{parts.path} or the plain path")
     fs, path = open_fs(text, storage_options)
     if isinstance(fs, LocalFileSystem):
-        # The one place that knows local storage: the OS follows links and '..', so the
-        # location is where they lead (links below it that do not exist yet are followed
-        # when the job creates them, inside this real folder).
+        # The OS follows links and '..', so the location is where they lead (links made
+        # below it later are caught when written: ``inside``, ``links_out``).
         return os.path.realpath(path)
     if any(s in ("", ".", "..") for s in path.lstrip("/").split("/")):
         raise refuse("has an empty, '.' or '..' path segment, which object stores keep as part of the key",

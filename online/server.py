@@ -70,7 +70,7 @@ def build_plane(
     """A data plane over the registry and the process's model cache (``runtime.cache_capacity``) that the settings name."""
     registry = ModelRegistry.from_settings(storage)
     cache = get_model_cache(storage.cache, runtime.cache_capacity)
-    options = RuntimeOptions(runtime.device, runtime.intra_op_threads)
+    options = RuntimeOptions(runtime.device, runtime.intra_op_threads, runtime.spinning)
     return DataPlane(online, registry, cache, tenants, options, storage_options=storage.storage_options,
                      capture_root=capture_root(storage))
 

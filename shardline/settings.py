@@ -74,7 +74,12 @@ class RuntimeSettings(BaseSettings):
     intra_op_threads: int = Field(
         default=0,
         ge=0,
-        description="Threads per inference call; 0 lets the caller pick from its cores.",
+        description="Threads per inference call; 0 lets the tier pick from its cores.",
+    )
+    spinning: bool = Field(
+        default=False,
+        description="Let onnxruntime's idle intra-op threads spin (busy-wait) for the next call. Off by default: "
+        "a spinning thread takes a core from the event loop, the reader and the writer beside it.",
     )
     cache_capacity: int = Field(
         default=8,

@@ -196,7 +196,7 @@ def plan_batch_job(
     lease, todo, done = _take_output(
         layout, this_job, resolved.pinned, key, shards, retry, LeaseTerms(batch.lease_ttl_s, batch.lease_renew_s)
     )
-    options = RuntimeOptions(runtime.device, runtime.intra_op_threads or threads_per_call(dask))
+    options = RuntimeOptions(runtime.device, runtime.intra_op_threads or threads_per_call(dask), runtime.spinning)
     capture = (
         ShardCapture(capture_root(storage), batch.capture_rows_per_shard, tenant, this_job)
         if batch.capture_rows_per_shard else None

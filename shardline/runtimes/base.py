@@ -14,10 +14,17 @@ from shardline.bundle import Manifest
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """How to run a model: device wanted and threads per call."""
+    """How to run a model: device wanted, threads per call, and whether idle threads spin.
+
+    ``intra_op_threads`` 0 means every core (each tier passes its own default: see
+    ``RuntimeSettings``); ``spinning`` lets onnxruntime's idle intra-op threads busy-wait for the
+    next call (off by default: a spinning thread takes a core from the event loop, the reader and
+    the writer beside it).
+    """
 
     device: str = "auto"
     intra_op_threads: int = 0
+    spinning: bool = False
 
 
 class Runtime(ABC):

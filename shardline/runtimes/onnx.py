@@ -295,6 +295,7 @@ class OnnxModel(Runtime):
         threads = self.options.intra_op_threads or (os.cpu_count() or 1)
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.options.spinning else "0")
         so.log_severity_level = 3
         providers = self._providers(ort)
         try:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import typer
 
-from shardline.errors import JobFailed, ShardlineError
+from shardline.errors import JobFailed, PrefectServerUnavailable, ShardlineError
 
 if TYPE_CHECKING:
     from shardline.storage.registry import ModelRegistry
@@ -42,7 +42,7 @@ def exit_code(error: BaseException) -> int:
     """1 for a job a re-run resumes (some shards failed, or an unexpected fault); 2 for a request to change."""
     from shardline.storage.lease import refuses_writes
 
-    if isinstance(error, JobFailed):
+    if isinstance(error, (JobFailed, PrefectServerUnavailable)):  # a server that did not start may next time
         return EXIT_FAILED
     if isinstance(error, ShardlineError) or refuses_writes(error):  # re-running cannot cure a refused write
         return EXIT_USAGE

@@ -1,4 +1,4 @@
-"""The ``shardline`` command: demo, batch runs, and the model registry."""
+"""The ``shardline`` command: demo, batch runs, the model registry, and the local Prefect server."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ app.add_typer(batch_app, name="batch")
 app.add_typer(model_app, name="model")
 from shardline._drift_cli import drift_app  # noqa: E402
 app.add_typer(drift_app, name="drift")
+from shardline._prefect_cli import prefect_app, use_prefect_api  # noqa: E402
+app.add_typer(prefect_app, name="prefect")
 
 
 def run_batch_job(
@@ -42,6 +44,13 @@ def run_batch_job(
     """Run the batch flow in this process; returns (exit code, summary)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from shardline.errors import PrefectServerUnavailable
+
+    try:
+        use_prefect_api()  # the local Prefect server, unless PREFECT_API_URL or SHARDLINE_PREFECT_SERVER say otherwise
+    except PrefectServerUnavailable as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        return EXIT_FAILED, None
     from shardline.flows.batch_inference import batch_inference
 
     bar = Progress(
@@ -268,6 +277,9 @@ def demo(
 
     workdir = workdir.resolve()
     if workdir.exists():
+        from shardline._prefect_server import stop
+
+        stop(workdir / "home")  # a former demo's local Prefect server: its database is about to be deleted
         shutil.rmtree(workdir)
     # The demo is an entry point choosing its own home, as `SHARDLINE_STORAGE_HOME=... shardline batch run`
     # would: set for this process (and the Dask workers it starts). Not a flow parameter on purpose: a
@@ -305,6 +317,12 @@ def demo(
         f"{agree:.2%} of rows. Output: {workdir / 'output'}",
         fg="green",
     )
+    from shardline._prefect_server import find
+
+    server = find(workdir / "home")
+    if server is not None:
+        typer.echo(f"The run is in the Prefect UI at {server.ui_url} (the local Prefect server keeps running; stop it "
+                   f"with `SHARDLINE_STORAGE_HOME={workdir / 'home'} shardline prefect stop`)")
 
 
 @app.command()
@@ -373,7 +391,9 @@ def main() -> None:
 
     `batch run` and `batch resume` run in a supervised child (shardline/_supervise.py),
     so that nothing they start (Prefect's temporary server, Dask workers) outlives the
-    command, even when it is killed with SIGKILL.
+    command, even when it is killed with SIGKILL. The one exception is on purpose: the
+    local Prefect server a first run starts (shardline/_prefect_server.py) is detached,
+    for later runs to reuse.
     """
     from shardline._supervise import CHILD_FLAG, become_supervised_child, run_supervised, wants_supervision
 

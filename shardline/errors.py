@@ -206,3 +206,7 @@ class OutputNotWritable(ShardlineError, PermissionError):
     def __init__(self, message: str, output: str) -> None:
         super().__init__(message)
         self.output = output
+
+
+class PrefectServerUnavailable(ShardlineError, RuntimeError):
+    """The local Prefect server batch runs share could not be started; the message names its log."""

@@ -246,6 +246,23 @@ class BatchSettings(BaseSettings):
         return self
 
 
+class PrefectServerSettings(BaseSettings):
+    """Which Prefect API batch runs use when ``PREFECT_API_URL`` is not set (in the environment or a Prefect profile)."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_PREFECT_", extra="ignore")
+
+    server: Literal["local", "temporary"] = Field(
+        default="local",
+        description="local: one `prefect server start` per Shardline home (<home>/prefect), started by the first "
+        "run, detached, and reused by later runs (their UI shows every run; `shardline server stop` stops it); "
+        "temporary: Prefect's temporary server inside each run (seconds per run, nothing left running). "
+        "A PREFECT_API_URL, set by you, always wins.",
+    )
+    start_timeout_s: float = Field(
+        default=120.0, gt=0, description="How long a run waits for the local server it started to answer."
+    )
+
+
 class TenancySettings(BaseSettings):
     """The tenants file both tiers read, and how batch tenants share the cluster (see docs/batch.md, Fairness)."""
 

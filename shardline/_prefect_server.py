@@ -1,0 +1,263 @@
+"""The local Prefect server that batch runs share, so that no run pays for a temporary one.
+
+With no ``PREFECT_API_URL``, Prefect starts a temporary API server inside every flow run
+(seconds each: a database to migrate, an app to build) and stops it at the end, taking
+the run's history with it. Instead, the CLI finds (or, the first time, starts) one
+``prefect server start`` per Shardline home, on 127.0.0.1 and a free port, detached
+from the command that started it, and later runs reuse it: the runs then show in its UI.
+
+Its state lives under ``<home>/prefect/``: Prefect's own home for it (``PREFECT_HOME``:
+the SQLite database, profiles), ``server.json`` (pid, API URL), Prefect's ``server.pid``
+(so ``PREFECT_HOME=<home>/prefect prefect server stop`` stops it too), ``server.log`` and
+``server.lock`` (held while a command looks for the server or starts it, so two first
+runs at once start one server). A record whose process is gone, is not a Prefect server,
+or does not answer ``GET /api/health`` is stale and replaced.
+
+Which API a run uses (``api_url_for_run``): the user's ``PREFECT_API_URL`` (environment
+or Prefect profile) always wins; else ``SHARDLINE_PREFECT_SERVER=local`` (the default)
+uses this server, and ``temporary`` keeps Prefect's temporary server per run (nothing is
+left running). POSIX only for the lock (``fcntl``); elsewhere two first runs at once may
+each start a server, the last one recorded wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from shardline.errors import PrefectServerUnavailable
+
+RECORD, PREFECT_PID_FILE, LOG, LOCK = "server.json", "server.pid", "server.log", "server.lock"
+_HEALTH_TIMEOUT_S = 2.0
+_STALE_AFTER_S = 10.0  # a recorded server that does not answer its health check this long is replaced
+# What the server's environment must not inherit from the command that starts it: where another server
+# is (the client side), and which Prefect home and profile to read (it has its own).
+_NOT_INHERITED = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_HOME", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH",
+                  "PREFECT_UI_API_URL", "PREFECT_UI_URL")
+
+
+@dataclass(frozen=True)
+class LocalServer:
+    """A running local Prefect server: its process and where it answers."""
+
+    pid: int
+    api_url: str  # http://127.0.0.1:PORT/api
+
+    @property
+    def ui_url(self) -> str:
+        """Where the Prefect UI is (the API URL without its /api)."""
+        return self.api_url.removesuffix("/api")
+
+
+def server_dir(home: str | os.PathLike[str]) -> Path:
+    """The folder of a Shardline home's local Prefect server: its Prefect home, record, log and lock."""
+    return Path(home) / "prefect"
+
+
+def healthy(api_url: str, timeout: float = _HEALTH_TIMEOUT_S) -> bool:
+    """Whether a Prefect API answers ``GET /health`` with ``true`` at ``api_url``."""
+    import httpx
+
+    try:
+        return httpx.get(f"{api_url}/health", timeout=timeout).json() is True
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def _is_prefect_process(pid: int) -> bool:
+    """Whether ``pid`` is a live process and, where /proc tells, a Prefect server (not a reused pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, but another user's: not ours
+        return False
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    try:
+        return b"prefect" in cmdline.read_bytes()
+    except FileNotFoundError:  # no /proc here (macOS): the live pid is all we can check
+        return not Path("/proc/self").exists()
+    except OSError:
+        return False
+
+
+def _read_record(folder: Path) -> LocalServer | None:
+    try:
+        data = json.loads((folder / RECORD).read_text())
+        return LocalServer(pid=int(data["pid"]), api_url=str(data["api_url"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def find(home: str | os.PathLike[str], timeout: float = _HEALTH_TIMEOUT_S) -> LocalServer | None:
+    """The home's local server when its record names a live Prefect process that answers health checks."""
+    recorded = _read_record(server_dir(home))
+    if recorded is None or not _is_prefect_process(recorded.pid) or not healthy(recorded.api_url, timeout):
+        return None
+    return recorded
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold ``server.lock`` (an exclusive ``flock``): one command at a time finds or starts the server."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK, "a+") as lock:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock (see the module's docstring)
+            yield
+            return
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_environment(folder: Path, port: int) -> dict[str, str]:
+    """The started server's environment: its own Prefect home, off the network, its UI pointed at its API."""
+    from shardline._cli_common import OFF_THE_NETWORK
+
+    env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+    api_url = f"http://127.0.0.1:{port}/api"
+    env.update(OFF_THE_NETWORK)
+    env.update(PREFECT_HOME=str(folder), PREFECT_UI_API_URL=api_url, PREFECT_SERVER_API_HOST="127.0.0.1",
+               PREFECT_SERVER_API_PORT=str(port))
+    return env
+
+
+def _start(folder: Path, timeout_s: float) -> LocalServer:
+    """Start ``prefect server start`` detached (own session, so no process group kill reaches it); wait until healthy."""
+    port = _free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with open(folder / LOG, "ab") as log:
+        process = subprocess.Popen(command, env=server_environment(folder, port), cwd=folder, stdin=subprocess.DEVNULL,
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = LocalServer(pid=process.pid, api_url=api_url)
+    _write_record(folder, server)
+    deadline = time.monotonic() + timeout_s
+    while not healthy(api_url, timeout=1.0):
+        if process.poll() is not None or time.monotonic() > deadline:
+            why = (f"exited with code {process.returncode}" if process.returncode is not None
+                   else f"did not answer {api_url}/health within {timeout_s:.0f} s")
+            _stop_process(process.pid, 10.0)
+            _forget(folder)
+            raise PrefectServerUnavailable(
+                f"the local Prefect server ({' '.join(command[2:])}) {why}; see {folder / LOG}. Set "
+                "SHARDLINE_PREFECT_SERVER=temporary to use a temporary server per run, or PREFECT_API_URL to use "
+                "your own server"
+            )
+        time.sleep(0.2)
+    # Nobody waits for the detached server: once this command ends, init reaps it. Marking the Popen
+    # object done keeps its __del__ from warning (ResourceWarning) that the process "is still running".
+    process.returncode = 0
+    return server
+
+
+def _write_record(folder: Path, server: LocalServer) -> None:
+    """Record the server (written to a temporary name, then renamed: a reader never sees half a record)."""
+    staged = folder / f".{RECORD}.{os.getpid()}"
+    staged.write_text(json.dumps({"pid": server.pid, "api_url": server.api_url, "ui_url": server.ui_url,
+                                  "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+    os.replace(staged, folder / RECORD)
+    (folder / PREFECT_PID_FILE).write_text(str(server.pid))
+
+
+def _forget(folder: Path) -> None:
+    for name in (RECORD, PREFECT_PID_FILE):
+        (folder / name).unlink(missing_ok=True)
+
+
+def ensure(home: str | os.PathLike[str], timeout_s: float = 120.0) -> tuple[LocalServer, bool]:
+    """The home's local server, started (detached, it outlives the command) when none answers.
+
+    Returns:
+        The server, and whether this call started it.
+
+    Raises:
+        PrefectServerUnavailable: it could not be started (the message names its log).
+    """
+    found = find(home)  # the common case takes no lock: a record and one health check
+    if found is not None:
+        return found, False
+    folder = server_dir(home)
+    with _locked(folder):
+        # another command may have started it while this one waited for the lock; and a busy server is given
+        # time to answer before it counts as stale (replacing it would cut off the runs that use it)
+        found = find(home, timeout=_STALE_AFTER_S)
+        if found is not None:
+            return found, False
+        stale = _read_record(folder)
+        if stale is not None and _is_prefect_process(stale.pid):  # alive but not answering: replace it
+            _stop_process(stale.pid, 10.0)
+        _forget(folder)
+        return _start(folder, timeout_s), True
+
+
+def _stop_process(pid: int, timeout_s: float) -> None:
+    """SIGTERM the server's process group (it leads its own session), SIGKILL after ``timeout_s``."""
+    def signal_group(signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signum)
+
+    signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(ChildProcessError):  # this process's own child (it started it): reap it
+            os.waitpid(pid, os.WNOHANG)
+        if not _is_prefect_process(pid):
+            return
+        if time.monotonic() > deadline:
+            signal_group(signal.SIGKILL)
+            deadline = time.monotonic() + timeout_s
+        time.sleep(0.1)
+
+
+def stop(home: str | os.PathLike[str], timeout_s: float = 20.0) -> LocalServer | None:
+    """Stop the home's local server, if one is recorded and running; returns what was stopped (None: nothing)."""
+    folder = server_dir(home)
+    if not folder.exists():
+        return None
+    with _locked(folder):
+        recorded = _read_record(folder)
+        running = recorded is not None and _is_prefect_process(recorded.pid)
+        if running and recorded is not None:
+            _stop_process(recorded.pid, timeout_s)
+        _forget(folder)
+    return recorded if running else None
+
+
+def api_url_for_run(mode: str, home: str | os.PathLike[str], timeout_s: float = 120.0) -> tuple[str | None, bool]:
+    """The Prefect API this process's flow runs should use, and whether this call started a server for it.
+
+    The user's ``PREFECT_API_URL`` (environment or Prefect profile) always wins: (None, False), nothing to do.
+    Otherwise ``local`` finds or starts the home's server, sets ``PREFECT_API_URL`` in this process's
+    environment (Dask workers started later inherit it) and refreshes Prefect's settings; ``temporary``
+    leaves Prefect to start its temporary server.
+    """
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url or mode == "temporary":
+        return None, False
+    server, started = ensure(home, timeout_s)
+    os.environ["PREFECT_API_URL"] = server.api_url
+    from prefect.context import refresh_global_settings_context
+
+    refresh_global_settings_context()
+    return server.api_url, started

@@ -1,9 +1,12 @@
 """End-to-end fixtures: the `shardline` command run as a user runs it, in a subprocess.
 
 The session's commands talk to one real `prefect server` (``PREFECT_API_URL``), as a user
-who follows the README's Prefect section does; without one, every `batch run` starts a
-temporary server first (~8 s each). Tests of that embedded default (the demo, a killed
-command's leftovers) drop the URL: pass ``PREFECT_API_URL=None`` to ``shardline(...)``.
+who follows the README's Prefect section does. Without one, a user's `batch run` finds or
+starts the local Prefect server of its Shardline home (shardline/_prefect_server.py); here
+``SHARDLINE_PREFECT_SERVER=temporary`` is set as well, so that a test that drops the URL
+(``PREFECT_API_URL=None`` to ``shardline(...)``: a killed command's leftovers) gets Prefect's
+temporary server per run and leaves no server behind. The tests of the local server
+(test_prefect_server.py) unset both, and stop what they start.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def cli_env(shardline_home: Path, prefect_home: Path, prefect_api: str) -> dict[
         SHARDLINE_STORAGE_HOME=str(shardline_home),
         PREFECT_HOME=str(prefect_home),
         PREFECT_API_URL=prefect_api,
+        SHARDLINE_PREFECT_SERVER="temporary",  # when a test drops the URL: nothing may outlive the session
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         DO_NOT_TRACK="1",
         ORT_DISABLE_TELEMETRY="1",

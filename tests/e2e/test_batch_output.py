@@ -153,9 +153,10 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_out
     inputs, out = tmp_path / "input", tmp_path / "out"
     write_shards(inputs, 20, 10_000, row_group_rows=2_500)
     args = [*SHARDLINE, "batch", "run", "--model", "breast-cancer@prod", "--input", str(inputs), "--output", str(out)]
-    # no PREFECT_API_URL: the command starts Prefect's temporary server, which must not outlive it
+    # no PREFECT_API_URL and SHARDLINE_PREFECT_SERVER=temporary: the command starts Prefect's temporary server,
+    # which must not outlive it (the local server, the default, outlives runs on purpose: test_prefect_server.py)
     env = {k: v for k, v in cli_env.items() if k != "PREFECT_API_URL"}
-    env.update(SHARDLINE_DASK_N_WORKERS="1", SHARDLINE_BATCH_LEASE_TTL_S="600")
+    env.update(SHARDLINE_DASK_N_WORKERS="1", SHARDLINE_BATCH_LEASE_TTL_S="600", SHARDLINE_PREFECT_SERVER="temporary")
     victim = subprocess.Popen([*args, *SLOW], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -173,6 +174,7 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_out
         time.sleep(0.1)
     settled = len(list((out / "_ledger").glob("*.json")))
     assert 2 <= settled < 20 and not (out / "_SUCCESS").exists()
+    assert not (Path(env["SHARDLINE_STORAGE_HOME"]) / "prefect").exists()  # no local server was started
 
     # the lease lasts 10 minutes, but its holder is a dead process of this host: taken over at once
     resumed = subprocess.run([*args, "--json"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)

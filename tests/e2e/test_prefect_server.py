@@ -1,0 +1,104 @@
+"""The local Prefect server batch runs share: started by the first run, reused, replaced when stale, stopped.
+
+These tests drop the session's PREFECT_API_URL and SHARDLINE_PREFECT_SERVER=temporary (conftest.py),
+as a user's shell without either has them; each starts at most one server, in its own Shardline home,
+and stops it however the test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+from shardline._prefect_server import healthy, server_dir, stop
+
+from tests.e2e.conftest import SHARDLINE
+
+Shardline = Callable[..., subprocess.CompletedProcess[str]]
+EMBEDDED_DEFAULT = {"PREFECT_API_URL": None, "SHARDLINE_PREFECT_SERVER": None}  # unset both
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/cmdline").read_bytes() != b"" if Path("/proc").exists() else True
+
+
+def test_the_demo_starts_a_local_prefect_server_that_later_runs_reuse_and_stop_stops(
+    shardline: Shardline, tmp_path: Path
+) -> None:
+    from prefect.client.orchestration import SyncPrefectClient
+
+    home = tmp_path / "demo" / "home"  # the demo's own home: `make demo` as it runs on a fresh machine
+    try:
+        demo = shardline("demo", "--workdir", str(tmp_path / "demo"), "--shards", "3", "--rows", "4000",
+                         **EMBEDDED_DEFAULT)
+        assert demo.returncode == 0, demo.stderr[-3000:]
+        assert "demo OK: 12,000 rows scored, every id once" in demo.stdout
+        assert "started the local Prefect server: its UI is http://127.0.0.1:" in demo.stderr
+        record = json.loads((server_dir(home) / "server.json").read_text())
+        assert f"The run is in the Prefect UI at {record['ui_url']}" in demo.stdout
+        assert alive(record["pid"]) and healthy(record["api_url"])
+
+        again = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(tmp_path / "demo" / "input"),
+                          "--output", str(tmp_path / "rescored"), "--json", SHARDLINE_STORAGE_HOME=str(home),
+                          **EMBEDDED_DEFAULT)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert json.loads(again.stdout.strip().splitlines()[-1])["rows_out"] == 12_000
+        assert "started the local Prefect server" not in again.stderr and "temporary server" not in again.stderr
+        assert json.loads((server_dir(home) / "server.json").read_text())["pid"] == record["pid"]  # reused
+        with SyncPrefectClient(record["api_url"]) as client:
+            runs = client.read_flow_runs()
+            assert len(runs) == 2 and all(run.state is not None and run.state.is_completed() for run in runs)
+            assert {client.read_flow(run.flow_id).name for run in runs} == {"batch-inference"}
+
+        status = shardline("prefect", "status", "--json", SHARDLINE_STORAGE_HOME=str(home), **EMBEDDED_DEFAULT)
+        assert status.returncode == 0 and json.loads(status.stdout)["pid"] == record["pid"]
+        stopped = shardline("prefect", "stop", SHARDLINE_STORAGE_HOME=str(home), **EMBEDDED_DEFAULT)
+        assert stopped.returncode == 0 and f"stopped the local Prefect server (pid {record['pid']}" in stopped.stdout
+        assert not alive(record["pid"]) and not (server_dir(home) / "server.json").exists()
+        after = shardline("prefect", "status", SHARDLINE_STORAGE_HOME=str(home), **EMBEDDED_DEFAULT)
+        assert after.returncode == 1 and "no local Prefect server runs" in after.stdout
+    finally:
+        stop(home)
+
+
+def test_a_stale_record_is_replaced_and_two_first_commands_at_once_start_one_server(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    folder = server_dir(home)
+    folder.mkdir(parents=True)
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    bystander = subprocess.Popen(["sleep", "300"])  # the recorded pid is alive, but no Prefect server
+    (folder / "server.json").write_text(json.dumps({"pid": bystander.pid, "api_url": f"http://127.0.0.1:{dead_port}/api"}))
+    env = {k: v for k, v in cli_env.items() if k not in EMBEDDED_DEFAULT}
+    env["SHARDLINE_STORAGE_HOME"] = str(home)
+    try:
+        starts = [subprocess.Popen([*SHARDLINE, "prefect", "start"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        outputs = [p.communicate(timeout=300) for p in starts]
+        assert [p.returncode for p in starts] == [0, 0], outputs
+        said = sorted(out.split(":")[0] for out, _ in outputs)
+        assert said == ["already running", "started"], outputs
+        record = json.loads((folder / "server.json").read_text())
+        assert all(f"pid {record['pid']}," in out for out, _ in outputs)
+        assert record["pid"] != bystander.pid and healthy(record["api_url"])
+        assert bystander.poll() is None  # a stale record's pid that is not a Prefect server is left alone
+    finally:
+        bystander.kill()
+        bystander.wait()
+        stop(home)
+    deadline = time.monotonic() + 5
+    while alive(record["pid"]):
+        assert time.monotonic() < deadline, "the server outlived `stop`"
+        time.sleep(0.1)

@@ -395,21 +395,23 @@ def main() -> None:
     local Prefect server a first run starts (shardline/_prefect_server.py) is detached,
     for later runs to reuse.
     """
-    from shardline._supervise import CHILD_FLAG, become_supervised_child, run_supervised, wants_supervision
+    from shardline._supervise import run_supervised, wants_supervision
 
     for key, value in OFF_THE_NETWORK.items():
         os.environ.setdefault(key, value)
-    argv = sys.argv[1:]
-    if argv[:1] == [CHILD_FLAG] and len(argv) > 1:
-        become_supervised_child(int(argv[1]))
-        sys.argv = [sys.argv[0], *argv[2:]]
-    elif wants_supervision(argv):
-        sys.exit(run_supervised(argv))
+    if wants_supervision(sys.argv[1:]):
+        sys.exit(run_supervised(_run_app))
+    _run_app()
+
+
+def _run_app() -> None:
+    """The command line's command; a Shardline error that reaches here is one `error:` line and exit code 2."""
     try:
         app()
     except ShardlineError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         sys.exit(EXIT_USAGE)
+
 
 
 if __name__ == "__main__":

@@ -93,7 +93,10 @@ def dispatch_shards(
     # goes to the cluster once, as a task of its own that each shard depends on:
     # workers fetch it once from a peer, and should every copy be lost with its
     # workers, the scheduler recomputes it from this task rather than failing shards.
-    shared = client.submit(_the_job, job, key=f"{key_prefix}-job", pure=False)
+    # Its key must not share the shards' prefix (Dask groups durations by the key's first
+    # words): the scheduler would take the job's microseconds for every shard's duration,
+    # never steal a shard, and leave every shard on the one worker holding the job.
+    shared = client.submit(_the_job, job, key=job_task_key(key_prefix), pure=False)
 
     def submit(shard: ShardInfo) -> None:
         key = f"{key_prefix}-{next(counter)}"
@@ -129,6 +132,11 @@ def dispatch_shards(
     shared.release()
     stats.seconds = time.perf_counter() - started
     return stats
+
+
+def job_task_key(key_prefix: str) -> str:
+    """The job task's key: ``job-<prefix>``, a task group of its own apart from the shards' ``<prefix>-<n>``."""
+    return f"job-{key_prefix}"
 
 
 def _the_job(job: ScoringJob) -> ScoringJob:

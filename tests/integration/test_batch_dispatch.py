@@ -1,0 +1,56 @@
+"""The dispatcher spreads a job's shards over every worker of a real LocalCluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dask.utils import key_split
+
+from shardline.examples import write_shards
+from shardline.runtimes import RuntimeOptions
+from shardline.storage.job_identity import job_key
+from shardline.storage.output import OutputLayout, PartRecord
+from shardline.storage.registry import ModelRegistry
+from shardline.storage.scoring import ScoringJob
+from shardline.storage.shards import ShardInfo, list_shards
+from shardline.tasks.dispatch import dispatch_shards, job_task_key
+
+from tests.conftest import BuiltModel
+
+
+def test_the_job_task_is_a_task_group_of_its_own() -> None:
+    # Dask estimates a task's duration from its group (the key's first words): shards grouped
+    # with the job task would look instant, and none would be moved off the worker holding the job.
+    prefix = "shard-0123456789abcdef"
+    assert key_split(job_task_key(prefix)) != key_split(f"{prefix}-0")
+
+
+def test_shards_run_on_every_worker(breast_cancer_model: BuiltModel, dask_address: str, tmp_path: Path) -> None:
+    from distributed import Client, get_task_stream
+
+    registry = ModelRegistry(str(tmp_path / "registry"))
+    registry.push(breast_cancer_model.bundle_dir)
+    model = registry.resolve("breast-cancer:1")
+    write_shards(tmp_path / "input", 8, 20_000)
+    shards = list_shards(str(tmp_path / "input"))
+    job = ScoringJob(
+        job_key=job_key(model.outputs_digest, None), model=model, output_uri=str(tmp_path / "out"),
+        passthrough=None, batch_rows=5_000, cache_dir=str(tmp_path / "cache"), runtime=RuntimeOptions("cpu", 1),
+        job_id="spread",
+    )
+    settled: list[PartRecord] = []
+
+    def on_settled(shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:
+        assert error is None, error
+        assert record is not None
+        settled.append(record)
+
+    with Client(dask_address) as client, get_task_stream(client) as stream:
+        # every shard submitted at once: each is placed before any has run
+        dispatch_shards(client, job, shards, on_settled, max_in_flight=len(shards), key_prefix="shard-0123456789abcdef")
+        workers = set(client.scheduler_info()["workers"])
+
+    ran_shards = {t["worker"] for t in stream.data if key_split(t["key"]) == "shard"}
+    assert ran_shards == workers and len(workers) == 2
+    assert sorted(r.relative for r in settled) == [s.relative for s in shards]
+    assert OutputLayout(job.output_uri).present_parts() == {s.relative for s in shards}

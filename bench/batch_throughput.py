@@ -1,28 +1,34 @@
-"""Batch throughput: `shardline batch run` side by side with a tight hand-written loop.
+"""Batch throughput: `shardline batch run` against a tight loop and a plain Dask script.
 
-Both sides score the same Parquet shards with the same ONNX model (the breast-cancer
-GBT of ``shardline.examples``, 100 trees) and write the same output parts (``id``,
-``label``, ``probabilities``):
+Three contenders score the same Parquet shards with the same ONNX model and write
+one Parquet file per shard (or partition) with the model's outputs:
 
-- tight loop: one process, one Python thread, shard after shard:
+- **tight loop**: one process, one Python thread, shard after shard:
   ``pq.ParquetFile.iter_batches`` -> stack the 30 features to float32 -> onnxruntime
   with every core as intra-op threads (not spinning) -> ``pq.ParquetWriter``. No
-  Prefect, no Dask.
-- platform: ``shardline batch run --json`` as a user runs it (Prefect's temporary
-  server, a LocalCluster with one worker process per core, default settings).
+  Prefect, no Dask, no checks.
+- **plain Dask**: the script a user would write instead of the platform:
+  ``dask.dataframe.read_parquet(folder).map_partitions(score).to_parquet(out)`` on a
+  ``LocalCluster()`` with Dask's defaults, the onnxruntime session loaded once per
+  worker (cores / workers intra-op threads, not spinning: the well-tuned user).
+- **platform**: ``shardline batch run --json`` as a user runs it, default settings
+  (no ``SHARDLINE_*`` tuning variable in its environment).
 
-Each side runs in its own process, sampled with psutil for its memory (the whole
-process tree, and each Dask worker process). Printed per run: rows/s end to end
-(process start to process exit: interpreter, imports, Prefect and cluster start-up
-included) and in steady state (first shard started to last part committed); then the
-ratios platform / tight loop. The platform also runs over twice the shards to show
-that a worker's peak memory does not grow with the input.
+Cells: shards of about 50k, 200k and 1M rows (about the same rows per run, so runs
+take comparable time), each with the breast-cancer logistic regression (I/O-bound:
+the model is a few multiply-adds a row) and the 100-tree GBT (compute-bound) of
+``shardline.examples``. Each contender runs in its own process, sampled with psutil
+for the memory of its whole process tree. Printed per cell: rows/s end to end
+(process start to exit, start-ups included) and in steady state (first shard started
+to last part written), peak tree memory; then ratios platform / tight loop and
+platform / Dask, with the targets (steady >= 1.2x the tight loop and >= 1.1x Dask;
+tree memory <= Dask's; memory flat across the cells) and MISSED where one is not met.
 
-    .venv/bin/python bench/batch_throughput.py            # full: ~1.5 min on 2 cores (+40 s once)
-    .venv/bin/python bench/batch_throughput.py --quick    # small sizes: ~20 s
+    .venv/bin/python bench/batch_throughput.py            # 4M rows per cell, 2 runs each: ~8 min on 2 cores
+    .venv/bin/python bench/batch_throughput.py --quick    # 0.8-1M rows per cell, 1 run: < 3 min
 
 Data lives under bench/.data/batch/ (git-ignored): the shards are written once and
-reused; the bundle, registry and outputs are made afresh on every run.
+reused; bundles, registry and outputs are made afresh on every run.
 """
 
 from __future__ import annotations
@@ -47,12 +53,38 @@ for _key, _value in OFF_THE_NETWORK.items():
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / ".data" / "batch"
-MODEL = "breast-cancer"
-BATCH_ROWS = 65_536
-STEADY_TARGET = 0.9  # platform steady rows/s >= 0.9 x the tight loop's
-MEMORY_GROWTH_LIMIT = 1.25  # peak worker RSS at 2N shards <= 1.25 x at N shards
+KINDS = ("logreg", "gbt")
+BATCH_ROWS = 65_536  # the tight loop's batches, and the shards' row groups
+SHARD_ROWS = (50_000, 200_000, 1_000_000)
+STEADY_VS_TIGHT = 1.2  # platform steady rows/s >= 1.2 x the tight loop's
+STEADY_VS_DASK = 1.1  # ... and >= 1.1 x the plain Dask script's
+MEMORY_FLAT_LIMIT = 1.25  # largest / smallest peak tree memory of the platform across the cells
 MiB = 1024 * 1024
 NOISY_CORES = 0.25  # other processes using more than this during a run make it noisy
+CONTENDERS = ("tight loop", "plain dask", "platform")
+
+
+def model_name(kind: str) -> str:
+    """The registry name of the bench's model of a kind."""
+    return f"bc-{kind}"
+
+
+def _features(bundle: Path) -> tuple[str, list[str]]:
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    binding = manifest["runtime_config"]["tensor_inputs"][0]
+    return binding["name"], list(binding["columns"])
+
+
+def _session(bundle: Path, threads: int) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    # Idle intra-op threads sleep instead of spinning while this thread reads and writes: the
+    # same speed on a quiet machine, and no collapse (2-3x slower) when the cores are shared.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(bundle / "model.onnx"), options, providers=["CPUExecutionProvider"])
 
 
 # --------------------------------------------------------------------------- tight loop
@@ -62,23 +94,14 @@ def tight_loop(bundle: Path, input_dir: Path, output_dir: Path, threads: int) ->
     """Score every shard of ``input_dir`` into ``output_dir``, the plainest way; returns timings.
 
     Runs in a child process (``--tight-loop``) so that its start-up and memory are
-    measured the same way as the platform's.
+    measured the same way as the others'.
     """
     import numpy as np
-    import onnxruntime as ort
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    binding = manifest["runtime_config"]["tensor_inputs"][0]
-    features: list[str] = binding["columns"]
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    # Idle intra-op threads sleep instead of spinning while this thread reads and writes: the
-    # same speed on a quiet machine, and no collapse (2-3x slower) when the cores are shared.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(str(bundle / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    feed, features = _features(bundle)
+    session = _session(bundle, threads)
     schema = pa.schema(
         [
             pa.field("id", pa.int64()),
@@ -96,7 +119,7 @@ def tight_loop(bundle: Path, input_dir: Path, output_dir: Path, threads: int) ->
                 x = np.empty((batch.num_rows, len(features)), dtype=np.float32)
                 for j, name in enumerate(features):
                     x[:, j] = batch.column(name).to_numpy()
-                label, probabilities = session.run(["label", "probabilities"], {binding["name"]: x})
+                label, probabilities = session.run(["label", "probabilities"], {feed: x})
                 flat = pa.array(np.ascontiguousarray(probabilities).ravel())
                 writer.write_batch(
                     pa.RecordBatch.from_arrays(
@@ -108,46 +131,85 @@ def tight_loop(bundle: Path, input_dir: Path, output_dir: Path, threads: int) ->
     return {"rows": rows, "steady_seconds": time.perf_counter() - started}
 
 
+# --------------------------------------------------------------------------- plain Dask
+
+
+def dask_script(bundle: Path, input_dir: Path, output_dir: Path) -> dict[str, Any]:
+    """What a user writes instead: read_parquet -> map_partitions(onnxruntime) -> to_parquet.
+
+    A ``LocalCluster()`` on Dask's defaults (on 2 cores: 2 worker processes of 1
+    thread), one onnxruntime session per worker (cores / workers threads, not
+    spinning), kept on the worker object. Runs in a child process (``--dask-script``);
+    its cluster start counts in its end-to-end time as the platform's does.
+    """
+    import dask.dataframe as dd
+    import numpy as np
+    import pandas as pd
+    from distributed import Client, LocalCluster, get_worker
+
+    feed, features = _features(bundle)
+    with LocalCluster(dashboard_address=None) as cluster, Client(cluster) as client:
+        workers = len(client.scheduler_info()["workers"])
+        threads = max(1, (os.cpu_count() or 1) // max(1, workers))
+
+        def score(frame: pd.DataFrame) -> pd.DataFrame:
+            worker = get_worker()
+            session = getattr(worker, "bench_session", None)
+            if session is None:
+                session = worker.bench_session = _session(bundle, threads)
+            x = frame[features].to_numpy(dtype=np.float32)
+            label, probabilities = session.run(["label", "probabilities"], {feed: x})
+            return pd.DataFrame(
+                {"id": frame["id"].to_numpy(), "label": label,
+                 "p0": probabilities[:, 0], "p1": probabilities[:, 1]},
+                index=frame.index,
+            )
+
+        meta = pd.DataFrame({"id": pd.Series(dtype="int64"), "label": pd.Series(dtype="int64"),
+                             "p0": pd.Series(dtype="float32"), "p1": pd.Series(dtype="float32")})
+        started = time.perf_counter()
+        frame = dd.read_parquet(str(input_dir), columns=["id", *features])
+        frame.map_partitions(score, meta=meta).to_parquet(str(output_dir), write_index=False)
+        steady = time.perf_counter() - started
+    import pyarrow.parquet as pq
+
+    rows = sum(pq.ParquetFile(p).metadata.num_rows for p in output_dir.glob("*.parquet"))
+    return {"rows": rows, "steady_seconds": steady}
+
+
 # --------------------------------------------------------------------------- data
 
 
-def prepare(shards: int, rows_per_shard: int) -> tuple[Path, Path, Path]:
-    """Bundle, registry (model@prod) and shards under bench/.data/batch.
-
-    The bundle and registry are made anew on every run (seconds; their formats follow
-    the code), the shards once. Returns (bundle folder, N-shard input folder, 2N-shard
-    input folder); the N folder holds hard links to the first N shards of the 2N
-    folder, so both read the same bytes.
-    """
-    from shardline.examples import package_breast_cancer, write_shards
+def prepare_models() -> dict[str, Path]:
+    """Bundles of both models and a registry holding them at @prod, made anew; returns kind -> bundle."""
+    from shardline.examples import package_breast_cancer
     from shardline.storage.registry import ModelRegistry
 
-    bundle, home = DATA / "bundle", DATA / "home"
-    shutil.rmtree(bundle, ignore_errors=True)
+    home = DATA / "home"
     shutil.rmtree(home, ignore_errors=True)
-    package_breast_cancer(bundle, name=MODEL, kind="gbt")
     registry = ModelRegistry(str(home / "registry"))
-    pushed = registry.push(bundle)
-    registry.set_alias(pushed.name, "prod", pushed.version or 1, reason="bench")
+    bundles = {}
+    for kind in KINDS:
+        bundle = DATA / f"bundle-{kind}"
+        shutil.rmtree(bundle, ignore_errors=True)
+        package_breast_cancer(bundle, name=model_name(kind), kind=kind)
+        pushed = registry.push(bundle)
+        registry.set_alias(pushed.name, "prod", pushed.version or 1, reason="bench")
+        bundles[kind] = bundle
+    return bundles
 
-    full = DATA / f"shards-{2 * shards}x{rows_per_shard}"
-    stamp = full / "_complete"
-    if not stamp.exists():
-        shutil.rmtree(full, ignore_errors=True)
-        print(f"writing {2 * shards} shards of {rows_per_shard:,} rows into {full} (once)", flush=True)
-        write_shards(full, 2 * shards, rows_per_shard, row_group_rows=BATCH_ROWS)
-        stamp.write_text("")
-    half = DATA / f"shards-{shards}x{rows_per_shard}"
-    if not (half / "_complete").exists():
-        shutil.rmtree(half, ignore_errors=True)
-        half.mkdir(parents=True)
-        for path in sorted(full.glob("*.parquet"))[:shards]:
-            try:
-                os.link(path, half / path.name)
-            except OSError:
-                shutil.copy2(path, half / path.name)
-        (half / "_complete").write_text("")
-    return bundle, half, full
+
+def prepare_shards(shards: int, rows_per_shard: int) -> Path:
+    """``shards`` shards of ``rows_per_shard`` rows under bench/.data/batch, written once."""
+    from shardline.examples import write_shards
+
+    folder = DATA / f"shards-{shards}x{rows_per_shard}"
+    if not (folder / "_complete").exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"writing {shards} shards of {rows_per_shard:,} rows into {folder} (once)", flush=True)
+        write_shards(folder, shards, rows_per_shard, row_group_rows=BATCH_ROWS)
+        (folder / "_complete").write_text("")
+    return folder
 
 
 # --------------------------------------------------------------------------- measuring
@@ -159,7 +221,6 @@ class Usage:
 
     tree: int = 0  # RSS of all its processes together, at the worst sample
     worker: int = 0  # RSS of the largest Dask worker process (the tight loop: its process)
-    workers: int = 0  # RSS of all Dask worker processes together, at the worst sample
     cpu_seconds: float = 0.0  # user + system CPU time of the whole tree, start-up included
     rest_cores: float = 0.0  # cores the rest of the machine used meanwhile, on average
 
@@ -177,7 +238,7 @@ def _sample(root_pid: int, usage: Usage, done: threading.Event, interval: float)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return
-        tree = workers = largest = 0
+        tree = largest = 0
         for proc in procs:
             try:
                 rss = proc.memory_info().rss
@@ -187,10 +248,8 @@ def _sample(root_pid: int, usage: Usage, done: threading.Event, interval: float)
                 continue
             tree += rss
             if kinds[proc.pid]:
-                workers += rss
                 largest = max(largest, rss)
         usage.tree = max(usage.tree, tree)
-        usage.workers = max(usage.workers, workers)
         usage.worker = max(usage.worker, largest)
         done.wait(interval)
 
@@ -203,11 +262,14 @@ def _busy_cpu_seconds() -> float:
     return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
-def wait_for_quiet(limit: float = 30.0, busy_cores: float = 0.25) -> float:
-    """Wait (up to ``limit`` s) until the machine uses under ``busy_cores`` cores; returns the last figure."""
+QUIET_WAIT_S = [20.0]  # how long a run waits for the machine to go quiet (quick mode: 5 s)
+
+
+def wait_for_quiet(busy_cores: float = 0.25) -> float:
+    """Wait (up to ``QUIET_WAIT_S`` s) until the machine uses under ``busy_cores`` cores; returns the last figure."""
     import psutil
 
-    deadline = time.monotonic() + limit
+    deadline = time.monotonic() + QUIET_WAIT_S[0]
     while True:
         used = psutil.cpu_percent(interval=1.0) / 100 * (os.cpu_count() or 1)
         if used < busy_cores or time.monotonic() > deadline:
@@ -216,10 +278,9 @@ def wait_for_quiet(limit: float = 30.0, busy_cores: float = 0.25) -> float:
 
 @dataclass
 class Run:
-    """One side's run over one input."""
+    """One contender's run over one input."""
 
     side: str
-    shards: int
     rows: int
     e2e_seconds: float
     steady_seconds: float
@@ -232,7 +293,7 @@ class Run:
 
     @property
     def steady_rate(self) -> float:
-        """Rows per second from the first shard started to the last part committed."""
+        """Rows per second from the first shard started to the last part written."""
         return self.rows / self.steady_seconds
 
 
@@ -267,46 +328,49 @@ def _last_json(stdout: str) -> dict[str, Any]:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, **OFF_THE_NETWORK)
+    """The contenders' environment: off the network, the bench's home; no SHARDLINE_* tuning."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
+    env.update(OFF_THE_NETWORK)
     env["SHARDLINE_STORAGE_HOME"] = str(DATA / "home")
     env["PREFECT_HOME"] = str(DATA / "prefect-home")  # keep the bench's temporary server state here
     env.pop("PREFECT_API_URL", None)  # always Prefect's temporary server, as on a fresh machine
     return env
 
 
-def run_tight(bundle: Path, input_dir: Path, shards: int) -> Run:
-    """The tight loop in a child process over ``input_dir``."""
-    output = DATA / "out-tight"
-    shutil.rmtree(output, ignore_errors=True)
-    threads = os.cpu_count() or 1
-    command = [sys.executable, str(Path(__file__).resolve()), "--tight-loop",
-               str(bundle), str(input_dir), str(output), str(threads)]
+def _output(side: str) -> Path:
+    output = DATA / f"out-{side.replace(' ', '-')}"
+    shutil.rmtree(output, ignore_errors=True)  # the platform would skip every committed part
+    return output
+
+
+def run_child(side: str, bundle: Path, input_dir: Path) -> Run:
+    """The tight loop or the plain Dask script in a child process over ``input_dir``."""
+    flag = "--tight-loop" if side == "tight loop" else "--dask-script"
+    command = [sys.executable, str(Path(__file__).resolve()), flag, str(bundle), str(input_dir), str(_output(side))]
     wall, out, usage = _run_measured(command, _env())
     result = _last_json(out)
-    usage.worker = usage.tree  # one process: it is its own worker
-    return Run("tight loop", shards, result["rows"], wall, result["steady_seconds"], usage)
+    if side == "tight loop":
+        usage.worker = usage.tree  # one process: it is its own worker
+    return Run(side, result["rows"], wall, result["steady_seconds"], usage)
 
 
-def run_platform(input_dir: Path, shards: int, tag: str = "") -> Run:
+def run_platform(kind: str, input_dir: Path) -> Run:
     """``shardline batch run`` in a child process over ``input_dir``, from a clean output."""
-    output = DATA / f"out-platform{tag}"
-    shutil.rmtree(output, ignore_errors=True)  # else the job would skip every committed part
-    command = [sys.executable, "-m", "shardline.cli", "batch", "run", "--model", f"{MODEL}@prod",
-               "--input", str(input_dir), "--output", str(output), "--json"]
+    command = [sys.executable, "-m", "shardline.cli", "batch", "run", "--model", f"{model_name(kind)}@prod",
+               "--input", str(input_dir), "--output", str(_output("platform")), "--json"]
     wall, out, usage = _run_measured(command, _env())
     summary = _last_json(out)
     if summary["rows_out"] != summary["rows_in"] or summary["shards_quarantined"]:
         raise SystemExit(f"the platform did not score every row: {summary}")
-    return Run("platform", shards, summary["rows_scored"], wall, summary["steady_seconds"], usage)
+    return Run("platform", summary["rows_scored"], wall, summary["steady_seconds"], usage)
 
 
 def same_output(tight_dir: Path, platform_dir: Path) -> tuple[str | None, float]:
-    """(what differs or None, largest probability difference) between the two sides' parts.
+    """(what differs or None, largest probability difference) between the tight loop's and the platform's parts.
 
     Ids and labels must be equal. Probabilities may differ in the last float32 bits:
-    onnxruntime's tree ensemble adds the trees up in another order with 2 intra-op
-    threads (tight loop) than with 1 (each platform worker); with equal thread counts
-    they are bit for bit the same.
+    onnxruntime adds a tree ensemble up in another order with 2 intra-op threads
+    (tight loop) than with 1 (each platform worker).
     """
     import numpy as np
     import pyarrow.parquet as pq
@@ -314,12 +378,11 @@ def same_output(tight_dir: Path, platform_dir: Path) -> tuple[str | None, float]
     tight = sorted(p.name for p in tight_dir.glob("*.parquet"))
     platform = sorted(p.name for p in platform_dir.glob("*.parquet"))
     if tight != platform:
-        return f"parts differ: tight loop {tight}, platform {platform}", 0.0
+        return f"parts differ: tight loop {tight[:3]}..., platform {platform[:3]}...", 0.0
     largest = 0.0
     for name in tight:
-        a, b = pq.read_table(tight_dir / name), pq.read_table(platform_dir / name)
-        if a.schema != b.schema:
-            return f"{name}: schema {a.schema} vs {b.schema}", largest
+        a = pq.read_table(tight_dir / name)
+        b = pq.read_table(platform_dir / name, columns=a.schema.names)
         for column in ("id", "label"):
             if not a.column(column).equals(b.column(column)):
                 return f"{name}: column {column!r} differs", largest
@@ -337,61 +400,92 @@ def _mib(value: int) -> str:
     return f"{value / MiB:,.0f}"
 
 
-def report(runs: list[Run]) -> None:
-    """Print one line per side and input size."""
-    header = (f"{'side':<11}{'shards':>7}{'rows':>12}{'e2e s':>7}{'e2e rows/s':>12}{'steady s':>9}"
-              f"{'steady rows/s':>14}{'CPU s':>7}{'rest':>6}{'tree MiB':>9}{'worker MiB':>11}{'workers MiB':>12}")
-    print()
+@dataclass
+class Cell:
+    """One model at one shard size: the best run of each contender."""
+
+    kind: str
+    shards: int
+    rows_per_shard: int
+    runs: dict[str, Run]
+
+    def ratio(self, what: str, against: str) -> float:
+        """platform / ``against`` for 'steady', 'e2e' (rows/s) or 'memory' (peak tree RSS)."""
+        mine, theirs = self.runs["platform"], self.runs[against]
+        if what == "steady":
+            return mine.steady_rate / theirs.steady_rate
+        if what == "e2e":
+            return mine.e2e_rate / theirs.e2e_rate
+        return mine.usage.tree / theirs.usage.tree
+
+
+def print_cell(cell: Cell) -> None:
+    """One line per contender, then the ratios with the targets."""
+    header = (f"{'contender':<12}{'rows':>11}{'e2e s':>7}{'e2e rows/s':>12}{'steady s':>9}"
+              f"{'steady rows/s':>14}{'CPU s':>7}{'rest':>6}{'tree MiB':>9}{'worker MiB':>11}")
+    print(f"\n{cell.kind}, {cell.shards} shards x {cell.rows_per_shard:,} rows")
     print(header)
     print("-" * len(header))
-    for r in runs:
+    for side in CONTENDERS:
+        r = cell.runs[side]
         u = r.usage
-        workers = _mib(u.workers) if r.side == "platform" else "-"
         rest = f"{u.rest_cores:.2f}" + ("!" if u.rest_cores > NOISY_CORES else " ")
-        print(f"{r.side:<11}{r.shards:>7}{r.rows:>12,}{r.e2e_seconds:>7.1f}{r.e2e_rate:>12,.0f}"
-              f"{r.steady_seconds:>9.2f}{r.steady_rate:>14,.0f}{u.cpu_seconds:>7.1f}{rest:>6}"
-              f"{_mib(u.tree):>9}{_mib(u.worker):>11}{workers:>12}")
+        print(f"{side:<12}{r.rows:>11,}{r.e2e_seconds:>7.1f}{r.e2e_rate:>12,.0f}{r.steady_seconds:>9.2f}"
+              f"{r.steady_rate:>14,.0f}{u.cpu_seconds:>7.1f}{rest:>6}{_mib(u.tree):>9}{_mib(u.worker):>11}")
+    steady_t, steady_d = cell.ratio("steady", "tight loop"), cell.ratio("steady", "plain dask")
+    memory = cell.ratio("memory", "plain dask")
+    print(f"platform / tight loop: steady {steady_t:.2f}x{_mark(steady_t >= STEADY_VS_TIGHT)}, "
+          f"e2e {cell.ratio('e2e', 'tight loop'):.2f}x;  platform / plain dask: steady {steady_d:.2f}x"
+          f"{_mark(steady_d >= STEADY_VS_DASK)}, e2e {cell.ratio('e2e', 'plain dask'):.2f}x, "
+          f"tree memory {memory:.2f}x{_mark(memory <= 1.0)}", flush=True)
+
+
+def _mark(met: bool) -> str:
+    return "" if met else " MISSED"
+
+
+def summary(cells: list[Cell]) -> bool:
+    """The ratios of every cell in one table, memory flatness per model; returns whether every target is met."""
+    header = (f"{'model':<8}{'shard rows':>11}{'shards':>7} | {'steady/tight':>12}{'steady/dask':>12}"
+              f"{'e2e/tight':>10}{'e2e/dask':>9}{'tree/dask':>10} | {'tree MiB':>9}{'dask MiB':>9}")
+    print(f"\nplatform ratios (targets: steady/tight >= {STEADY_VS_TIGHT}, steady/dask >= {STEADY_VS_DASK}, "
+          f"tree/dask <= 1.0; ! = missed)")
+    print(header)
+    print("-" * len(header))
+    ok = True
+    for c in cells:
+        st, sd, mem = c.ratio("steady", "tight loop"), c.ratio("steady", "plain dask"), c.ratio("memory", "plain dask")
+        marks = [st >= STEADY_VS_TIGHT, sd >= STEADY_VS_DASK, mem <= 1.0]
+        ok = ok and all(marks)
+        print(f"{c.kind:<8}{c.rows_per_shard:>11,}{c.shards:>7} | {st:>11.2f}{' ' if marks[0] else '!'}"
+              f"{sd:>11.2f}{' ' if marks[1] else '!'}{c.ratio('e2e', 'tight loop'):>10.2f}"
+              f"{c.ratio('e2e', 'plain dask'):>9.2f}{mem:>9.2f}{' ' if marks[2] else '!'} | "
+              f"{_mib(c.runs['platform'].usage.tree):>9}{_mib(c.runs['plain dask'].usage.tree):>9}")
+    for kind in sorted({c.kind for c in cells}):
+        trees = [c.runs["platform"].usage.tree for c in cells if c.kind == kind]
+        if len(trees) > 1:
+            growth = max(trees) / min(trees)
+            flat = growth <= MEMORY_FLAT_LIMIT
+            ok = ok and flat
+            print(f"{kind}: platform peak tree memory {_mib(min(trees))}-{_mib(max(trees))} MiB across the shard "
+                  f"sizes = {growth:.2f}x (target <= {MEMORY_FLAT_LIMIT}{'' if flat else ': MISSED'})")
     print("Times: the best of the repeats. CPU s: user+system seconds of the run's whole process tree.\n"
           f"rest: cores the rest of the machine used meanwhile (! over {NOISY_CORES}: the figures are noisy).\n"
-          "MiB: peak RSS over the repeats; tree = every process of the run (for the platform: the CLI,\n"
-          "Prefect's temporary server, the Dask workers), worker = the largest Dask worker process\n"
-          "(the tight loop's own process), workers = all Dask workers together.")
-
-
-def ratios(tight: Run, platform: Run, platform_2n: Run | None) -> bool:
-    """Print platform / tight loop ratios and the memory growth; returns whether targets are met."""
-    steady = platform.steady_rate / tight.steady_rate
-    e2e = platform.e2e_rate / tight.e2e_rate
-    ok = steady >= STEADY_TARGET
-    print()
-    print(f"steady state  platform / tight loop = {steady:.2f}x  (target >= {STEADY_TARGET:.2f}x: "
-          f"{'met' if ok else 'MISSED'})")
-    print(f"end to end    platform / tight loop = {e2e:.2f}x  (start-up and shut-down: platform "
-          f"{platform.e2e_seconds - platform.steady_seconds:.1f} s, tight loop "
-          f"{tight.e2e_seconds - tight.steady_seconds:.1f} s)")
-    if platform_2n is not None:
-        small, large = platform.usage, platform_2n.usage
-        growth = large.worker / small.worker
-        flat = growth <= MEMORY_GROWTH_LIMIT
-        ok = ok and flat
-        print(f"memory        peak worker RSS {_mib(small.worker)} MiB at {platform.shards} shards, "
-              f"{_mib(large.worker)} MiB at {platform_2n.shards} = {growth:.2f}x  "
-              f"(target <= {MEMORY_GROWTH_LIMIT:.2f}x: {'met' if flat else 'MISSED'}); "
-              f"whole tree {_mib(small.tree)} -> {_mib(large.tree)} MiB")
+          "tree MiB: peak RSS of every process of the run together (the platform: CLI, Prefect's temporary\n"
+          "server, scheduler, nannies, workers); worker MiB: the largest Dask worker (tight loop: itself).")
     return ok
 
 
 def best(runs: list[Run]) -> Run:
-    """One line for a side: best steady and end-to-end times, worst memory, least CPU and noise."""
+    """One line for a contender: best steady and end-to-end times, worst memory, least CPU."""
     top = max(runs, key=lambda r: r.steady_rate)
     usage = Usage(
         tree=max(r.usage.tree for r in runs),
         worker=max(r.usage.worker for r in runs),
-        workers=max(r.usage.workers for r in runs),
         cpu_seconds=min(r.usage.cpu_seconds for r in runs),
         rest_cores=top.usage.rest_cores,
     )
-    return Run(top.side, top.shards, top.rows, min(r.e2e_seconds for r in runs), top.steady_seconds, usage)
+    return Run(top.side, top.rows, min(r.e2e_seconds for r in runs), top.steady_seconds, usage)
 
 
 def warm_page_cache(folder: Path) -> None:
@@ -411,58 +505,73 @@ def quietest(measure: Callable[[], Run], retries: int) -> Run:
     return min(runs, key=lambda r: r.usage.rest_cores)
 
 
-def _progress(what: str, run: Run) -> None:
-    print(f"  {what}: {run.steady_rate:,.0f} rows/s steady, {run.e2e_seconds:.1f} s end to end "
-          f"(rest of the machine: {run.usage.rest_cores:.2f} cores)", flush=True)
+def run_cell(kind: str, bundle: Path, input_dir: Path, shards: int, rows: int, repeats: int, retries: int) -> Cell:
+    """Every contender over one input, ``repeats`` times interleaved; the best of each."""
+    warm_page_cache(input_dir)
+    measures: dict[str, Callable[[], Run]] = {
+        "tight loop": lambda: run_child("tight loop", bundle, input_dir),
+        "plain dask": lambda: run_child("plain dask", bundle, input_dir),
+        "platform": lambda: run_platform(kind, input_dir),
+    }
+    runs: dict[str, list[Run]] = {side: [] for side in CONTENDERS}
+    for i in range(repeats):  # interleaved, so that a change in the machine's load hits every side
+        for side in CONTENDERS:
+            run = quietest(measures[side], retries)
+            runs[side].append(run)
+            print(f"  {kind} {rows:,}-row shards, {side} run {i + 1}: {run.steady_rate:,.0f} rows/s steady, "
+                  f"{run.e2e_seconds:.1f} s end to end, {_mib(run.usage.tree)} MiB "
+                  f"(rest of the machine: {run.usage.rest_cores:.2f} cores)", flush=True)
+    mismatch, largest = same_output(DATA / "out-tight-loop", DATA / "out-platform")
+    if mismatch:
+        raise SystemExit(f"OUTPUTS DIFFER ({kind}, {rows:,}-row shards): {mismatch}")
+    return Cell(kind, shards, rows, {side: best(r) for side, r in runs.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Prepare the data, run both sides, print the table and the ratios."""
+    """Prepare the data, run every cell, print the tables and the ratios."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat: under a minute")
-    parser.add_argument("--shards", type=int, help="N: shards per run (the memory run uses 2N); default 16, quick 4")
-    parser.add_argument("--rows", type=int, help="rows per shard; default 500,000, quick 100,000")
-    parser.add_argument("--repeats", type=int, help="runs per side, best kept; default 2, quick 1")
-    parser.add_argument("--no-memory-run", action="store_true", help="skip the platform run over 2N shards")
-    parser.add_argument("--retries", type=int, default=1,
-                        help=f"runs measured again while other processes use over {NOISY_CORES} cores (default 1)")
+    parser.add_argument("--quick", action="store_true", help="about 1M rows per cell, one run: under 3 minutes")
+    parser.add_argument("--rows", type=int, help="rows per cell (each size gets rows / size shards, at least 2); "
+                        "default 4,000,000, quick 800,000")
+    parser.add_argument("--sizes", type=int, nargs="+", help=f"rows per shard; default {SHARD_ROWS}")
+    parser.add_argument("--models", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--repeats", type=int, help="runs per contender, best kept; default 2, quick 1")
+    parser.add_argument("--retries", type=int,
+                        help=f"runs measured again while other processes use over {NOISY_CORES} cores (default 1, "
+                        "quick 0)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    parser.add_argument("--tight-loop", nargs=4, metavar=("BUNDLE", "INPUT", "OUTPUT", "THREADS"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--tight-loop", nargs=3, metavar=("BUNDLE", "INPUT", "OUTPUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--dask-script", nargs=3, metavar=("BUNDLE", "INPUT", "OUTPUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.tight_loop:
-        bundle, input_dir, output_dir, threads = args.tight_loop
-        print(json.dumps(tight_loop(Path(bundle), Path(input_dir), Path(output_dir), int(threads))))
+        bundle, input_dir, output_dir = map(Path, args.tight_loop)
+        print(json.dumps(tight_loop(bundle, input_dir, output_dir, os.cpu_count() or 1)))
         return 0
-    shards = args.shards or (4 if args.quick else 16)
-    rows = args.rows or (100_000 if args.quick else 500_000)
+    if args.dask_script:
+        print(json.dumps(dask_script(*map(Path, args.dask_script))))
+        return 0
+    total = args.rows or (800_000 if args.quick else 4_000_000)
     repeats = args.repeats or (1 if args.quick else 2)
+    sizes = args.sizes or list(SHARD_ROWS)
+    retries = args.retries if args.retries is not None else (0 if args.quick else 1)
+    if args.quick:
+        QUIET_WAIT_S[0] = 5.0
 
-    bundle, input_n, input_2n = prepare(shards, rows)
+    bundles = prepare_models()
+    inputs = [(size, max(2, round(total / size))) for size in sizes]
+    folders = {size: prepare_shards(count, size) for size, count in inputs}
     load = os.getloadavg()[0]
-    print(f"{os.cpu_count()} cores (load average {load:.2f}); {shards} shards x {rows:,} rows; "
-          f"{repeats} run(s) per side; platform with default settings", flush=True)
+    print(f"{os.cpu_count()} cores (load average {load:.2f}); {total:,} rows per cell; {repeats} run(s) per "
+          "contender; every contender on its defaults", flush=True)
     if load > 0.5:
         print("  warning: something else is using the CPUs; the figures will be noisy", flush=True)
-    warm_page_cache(input_2n)
-    tights, platforms = [], []
-    for i in range(repeats):  # interleaved, so that a change in the machine's load hits both sides
-        tights.append(quietest(lambda: run_tight(bundle, input_n, shards), args.retries))
-        _progress(f"tight loop run {i + 1}", tights[-1])
-        platforms.append(quietest(lambda: run_platform(input_n, shards), args.retries))
-        _progress(f"platform   run {i + 1}", platforms[-1])
-    mismatch, largest = same_output(DATA / "out-tight", DATA / "out-platform")
-    if mismatch:
-        print(f"OUTPUTS DIFFER: {mismatch}")
-        return 1
-    print(f"  outputs: same parts, ids and labels; probabilities within {largest:.1g}", flush=True)
-    platform_2n = None
-    if not args.no_memory_run:
-        platform_2n = quietest(lambda: run_platform(input_2n, 2 * shards, tag="-2n"), args.retries)
-        _progress(f"platform over {2 * shards} shards", platform_2n)
-    runs = [best(tights), best(platforms), *([platform_2n] if platform_2n else [])]
-    report(runs)
-    met = ratios(runs[0], runs[1], platform_2n)
+    cells = []
+    for kind in args.models:
+        for size, count in inputs:
+            cell = run_cell(kind, bundles[kind], folders[size], count, size, repeats, retries)
+            print_cell(cell)
+            cells.append(cell)
+    met = summary(cells)
     if args.quick:
         print("(quick mode: a worker's first shard, model load included, weighs on the steady figures; "
               "read the ratios from a full run)")

@@ -10,8 +10,14 @@ Its state lives under ``<home>/prefect/``: Prefect's own home for it (``PREFECT_
 the SQLite database, profiles), ``server.json`` (pid, API URL), Prefect's ``server.pid``
 (so ``PREFECT_HOME=<home>/prefect prefect server stop`` stops it too), ``server.log`` and
 ``server.lock`` (held while a command looks for the server or starts it, so two first
-runs at once start one server). A record whose process is gone, is not a Prefect server,
-or does not answer ``GET /api/health`` is stale and replaced.
+runs at once start one server). A record whose process is gone or is not a Prefect server
+is stale and replaced; so is a live server that does not answer ``GET /api/health`` within
+the time a start may take (``SHARDLINE_PREFECT_START_TIMEOUT_S``).
+
+Why not ``prefect server start --background``: it leaves the server in the starting command's
+process group (which the batch command's watchdog kills, see ``_supervise``) with its output
+piped to that command, which ends; so the same ``prefect server start`` runs in the foreground
+of a session of its own, its output in ``server.log``, its pid where ``--background`` puts it.
 
 Which API a run uses (``api_url_for_run``): the user's ``PREFECT_API_URL`` (environment
 or Prefect profile) always wins; else ``SHARDLINE_PREFECT_SERVER=local`` (the default)
@@ -38,7 +44,6 @@ from shardline.errors import PrefectServerUnavailable
 
 RECORD, PREFECT_PID_FILE, LOG, LOCK = "server.json", "server.pid", "server.log", "server.lock"
 _HEALTH_TIMEOUT_S = 2.0
-_STALE_AFTER_S = 10.0  # a recorded server that does not answer its health check this long is replaced
 # What the server's environment must not inherit from the command that starts it: where another server
 # is (the client side), and which Prefect home and profile to read (it has its own).
 _NOT_INHERITED = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_HOME", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH",
@@ -198,16 +203,27 @@ def ensure(home: str | os.PathLike[str], timeout_s: float = 120.0) -> tuple[Loca
         return found, False
     folder = server_dir(home)
     with _locked(folder):
-        # another command may have started it while this one waited for the lock; and a busy server is given
-        # time to answer before it counts as stale (replacing it would cut off the runs that use it)
-        found = find(home, timeout=_STALE_AFTER_S)
-        if found is not None:
-            return found, False
-        stale = _read_record(folder)
-        if stale is not None and _is_prefect_process(stale.pid):  # alive but not answering: replace it
-            _stop_process(stale.pid, 10.0)
+        recorded = _read_record(folder)
+        if recorded is not None and _is_prefect_process(recorded.pid):
+            # Started by another command (which may since have ended), or busy: it is given the time a start
+            # may take before it counts as stale, since replacing it would cut off the runs that use it.
+            if _wait_healthy(recorded, timeout_s):
+                return recorded, False
+            _stop_process(recorded.pid, 10.0)
         _forget(folder)
         return _start(folder, timeout_s), True
+
+
+def _wait_healthy(server: LocalServer, timeout_s: float) -> bool:
+    """Whether the server answers its health check within ``timeout_s`` while its process lives."""
+    deadline = time.monotonic() + timeout_s
+    while _is_prefect_process(server.pid):
+        if healthy(server.api_url, timeout=_HEALTH_TIMEOUT_S):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return False
 
 
 def _stop_process(pid: int, timeout_s: float) -> None:

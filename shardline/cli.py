@@ -413,6 +413,5 @@ def _run_app() -> None:
         sys.exit(EXIT_USAGE)
 
 
-
 if __name__ == "__main__":
     main()

@@ -17,7 +17,8 @@ the time a start may take (``SHARDLINE_PREFECT_START_TIMEOUT_S``).
 Why not ``prefect server start --background``: it leaves the server in the starting command's
 process group (which the batch command's watchdog kills, see ``_supervise``) with its output
 piped to that command, which ends; so the same ``prefect server start`` runs in the foreground
-of a session of its own, its output in ``server.log``, its pid where ``--background`` puts it.
+of a session of its own, its output in ``server.log``, under a small keeper process (``_KEEPER``)
+whose pid is where ``--background`` puts it and that stops the server if its home is deleted.
 
 Which API a run uses (``api_url_for_run``): the user's ``PREFECT_API_URL`` (environment
 or Prefect profile) always wins; else ``SHARDLINE_PREFECT_SERVER=local`` (the default)
@@ -150,7 +151,8 @@ def _start(folder: Path, timeout_s: float) -> LocalServer:
     """Start ``prefect server start`` detached (own session, so no process group kill reaches it); wait until healthy."""
     port = _free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    server_command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-c", _KEEPER, str(folder), *server_command]
     with open(folder / LOG, "ab") as log:
         process = subprocess.Popen(command, env=server_environment(folder, port), cwd=folder, stdin=subprocess.DEVNULL,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -164,7 +166,7 @@ def _start(folder: Path, timeout_s: float) -> LocalServer:
             _stop_process(process.pid, 10.0)
             _forget(folder)
             raise PrefectServerUnavailable(
-                f"the local Prefect server ({' '.join(command[2:])}) {why}; see {folder / LOG}. Set "
+                f"the local Prefect server ({' '.join(server_command[2:])}) {why}; see {folder / LOG}. Set "
                 "SHARDLINE_PREFECT_SERVER=temporary to use a temporary server per run, or PREFECT_API_URL to use "
                 "your own server"
             )
@@ -173,6 +175,32 @@ def _start(folder: Path, timeout_s: float) -> LocalServer:
     # object done keeps its __del__ from warning (ResourceWarning) that the process "is still running".
     process.returncode = 0
     return server
+
+
+# The server's keeper: the process the record names, leader of the server's session, stdlib only (it
+# runs with `python -c`, so that it imports nothing of Shardline). It runs `prefect server start`, passes
+# SIGTERM/SIGINT/SIGHUP on (Prefect's own `prefect server stop` signals the pid in server.pid), and
+# stops the server once its Prefect home is deleted (`rm -rf` of a Shardline home, a demo's or a
+# benchmark's folder): without a record, no command would ever find that server again to stop it.
+_KEEPER = """
+import signal, subprocess, sys, time
+from pathlib import Path
+home, command = Path(sys.argv[1]), sys.argv[2:]
+server = subprocess.Popen(command)
+def forward(signum, frame):
+    server.send_signal(signum)
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, forward)
+while server.poll() is None:
+    time.sleep(2)
+    if not home.exists() and server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+sys.exit(server.wait())
+"""
 
 
 def _write_record(folder: Path, server: LocalServer) -> None:
@@ -227,12 +255,9 @@ def _wait_healthy(server: LocalServer, timeout_s: float) -> bool:
 
 
 def _stop_process(pid: int, timeout_s: float) -> None:
-    """SIGTERM the server's process group (it leads its own session), SIGKILL after ``timeout_s``."""
-    def signal_group(signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signum)
-
-    signal_group(signal.SIGTERM)
+    """SIGTERM the keeper (it passes it on to the server), SIGKILL its process group after ``timeout_s``."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while True:
         with contextlib.suppress(ChildProcessError):  # this process's own child (it started it): reap it
@@ -240,7 +265,8 @@ def _stop_process(pid: int, timeout_s: float) -> None:
         if not _is_prefect_process(pid):
             return
         if time.monotonic() > deadline:
-            signal_group(signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # the keeper leads the server's session: both go
             deadline = time.monotonic() + timeout_s
         time.sleep(0.1)
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from shardline._prefect_server import healthy, server_dir, stop
 
@@ -70,7 +72,7 @@ def test_the_demo_starts_a_local_prefect_server_that_later_runs_reuse_and_stop_s
         stop(home)
 
 
-def test_a_stale_record_is_replaced_and_two_first_commands_at_once_start_one_server(
+def test_a_stale_record_is_replaced_two_first_commands_start_one_server_and_it_stops_with_its_home(
     cli_env: dict[str, str], tmp_path: Path
 ) -> None:
     home = tmp_path / "home"
@@ -83,6 +85,7 @@ def test_a_stale_record_is_replaced_and_two_first_commands_at_once_start_one_ser
     (folder / "server.json").write_text(json.dumps({"pid": bystander.pid, "api_url": f"http://127.0.0.1:{dead_port}/api"}))
     env = {k: v for k, v in cli_env.items() if k not in EMBEDDED_DEFAULT}
     env["SHARDLINE_STORAGE_HOME"] = str(home)
+    record: dict[str, Any] = {}
     try:
         starts = [subprocess.Popen([*SHARDLINE, "prefect", "start"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -94,11 +97,15 @@ def test_a_stale_record_is_replaced_and_two_first_commands_at_once_start_one_ser
         assert all(f"pid {record['pid']}," in out for out, _ in outputs)
         assert record["pid"] != bystander.pid and healthy(record["api_url"])
         assert bystander.poll() is None  # a stale record's pid that is not a Prefect server is left alone
+
+        shutil.rmtree(home)  # no record left to find it by: the server stops by itself
+        deadline = time.monotonic() + 60
+        while alive(record["pid"]) or healthy(record["api_url"], timeout=0.5):
+            assert time.monotonic() < deadline, "the server outlived its deleted home"
+            time.sleep(0.2)
     finally:
         bystander.kill()
         bystander.wait()
         stop(home)
-    deadline = time.monotonic() + 5
-    while alive(record["pid"]):
-        assert time.monotonic() < deadline, "the server outlived `stop`"
-        time.sleep(0.1)
+        if record and alive(record["pid"]):  # the test failed: nothing may outlive it
+            os.killpg(record["pid"], signal.SIGKILL)

@@ -360,6 +360,16 @@ def _score_to_part(job: ScoringJob, shard: ShardInfo, out: OutputLayout, final: 
     return _Scored(rows_in, rows_out, len(ranges), checkpoint.resumed)
 
 
+def load_model(job: ScoringJob) -> str:
+    """Load the job's model into this process's model cache (where shards find it); returns the model.
+
+    The dispatcher runs this once on each worker before its first shard, so that the
+    model loads on every worker at once and the first shards' time is scoring.
+    """
+    get_model_cache(job.cache_dir, job.cache_capacity).get(job.model, job.runtime, job.storage_options)
+    return job.model.pinned
+
+
 def score_shard(job: ScoringJob, shard: ShardInfo) -> PartRecord:
     """Score one shard into its part, or quarantine it; returns its ledger record.
 

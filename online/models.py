@@ -59,7 +59,7 @@ def batch_limits(
         wait_ms = override.max_batch_wait_ms if override.max_batch_wait_ms is not None else wait_ms
         capacity = override.queue_capacity or capacity
         idle = override.idle_timeout_s if override.idle_timeout_s is not None else idle
-    limits = BatchLimits(size, wait_ms / 1000.0, capacity, settings.max_concurrent_batches, settings.queue_bytes)
+    limits = BatchLimits(size, wait_ms / 1000.0, capacity, settings.resolved_concurrent_batches(), settings.queue_bytes)
     return limits, idle
 
 

@@ -16,6 +16,11 @@ listener, once per connection); with workers, the supervisor serves it from a th
 every worker's metrics. Every listener holds its connections to ``resolve_limits(settings)``
 (head size, time-outs, connection and in-flight caps: ``shardline.online.connection``), in each
 worker alike.
+
+The defaults that depend on the machine (server processes, inference threads, onnxruntime's
+intra-op threads) are resolved from its cores by the settings (``OnlineSettings.resolved_*``);
+``serving_settings`` gathers what a server runs with, which ``serve`` logs once at start-up
+("serving settings") and ``shardline serve --help`` prints.
 """
 
 from __future__ import annotations
@@ -64,13 +69,31 @@ def tenant_directory(tenancy: TenancySettings) -> TenantDirectory:
     return load_tenants(tenancy.tenants_file)
 
 
+def serving_settings(online: OnlineSettings, runtime: RuntimeSettings) -> dict[str, Any]:
+    """What ``shardline serve`` runs with on this machine, each default resolved from its cores:
+    the start-up log line and ``serve --help`` show it; ``build_plane`` uses the same values."""
+    return {
+        "cores": os.cpu_count() or 1,
+        "workers": online.resolved_workers(),
+        "inference_threads": online.resolved_threads(),
+        "intra_op_threads": online.resolved_intra_op_threads(runtime.intra_op_threads),
+        "spinning": runtime.spinning,
+        "device": runtime.device,
+        "inline_max_ms": online.inline_max_ms,
+        "max_batch_size": online.max_batch_size,
+        "max_batch_wait_ms": online.max_batch_wait_ms,
+        "max_concurrent_batches": online.resolved_concurrent_batches(),
+    }
+
+
 def build_plane(
     online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings, tenants: TenantDirectory
 ) -> DataPlane:
     """A data plane over the registry and the process's model cache (``runtime.cache_capacity``) that the settings name."""
     registry = ModelRegistry.from_settings(storage)
     cache = get_model_cache(storage.cache, runtime.cache_capacity)
-    options = RuntimeOptions(runtime.device, runtime.intra_op_threads, runtime.spinning)
+    options = RuntimeOptions(runtime.device, online.resolved_intra_op_threads(runtime.intra_op_threads),
+                             runtime.spinning)
     return DataPlane(online, registry, cache, tenants, options, storage_options=storage.storage_options,
                      capture_root=capture_root(storage))
 
@@ -148,6 +171,7 @@ def serve(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSett
     _check_address(online.host, online.port, "--host")
     workers = online.resolved_workers()
     tenants = tenant_directory(tenancy)
+    log.info("serving settings", extra={"fields": serving_settings(online, runtime)})
     if workers == 1:
         plane = build_plane(online, storage, runtime, tenants)
         app = create_app(plane, log_requests=online.access_log)

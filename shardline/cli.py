@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from shardline.errors import ShardlineError
 
@@ -325,11 +326,53 @@ def demo(
                    f"with `SHARDLINE_STORAGE_HOME={workdir / 'home'} shardline prefect stop`)")
 
 
-@app.command()
+class ServeCommand(TyperCommand):
+    """``serve``'s command: its help shows the settings it would run with here, computed when the help is
+    shown (not at import): each option's default from ``OnlineSettings`` (this shell's SHARDLINE_ONLINE_*
+    variables included), and below them ``serving_settings``, the defaults resolved from this machine's cores."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:  # typer's own (vendored) click Context, HelpFormatter
+        from pydantic import ValidationError
+
+        from shardline.online.server import serving_settings
+        from shardline.settings import OnlineSettings, RuntimeSettings
+
+        try:
+            online, runtime, note = OnlineSettings(), RuntimeSettings(), "this shell's SHARDLINE_* variables included"
+        except ValidationError:
+            online, runtime = OnlineSettings.model_construct(), RuntimeSettings.model_construct()
+            note = "without this shell's SHARDLINE_* variables: one of them is invalid"
+        values = online.model_dump()
+        for param in self.params:  # the options' help names their defaults as {field} of OnlineSettings
+            template = getattr(param, "help", None)
+            if isinstance(template, str):
+                param.help = template.format_map(values)  # type: ignore[attr-defined]
+        self.epilog = serving_help(serving_settings(online, runtime), note)
+        super().format_help(ctx, formatter)
+
+
+def serving_help(effective: dict[str, Any], note: str) -> str:
+    """The paragraph of ``serve --help`` that says what the server runs with on this machine."""
+    on = effective
+    return (
+        f"Runs here with ({on['cores']} cores; {note}): {on['workers']} server process(es) "
+        f"(SHARDLINE_ONLINE_WORKERS, 0: one per core); {on['inference_threads']} inference threads per process "
+        f"(SHARDLINE_ONLINE_INFERENCE_THREADS, 0: one per core); up to {on['max_concurrent_batches']} batches of a "
+        f"model at once (SHARDLINE_ONLINE_MAX_CONCURRENT_BATCHES, 0: one per inference thread); "
+        f"{on['intra_op_threads']} onnxruntime intra-op thread(s) per call (SHARDLINE_RUNTIME_INTRA_OP_THREADS, 0: "
+        f"cores / (processes x inference threads), at least 1); spinning {'on' if on['spinning'] else 'off'} (SHARDLINE_RUNTIME_SPINNING); models whose "
+        f"batch takes under {on['inline_max_ms']:g} ms run on the event loop (SHARDLINE_ONLINE_INLINE_MAX_MS); "
+        f"batches of at most {on['max_batch_size']} rows without a profile (SHARDLINE_ONLINE_MAX_BATCH_SIZE), "
+        f"waiting {on['max_batch_wait_ms']:g} ms for more (SHARDLINE_ONLINE_MAX_BATCH_WAIT_MS); device "
+        f"{on['device']} (SHARDLINE_RUNTIME_DEVICE). The server logs the same at start-up ('serving settings')."
+    )
+
+
+@app.command(cls=ServeCommand)
 def serve(
-    host: Optional[str] = typer.Option(None, help="Address to listen on \\[default: 127.0.0.1; SHARDLINE_ONLINE_HOST]."),
+    host: Optional[str] = typer.Option(None, help="Address to listen on \\[default: {host}; SHARDLINE_ONLINE_HOST]."),
     port: Optional[int] = typer.Option(
-        None, min=0, max=65_535, help="TCP port \\[default: 8000; SHARDLINE_ONLINE_PORT]."
+        None, min=0, max=65_535, help="TCP port \\[default: {port}; SHARDLINE_ONLINE_PORT]."
     ),
     tenants: Optional[Path] = typer.Option(
         None, "--tenants", help="Tenants YAML: API key hashes, models, priority, quotas (the file batch jobs read) "
@@ -337,36 +380,37 @@ def serve(
     ),
     workers: Optional[int] = typer.Option(
         None, min=0, help="Server processes sharing the port, each with 1/N of every tenant quota; 0: one per "
-        "core \\[default: 1; SHARDLINE_ONLINE_WORKERS].",
+        "core \\[default: {workers}; SHARDLINE_ONLINE_WORKERS].",
     ),
     metrics_host: Optional[str] = typer.Option(
         None, help="Address of the Prometheus /metrics listener (it names every tenant: keep it private) "
-        "\\[default: 127.0.0.1; SHARDLINE_ONLINE_METRICS_HOST]."),
+        "\\[default: {metrics_host}; SHARDLINE_ONLINE_METRICS_HOST]."),
     metrics_port: Optional[str] = typer.Option(
         None, help="Port of the /metrics listener; 0 or 'off': none. The main port has no /metrics "
-        "\\[default: 8002; SHARDLINE_ONLINE_METRICS_PORT]."),
+        "\\[default: {metrics_port}; SHARDLINE_ONLINE_METRICS_PORT]."),
     max_connections: Optional[int] = typer.Option(
         None, min=0, help="Open connections per process; at the cap the longest-idle one makes room, or 503 when "
-        "all are busy; 0: from ulimit -n (less an eighth, at most 4096) \\[default: 0; SHARDLINE_ONLINE_MAX_CONNECTIONS]."),
+        "all are busy; 0: from ulimit -n (less an eighth, at most 4096) \\[default: {max_connections}; SHARDLINE_ONLINE_MAX_CONNECTIONS]."),
     max_in_flight: Optional[int] = typer.Option(
         None, min=0, help="Requests answered at once per process, more get 503 + Retry-After (not health checks); "
-        "0: 3/4 of the connection cap \\[default: 0; SHARDLINE_ONLINE_MAX_IN_FLIGHT]."),
+        "0: 3/4 of the connection cap \\[default: {max_in_flight}; SHARDLINE_ONLINE_MAX_IN_FLIGHT]."),
     max_header_bytes: Optional[int] = typer.Option(
-        None, min=1024, help="Largest request head in bytes, else 431 \\[default: 65536; "
-        "SHARDLINE_ONLINE_MAX_HEADER_BYTES; also SHARDLINE_ONLINE_MAX_HEADERS, 100 fields]."),
+        None, min=1024, help="Largest request head in bytes, else 431 \\[default: {max_header_bytes}; "
+        "SHARDLINE_ONLINE_MAX_HEADER_BYTES; also SHARDLINE_ONLINE_MAX_HEADERS, {max_headers} fields]."),
     header_timeout: Optional[float] = typer.Option(
         None, help="Seconds a new connection has to send its first request's head, else 408 and closed "
-        "\\[default: 10; SHARDLINE_ONLINE_HEADER_TIMEOUT_S; later heads: SHARDLINE_ONLINE_KEEP_ALIVE_S, 5]."),
+        "\\[default: {header_timeout_s:g}; SHARDLINE_ONLINE_HEADER_TIMEOUT_S; later heads: SHARDLINE_ONLINE_KEEP_ALIVE_S, "
+        "{keep_alive_s:g}]."),
     body_timeout: Optional[float] = typer.Option(
-        None, help="Seconds a request's whole body has to arrive, else 408 and closed \\[default: 60; "
+        None, help="Seconds a request's whole body has to arrive, else 408 and closed \\[default: {body_timeout_s:g}; "
         "SHARDLINE_ONLINE_BODY_TIMEOUT_S]."),
 ) -> None:
     """Serve the tenants' models over HTTP: Open Inference Protocol (/v2) and OpenAI-style /v1/embeddings.
 
     Models come from the registry (SHARDLINE_STORAGE_HOME or SHARDLINE_STORAGE_REGISTRY_URL)
     through the same model cache as batch jobs; idle models are unloaded and load on
-    their next request. Prometheus metrics are on their own listener (127.0.0.1:8002 by
-    default). Stop it with Ctrl-C (SIGINT) or SIGTERM.
+    their next request. Prometheus metrics are on their own listener (--metrics-host,
+    --metrics-port). Stop it with Ctrl-C (SIGINT) or SIGTERM.
     """
     from pydantic import ValidationError
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -14,7 +15,9 @@ import httpx
 import orjson
 import pytest
 
+from shardline.online.server import serving_settings
 from shardline.online.tenants import hash_api_key
+from shardline.settings import OnlineSettings, RuntimeSettings
 from shardline.storage.registry import ModelRegistry
 
 from tests.conftest import BuiltModel
@@ -81,6 +84,50 @@ def test_serve_answers_logs_json_with_request_ids_and_stops_on_sigterm(
     access = [line for line in lines if line["logger"] == "shardline.online.access" and line.get("request_id") == "e2e-req-1"]
     assert access and access[0]["status"] == 200 and access[0]["tenant"] == "acme" and access[0]["model"] == "breast-cancer"
     assert any(line["msg"] == "model loaded" and line.get("request_id") == "e2e-req-1" for line in lines)
+    started = [line for line in lines if line["msg"] == "serving settings"]
+    assert len(started) == 1 and started[0]["intra_op_threads"] == defaults_here()["intra_op_threads"]
+    assert started[0]["workers"] == 1 and started[0]["spinning"] is False
+
+
+def defaults_here(**env: str) -> dict[str, object]:
+    """``serving_settings`` as a shell with no SHARDLINE_* variable but ``env`` gets it on this machine."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("SHARDLINE_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update(env)
+    try:
+        return serving_settings(OnlineSettings(), RuntimeSettings())
+    finally:
+        for k in env:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
+@pytest.mark.parametrize("env", [{}, {"SHARDLINE_RUNTIME_INTRA_OP_THREADS": "3", "SHARDLINE_ONLINE_WORKERS": "2",
+                                      "SHARDLINE_ONLINE_PORT": "9123"}])
+def test_serve_help_prints_the_defaults_the_code_resolves_for_this_machine(env: dict[str, str]) -> None:
+    shell = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
+    done = subprocess.run([*SHARDLINE, "serve", "--help"], env={**shell, **env, "COLUMNS": "400"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.replace("│", " ").split())
+    on = defaults_here(**env)
+    assert on["cores"] == (os.cpu_count() or 1)
+    assert f"Runs here with ({on['cores']} cores; this shell's SHARDLINE_* variables included)" in text
+    assert f"{on['workers']} server process(es)" in text
+    assert f"{on['inference_threads']} inference threads per process" in text
+    assert f"{on['intra_op_threads']} onnxruntime intra-op thread(s) per call" in text
+    assert f"up to {on['max_concurrent_batches']} batches of a model at once" in text
+    assert f"spinning {'on' if on['spinning'] else 'off'}" in text
+    assert f"under {on['inline_max_ms']:g} ms run on the event loop" in text
+    port = env.get("SHARDLINE_ONLINE_PORT", str(OnlineSettings.model_fields["port"].default))
+    assert f"[default: {port}; SHARDLINE_ONLINE_PORT]" in text
+    if env:
+        assert on["intra_op_threads"] == 3 and on["workers"] == 2  # the variables still override
+    else:
+        assert on["workers"] == 1 and on["spinning"] is False
+        assert on["max_concurrent_batches"] == on["inference_threads"] == (os.cpu_count() or 1)
+        assert on["intra_op_threads"] == max(1, (os.cpu_count() or 1) // (1 * on["inference_threads"]))  # type: ignore[operator]
 
 
 @pytest.mark.parametrize(

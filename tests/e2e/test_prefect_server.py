@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
+
 from shardline._prefect_server import healthy, server_dir, stop
 
 from tests.e2e.conftest import SHARDLINE
@@ -109,3 +111,15 @@ def test_a_stale_record_is_replaced_two_first_commands_start_one_server_and_it_s
         stop(home)
         if record and alive(record["pid"]):  # the test failed: nothing may outlive it
             os.killpg(record["pid"], signal.SIGKILL)
+
+
+@pytest.mark.usefixtures("local_registry")
+def test_a_prefect_api_url_the_user_set_wins_over_the_local_server(
+    shardline: Shardline, input_shards: Path, tmp_path: Path, shardline_home: Path, prefect_api: str
+) -> None:
+    run = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards), "--output",
+                    str(tmp_path / "out"), SHARDLINE_PREFECT_SERVER=None)  # the default, local; the URL is set
+
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"View at {prefect_api.removesuffix('/api')}/runs/flow-run/" in run.stderr
+    assert "started the local Prefect server" not in run.stderr and not server_dir(shardline_home).exists()

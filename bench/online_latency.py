@@ -2,28 +2,45 @@
 
 All three serve the same small classifier (the breast-cancer classifier of
 ``shardline.examples``, gradient-boosted trees by default, ``--model logreg`` for the
-logistic regression; one ``model.onnx``), one row per request, onnxruntime on the CPU
-with ``--threads`` intra-op threads (1 by default), each in its own process(es):
+logistic regression; one ``model.onnx``), one row per request, onnxruntime on the CPU,
+each in its own process(es), in the two request layouts a V2 client sends:
 
-- platform: ``shardline serve`` as a user runs it (tenants file, API key, KServe V2,
-  access log and metrics on), with ``--workers`` server processes (2 by default: one per
-  core here).
-- capture: the same platform with request capture on (``--capture-rate``, 1.0 by default:
-  every request's rows and answer go to Parquet, the harshest case), to show what capture
-  costs; its ratio to the platform is printed.
-- floor, litserve: see bench/online_peers.py (the floor: one bare Starlette worker
-  calling the session on the event loop; LitServe with its defaults, in its own
-  virtual environment under bench/.peers/, made on first use).
+- scalar: one ``[1]`` input per feature column (30 of them), the model packaged from
+  scikit-learn with its feature names (``breast-cancer``);
+- nk: one ``[1, 30]`` input, what tritonclient and KServe clients send for an ONNX model
+  with a 2-D input, the same ONNX file packaged from the file alone (``breast-cancer-nk``:
+  one ``fixed_size_list<float32>[30]`` column).
+
+The servers:
+
+- platform: ``shardline serve`` exactly as a user runs it: a tenants file, a storage
+  home, a port, and nothing else: no ``SHARDLINE_*`` tuning variable and no tuning flag
+  (every ``SHARDLINE_*`` variable of this shell is dropped but the storage home), so it
+  runs on the defaults the code picks from the machine's cores; the effective settings
+  are read back from its start-up log line and printed. Tenants, API key, KServe V2,
+  access log and metrics on. Both layouts go to this one server, one after the other.
+- capture: the same platform with request capture on (``SHARDLINE_ONLINE_CAPTURE_RATE``,
+  a feature, not a tuning knob; ``--capture-rate``, 1.0 by default: every request's rows
+  and answer go to Parquet, the harshest case), scalar layout only; its ratio to the
+  platform is printed. Not in ``--quick`` unless named in ``--servers``.
+- floor, litserve: see bench/online_peers.py (the floor: one bare Starlette worker that
+  decodes the same body as the platform gets, in each layout, and calls the session on
+  the event loop, one intra-op thread; LitServe with its defaults, in its own virtual
+  environment under bench/.peers/, made on first use, fed its natural body, the same
+  for both layouts).
+
+Targets, for each layout: platform p50 at the lightest rate <= 1.3x the floor's; the
+highest rate held at p99 <= 10 ms >= 0.6x the floor's and >= 4x LitServe's.
 
 The load generator (bench/loadgen.py) is open loop, in its own process: request i is
 due at ``t0 + i / rate``, its latency counted from that time; the rates alternate
-between the servers, so a change in the machine's load hits all alike.
+between the servers and layouts, so a change in the machine's load hits all alike.
 
-    .venv/bin/python bench/online_latency.py            # 100..25600 req/s doubling + 2 refinements: 4-6 min
-    .venv/bin/python bench/online_latency.py --quick    # 100, 1600, 6400, 12800 req/s, short steps: ~1.5 min
+    .venv/bin/python bench/online_latency.py            # 100..25600 req/s doubling + 2 refinements: 5-8 min
+    .venv/bin/python bench/online_latency.py --quick    # 100, 1600, 3200 req/s, short steps: ~2 min
     .venv/bin/python bench/online_latency.py --servers floor,litserve --rates 500,1000
 
-Data (bundle, registry, tenants file, server logs, last-run.json with every step's
+Data (bundles, registry, tenants file, server logs, last-run.json with every step's
 figures) lives under bench/.data/online/ (git-ignored).
 """
 
@@ -46,7 +63,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import NOISY, PEERS_NOISY, P99_TARGET_MS, held  # noqa: E402
-from online_peers import open_session  # noqa: E402
+from online_peers import MODEL, MODEL_NK, open_session  # noqa: E402
 
 from shardline._cli_common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
 
@@ -56,12 +73,15 @@ for _key, _value in OFF_THE_NETWORK.items():
 HERE = Path(__file__).resolve().parent
 DATA = HERE / ".data" / "online"
 PEER_ENV = HERE / ".peers" / "litserve"
-MODEL = "breast-cancer"
 API_KEY = "shardline-bench-key"
 P50_RATIO_TARGET = 1.3  # platform p50 at the light rate <= 1.3 x the floor's
 FLOOR_RATIO_TARGET = 0.6  # platform's highest held rate >= 0.6 x the floor's
 PEER_RATIO_TARGET = 4.0  # ... and >= 4 x LitServe's
 SERVERS = ("platform", "capture", "floor", "litserve")
+QUICK_SERVERS = ("platform", "floor", "litserve")
+LAYOUTS = {"scalar": "30 inputs of shape [1]", "nk": "one input of shape [1, 30]"}
+FLOOR_THREADS = 1  # the floor's and LitServe's intra-op threads: the fastest for one row of this model
+KEPT_VARIABLES = ("SHARDLINE_STORAGE_HOME",)  # the only SHARDLINE_* variable the platform gets (and capture's rate)
 
 
 # --------------------------------------------------------------------------- data and servers
@@ -75,6 +95,7 @@ def prepare(kind: str = "gbt") -> dict[str, Any]:
     import yaml
 
     from shardline.examples import breast_cancer, package_breast_cancer
+    from shardline.packaging import package_onnx
     from shardline.storage.registry import ModelRegistry
 
     bundle, home = DATA / "bundle", DATA / "home"
@@ -84,12 +105,18 @@ def prepare(kind: str = "gbt") -> dict[str, Any]:
     registry = ModelRegistry(str(home / "registry"))
     pushed = registry.push(bundle)
     registry.set_alias(MODEL, "prod", pushed.version or 1, reason="bench")
+    nk_bundle = DATA / "bundle-nk"  # the same ONNX file, packaged from the file alone: one [N, 30] input
+    shutil.rmtree(nk_bundle, ignore_errors=True)
+    package_onnx(bundle / "model.onnx", nk_bundle, name=MODEL_NK)
+    pushed = registry.push(nk_bundle)
+    registry.set_alias(MODEL_NK, "prod", pushed.version or 1, reason="bench")
+    nk_input = json.loads((nk_bundle / "manifest.json").read_text())["signature"]["inputs"][0]["name"]
     manifest = json.loads((bundle / "manifest.json").read_text())
     columns: list[str] = manifest["runtime_config"]["tensor_inputs"][0]["columns"]
     (DATA / "columns.json").write_text(json.dumps(columns))
     tenants = {"tenants": [{
         "name": "bench", "api_keys_sha256": [hashlib.sha256(API_KEY.encode()).hexdigest()],
-        "models": [f"{MODEL}@prod"], "priority": "high",
+        "models": [f"{MODEL}@prod", f"{MODEL_NK}@prod"], "priority": "high",
         "rate": {"requests_per_second": 100_000, "burst": 100_000}, "max_concurrent": 10_000,
     }]}
     (DATA / "tenants.yaml").write_text(yaml.safe_dump(tenants, sort_keys=False))
@@ -98,11 +125,13 @@ def prepare(kind: str = "gbt") -> dict[str, Any]:
     rows = [[float(f"{v:.6g}") for v in data.features[i]] for i in picks]
     v2 = [json.dumps({"inputs": [{"name": c, "shape": [1], "datatype": "FP32", "data": [v]}
                                  for c, v in zip(columns, row)]}, separators=(",", ":")) for row in rows]
+    nk = [json.dumps({"inputs": [{"name": nk_input, "shape": [1, len(row)], "datatype": "FP32", "data": row}]},
+                     separators=(",", ":")) for row in rows]
     natural = [json.dumps({"input": row}, separators=(",", ":")) for row in rows]
     session = open_session(str(bundle / "model.onnx"), 1)
     label, probabilities = session.run(None, {"X": np.asarray(rows[:1], dtype=np.float32)})
     return {"model": str(bundle / "model.onnx"), "columns": str(DATA / "columns.json"),
-            "tenants": str(DATA / "tenants.yaml"), "home": str(home), "v2": v2, "natural": natural,
+            "tenants": str(DATA / "tenants.yaml"), "home": str(home), "v2": v2, "nk": nk, "natural": natural,
             "expected": (int(label[0]), [float(p) for p in probabilities[0]])}
 
 
@@ -188,6 +217,9 @@ class Server:
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
 
+    def tail_lines(self) -> list[str]:
+        return self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -202,13 +234,20 @@ class Server:
                 return
 
 
-def check_answer(server: Server, body: str, expected: tuple[int, list[float]]) -> None:
-    """Stop the bench unless the server answers the first row as the model does."""
-    status, answer = http(server.port, server.path, body)
+class Target:
+    """One measured series: a server and a request layout (several may share a server process)."""
+
+    def __init__(self, name: str, server: Server, layout: str, path: str, bodies: list[str]) -> None:
+        self.name, self.server, self.layout, self.path, self.bodies = name, server, layout, path, bodies
+
+
+def check_answer(target: Target, expected: tuple[int, list[float]]) -> None:
+    """Stop the bench unless the target answers the first row as the model does."""
+    status, answer = http(target.server.port, target.path, target.bodies[0])
     got = answer_of(answer)
     if status != 200 or got is None or got[0] != expected[0] or max(
             abs(a - b) for a, b in zip(got[1], expected[1])) > 1e-5:
-        raise SystemExit(f"{server.name} answered {status} {str(answer)[:300]}; expected label {expected[0]}, "
+        raise SystemExit(f"{target.name} answered {status} {str(answer)[:300]}; expected label {expected[0]}, "
                          f"probabilities {expected[1]}")
 
 
@@ -223,49 +262,80 @@ def answer_of(body: Any) -> tuple[int, list[float]] | None:
     return None
 
 
-def make_servers(names: list[str], data: dict[str, Any], args: argparse.Namespace) -> list[Server]:
-    env = dict(os.environ, **OFF_THE_NETWORK)
+def user_environment(home: str) -> dict[str, str]:
+    """The environment a user's shell gives ``shardline serve``: this one without any SHARDLINE_* variable
+    (a tuning variable left in the shell would make the figures not the defaults') but the storage home."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
     env.pop("PYTHONPATH", None)
-    peers, servers = str(HERE / "online_peers.py"), []
+    return dict(env, **OFF_THE_NETWORK, SHARDLINE_STORAGE_HOME=home)
+
+
+def make_servers(names: list[str], data: dict[str, Any], args: argparse.Namespace) -> tuple[list[Server], list[Target]]:
+    """The server processes and the series measured against them (platform and floor: both layouts)."""
+    env = user_environment(data["home"])
+    peers, servers, targets = str(HERE / "online_peers.py"), [], []
+    scalar, nk = f"/v2/models/{MODEL}/infer", f"/v2/models/{MODEL_NK}/infer"
     for name in names:
         port = free_port()
         if name in ("platform", "capture"):
-            command = [sys.executable, "-m", "shardline.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                       "--tenants", data["tenants"], "--workers", str(args.workers),
+            command = [sys.executable, "-m", "shardline.cli", "serve", "--port", str(port), "--tenants", data["tenants"],
                        "--metrics-port", str(free_port())]  # metrics on, on a listener of their own
-            platform_env = dict(env, SHARDLINE_STORAGE_HOME=data["home"], SHARDLINE_RUNTIME_INTRA_OP_THREADS=str(args.threads),
-                                SHARDLINE_ONLINE_CAPTURE_RATE=str(args.capture_rate if name == "capture" else 0.0))
-            servers.append(Server(name, command, platform_env, port, f"/v2/models/{MODEL}/infer", "/v2/health/ready"))
+            server_env = dict(env, SHARDLINE_ONLINE_CAPTURE_RATE=str(args.capture_rate)) if name == "capture" else env
+            server = Server(name, command, server_env, port, scalar, "/v2/health/ready")
+            targets.append(Target(f"{name}", server, "scalar", scalar, data["v2"]))
+            if name == "platform":
+                targets.append(Target(f"{name}-nk", server, "nk", nk, data["nk"]))
         elif name == "floor":
-            command = [sys.executable, peers, "floor", str(port), data["model"], data["columns"], str(args.threads)]
-            servers.append(Server(name, command, env, port, f"/v2/models/{MODEL}/infer", "/v2/health/ready"))
+            command = [sys.executable, peers, "floor", str(port), data["model"], data["columns"], str(FLOOR_THREADS)]
+            server = Server(name, command, env, port, scalar, "/v2/health/ready")
+            targets += [Target(name, server, "scalar", scalar, data["v2"]), Target(f"{name}-nk", server, "nk", nk, data["nk"])]
         else:
-            command = [str(args.peer_python), peers, "litserve", str(port), data["model"], str(args.threads),
+            command = [str(args.peer_python), peers, "litserve", str(port), data["model"], str(FLOOR_THREADS),
                        str(args.litserve_batch), str(args.litserve_batch_timeout)]
-            servers.append(Server(name, command, dict(env, SHARDLINE_BENCH_LITSERVE="1"), port, "/predict", "/health"))
-    return servers
+            server = Server(name, command, dict(env, SHARDLINE_BENCH_LITSERVE="1"), port, "/predict", "/health")
+            targets.append(Target(name, server, "natural", "/predict", data["natural"]))
+        servers.append(server)
+    return servers, targets
 
 
-def run_ladder(servers: list[Server], bodies: dict[str, list[str]], args: argparse.Namespace) -> dict[str, list[Any]]:
-    """Run the load generator's process against the started servers; returns each one's steps."""
-    targets = [{
-        "name": server.name, "port": server.port, "pid": server.proc.pid,  # type: ignore[union-attr]
-        "requests": [f"POST {server.path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+def effective_settings(server: Server, wait_s: float = 3.0) -> dict[str, Any] | None:
+    """The settings `shardline serve` logged at start-up (its 'serving settings' line), or None."""
+    deadline = time.perf_counter() + wait_s
+    while True:
+        for line in server.tail_lines():
+            if line.startswith("{"):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("msg") == "serving settings":
+                    return {k: v for k, v in record.items() if k not in ("ts", "time", "level", "logger", "msg",
+                                                                         "request_id")}
+        if time.perf_counter() > deadline:
+            return None
+        time.sleep(0.1)  # the log is written by a thread, a moment after the line
+
+
+def run_ladder(targets: list[Target], args: argparse.Namespace) -> dict[str, list[Any]]:
+    """Run the load generator's process against the targets; returns each one's steps."""
+    spec_targets = [{
+        "name": t.name, "port": t.server.port, "pid": t.server.proc.pid,  # type: ignore[union-attr]
+        "requests": [f"POST {t.path} HTTP/1.1\r\nHost: 127.0.0.1:{t.server.port}\r\n"
                      f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(b)}\r\n\r\n{b}" for b in bodies[server.name]],
-    } for server in servers]
-    spec = {"targets": targets, "ladder": args.ladder, "warmup": args.warmup, "seconds": args.seconds,
+                     f"Content-Length: {len(b)}\r\n\r\n{b}" for b in t.bodies],
+    } for t in targets]
+    spec = {"targets": spec_targets, "ladder": args.ladder, "warmup": args.warmup, "seconds": args.seconds,
             "prewarm": args.prewarm,
             "refine": args.refine, "connections": args.connections, "drain": args.drain, "retries": args.retries}
     spec_file = DATA / "generator.json"
     spec_file.write_text(json.dumps(spec))
     gen = subprocess.Popen([sys.executable, str(HERE / "loadgen.py"), str(spec_file)],
                            stdout=subprocess.PIPE, text=True)
-    steps: dict[str, list[Any]] = {server.name: [] for server in servers}
+    steps: dict[str, list[Any]] = {t.name: [] for t in targets}
     for line in gen.stdout:  # type: ignore[union-attr]
         step = json.loads(line)
         steps[step["server"]].append(step)
-        print(f"  {step['rate']:>6,.0f} req/s  {step['server']:<9} p50 {step['p50_ms']:7.2f} ms  p99 "
+        print(f"  {step['rate']:>6,.0f} req/s  {step['server']:<12} p50 {step['p50_ms']:7.2f} ms  p99 "
               f"{step['p99_ms']:8.2f} ms  achieved {step['achieved']:7,.0f}/s  {'held' if held(step) else 'NOT held'}",
               flush=True)
     if gen.wait() != 0:
@@ -324,10 +394,13 @@ def summarize(steps: list[dict[str, Any]], light: float) -> dict[str, Any]:
 
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, light: float) -> dict[str, Any]:
     """Print each server's steps and the summary; returns the summary by server."""
-    labels = {"platform": f"platform (shardline serve, {args.workers} workers)",
-              "capture": f"platform with capture (shardline serve, {args.workers} workers, capture_rate {args.capture_rate:g})",
-              "floor": "floor (bare Starlette, 1 uvicorn worker)",
-              "litserve": f"LitServe (1 API server + 1 inference worker, max_batch_size {args.litserve_batch})"}
+    labels = {"platform": f"platform (shardline serve on its defaults), {LAYOUTS['scalar']}",
+              "platform-nk": f"platform (shardline serve on its defaults), {LAYOUTS['nk']}",
+              "capture": f"platform with capture (capture_rate {args.capture_rate:g}), {LAYOUTS['scalar']}",
+              "floor": f"floor (bare Starlette, 1 uvicorn worker), {LAYOUTS['scalar']}",
+              "floor-nk": f"floor (bare Starlette, 1 uvicorn worker), {LAYOUTS['nk']}",
+              "litserve": f"LitServe (1 API server + 1 inference worker, max_batch_size {args.litserve_batch}), "
+                          "its own {\"input\": [30 floats]}"}
     for name, steps in results.items():
         report_steps(labels[name], steps)
     print("\nrate/s: the schedule; achieved/s: 200 answers completed inside the measured window per second;\n"
@@ -338,42 +411,49 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, l
           f"a noisy figure); conns: connections open; tries: windows measured (again when the rest used over\n"
           f"{NOISY:g} core, or the other servers under test over {PEERS_NOISY:g}: the quietest kept).")
     summary = {name: summarize(steps, light) for name, steps in results.items()}
-    print(f"\n{'server':<10}{'p50 ms @ ' + format(light, ',.0f') + '/s':>16}{'held at p99<10ms':>18}  limited by")
+    print(f"\n{'server':<12}{'p50 ms @ ' + format(light, ',.0f') + '/s':>16}{'held at p99<10ms':>18}  limited by")
     for name, s in summary.items():
-        print(f"{name:<10}{_fmt(s['p50'], '.2f'):>16}{s['held']:>16,.0f}/s  {s['limit']}")
+        print(f"{name:<12}{_fmt(s['p50'], '.2f'):>16}{s['held']:>16,.0f}/s  {s['limit']}")
     return summary
 
 
-def _held_ratio(platform: dict[str, Any], other: dict[str, Any], name: str, target: float) -> bool:
+def _held_ratio(platform: dict[str, Any], other: dict[str, Any], name: str, target: float, layout: str) -> bool:
     """Print platform / other for the highest rate held, saying when a ladder's top bounds it."""
-    ratio = platform["held"] / other["held"] if other["held"] else math.inf
+    if not other["held"]:
+        met = bool(platform["held"])  # the platform held a rate the other held none of: met; neither: not judged
+        print(f"  rate held at p99<{P99_TARGET_MS:.0f}ms platform / {name:<8} = {'inf' if met else 'n/a':>5}   "
+              f"({name} held no rate tried{'' if met else ', nor did the platform: not judged (a noisy run?)'})")
+        return met
+    ratio = platform["held"] / other["held"]
     met = ratio >= target
     bound = []
     if platform["capped"]:
         bound.append("the platform held every rate tried, so it is a lower bound")
     if other["capped"]:
         bound.append(f"{name} held every rate tried, so it is an upper bound")
-    print(f"rate held at p99<{P99_TARGET_MS:.0f}ms platform / {name} = {ratio:.2f}x  (target >= {target}x: "
+    print(f"  rate held at p99<{P99_TARGET_MS:.0f}ms platform / {name:<8} = {ratio:5.2f}x  (target >= {target}x: "
           f"{'met' if met else 'MISSED'}){'; ' + ', '.join(bound) + ': add higher --rates' if bound else ''}")
     return met
 
 
 def ratios(summary: dict[str, dict[str, Any]], light: float) -> bool:
-    """Print the issue's targets; returns whether every one that could be computed was met."""
-    print()
-    platform, floor, peer = (summary.get(n) for n in ("platform", "floor", "litserve"))
-    if platform is None:
-        print("targets: not computed (the platform was not run)")
-        return True
+    """Print the issue's targets for each layout; returns whether every one that could be computed was met."""
     ok = True
-    if floor is not None:
-        p50 = platform["p50"] / floor["p50"]
-        ok = p50 <= P50_RATIO_TARGET
-        print(f"p50 at {light:,.0f}/s      platform / floor = {p50:.2f}x  (target <= {P50_RATIO_TARGET}x: "
-              f"{'met' if ok else 'MISSED'})")
-        ok &= _held_ratio(platform, floor, "floor", FLOOR_RATIO_TARGET)
-    if peer is not None:
-        ok &= _held_ratio(platform, peer, "LitServe", PEER_RATIO_TARGET)
+    for layout, suffix in (("scalar", ""), ("nk", "-nk")):
+        platform, floor, peer = (summary.get(n) for n in (f"platform{suffix}", f"floor{suffix}", "litserve"))
+        print(f"\nlayout {layout} ({LAYOUTS[layout]}):")
+        if platform is None:
+            print("  targets: not computed (the platform was not run)")
+            continue
+        if floor is not None:
+            p50 = platform["p50"] / floor["p50"]
+            met = p50 <= P50_RATIO_TARGET
+            print(f"  p50 at {light:,.0f}/s           platform / floor    = {p50:5.2f}x  (target <= {P50_RATIO_TARGET}x: "
+                  f"{'met' if met else 'MISSED'})")
+            ok &= met
+            ok &= _held_ratio(platform, floor, "floor", FLOOR_RATIO_TARGET, layout)
+        if peer is not None:
+            ok &= _held_ratio(platform, peer, "LitServe", PEER_RATIO_TARGET, layout)
     return ok
 
 
@@ -411,16 +491,16 @@ def captured_rows() -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line, with the defaults of full and quick runs filled in."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 rates, short steps, one refinement: ~1.5 minutes")
-    parser.add_argument("--servers", default=",".join(SERVERS),
-                        help="comma-separated subset of platform,capture,floor,litserve (default: all)")
+    parser.add_argument("--quick", action="store_true", help="3 rates, short steps, one refinement, no capture: ~2 minutes")
+    parser.add_argument("--servers", help="comma-separated subset of platform,capture,floor,litserve (default: all; "
+                        "quick: platform,floor,litserve); platform and floor are measured in both layouts")
     parser.add_argument("--rates",
-                        help="the ladder, req/s, comma-separated (default 100..25600 doubling; quick 100,1600,6400,12800)")
+                        help="the ladder, req/s, comma-separated (default 100..25600 doubling; quick 100,1600,3200)")
     parser.add_argument("--seconds", type=float, help="measured window per rate (default 5, quick 2)")
     parser.add_argument("--warmup", type=float, help="seconds at each rate before the window (default 1, quick 0.5)")
-    parser.add_argument("--prewarm", type=float, default=3.0,
-                        help="seconds at 4x the lightest rate against each server before the ladder, not counted "
-                        "(a process's first requests pay for lazy set-up; default 3)")
+    parser.add_argument("--prewarm", type=float,
+                        help="seconds at 4x the lightest rate against each series before the ladder, not counted "
+                        "(a process's first requests pay for lazy set-up; default 3, quick 1.5)")
     parser.add_argument("--refine", type=int, help="bisection steps between the highest held and lowest failed rate "
                         "(default 2, quick 1)")
     parser.add_argument("--retries", type=int, help="measure a step again, up to this many times, when the rest of "
@@ -428,10 +508,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"{PEERS_NOISY:g} (default 2, quick 1)")
     parser.add_argument("--model", choices=("gbt", "logreg"), default="gbt",
                         help="the breast-cancer classifier: gradient-boosted trees (default) or logistic regression")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="`shardline serve` worker processes (SHARDLINE_ONLINE_WORKERS; default 1, as serve's own: "
-                        "on 2 cores shared with the load generator a second process costs more than it gives)")
-    parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads, every server (default 1)")
     parser.add_argument("--connections", type=int, default=256, help="most keep-alive connections per server")
     parser.add_argument("--litserve-batch", type=int, default=1,
                         help="LitServe max_batch_size (default 1: its default)")
@@ -441,13 +517,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
     args.ladder = [float(r) for r in args.rates.split(",")] if args.rates else (
-        [100.0, 1600.0, 6400.0, 12800.0] if args.quick else [100.0 * 2**k for k in range(9)])  # full: 100 .. 25,600
+        [100.0, 1600.0, 3200.0] if args.quick else [100.0 * 2**k for k in range(9)])  # full: 100 .. 25,600
     args.retries = args.retries if args.retries is not None else (1 if args.quick else 2)
     args.seconds = args.seconds or (2.0 if args.quick else 5.0)
     args.warmup = args.warmup if args.warmup is not None else (0.5 if args.quick else 1.0)
     args.refine = args.refine if args.refine is not None else (1 if args.quick else 2)
+    args.prewarm = args.prewarm if args.prewarm is not None else (1.5 if args.quick else 3.0)
     args.drain = 5.0
-    args.names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    servers = args.servers or ",".join(QUICK_SERVERS if args.quick else SERVERS)
+    args.names = [n.strip() for n in servers.split(",") if n.strip()]
     unknown = set(args.names) - set(SERVERS)
     if unknown:
         parser.error(f"unknown server(s) {sorted(unknown)}; choose from {', '.join(SERVERS)}")
@@ -472,8 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     print(f"{os.cpu_count()} cores (load average {load:.2f}); ladder {', '.join(f'{r:,.0f}' for r in args.ladder)} "
           f"req/s, {args.warmup:g} s warm-up + {args.seconds:g} s measured each, {args.refine} refinement(s); "
-          f"onnxruntime intra-op threads {args.threads}; one row per request; model: breast-cancer {args.model}; "
-          f"platform workers {args.workers}", flush=True)
+          f"one row per request; model: breast-cancer {args.model}; floor and LitServe: {FLOOR_THREADS} onnxruntime "
+          "intra-op thread; the platform: its own defaults", flush=True)
     print(f"  this venv: {versions(sys.executable, ['uvicorn', 'starlette', 'uvloop', 'httptools', 'onnxruntime'])}")
     if "litserve" in names:
         peers = ["litserve", "uvicorn", "fastapi", "uvloop", "httptools", "onnxruntime"]
@@ -481,14 +559,18 @@ def main(argv: list[str] | None = None) -> int:
     if load > 0.5:
         print("  warning: something else is using the CPUs; the figures will be noisy", flush=True)
 
-    servers = make_servers(names, data, args)
-    bodies = {s.name: data["natural"] if s.name == "litserve" else data["v2"] for s in servers}
+    servers, targets = make_servers(names, data, args)
     try:
         for server in servers:  # all up at once (idle, each uses ~0% CPU); the rates alternate between them
-            ready = server.start(bodies[server.name][0])
-            check_answer(server, bodies[server.name][0], data["expected"])
+            ready = server.start(next(t.bodies[0] for t in targets if t.server is server))
+            for target in (t for t in targets if t.server is server):
+                check_answer(target, data["expected"])
             print(f"  {server.name}: ready in {ready:.1f} s, answers as the model does", flush=True)
-        results = run_ladder(servers, bodies, args)
+            if server.name in ("platform", "capture"):
+                settings = effective_settings(server)
+                shown = ", ".join(f"{k} {v}" for k, v in settings.items()) if settings else "(no 'serving settings' line)"
+                print(f"    effective settings, from its start-up log: {shown}", flush=True)
+        results = run_ladder(targets, args)
     finally:
         for server in servers:
             server.stop()

@@ -3,8 +3,12 @@
     python bench/online_peers.py floor PORT MODEL_FILE COLUMNS_FILE THREADS
     python bench/online_peers.py litserve PORT MODEL_FILE THREADS MAX_BATCH BATCH_TIMEOUT   # LitServe's venv
 
-- floor: a Starlette endpoint, one uvicorn worker, that accepts the V2 JSON body and
+- floor: a Starlette endpoint, one uvicorn worker, that accepts the V2 JSON body in both
+  layouts the platform is measured with, decodes it with ``json.loads`` and numpy, and
   calls the onnxruntime session on the event loop: no tenants, no batching, no metrics.
+  ``/v2/models/breast-cancer/infer`` takes one ``[1]`` input per feature column (30 of
+  them, in any order); ``/v2/models/breast-cancer-nk/infer`` takes one ``[N, 30]`` input
+  (what tritonclient and KServe clients send for an ONNX model with a 2-D input).
 - litserve: LitServe with its defaults (one API server process, one inference worker
   process), fed ``{"input": [30 floats]}``, its natural request format.
 """
@@ -17,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-MODEL = "breast-cancer"
+MODEL = "breast-cancer"  # 30 scalar feature columns
+MODEL_NK = "breast-cancer-nk"  # the same ONNX file, one [N, 30] input
 
 
 def open_session(model_file: str, threads: int) -> Any:
@@ -42,20 +47,28 @@ def serve_floor(port: int, model_file: str, columns_file: str, threads: int) -> 
     tensor = sess.get_inputs()[0].name
     columns = json.loads(Path(columns_file).read_text())
 
-    async def infer(request: Request) -> Response:
+    def answer(model: str, x: Any) -> Response:
+        label, probabilities = sess.run(None, {tensor: x})
+        return JSONResponse({"model_name": model, "outputs": [
+            {"name": "label", "shape": [len(x)], "datatype": "INT64", "data": label.tolist()},
+            {"name": "probabilities", "shape": [len(x), 2], "datatype": "FP32", "data": probabilities.ravel().tolist()},
+        ]})
+
+    async def infer(request: Request) -> Response:  # 30 inputs of shape [1], one per column
         body = await request.json()
         values = {i["name"]: i["data"][0] for i in body["inputs"]}
-        x = np.array([[values[c] for c in columns]], dtype=np.float32)
-        label, probabilities = sess.run(None, {tensor: x})
-        return JSONResponse({"model_name": MODEL, "outputs": [
-            {"name": "label", "shape": [1], "datatype": "INT64", "data": label.tolist()},
-            {"name": "probabilities", "shape": [1, 2], "datatype": "FP32", "data": probabilities.ravel().tolist()},
-        ]})
+        return answer(MODEL, np.array([[values[c] for c in columns]], dtype=np.float32))
+
+    async def infer_nk(request: Request) -> Response:  # one input of shape [N, 30]
+        body = await request.json()
+        given = body["inputs"][0]
+        return answer(MODEL_NK, np.asarray(given["data"], dtype=np.float32).reshape(given["shape"]))
 
     async def ready(request: Request) -> Response:
         return JSONResponse({"ready": True})
 
     app = Starlette(routes=[Route(f"/v2/models/{MODEL}/infer", infer, methods=["POST"]),
+                            Route(f"/v2/models/{MODEL_NK}/infer", infer_nk, methods=["POST"]),
                             Route("/v2/health/ready", ready)])
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
     return 0
@@ -111,7 +124,6 @@ def serve_litserve(port: int, model_file: str, threads: int, max_batch: int, bat
     server = ls.LitServer(api, accelerator="cpu", workers_per_device=1)
     server.run(host="127.0.0.1", port=port, log_level="warning", generate_client_file=False)
     return 0
-
 
 
 if __name__ == "__main__":

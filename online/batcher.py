@@ -19,11 +19,11 @@ scores a request at once in the request's own task when nothing is queued or run
 offered to ``inline`` before it goes to ``predict``. Batches still form under load as
 before: while one batch runs, arrivals queue and go together as the next.
 
-A request's rows are an Arrow table, or a ``Matrix`` (the protocol adapters' fast path);
-the callables take either and answer a record batch or a dict of numpy columns. A batch
-that holds both kinds is scored in two calls, its matrices together and its tables
-together, so that a batch under load costs no more per request than a request scored
-alone (a matrix made into Arrow and back would cost more than the model).
+A request's rows are ``Rows`` checked against the model's signature (``shardline.rows``): an
+Arrow table, or float arrays (the protocol adapters' fast path); the callables answer a record
+batch or a dict of numpy columns. A batch that holds both kinds is scored in two calls, its
+float arrays together and its tables together, so that a batch under load costs no more per
+request than a request scored alone (arrays made into Arrow and back would cost more than the model).
 
 The queue is bounded in requests (``queue_capacity``, by priority: ``admits``) and in
 bytes of rows (``queue_bytes``, by the same shares: ``admits_bytes``), so a few large
@@ -48,11 +48,11 @@ import pyarrow as pa
 
 from shardline.errors import InferenceFailed, InvalidBundle, Overloaded, RuntimeUnavailable
 from shardline.online.admission import SHED_SHARE, admits, drain_seconds, retry_after
-from shardline.online.matrix_rows import Matrix
+from shardline.rows import Rows
 from shardline.tenants import PRIORITIES, Priority
 
-Inputs: TypeAlias = "pa.Table | Matrix"  # a request's (or a batch's) rows
-Output: TypeAlias = "pa.RecordBatch | dict[str, np.ndarray]"  # a model's answer: rows, or numpy columns (from a Matrix)
+Inputs: TypeAlias = Rows  # a request's (or a batch's) rows
+Output: TypeAlias = "pa.RecordBatch | dict[str, np.ndarray]"  # a model's answer: rows, or numpy columns (from arrays)
 Answer: TypeAlias = "pa.Table | dict[str, np.ndarray]"  # a request's part of it
 Predict = Callable[[Inputs], Awaitable[Output]]
 InlinePredict = Callable[[Inputs], "Output | None"]  # None: not now, send it to ``predict``
@@ -108,9 +108,7 @@ class Pending:
 
 def rows_nbytes(inputs: Inputs) -> int:
     """Bytes a request's rows hold (what its place in the queue costs in memory)."""
-    if isinstance(inputs, Matrix):
-        return int(inputs.values.nbytes)
-    return int(inputs.nbytes)
+    return inputs.nbytes
 
 
 def admits_bytes(queued_bytes: int, request_bytes: int, capacity_bytes: int, priority: Priority) -> bool:
@@ -201,8 +199,8 @@ class Batcher:
 
     # -- submitting -------------------------------------------------------------------
     def submit(self, inputs: Inputs, priority: Priority) -> asyncio.Future[Answer]:
-        """Queue rows; the future gets the model's answer for them (output rows for a table,
-        numpy columns or output rows for a matrix).
+        """Queue rows; the future gets the model's answer for them (output rows, or numpy columns
+        for float arrays).
 
         Raises:
             Overloaded: the queue is past what this priority class may fill.
@@ -313,10 +311,10 @@ class Batcher:
     async def _run(self, batch: list[Pending]) -> None:
         started = self._clock()
         try:
-            matrices = [p for p in batch if isinstance(p.inputs, Matrix)]
-            if matrices and len(matrices) < len(batch):  # both kinds: each scored in its own call
-                await self._run_part(matrices)
-                await self._run_part([p for p in batch if not isinstance(p.inputs, Matrix)])
+            arrays = [p for p in batch if p.inputs.arrays is not None]
+            if arrays and len(arrays) < len(batch):  # both kinds: each scored in its own call
+                await self._run_part(arrays)
+                await self._run_part([p for p in batch if p.inputs.arrays is None])
             else:
                 await self._run_part(batch)
             self._measured(total_rows(batch), len(batch), self._clock() - started)
@@ -326,15 +324,9 @@ class Batcher:
             self._dispatch()
 
     async def _run_part(self, batch: list[Pending]) -> None:
-        """Score requests of one kind (all tables or all matrices) in one call and answer each."""
+        """Score requests of one kind (all tables or all float arrays) in one call and answer each."""
         rows = total_rows(batch)
-        first = batch[0].inputs
-        if len(batch) == 1:
-            inputs = first
-        elif isinstance(first, Matrix):
-            inputs = Matrix.concat([p.inputs for p in batch])  # type: ignore[misc]
-        else:
-            inputs = pa.concat_tables([p.inputs for p in batch])  # type: ignore[misc]
+        inputs = batch[0].inputs if len(batch) == 1 else Rows.concat([p.inputs for p in batch])
         try:
             output = await self._score(inputs)
         except Exception as e:  # noqa: BLE001 - each request gets the outcome that is its own

@@ -37,81 +37,25 @@ from shardline.errors import (
     InferenceFailed,
     InvalidInput,
     ModelNotFound,
-    NullValues,
     Overloaded,
-    SchemaMismatch,
     ShardlineError,
 )
 from shardline.online.admission import TenantGate, next_seconds_per_row, runs_inline, should_unload
 from shardline.online.batcher import Batcher
 from shardline.online.capture import OnlineCapture
 from shardline.online.errors import shown
-from shardline.online.matrix_rows import Matrix
 from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, batch_limits, missing_for_serving
 from shardline.online.tenants import Tenant, TenantDirectory
 from shardline.runtimes import RuntimeOptions
 from shardline.settings import OnlineSettings
-from shardline.signature import Signature, is_compatible, schema_problems
+from shardline.rows import Rows, check_rows
 from shardline.storage.model_cache import ModelCache
 from shardline.storage.registry import ModelRegistry, ResolvedModel, check_alias
 
 log = logging.getLogger("shardline.online")
 T = TypeVar("T")
 _CODEC_THREADS = 2  # decoding holds the GIL (orjson, numpy): more threads would not decode faster
-
-
-_SCHEMAS: dict[int, tuple[Signature, pa.Schema]] = {}
-
-
-def input_schema(signature: Signature) -> pa.Schema:
-    """The Arrow schema of the rows a model reads (kept per signature: it is on every request's path)."""
-    hit = _SCHEMAS.get(id(signature))
-    if hit is not None and hit[0] is signature:
-        return hit[1]
-    schema = pa.schema([pa.field(c.name, c.arrow_type, c.nullable) for c in signature.inputs])
-    if len(_SCHEMAS) > 1024:
-        _SCHEMAS.clear()
-    _SCHEMAS[id(signature)] = (signature, schema)
-    return schema
-
-
-def prepare_rows(table: pa.Table, signature: Signature, model: str) -> pa.Table:
-    """The signature's input columns, cast to its types; refuses rows the model cannot read.
-
-    Raises:
-        SchemaMismatch: a column is missing or of a type that cannot feed the model.
-        NullValues: a column the model needs holds nulls.
-        InvalidInput: a value cannot be cast (e.g. out of range).
-    """
-    schema = input_schema(signature)
-    given = table.schema  # (a new object on every access: read it once)
-    if given.equals(schema):  # the protocol adapters build rows this way: only nulls are left to check
-        nulls = {f.name: c.null_count for f, c in zip(schema, table.columns) if not f.nullable and c.null_count}
-        if not nulls:
-            return table
-    columns = []
-    nulls = {}
-    for field in schema:
-        index = given.get_field_index(field.name)
-        if index < 0 or not is_compatible(given.field(index).type, field.type):
-            problems = schema_problems(given, signature.inputs, model)
-            raise SchemaMismatch("; ".join(problems), problems)
-        column = table.column(index)
-        if column.type != field.type:
-            try:
-                column = column.cast(field.type)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-                raise InvalidInput(f"input {field.name!r} cannot be read as {field.type} by the model {model!r}: {e}") from e
-        if not field.nullable and column.null_count:
-            nulls[field.name] = column.null_count
-        columns.append(column)
-    if nulls:
-        raise NullValues(
-            f"inputs {sorted(nulls)} hold nulls ({nulls}) where the model {model!r} needs values; send a value in every row",
-            nulls,
-        )
-    return pa.Table.from_arrays(columns, schema=schema)
 
 
 class DataPlane:
@@ -342,47 +286,44 @@ class DataPlane:
 
     # -- inference ----------------------------------------------------------------------
     async def infer(
-        self, tenant: Tenant, model: ServedModel | str, table: pa.Table, *, checked: bool = False,
-        captured: bool | None = None,
-    ) -> pa.Table:
-        """Score rows with a model the tenant may call; the output has one row per input row.
+        self, tenant: Tenant, model: ServedModel | str, rows: pa.Table | Rows, *, captured: bool | None = None,
+    ) -> pa.Table | dict[str, np.ndarray]:
+        """Score rows with a model the tenant may call; the answer has one row per input row.
 
         Args:
             tenant: who asks (its priority orders the queue).
             model: a version from ``model()``, or a reference string.
-            table: at least the signature's input columns.
-            checked: the caller built ``table`` with ``input_schema(signature)`` of this very
-                signature and it holds no nulls (a protocol adapter's fast path): it is not checked again.
-            captured: whether the request is captured, as ``capture.draw()`` said for it; None: draw here.
+            rows: an Arrow table holding at least the signature's input columns (checked here with the
+                kernel's one row check, ``check_rows``), or ``Rows`` a protocol adapter made for this
+                version's signature (checked when they were made: they carry its plan). Float ``Rows``
+                are scored from their arrays, without Arrow, alone or batched with others.
+            captured: whether the request is captured (``capture.draw()``); None: drawn here.
+
+        Returns:
+            The output rows as a table, or, for float ``Rows`` a runtime scored from their arrays,
+            each output column as a numpy array.
 
         Raises:
             ModelNotFound, InvalidInput (and its subclasses), Overloaded, InferenceFailed,
             RuntimeUnavailable.
         """
         served = model if isinstance(model, ServedModel) else await self.model_for_reference(tenant, model)
-        rows = table if checked and isinstance(model, ServedModel) else prepare_rows(table, served.signature, served.pinned)
-        if rows.num_rows == 0:
-            return served.signature.output_schema().empty_table()
-        answer = await self._score_rows(tenant, served, rows)
-        self.capture.sample(served.name, served.version, tenant.name, rows, answer, captured)
-        return answer  # type: ignore[return-value]  # (rows in, so rows out)
+        plan = served.signature.plan
+        checked = rows if isinstance(rows, Rows) and rows.plan is plan else check_rows(
+            rows.table() if isinstance(rows, Rows) else rows, served.signature, served.pinned)
+        if checked.num_rows == 0:
+            return plan.output_schema.empty_table()
+        answer = await self._score_rows(tenant, served, checked)
+        if captured is None:
+            captured = self.capture.draw()
+        if captured:
+            table = checked.table()
+            self.capture.sample(served.name, served.version, tenant.name,
+                                table if isinstance(table, pa.Table) else pa.Table.from_batches([table]),
+                                plan.answer_table(answer), True)
+        return answer  # type: ignore[no-any-return]
 
-    async def infer_matrix(self, tenant: Tenant, served: ServedModel, matrix: Matrix) -> pa.Table | dict[str, np.ndarray]:
-        """``infer`` for rows a protocol adapter decoded into a ``Matrix`` (checked, no nulls, the
-        signature's columns in order): the model scores the matrix (``predict_matrix``) at once
-        when it is fast and idle, or in a batch with the other matrices queued with it; no Arrow
-        either way. The answer is the output columns as numpy arrays, one row per input row
-        (output rows where the runtime takes no matrix). Not for a captured request (capture
-        keeps Arrow rows: call ``infer`` with ``captured=True``).
-
-        Raises:
-            Overloaded, InferenceFailed, RuntimeUnavailable: as ``infer``.
-        """
-        if matrix.num_rows == 0:
-            return served.signature.output_schema().empty_table()
-        return await self._score_rows(tenant, served, matrix)
-
-    async def _score_rows(self, tenant: Tenant, served: ServedModel, rows: pa.Table | Matrix) -> Any:
+    async def _score_rows(self, tenant: Tenant, served: ServedModel, rows: Rows) -> Any:
         """At once when the model is fast and idle (``Batcher.try_now``), else through its queue."""
         served.last_used = self._clock()
         answer = served.batcher.try_now(rows)  # a fast, loaded, idle model: scored here, at once
@@ -399,7 +340,7 @@ class DataPlane:
         served.last_used = self._clock()
         return answer
 
-    async def _predict(self, key: tuple[str, int], inputs: pa.Table | Matrix) -> Any:
+    async def _predict(self, key: tuple[str, int], inputs: Rows) -> Any:
         served = self._served[key]
         while served.unloading is not None:  # an unload in progress ends before the model is used again
             await asyncio.shield(served.unloading)
@@ -410,7 +351,7 @@ class DataPlane:
             self._infer_pool, context.run, self._predict_blocking, served, inputs
         )
 
-    def _predict_inline(self, key: tuple[str, int], inputs: pa.Table | Matrix) -> Any:
+    def _predict_inline(self, key: tuple[str, int], inputs: Rows) -> Any:
         """Score on the event loop when the model is loaded and fast enough (see ``runs_inline``), else None."""
         served = self._served[key]
         if served.unloading is not None or not runs_inline(
@@ -421,7 +362,7 @@ class DataPlane:
             return None
         return self._score(served, runtime, inputs)
 
-    def _predict_blocking(self, served: ServedModel, inputs: pa.Table | Matrix) -> Any:
+    def _predict_blocking(self, served: ServedModel, inputs: Rows) -> Any:
         """Score on a pool thread through the model cache (which loads the model if it is not held)."""
         resolved = served.resolved
         runtime = self.cache.held(served.content_digest, self.runtime)
@@ -433,18 +374,10 @@ class DataPlane:
                 "model": resolved.pinned, "device": runtime.device, "seconds": round(time.perf_counter() - started, 3)}})
         return self._score(served, runtime, inputs)
 
-    def _score(self, served: ServedModel, runtime: Any, inputs: pa.Table | Matrix) -> Any:
-        """``runtime.predict`` (``predict_matrix`` for a ``Matrix``, its table if the runtime takes
-        no matrix), timed (its smoothed time per row decides what runs inline)."""
-        rows = inputs.num_rows
-        if isinstance(inputs, Matrix):
-            values = inputs.values
-            output = self._timed(served, runtime, rows, lambda: runtime.predict_matrix(values))
-            if output is not None:
-                return output
-            inputs = inputs.table()
-        table = inputs
-        return self._timed(served, runtime, rows, lambda: runtime.predict(table))
+    def _score(self, served: ServedModel, runtime: Any, inputs: Rows) -> Any:
+        """``runtime.predict`` (which picks its own fast path for the rows), timed (its smoothed
+        time per row decides what runs inline)."""
+        return self._timed(served, runtime, inputs.num_rows, lambda: runtime.predict(inputs))
 
     def _timed(self, served: ServedModel, runtime: Any, rows: int, score: Callable[[], T]) -> T:
         """A scoring call, timed into ``served.seconds_per_row``; a failure not the request's is InferenceFailed.
@@ -468,8 +401,6 @@ class DataPlane:
                 f"model {served.resolved.pinned} failed on {rows} rows that passed its signature check "
                 f"({type(e).__name__}: {e}); this is a fault of the model or the server, not of the request"
             ) from e
-        if output is None:  # declined: nothing was scored, nothing to time
-            return output
         served.seconds_per_row = next_seconds_per_row(served.seconds_per_row, (clock() - started) / max(1, rows))
         return output
 

@@ -78,8 +78,8 @@ _RECORDED = ("torch", "transformers", "sentence-transformers", "tokenizers", SOU
 def embedding_signature(dimensions: int = DIMENSIONS) -> Signature:
     """``text`` (string) in, ``embedding`` (``dimensions`` float32 values) out."""
     return Signature(
-        inputs=[ColumnSpec(name="text", type="string")],
-        outputs=[ColumnSpec(name="embedding", type=f"fixed_size_list<float32>[{dimensions}]")],
+        inputs=(ColumnSpec(name="text", type="string"),),
+        outputs=(ColumnSpec(name="embedding", type=f"fixed_size_list<float32>[{dimensions}]"),),
     )
 
 

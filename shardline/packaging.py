@@ -302,8 +302,8 @@ def infer_onnx_signature(
         )
     # A sample that holds NaN or infinity in a float column is data the model is meant to take
     # (a tree model's missing values): the column declares it, so neither tier refuses them.
-    for name in non_finite_counts(sample, inputs):
-        next(spec for spec in inputs if spec.name == name).non_finite = True
+    takes_nan = non_finite_counts(sample, inputs)
+    inputs = [spec.model_copy(update={"non_finite": True}) if spec.name in takes_nan else spec for spec in inputs]
     from shardline.runtimes.onnx import column_tensor
 
     feeds = {}
@@ -312,7 +312,7 @@ def infer_onnx_signature(
     for info, spec in zip(onnx_inputs, inputs) if not feeds else []:
         feeds[info.name] = column_tensor(head.column(spec.name), _numpy_type(spec), len(info.shape or []))
     outputs = _run_outputs(session, feeds, f"the sample's first {head.num_rows} rows")
-    return Signature(inputs=inputs, outputs=outputs), config
+    return Signature(inputs=tuple(inputs), outputs=tuple(outputs)), config
 
 
 def onnx_signature(onnx_file: str | Path) -> Signature:
@@ -333,7 +333,7 @@ def onnx_signature(onnx_file: str | Path) -> Signature:
             dims.append(1)  # an input [N, 1] fed by a primitive column
         dtype = _numpy_type(spec)
         feeds[info.name] = np.full(dims, "", dtype=object) if dtype == np.dtype(object) else np.zeros(dims, dtype)
-    return Signature(inputs=inputs, outputs=_run_outputs(session, feeds, "two rows of zeros"))
+    return Signature(inputs=tuple(inputs), outputs=tuple(_run_outputs(session, feeds, "two rows of zeros")))
 
 
 def package_onnx(
@@ -422,7 +422,7 @@ def package_sklearn(
         name=name,
         runtime="onnx",
         artifacts=[describe_artifact(out, "model.onnx")],
-        signature=Signature(inputs=inputs, outputs=outputs),
+        signature=Signature(inputs=tuple(inputs), outputs=tuple(outputs)),
         runtime_config={
             "tensor_inputs": [{"name": "X", "columns": features, "dtype": "float32"}],
             "tensor_outputs": rename,

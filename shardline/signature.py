@@ -9,14 +9,17 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from shardline.errors import InvalidBundle
+
+if TYPE_CHECKING:
+    from shardline.rows import SignaturePlan
 
 _FIXED = re.compile(r"^fixed_size_list<(.+)>\[(\d+)\]$")
 _LIST = re.compile(r"^list<(.+)>$")
@@ -92,7 +95,9 @@ def tensor_type_name(value_type: str, dims: list[int]) -> str:
 
 
 class ColumnSpec(BaseModel):
-    """One column of a signature."""
+    """One column of a signature (immutable: a signature's plan is worked out from its columns once)."""
+
+    model_config = ConfigDict(frozen=True)
 
     name: str = Field(min_length=1, description="Column name.")
     type: str = Field(description="Arrow type string, e.g. 'float32'.")
@@ -125,14 +130,21 @@ class ColumnSpec(BaseModel):
 
 
 class Signature(BaseModel):
-    """What a model reads and what it writes, column by column."""
+    """What a model reads and what it writes, column by column.
 
-    inputs: list[ColumnSpec] = Field(min_length=1)
-    outputs: list[ColumnSpec] = Field(min_length=1)
+    Immutable (the columns are tuples of frozen specs), so what reading its rows needs is worked
+    out once and kept on it: ``plan`` (``shardline.rows.SignaturePlan``). The plan is not part of
+    the model's fields: it is not serialized, compared, copied or pickled.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    inputs: tuple[ColumnSpec, ...] = Field(min_length=1)
+    outputs: tuple[ColumnSpec, ...] = Field(min_length=1)
 
     @field_validator("inputs", "outputs")
     @classmethod
-    def _unique_names(cls, value: list[ColumnSpec]) -> list[ColumnSpec]:
+    def _unique_names(cls, value: tuple[ColumnSpec, ...]) -> tuple[ColumnSpec, ...]:
         names = [c.name for c in value]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -151,7 +163,32 @@ class Signature(BaseModel):
 
     def output_schema(self) -> pa.Schema:
         """The Arrow schema of what the model returns."""
-        return pa.schema([pa.field(c.name, c.arrow_type, c.nullable) for c in self.outputs])
+        return self.plan.output_schema
+
+    @functools.cached_property
+    def plan(self) -> SignaturePlan:
+        """What reading rows for this signature needs (schemas, column plans, float layout), made once."""
+        from shardline.rows import SignaturePlan
+
+        return SignaturePlan(self)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> "Signature":
+        """This signature (it is immutable), or with ``update`` a new one, validated and with its own plan."""
+        if update:
+            return Signature.model_validate({**dict(self), **update})
+        return self
+
+    def __copy__(self) -> "Signature":
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> "Signature":
+        return self
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickled without the plan (it holds locks; it is made again where it is needed)."""
+        state = super().__getstate__()
+        state["__dict__"] = {k: v for k, v in state["__dict__"].items() if k != "plan"}
+        return state
 
 
 def _is_numeric(dtype: pa.DataType) -> bool:

@@ -27,6 +27,7 @@ import pytest
 
 from shardline.bundle import Manifest
 from shardline.errors import InvalidBundle, InvalidInput, RuntimeUnavailable, ShardlineError
+from shardline.rows import float_rows
 from shardline.runtimes import KNOWN_RUNTIMES, Runtime, RuntimeOptions, create_runtime
 
 OPTIONS = RuntimeOptions(device="cpu", intra_op_threads=1)
@@ -185,18 +186,18 @@ class RuntimeConformance:
         for answer in answers:
             self.assert_same_rows(answer, whole)
 
-    def test_the_matrix_fast_path_agrees_with_predict_where_it_is_offered(self, runtime: Runtime,
-                                                                          rows: pa.Table) -> None:
-        inputs = runtime.manifest.signature.inputs
-        if len(inputs) == 1 and pa.types.is_fixed_size_list(inputs[0].arrow_type):
-            matrix = column_values(rows.column(inputs[0].name))
-        elif all(pa.types.is_floating(c.arrow_type) for c in inputs):
-            matrix = np.column_stack([column_values(rows.column(c.name)) for c in inputs])
+    def test_float_rows_score_like_their_arrow_rows(self, runtime: Runtime, rows: pa.Table) -> None:
+        plan = runtime.manifest.signature.plan
+        layout = plan.layout
+        if layout is None:
+            pytest.skip("float rows are for signatures of float columns and float list columns")
+        if layout.stacked:
+            arrays = (np.ascontiguousarray(np.column_stack([column_values(rows.column(n)) for n in plan.input_names]),
+                                           dtype=layout.dtypes[0]),)
         else:
-            pytest.skip("the matrix path takes float columns or one float list column only")
-        answer = runtime.predict_matrix(np.ascontiguousarray(matrix))
-        if answer is None:
-            pytest.skip(f"{type(runtime).__name__} does not take matrices for this bundle")
+            arrays = tuple(np.ascontiguousarray(column_values(rows.column(n)), dtype=d)
+                           for n, d in zip(plan.input_names, layout.dtypes))
+        answer = runtime.predict(float_rows(plan, arrays, runtime.manifest.reference))
         want = runtime.predict(rows)
         for name in want.schema.names:
             b = column_values(want.column(name))

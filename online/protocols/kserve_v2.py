@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from shardline import __version__
 from shardline.errors import InvalidInput
-from shardline.online.dataplane import DataPlane, input_schema
+from shardline.online.dataplane import DataPlane
 from shardline.online.edge import (
     ClientGone,
     authenticate,
@@ -48,15 +48,16 @@ from shardline.online.edge import (
 )
 from shardline.online.errors import shown
 from shardline.online.logs import current
-from shardline.online.matrix_rows import Matrix
-from shardline.online.protocols.v2_fast import fast_rows, tensor_matrix
+from shardline.online.protocols.v2_fast import fast_rows
 from shardline.online.protocols.v2_tensors import (
     array_to_tensor,
     column_to_tensor,
     describe,
+    tensor_to_array,
     tensor_to_column,
     to_binary,
 )
+from shardline.rows import Rows, check_rows, float_rows
 from shardline.signature import Signature
 
 PROTOCOL = "v2"
@@ -76,28 +77,23 @@ def error_body(message: str, status: int) -> dict[str, Any]:
 
 @dataclass
 class InferRequest:
-    """A decoded inference request: the rows, and what the answer should hold.
+    """A decoded inference request: its rows, checked against the signature, and what the answer should hold.
 
-    The fast path (every input a float column, JSON data) decodes the rows into ``matrix``
-    (rows, columns in the signature's order, of its type) and makes the Arrow ``table``
-    only when it is read (most requests are scored from the matrix: ``DataPlane.infer_matrix``).
+    ``rows`` are float arrays for a signature with a float layout (JSON or binary tensors alike),
+    else an Arrow table; either way ``Rows`` of the signature's plan, so the data plane does not
+    check them again.
     """
 
-    rows: pa.Table | None
+    rows: Rows
     request_id: str | None
     outputs: list[str]
     binary: dict[str, bool]
-    checked: bool = False  # the table has the signature's input schema and no nulls (the fast path built it)
-    matrix: Matrix | None = None
 
     @property
     def table(self) -> pa.Table:
-        """The rows as a table of the signature's input columns."""
-        if self.rows is None:
-            if self.matrix is None:
-                raise RuntimeError("an InferRequest holds neither rows nor a matrix")
-            self.rows = self.matrix.table()
-        return self.rows
+        """The rows as a table of the signature's input columns (made from the arrays if need be)."""
+        table = self.rows.table()
+        return table if isinstance(table, pa.Table) else pa.Table.from_batches([table])
 
 
 def _json_header(body: bytes, header_length: str | None) -> tuple[Any, memoryview]:
@@ -154,16 +150,17 @@ def decode_infer_request(body: bytes, header_length: str | None, signature: Sign
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise InvalidInput("field 'inputs' is missing, empty or not a list; send one input per model input")
-    specs = {c.name: c for c in signature.inputs}
-    columns: dict[str, pa.Array] = {}
+    plan = signature.plan
+    layout = plan.layout
+    columns: dict[str, Any] = {}
     offset = 0
     for i, tensor in enumerate(inputs):
         name, datatype, shape, parameters = _tensor_fields(tensor, i)
         if name in columns:
             raise InvalidInput(f"input {name!r} appears twice")
-        spec = specs.get(name)
-        if spec is None:
-            raise InvalidInput(f"input {shown(name)} is not an input of the model {model!r}; it takes {list(specs)}")
+        column = plan.by_name.get(name)
+        if column is None:
+            raise InvalidInput(f"input {shown(name)} is not an input of the model {model!r}; it takes {list(plan.input_names)}")
         size = parameters.get("binary_data_size")
         if size is not None:
             if type(size) is not int or size < 0:
@@ -179,7 +176,10 @@ def decode_infer_request(body: bytes, header_length: str | None, signature: Sign
             values = tensor["data"]
         else:
             raise InvalidInput(f"input {name!r} has neither 'data' nor a binary_data_size parameter")
-        columns[name] = tensor_to_column(name, datatype, shape, values, spec, model)
+        if layout is not None:  # a float signature: numpy arrays, no Arrow
+            columns[name] = tensor_to_array(name, datatype, shape, values, column)
+        else:
+            columns[name] = tensor_to_column(name, datatype, shape, values, column)
     if offset != len(binary):
         raise InvalidInput(f"the body holds {len(binary) - offset} bytes of binary data that no input claims")
     missing = [describe(c) for c in signature.inputs if c.name not in columns]
@@ -187,15 +187,20 @@ def decode_infer_request(body: bytes, header_length: str | None, signature: Sign
         needs = ", ".join(f"{m['name']!r} ({m['datatype']}, shape {m['shape']})" for m in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise InvalidInput(f"inputs missing: the model {model!r} needs {needs}{more}")
-    rows = {name: len(column) for name, column in columns.items()}
-    if len(set(rows.values())) > 1:
-        raise InvalidInput(f"inputs disagree on the number of rows: {rows}; send the same N for every input")
-    table = pa.Table.from_arrays([columns[c.name] for c in signature.inputs], schema=input_schema(signature))
+    counts = {name: len(column) for name, column in columns.items()}
+    if len(set(counts.values())) > 1:
+        raise InvalidInput(f"inputs disagree on the number of rows: {counts}; send the same N for every input")
+    ordered = [columns[n] for n in plan.input_names]
+    if layout is None:
+        rows = check_rows(pa.Table.from_arrays(ordered, schema=plan.input_schema), signature, model)
+    elif layout.stacked:
+        rows = float_rows(plan, (np.column_stack(ordered) if ordered[0].size else
+                                 np.empty((0, len(ordered)), layout.dtypes[0]),), model)
+    else:
+        rows = float_rows(plan, tuple(ordered), model)
     outputs, binary_out = _requested_outputs(doc, signature, model)
     request_id = doc.get("id")
-    matrix = tensor_matrix(table, signature)
-    return InferRequest(table, request_id if isinstance(request_id, str) else None, outputs, binary_out,
-                        matrix is not None, matrix)
+    return InferRequest(rows, request_id if isinstance(request_id, str) else None, outputs, binary_out)
 
 
 _MAX_RANK = 8  # a shape longer than this is refused before anything reads it (models take [N] or [N, k])
@@ -203,39 +208,23 @@ _MAX_RANK = 8  # a shape longer than this is refused before anything reads it (m
 
 def _fast_request(body: bytes, signature: Signature, model: str) -> InferRequest | None:
     """The commonest requests (``v2_fast``), decoded and checked in one pass: JSON (no binary tensors),
-    flat ``data`` of JSON floats, no parameters, and either one input per float column of the
-    signature (datatype and shape ``[N]`` as the metadata says) or, for a signature of one
-    ``fixed_size_list<float>[k]`` column, that one input of shape ``[N, k]``. None (and the general
-    path decides, with its errors) for anything else."""
-    fast = fast_rows(body, signature)
+    flat ``data`` of JSON floats, no parameters, one input per input of a float signature (datatype and
+    shape as the metadata says). None (and the general path decides, with its errors) for anything else."""
+    fast = fast_rows(body, signature, model)
     if fast is None:
         return None
-    matrix, request_id, requested, parameters = fast
+    rows, request_id, requested, parameters = fast
     outputs, binary_out = _requested_outputs({"outputs": requested, "parameters": parameters}, signature, model)
-    return InferRequest(None, request_id if isinstance(request_id, str) else None, outputs, binary_out, True, matrix)
-
-
-_ALL_OUTPUTS: dict[tuple[int, bool], tuple[Signature, list[str], dict[str, bool]]] = {}
-
-
-def _all_outputs(signature: Signature, binary: bool) -> tuple[list[str], dict[str, bool]]:
-    """Every output, each binary or not: kept per signature (most requests name no outputs), so read-only."""
-    hit = _ALL_OUTPUTS.get((id(signature), binary))
-    if hit is not None and hit[0] is signature:
-        return hit[1], hit[2]
-    names = signature.output_names
-    if len(_ALL_OUTPUTS) > 1024:
-        _ALL_OUTPUTS.clear()
-    _ALL_OUTPUTS[(id(signature), binary)] = (signature, names, {n: binary for n in names})
-    return names, {n: binary for n in names}
+    return InferRequest(rows, request_id if isinstance(request_id, str) else None, outputs, binary_out)
 
 
 def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) -> tuple[list[str], dict[str, bool]]:
     parameters = doc.get("parameters") or {}
     default = bool(parameters.get("binary_data_output", False)) if isinstance(parameters, dict) else False
     requested = doc.get("outputs")
-    if requested is None:
-        return _all_outputs(signature, default)
+    if requested is None:  # every output (most requests): the plan's names, read-only
+        every = signature.plan.every_output[default]
+        return signature.plan.output_names, every
     if not isinstance(requested, list):
         raise InvalidInput("field 'outputs' is not a list of {\"name\": ...} objects")
     names: list[str] = []
@@ -257,7 +246,7 @@ def encode_infer_response(
 ) -> tuple[bytes, int | None]:
     """The V2 response body, and the JSON header's length when binary tensors follow it.
 
-    ``output``: the model's rows, or its columns as numpy arrays (``DataPlane.infer_matrix``).
+    ``output``: the model's rows, or its columns as numpy arrays (``DataPlane.infer`` of float rows).
     """
     docs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
@@ -375,12 +364,7 @@ class InferEndpoint:
                     lambda: decode_infer_request(body, header_length, served.signature, served.pinned))
             else:
                 decoded = decode_infer_request(body, header_length, served.signature, served.pinned)
-            captured = plane.capture.draw()  # once per request, whichever path scores it
-            output: pa.Table | dict[str, np.ndarray]
-            if decoded.matrix is not None and not captured:  # scored from the matrix, no Arrow either way
-                output = await plane.infer_matrix(tenant, served, decoded.matrix)
-            else:
-                output = await plane.infer(tenant, served, decoded.table, checked=decoded.checked, captured=captured)
+            output = await plane.infer(tenant, served, decoded.rows)
         if large or output_bytes(output) >= plane.settings.offload_min_bytes // 4:  # JSON: ~4x the binary size
             return await plane.off_loop(lambda: encode_infer_response(served.name, served.version, decoded, output))
         return encode_infer_response(served.name, served.version, decoded, output)

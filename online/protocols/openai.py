@@ -134,9 +134,9 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
                     f"field 'dimensions' is {dimensions}; {served.pinned} makes {size}-dimensional embeddings and "
                     "cannot shorten them: leave 'dimensions' out"
                 )
-            output = await plane.infer(tenant, served, pa.table({text_column: pa.array(texts, pa.string())}))
+            answer = await plane.infer(tenant, served, pa.table({text_column: pa.array(texts, pa.string())}))
             tokens = await plane.count_tokens(served, texts)
-        column = output.column(embedding_column).combine_chunks()
+        column = served.signature.plan.answer_table(answer).column(embedding_column).combine_chunks()
         vectors = column.flatten().to_numpy().astype(np.float32, copy=False).reshape(len(texts), size)
         if vectors.nbytes * 4 >= plane.settings.offload_min_bytes:  # the JSON: ~4x the floats' bytes
             return await plane.off_loop(lambda: json_response(embedding_response(served.pinned, vectors, encoding, tokens)))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,8 @@ import pyarrow as pa
 
 from shardline.errors import InferenceFailed, InvalidInput
 from shardline.online.errors import shown
-from shardline.signature import ColumnSpec, leaf_type, row_shape
+from shardline.rows import ColumnPlan
+from shardline.signature import ColumnSpec, leaf_type, row_shape, type_name
 
 DATATYPES: dict[str, pa.DataType] = {
     "BOOL": pa.bool_(),
@@ -81,39 +81,23 @@ def _mixed(name: str) -> InvalidInput:
     return InvalidInput(f"input {name!r}: 'data' mixes lists and single values; send it flat or nested evenly")
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What reading one signature column needs, worked out once per column (it is on every request's path)."""
-
-    expected: pa.DataType
-    value_type: pa.DataType
-    shape: list[int]
-    datatype: str  # the one V2 datatype the input takes (what the metadata advertises)
-    finite_only: bool  # a float column whose signature does not declare NaN and infinity
+_V2_OF = {type_name(t): name for t, name in _BY_ARROW.items()}  # "float32" -> "FP32"
 
 
-_PLANS: dict[int, tuple[ColumnSpec, _Plan]] = {}
+def _datatype(plan: ColumnPlan) -> str:
+    """The one V2 datatype an input takes (what the metadata advertises for its column)."""
+    try:
+        return _V2_OF[plan.value_name]
+    except KeyError:
+        return datatype_of(plan.value_type)  # (raises InferenceFailed: a type V2 has no datatype for)
 
 
-def _plan(spec: ColumnSpec) -> _Plan:
-    hit = _PLANS.get(id(spec))
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    expected = spec.arrow_type
-    value_type = leaf_type(expected)
-    finite_only = pa.types.is_floating(value_type) and not spec.non_finite
-    plan = _Plan(expected, value_type, shape_of(expected), datatype_of(expected), finite_only)
-    if len(_PLANS) > 4096:
-        _PLANS.clear()
-    _PLANS[id(spec)] = (spec, plan)
-    return plan
-
-
-def _check_shape(name: str, shape: list[int], plan: _Plan) -> None:
+def _check_shape(name: str, shape: list[int], plan: ColumnPlan) -> None:
     """The shape's rank is the model's, and each fixed dimension is its size (as Triton checks)."""
-    want = plan.shape
-    if len(shape) == len(want) and all(w < 0 or s == w for s, w in zip(shape[1:], want[1:])):
+    row = plan.shape
+    if len(shape) == len(row) + 1 and all(w < 0 or s == w for s, w in zip(shape[1:], row)):
         return
+    want = [-1, *row]
     send = ", ".join(["N", *("k" if w < 0 else str(w) for w in want[1:])])
     raise InvalidInput(
         f"input {name!r} has shape {shape} (rank {len(shape)}), the model takes {want} (rank {len(want)}): "
@@ -184,19 +168,17 @@ def _from_binary(
     return np.frombuffer(raw, dtype=dtype)
 
 
-def _to_arrow(name: str, values: np.ndarray | pa.Array, plan: _Plan, spec: ColumnSpec, model: str) -> pa.Array:
+def _to_arrow(name: str, values: np.ndarray | pa.Array, plan: ColumnPlan) -> pa.Array:
     """Values as an Arrow array of the column's value type (numpy casts floats; Arrow checks the rest).
+    NaN and infinity are left to the kernel's row check (``check_rows``), which refuses them in both tiers.
 
     Raises:
-        InvalidInput: values that do not fit, or NaN or infinity (also from a cast that overflows)
-            in a column whose signature does not declare them (``non_finite``).
+        InvalidInput: values that do not fit.
     """
     value_type = plan.value_type
     if isinstance(values, np.ndarray) and pa.types.is_floating(value_type) and values.dtype.kind in "iuf":
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is inf, refused just below
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is inf, refused by the row check
             converted = values.astype(value_type.to_pandas_dtype(), copy=False)
-        if plan.finite_only and converted.dtype.kind == "f":
-            refuse_non_finite(name, converted, spec, model)
         return pa.array(converted)
     array = pa.array(values) if isinstance(values, np.ndarray) else values
     if array.type == value_type:
@@ -204,48 +186,18 @@ def _to_arrow(name: str, values: np.ndarray | pa.Array, plan: _Plan, spec: Colum
     try:
         return array.cast(value_type, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-        raise InvalidInput(f"input {name!r}: its values do not fit {spec.type} ({e})") from e
+        raise InvalidInput(f"input {name!r}: its values do not fit {plan.spec.type} ({e})") from e
 
 
-def refuse_non_finite(name: str, values: np.ndarray, spec: ColumnSpec, model: str) -> None:
-    """Refuse NaN and infinity among float ``values`` of input ``name``.
-
-    Raises:
-        InvalidInput: naming the input, how many values and the first one's position.
-    """
-    with np.errstate(over="ignore", invalid="ignore"):
-        if math.isfinite(values.sum(dtype=np.float64)):  # one pass; a sum that overflows is looked at closely
-            return
-    bad = ~np.isfinite(values)
-    if not bad.any():
-        return
-    first = int(np.flatnonzero(bad.ravel())[0])
-    raise InvalidInput(
-        f"input {name!r} holds {int(bad.sum())} NaN or infinite values (the first is value {first}, counting from 0 "
-        f"in the order sent; a number out of {spec.type}'s range is infinite too); the model {model!r} takes "
-        "finite numbers only: send a number in every row (a model that reads NaN declares non_finite: true on the "
-        "input in its signature)"
-    )
-
-
-def tensor_to_column(
-    name: str, datatype: str, shape: list[int], values: Any, spec: ColumnSpec, model: str
-) -> pa.Array:
-    """One V2 input as the column its signature names.
-
-    Args:
-        values: the JSON ``data`` (a list, flat or nested) or the tensor's binary bytes.
-
-    Raises:
-        InvalidInput: wrong datatype or shape, values that do not fit, or a wrong count.
-    """
-    plan = _plan(spec)
-    if datatype != plan.datatype:
+def _decoded(name: str, datatype: str, shape: list[int], values: Any, plan: ColumnPlan) -> np.ndarray | pa.Array:
+    """The flat values of one V2 input, its datatype, shape and count checked against the column."""
+    want = _datatype(plan)
+    if datatype != want:
         if datatype not in DATATYPES:
             raise InvalidInput(
                 f"input {name!r}: datatype {shown(datatype)} is not a V2 datatype; use one of {sorted(DATATYPES)}"
             )
-        raise InvalidInput(f"input {name!r} is {datatype}, the model takes {plan.datatype}: send datatype {plan.datatype}")
+        raise InvalidInput(f"input {name!r} is {datatype}, the model takes {want}: send datatype {want}")
     _check_shape(name, shape, plan)
     count = math.prod(shape)
     if isinstance(values, (bytes, bytearray, memoryview)):
@@ -254,10 +206,36 @@ def tensor_to_column(
         decoded = _from_json(name, datatype, values, shape)
     if len(decoded) != count:
         raise InvalidInput(f"input {name!r} holds {len(decoded)} values; its shape {shape} holds {count}")
-    array = _to_arrow(name, decoded, plan, spec, model)
+    return decoded
+
+
+def tensor_to_array(name: str, datatype: str, shape: list[int], values: Any, plan: ColumnPlan) -> np.ndarray:
+    """One V2 input of a float column (``FloatLayout``) as its numpy array, ``(N,)`` or ``(N, k)`` of the
+    column's value type, checked as ``tensor_to_column`` checks it (the same messages), without Arrow.
+
+    Raises:
+        InvalidInput: wrong datatype or shape, or a wrong count.
+    """
+    decoded = _decoded(name, datatype, shape, values, plan)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is inf, refused by the row check
+        array = np.asarray(decoded).astype(plan.value_type.to_pandas_dtype(), copy=False)
+    return array.reshape(shape[0], *plan.shape) if plan.shape else array
+
+
+def tensor_to_column(name: str, datatype: str, shape: list[int], values: Any, plan: ColumnPlan) -> pa.Array:
+    """One V2 input as the column its signature names (``plan``: the column's, from ``Signature.plan``).
+
+    Args:
+        values: the JSON ``data`` (a list, flat or nested) or the tensor's binary bytes.
+
+    Raises:
+        InvalidInput: wrong datatype or shape, values that do not fit, or a wrong count.
+    """
+    decoded = _decoded(name, datatype, shape, values, plan)
+    array = _to_arrow(name, decoded, plan)
     for level in range(len(shape) - 1, 0, -1):  # innermost first: [N, a, b] is N lists of a lists of b values
         size, lists = shape[level], math.prod(shape[:level])
-        if plan.shape[level] < 0:
+        if plan.shape[level - 1] < 0:
             array = pa.ListArray.from_arrays(pa.array(np.arange(lists + 1, dtype=np.int32) * size), array)
         else:
             array = pa.FixedSizeListArray.from_arrays(array, size)
@@ -291,7 +269,7 @@ _BY_NUMPY = {dtype: name for name, dtype in _NUMPY.items()}
 
 
 def array_to_tensor(values: np.ndarray) -> tuple[str, list[int], np.ndarray]:
-    """An output column given as a numpy array ((rows,) or (rows, k), see ``Runtime.predict_matrix``)
+    """An output column given as a numpy array ((rows,) or (rows, k), see ``Runtime.predict``)
     as (datatype, shape, flat values): what ``column_to_tensor`` gives for the same column."""
     try:
         datatype = _BY_NUMPY[values.dtype]

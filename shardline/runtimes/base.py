@@ -5,11 +5,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeAlias, overload
 
 import numpy as np
 import pyarrow as pa
 
 from shardline.bundle import Manifest
+from shardline.rows import Rows
 
 
 @dataclass(frozen=True)
@@ -27,20 +29,31 @@ class RuntimeOptions:
     spinning: bool = False
 
 
+Answer: TypeAlias = "pa.RecordBatch | dict[str, np.ndarray]"
+"""What ``predict`` gives for ``Rows``: a record batch, or each output column as a numpy array."""
+
+
 class Runtime(ABC):
-    """A loaded model: a batch of rows in, a batch of rows out.
+    """A loaded model: rows in, rows out, through one method, ``predict``, that both tiers call.
 
     Contract (``tests/runtime_conformance.py`` checks it; a new runtime's tests mix it in):
         - ``__init__`` only stores its arguments; ``load()`` does the work and may
           raise ``RuntimeUnavailable`` (a package or device is missing: the message names
           the extra to install) or ``InvalidBundle`` (an artifact is missing or unreadable).
-        - ``predict(batch)`` takes an Arrow record batch or table holding at least the
-          signature's input columns (already checked against it; other columns are ignored)
-          and returns a record batch with exactly the signature's output columns and types,
-          one row per input row, in the same order. An empty batch answers no rows; a row
-          gets the same answer alone as in any batch (floats to rounding). Input columns that
-          are missing or cannot become the model's tensors raise ``InvalidInput`` naming the
-          column. It is safe to call from several threads at once.
+        - ``predict(rows)`` takes the rows in one of two forms and picks its own fast path:
+            * an Arrow record batch or table holding at least the signature's input columns
+              (other columns are ignored): the answer is a record batch;
+            * ``shardline.rows.Rows``, rows already checked against the signature
+              (``check_rows``, or ``float_rows`` for float arrays a decoder built). When they hold
+              float arrays (``Rows.arrays``, in the signature's ``FloatLayout``) a runtime may score
+              those without Arrow and answer each output column as a numpy array of exactly its
+              signature type (shape ``(rows,)``, or ``(rows, k)`` for ``fixed_size_list[k]``); where it
+              cannot, it reads ``Rows.table()`` and answers a record batch.
+          Either way the answer holds exactly the signature's output columns and types, one row per
+          input row, in the same order, and the same values whichever form the rows came in (floats
+          to rounding). An empty batch answers no rows; a row gets the same answer alone as in any
+          batch. Input columns that are missing or cannot become the model's tensors raise
+          ``InvalidInput`` naming the column. It is safe to call from several threads at once.
         - ``predict`` before ``load()`` or after ``close()`` raises ``RuntimeError``.
         - ``close()`` releases what ``load()`` took (twice is harmless); the object is then unusable.
     """
@@ -54,21 +67,15 @@ class Runtime(ABC):
     def load(self) -> None:
         """Load the model into memory (and onto its device)."""
 
+    @overload
+    def predict(self, rows: Rows) -> Answer: ...
+
+    @overload
+    def predict(self, rows: pa.RecordBatch | pa.Table) -> pa.RecordBatch: ...
+
     @abstractmethod
-    def predict(self, batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
+    def predict(self, rows: pa.RecordBatch | pa.Table | Rows) -> Answer:
         """Score rows; see the class docstring for the contract."""
-
-    def predict_matrix(self, matrix: np.ndarray) -> dict[str, np.ndarray] | pa.RecordBatch | None:
-        """Optional fast path for small batches: score rows given as one matrix, skipping Arrow.
-
-        ``matrix`` is ``(rows, len(signature.inputs))``, C-ordered, of the signature's input
-        type (every input a float column of one type), columns in the signature's order.
-        Returns what ``predict`` would for the same rows: each output column as a numpy
-        array of exactly its signature type (shape ``(rows,)``, or ``(rows, k)`` for
-        ``fixed_size_list[k]``), or as the record batch when an output does not fit that form;
-        None when this runtime does not take matrices (call ``predict``). The default: None.
-        """
-        return None
 
     @property
     @abstractmethod

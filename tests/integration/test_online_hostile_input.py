@@ -114,13 +114,50 @@ def test_nan_and_infinity_are_refused_naming_the_input(url: str, breast_cancer_m
     refused = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers={**AUTH, **headers}, content=body)
     name = breast_cancer_model.data.names[4]
     assert refused.status_code == 400
-    assert f"input '{name}' holds 2 NaN or infinite values (the first is value 1" in refused.json()["error"]
+    assert f"columns [{name!r}] hold NaN or infinite values ({{{name!r}: 2}} in 3 rows)" in refused.json()["error"]
 
     doc = body_for(breast_cancer_model, breast_cancer_model.data.features[:2])
     doc["inputs"][4]["data"][0] = 1e39  # past float32's range: infinite once cast
     doc["inputs"][4]["datatype"] = "FP32"
     overflow = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers=AUTH, content=orjson.dumps(doc))
-    assert overflow.status_code == 400 and f"input '{name}' holds 1 NaN or infinite values" in overflow.json()["error"]
+    assert overflow.status_code == 400
+    assert f"columns [{name!r}] hold NaN or infinite values ({{{name!r}: 1}} in 2 rows)" in overflow.json()["error"]
+
+
+def test_the_same_bad_rows_get_the_same_message_from_both_tiers(
+    url: str, breast_cancer_model: BuiltModel, tmp_path: Path
+) -> None:
+    """One row check in the kernel: a shard the batch tier quarantines and a request the online tier
+    refuses, holding the same rows, are refused with the same text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shardline.runtimes import RuntimeOptions
+    from shardline.storage.job_identity import job_key
+    from shardline.storage.scoring import ScoringJob, score_shard
+    from shardline.storage.shards import list_shards
+
+    rows = breast_cancer_model.data.features[:3].astype(np.float32)
+    rows[1, 4], rows[2, 4], rows[0, 7] = np.nan, np.inf, -np.inf
+    body, headers = binary_body(breast_cancer_model, rows)
+    online = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers={**AUTH, **headers}, content=body)
+    assert online.status_code == 400
+
+    registry = ModelRegistry(str(tmp_path / "registry"))
+    registry.push(breast_cancer_model.bundle_dir)
+    model = registry.resolve(f"{MODEL}:1")
+    shard_dir = tmp_path / "in"
+    shard_dir.mkdir()
+    names = breast_cancer_model.data.names
+    pq.write_table(pa.table({n: rows[:, j] for j, n in enumerate(names)}), shard_dir / "bad.parquet")
+    job = ScoringJob(job_key=job_key(model.outputs_digest, None), model=model, output_uri=str(tmp_path / "out"),
+                     passthrough=None, batch_rows=1000, cache_dir=str(tmp_path / "cache"),
+                     runtime=RuntimeOptions("cpu", 1))
+    record = score_shard(job, list_shards(str(shard_dir))[0])
+
+    assert record.status == "quarantined"
+    assert record.reason == f"NonFiniteValues: {online.json()['error']}"
+    assert f"columns {sorted([names[4], names[7]])!r} hold NaN or infinite values" in (record.reason or "")
 
 
 def test_a_model_whose_signature_takes_nan_scores_it(url: str, breast_cancer_model: BuiltModel) -> None:

@@ -11,11 +11,17 @@ import pytest
 
 from shardline.errors import InvalidInput, Overloaded, RuntimeUnavailable
 from shardline.online.batcher import Batcher, BatchLimits, Pending, batch_wait, take_batch
+from shardline.rows import Rows, check_rows
+from shardline.signature import ColumnSpec, Signature
 from shardline.tenants import PRIORITIES, Priority
 
 
-def rows(*values: float) -> pa.Table:
-    return pa.table({"x": pa.array(values, pa.float64())})
+ONE_FLOAT = Signature(inputs=[ColumnSpec(name="x", type="float64")], outputs=[ColumnSpec(name="y", type="float64")])
+
+
+def rows(*values: float) -> Rows:
+    """Checked rows of one float64 column, as the data plane queues them."""
+    return check_rows(pa.table({"x": pa.array(values, pa.float64())}), ONE_FLOAT, "m:1")
 
 
 def pending(n: int, priority: Priority = "normal", at: float = 0.0) -> Pending:
@@ -66,8 +72,8 @@ class FakeModel:
         self.delay = delay
         self.batches: list[list[float]] = []
 
-    async def __call__(self, table: pa.Table) -> pa.RecordBatch:
-        values = table.column("x").to_pylist()
+    async def __call__(self, rows: Rows) -> pa.RecordBatch:
+        values = rows.table().column("x").to_pylist()
         self.batches.append(values)
         await asyncio.sleep(self.delay)
         if -1 in values:

@@ -16,7 +16,8 @@ import pyarrow as pa
 import pytest
 
 from shardline.errors import InvalidInput, ModelNotFound, NullValues, SchemaMismatch
-from shardline.online.dataplane import DataPlane, prepare_rows
+from shardline.online.dataplane import DataPlane
+from shardline.rows import check_rows
 from shardline.online.logs import (
     ACCESS_LOGGER,
     CURRENT,
@@ -92,14 +93,14 @@ def test_a_reference_the_tenant_does_not_hold_is_not_found(plane: DataPlane) -> 
 def test_rows_are_checked_and_cast_before_they_join_a_batch(breast_cancer_model: BuiltModel) -> None:
     signature = breast_cancer_model.manifest.signature
     table = features(breast_cancer_model, slice(0, 3))
-    prepared = prepare_rows(table, signature, "breast-cancer:1")
+    prepared = check_rows(table, signature, "breast-cancer:1").table()
     assert prepared.schema.names == signature.input_names
     assert {f.type for f in prepared.schema} == {pa.float32()}
     with pytest.raises(SchemaMismatch, match="column 'mean radius' is missing"):
-        prepare_rows(table.drop_columns(["mean radius"]), signature, "breast-cancer:1")
+        check_rows(table.drop_columns(["mean radius"]), signature, "breast-cancer:1")
     holed = table.set_column(0, "mean radius", pa.array([1.0, None, 2.0]))
-    with pytest.raises(NullValues, match="inputs \\['mean radius'\\] hold nulls"):
-        prepare_rows(holed, signature, "breast-cancer:1")
+    with pytest.raises(NullValues, match="columns \\['mean radius'\\] hold nulls"):
+        check_rows(holed, signature, "breast-cancer:1")
 
 
 def test_log_lines_are_json_with_the_request_id() -> None:

@@ -18,12 +18,12 @@ import pytest
 from shardline.errors import InvalidInput, RateLimited
 from shardline.online.admission import next_seconds_per_row, runs_inline, worker_share
 from shardline.online.batcher import Batcher, BatchLimits
-from shardline.online.dataplane import DataPlane, input_schema
+from shardline.online.dataplane import DataPlane
 from shardline.online.logs import request_id_from
-from shardline.online.matrix_rows import Matrix, MatrixRows
 from shardline.online.metrics import Metrics, _Tally
 from shardline.online.protocols.kserve_v2 import decode_infer_request, encode_infer_response, infer_path_params
 from shardline.online.tenants import TenantDirectory, hash_api_key
+from shardline.rows import Rows, check_rows, float_rows
 from shardline.runtimes import RuntimeOptions
 from shardline.settings import OnlineSettings
 from shardline.signature import ColumnSpec, Signature
@@ -73,17 +73,20 @@ def test_inference_paths_are_recognised_and_nothing_else() -> None:
 # -- matrix rows ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("arrow_type", [pa.float32(), pa.float64()])
 def test_matrix_rows_are_the_table_built_column_by_column(arrow_type: pa.DataType) -> None:
-    schema = pa.schema([pa.field(f"f{j}", arrow_type, nullable=False) for j in range(7)])
-    builder = MatrixRows(schema)
+    name = str(arrow_type) if arrow_type != pa.float32() else "float32"
+    signature = Signature(inputs=[ColumnSpec(name=f"f{j}", type=name) for j in range(7)],
+                          outputs=[ColumnSpec(name="y", type="int64")])
+    plan = signature.plan
+    schema = plan.input_schema
     rng = np.random.default_rng(1)
     for rows in (1, 2, 3, 5, 64, 1, 3):  # again: from the remembered templates
-        matrix = rng.normal(size=(rows, 7))
-        table = builder.table(matrix)
-        expected = pa.table({f"f{j}": pa.array(matrix[:, j].astype(arrow_type.to_pandas_dtype())) for j in range(7)},
-                            schema=schema)
+        matrix = rng.normal(size=(rows, 7)).astype(arrow_type.to_pandas_dtype())
+        table = float_rows(plan, (matrix,), "m:1").table()
+        expected = pa.table({f"f{j}": pa.array(matrix[:, j]) for j in range(7)}, schema=schema)
         assert table.equals(expected), rows
-    with pytest.raises(ValueError, match="one float type"):
-        MatrixRows(pa.schema([("a", pa.float32()), ("b", pa.int64())]))
+    mixed = Signature(inputs=[ColumnSpec(name="a", type="float32"), ColumnSpec(name="b", type="int64")],
+                      outputs=[ColumnSpec(name="y", type="int64")])
+    assert mixed.plan.layout is None  # an integer column: Arrow rows, no float arrays
 
 
 # -- the batcher with an inline model ------------------------------------------------------------
@@ -94,24 +97,27 @@ class TwoPathModel:
         self.inline_ok = inline_ok
         self.calls: list[tuple[str, list[float]]] = []
 
-    def inline(self, table: pa.Table) -> pa.RecordBatch | None:
+    def inline(self, rows: Rows) -> pa.RecordBatch | None:
         if not self.inline_ok:
             return None
-        values = table.column("x").to_pylist()
+        values = rows.table().column("x").to_pylist()
         self.calls.append(("inline", values))
         if -1 in values:
             raise InvalidInput("x = -1 cannot be scored")
         return pa.RecordBatch.from_pydict({"y": [2 * v for v in values]})
 
-    async def predict(self, table: pa.Table) -> pa.RecordBatch:
-        values = table.column("x").to_pylist()
+    async def predict(self, rows: Rows) -> pa.RecordBatch:
+        values = rows.table().column("x").to_pylist()
         self.calls.append(("pool", values))
         await asyncio.sleep(0.01)
         return pa.RecordBatch.from_pydict({"y": [2 * v for v in values]})
 
 
-def rows(*values: float) -> pa.Table:
-    return pa.table({"x": pa.array(values, pa.float64())})
+ONE_FLOAT = Signature(inputs=[ColumnSpec(name="x", type="float64")], outputs=[ColumnSpec(name="y", type="float64")])
+
+
+def rows(*values: float) -> Rows:
+    return check_rows(pa.table({"x": pa.array(values, pa.float64())}), ONE_FLOAT, "m:1")
 
 
 def test_an_idle_fast_model_scores_at_once_and_a_busy_one_still_batches() -> None:
@@ -254,16 +260,18 @@ def test_a_matrix_is_scored_from_the_matrix_on_every_path_exactly_like_its_rows(
 
             def spy(served: Any, runtime: Any, inputs: Any) -> Any:
                 thread = "loop" if threading.current_thread() is threading.main_thread() else "pool"
-                calls.append(f"{thread} {type(inputs).__name__} {inputs.num_rows}")
+                calls.append(f"{thread} {'Matrix' if inputs.arrays is not None else 'Table'} {inputs.num_rows}")
                 return original(served, runtime, inputs)
 
             plane._score = spy  # type: ignore[method-assign]
-            matrix = Matrix(signature_matrix(breast_cancer_model, slice(0, 3)), MatrixRows(input_schema(served.signature)))
-            loaded = await plane.infer_matrix(tenant, served, matrix)  # not loaded, not measured: loaded on the pool
+            plan = served.signature.plan
+            matrix = float_rows(plan, (signature_matrix(breast_cancer_model, slice(0, 3)),), served.pinned)
+            loaded = await plane.infer(tenant, served, matrix)  # not loaded, not measured: loaded on the pool
             table = await plane.infer(tenant, served, features(breast_cancer_model, slice(0, 3)))
-            fast = await plane.infer_matrix(tenant, served, matrix)  # measured, fast, idle: on the loop (if allowed)
-            parts = [Matrix(signature_matrix(breast_cancer_model, slice(i, i + 2)), matrix.builder) for i in range(0, 8, 2)]
-            together = await asyncio.gather(*(plane.infer_matrix(tenant, served, part) for part in parts))
+            fast = await plane.infer(tenant, served, matrix)  # measured, fast, idle: on the loop (if allowed)
+            parts = [float_rows(plan, (signature_matrix(breast_cancer_model, slice(i, i + 2)),), served.pinned)
+                     for i in range(0, 8, 2)]
+            together = await asyncio.gather(*(plane.infer(tenant, served, part) for part in parts))
             return loaded, table, fast, together
         finally:
             await plane.stop()
@@ -272,7 +280,8 @@ def test_a_matrix_is_scored_from_the_matrix_on_every_path_exactly_like_its_rows(
     for inline_max_ms, path in ((50, "loop"), (0, "pool")):
         calls.clear()
         loaded, table, fast, together = asyncio.run(
-            scenario(make_plane(local_registry, tmp_path / str(inline_max_ms), inline_max_ms=inline_max_ms)))
+            scenario(make_plane(local_registry, tmp_path / str(inline_max_ms), inline_max_ms=inline_max_ms,
+                                max_concurrent_batches=1)))  # one batch at a time: the queued ones go together
         assert calls[:3] == ["pool Matrix 3", f"{path} Table 3", f"{path} Matrix 3"]
         if path == "loop":  # each of the four concurrent requests is scored at once, before the next is read
             assert calls[3:] == ["loop Matrix 2"] * 4
@@ -287,28 +296,28 @@ def test_a_matrix_is_scored_from_the_matrix_on_every_path_exactly_like_its_rows(
         np.testing.assert_array_equal(np.concatenate([a["label"] for a in together]), expected)
 
 
-def test_a_runtime_without_the_matrix_path_scores_the_matrix_as_its_table(
+def test_a_runtime_without_the_float_path_scores_float_rows_as_their_table(
     local_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardline.runtimes.onnx import OnnxModel
+    from shardline.runtimes.onnx import OnnxModel, _ArrayPlan
 
     tables: list[int] = []
-    predict = OnnxModel.predict
+    predict_arrow = OnnxModel._predict_arrow
 
     def counted(self: OnnxModel, batch: Any) -> pa.RecordBatch:
         tables.append(batch.num_rows)
-        return predict(self, batch)
+        return predict_arrow(self, batch)
 
-    monkeypatch.setattr(OnnxModel, "predict_matrix", lambda self, matrix: None)  # as a runtime without one
-    monkeypatch.setattr(OnnxModel, "predict", counted)
+    monkeypatch.setattr(_ArrayPlan, "of", classmethod(lambda cls, *args: None))  # as a runtime without one
+    monkeypatch.setattr(OnnxModel, "_predict_arrow", counted)
 
     async def scenario(plane: DataPlane) -> list[Any]:
         await plane.start()
         try:
             tenant = plane.authenticate("Bearer k")
             served = await plane.model(tenant, "breast-cancer")
-            matrix = Matrix(signature_matrix(breast_cancer_model, slice(0, 3)), MatrixRows(input_schema(served.signature)))
-            return [await plane.infer_matrix(tenant, served, matrix) for _ in range(2)]  # on the pool, then at once
+            matrix = float_rows(served.signature.plan, (signature_matrix(breast_cancer_model, slice(0, 3)),), served.pinned)
+            return [await plane.infer(tenant, served, matrix) for _ in range(2)]  # on the pool, then at once
         finally:
             await plane.stop()
 
@@ -326,18 +335,20 @@ def test_a_batch_of_matrices_and_tables_scores_each_kind_in_one_call() -> None:
 
         async def predict(inputs: Any) -> Any:
             await asyncio.sleep(0.005)
-            if isinstance(inputs, Matrix):
+            if inputs.arrays is not None:
                 calls.append(("matrix", inputs.num_rows))
-                return {"y": 2 * inputs.values[:, 0]}
+                return {"y": 2 * inputs.arrays[0][:, 0]}
             calls.append(("table", inputs.num_rows))
-            return pa.RecordBatch.from_pydict({"y": [2 * v for v in inputs.column("x").to_pylist()]})
+            return pa.RecordBatch.from_pydict({"y": [2 * v for v in inputs.table().column("x").to_pylist()]})
 
-        builder = MatrixRows(pa.schema([pa.field("x", pa.float64())]))
+        plan = ONE_FLOAT.plan
         batcher = Batcher("m:1", BatchLimits(64, 0.0, 100), predict)
         first = batcher.submit(rows(0.5), "normal")  # runs alone; the next four queue behind it
         await asyncio.sleep(0)
-        mixed = [batcher.submit(Matrix(np.array([[1.0], [2.0]]), builder), "normal"), batcher.submit(rows(3.0), "high"),
-                 batcher.submit(Matrix(np.array([[4.0]]), builder), "low"), batcher.submit(rows(5.0, 6.0), "normal")]
+        mixed = [batcher.submit(float_rows(plan, (np.array([[1.0], [2.0]]),), "m:1"), "normal"),
+                 batcher.submit(rows(3.0), "high"),
+                 batcher.submit(float_rows(plan, (np.array([[4.0]]),), "m:1"), "low"),
+                 batcher.submit(rows(5.0, 6.0), "normal")]
         return await asyncio.gather(first, *mixed), calls
 
     answers, calls = asyncio.run(scenario())
@@ -363,17 +374,17 @@ def test_json_floats_decode_to_a_matrix_whose_table_is_the_general_paths() -> No
         {"name": "f0", "datatype": "FP32", "shape": [2], "data": [1.5, -2.0]},
         {"name": "f1", "datatype": "FP32", "shape": [2], "data": [3.0, 1e30]}]})
     decoded = decode_infer_request(body, None, FLOATS, "m:1")
-    assert decoded.matrix is not None and decoded.matrix.values.dtype == np.float32
-    np.testing.assert_array_equal(decoded.matrix.values, np.array([[1.5, 3.0, 0.1], [-2.0, 1e30, 0.2]], np.float32))
-    assert decoded.table.equals(pa.table({f"f{j}": decoded.matrix.values[:, j] for j in range(3)},
-                                         schema=input_schema(FLOATS)))
+    assert decoded.rows.arrays is not None and decoded.rows.arrays[0].dtype == np.float32
+    matrix = decoded.rows.arrays[0]
+    np.testing.assert_array_equal(matrix, np.array([[1.5, 3.0, 0.1], [-2.0, 1e30, 0.2]], np.float32))
+    assert decoded.table.equals(pa.table({f"f{j}": matrix[:, j] for j in range(3)}, schema=FLOATS.plan.input_schema))
 
 
 def test_a_one_row_request_decodes_to_the_same_float32_values_as_a_float64_cast() -> None:
     values = {"f1": 16777217.0, "f2": 0.1, "f0": 1e-40}  # past float32's integers, inexact, subnormal
     body = orjson.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": [1], "data": [v]} for n, v in values.items()]})
     decoded = decode_infer_request(body, None, FLOATS, "m:1")
-    matrix = decoded.matrix.values if decoded.matrix is not None else None
+    matrix = decoded.rows.arrays[0] if decoded.rows.arrays is not None else None
     assert matrix is not None and matrix.shape == (1, 3) and matrix.flags.c_contiguous
     want = np.array([[values["f0"], values["f1"], values["f2"]]], np.float64).astype(np.float32)
     assert matrix.tobytes() == want.tobytes()
@@ -390,8 +401,8 @@ def test_a_one_row_request_decodes_to_the_same_float32_values_as_a_float64_cast(
 ], ids=["int", "bool", "string", "null", "bool-shape", "parameters", "ragged"])
 def test_what_the_fast_path_does_not_take_goes_the_general_way_with_its_errors(body: bytes, outcome: str) -> None:
     if outcome.endswith("general path"):
-        decoded = decode_infer_request(body, None, FLOATS, "m:1")
-        assert decoded.matrix is None and decoded.table.column("f2").to_pylist() == [1.0]
+        decoded = decode_infer_request(body, None, FLOATS, "m:1")  # the general path: float arrays too
+        assert decoded.rows.arrays is not None and decoded.table.column("f2").to_pylist() == [1.0]
         return
     with pytest.raises(InvalidInput, match=re.escape(outcome)):
         decode_infer_request(body, None, FLOATS, "m:1")

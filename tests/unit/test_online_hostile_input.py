@@ -25,6 +25,7 @@ from shardline.online.batcher import Batcher, BatchLimits, admits_bytes, rows_nb
 from shardline.online.edge import MAX_GZIP_MEMBERS, decode_body, runs_off_loop
 from shardline.online.protocols.kserve_v2 import decode_infer_request
 from shardline.online.protocols.openai import parse_embedding_request
+from shardline.rows import check_rows
 from shardline.signature import ColumnSpec, Signature
 
 SIGNATURE = Signature(
@@ -173,15 +174,16 @@ def test_nan_and_infinity_are_refused_naming_the_input_unless_the_signature_decl
     a = np.array([1.0, np.nan, np.inf], np.float32)
     body, length = binary_request(np.ones(3, np.float32), a)
     message = refused(body, length)
-    assert "input 'b' holds 2 NaN or infinite values (the first is value 1" in message and "non_finite" in message
+    assert "columns ['b'] hold NaN or infinite values ({'b': 2} in 3 rows)" in message and "non_finite" in message
     taken = decode_infer_request(body, length, TAKES_NAN, "m:1").table
     assert np.isnan(taken.column("b").to_numpy()[1])
 
 
 def test_a_json_number_past_float32s_range_is_infinite_and_refused_on_the_fast_path_too() -> None:
-    assert "input 'a' holds 1 NaN or infinite values" in refused(request(data=[1.0, 1e39]))
-    assert "input 'a' holds 1 NaN" in refused(request(data=[1, -1e39]))  # an int in the data: the general path
-    assert decode_infer_request(request(data=[1.0, 3e38]), None, SIGNATURE, "m:1").matrix is not None  # still fast
+    fast = refused(request(data=[1.0, 1e39]))
+    assert "columns ['a'] hold NaN or infinite values ({'a': 1} in 2 rows)" in fast
+    assert refused(request(data=[1, -1e39])) == fast  # an int in the data: the general path, the same message
+    assert decode_infer_request(request(data=[1.0, 3e38]), None, SIGNATURE, "m:1").rows.arrays is not None  # still fast
     assert decode_infer_request(request(data=[1.0, 1e39]), None, TAKES_NAN, "m:1").table.column("a")[1].as_py() == float("inf")
 
 
@@ -230,7 +232,8 @@ def test_the_queue_takes_rows_up_to_its_bytes_by_priority_and_always_takes_a_fir
 
 
 def test_a_batcher_full_in_bytes_sheds_with_a_message_naming_the_setting() -> None:
-    table = pa.table({"x": pa.array(np.zeros(1000), pa.float64())})  # 8,000 bytes
+    one_float = Signature(inputs=[ColumnSpec(name="x", type="float64")], outputs=[ColumnSpec(name="y", type="float64")])
+    table = check_rows(pa.table({"x": pa.array(np.zeros(1000), pa.float64())}), one_float, "m:1")  # 8,000 bytes
     assert rows_nbytes(table) == 8000
 
     async def scenario() -> str:

@@ -16,6 +16,7 @@ import tritonclient.http as triton
 from shardline.errors import InvalidBundle, InvalidInput
 from shardline.online.protocols.kserve_v2 import decode_infer_request, model_metadata
 from shardline.packaging import package_onnx
+from shardline.rows import float_rows
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.signature import ColumnSpec, Signature
 
@@ -55,13 +56,13 @@ def test_a_list_column_named_after_a_2d_input_feeds_it_and_is_one_v2_input_of_sh
                                estimator.predict_proba(features), atol=1e-5)
 
 
-def test_the_list_layout_reaches_the_runtimes_matrix_path(tmp_path: Path) -> None:
+def test_the_list_layout_reaches_the_runtimes_float_path(tmp_path: Path) -> None:
     onnx_file, estimator, features = list_classifier(tmp_path / "model")
     manifest = package_onnx(onnx_file, tmp_path / "bundle", name="vec")
     runtime = create_runtime(tmp_path / "bundle", manifest, RuntimeOptions(device="cpu", intra_op_threads=1))
     runtime.load()
     try:
-        answer = runtime.predict_matrix(features[:7])
+        answer = runtime.predict(float_rows(manifest.signature.plan, (features[:7].astype(np.float32),), "vec"))
     finally:
         runtime.close()
     assert isinstance(answer, dict)
@@ -175,10 +176,10 @@ def test_tritonclients_n_k_tensor_decodes_to_the_matrix_the_model_is_fed(binary:
 
     decoded = decode_infer_request(body, None if size is None else str(size), LIST, "vec:1")
 
-    assert decoded.matrix is not None and decoded.checked
-    assert decoded.matrix.values.tobytes() == values.tobytes()
+    arrays = decoded.rows.arrays
+    assert arrays is not None and decoded.rows.plan is LIST.plan  # float arrays, checked against this signature
+    assert len(arrays) == 1 and arrays[0].shape == (3, 4) and arrays[0].tobytes() == values.tobytes()
     assert decoded.table.column("input").to_pylist() == values.tolist()
-    assert decoded.matrix.table().equals(decoded.table)
 
 
 def body(*tensors: dict[str, object]) -> bytes:

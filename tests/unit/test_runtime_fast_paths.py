@@ -1,6 +1,6 @@
 """The ONNX runtime's fast paths give exactly what ``predict`` gives through Arrow.
 
-``predict_matrix`` (the online tier's one-row path: a float matrix in, numpy columns out)
+``predict`` of float ``Rows`` (the online tier's path: float arrays in, numpy columns out, no Arrow)
 and the per-schema column plan of ``predict`` (the batch tier reads shards with extra
 columns, in any order), on the real breast-cancer model.
 """
@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 from shardline.errors import InvalidInput
+from shardline.rows import float_rows
 from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
 
 from tests.conftest import BuiltModel
@@ -42,7 +43,7 @@ def test_a_matrix_scores_exactly_like_its_rows_through_arrow(
 ) -> None:
     matrix, table = signature_rows(breast_cancer_model, count)
     through_arrow = runtime.predict(table)
-    fast = runtime.predict_matrix(matrix)
+    fast = runtime.predict(float_rows(runtime.manifest.signature.plan, (matrix,), "breast-cancer:1"))
 
     assert isinstance(fast, dict) and list(fast) == ["label", "probabilities"]
     assert fast["label"].dtype == np.int64 and fast["label"].shape == (count,)
@@ -68,7 +69,7 @@ def test_batches_of_other_layouts_score_the_same_whichever_schema_came_before(
         runtime.predict(table.drop_columns(["mean radius"]))
 
 
-def test_a_model_that_does_not_read_the_signature_columns_in_order_takes_no_matrix(
+def test_a_model_that_reads_the_signature_columns_in_another_order_still_takes_the_matrix(
     breast_cancer_model: BuiltModel,
 ) -> None:
     manifest = breast_cancer_model.manifest
@@ -79,7 +80,10 @@ def test_a_model_that_does_not_read_the_signature_columns_in_order_takes_no_matr
     model.load()
     try:
         matrix, table = signature_rows(breast_cancer_model, 2)
-        assert model.predict_matrix(matrix) is None  # the caller goes through predict, which reads by name
-        assert model.predict(table).num_rows == 2
+        fast = model.predict(float_rows(reordered.signature.plan, (matrix,), "breast-cancer:1"))
+        assert isinstance(fast, dict)  # the binding's columns are picked from the matrix, still without Arrow
+        through_arrow = model.predict(table)
+        np.testing.assert_array_equal(fast["label"], through_arrow.column("label").to_numpy())
+        assert through_arrow.num_rows == 2
     finally:
         model.close()

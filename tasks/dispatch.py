@@ -107,10 +107,11 @@ def dispatch_shards(
     shared = client.submit(_the_job, job, key=job_task_key(key_prefix), pure=False)
 
     # Each worker loads the model first (errors are left to the shards, which report them):
-    # the loads run at once on every worker, and its first shard does not pay for it.
+    # the loads run at once on every worker, and its first shard does not pay for it. No
+    # more loads than shards: on a large shared cluster a small job loads where it may run.
     loads = [
         client.submit(load_model, shared, key=f"load-{key_prefix}-{n}", workers=[address], pure=False)
-        for n, address in enumerate(_worker_addresses(client))
+        for n, address in enumerate(_worker_addresses(client)[: len(shards)])
     ]
 
     def submit(shard: ShardInfo) -> None:

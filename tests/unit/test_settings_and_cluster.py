@@ -92,3 +92,28 @@ def test_the_model_cache_size_is_one_setting_and_the_online_name_is_a_deprecated
     assert "max_loaded_models" not in OnlineSettings.model_fields and "tenants_file" not in OnlineSettings.model_fields
     monkeypatch.setenv("SHARDLINE_ONLINE_TENANTS_FILE", "/etc/shardline/tenants.yaml")
     assert TenancySettings().tenants_file == "/etc/shardline/tenants.yaml"
+
+
+@pytest.mark.parametrize(
+    ("cores", "env", "expected"),
+    [
+        (2, {}, (1, 2, 2, 1)),  # the defaults: one process, a thread and a batch per core, one intra-op thread each
+        (16, {}, (1, 16, 16, 1)),
+        (16, {"SHARDLINE_ONLINE_INFERENCE_THREADS": "4"}, (1, 4, 4, 4)),  # the cores left to each thread
+        (16, {"SHARDLINE_ONLINE_WORKERS": "0", "SHARDLINE_ONLINE_INFERENCE_THREADS": "1"}, (16, 1, 1, 1)),
+        (8, {"SHARDLINE_RUNTIME_INTRA_OP_THREADS": "3", "SHARDLINE_ONLINE_MAX_CONCURRENT_BATCHES": "1"}, (1, 8, 1, 3)),
+    ],
+)
+def test_the_servers_threads_come_from_the_cores_unless_set(
+    monkeypatch: pytest.MonkeyPatch, cores: int, env: dict[str, str], expected: tuple[int, int, int, int]
+) -> None:
+    from shardline.settings import OnlineSettings, RuntimeSettings
+
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    online, runtime = OnlineSettings(), RuntimeSettings()
+    got = (online.resolved_workers(), online.resolved_threads(), online.resolved_concurrent_batches(),
+           online.resolved_intra_op_threads(runtime.intra_op_threads))
+    assert got == expected
+    assert runtime.spinning is False

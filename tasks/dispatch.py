@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from shardline.storage.output import PartRecord
-from shardline.storage.scoring import ScoringJob, load_model, score_shard
+from shardline.storage.scoring import ScoringJob, score_shard
 from shardline.storage.shards import ShardInfo
 
 # Shards in flight per worker thread, and at least this many in all (a cluster that is
@@ -53,20 +53,12 @@ class DispatchStats:
     failures: dict[str, str] = field(default_factory=dict)
 
 
-def _workers(client: Any) -> dict[str, Any]:
-    try:
-        workers: dict[str, Any] = client.scheduler_info(n_workers=-1).get("workers", {})
-    except Exception:  # an old scheduler or a hiccup: as if none had joined yet
-        return {}
-    return workers
-
-
 def _cluster_threads(client: Any) -> int:
-    return sum(int(w.get("nthreads", 1)) for w in _workers(client).values())
-
-
-def _worker_addresses(client: Any) -> list[str]:
-    return sorted(_workers(client))
+    try:
+        workers = client.scheduler_info(n_workers=-1).get("workers", {})
+    except Exception:  # an old scheduler or a hiccup: fall back to the minimum
+        return 0
+    return sum(int(w.get("nthreads", 1)) for w in workers.values())
 
 
 def dispatch_shards(
@@ -106,14 +98,6 @@ def dispatch_shards(
     # never steal a shard, and leave every shard on the one worker holding the job.
     shared = client.submit(_the_job, job, key=job_task_key(key_prefix), pure=False)
 
-    # Each worker loads the model first (errors are left to the shards, which report them):
-    # the loads run at once on every worker, and its first shard does not pay for it. No
-    # more loads than shards: on a large shared cluster a small job loads where it may run.
-    loads = [
-        client.submit(load_model, shared, key=f"load-{key_prefix}-{n}", workers=[address], pure=False)
-        for n, address in enumerate(_worker_addresses(client)[: len(shards)])
-    ]
-
     def submit(shard: ShardInfo) -> None:
         key = f"{key_prefix}-{next(counter)}"
         by_key[key] = shard
@@ -145,8 +129,6 @@ def dispatch_shards(
             limit = in_flight_target(_cluster_threads(client), None)  # the cluster may have scaled
             last_sized = time.monotonic()
         top_up()
-    for load in loads:
-        load.release()
     shared.release()
     stats.seconds = time.perf_counter() - started
     return stats

@@ -1,4 +1,4 @@
-"""The dispatcher loads the model on every worker of a real LocalCluster and spreads the shards over them."""
+"""The dispatcher spreads a job's shards over every worker of a real LocalCluster."""
 
 from __future__ import annotations
 
@@ -51,8 +51,6 @@ def test_shards_run_on_every_worker(breast_cancer_model: BuiltModel, dask_addres
         workers = set(client.scheduler_info()["workers"])
 
     ran_shards = {t["worker"] for t in stream.data if key_split(t["key"]) == "shard"}
-    loaded = [t["worker"] for t in stream.data if key_split(t["key"]) == "load-shard"]
     assert ran_shards == workers and len(workers) == 2
-    assert sorted(loaded) == sorted(workers)  # the model, once on each worker, before its shards
     assert sorted(r.relative for r in settled) == [s.relative for s in shards]
     assert OutputLayout(job.output_uri).present_parts() == {s.relative for s in shards}

@@ -25,12 +25,10 @@ from shardline.errors import (
     CorruptShard,
     DataContractFailed,
     InvalidInput,
-    NonFiniteValues,
-    NullValues,
     SchemaMismatch,
 )
+from shardline.rows import check_rows, schema_mismatch
 from shardline.runtimes import RuntimeOptions
-from shardline.signature import Signature, non_finite_counts, schema_problems
 from shardline.storage.checkpoint import ShardCheckpoint, plan_ranges, row_group_sizes
 from shardline.storage.fs import commit_file, ensure_dir, open_fs, staging_path
 from shardline.storage.model_cache import get_model_cache
@@ -81,31 +79,6 @@ class ScoringJob:
     job_id: str = ""  # the job's staging folder under the output is _staging/<job_id>
 
 
-def _reject_nulls(batch: pa.RecordBatch, signature: Signature, model: str) -> None:
-    nulls = {
-        c.name: batch.column(c.name).null_count
-        for c in signature.inputs
-        if not c.nullable and batch.column(c.name).null_count
-    }
-    if nulls:
-        raise NullValues(
-            f"columns {sorted(nulls)} hold nulls ({nulls} in one batch) where the model "
-            f"{model!r} needs values; fill or drop those rows and re-run",
-            nulls,
-        )
-
-
-def _reject_non_finite(batch: pa.RecordBatch, signature: Signature, model: str) -> None:
-    bad = non_finite_counts(batch, signature.inputs)
-    if bad:
-        raise NonFiniteValues(
-            f"columns {sorted(bad)} hold NaN or infinite values ({bad} in one batch) where the model {model!r} "
-            "takes finite numbers only; fill or drop those rows and re-run (a model that reads NaN as a missing "
-            "value declares non_finite: true on the column in its signature)",
-            bad,
-        )
-
-
 def carried_columns(job: ScoringJob, schema: pa.Schema) -> list[str]:
     """The input columns copied to the output for this shard."""
     if job.passthrough is not None:
@@ -116,7 +89,10 @@ def carried_columns(job: ScoringJob, schema: pa.Schema) -> list[str]:
 
 
 def _check_schema(schema: pa.Schema, job: ScoringJob, carried: list[str]) -> None:
-    problems = schema_problems(schema, job.model.manifest.signature.inputs, job.model.pinned)
+    """Refuse a shard the model cannot read, before any row is read: the kernel's message (``schema_mismatch``),
+    as the online tier gives it, and passthrough columns the shard lacks."""
+    mismatch = schema_mismatch(schema, job.model.manifest.signature, job.model.pinned)
+    problems = list(mismatch.problems) if mismatch is not None else []
     missing = [c for c in carried if schema.get_field_index(c) < 0]
     if missing:
         problems.append(f"passthrough columns {missing} are not in the shard")
@@ -284,9 +260,8 @@ def _score_into(
     # when a check below raises while the generator is suspended.
     with contextlib.closing(batches), PartWriter(out.fs, path, opened.target) as part:
         for batch in batches:
-            _reject_nulls(batch, signature, job.model.pinned)
-            _reject_non_finite(batch, signature, job.model.pinned)
-            predicted = model.predict(batch)
+            rows = check_rows(batch, signature, job.model.pinned)  # the one row check, as the online tier's
+            predicted = model.predict(rows.table())
             scored = pa.RecordBatch.from_arrays(
                 [batch.column(c) for c in opened.carried] + predicted.columns, schema=opened.target
             )

@@ -3,7 +3,7 @@
 A local Dask cluster starts worker processes (and, with ``SHARDLINE_PREFECT_SERVER=temporary``,
 Prefect starts a temporary API server). A command killed with SIGKILL runs no clean-up, so
 they would stay behind. Hence the process the user started (the parent) only supervises:
-the command runs in a child forked from it, in a process group of its own, beside a
+the command runs in a child, in a process group of its own, beside a
 watchdog (forked by the child before anything else starts) that holds the read end of a
 pipe whose write end only the parent holds. When the parent ends, however it ends, the
 pipe reads end-of-file and the watchdog kills the whole group: the child, Prefect's
@@ -13,9 +13,10 @@ own on purpose: later runs reuse it.) Ctrl-C, SIGTERM and SIGHUP sent to the par
 passed on to the child, so a stop is graceful when it can be; the parent exits with the
 child's exit code.
 
-The child is a fork, not a new interpreter: it inherits what the parent already imported
-(the CLI, the kernel) instead of importing it again, and it ends without the interpreter's
-teardown (``exit_without_teardown``): both cost the command time for nothing.
+The child is a new interpreter (``python -m shardline.cli``), not a bare fork of the parent:
+the parent has loaded numpy and pyarrow, whose native threads a fork does not copy (macOS's
+frameworks forbid it outright). It ends without the interpreter's teardown
+(``exit_without_teardown``), which would cost the command most of a second for nothing.
 
 POSIX only (fork, process groups); elsewhere the command runs in the process itself.
 """
@@ -25,12 +26,14 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import subprocess
 import sys
 import threading
 import traceback
 from types import FrameType
 from typing import Callable, NoReturn, Sequence
 
+CHILD_FLAG = "--_supervised-child"
 SUPERVISED = (("batch", "run"), ("batch", "resume"))
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -40,54 +43,51 @@ def wants_supervision(argv: Sequence[str]) -> bool:
     return hasattr(os, "fork") and hasattr(os, "killpg") and tuple(argv[:2]) in SUPERVISED
 
 
-def run_supervised(command: Callable[[], object]) -> int:
-    """Run ``command()`` in a forked child, in its own process group, tied to this process.
-
-    The child's exit code is what ``command`` passes to ``sys.exit`` (0 when it returns; 1, with the
-    traceback, when it raises). Call before any thread starts (a fork copies only the calling thread).
+def run_supervised(argv: Sequence[str], module: str = "shardline.cli") -> int:
+    """Run ``python -m module CHILD_FLAG <fd> argv...`` in its own process group, tied to this process.
 
     Returns:
         The child's exit code (128 + N when signal N ended it).
     """
-    read_end, write_end = os.pipe()  # neither end is inherited by what the child later executes
-    sys.stdout.flush()
-    sys.stderr.flush()
-    child = os.fork()
-    if child == 0:
-        os.close(write_end)
-        os.setpgid(0, 0)
-        _become_supervised_child(read_end)
-        code = 1
-        try:
-            command()
-            code = 0
-        except SystemExit as e:
-            code = _exit_status(e)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            exit_without_teardown(code)
-    os.close(read_end)
+    read_end, write_end = os.pipe()  # neither end is inherited unless passed
     try:
-        os.setpgid(child, child)  # the child does it too; whichever runs first wins the race
-    except (PermissionError, ProcessLookupError):
-        pass
+        child = subprocess.Popen(
+            [sys.executable, "-m", module, CHILD_FLAG, str(read_end), *argv], pass_fds=(read_end,), process_group=0
+        )
+    finally:
+        os.close(read_end)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         try:
-            os.kill(child, signum)
+            os.kill(child.pid, signum)
         except ProcessLookupError:
             pass
 
     previous = {s: signal.signal(s, forward) for s in _FORWARDED}
     try:
-        _, status = os.waitpid(child, 0)
+        code = child.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         os.close(write_end)  # the watchdog kills whatever of the group is left
-    code = os.waitstatus_to_exitcode(status)
     return code if code >= 0 else 128 - code
+
+
+def run_supervised_child(fd: int, command: Callable[[], object]) -> NoReturn:
+    """In the child: fork the watchdog (first thing, before any thread or subprocess starts), run
+    ``command()``, and end with what it passed to ``sys.exit`` (0 when it returns; 1, with the
+    traceback, when it raises), without the interpreter's teardown."""
+    _become_supervised_child(fd)
+    code = 1
+    try:
+        command()
+        code = 0
+    except SystemExit as e:
+        code = _exit_status(e)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        exit_without_teardown(code)
 
 
 def _exit_status(exit: SystemExit) -> int:

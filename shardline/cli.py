@@ -439,12 +439,16 @@ def main() -> None:
     local Prefect server a first run starts (shardline/_prefect_server.py) is detached,
     for later runs to reuse.
     """
-    from shardline._supervise import run_supervised, wants_supervision
+    from shardline._supervise import CHILD_FLAG, run_supervised, run_supervised_child, wants_supervision
 
     for key, value in OFF_THE_NETWORK.items():
         os.environ.setdefault(key, value)
-    if wants_supervision(sys.argv[1:]):
-        sys.exit(run_supervised(_run_app))
+    argv = sys.argv[1:]
+    if argv[:1] == [CHILD_FLAG] and len(argv) > 1:
+        sys.argv = [sys.argv[0], *argv[2:]]
+        run_supervised_child(int(argv[1]), _run_app)
+    elif wants_supervision(argv):
+        sys.exit(run_supervised(argv))
     _run_app()
 
 

@@ -106,6 +106,12 @@ class SignaturePlan:
             return answer
         if isinstance(answer, pa.RecordBatch):
             return pa.Table.from_batches([answer])
+        return pa.Table.from_batches([self.answer_batch(answer)])
+
+    def answer_batch(self, answer: pa.RecordBatch | dict[str, np.ndarray]) -> pa.RecordBatch:
+        """A runtime's answer to ``Rows`` as a record batch of the output schema (what a part is written from)."""
+        if isinstance(answer, pa.RecordBatch):
+            return answer
         arrays = []
         for field in self.output_schema:
             values = np.asarray(answer[field.name])
@@ -113,8 +119,9 @@ class SignaturePlan:
                 flat = pa.array(np.ascontiguousarray(values).ravel()).cast(field.type.value_type)
                 arrays.append(pa.FixedSizeListArray.from_arrays(flat, type=field.type))
             else:
-                arrays.append(pa.array(values).cast(field.type))
-        return pa.Table.from_arrays(arrays, schema=self.output_schema)
+                array = pa.array(values)
+                arrays.append(array if array.type == field.type else array.cast(field.type))
+        return pa.RecordBatch.from_arrays(arrays, schema=self.output_schema)
 
 
 def _column_plan(spec: ColumnSpec) -> ColumnPlan:
@@ -292,6 +299,10 @@ def check_rows(rows: pa.Table | pa.RecordBatch, signature: Signature, model: str
     plan = signature.plan
     schema = plan.input_schema
     given = rows.schema  # (a new object on every access: read it once)
+    if plan.layout is not None and plan.layout.stacked and rows.num_rows > _STACK_ROWS:
+        stacked = _stacked_rows(rows, given, plan, model)
+        if stacked is not None:
+            return stacked
     if given.equals(schema):  # the protocol adapters build rows this way
         table = rows
     else:
@@ -305,6 +316,33 @@ def check_rows(rows: pa.Table | pa.RecordBatch, signature: Signature, model: str
         if bad:
             raise non_finite_error(bad, table.num_rows, model)
     return Rows(plan, table)
+
+
+# Past this many rows (a batch tier's batches), rows of a stacked float signature whose columns are floats are
+# checked and held as the (N, columns) matrix the model is fed: one copy that casts while it copies and one
+# finite check over the matrix, where the Arrow path casts each column, sums each, and the runtime then
+# stacks them anyway (~6.6 ms against ~2 ms for 50,000 rows of 30 float64 columns).
+_STACK_ROWS = 1024
+
+
+def _stacked_rows(rows: pa.Table | pa.RecordBatch, given: pa.Schema, plan: SignaturePlan, model: str) -> Rows | None:
+    """Float columns of a stacked float signature as ``Rows`` of the one matrix, checked as ``check_rows``
+    checks them; None when a column is missing, repeated, not a float column, or holds nulls (the Arrow
+    path below names what is wrong)."""
+    layout = plan.layout
+    assert layout is not None
+    matrix = np.empty((rows.num_rows, len(plan.columns)), dtype=layout.dtypes[0])
+    for j, column in enumerate(plan.columns):
+        index = given.get_field_index(column.name)  # -1 when missing or repeated
+        if index < 0 or not pa.types.is_floating(given.field(index).type):
+            return None
+        values = rows.column(index)
+        if values.null_count:
+            return None
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)
+        matrix[:, j] = values.to_numpy(zero_copy_only=False)  # float64 -> float32 rounds as Arrow's cast does
+    return float_rows(plan, (matrix,), model)
 
 
 def _cast_columns(rows: pa.Table | pa.RecordBatch, given: pa.Schema, signature: Signature, model: str) -> pa.Table:

@@ -261,7 +261,7 @@ def _score_into(
     with contextlib.closing(batches), PartWriter(out.fs, path, opened.target) as part:
         for batch in batches:
             rows = check_rows(batch, signature, job.model.pinned)  # the one row check, as the online tier's
-            predicted = model.predict(rows.table())
+            predicted = signature.plan.answer_batch(model.predict(rows))  # (a float matrix's answer is numpy)
             scored = pa.RecordBatch.from_arrays(
                 [batch.column(c) for c in opened.carried] + predicted.columns, schema=opened.target
             )

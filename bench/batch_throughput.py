@@ -12,7 +12,9 @@ one Parquet file per shard (or partition) with the model's outputs:
   ``LocalCluster()`` with Dask's defaults, the onnxruntime session loaded once per
   worker (cores / workers intra-op threads, not spinning: the well-tuned user).
 - **platform**: ``shardline batch run --json`` as a user runs it, default settings
-  (no ``SHARDLINE_*`` tuning variable in its environment).
+  (no ``SHARDLINE_*`` tuning variable in its environment), on the bench home's local
+  Prefect server, started before the runs are timed (as a user's first run leaves it)
+  and stopped at the end.
 
 Cells: shards of about 50k, 200k and 1M rows (about the same rows per run, so runs
 take comparable time), each with the breast-cancer logistic regression (I/O-bound:
@@ -188,6 +190,7 @@ def prepare_models() -> dict[str, Path]:
     from shardline.storage.registry import ModelRegistry
 
     home = DATA / "home"
+    prefect_server("stop")  # a former run's local Prefect server, before its home goes
     shutil.rmtree(home, ignore_errors=True)
     registry = ModelRegistry(str(home / "registry"))
     bundles = {}
@@ -329,13 +332,20 @@ def _last_json(stdout: str) -> dict[str, Any]:
     raise SystemExit(f"no JSON summary in the output:\n{stdout[-2000:]}")
 
 
+def prefect_server(action: str) -> None:
+    """``shardline prefect start|stop`` for the bench's home: the platform's runs use the local Prefect
+    server a user's first run starts (the issue's targets are for runs once it runs), started before the
+    runs are timed and stopped at the end, so the bench leaves nothing running."""
+    subprocess.run([sys.executable, "-m", "shardline.cli", "prefect", action], env=_env(), check=action == "start",
+                   stdout=subprocess.DEVNULL)
+
+
 def _env() -> dict[str, str]:
     """The contenders' environment: off the network, the bench's home; no SHARDLINE_* tuning."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
     env.update(OFF_THE_NETWORK)
     env["SHARDLINE_STORAGE_HOME"] = str(DATA / "home")
-    env["PREFECT_HOME"] = str(DATA / "prefect-home")  # keep the bench's temporary server state here
-    env.pop("PREFECT_API_URL", None)  # always Prefect's temporary server, as on a fresh machine
+    env.pop("PREFECT_API_URL", None)  # the home's local Prefect server, as a user's runs find it
     return env
 
 
@@ -473,8 +483,9 @@ def summary(cells: list[Cell]) -> bool:
                   f"sizes = {growth:.2f}x (target <= {MEMORY_FLAT_LIMIT}{'' if flat else ': MISSED'})")
     print("Times: the best of the repeats. CPU s: user+system seconds of the run's whole process tree.\n"
           f"rest: cores the rest of the machine used meanwhile (! over {NOISY_CORES}: the figures are noisy).\n"
-          "tree MiB: peak RSS of every process of the run together (the platform: CLI, Prefect's temporary\n"
-          "server, scheduler, nannies, workers); worker MiB: the largest Dask worker (tight loop: itself).")
+          "tree MiB: peak RSS of every process of the run together (the platform: CLI, scheduler, nannies,\n"
+          "workers; the local Prefect server, shared by every run, is not counted); worker MiB: the largest Dask\n"
+          "worker (tight loop: itself).")
     return ok
 
 
@@ -568,11 +579,15 @@ def main(argv: list[str] | None = None) -> int:
     if load > 0.5:
         print("  warning: something else is using the CPUs; the figures will be noisy", flush=True)
     cells = []
-    for kind in args.models:
-        for size, count in inputs:
-            cell = run_cell(kind, bundles[kind], folders[size], count, size, repeats, retries)
-            print_cell(cell)
-            cells.append(cell)
+    prefect_server("start")
+    try:
+        for kind in args.models:
+            for size, count in inputs:
+                cell = run_cell(kind, bundles[kind], folders[size], count, size, repeats, retries)
+                print_cell(cell)
+                cells.append(cell)
+    finally:
+        prefect_server("stop")
     met = summary(cells)
     if args.quick:
         print("(quick mode: a worker's first shard, model load included, weighs on the steady figures; "

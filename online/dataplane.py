@@ -368,10 +368,11 @@ class DataPlane:
         runtime = self.cache.held(served.content_digest, self.runtime)
         if runtime is None:
             started = time.perf_counter()
-            runtime = self.cache.get(resolved, self.runtime, self.storage_options)
-            self.metrics.loads.labels(resolved.name, str(resolved.version)).inc()
-            log.info("model loaded", extra={"fields": {
-                "model": resolved.pinned, "device": runtime.device, "seconds": round(time.perf_counter() - started, 3)}})
+            runtime, loaded = self.cache.get_or_load(resolved, self.runtime, self.storage_options)
+            if loaded:  # (batches that waited for this load on other pool threads do not count it again)
+                self.metrics.loads.labels(resolved.name, str(resolved.version)).inc()
+                log.info("model loaded", extra={"fields": {
+                    "model": resolved.pinned, "device": runtime.device, "seconds": round(time.perf_counter() - started, 3)}})
         return self._score(served, runtime, inputs)
 
     def _score(self, served: ServedModel, runtime: Any, inputs: Rows) -> Any:

@@ -74,16 +74,26 @@ class ModelCache:
             IntegrityError: the registry's artifacts do not match their manifest.
             RuntimeUnavailable: the runtime or device is not available here.
         """
+        return self.get_or_load(model, options, storage_options)[0]
+
+    def get_or_load(
+        self,
+        model: ResolvedModel,
+        options: RuntimeOptions = RuntimeOptions(),
+        storage_options: dict[str, Any] | None = None,
+    ) -> tuple[Runtime, bool]:
+        """``get``, and whether this very call loaded the model (False for the callers that waited for
+        another's load: a load is counted once however many callers wanted it)."""
         key = (model.content_digest, options)
         with self._lock:
             if key in self._loaded:
                 self._loaded.move_to_end(key)
-                return self._loaded[key]
+                return self._loaded[key], False
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:
             with self._lock:
                 if key in self._loaded:
-                    return self._loaded[key]
+                    return self._loaded[key], False
             bundle_dir = self._ensure_local(model, storage_options)
             runtime = create_runtime(bundle_dir, model.manifest, options)
             runtime.load()
@@ -94,7 +104,7 @@ class ModelCache:
                     # Dropped, not closed: a caller may still be predicting with it; it is
                     # released when the last reference goes.
                     self._loaded.popitem(last=False)
-            return runtime
+            return runtime, True
 
     def loaded(self) -> list[str]:
         """Content digests of the bundles held now, least recently used first."""

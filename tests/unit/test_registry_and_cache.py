@@ -204,9 +204,12 @@ def test_cache_loads_once_and_scores_like_sklearn(
     resolved = memory_registry.resolve("breast-cancer:1")
     cache = ModelCache(tmp_path / "cache", capacity=2)
     models = []
+    loaded_here = []
 
     def get() -> None:
-        models.append(cache.get(resolved, RuntimeOptions("cpu", 1)))
+        model, loaded = cache.get_or_load(resolved, RuntimeOptions("cpu", 1))
+        models.append(model)
+        loaded_here.append(loaded)
 
     threads = [threading.Thread(target=get) for _ in range(4)]
     for t in threads:
@@ -215,6 +218,8 @@ def test_cache_loads_once_and_scores_like_sklearn(
         t.join()
 
     assert cache.loads == 1 and len({id(m) for m in models}) == 1
+    assert sorted(loaded_here) == [False, False, False, True]  # one caller loaded it; the online metric counts that one
+    assert cache.get(resolved, RuntimeOptions("cpu", 1)) is models[0]
     model = models[0]
     assert model.device == "cpu"
     from shardline.examples import shard_table

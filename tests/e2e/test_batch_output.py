@@ -176,8 +176,12 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_out
     assert 2 <= settled < 20 and not (out / "_SUCCESS").exists()
     assert not (Path(env["SHARDLINE_STORAGE_HOME"]) / "prefect").exists()  # no local server was started
 
-    # the lease lasts 10 minutes, but its holder is a dead process of this host: taken over at once
-    resumed = subprocess.run([*args, "--json"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    # the lease lasts 10 minutes, but its holder is a dead process of this host: taken over at once (on the
+    # session's Prefect server: the takeover is the output's, whichever API the run uses, and a second
+    # temporary server would cost the suite its start-up for nothing)
+    resumed_env = {**env, "PREFECT_API_URL": cli_env["PREFECT_API_URL"]}
+    resumed = subprocess.run([*args, "--json"], env=resumed_env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600)
 
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])

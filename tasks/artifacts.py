@@ -39,9 +39,18 @@ def batch_job_name(deployment: str | None, model: str, output: str) -> str:
 
 
 def current_deployment() -> str | None:
-    """The name of the deployment this flow run came from; None when it came from none (one API read then)."""
+    """The name of the deployment this flow run came from; None when it came from none.
+
+    A run from no deployment (`batch run`) costs no API read: the run's own context says so.
+    (``prefect.runtime.deployment.name`` reads the flow run from the API each time to learn
+    that: 70 ms a call on a local server.)
+    """
+    from prefect.context import FlowRunContext
     from prefect.runtime import deployment
 
+    context = FlowRunContext.get()
+    if context is not None and context.flow_run is not None and context.flow_run.deployment_id is None:
+        return None
     name = deployment.name
     return str(name) if name else None
 

@@ -97,9 +97,11 @@ def admit_job(
 
 def _run_context() -> tuple[str | None, str | None]:
     """(deployment name, flow run id) of this run, when Prefect knows them."""
-    from prefect.runtime import deployment, flow_run
+    from prefect.runtime import flow_run
 
-    return deployment.name, flow_run.id
+    from shardline.tasks.artifacts import current_deployment
+
+    return current_deployment(), flow_run.id
 
 
 @contextlib.contextmanager

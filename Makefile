@@ -34,6 +34,6 @@ typecheck: setup
 	$(PY) -m mypy shardline storage quality online
 
 clean:
-	# the demo's local Prefect server first: its database is in shardline-demo/home/prefect
+	# the demo's batch runner and local Prefect server first: their state is in shardline-demo/home
 	if [ -x $(VENV)/bin/shardline ]; then SHARDLINE_STORAGE_HOME=$(CURDIR)/shardline-demo/home $(VENV)/bin/shardline prefect stop; fi
 	rm -rf $(VENV) shardline-demo .pytest_cache

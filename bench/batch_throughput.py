@@ -60,6 +60,7 @@ BATCH_ROWS = 65_536  # the tight loop's batches, and the shards' row groups
 SHARD_ROWS = (50_000, 200_000, 1_000_000)
 STEADY_VS_TIGHT = 1.2  # platform steady rows/s >= 1.2 x the tight loop's
 STEADY_VS_DASK = 1.1  # ... and >= 1.1 x the plain Dask script's
+OUTSIDE_STEADY_S = 2.0  # the platform's start-up plus tear-down (end to end - steady) once the local server runs
 MEMORY_FLAT_LIMIT = 1.25  # largest / smallest peak tree memory of the platform across the cells
 MiB = 1024 * 1024
 NOISY_CORES = 0.25  # other processes using more than this during a run make it noisy
@@ -230,21 +231,26 @@ class Usage:
     rest_cores: float = 0.0  # cores the rest of the machine used meanwhile, on average
 
 
-def _sample(root_pid: int, usage: Usage, done: threading.Event, interval: float) -> None:
+def _tree(pid: int) -> list[Any]:
+    """A process and all its descendants (empty when it is gone)."""
     import psutil
 
     try:
-        root = psutil.Process(root_pid)
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return
+        return []
+
+
+def _sample(roots: Callable[[], list[int]], usage: Usage, done: threading.Event, interval: float) -> None:
+    """Sample the memory of the trees under ``roots()`` (the command; for the platform also the home's batch
+    runner, which holds the Dask workers) until ``done``."""
+    import psutil
+
     kinds: dict[int, bool] = {}  # pid -> is a Dask worker (spawned by multiprocessing)
     while not done.is_set():
-        try:
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return
         tree = largest = 0
-        for proc in procs:
+        for proc in [p for root in roots() for p in _tree(root)]:
             try:
                 rss = proc.memory_info().rss
                 if proc.pid not in kinds:
@@ -257,6 +263,28 @@ def _sample(root_pid: int, usage: Usage, done: threading.Event, interval: float)
         usage.tree = max(usage.tree, tree)
         usage.worker = max(usage.worker, largest)
         done.wait(interval)
+
+
+def _cpu_of(pid: int | None) -> dict[int, float]:
+    """User + system CPU seconds of each process of a tree, by pid."""
+    import psutil
+
+    seconds = {}
+    for proc in _tree(pid) if pid is not None else []:
+        try:
+            t = proc.cpu_times()
+            seconds[proc.pid] = t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return seconds
+
+
+def _runner_pid() -> int | None:
+    """The pid of the bench home's warm batch runner, when one runs."""
+    from shardline._batch_runner import find
+
+    record = find(DATA / "home")
+    return record.pid if record is not None else None
 
 
 def _busy_cpu_seconds() -> float:
@@ -290,6 +318,12 @@ class Run:
     e2e_seconds: float
     steady_seconds: float
     usage: Usage = field(default_factory=Usage)
+    outside: float | None = None  # start-up plus tear-down; None: e2e_seconds - steady_seconds
+
+    @property
+    def outside_seconds(self) -> float:
+        """Seconds outside the steady window: interpreter, imports, flow run, cluster, commit, exit."""
+        return self.outside if self.outside is not None else self.e2e_seconds - self.steady_seconds
 
     @property
     def e2e_rate(self) -> float:
@@ -302,22 +336,37 @@ class Run:
         return self.rows / self.steady_seconds
 
 
-def _run_measured(command: list[str], env: dict[str, str], interval: float = 0.1) -> tuple[float, str, Usage]:
-    """Run a command to its end, sampling its process tree; returns (wall seconds, stdout, usage)."""
+def _run_measured(command: list[str], env: dict[str, str], interval: float = 0.1,
+                  runner: bool = False) -> tuple[float, str, Usage]:
+    """Run a command to its end, sampling its process tree (and with ``runner``, the home's batch runner's,
+    started by the command or before it); returns (wall seconds, stdout, usage)."""
     usage, done = Usage(), threading.Event()
     wait_for_quiet()
+    runner_before = _runner_pid() if runner else None
+    runner_cpu = _cpu_of(runner_before)
     before, busy_before = resource.getrusage(resource.RUSAGE_CHILDREN), _busy_cpu_seconds()
     started = time.perf_counter()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sampler = threading.Thread(target=_sample, args=(proc.pid, usage, done, interval), daemon=True)
+    found = [runner_before]
+
+    def roots() -> list[int]:
+        if runner and found[0] is None:
+            found[0] = _runner_pid()
+        return [proc.pid, *([found[0]] if found[0] is not None else [])]
+
+    sampler = threading.Thread(target=_sample, args=(roots, usage, done, interval), daemon=True)
     sampler.start()
     out, err = proc.communicate()
     wall = time.perf_counter() - started
     done.set()
     sampler.join()
     after, busy_after = resource.getrusage(resource.RUSAGE_CHILDREN), _busy_cpu_seconds()
-    # RUSAGE_CHILDREN counts every descendant that was waited for: Dask workers, Prefect's server
+    # RUSAGE_CHILDREN counts every descendant that was waited for (Dask workers of a cold run, Prefect's
+    # temporary server); the runner is no child of this process: its tree's CPU is counted from psutil
     usage.cpu_seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if runner:
+        runner_after = _cpu_of(roots()[-1] if len(roots()) > 1 else None)
+        usage.cpu_seconds += sum(t - runner_cpu.get(pid, 0.0) for pid, t in runner_after.items())
     usage.rest_cores = max(0.0, busy_after - busy_before - usage.cpu_seconds) / wall
     if proc.returncode != 0:
         sys.stderr.write(err[-4000:])
@@ -370,7 +419,7 @@ def run_platform(kind: str, input_dir: Path) -> Run:
     """``shardline batch run`` in a child process over ``input_dir``, from a clean output."""
     command = [sys.executable, "-m", "shardline.cli", "batch", "run", "--model", f"{model_name(kind)}@prod",
                "--input", str(input_dir), "--output", str(_output("platform")), "--json"]
-    wall, out, usage = _run_measured(command, _env())
+    wall, out, usage = _run_measured(command, _env(), runner=True)
     summary = _last_json(out)
     if summary["rows_out"] != summary["rows_in"] or summary["shards_quarantined"]:
         raise SystemExit(f"the platform did not score every row: {summary}")
@@ -446,6 +495,8 @@ def print_cell(cell: Cell) -> None:
               f"{r.steady_rate:>14,.0f}{u.cpu_seconds:>7.1f}{rest:>6}{_mib(u.tree):>9}{_mib(u.worker):>11}")
     steady_t, steady_d = cell.ratio("steady", "tight loop"), cell.ratio("steady", "plain dask")
     memory = cell.ratio("memory", "plain dask")
+    outside = cell.runs["platform"].outside_seconds
+    print(f"platform start-up + tear-down (e2e - steady): {outside:.2f} s{_mark(outside <= OUTSIDE_STEADY_S)}")
     print(f"platform / tight loop: steady {steady_t:.2f}x{_mark(steady_t >= STEADY_VS_TIGHT)}, "
           f"e2e {cell.ratio('e2e', 'tight loop'):.2f}x;  platform / plain dask: steady {steady_d:.2f}x"
           f"{_mark(steady_d >= STEADY_VS_DASK)}, e2e {cell.ratio('e2e', 'plain dask'):.2f}x, "
@@ -459,19 +510,21 @@ def _mark(met: bool) -> str:
 def summary(cells: list[Cell]) -> bool:
     """The ratios of every cell in one table, memory flatness per model; returns whether every target is met."""
     header = (f"{'model':<8}{'shard rows':>11}{'shards':>7} | {'steady/tight':>12}{'steady/dask':>12}"
-              f"{'e2e/tight':>10}{'e2e/dask':>9}{'tree/dask':>10} | {'tree MiB':>9}{'dask MiB':>9}")
+              f"{'e2e/tight':>10}{'e2e/dask':>9}{'tree/dask':>10}{'outside s':>10} | {'tree MiB':>9}{'dask MiB':>9}")
     print(f"\nplatform ratios (targets: steady/tight >= {STEADY_VS_TIGHT}, steady/dask >= {STEADY_VS_DASK}, "
-          f"tree/dask <= 1.0; ! = missed)")
+          f"tree/dask <= 1.0, start-up + tear-down (outside steady) <= {OUTSIDE_STEADY_S} s; ! = missed)")
     print(header)
     print("-" * len(header))
     ok = True
     for c in cells:
         st, sd, mem = c.ratio("steady", "tight loop"), c.ratio("steady", "plain dask"), c.ratio("memory", "plain dask")
-        marks = [st >= STEADY_VS_TIGHT, sd >= STEADY_VS_DASK, mem <= 1.0]
+        outside = c.runs["platform"].outside_seconds
+        marks = [st >= STEADY_VS_TIGHT, sd >= STEADY_VS_DASK, mem <= 1.0, outside <= OUTSIDE_STEADY_S]
         ok = ok and all(marks)
         print(f"{c.kind:<8}{c.rows_per_shard:>11,}{c.shards:>7} | {st:>11.2f}{' ' if marks[0] else '!'}"
               f"{sd:>11.2f}{' ' if marks[1] else '!'}{c.ratio('e2e', 'tight loop'):>10.2f}"
-              f"{c.ratio('e2e', 'plain dask'):>9.2f}{mem:>9.2f}{' ' if marks[2] else '!'} | "
+              f"{c.ratio('e2e', 'plain dask'):>9.2f}{mem:>9.2f}{' ' if marks[2] else '!'}"
+              f"{outside:>9.2f}{' ' if marks[3] else '!'} | "
               f"{_mib(c.runs['platform'].usage.tree):>9}{_mib(c.runs['plain dask'].usage.tree):>9}")
     for kind in sorted({c.kind for c in cells}):
         trees = [c.runs["platform"].usage.tree for c in cells if c.kind == kind]
@@ -483,9 +536,10 @@ def summary(cells: list[Cell]) -> bool:
                   f"sizes = {growth:.2f}x (target <= {MEMORY_FLAT_LIMIT}{'' if flat else ': MISSED'})")
     print("Times: the best of the repeats. CPU s: user+system seconds of the run's whole process tree.\n"
           f"rest: cores the rest of the machine used meanwhile (! over {NOISY_CORES}: the figures are noisy).\n"
-          "tree MiB: peak RSS of every process of the run together (the platform: CLI, scheduler, nannies,\n"
-          "workers; the local Prefect server, shared by every run, is not counted); worker MiB: the largest Dask\n"
-          "worker (tight loop: itself).")
+          "tree MiB: peak RSS of every process of the run together (the platform: the command and the home's\n"
+          "batch runner with its scheduler, nannies and workers; the local Prefect server, shared by every run, is\n"
+          "not counted); worker MiB: the largest Dask worker (tight loop: itself). outside s: the platform's\n"
+          "end-to-end seconds less its steady window (start-up and tear-down), on the warm batch runner.")
     return ok
 
 
@@ -498,7 +552,8 @@ def best(runs: list[Run]) -> Run:
         cpu_seconds=min(r.usage.cpu_seconds for r in runs),
         rest_cores=top.usage.rest_cores,
     )
-    return Run(top.side, top.rows, min(r.e2e_seconds for r in runs), top.steady_seconds, usage)
+    return Run(top.side, top.rows, min(r.e2e_seconds for r in runs), top.steady_seconds, usage,
+               outside=min(r.outside_seconds for r in runs))
 
 
 def warm_page_cache(folder: Path) -> None:
@@ -581,6 +636,11 @@ def main(argv: list[str] | None = None) -> int:
     cells = []
     prefect_server("start")
     try:
+        # A user's first run starts the home's warm batch runner (imports, Prefect client, LocalCluster);
+        # later runs hand their job to it. Shown, not timed in the cells: the targets are for runs once it runs.
+        first = run_platform(args.models[0], folders[min(sizes)])
+        print(f"first platform run (it starts the home's batch runner): {first.e2e_seconds:.1f} s end to end, "
+              f"{first.outside_seconds:.1f} s of it outside the steady window", flush=True)
         for kind in args.models:
             for size, count in inputs:
                 cell = run_cell(kind, bundles[kind], folders[size], count, size, repeats, retries)

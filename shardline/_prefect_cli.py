@@ -29,32 +29,36 @@ def use_prefect_api() -> None:
     The user's PREFECT_API_URL wins; else SHARDLINE_PREFECT_SERVER=local (default) finds or starts the
     home's local server, and ``temporary`` leaves Prefect to start one inside the run.
     """
-    from shardline._prefect_server import LocalServer, api_url_for_run
+    from shardline._prefect_server import LocalServer, api_url_for_run, started_line
     from shardline.settings import PrefectServerSettings
 
     settings = PrefectServerSettings()
     url, started = api_url_for_run(settings.server, _home(), settings.start_timeout_s)
     if started and url is not None:
-        ui = LocalServer(pid=0, api_url=url).ui_url
-        typer.secho(f"started the local Prefect server: its UI is {ui}; later runs reuse it "
-                    "(`shardline prefect stop` stops it)", fg="cyan", err=True)
+        typer.secho(started_line(LocalServer(pid=0, api_url=url).ui_url), fg="cyan", err=True)
 
 
 @prefect_app.command("status")
 def prefect_status(json_out: bool = typer.Option(False, "--json", help="Print pid, API and UI URLs as JSON.")) -> None:
-    """Whether this home's local Prefect server runs, and where its API and UI are. Exit code 1: it does not."""
+    """Whether this home's local Prefect server runs, where its API and UI are, and its warm batch runner.
+    Exit code 1: the server does not run."""
+    from shardline import _batch_runner
     from shardline._prefect_server import find, server_dir
 
     home = _home()
-    server = find(home)
+    server, runner = find(home), _batch_runner.find(home)
     if json_out:
         typer.echo(json.dumps(None if server is None else
-                              {"pid": server.pid, "api_url": server.api_url, "ui_url": server.ui_url}))
+                              {"pid": server.pid, "api_url": server.api_url, "ui_url": server.ui_url,
+                               "runner_pid": runner.pid if runner is not None else None}))
     elif server is None:
         typer.echo(f"no local Prefect server runs for the home {home} (the next `shardline batch run` starts one)")
     else:
         typer.echo(f"running  pid {server.pid}\n     UI  {server.ui_url}\n    API  {server.api_url}\n"
                    f"  files  {server_dir(home)}")
+    if not json_out:
+        typer.echo(f" runner  pid {runner.pid} ({_batch_runner.runner_dir(home)})" if runner is not None else
+                   " runner  none (the next `shardline batch run` starts it)")
     raise typer.Exit(0 if server is not None else EXIT_FAILED)
 
 
@@ -74,9 +78,14 @@ def prefect_start() -> None:
 
 @prefect_app.command("stop")
 def prefect_stop() -> None:
-    """Stop this home's local Prefect server (the next batch run starts it again; its run history is kept)."""
+    """Stop this home's warm batch runner and local Prefect server (the next batch run starts them again; the
+    run history is kept). Jobs running on the runner stop as an interrupted command's would: re-run to resume."""
+    from shardline import _batch_runner
     from shardline._prefect_server import stop
 
+    runner = _batch_runner.stop(_home())
+    if runner is not None:
+        typer.echo(f"stopped the batch runner (pid {runner.pid})")
     stopped = stop(_home())
     typer.echo("no local Prefect server was running" if stopped is None else f"stopped the local Prefect server "
                f"(pid {stopped.pid}, {stopped.ui_url})")

@@ -64,6 +64,11 @@ class LocalServer:
         return self.api_url.removesuffix("/api")
 
 
+def started_line(ui_url: str) -> str:
+    """What a command says when it (or the batch runner it started) started the local server."""
+    return f"started the local Prefect server: its UI is {ui_url}; later runs reuse it (`shardline prefect stop` stops it)"
+
+
 def server_dir(home: str | os.PathLike[str]) -> Path:
     """The folder of a Shardline home's local Prefect server: its Prefect home, record, log and lock."""
     return Path(home) / "prefect"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import shutil
 import sys
@@ -14,17 +14,8 @@ from typer.core import TyperCommand
 
 from shardline.errors import ShardlineError
 
-from shardline._cli_common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_QUARANTINED,
-    EXIT_USAGE,
-    OFF_THE_NETWORK,
-    error_line,
-    exit_code,
-    one_line_user_errors,
-    open_registry,
-)
+from shardline._batch_jobs import JobOutcome, JobRequest, present
+from shardline._cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, OFF_THE_NETWORK, open_registry
 from shardline._model_cli import model_app
 
 app = typer.Typer(help="Shardline: batch-first ML inference on Prefect and Dask.", no_args_is_help=True)
@@ -37,69 +28,101 @@ from shardline._prefect_cli import prefect_app, use_prefect_api  # noqa: E402
 app.add_typer(prefect_app, name="prefect")
 
 
-def run_batch_job(
-    model: str, input_uri: str, output_uri: str, tenant: str,
-    passthrough: list[str] | None, batch_rows: int | None, progress: bool = True, variant: str | None = None,
-    sla: str | None = None, deadline: str | None = None, priority: str | None = None,
-) -> tuple[int, dict[str, Any] | None]:
-    """Run the batch flow in this process; returns (exit code, summary)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+# How this process runs batch jobs, as ``main`` decided: a supervised child always runs them here (cold);
+# the command the user started hands them to the home's warm runner, or falls back to a supervised child.
+_PROCESS = {"supervised_child": False, "supervise_fallback": False}
 
+
+def runner_applies() -> bool:
+    """Whether batch jobs go to the home's warm runner (shardline/_batch_runner.py): POSIX, not a supervised
+    child, ``SHARDLINE_PREFECT_SERVER=local`` and ``SHARDLINE_BATCH_RUNNER_IDLE_S`` above 0."""
+    if _PROCESS["supervised_child"] or not hasattr(os, "fork"):
+        return False
+    from pydantic import ValidationError
+
+    from shardline.settings import BatchSettings, PrefectServerSettings
+
+    try:
+        return PrefectServerSettings().server == "local" and BatchSettings().runner_idle_s > 0
+    except ValidationError:  # a bad setting: the cold path reports it as it reports any
+        return False
+
+
+def run_batch_job(request: JobRequest, progress: bool = True, check: bool = False) -> JobOutcome:
+    """Run a batch job: on the home's warm runner when it applies, else in this process (cold).
+
+    ``check``: the early checks of `batch run` (SLA, tenant, locations) first. A command that
+    ``main`` left unsupervised for the runner runs its job in a supervised child when the runner
+    cannot take it (busy with other settings, or it did not start).
+    """
+    if runner_applies():
+        outcome = _run_on_runner(request, progress, check)
+        if outcome is not None:
+            return outcome
+        if _PROCESS["supervise_fallback"]:
+            from shardline._supervise import run_supervised
+
+            raise typer.Exit(run_supervised(sys.argv[1:]))
+    return _run_here(request, progress, check)
+
+
+def _run_here(request: JobRequest, progress: bool, check: bool) -> JobOutcome:
+    from shardline._batch_jobs import check_request, execute, progress_bar, refused
     from shardline.errors import PrefectServerUnavailable
 
+    if check:
+        try:
+            check_request(request)  # a bad request fails before Prefect starts (the flow checks it again)
+        except ShardlineError as e:
+            return refused(e)
     try:
         use_prefect_api()  # the local Prefect server, unless PREFECT_API_URL or SHARDLINE_PREFECT_SERVER say otherwise
     except PrefectServerUnavailable as e:
-        typer.secho(f"error: {e}", fg="red", err=True)
-        return EXIT_FAILED, None
-    from shardline.flows.batch_inference import batch_inference
-
-    bar = Progress(
-        TextColumn("shards"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[rows]:,} rows"), TimeElapsedColumn(), disable=not progress,
-    )
-    task_id = bar.add_task("shards", total=None, rows=0)
-
-    def listen(settled: int, total: int, rows: int) -> None:
-        bar.update(task_id, completed=settled, total=total, rows=rows)
-
-    with bar, one_line_user_errors():
-        state = batch_inference(
-            model=model, input_uri=input_uri, output_uri=output_uri, tenant=tenant,
-            passthrough=passthrough, batch_rows=batch_rows, variant=variant, sla=sla, deadline=deadline,
-            priority=priority, watchers=[listen], return_state=True,
-        )
-    result = state.result(raise_on_failure=False)
-    if isinstance(result, BaseException):
-        typer.secho(f"error: {error_line(result)}", fg="red", err=True)
-        return exit_code(result), None
-    summary: dict[str, Any] = result
-    _print_summary(summary, state.message or "")
-    if state.is_failed():
-        return EXIT_FAILED, summary
-    return (EXIT_QUARANTINED if summary["shards_quarantined"] else EXIT_OK), summary
+        return JobOutcome(EXIT_FAILED, error=str(e))
+    bar, listen = progress_bar(progress)
+    with bar:
+        return execute(request, [listen])
 
 
-def _print_summary(summary: dict[str, Any], message: str) -> None:
-    lines = [
-        ("job", summary["job_id"]),
-        ("model", summary["model"]),
-        ("shards", f"{summary['shards']} ({summary['shards_committed']} committed, "
-                   f"{summary['shards_skipped']} already done, {summary['shards_quarantined']} quarantined)"),
-        ("rows in", f"{summary['rows_in']:,}"),
-        ("rows out", f"{summary['rows_out']:,}"),
-        ("rows quarantined", f"{summary['rows_quarantined']:,}"),
-        ("throughput", f"{summary['steady_rows_per_second']:,.0f} rows/s over {summary['steady_seconds']:.1f} s"),
-        ("output", summary["output"]),
-        ("manifest", summary["manifest"]),
-    ]
-    width = max(len(k) for k, _ in lines)
-    for key, value in lines:
-        typer.echo(f"{key.rjust(width)}  {value}")
-    for shard, reason in summary["quarantined"].items():
-        typer.secho(f"quarantined {shard}: {reason}", fg="yellow")
-    if message:
-        typer.echo(message)
+def _run_on_runner(request: JobRequest, progress: bool, check: bool) -> JobOutcome | None:
+    """The job run by the home's warm runner; None when it cannot take it (the caller runs it cold)."""
+    from shardline import _batch_runner as runner
+    from shardline._batch_jobs import progress_bar
+    from shardline.settings import StorageSettings
+
+    def say(text: str) -> None:
+        typer.secho(text, fg="cyan", err=True)
+
+    home = StorageSettings().home
+    bar, listen = progress_bar(progress)
+    entered = [False]
+    with contextlib.ExitStack() as shown:
+
+        def started() -> None:  # the bar appears with the job's first line, as it does in a cold run
+            if not entered[0]:
+                entered[0] = True
+                shown.enter_context(bar)
+
+        def line(text: str, err: bool) -> None:
+            started()
+            typer.echo(text, err=err)
+
+        def moved(settled: int, total: int, rows: int) -> None:
+            started()
+            listen(settled, total, rows)
+
+        for attempt in range(2):  # a runner that stopped as this command reached it is started again, once
+            try:
+                record = runner.ensure(home, say)
+                if record is None:
+                    return None
+                return JobOutcome.from_json(runner.submit(record, request.to_json(), check, line, moved))
+            except runner.RunnerGone as e:
+                if e.started:
+                    return JobOutcome(EXIT_FAILED, error=str(e))
+                if attempt:
+                    say(f"{e}: this job runs on its own")
+    return None
 
 
 @batch_app.command("run")
@@ -134,32 +157,8 @@ def batch_run(
     input, SLA, tenant, prefixes, quota; an output that is a file, read-only, in use by
     another running job, or holding another model's parts).
     """
-    from datetime import datetime, timezone
-
-    from shardline.settings import BatchSettings
-    from shardline.sla_projection import make_sla
-
-    make_sla(datetime.now(timezone.utc), sla, deadline, BatchSettings().default_sla)  # a bad SLA fails before any work
-    _admit(tenant, input, output)  # so do bad locations: before Prefect starts (the flow checks them again)
-    code, summary = run_batch_job(
-        model, input, output, tenant, passthrough, batch_rows, not json_out, variant, sla, deadline, priority
-    )
-    if json_out and summary is not None:
-        typer.echo(json.dumps(summary, default=str))
-    raise typer.Exit(code)
-
-
-def _admit(tenant: str, input_uri: str, output_uri: str) -> None:
-    """Refuse locations the batch flow would refuse (outside the tenant's prefixes, overlapping, a URL trick)."""
-    from functools import partial
-
-    from shardline.settings import StorageSettings, TenancySettings
-    from shardline.storage.fs import resolve_location
-    from shardline.tenants import admit_locations, batch_tenant
-
-    options = StorageSettings().storage_options
-    allowed = batch_tenant(TenancySettings().tenants_file, tenant)
-    admit_locations(allowed, input_uri, output_uri, partial(resolve_location, storage_options=options))
+    request = JobRequest(model, input, output, tenant, passthrough, batch_rows, variant, sla, deadline, priority)
+    raise typer.Exit(present(run_batch_job(request, progress=not json_out, check=True), json_out))
 
 
 def _job_records() -> Any:
@@ -254,13 +253,9 @@ def batch_resume(
     p = record.parameters
     typer.echo(f"resuming job {record.job_id} ({record.state}, {record.shards_done}/{record.shards_total} shards settled)")
     # the pinned version, not the alias: were the alias moved since, the parts already made would not count
-    code, summary = run_batch_job(
-        record.model_pinned or p.model, p.input_uri, p.output_uri, p.tenant, p.passthrough, p.batch_rows,
-        not json_out, p.variant, deadline=record.deadline.isoformat(), priority=p.priority,
-    )
-    if json_out and summary is not None:
-        typer.echo(json.dumps(summary, default=str))
-    raise typer.Exit(code)
+    request = JobRequest(record.model_pinned or p.model, p.input_uri, p.output_uri, p.tenant, p.passthrough,
+                         p.batch_rows, p.variant, deadline=record.deadline.isoformat(), priority=p.priority)
+    raise typer.Exit(present(run_batch_job(request, progress=not json_out), json_out))
 
 
 @app.command()
@@ -278,9 +273,11 @@ def demo(
 
     workdir = workdir.resolve()
     if workdir.exists():
+        from shardline._batch_runner import stop as stop_runner
         from shardline._prefect_server import stop
 
-        stop(workdir / "home")  # a former demo's local Prefect server: its database is about to be deleted
+        stop_runner(workdir / "home")  # a former demo's batch runner and local Prefect server: their home is
+        stop(workdir / "home")  # about to be deleted
         shutil.rmtree(workdir)
     # The demo is an entry point choosing its own home, as `SHARDLINE_STORAGE_HOME=... shardline batch run`
     # would: set for this process (and the Dask workers it starts). Not a flow parameter on purpose: a
@@ -297,10 +294,9 @@ def demo(
     typer.echo(f"2/4 registered {pushed.reference} as {pushed.name}@prod; writing {shards} shards of {rows:,} rows")
     write_shards(workdir / "input", shards, rows)
     typer.echo("3/4 running the batch-inference flow on a local Dask cluster")
-    code, summary = run_batch_job(
-        f"{pushed.name}@prod", str(workdir / "input"), str(workdir / "output"), "demo", None, None
-    )
-    if summary is None or code != EXIT_OK:
+    outcome = run_batch_job(JobRequest(f"{pushed.name}@prod", str(workdir / "input"), str(workdir / "output"), "demo"))
+    code = present(outcome, json_out=False)
+    if outcome.summary is None or code != EXIT_OK:
         raise typer.Exit(code or EXIT_FAILED)
     typer.echo("4/4 checking the output against scikit-learn's own predictions")
     inputs = ds.dataset(workdir / "input").to_table()
@@ -322,8 +318,9 @@ def demo(
 
     server = find(workdir / "home")
     if server is not None:
-        typer.echo(f"The run is in the Prefect UI at {server.ui_url} (the local Prefect server keeps running; stop it "
-                   f"with `SHARDLINE_STORAGE_HOME={workdir / 'home'} shardline prefect stop`)")
+        typer.echo(f"The run is in the Prefect UI at {server.ui_url} (the local Prefect server and the warm batch "
+                   f"runner keep running for the next runs; stop both with `SHARDLINE_STORAGE_HOME={workdir / 'home'} "
+                   "shardline prefect stop`)")
 
 
 class ServeCommand(TyperCommand):
@@ -433,11 +430,13 @@ def serve(
 def main() -> None:
     """Entry point: keep every library off the network, then run the command.
 
-    `batch run` and `batch resume` run in a supervised child (shardline/_supervise.py),
-    so that nothing they start (Prefect's temporary server, Dask workers) outlives the
-    command, even when it is killed with SIGKILL. The one exception is on purpose: the
-    local Prefect server a first run starts (shardline/_prefect_server.py) is detached,
-    for later runs to reuse.
+    `batch run` and `batch resume` hand their job to the home's warm batch runner
+    (shardline/_batch_runner.py), which stops the job when the command ends, however it
+    ends. Where the runner does not apply (or cannot take the job), they run it cold in a
+    supervised child (shardline/_supervise.py), so that nothing they start (Prefect's
+    temporary server, Dask workers) outlives the command, even when it is killed with
+    SIGKILL. Detached on purpose, for later runs to reuse: the runner, and the local
+    Prefect server a first run starts (shardline/_prefect_server.py).
     """
     from shardline._supervise import CHILD_FLAG, run_supervised, run_supervised_child, wants_supervision
 
@@ -446,9 +445,12 @@ def main() -> None:
     argv = sys.argv[1:]
     if argv[:1] == [CHILD_FLAG] and len(argv) > 1:
         sys.argv = [sys.argv[0], *argv[2:]]
+        _PROCESS["supervised_child"] = True
         run_supervised_child(int(argv[1]), _run_app)
     elif wants_supervision(argv):
-        sys.exit(run_supervised(argv))
+        if not runner_applies():
+            sys.exit(run_supervised(argv))
+        _PROCESS["supervise_fallback"] = True  # the job goes to the warm runner, which this command supervises
     _run_app()
 
 

@@ -117,6 +117,14 @@ class JobFailed(ShardlineError, RuntimeError):
         self.failed = failed
 
 
+class JobStopped(JobFailed):
+    """A batch job was asked to stop (its command interrupted or killed); the parts it committed are kept and
+    a re-run resumes."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, {})
+
+
 class Unauthenticated(ShardlineError, PermissionError):
     """A request carries no API key, or one that no tenant holds."""
 

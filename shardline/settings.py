@@ -228,6 +228,12 @@ class BatchSettings(BaseSettings):
     sla_window_s: float = Field(
         default=300.0, gt=0, description="Seconds of recent progress the throughput (and so the projection) is measured over."
     )
+    runner_idle_s: float = Field(
+        default=900.0, ge=0,
+        description="How long the home's warm batch runner (started by the first `batch run`, it keeps the imports, "
+        "the Prefect API and a LocalCluster with its loaded models for the next jobs) waits for a job before it "
+        "exits. 0: no runner; every job starts and closes its own cluster in its own process.",
+    )
     lease_ttl_s: float = Field(
         default=180.0, gt=0,
         description="How long a running job's lease on its output folder lasts unless renewed: a job whose owner "

@@ -13,12 +13,18 @@ from typing import Any, Iterator
 from shardline.errors import InvalidSetting, RuntimeUnavailable
 from shardline.settings import DaskSettings
 
+# LocalClusters this process keeps running across jobs (the warm batch runner's, see ``warm_cluster``),
+# by the settings they were started with.
+_WARM: dict[str, str] = {}
+
 
 @contextlib.contextmanager
 def dask_scheduler(settings: DaskSettings) -> Iterator[str]:
     """Yield a scheduler address: a new LocalCluster, an existing one, or dask-kubernetes.
 
-    A cluster this function started is closed on exit; an existing one is left alone.
+    A cluster this function started is closed on exit; an existing one is left alone. With
+    ``SHARDLINE_DASK_CLUSTER=local``, a cluster this process keeps warm for these settings
+    (``warm_cluster``) is used instead of a new one.
     """
     if settings.cluster == "address":
         if not settings.address:
@@ -30,6 +36,9 @@ def dask_scheduler(settings: DaskSettings) -> Iterator[str]:
     if settings.cluster == "kubernetes":
         with _kubernetes_cluster(settings) as address:
             yield address
+        return
+    if settings.cluster == "local" and (warm := _WARM.get(settings.model_dump_json())) is not None:
+        yield warm
         return
     import dask
     from distributed import LocalCluster
@@ -48,6 +57,25 @@ def dask_scheduler(settings: DaskSettings) -> Iterator[str]:
         silence_logs=logging.WARNING,
     ) as cluster:
         yield cluster.scheduler_address
+
+
+@contextlib.contextmanager
+def warm_cluster(settings: DaskSettings) -> Iterator[str | None]:
+    """Keep one LocalCluster running while the block runs, for every job of this process with these settings.
+
+    Yields its scheduler address; None (and nothing started) unless ``settings.cluster`` is ``local``:
+    an existing or Kubernetes cluster is not this process's to keep.
+    """
+    if settings.cluster != "local":
+        yield None
+        return
+    key = settings.model_dump_json()
+    with dask_scheduler(settings) as address:
+        _WARM[key] = address
+        try:
+            yield address
+        finally:
+            _WARM.pop(key, None)
 
 
 @contextlib.contextmanager

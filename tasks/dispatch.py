@@ -9,10 +9,13 @@ flat however many shards a job has, and a lost worker costs only what it held.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+from shardline.errors import JobStopped
 from shardline.storage.output import PartRecord
 from shardline.storage.scoring import ScoringJob, score_shard
 from shardline.storage.shards import ShardInfo
@@ -26,6 +29,13 @@ MIN_IN_FLIGHT = 8
 LOST_WORKER_RESUBMITS = 2
 
 Settled = Callable[[ShardInfo, PartRecord | None, BaseException | None], None]
+
+# A request to stop the job this context runs: set by whoever runs the flow (the warm batch runner,
+# shardline/_batch_runner.py, when the command that sent the job is interrupted or killed). The
+# dispatcher then hands out no more shards, withdraws those the cluster has not started, lets the
+# running ones finish (a worker commits its part and ledger record, so the lease is held until
+# then) and raises JobStopped; a re-run resumes from the parts committed.
+STOP_REQUEST: ContextVar[threading.Event | None] = ContextVar("shardline_dispatch_stop", default=None)
 
 
 def in_flight_target(threads: int, requested: int | None) -> int:
@@ -76,6 +86,9 @@ def dispatch_shards(
     it settles: with its ledger record, or with the error that failed it (after
     ``resubmits`` extra tries when its workers kept dying). Worker loss below Dask's
     allowed-failures is invisible here: the scheduler runs the shard elsewhere.
+
+    Raises:
+        JobStopped: ``STOP_REQUEST`` was set before every shard was handed out (see there).
     """
     from distributed import as_completed
 
@@ -86,6 +99,8 @@ def dispatch_shards(
     by_key: dict[str, ShardInfo] = {}
     counter = itertools.count()
     pending = as_completed()
+    futures: dict[str, Any] = {}  # key -> future, of the shards in flight
+    stop, stopping, settled_count = STOP_REQUEST.get(), False, 0
     limit = in_flight_target(_cluster_threads(client), max_in_flight)
     last_sized = time.monotonic()
 
@@ -101,10 +116,17 @@ def dispatch_shards(
     def submit(shard: ShardInfo) -> None:
         key = f"{key_prefix}-{next(counter)}"
         by_key[key] = shard
-        pending.add(client.submit(score_shard, shared, shard, key=key, pure=False))
+        futures[key] = client.submit(score_shard, shared, shard, key=key, pure=False)
+        pending.add(futures[key])
         stats.submitted += 1
 
     def top_up() -> None:
+        nonlocal stopping
+        if stop is not None and stop.is_set():
+            if not stopping:
+                stopping = True
+                _withdraw_unstarted(client, futures)
+            return
         for shard in itertools.islice(queue, max(0, limit - pending.count())):
             submit(shard)
         stats.peak_in_flight = max(stats.peak_in_flight, pending.count())
@@ -112,6 +134,10 @@ def dispatch_shards(
     top_up()
     for future in pending:  # ``submit`` adds to ``pending`` while it is iterated
         shard = by_key.pop(future.key)
+        del futures[future.key]
+        if future.status == "cancelled":  # withdrawn on a stop request before it started: it stays to do
+            future.release()
+            continue
         if future.status == "error":
             error = future.exception()
             tries = attempts.get(shard.relative, 0)
@@ -124,6 +150,7 @@ def dispatch_shards(
                 on_settled(shard, None, error)
         else:
             on_settled(shard, future.result(), None)
+        settled_count += 1
         future.release()
         if max_in_flight is None and time.monotonic() - last_sized > 2.0:
             limit = in_flight_target(_cluster_threads(client), None)  # the cluster may have scaled
@@ -131,7 +158,21 @@ def dispatch_shards(
         top_up()
     shared.release()
     stats.seconds = time.perf_counter() - started
+    if stopping:
+        raise JobStopped(
+            f"stopped on request with {len(shards) - settled_count} of {len(shards)} shards not scored (the parts "
+            "committed are kept): run the same command again to resume"
+        )
     return stats
+
+
+def _withdraw_unstarted(client: Any, futures: dict[str, Any]) -> None:
+    """Cancel the shards the cluster has not started; those running finish (they commit as they end)."""
+    try:
+        running = {key for keys in client.processing().values() for key in keys}
+    except Exception:  # no answer from the scheduler: withdraw nothing, let every shard in flight finish
+        return
+    client.cancel([future for key, future in futures.items() if key not in running])
 
 
 def job_task_key(key_prefix: str) -> str:

@@ -95,3 +95,14 @@ def shardline(cli_env: dict[str, str], tmp_path: Path) -> Callable[..., subproce
         )
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def no_batch_runner_outlives_the_test(tmp_path: Path) -> Iterator[None]:
+    """A `batch run` on the default settings leaves its home's warm batch runner running (it exits after
+    SHARDLINE_BATCH_RUNNER_IDLE_S, 15 min): stop every runner a test's homes hold when the test ends."""
+    yield
+    from shardline._batch_runner import RECORD, stop
+
+    for record in tmp_path.rglob(f"runner/{RECORD}"):
+        stop(record.parent.parent)

@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import pytest
 
+from shardline._batch_runner import find as find_runner
+from shardline._batch_runner import stop as stop_runner
 from shardline._prefect_server import healthy, server_dir, stop
 
 from tests.e2e.conftest import SHARDLINE
@@ -58,6 +60,9 @@ def test_the_demo_starts_a_local_prefect_server_that_later_runs_reuse_and_stop_s
         assert json.loads(again.stdout.strip().splitlines()[-1])["rows_out"] == 12_000
         assert "started the local Prefect server" not in again.stderr and "temporary server" not in again.stderr
         assert json.loads((server_dir(home) / "server.json").read_text())["pid"] == record["pid"]  # reused
+        runner = find_runner(home)  # the demo's run started the home's warm batch runner; this run used it
+        assert runner is not None and f"started the batch runner of this home (pid {runner.pid})" in demo.stderr
+        assert "started the batch runner" not in again.stderr
         with SyncPrefectClient(record["api_url"]) as client:
             runs = client.read_flow_runs()
             assert len(runs) == 2 and all(run.state is not None and run.state.is_completed() for run in runs)
@@ -67,10 +72,13 @@ def test_the_demo_starts_a_local_prefect_server_that_later_runs_reuse_and_stop_s
         assert status.returncode == 0 and json.loads(status.stdout)["pid"] == record["pid"]
         stopped = shardline("prefect", "stop", SHARDLINE_STORAGE_HOME=str(home), **EMBEDDED_DEFAULT)
         assert stopped.returncode == 0 and f"stopped the local Prefect server (pid {record['pid']}" in stopped.stdout
+        assert f"stopped the batch runner (pid {runner.pid})" in stopped.stdout
         assert not alive(record["pid"]) and not (server_dir(home) / "server.json").exists()
+        assert not alive(runner.pid) and find_runner(home) is None
         after = shardline("prefect", "status", SHARDLINE_STORAGE_HOME=str(home), **EMBEDDED_DEFAULT)
         assert after.returncode == 1 and "no local Prefect server runs" in after.stdout
     finally:
+        stop_runner(home)
         stop(home)
 
 

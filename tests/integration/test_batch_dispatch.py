@@ -54,3 +54,48 @@ def test_shards_run_on_every_worker(breast_cancer_model: BuiltModel, dask_addres
     assert ran_shards == workers and len(workers) == 2
     assert sorted(r.relative for r in settled) == [s.relative for s in shards]
     assert OutputLayout(job.output_uri).present_parts() == {s.relative for s in shards}
+
+
+def test_a_stop_request_withdraws_unstarted_shards_and_returns_once_the_running_ones_are_committed(
+    breast_cancer_model: BuiltModel, dask_address: str, tmp_path: Path
+) -> None:
+    import threading
+    import time
+
+    import pytest
+    from distributed import Client
+
+    from shardline.errors import JobStopped
+    from shardline.tasks.dispatch import STOP_REQUEST
+
+    registry = ModelRegistry(str(tmp_path / "registry"))
+    registry.push(breast_cancer_model.bundle_dir)
+    model = registry.resolve("breast-cancer:1")
+    write_shards(tmp_path / "input", 24, 20_000)
+    shards = list_shards(str(tmp_path / "input"))
+    job = ScoringJob(
+        job_key=job_key(model.outputs_digest, None), model=model, output_uri=str(tmp_path / "out"),
+        passthrough=None, batch_rows=1_000, cache_dir=str(tmp_path / "cache"), runtime=RuntimeOptions("cpu", 1),
+        job_id="stopped",
+    )
+    stop, settled = threading.Event(), []
+
+    def on_settled(shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:
+        assert error is None and record is not None, error
+        settled.append(record.relative)
+        if len(settled) == 2:
+            stop.set()  # as the warm runner does when the job's command goes away
+
+    token = STOP_REQUEST.set(stop)
+    try:
+        with Client(dask_address) as client, pytest.raises(JobStopped, match="run the same command again to resume"):
+            dispatch_shards(client, job, shards, on_settled, max_in_flight=8, key_prefix="shard-stopped")
+    finally:
+        STOP_REQUEST.reset(token)
+
+    layout = OutputLayout(job.output_uri)
+    committed = layout.present_parts()
+    assert 2 <= len(settled) < len(shards)  # the running shards finished; the withdrawn ones never ran
+    assert committed == set(settled)  # every shard that ran was settled here: none commits behind the job's back
+    time.sleep(1.0)
+    assert layout.present_parts() == committed

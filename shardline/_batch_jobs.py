@@ -1,0 +1,167 @@
+"""One `batch run` or `batch resume` job as the CLI runs it: the request, its early checks, the flow, the outcome.
+
+The command runs the job in a process of its own (the cold path: imports, a Dask cluster started
+and closed) or hands it to its home's warm batch runner (``shardline._batch_runner``), which runs
+the same ``check_request`` and ``execute`` on a cluster it keeps; the user sees the same lines, the
+same progress bar and the same exit code either way (``present``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import typer
+
+from shardline._cli_common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_QUARANTINED,
+    EXIT_USAGE,
+    error_line,
+    exit_code,
+    one_line_user_errors,
+)
+from shardline.errors import ShardlineError
+
+Progress = Callable[[int, int, int], None]  # (shards settled, shards to do, rows)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What `batch run` (or `batch resume`, from the job's record) asks for: the flow's parameters."""
+
+    model: str
+    input_uri: str
+    output_uri: str
+    tenant: str = "default"
+    passthrough: list[str] | None = None
+    batch_rows: int | None = None
+    variant: str | None = None
+    sla: str | None = None
+    deadline: str | None = None
+    priority: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobRequest:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a job ended, for the command to print: its exit code, summary, error line and state message."""
+
+    code: int
+    summary: dict[str, Any] | None = None
+    error: str | None = None  # the line printed after "error: "
+    message: str = ""  # the flow's final state message, printed after the summary
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobOutcome:
+        return cls(int(data["code"]), data.get("summary"), data.get("error"), str(data.get("message") or ""))
+
+
+def check_request(request: JobRequest) -> None:
+    """The checks `batch run` makes before anything starts: the SLA, the tenant, the locations.
+
+    Raises:
+        ShardlineError: what is wrong (the flow checks the same again when it starts).
+    """
+    from datetime import datetime, timezone
+    from functools import partial
+
+    from shardline.settings import BatchSettings, StorageSettings, TenancySettings
+    from shardline.sla_projection import make_sla
+    from shardline.storage.fs import resolve_location
+    from shardline.tenants import admit_locations, batch_tenant
+
+    make_sla(datetime.now(timezone.utc), request.sla, request.deadline, BatchSettings().default_sla)
+    allowed = batch_tenant(TenancySettings().tenants_file, request.tenant)
+    resolve = partial(resolve_location, storage_options=StorageSettings().storage_options)
+    admit_locations(allowed, request.input_uri, request.output_uri, resolve)
+
+
+def execute(request: JobRequest, watchers: Sequence[Progress] = ()) -> JobOutcome:
+    """Run the batch flow in this process on the Prefect API already chosen (``use_prefect_api``)."""
+    from shardline.flows.batch_inference import batch_inference
+
+    with one_line_user_errors():
+        state = batch_inference(
+            model=request.model, input_uri=request.input_uri, output_uri=request.output_uri, tenant=request.tenant,
+            passthrough=request.passthrough, batch_rows=request.batch_rows, variant=request.variant,
+            sla=request.sla, deadline=request.deadline, priority=request.priority, watchers=list(watchers),
+            return_state=True,
+        )
+    result = state.result(raise_on_failure=False)
+    if isinstance(result, BaseException):
+        return JobOutcome(exit_code(result), error=error_line(result))
+    summary: dict[str, Any] = result
+    if state.is_failed():
+        code = EXIT_FAILED
+    else:
+        code = EXIT_QUARANTINED if summary["shards_quarantined"] else EXIT_OK
+    return JobOutcome(code, summary, message=state.message or "")
+
+
+def refused(error: ShardlineError) -> JobOutcome:
+    """The outcome of a request an early check refused: its one line, exit code 2."""
+    return JobOutcome(EXIT_USAGE, error=str(error))
+
+
+def progress_bar(enabled: bool) -> tuple[Any, Progress]:
+    """The shards progress bar (a rich ``Progress``, to enter) and the watcher that moves it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("shards"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[rows]:,} rows"), TimeElapsedColumn(), disable=not enabled,
+    )
+    task_id = bar.add_task("shards", total=None, rows=0)
+
+    def listen(settled: int, total: int, rows: int) -> None:
+        bar.update(task_id, completed=settled, total=total, rows=rows)
+
+    return bar, listen
+
+
+def present(outcome: JobOutcome, json_out: bool) -> int:
+    """Print how the job ended (the error line, or the summary and message, then the JSON); returns the exit code."""
+    import json
+
+    if outcome.error is not None:
+        typer.secho(f"error: {outcome.error}", fg="red", err=True)
+    if outcome.summary is not None:
+        _print_summary(outcome.summary, outcome.message)
+        if json_out:
+            typer.echo(json.dumps(outcome.summary, default=str))
+    return outcome.code
+
+
+def _print_summary(summary: dict[str, Any], message: str) -> None:
+    lines = [
+        ("job", summary["job_id"]),
+        ("model", summary["model"]),
+        ("shards", f"{summary['shards']} ({summary['shards_committed']} committed, "
+                   f"{summary['shards_skipped']} already done, {summary['shards_quarantined']} quarantined)"),
+        ("rows in", f"{summary['rows_in']:,}"),
+        ("rows out", f"{summary['rows_out']:,}"),
+        ("rows quarantined", f"{summary['rows_quarantined']:,}"),
+        ("throughput", f"{summary['steady_rows_per_second']:,.0f} rows/s over {summary['steady_seconds']:.1f} s"),
+        ("output", summary["output"]),
+        ("manifest", summary["manifest"]),
+    ]
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        typer.echo(f"{key.rjust(width)}  {value}")
+    for shard, reason in summary["quarantined"].items():
+        typer.secho(f"quarantined {shard}: {reason}", fg="yellow")
+    if message:
+        typer.echo(message)

@@ -89,17 +89,24 @@ def check_request(request: JobRequest) -> None:
     admit_locations(allowed, request.input_uri, request.output_uri, resolve)
 
 
-def execute(request: JobRequest, watchers: Sequence[Progress] = ()) -> JobOutcome:
-    """Run the batch flow in this process on the Prefect API already chosen (``use_prefect_api``)."""
-    from shardline.flows.batch_inference import batch_inference
+def execute(request: JobRequest, watchers: Sequence[Progress] = (), flow: Any = None) -> JobOutcome:
+    """Run the batch flow (``flow``: the batch flow with other options) in this process on the Prefect API
+    already chosen (``use_prefect_api``)."""
+    if flow is None:
+        from shardline.flows.batch_inference import batch_inference as flow
 
     with one_line_user_errors():
-        state = batch_inference(
+        state = flow(
             model=request.model, input_uri=request.input_uri, output_uri=request.output_uri, tenant=request.tenant,
             passthrough=request.passthrough, batch_rows=request.batch_rows, variant=request.variant,
             sla=request.sla, deadline=request.deadline, priority=request.priority, watchers=list(watchers),
             return_state=True,
         )
+    return outcome_of(state)
+
+
+def outcome_of(state: Any) -> JobOutcome:
+    """The outcome of the batch flow's final Prefect state."""
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
         return JobOutcome(exit_code(result), error=error_line(result))

@@ -93,8 +93,9 @@ def execute(request: JobRequest, watchers: Sequence[Progress] = (), flow: Any = 
     """Run the batch flow (``flow``: the batch flow with other options) in this process on the Prefect API
     already chosen (``use_prefect_api``)."""
     if flow is None:
-        from shardline.flows.batch_inference import batch_inference as flow
+        from shardline.flows.batch_inference import batch_inference
 
+        flow = batch_inference
     with one_line_user_errors():
         state = flow(
             model=request.model, input_uri=request.input_uri, output_uri=request.output_uri, tenant=request.tenant,

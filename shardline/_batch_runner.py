@@ -414,7 +414,8 @@ class _Runner:
         fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
             json.dump({"pid": os.getpid(), "port": port, "token": self.token, "fingerprint": self.fingerprint,
-                       "started_server": self.started_server, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, out)
+                       "started_server": self.started_server,
+                       "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, out)
         os.replace(staged, self.folder / RECORD)
 
     def _forget(self) -> None:

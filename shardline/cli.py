@@ -94,6 +94,13 @@ def _run_on_runner(request: JobRequest, progress: bool, check: bool) -> JobOutco
         typer.secho(text, fg="cyan", err=True)
 
     home = StorageSettings().home
+    if check and runner.find(home) is None:  # a bad request starts nothing, not even the runner
+        from shardline._batch_jobs import check_request, refused
+
+        try:
+            check_request(request)
+        except ShardlineError as e:
+            return refused(e)
     bar, listen = progress_bar(progress)
     entered = [False]
     with contextlib.ExitStack() as shown:

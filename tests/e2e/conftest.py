@@ -2,11 +2,15 @@
 
 The session's commands talk to one real `prefect server` (``PREFECT_API_URL``), as a user
 who follows the README's Prefect section does. Without one, a user's `batch run` finds or
-starts the local Prefect server of its Shardline home (shardline/_prefect_server.py); here
-``SHARDLINE_PREFECT_SERVER=temporary`` is set as well, so that a test that drops the URL
-(``PREFECT_API_URL=None`` to ``shardline(...)``: a killed command's leftovers) gets Prefect's
-temporary server per run and leaves no server behind. The tests of the local server
-(test_prefect_server.py) unset both, and stop what they start.
+starts the local Prefect server of its Shardline home (shardline/_prefect_server.py): a test
+that drops the URL sets ``SHARDLINE_PREFECT_SERVER=temporary`` too (Prefect's temporary server
+per run, nothing left behind), and the tests of the local server (test_prefect_server.py) stop
+what they start.
+
+`batch run` hands its job to the home's warm batch runner (shardline/_batch_runner.py), as a
+user's does: the first run of a test starts one for the test's home, and
+``no_batch_runner_outlives_the_test`` kills it when the test ends. A test of the cold path
+(a run in its own supervised process) sets ``SHARDLINE_BATCH_RUNNER_IDLE_S=0``.
 """
 
 from __future__ import annotations
@@ -75,7 +79,6 @@ def cli_env(shardline_home: Path, prefect_home: Path, prefect_api: str) -> dict[
         SHARDLINE_STORAGE_HOME=str(shardline_home),
         PREFECT_HOME=str(prefect_home),
         PREFECT_API_URL=prefect_api,
-        SHARDLINE_PREFECT_SERVER="temporary",  # when a test drops the URL: nothing may outlive the session
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         DO_NOT_TRACK="1",
         ORT_DISABLE_TELEMETRY="1",
@@ -100,9 +103,14 @@ def shardline(cli_env: dict[str, str], tmp_path: Path) -> Callable[..., subproce
 @pytest.fixture(autouse=True)
 def no_batch_runner_outlives_the_test(tmp_path: Path) -> Iterator[None]:
     """A `batch run` on the default settings leaves its home's warm batch runner running (it exits after
-    SHARDLINE_BATCH_RUNNER_IDLE_S, 15 min): stop every runner a test's homes hold when the test ends."""
+    SHARDLINE_BATCH_RUNNER_IDLE_S, 15 min): kill every runner a test's homes hold when the test ends (its
+    graceful stop, tested in test_batch_runner.py, would cost a second or two a test)."""
     yield
-    from shardline._batch_runner import RECORD, stop
+    import signal
 
-    for record in tmp_path.rglob(f"runner/{RECORD}"):
-        stop(record.parent.parent)
+    from shardline._batch_runner import find, runner_dir
+
+    for folder in tmp_path.rglob("runner"):
+        runner = find(folder.parent)
+        if runner is not None and folder == runner_dir(folder.parent):
+            os.killpg(runner.pid, signal.SIGKILL)  # it leads its session: its scheduler and workers go with it

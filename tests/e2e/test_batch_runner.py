@@ -2,9 +2,7 @@
 a long-lived runner per home that keeps the imports and a Dask cluster warm.
 
 These runs keep the session's PREFECT_API_URL (the runner's jobs go to the session's Prefect server, as a
-user's do when they set it) and drop SHARDLINE_PREFECT_SERVER=temporary, which turns the runner off
-(conftest.py sets it so that nothing outlives the session). conftest's autouse fixture stops every runner
-a test leaves.
+user's do when they set it). conftest's autouse fixture kills every runner a test leaves.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
-WARM = {"SHARDLINE_PREFECT_SERVER": None}  # the default, local: the runner applies
+WARM: dict[str, str | None] = {"SHARDLINE_PREFECT_SERVER": None}  # the default, local: the runner applies
 
 
 def workers_of(pid: int) -> set[int]:

@@ -102,7 +102,9 @@ def test_run_killed_midway_resumes_with_exactly_the_right_rows(
     out = tmp_path / "out"
     args = [*SHARDLINE, "batch", "run", "--model", "breast-cancer@prod", "--input", str(tmp_path / "input"),
             "--output", str(out), "--batch-rows", "1000"]
-    env = {**cli_env, "SHARDLINE_DASK_N_WORKERS": "1"}
+    # run cold, in its own supervised process group (killed whole below); test_batch_runner.py kills a command
+    # whose job runs on the warm runner
+    env = {**cli_env, "SHARDLINE_DASK_N_WORKERS": "1", "SHARDLINE_BATCH_RUNNER_IDLE_S": "0"}
     victim = subprocess.Popen(args, env=env, cwd=tmp_path, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -1,7 +1,7 @@
 """The local Prefect server batch runs share: started by the first run, reused, replaced when stale, stopped.
 
-These tests drop the session's PREFECT_API_URL and SHARDLINE_PREFECT_SERVER=temporary (conftest.py),
-as a user's shell without either has them; each starts at most one server, in its own Shardline home,
+These tests drop the session's PREFECT_API_URL (conftest.py) and any SHARDLINE_PREFECT_SERVER, as a
+user's shell without either has them; each starts at most one server, in its own Shardline home,
 and stops it however the test ends.
 """
 

@@ -1,4 +1,5 @@
-"""The dispatcher spreads a job's shards over every worker of a real LocalCluster."""
+"""The dispatcher on a real LocalCluster: it spreads a job's shards over every worker and stops on request;
+the clusters this platform starts go without the dashboard's sampling."""
 
 from __future__ import annotations
 
@@ -99,3 +100,16 @@ def test_a_stop_request_withdraws_unstarted_shards_and_returns_once_the_running_
     assert committed == set(settled)  # every shard that ran was settled here: none commits behind the job's back
     time.sleep(1.0)
     assert layout.present_parts() == committed
+
+
+def test_a_local_cluster_started_here_has_its_workers_profiler_off() -> None:
+    import dask
+    from distributed import Client
+
+    from shardline.settings import DaskSettings
+    from shardline.tasks.cluster import dask_scheduler
+
+    with dask_scheduler(DaskSettings(n_workers=1)) as address, Client(address) as client:
+        on_workers = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
+        on_scheduler = client.run_on_scheduler(lambda: dask.config.get("distributed.admin.tick.interval"))
+    assert list(on_workers.values()) == [False] and on_scheduler == "1s"

@@ -117,3 +117,19 @@ def test_the_servers_threads_come_from_the_cores_unless_set(
            online.resolved_intra_op_threads(runtime.intra_op_threads))
     assert got == expected
     assert runtime.spinning is False
+
+
+def test_the_clusters_started_here_go_without_the_dashboards_sampling_unless_the_user_set_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dask
+
+    from shardline.tasks.cluster import QUIET_CLUSTER, quiet_cluster_config
+
+    assert quiet_cluster_config() == QUIET_CLUSTER  # Dask's defaults here: every key is ours to set
+
+    with dask.config.set({"distributed.admin.tick.interval": "50ms"}):  # a user's DASK_* variable or YAML file
+        chosen = quiet_cluster_config()
+    assert "distributed.admin.tick.interval" not in chosen
+    assert chosen["distributed.worker.profile.enabled"] is False
+

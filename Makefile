@@ -22,7 +22,7 @@ demo: setup
 	$(VENV)/bin/shardline demo
 
 test: setup typecheck
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=15
 
 test-fast: setup
 	$(PY) -m pytest tests/unit

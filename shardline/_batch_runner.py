@@ -361,7 +361,9 @@ class _Runner:
         self.token = secrets.token_urlsafe(32)
         self.fingerprint = fingerprint()
         self.lock = threading.Lock()
-        self.jobs: dict[int, threading.Event] = {}  # thread id -> its job's stop request
+        # thread id -> (its job's stop request, set once the command has its outcome): a job whose command has
+        # its outcome is finishing (Prefect's engine winds down), not busy; a stop still waits for it
+        self.jobs: dict[int, tuple[threading.Event, threading.Event]] = {}
         self.last_active = time.monotonic()
         self.stopping = threading.Event()
         self.api_url: str | None = None
@@ -403,9 +405,9 @@ class _Runner:
             listener.close()
             self._forget()
             with self.lock:
-                for stop_request in self.jobs.values():
+                for stop_request, _ in self.jobs.values():
                     stop_request.set()
-            while self._busy():  # the jobs stop: their running shards finish, their leases are given back
+            while self._busy(finishing=True):  # the jobs stop: their running shards finish, leases are given back
                 time.sleep(0.1)
         print(f"batch runner {os.getpid()} stopped", flush=True)
 
@@ -423,9 +425,10 @@ class _Runner:
         if record is not None and record.pid == os.getpid():
             (self.folder / RECORD).unlink(missing_ok=True)
 
-    def _busy(self) -> int:
+    def _busy(self, finishing: bool = False) -> int:
+        """Jobs whose command waits for their outcome (with ``finishing``: also those winding down)."""
         with self.lock:
-            return len(self.jobs)
+            return sum(1 for _, answered in self.jobs.values() if finishing or not answered.is_set())
 
     def _watch(self) -> None:
         """Stop when idle too long, when the record is gone or names another runner (the home was deleted, or
@@ -487,19 +490,20 @@ class _Runner:
             connection.send({"gone": "the batch runner runs jobs with other settings: "
                                      + ", ".join(differences(self.fingerprint, request.get("fingerprint") or {}))})
             return
-        stop_request = threading.Event()
+        stop_request, answered = threading.Event(), threading.Event()
         me = threading.get_ident()
         with self.lock:
-            self.jobs[me] = stop_request
+            self.jobs[me] = (stop_request, answered)
         threading.Thread(target=_stop_on_hangup, args=(connection, stop_request), name="runner-hangup",
                          daemon=True).start()
         forward = _Forward(connection, me, stop_request)
-        answered = threading.Event()
 
         def answer(outcome: JobOutcome) -> None:
             if not answered.is_set():
-                answered.set()
                 forward.send({"outcome": outcome.to_json()})
+                with self.lock:
+                    answered.set()
+                    self.last_active = time.monotonic()
 
         def answer_the_command(_flow: Any, _flow_run: Any, state: Any) -> None:
             # The flow run's final state is set in the API: answer now. What Prefect's engine does after
@@ -614,9 +618,9 @@ def main(argv: list[str]) -> None:
         traceback.print_exc()
     finally:
         runner._forget()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(code)  # no teardown of the heap object by object (see _supervise.exit_without_teardown)
+        from shardline._supervise import exit_without_teardown
+
+        exit_without_teardown(code)  # atexit runs (Prefect sends the logs it holds), the heap's teardown does not
 
 
 if __name__ == "__main__":

@@ -174,6 +174,8 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_out
         time.sleep(0.1)
     settled = len(list((out / "_ledger").glob("*.json")))
     assert 2 <= settled < 20 and not (out / "_SUCCESS").exists()
+    for part in out.glob("*.parquet"):  # whatever is visible is whole
+        assert pq.read_metadata(part).num_rows == 10_000
     assert not (Path(env["SHARDLINE_STORAGE_HOME"]) / "prefect").exists()  # no local server was started
 
     # the lease lasts 10 minutes, but its holder is a dead process of this host: taken over at once (on the
@@ -187,6 +189,7 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_out
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert summary["shards_skipped"] >= settled and summary["rows_out"] == 200_000
     assert sorted(ds.dataset(out).to_table(columns=["id"]).column("id").to_pylist()) == list(range(200_000))
+    assert (out / "_SUCCESS").exists() and not (out / "_staging").exists()
     assert [p.name for p in (out / "_lease").glob("*.json")] == ["0000000002.json"]
     assert json.loads((out / "_lease" / "0000000002.json").read_text())["released"] is True
     check_parts_are_the_models(out, inputs, breast_cancer_model, logreg_model)

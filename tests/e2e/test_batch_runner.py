@@ -35,6 +35,14 @@ def workers_of(pid: int) -> set[int]:
     return {p.pid for p in psutil.Process(pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())}
 
 
+def gone(pid: int) -> bool:
+    """Whether a process has ended (a zombie not yet reaped by init counts as ended)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def wait_for(what: str, ready: Callable[[], bool], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -82,8 +90,7 @@ def test_runs_go_to_one_warm_runner_whose_cluster_stays_and_prefect_stop_stops_i
 
     stopped = shardline("prefect", "stop", **WARM)
     assert stopped.returncode == 0 and f"stopped the batch runner (pid {runner.pid})" in stopped.stdout
-    assert not psutil.pid_exists(runner.pid) or psutil.Process(runner.pid).status() == psutil.STATUS_ZOMBIE
-    assert not any(psutil.pid_exists(pid) for pid in workers) and find(shardline_home) is None
+    assert gone(runner.pid) and all(gone(pid) for pid in workers) and find(shardline_home) is None
 
 
 @pytest.mark.usefixtures("local_registry")
@@ -139,8 +146,7 @@ def test_a_killed_command_stops_its_job_a_busy_runner_with_other_settings_is_lef
     assert np.array_equal(np.sort(ids), np.arange(len(shards) * 30_000))  # every row exactly once
 
     os.rename(runner_dir(shardline_home), tmp_path / "moved-away")  # as `rm -rf` of the home would
-    wait_for("the runner to exit without its home", lambda: not psutil.pid_exists(runner.pid) or psutil.Process(
-        runner.pid).status() == psutil.STATUS_ZOMBIE, timeout=60)
+    wait_for("the runner to exit without its home", lambda: gone(runner.pid), timeout=60)
 
 
 @pytest.mark.usefixtures("local_registry")
@@ -163,7 +169,7 @@ def test_an_idle_runner_with_other_settings_is_replaced_and_a_runner_exits_when_
     assert second is not None and second.pid != first.pid
     assert "replaced the batch runner of this home: its settings differed (SHARDLINE_BATCH_RUNNER_IDLE_S)" in (
         replaced.stderr)
-    assert not psutil.pid_exists(first.pid) or psutil.Process(first.pid).status() == psutil.STATUS_ZOMBIE
+    assert gone(first.pid)
     wait_for("the idle runner to exit", lambda: find(shardline_home) is None, timeout=60)
     assert not (runner_dir(shardline_home) / "runner.json").exists()
 

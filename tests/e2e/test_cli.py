@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Callable
 
-import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 import pytest
 
 from shardline.examples import write_shards
@@ -93,41 +88,3 @@ def test_batch_run_refuses_locations_outside_the_tenant_or_over_the_input_before
     assert sorted(p.name for p in (lake / "globex").rglob("*")) == before
     assert not (lake / "acme" / "out").exists()
 
-
-@pytest.mark.usefixtures("local_registry")
-def test_run_killed_midway_resumes_with_exactly_the_right_rows(
-    cli_env: dict[str, str], tmp_path: Path
-) -> None:
-    shards = write_shards(tmp_path / "input", 24, 30_000, row_group_rows=5_000)
-    out = tmp_path / "out"
-    args = [*SHARDLINE, "batch", "run", "--model", "breast-cancer@prod", "--input", str(tmp_path / "input"),
-            "--output", str(out), "--batch-rows", "1000"]
-    # run cold, in its own supervised process group (killed whole below); test_batch_runner.py kills a command
-    # whose job runs on the warm runner
-    env = {**cli_env, "SHARDLINE_DASK_N_WORKERS": "1", "SHARDLINE_BATCH_RUNNER_IDLE_S": "0"}
-    victim = subprocess.Popen(args, env=env, cwd=tmp_path, start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 180
-        while len(list((out / "_ledger").glob("*.json"))) < 3:
-            assert victim.poll() is None, "the run ended before it could be killed"
-            assert time.monotonic() < deadline, "no shard was committed in time"
-            time.sleep(0.05)
-    finally:
-        os.killpg(victim.pid, signal.SIGKILL)
-        victim.wait()
-    settled_before = len(list((out / "_ledger").glob("*.json")))
-    assert 3 <= settled_before < len(shards), "the kill came too late to test a resume"
-    assert not (out / "_SUCCESS").exists()
-    for part in out.glob("*.parquet"):  # whatever is visible is whole
-        assert pq.read_metadata(part).num_rows == 30_000
-
-    resumed = subprocess.run([*args[:-2], "--json"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
-    assert summary["shards_skipped"] >= settled_before
-    assert summary["shards_committed"] == 24 and summary["rows_out"] == 24 * 30_000
-    ids = ds.dataset(out).to_table(columns=["id"]).column("id").to_pylist()
-    assert sorted(ids) == list(range(24 * 30_000))
-    assert (out / "_SUCCESS").exists() and not (out / "_staging").exists()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import typer
+from pydantic import ConfigDict
 
 from shardline._cli_common import (
     EXIT_FAILED,
@@ -24,32 +25,25 @@ from shardline._cli_common import (
     one_line_user_errors,
 )
 from shardline.errors import ShardlineError
+from shardline.storage.job_records import JobParameters
 
 Progress = Callable[[int, int, int], None]  # (shards settled, shards to do, rows)
 
 
-@dataclass(frozen=True)
-class JobRequest:
-    """What `batch run` (or `batch resume`, from the job's record) asks for: the flow's parameters."""
+class JobRequest(JobParameters):
+    """What `batch run` (or `batch resume`, from the job's record) asks for: the job's parameters and its SLA."""
 
-    model: str
-    input_uri: str
-    output_uri: str
-    tenant: str = "default"
-    passthrough: list[str] | None = None
-    batch_rows: int | None = None
-    variant: str | None = None
+    model_config = ConfigDict(frozen=True)
+
     sla: str | None = None
     deadline: str | None = None
-    priority: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> JobRequest:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return cls.model_validate(data)
 
 
 @dataclass(frozen=True)

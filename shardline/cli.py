@@ -164,7 +164,8 @@ def batch_run(
     input, SLA, tenant, prefixes, quota; an output that is a file, read-only, in use by
     another running job, or holding another model's parts).
     """
-    request = JobRequest(model, input, output, tenant, passthrough, batch_rows, variant, sla, deadline, priority)
+    request = JobRequest(model=model, input_uri=input, output_uri=output, tenant=tenant, passthrough=passthrough,
+                         batch_rows=batch_rows, variant=variant, sla=sla, deadline=deadline, priority=priority)
     raise typer.Exit(present(run_batch_job(request, progress=not json_out, check=True), json_out))
 
 
@@ -260,8 +261,8 @@ def batch_resume(
     p = record.parameters
     typer.echo(f"resuming job {record.job_id} ({record.state}, {record.shards_done}/{record.shards_total} shards settled)")
     # the pinned version, not the alias: were the alias moved since, the parts already made would not count
-    request = JobRequest(record.model_pinned or p.model, p.input_uri, p.output_uri, p.tenant, p.passthrough,
-                         p.batch_rows, p.variant, deadline=record.deadline.isoformat(), priority=p.priority)
+    request = JobRequest(**{**p.model_dump(), "model": record.model_pinned or p.model},
+                         deadline=record.deadline.isoformat())
     raise typer.Exit(present(run_batch_job(request, progress=not json_out), json_out))
 
 
@@ -301,7 +302,8 @@ def demo(
     typer.echo(f"2/4 registered {pushed.reference} as {pushed.name}@prod; writing {shards} shards of {rows:,} rows")
     write_shards(workdir / "input", shards, rows)
     typer.echo("3/4 running the batch-inference flow on a local Dask cluster")
-    outcome = run_batch_job(JobRequest(f"{pushed.name}@prod", str(workdir / "input"), str(workdir / "output"), "demo"))
+    outcome = run_batch_job(JobRequest(model=f"{pushed.name}@prod", input_uri=str(workdir / "input"),
+                                       output_uri=str(workdir / "output"), tenant="demo"))
     code = present(outcome, json_out=False)
     if outcome.summary is None or code != EXIT_OK:
         raise typer.Exit(code or EXIT_FAILED)

@@ -15,7 +15,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from shardline.errors import InvalidSetting
-from shardline.storage.fs import atomic_write_bytes, join, open_fs
 
 JobState = Literal["running", "completed", "quarantined", "failed"]
 
@@ -60,14 +59,20 @@ class JobRecords:
     """The job records under a Shardline home (any fsspec URL)."""
 
     def __init__(self, home: str, storage_options: dict[str, Any] | None = None) -> None:
+        from shardline.storage.fs import join, open_fs  # here, not at import: JobParameters is read without fsspec
+
         self.fs, self.root = open_fs(join(home, "jobs"), storage_options)
 
     def _path(self, job_id: str) -> str:
+        from shardline.storage.fs import join
+
         return join(self.root, f"{job_id}.json")
 
     def write(self, record: JobRecord) -> None:
         """Replace the job's record as a whole (atomic)."""
         record.updated_at = datetime.now(timezone.utc)
+        from shardline.storage.fs import atomic_write_bytes, join
+
         atomic_write_bytes(self.fs, self._path(record.job_id), record.model_dump_json(indent=2).encode(),
                            join(self.root, "_staging"))
 

@@ -19,6 +19,22 @@ from shardline.tasks.dispatch import dispatch_shards, job_task_key
 from tests.conftest import BuiltModel
 
 
+def scoring_job(
+    model_dir: Path, tmp_path: Path, shards: int, batch_rows: int, job_id: str
+) -> tuple[ScoringJob, list[ShardInfo]]:
+    """breast-cancer:1 in a fresh registry, ``shards`` shards of 20,000 rows, and a job scoring them."""
+    registry = ModelRegistry(str(tmp_path / "registry"))
+    registry.push(model_dir)
+    model = registry.resolve("breast-cancer:1")
+    write_shards(tmp_path / "input", shards, 20_000)
+    job = ScoringJob(
+        job_key=job_key(model.outputs_digest, None), model=model, output_uri=str(tmp_path / "out"),
+        passthrough=None, batch_rows=batch_rows, cache_dir=str(tmp_path / "cache"), runtime=RuntimeOptions("cpu", 1),
+        job_id=job_id,
+    )
+    return job, list_shards(str(tmp_path / "input"))
+
+
 def test_the_job_task_is_a_task_group_of_its_own() -> None:
     # Dask estimates a task's duration from its group (the key's first words): shards grouped
     # with the job task would look instant, and none would be moved off the worker holding the job.
@@ -29,16 +45,7 @@ def test_the_job_task_is_a_task_group_of_its_own() -> None:
 def test_shards_run_on_every_worker(breast_cancer_model: BuiltModel, dask_address: str, tmp_path: Path) -> None:
     from distributed import Client, get_task_stream
 
-    registry = ModelRegistry(str(tmp_path / "registry"))
-    registry.push(breast_cancer_model.bundle_dir)
-    model = registry.resolve("breast-cancer:1")
-    write_shards(tmp_path / "input", 8, 20_000)
-    shards = list_shards(str(tmp_path / "input"))
-    job = ScoringJob(
-        job_key=job_key(model.outputs_digest, None), model=model, output_uri=str(tmp_path / "out"),
-        passthrough=None, batch_rows=5_000, cache_dir=str(tmp_path / "cache"), runtime=RuntimeOptions("cpu", 1),
-        job_id="spread",
-    )
+    job, shards = scoring_job(breast_cancer_model.bundle_dir, tmp_path, 8, 5_000, "spread")
     settled: list[PartRecord] = []
 
     def on_settled(shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:
@@ -69,16 +76,7 @@ def test_a_stop_request_withdraws_unstarted_shards_and_returns_once_the_running_
     from shardline.errors import JobStopped
     from shardline.tasks.dispatch import STOP_REQUEST
 
-    registry = ModelRegistry(str(tmp_path / "registry"))
-    registry.push(breast_cancer_model.bundle_dir)
-    model = registry.resolve("breast-cancer:1")
-    write_shards(tmp_path / "input", 24, 20_000)
-    shards = list_shards(str(tmp_path / "input"))
-    job = ScoringJob(
-        job_key=job_key(model.outputs_digest, None), model=model, output_uri=str(tmp_path / "out"),
-        passthrough=None, batch_rows=1_000, cache_dir=str(tmp_path / "cache"), runtime=RuntimeOptions("cpu", 1),
-        job_id="stopped",
-    )
+    job, shards = scoring_job(breast_cancer_model.bundle_dir, tmp_path, 24, 1_000, "stopped")
     stop, settled = threading.Event(), []
 
     def on_settled(shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:

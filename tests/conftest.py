@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Iterator  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
@@ -86,3 +86,24 @@ def input_shards(tmp_path: Path) -> Path:
     folder = tmp_path / "input"
     write_shards(folder, 6, 2_000, row_group_rows=500)
     return folder
+
+
+@pytest.fixture(autouse=True)
+def no_batch_runner_outlives_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A `batch run` on the default settings (the CLI in a subprocess, or typer's runner in this process)
+    leaves its home's warm batch runner running (it exits after SHARDLINE_BATCH_RUNNER_IDLE_S, 15 min): kill
+    every runner under the test's tmp_path when the test ends (its graceful stop, tested in
+    tests/e2e/test_batch_runner.py, would cost a second or two a test)."""
+    # asked for here, before the test runs, so that tmp_path is torn down after this fixture's end
+    root: Path | None = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if root is None:
+        return
+    import signal
+
+    from shardline._batch_runner import find, runner_dir
+
+    for folder in root.rglob("runner"):
+        runner = find(folder.parent)
+        if runner is not None and folder == runner_dir(folder.parent):
+            os.killpg(runner.pid, signal.SIGKILL)  # it leads its session: its scheduler and workers go with it

@@ -9,7 +9,7 @@ what they start.
 
 `batch run` hands its job to the home's warm batch runner (shardline/_batch_runner.py), as a
 user's does: the first run of a test starts one for the test's home, and
-``no_batch_runner_outlives_the_test`` kills it when the test ends. A test of the cold path
+``no_batch_runner_outlives_the_test`` (tests/conftest.py) kills it when the test ends. A test of the cold path
 (a run in its own supervised process) sets ``SHARDLINE_BATCH_RUNNER_IDLE_S=0``.
 """
 
@@ -99,18 +99,3 @@ def shardline(cli_env: dict[str, str], tmp_path: Path) -> Callable[..., subproce
 
     return run
 
-
-@pytest.fixture(autouse=True)
-def no_batch_runner_outlives_the_test(tmp_path: Path) -> Iterator[None]:
-    """A `batch run` on the default settings leaves its home's warm batch runner running (it exits after
-    SHARDLINE_BATCH_RUNNER_IDLE_S, 15 min): kill every runner a test's homes hold when the test ends (its
-    graceful stop, tested in test_batch_runner.py, would cost a second or two a test)."""
-    yield
-    import signal
-
-    from shardline._batch_runner import find, runner_dir
-
-    for folder in tmp_path.rglob("runner"):
-        runner = find(folder.parent)
-        if runner is not None and folder == runner_dir(folder.parent):
-            os.killpg(runner.pid, signal.SIGKILL)  # it leads its session: its scheduler and workers go with it

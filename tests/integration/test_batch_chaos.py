@@ -129,7 +129,9 @@ def test_flow_process_killed_midway_resumes_and_redoes_only_unsettled_shards(
 
     write_shards(tmp_path / "input", SHARDS, ROWS, row_group_rows=500)
     out = tmp_path / "out"
-    env = {**os.environ, "PREFECT_API_URL": str(get_current_settings().api.url), "PYTHONUNBUFFERED": "1"}
+    # the flow's own process is what is killed: the job runs cold, not on a warm batch runner
+    env = {**os.environ, "PREFECT_API_URL": str(get_current_settings().api.url), "PYTHONUNBUFFERED": "1",
+           "SHARDLINE_BATCH_RUNNER_IDLE_S": "0"}
     args = [sys.executable, "-m", "shardline.cli", "batch", "run", "--model", "breast-cancer@prod",
             "--input", str(tmp_path / "input"), "--output", str(out), "--batch-rows", "100"]
     victim = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -107,7 +107,10 @@ def test_a_second_job_on_a_running_jobs_output_is_refused_and_the_folder_stays_o
     try:
         wait_for("lease taken", lambda: any((out / "_lease").glob("*.json")), first)
 
-        second = shardline("batch", "run", "--model", "breast-cancer:2", "--input", str(inputs), "--output", str(out))
+        # the first job's settings: its runner refuses the second job (a command with other settings would run
+        # it cold, and the lease would refuse it the same way)
+        second = shardline("batch", "run", "--model", "breast-cancer:2", "--input", str(inputs), "--output", str(out),
+                           SHARDLINE_DASK_N_WORKERS="1")
 
         assert first.poll() is None, (f"the first job ended ({first.returncode}) before the second was refused: "
                                       f"{(tmp_path / 'first.log').read_text()[-3000:]}")
@@ -130,7 +133,8 @@ def test_a_second_job_on_a_running_jobs_output_is_refused_and_the_folder_stays_o
 
     # the folder is finished, but with the other model's parts: still refused, nothing touched
     before = snapshot(out)
-    later = shardline("batch", "run", "--model", "breast-cancer:2", "--input", str(inputs), "--output", str(out))
+    later = shardline("batch", "run", "--model", "breast-cancer:2", "--input", str(inputs), "--output", str(out),
+                      SHARDLINE_DASK_N_WORKERS="1")
     assert later.returncode == 2, later.stderr[-2000:]
     assert f"holds the parts of job {summary['job_id']} (model breast-cancer:1; its manifest is there)" in later.stderr
     assert "choose another --output, or delete the folder" in later.stderr

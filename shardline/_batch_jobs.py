@@ -27,7 +27,7 @@ from shardline._cli_common import (
 from shardline.errors import ShardlineError
 from shardline.storage.job_records import JobParameters
 
-Progress = Callable[[int, int, int], None]  # (shards settled, shards to do, rows)
+Watcher = Callable[[int, int, int], None]  # (shards settled, shards to do, rows): tasks.batch.ProgressWatcher
 
 
 class JobRequest(JobParameters):
@@ -83,7 +83,7 @@ def check_request(request: JobRequest) -> None:
     admit_locations(allowed, request.input_uri, request.output_uri, resolve)
 
 
-def execute(request: JobRequest, watchers: Sequence[Progress] = (), flow: Any = None) -> JobOutcome:
+def execute(request: JobRequest, watchers: Sequence[Watcher] = (), flow: Any = None) -> JobOutcome:
     """Run the batch flow (``flow``: the batch flow with other options) in this process on the Prefect API
     already chosen (``use_prefect_api``)."""
     if flow is None:
@@ -118,7 +118,7 @@ def refused(error: ShardlineError) -> JobOutcome:
     return JobOutcome(EXIT_USAGE, error=str(error))
 
 
-def progress_bar(enabled: bool) -> tuple[Any, Progress]:
+def progress_bar(enabled: bool) -> tuple[Any, Watcher]:
     """The shards progress bar (a rich ``Progress``, to enter) and the watcher that moves it."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

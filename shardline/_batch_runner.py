@@ -107,36 +107,15 @@ def _read_record(folder: Path) -> RunnerRecord | None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    try:
-        return b"shardline._batch_runner" in cmdline.read_bytes()
-    except FileNotFoundError:  # no /proc (macOS): the live pid is all there is to check
-        return not Path("/proc/self").exists()
-    except OSError:
-        return False
+    from shardline._prefect_server import is_live_process
+
+    return is_live_process(pid, b"shardline._batch_runner")
 
 
 def find(home: str | os.PathLike[str]) -> RunnerRecord | None:
     """The home's runner when its record names a live runner process."""
     record = _read_record(runner_dir(home))
     return record if record is not None and _alive(record.pid) else None
-
-
-@contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    import fcntl
-
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK, "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 # --------------------------------------------------------------------------- the command's side
@@ -182,7 +161,7 @@ def _connect(record: RunnerRecord, timeout: float = _CONNECT_TIMEOUT_S) -> _Conn
 
 
 def ask(record: RunnerRecord, op: str, **fields: Any) -> dict[str, Any] | None:
-    """Send the runner a one-answer request (``status``, ``stop``); None when it does not answer."""
+    """Send the runner a one-answer request (``stop``); None when it does not answer."""
     try:
         connection = _connect(record)
     except OSError:
@@ -240,7 +219,9 @@ def ensure(home: str | os.PathLike[str], say: Callable[[str], None], timeout_s: 
     record = find(home)
     if record is not None and record.fingerprint == mine:
         return record
-    with _locked(folder):
+    from shardline._prefect_server import _locked
+
+    with _locked(folder, LOCK):
         record = find(home)
         if record is not None and record.fingerprint != mine:
             if stop(home, only_if_idle=True) is None:
@@ -462,9 +443,7 @@ class _Runner:
                 connection.send({"gone": "the request carried no valid token"})
                 return
             op = request.get("op")
-            if op == "status":
-                connection.send({"pid": os.getpid(), "jobs": self._busy(), "api_url": self.api_url})
-            elif op == "stop":
+            if op == "stop":
                 stopping = not (request.get("only_if_idle") and self._busy())
                 if stopping:
                     self.stopping.set()

@@ -86,6 +86,12 @@ def healthy(api_url: str, timeout: float = _HEALTH_TIMEOUT_S) -> bool:
 
 def _is_prefect_process(pid: int) -> bool:
     """Whether ``pid`` is a live process and, where /proc tells, a Prefect server (not a reused pid)."""
+    return is_live_process(pid, b"prefect")
+
+
+def is_live_process(pid: int, marker: bytes) -> bool:
+    """Whether ``pid`` is a live process of this user whose command line, where /proc tells, holds ``marker``
+    (so that a pid reused by another program does not count)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -94,7 +100,7 @@ def _is_prefect_process(pid: int) -> bool:
         return False
     cmdline = Path(f"/proc/{pid}/cmdline")
     try:
-        return b"prefect" in cmdline.read_bytes()
+        return marker in cmdline.read_bytes()
     except FileNotFoundError:  # no /proc here (macOS): the live pid is all we can check
         return not Path("/proc/self").exists()
     except OSError:
@@ -118,10 +124,11 @@ def find(home: str | os.PathLike[str], timeout: float = _HEALTH_TIMEOUT_S) -> Lo
 
 
 @contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """Hold ``server.lock`` (an exclusive ``flock``): one command at a time finds or starts the server."""
+def _locked(folder: Path, name: str = LOCK) -> Iterator[None]:
+    """Hold ``folder/name`` (an exclusive ``flock``; ``server.lock``): one command at a time finds or starts
+    the server (or the batch runner, its own lock)."""
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK, "a+") as lock:
+    with open(folder / name, "a+") as lock:
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock (see the module's docstring)

@@ -112,6 +112,7 @@ def dispatch_shards(
     # words): the scheduler would take the job's microseconds for every shard's duration,
     # never steal a shard, and leave every shard on the one worker holding the job.
     shared = client.submit(_the_job, job, key=job_task_key(key_prefix), pure=False)
+    _on_every_worker(client, shared, stop)
 
     def submit(shard: ShardInfo) -> None:
         key = f"{key_prefix}-{next(counter)}"
@@ -173,6 +174,33 @@ def _withdraw_unstarted(client: Any, futures: dict[str, Any]) -> None:
     except Exception:  # no answer from the scheduler: withdraw nothing, let every shard in flight finish
         return
     client.cancel([future for key, future in futures.items() if key not in running])
+
+
+def _on_every_worker(client: Any, shared: Any, stop: threading.Event | None) -> None:
+    """Wait for the job task, then copy its result to every worker, before any shard is submitted.
+
+    Dask places a task that is not root-ish (a group of at most 2 tasks per worker thread: a job of few
+    shards, or its tail) on a worker holding its dependencies, whatever that worker's load: with the job
+    on one worker, a job of 4 long shards on 2 workers ran 3 on that one and 1 on the other (work
+    stealing moved one). With a copy everywhere each shard goes to the least busy worker. A worker that
+    joins later fetches it from a peer. A stop request ends the wait; a job task that failed is left for
+    the shards to report.
+    """
+    from distributed import wait
+
+    while True:
+        try:
+            wait([shared], timeout=0.25)
+            break
+        except TimeoutError:  # a cluster with no worker yet (scaling up from zero)
+            if stop is not None and stop.is_set():
+                return
+    if shared.status != "finished":
+        return
+    try:
+        client.replicate([shared])
+    except Exception:  # placement only: the shards still run wherever the scheduler puts them
+        return
 
 
 def job_task_key(key_prefix: str) -> str:

@@ -111,3 +111,24 @@ def test_a_local_cluster_started_here_has_its_workers_profiler_off() -> None:
         on_workers = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
         on_scheduler = client.run_on_scheduler(lambda: dask.config.get("distributed.admin.tick.interval"))
     assert list(on_workers.values()) == [False] and on_scheduler == "1s"
+
+
+def test_a_job_of_few_shards_is_split_evenly_over_the_workers(
+    breast_cancer_model: BuiltModel, dask_address: str, tmp_path: Path
+) -> None:
+    # A job of at most 2 shards per worker thread is not root-ish to Dask's scheduler, which then places each shard on
+    # a worker holding its dependency, the job: with the job on one worker, a job of 4 long shards on 2 workers ran 3
+    # on that one and 1 on the other (work stealing moved one).
+    from distributed import Client, get_task_stream
+
+    warm_up, warm_shards = scoring_job(breast_cancer_model.bundle_dir, tmp_path / "warm", 8, 5_000, "warm")
+    job, shards = scoring_job(breast_cancer_model.bundle_dir, tmp_path, 4, 5_000, "even")
+    with Client(dask_address) as client:
+        # every worker loads the model first, so that none is slower at its first shard and has one stolen
+        dispatch_shards(client, warm_up, warm_shards, lambda *_: None, key_prefix="shard-warm")
+        with get_task_stream(client) as stream:
+            dispatch_shards(client, job, shards, lambda *_: None, key_prefix="shard-even")
+        workers = set(client.scheduler_info()["workers"])
+
+    ran = [(t["key"], t["worker"]) for t in stream.data if t["key"].startswith("shard-even-")]
+    assert sorted(sum(1 for _, w in ran if w == worker) for worker in workers) == [2, 2], ran

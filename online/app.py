@@ -39,6 +39,7 @@ from shardline.online.logs import (
 )
 from shardline.online.metrics import Metrics
 from shardline.online.protocols import kserve_v2, openai
+from shardline.online.protocols.forms import openai_error_body, v2_error_body
 
 access_log = logging.getLogger(ACCESS_LOGGER)
 _REQUEST_ID = b"x-request-id"
@@ -124,7 +125,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         message = f"{request.url.path} does not take {request.method}"
     else:
         message = str(getattr(exc, "detail", exc))
-    body = openai.error_body(message, status) if request.url.path.startswith("/v1/") else kserve_v2.error_body(message, status)
+    body = (openai_error_body if request.url.path.startswith("/v1/") else v2_error_body)(message, status)
     return json_response(body, status)
 
 

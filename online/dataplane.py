@@ -36,7 +36,6 @@ from shardline.bundle import ModelRef, version_number
 from shardline.errors import (
     InferenceFailed,
     InvalidInput,
-    ModelNotFound,
     Overloaded,
     ShardlineError,
 )
@@ -46,7 +45,7 @@ from shardline.online.capture import OnlineCapture
 from shardline.online.errors import shown
 from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, batch_limits, missing_for_serving
-from shardline.online.tenants import Tenant, TenantDirectory
+from shardline.online.tenants import Tenant, TenantDirectory, not_available
 from shardline.runtimes import RuntimeOptions
 from shardline.settings import OnlineSettings
 from shardline.rows import Rows, check_rows
@@ -144,9 +143,10 @@ class DataPlane:
         return await asyncio.get_running_loop().run_in_executor(self._io_pool, call)
 
     # -- tenants ------------------------------------------------------------------------
-    def authenticate(self, authorization: str | None) -> Tenant:
-        """The tenant an ``Authorization`` header names (see ``TenantDirectory.authenticate``)."""
-        return self.tenants.authenticate(authorization)
+    def authenticate(self, authorization: str | None, on_behalf_of: str | None = None) -> Tenant:
+        """The tenant an ``Authorization`` header names; behind a router, the one its ``X-Shardline-Tenant``
+        header names (see ``TenantDirectory.authenticate``)."""
+        return self.tenants.authenticate(authorization, on_behalf_of)
 
     def admit(self, tenant: Tenant) -> TenantGate:
         """The tenant's gate, to enter around a request (``with plane.admit(tenant):``): it holds
@@ -166,12 +166,6 @@ class DataPlane:
         self.metrics.rate_limited.labels(tenant, quota).inc()
 
     # -- models -------------------------------------------------------------------------
-    def _refuse(self, tenant: Tenant, name: str) -> ModelNotFound:
-        # The same answer whether or not the model exists: nothing leaks to other tenants.
-        return ModelNotFound(
-            f"model {shown(name)} is not available to tenant {tenant.name!r}; it may call {sorted(tenant.models)}", name
-        )
-
     async def model(
         self, tenant: Tenant, name: str, version: str | int | None = None, alias: str | None = None
     ) -> ServedModel:
@@ -183,7 +177,7 @@ class DataPlane:
         """
         listed = tenant.reference_for(name)
         if listed is None:
-            raise self._refuse(tenant, name)
+            raise not_available(tenant, name)
         if version is not None:
             text = str(version).strip()
             number = version_number(text)
@@ -204,13 +198,13 @@ class DataPlane:
         """Like ``model`` for a reference string: ``name``, ``name@alias`` or ``name:version``."""
         name, alias, version = ModelRef.split(reference)
         if tenant.reference_for(name) is None:
-            raise self._refuse(tenant, name)
+            raise not_available(tenant, name)
         return await self.model(tenant, name, version=version, alias=alias)
 
     async def versions(self, tenant: Tenant, name: str) -> list[int]:
         """The registry versions of a model the tenant may call."""
         if tenant.reference_for(name) is None:
-            raise self._refuse(tenant, name)
+            raise not_available(tenant, name)
         return await self.directory.versions(name)
 
     async def _served_for(self, resolved: ResolvedModel) -> ServedModel:

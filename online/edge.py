@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
-import zlib
 from typing import Any, Awaitable, Callable
 
 import orjson
@@ -25,29 +23,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from shardline.errors import InvalidInput, PayloadTooLarge, ShardlineError, UnsupportedEncoding
+from shardline.errors import PayloadTooLarge, ShardlineError
+from shardline.online.bodies import byte_count, decode_body, too_large
 from shardline.online.dataplane import DataPlane
-from shardline.online.errors import error_status, shown
+from shardline.online.errors import error_status
 from shardline.online.logs import current
 from shardline.online.models import ServedModel
-from shardline.online.tenants import Tenant
+from shardline.online.tenants import TENANT_HEADER, Tenant
 
 log = logging.getLogger("shardline.online")
 Handler = Callable[[Request], Awaitable[Response]]
 ErrorBody = Callable[[str, int], dict[str, Any]]
 JSON = "application/json"
-MAX_GZIP_MEMBERS = 64  # concatenated gzip streams in one body (gzip(1) reads them all; so does this)
 COMPRESSION_RATIO = 32  # a compressed body this much smaller than offload_min_bytes may inflate past it
-_BYTE_COUNT = re.compile(r"[0-9]{1,15}")  # ASCII digits (str.isdigit takes '²', int() does not), a sane length
-
-
-def byte_count(header: str | None) -> int | None:
-    """A header that counts bytes (Content-Length, Inference-Header-Content-Length) as a number; None
-    when it is absent or not 1-15 ASCII digits."""
-    if header is None:
-        return None
-    text = header.strip()
-    return int(text) if _BYTE_COUNT.fullmatch(text) else None
 
 
 def runs_off_loop(size: int, compressed: bool, threshold: int) -> bool:
@@ -105,7 +93,7 @@ def error_answer(error: Exception, error_body: ErrorBody) -> tuple[int, dict[str
 
 def authenticate(request: Request, plane: DataPlane) -> Tenant:
     """The tenant of the request's ``Authorization: Bearer`` key (Unauthenticated otherwise)."""
-    tenant = plane.authenticate(request.headers.get("authorization"))
+    tenant = plane.authenticate(request.headers.get("authorization"), request.headers.get(TENANT_HEADER))
     info = current()
     if info is not None:
         info.tenant = tenant.name
@@ -144,7 +132,7 @@ async def read_body(receive: Receive, content_length: str | None, encoding: str 
         if chunk:
             size += len(chunk)
             if size > limit:
-                raise PayloadTooLarge(_too_large(f"at least {size} bytes", limit), limit)
+                raise PayloadTooLarge(too_large(f"at least {size} bytes", limit), limit)
             chunks.append(chunk)
         if not message.get("more_body", False):
             break
@@ -168,64 +156,4 @@ class ClientGone(Exception):
 def _check_declared(declared: str | None, limit: int) -> None:
     size = byte_count(declared)
     if size is not None and size > limit:
-        raise PayloadTooLarge(_too_large(f"{declared} bytes", limit), limit)
-
-
-def decode_body(body: bytes, content_encoding: str | None, limit: int) -> bytes:
-    """A body as sent with ``Content-Encoding`` (none, identity, gzip or deflate), decompressed within ``limit``.
-
-    Raises:
-        PayloadTooLarge, UnsupportedEncoding, InvalidInput: as ``read_body``.
-    """
-    encoding = (content_encoding or "").strip().lower()
-    if encoding in ("", "identity"):
-        return body
-    if encoding in ("gzip", "x-gzip"):
-        return _inflate(body, 16 + zlib.MAX_WBITS, limit, "gzip", MAX_GZIP_MEMBERS)
-    if encoding == "deflate":
-        return _inflate(body, zlib.MAX_WBITS, limit, "deflate", 1)  # (raw deflate too, as some clients send)
-    raise UnsupportedEncoding(
-        f"Content-Encoding {shown(encoding)} is not supported; send the body uncompressed, gzip or deflate"
-    )
-
-
-def _too_large(size: str, limit: int) -> str:
-    return (
-        f"the request body is {size}, over the limit of {limit} bytes; send fewer rows per request "
-        "(or raise SHARDLINE_ONLINE_MAX_BODY_BYTES on the server)"
-    )
-
-
-def _inflate(body: bytes, wbits: int, limit: int, name: str, members: int) -> bytes:
-    """Every member of a compressed body (gzip: concatenated streams, as gzip(1) reads them; trailing
-    zero bytes are padding), within ``limit`` bytes in all."""
-    parts: list[bytes] = []
-    size, rest = 0, body
-    for _ in range(members):
-        inflater = zlib.decompressobj(wbits)
-        try:
-            part = inflater.decompress(rest, limit - size + 1)
-        except zlib.error as e:
-            if wbits == zlib.MAX_WBITS and not parts:  # deflate without the zlib wrapper, as some clients send
-                return _inflate(body, -zlib.MAX_WBITS, limit, name, members)
-            raise InvalidInput(
-                f"the request body is not valid {name} data ({e}){' after its first member' if parts else ''}; "
-                "compress it again or send it plain"
-            ) from e
-        size += len(part)
-        if size > limit or inflater.unconsumed_tail:
-            raise PayloadTooLarge(
-                f"the {name} request body inflates to more than the limit of {limit} bytes; send fewer rows per "
-                "request (or raise SHARDLINE_ONLINE_MAX_BODY_BYTES on the server)", limit,
-            )
-        if not inflater.eof:
-            raise InvalidInput(f"the {name} request body is cut short; send the whole compressed body")
-        parts.append(part)
-        rest = inflater.unused_data
-        if not rest.strip(b"\0"):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
-    raise InvalidInput(
-        f"the {name} request body goes on after {members} compressed "
-        f"{'stream' if members == 1 else 'members'}; send {'one stream' if members == 1 else 'fewer members'} "
-        "(or the body uncompressed)"
-    )
+        raise PayloadTooLarge(too_large(f"{declared} bytes", limit), limit)

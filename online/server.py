@@ -66,7 +66,8 @@ def tenant_directory(tenancy: TenancySettings) -> TenantDirectory:
             "no tenants file: pass --tenants PATH or set SHARDLINE_TENANTS_FILE (or SHARDLINE_ONLINE_TENANTS_FILE) "
             "(see online/README.md for its format)"
         )
-    return load_tenants(tenancy.tenants_file)
+    tenants = load_tenants(tenancy.tenants_file)
+    return tenants.behind_router(tenancy.router_key_sha256) if tenancy.router_key_sha256 else tenants
 
 
 def serving_settings(online: OnlineSettings, runtime: RuntimeSettings) -> dict[str, Any]:

@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from shardline.bundle import ModelRef
-from shardline.errors import Unauthenticated
+from shardline.errors import ModelNotFound, Unauthenticated
+from shardline.online.errors import shown
 from shardline.tenants import Priority, RateQuota, TenantsFile, load_tenants_file, parse_tenants_file
+
+
+# The header in which a router names the tenant it has authenticated (see ``TenantDirectory``).
+TENANT_HEADER = "x-shardline-tenant"
 
 
 def hash_api_key(key: str) -> str:
@@ -50,6 +55,14 @@ class Tenant:
         return self.models.get(name)
 
 
+def not_available(tenant: Tenant, name: str) -> ModelNotFound:
+    """The refusal of a model the tenant may not call: the same answer whether or not the model exists
+    (nothing leaks to other tenants), from a server and from the router alike."""
+    return ModelNotFound(
+        f"model {shown(name)} is not available to tenant {tenant.name!r}; it may call {sorted(tenant.models)}", name
+    )
+
+
 def load_tenants(path: str | Path) -> "TenantDirectory":
     """Read and check a tenants file (``shardline.tenants.load_tenants_file``) into the server's directory.
 
@@ -60,11 +73,23 @@ def load_tenants(path: str | Path) -> "TenantDirectory":
 
 
 class TenantDirectory:
-    """Tenants by API key: a key is hashed and compared with every stored digest in constant time."""
+    """Tenants by API key: a key is hashed and compared with every stored digest in constant time.
 
-    def __init__(self, tenants: list[Tenant], digests: list[tuple[str, str]]) -> None:
+    Behind a router (``router_key_sha256``) the one key taken is the router's, and the tenant is the one
+    the router names in ``X-Shardline-Tenant``; the router has checked the tenant's own key and holds its
+    rate and concurrency quotas for every replica, so the tenants this directory answers carry none.
+    """
+
+    def __init__(self, tenants: list[Tenant], digests: list[tuple[str, str]], router_key_sha256: str | None = None) -> None:
         self.tenants = {t.name: t for t in tenants}
         self._digests = [(bytes.fromhex(d), self.tenants[name]) for d, name in digests]
+        self._router = bytes.fromhex(router_key_sha256) if router_key_sha256 else None
+        self._unmetered = {t.name: replace(t, rate=None, max_concurrent=None) for t in tenants}
+
+    def behind_router(self, router_key_sha256: str) -> "TenantDirectory":
+        """The same tenants, taking requests only from the router whose key hashes to ``router_key_sha256``."""
+        digests = [(stored.hex(), tenant.name) for stored, tenant in self._digests]
+        return TenantDirectory(list(self.tenants.values()), digests, router_key_sha256)
 
     @classmethod
     def from_file(cls, parsed: TenantsFile) -> "TenantDirectory":
@@ -85,11 +110,13 @@ class TenantDirectory:
         """
         return cls.from_file(parse_tenants_file(data, "given"))
 
-    def authenticate(self, authorization: str | None) -> Tenant:
-        """The tenant whose key an ``Authorization: Bearer <key>`` header carries.
+    def authenticate(self, authorization: str | None, on_behalf_of: str | None = None) -> Tenant:
+        """The tenant whose key an ``Authorization: Bearer <key>`` header carries; behind a router, the
+        tenant ``on_behalf_of`` (its ``X-Shardline-Tenant`` header) when the key is the router's.
 
         Raises:
-            Unauthenticated: no header, another scheme, or a key no tenant holds.
+            Unauthenticated: no header, another scheme, or a key no tenant holds; behind a router, a key
+                that is not the router's or a tenant it does not name.
         """
         if not authorization:
             raise Unauthenticated("no API key was sent; send it as the header 'Authorization: Bearer <key>'")
@@ -100,6 +127,8 @@ class TenantDirectory:
                 "the Authorization header is not 'Bearer <key>'; send the API key your tenant was given that way"
             )
         digest = hashlib.sha256(key.encode()).digest()
+        if self._router is not None:
+            return self._through_router(digest, on_behalf_of)
         found: Tenant | None = None
         for stored, tenant in self._digests:  # every digest is compared: the time does not tell which matched
             if hmac.compare_digest(stored, digest):
@@ -107,3 +136,17 @@ class TenantDirectory:
         if found is None:
             raise Unauthenticated("the API key is not valid; ask for a key of your tenant, or check it was not revoked")
         return found
+
+    def _through_router(self, digest: bytes, on_behalf_of: str | None) -> Tenant:
+        assert self._router is not None
+        if not hmac.compare_digest(self._router, digest):
+            raise Unauthenticated(
+                "this server takes requests only through its router; send them to the router's address"
+            )
+        tenant = self._unmetered.get(on_behalf_of or "")
+        if tenant is None:
+            raise Unauthenticated(
+                f"the router named tenant {on_behalf_of!r}, which this server's tenants file does not hold; give "
+                "the router and its replicas the same tenants file"
+            )
+        return tenant

@@ -146,6 +146,15 @@ class Overloaded(ShardlineError, RuntimeError):
         self.retry_after = retry_after
 
 
+class ReplicasUnavailable(Overloaded):
+    """The router has no replica that could take the request now (all down, their breakers open, or
+    every try failed within the retry budget); retry after ``retry_after`` s."""
+
+
+class DeadlineExceeded(ShardlineError, TimeoutError):
+    """The request's deadline (``X-Shardline-Timeout-Ms``, or the router's default) passed before an answer."""
+
+
 class PayloadTooLarge(InvalidInput):
     """A request body is over the server's size limit (before or after decompression)."""
 

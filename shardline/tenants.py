@@ -237,6 +237,16 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return path or "the file"
 
 
+def validation_problems(error: ValidationError) -> str:
+    """Every wrong field of a YAML file's check, as ``tenants[0].rate.burst: <what> (got <value>)``, joined
+    by "; " (the tenants file's and the router's config's messages)."""
+    problems = []
+    for e in error.errors():
+        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "model_type") else ""
+        problems.append(f"{_field_path(e['loc'])}: {e['msg']}{got}")
+    return "; ".join(problems)
+
+
 def parse_tenants_file(data: Any, where: str) -> TenantsFile:
     """Check parsed YAML against the tenants format (both tiers' fields).
 
@@ -246,13 +256,9 @@ def parse_tenants_file(data: Any, where: str) -> TenantsFile:
     try:
         return TenantsFile.model_validate(data)
     except ValidationError as e:
-        problems = []
-        for error in e.errors():
-            got = f" (got {error['input']!r})" if error["type"] not in ("missing", "model_type") else ""
-            problems.append(f"{_field_path(error['loc'])}: {error['msg']}{got}")
         raise InvalidSetting(
-            f"the tenants file {where} is not valid: " + "; ".join(problems)
-            + "; see online/README.md and docs/batch.md for the format"
+            f"the tenants file {where} is not valid: {validation_problems(e)}; see online/README.md and docs/batch.md "
+            "for the format"
         ) from e
 
 

@@ -35,11 +35,11 @@ from starlette.types import Receive, Scope, Send
 
 from shardline import __version__
 from shardline.errors import InvalidInput
+from shardline.online.bodies import byte_count
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import (
     ClientGone,
     authenticate,
-    byte_count,
     endpoint,
     error_answer,
     json_response,
@@ -48,6 +48,7 @@ from shardline.online.edge import (
 )
 from shardline.online.errors import shown
 from shardline.online.logs import current
+from shardline.online.protocols.forms import v2_error_body
 from shardline.online.protocols.v2_fast import fast_rows
 from shardline.online.protocols.v2_tensors import (
     array_to_tensor,
@@ -57,22 +58,19 @@ from shardline.online.protocols.v2_tensors import (
     tensor_to_column,
     to_binary,
 )
+from shardline.online.tenants import TENANT_HEADER
 from shardline.rows import Rows, check_rows, float_rows
 from shardline.signature import Signature
 
 PROTOCOL = "v2"
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
+_TENANT_KEY = TENANT_HEADER.encode()
 JSON = b"application/json"
 GZIP_MIN_BYTES = 1024  # answers this large are gzipped for clients that accept it (as GZipMiddleware does)
 # 6.3 MB of JSON answer (floats, labels) measured: level 1 0.12 s -> 2.62 MB, 5 0.30 s -> 2.37 MB, 9 4.4 s -> 2.29 MB.
 GZIP_LEVEL = 1  # what answers are gzipped with (app.py's GZipMiddleware uses it too): level 9 cost 37x the CPU for 13% smaller
 EXTENSIONS = ["binary_tensor_data"]
-
-
-def error_body(message: str, status: int) -> dict[str, Any]:
-    """The protocol's error form."""
-    return {"error": message}
 
 
 @dataclass
@@ -328,7 +326,7 @@ class InferEndpoint:
         except ClientGone:
             return  # nobody is left to answer
         except Exception as e:  # noqa: BLE001 - answered by the one table (a bug: 500, logged)
-            status, body, error_headers = error_answer(e, error_body)
+            status, body, error_headers = error_answer(e, v2_error_body)
             payload = orjson.dumps(body)
             extra.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error_headers.items())
         if len(payload) >= GZIP_MIN_BYTES and b"gzip" in headers.get(b"accept-encoding", b""):
@@ -349,7 +347,9 @@ class InferEndpoint:
         if info is not None:
             info.protocol = PROTOCOL
         authorization = headers.get(b"authorization")
-        tenant = plane.authenticate(authorization.decode("latin-1") if authorization is not None else None)
+        behalf = headers.get(_TENANT_KEY)
+        tenant = plane.authenticate(authorization.decode("latin-1") if authorization is not None else None,
+                                    behalf.decode("latin-1") if behalf is not None else None)
         if info is not None:
             info.tenant = tenant.name
         params = scope["path_params"]
@@ -377,7 +377,7 @@ def _text(headers: dict[bytes, bytes], name: bytes) -> str | None:
 
 def routes(plane: DataPlane) -> list[BaseRoute]:
     """The V2 routes over a data plane."""
-    wrap = endpoint(PROTOCOL, error_body)
+    wrap = endpoint(PROTOCOL, v2_error_body)
 
     @wrap
     async def live(request: Request) -> Response:

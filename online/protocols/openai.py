@@ -28,23 +28,10 @@ from shardline.online.dataplane import DataPlane
 from shardline.online.edge import authenticate, endpoint, json_response, note_model, read_body
 from shardline.online.errors import shown
 from shardline.online.models import ServedModel
+from shardline.online.protocols.forms import openai_error_body
 
 PROTOCOL = "openai"
 MAX_INPUTS = 2048
-_ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-    413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 501: "not_implemented",
-    503: "overloaded_error",
-}
-_ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded", 503: "overloaded"}
-
-
-def error_body(message: str, status: int) -> dict[str, Any]:
-    """OpenAI's error form."""
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": None,
-                      "code": _ERROR_CODES.get(status)}}
-
-
 def parse_embedding_request(body: bytes) -> tuple[str, list[str], str, int | None]:
     """(model, texts, encoding_format, dimensions) from an embeddings request body.
 
@@ -114,7 +101,7 @@ def embedding_response(model: str, vectors: np.ndarray, encoding: str, tokens: i
 
 def routes(plane: DataPlane) -> list[BaseRoute]:
     """The OpenAI-style routes over a data plane."""
-    wrap = endpoint(PROTOCOL, error_body)
+    wrap = endpoint(PROTOCOL, openai_error_body)
 
     @wrap
     async def embeddings(request: Request) -> Response:
@@ -157,7 +144,7 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
 
 def llm_routes(plane: DataPlane) -> list[BaseRoute]:
     """The LLM endpoints' place: they answer 501 until an LLM runtime serves tokens (a later issue)."""
-    wrap = endpoint(PROTOCOL, error_body)
+    wrap = endpoint(PROTOCOL, openai_error_body)
 
     @wrap
     async def not_yet(request: Request) -> Response:

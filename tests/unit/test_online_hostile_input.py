@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from shardline.bundle import check_model_name, version_number
 from shardline.errors import InvalidInput, InvalidSetting, Overloaded, PayloadTooLarge
 from shardline.online.batcher import Batcher, BatchLimits, admits_bytes, rows_nbytes
-from shardline.online.edge import MAX_GZIP_MEMBERS, decode_body, runs_off_loop
+from shardline.online.bodies import MAX_GZIP_MEMBERS, decode_body
+from shardline.online.edge import runs_off_loop
 from shardline.online.protocols.kserve_v2 import decode_infer_request
 from shardline.online.protocols.openai import parse_embedding_request
 from shardline.rows import check_rows

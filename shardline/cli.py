@@ -436,6 +436,41 @@ def serve(
         raise fail(e) from e
 
 
+@app.command()
+def router(
+    config: Optional[Path] = typer.Option(
+        None, "--config", help="router.yaml: the replica groups (docs/routing.md) \\[SHARDLINE_ROUTER_CONFIG_FILE]."),
+    local_replicas: Optional[int] = typer.Option(
+        None, "--local-replicas", min=1, max=64,
+        help="Start and supervise this many `shardline serve` replicas on loopback instead \\[SHARDLINE_ROUTER_LOCAL_REPLICAS]."),
+    tenants: Optional[Path] = typer.Option(
+        None, "--tenants", help="The tenants YAML (the one its replicas read) \\[SHARDLINE_TENANTS_FILE]."),
+    host: Optional[str] = typer.Option(None, help="Address to listen on \\[default: 127.0.0.1; SHARDLINE_ROUTER_HOST]."),
+    port: Optional[int] = typer.Option(None, min=0, max=65_535, help="TCP port \\[default: 8080; SHARDLINE_ROUTER_PORT]."),
+) -> None:
+    """One endpoint over many `shardline serve` replicas: the same /v2 and /v1 wire contract.
+
+    It authenticates tenants and holds their quotas for all replicas, pins each request's model
+    version, sends a model to its replicas by rendezvous hashing with bounded loads, retries on
+    another replica within a budget and the request's deadline, and breaks the circuit of a failing
+    replica. Stop it with Ctrl-C (SIGINT) or SIGTERM (its local replicas stop with it).
+    """
+    from pydantic import ValidationError
+
+    from shardline._cli_common import fail
+    from shardline.online.router.server import run_router
+    from shardline.settings import RouterSettings, StorageSettings, TenancySettings
+
+    given: dict[str, Any] = {"config_file": str(config) if config else None, "local_replicas": local_replicas,
+                             "host": host, "port": port}
+    try:
+        settings = RouterSettings.model_validate({k: v for k, v in given.items() if v is not None})
+        tenancy = TenancySettings(tenants_file=str(tenants)) if tenants is not None else TenancySettings()
+        run_router(settings, StorageSettings(), tenancy)
+    except (ShardlineError, ValidationError) as e:
+        raise fail(e) from e
+
+
 def main() -> None:
     """Entry point: keep every library off the network, then run the command.
 

@@ -284,6 +284,14 @@ class TenancySettings(BaseSettings):
         "else SHARDLINE_ONLINE_TENANTS_FILE; `serve --tenants` overrides both); unset: batch jobs run in "
         "single-tenant development mode, no limits, and the server refuses to start.",
     )
+    router_key_sha256: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-fA-F]{64}$",
+        description="`shardline serve` behind `shardline router`: the hex sha256 of the router's key. Set, the server "
+        "takes requests only with that key (Authorization: Bearer) and the tenant the router names "
+        "(X-Shardline-Tenant), and leaves the tenants' rate and concurrency quotas to the router, which holds "
+        "them for all its replicas; tenants' own keys are refused. `router --local-replicas` sets it itself.",
+    )
     priority_job_slots: dict[str, int] = Field(
         default_factory=lambda: {"high": 8, "normal": 4, "low": 1},
         description="Batch jobs of each priority class running at once, across tenants (Prefect global "
@@ -523,3 +531,49 @@ class OnlineSettings(BaseSettings):
             return requested
         cores = max(1, os.cpu_count() or 1)
         return max(1, cores // (self.resolved_workers() * self.resolved_threads()))
+
+
+class RouterSettings(BaseSettings):
+    """`shardline router`: where it listens, its replicas, and its failure policy (docs/routing.md)."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_ROUTER_", extra="ignore")
+
+    host: str = Field(default="127.0.0.1", description="Address to listen on.")
+    port: int = Field(default=8080, ge=0, le=65_535, description="TCP port to listen on (0 picks a free one).")
+    config_file: str | None = Field(default=None, description="router.yaml: the replica groups (docs/routing.md).")
+    local_replicas: int = Field(
+        default=0, ge=0, le=64,
+        description="Start and supervise this many `shardline serve` processes on loopback as the one group "
+        "(instead of a config file).",
+    )
+    key: str | None = Field(
+        default=None, min_length=16,
+        description="The key the router sends its replicas (they hold its sha256, SHARDLINE_TENANCY_ROUTER_KEY_SHA256). "
+        "Unset with --local-replicas: a random one for each start.",
+    )
+    balance: float = Field(
+        default=1.25, ge=1.0, le=10.0,
+        description="c of hashing with bounded loads: a replica holding more than c times the mean in-flight "
+        "requests passes a model's requests on to the next replica in the model's order.",
+    )
+    request_timeout_s: float = Field(
+        default=30.0, gt=0, description="A request's deadline when it sends no X-Shardline-Timeout-Ms."
+    )
+    max_timeout_s: float = Field(default=300.0, gt=0, description="The longest deadline a request may ask for.")
+    retries: int = Field(default=2, ge=0, le=10, description="Tries on other replicas after the first one failed.")
+    retry_budget_ratio: float = Field(
+        default=0.2, ge=0, le=1, description="Retries at most this share of the requests of the last 10 s ..."
+    )
+    retry_min_per_s: float = Field(default=5.0, ge=0, description="... plus this many a second.")
+    breaker_failures: int = Field(
+        default=5, ge=1, description="Consecutive failures (connection, 502-504) that open a replica's breaker."
+    )
+    breaker_open_s: float = Field(
+        default=2.0, gt=0, description="How long an open breaker passes nothing before probing (doubled at each re-open, at most 30 s)."
+    )
+    health_interval_s: float = Field(default=1.0, gt=0, description="How often each replica's /v2/health/ready is read.")
+    failback_s: float = Field(
+        default=10.0, ge=0,
+        description="A higher-priority group takes traffic back only after it has been available this long.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Log level.")

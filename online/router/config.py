@@ -1,0 +1,113 @@
+"""The router's replica groups: ``router.yaml``, read and checked once when the router starts.
+
+    groups:
+      - name: cpu-east            # a hardware class, a zone or a region
+        priority: 0               # lower first: traffic fails over to the next priority when none is left
+        replicas: ["http://10.0.0.5:8000", "http://10.0.0.6:8000"]
+      - name: cpu-west
+        priority: 1
+        dns: {name: shardline-west.serving.svc.cluster.local, port: 8000, refresh_s: 10}   # a headless Service
+
+A group lists its replicas as static addresses or as a DNS name resolved every ``refresh_s``
+(each address it resolves to is a replica). ``shardline router --local-replicas N`` needs no file:
+it makes one group of the N replicas it starts on loopback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shardline.errors import InvalidSetting
+from shardline.tenants import validation_problems
+
+
+class DnsReplicas(BaseModel):
+    """Replicas found by resolving a DNS name (A/AAAA records), each address on ``port``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=253)
+    port: int = Field(default=8000, ge=1, le=65_535)
+    scheme: str = Field(default="http", pattern="^https?$")
+    refresh_s: float = Field(default=10.0, gt=0, le=3600)
+
+
+class ReplicaGroup(BaseModel):
+    """A group of replicas that fail over together."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$")
+    priority: int = Field(default=0, ge=0, le=1000)
+    replicas: tuple[str, ...] = ()
+    dns: DnsReplicas | None = None
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for url in value:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+                raise ValueError(f"{url!r} is not a replica address; write it as http://HOST:PORT")
+        return tuple(url.rstrip("/") for url in value)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ReplicaGroup":
+        if bool(self.replicas) == (self.dns is not None):
+            raise ValueError("give a group either 'replicas' (a list of addresses) or 'dns', not both or neither")
+        return self
+
+
+class RouterConfig(BaseModel):
+    """The whole of ``router.yaml``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    groups: tuple[ReplicaGroup, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "RouterConfig":
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"group names must be unique, got {names}")
+        return self
+
+
+def parse_router_config(data: Any, where: str) -> RouterConfig:
+    """Check parsed YAML against the router's format.
+
+    Raises:
+        InvalidSetting: naming every wrong field (``groups[0].replicas``) and what it got.
+    """
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as e:
+        raise InvalidSetting(f"the router config {where} is not valid: {validation_problems(e)}; see docs/routing.md") from e
+
+
+def load_router_config(path: str | Path) -> RouterConfig:
+    """Read and check ``router.yaml``.
+
+    Raises:
+        InvalidSetting: the file is missing, is not YAML, or a field is wrong.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise InvalidSetting(f"the router config {path} cannot be read ({e.strerror}); check --config") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise InvalidSetting(f"the router config {path} is not valid YAML: {e}") from e
+    return parse_router_config(data, str(path))
+
+
+def local_config(urls: list[str]) -> RouterConfig:
+    """The config of ``--local-replicas``: one group of the replicas the router started."""
+    return RouterConfig(groups=(ReplicaGroup(name="local", replicas=tuple(urls)),))

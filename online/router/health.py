@@ -1,0 +1,169 @@
+"""Failure decisions of the router (pure: the caller passes the time and the randomness).
+
+- ``Breaker``: one replica's circuit breaker. Closed, it passes requests and counts failures; it
+  opens after ``consecutive_failures`` in a row, or when at least ``min_requests`` answers in the
+  last ``window_s`` hold more than ``error_rate`` failures. Open, it passes nothing for ``open_s``
+  (doubled at each re-open, up to ``max_open_s``); then it is half-open: ``probes`` requests at a
+  time go through, ``probes`` successes close it, one failure opens it again.
+- ``RetryBudget``: retries stay a bounded share of the traffic (``ratio`` of the requests of the
+  last ``window_s``, plus ``min_per_s`` a second so that a quiet router can still retry), so a
+  failing replica set is not hit with a multiple of its load (Finagle's and Envoy's retry budgets).
+- ``backoff_s``: exponential backoff with full jitter (a uniform draw up to ``base * 2**attempt``,
+  capped), so retries of many callers do not arrive together.
+- ``Deadline``: what is left of a request's time (``X-Shardline-Timeout-Ms``, else the router's
+  default); no retry starts past it, and what is left is passed on to the replica.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+from typing import Deque, Literal
+
+BreakerState = Literal["closed", "open", "half_open"]
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    """When a replica's breaker opens and how it recovers (see the module docstring)."""
+
+    consecutive_failures: int = 5
+    error_rate: float = 0.5
+    min_requests: int = 20
+    window_s: float = 10.0
+    open_s: float = 2.0
+    max_open_s: float = 30.0
+    probes: int = 2
+
+
+@dataclass
+class Breaker:
+    """One replica's circuit breaker; every method takes ``now``, seconds on a monotonic clock."""
+
+    policy: BreakerPolicy = field(default_factory=BreakerPolicy)
+    state: BreakerState = "closed"
+    consecutive: int = 0
+    opened_at: float = 0.0
+    open_for: float = 0.0
+    probing: int = 0  # half-open: probes in flight
+    probe_successes: int = 0
+    _answers: Deque[tuple[float, bool]] = field(default_factory=collections.deque, repr=False)
+
+    def allows(self, now: float) -> bool:
+        """Whether a request may go to the replica now (a half-open breaker counts it as a probe)."""
+        if self.state == "open":
+            if now - self.opened_at < self.open_for:
+                return False
+            self.state, self.probing, self.probe_successes = "half_open", 0, 0
+        if self.state == "half_open":
+            if self.probing >= self.policy.probes:
+                return False
+            self.probing += 1
+        return True
+
+    def closed_to(self, now: float) -> bool:
+        """Whether ``allows`` would refuse now; unlike ``allows`` it takes no probe (for ranking replicas)."""
+        if self.state == "open":
+            return now - self.opened_at < self.open_for
+        return self.state == "half_open" and self.probing >= self.policy.probes
+
+    def record(self, ok: bool, now: float) -> None:
+        """An answer of the replica: ``ok`` False for a connection failure, a time-out or a 5xx."""
+        if self.state == "half_open":
+            self.probing = max(0, self.probing - 1)
+            if not ok:
+                self._open(now, again=True)
+                return
+            self.probe_successes += 1
+            if self.probe_successes >= self.policy.probes:
+                self.state, self.consecutive, self.open_for = "closed", 0, 0.0
+                self._answers.clear()
+            return
+        if self.state == "open":
+            return  # an answer of a request sent before it opened
+        self._answers.append((now, ok))
+        while self._answers and now - self._answers[0][0] > self.policy.window_s:
+            self._answers.popleft()
+        self.consecutive = 0 if ok else self.consecutive + 1
+        failures = sum(1 for _, good in self._answers if not good)
+        if self.consecutive >= self.policy.consecutive_failures or (
+            len(self._answers) >= self.policy.min_requests and failures > self.policy.error_rate * len(self._answers)
+        ):
+            self._open(now, again=False)
+
+    def _open(self, now: float, again: bool) -> None:
+        base = self.policy.open_s
+        self.open_for = min(self.policy.max_open_s, self.open_for * 2 if again and self.open_for else base)
+        self.state, self.opened_at, self.consecutive, self.probing = "open", now, 0, 0
+        self._answers.clear()
+
+
+@dataclass
+class RetryBudget:
+    """Retries allowed: at most ``ratio`` of the requests of the last ``window_s`` seconds, plus
+    ``min_per_s`` a second. Counts are kept per whole second, so memory is bounded by the window."""
+
+    ratio: float = 0.2
+    min_per_s: float = 5.0
+    window_s: int = 10
+    _requests: Deque[list[int]] = field(default_factory=collections.deque, repr=False)  # [second, requests, retries]
+
+    def _bucket(self, now: float) -> list[int]:
+        second = int(now)
+        while self._requests and self._requests[0][0] <= second - self.window_s:
+            self._requests.popleft()
+        if not self._requests or self._requests[-1][0] != second:
+            self._requests.append([second, 0, 0])
+        return self._requests[-1]
+
+    def request(self, now: float) -> None:
+        """Count a request (its first try)."""
+        self._bucket(now)[1] += 1
+
+    def try_retry(self, now: float) -> bool:
+        """Take one retry if the budget has one; False when retrying now would pass the budget."""
+        bucket = self._bucket(now)
+        requests = sum(b[1] for b in self._requests)
+        retries = sum(b[2] for b in self._requests)
+        if retries + 1 > self.ratio * requests + self.min_per_s * self.window_s:
+            return False
+        bucket[2] += 1
+        return True
+
+
+def backoff_s(attempt: int, draw: float, base_s: float = 0.005, cap_s: float = 0.25) -> float:
+    """The wait before retry number ``attempt`` (1 for the first): ``draw`` (uniform in [0, 1)) times
+    ``min(cap_s, base_s * 2**(attempt - 1))``: full jitter."""
+    if attempt < 1:
+        raise ValueError(f"retry attempts count from 1, got {attempt}")
+    return draw * min(cap_s, base_s * math.pow(2, attempt - 1))
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a request must be answered by, in seconds on the router's monotonic clock."""
+
+    at: float
+
+    @classmethod
+    def from_header(cls, value: str | None, now: float, default_s: float, max_s: float) -> "Deadline":
+        """The deadline a ``X-Shardline-Timeout-Ms`` value asks for (at most ``max_s``), else ``default_s``
+        from now; a value that is not a positive number of milliseconds counts as absent."""
+        seconds = default_s
+        if value:
+            try:
+                asked = float(value) / 1000.0
+            except ValueError:
+                asked = 0.0
+            if asked > 0 and math.isfinite(asked):
+                seconds = asked
+        return cls(now + min(seconds, max_s))
+
+    def left(self, now: float) -> float:
+        """Seconds left (negative once it has passed)."""
+        return self.at - now
+
+    def header(self, now: float) -> str:
+        """What is left, in whole milliseconds, for the replica's ``X-Shardline-Timeout-Ms``."""
+        return str(max(1, int(self.left(now) * 1000)))

@@ -1,0 +1,137 @@
+"""``shardline router --local-replicas N``: N ``shardline serve`` processes on loopback, started and
+kept running by the router.
+
+Each replica listens on a free loopback port (its metrics on another), reads the same tenants
+file and registry as the router, and takes requests only from this router: it is given the
+sha256 of the router's key (``SHARDLINE_TENANCY_ROUTER_KEY_SHA256``). A replica that exits is
+started again on the same port after a back-off (1 s, doubling to 30 s; reset once it has run a
+minute); the router's health checks take it out of rotation meanwhile. Stopping the router stops
+them (SIGTERM, then SIGKILL after 10 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Callable
+
+log = logging.getLogger(__name__)
+
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 30.0
+HEALTHY_RUN_S = 60.0  # a replica that ran this long starts its back-off afresh
+STOP_GRACE_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def restart_delay(previous: float, ran_s: float) -> float:
+    """The back-off before a replica that exited after ``ran_s`` seconds is started again (pure)."""
+    if ran_s >= HEALTHY_RUN_S or previous <= 0:
+        return RESTART_FIRST_S
+    return min(RESTART_MAX_S, previous * 2)
+
+
+@dataclass
+class LocalReplica:
+    """One ``shardline serve`` process the router runs."""
+
+    index: int
+    port: int
+    metrics_port: int
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    delay: float = 0.0
+    restart_at: float | None = None
+    restarts: int = 0
+    log: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class LocalReplicas:
+    """Start, watch and stop the replicas (the router calls ``watch`` every half second)."""
+
+    def __init__(self, count: int, tenants_file: str, router_key_sha256: str, log_dir: Path,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tenants_file = tenants_file
+        self.key_sha256 = router_key_sha256
+        self.log_dir = log_dir
+        self._clock = clock
+        self.replicas = [LocalReplica(i, free_port(), free_port()) for i in range(count)]
+
+    @property
+    def urls(self) -> list[str]:
+        """The replicas' addresses, fixed for the router's life."""
+        return [r.url for r in self.replicas]
+
+    def start(self) -> None:
+        """Start every replica (they load nothing until their first request; readiness is the health checks')."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for replica in self.replicas:
+            self._spawn(replica)
+
+    def _spawn(self, replica: LocalReplica) -> None:
+        env = dict(os.environ)
+        env["SHARDLINE_TENANCY_ROUTER_KEY_SHA256"] = self.key_sha256
+        for name in ("SHARDLINE_ONLINE_HOST", "SHARDLINE_ONLINE_PORT", "SHARDLINE_ONLINE_METRICS_PORT"):
+            env.pop(name, None)
+        if replica.log is None:
+            replica.log = open(self.log_dir / f"replica-{replica.index}.log", "ab")
+        command = [
+            sys.executable, "-m", "shardline.cli", "serve", "--host", "127.0.0.1", "--port", str(replica.port),
+            "--metrics-port", str(replica.metrics_port), "--tenants", self.tenants_file,
+        ]
+        replica.process = subprocess.Popen(command, env=env, stdout=replica.log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL)
+        replica.started_at, replica.restart_at = self._clock(), None
+        log.info("started replica %d (pid %d) on %s", replica.index, replica.process.pid, replica.url)
+
+    def watch(self) -> None:
+        """Start again each replica that exited, after its back-off."""
+        now = self._clock()
+        for replica in self.replicas:
+            process = replica.process
+            if process is not None and process.poll() is not None:
+                ran = now - replica.started_at
+                replica.delay = restart_delay(replica.delay, ran)
+                replica.restart_at = now + replica.delay
+                log.warning("replica %d exited with %s after %.1f s; starting it again in %.0f s (its log: %s)",
+                            replica.index, process.returncode, ran, replica.delay,
+                            self.log_dir / f"replica-{replica.index}.log")
+                replica.process = None
+            if replica.process is None and replica.restart_at is not None and now >= replica.restart_at:
+                replica.restarts += 1
+                self._spawn(replica)
+
+    def stop(self) -> None:
+        """SIGTERM every replica, SIGKILL those still running after the grace period."""
+        running = [r.process for r in self.replicas if r.process is not None and r.process.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for process in running:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for replica in self.replicas:
+            replica.process = None
+            if replica.log is not None:
+                replica.log.close()
+                replica.log = None

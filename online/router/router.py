@@ -1,0 +1,321 @@
+"""The router's request path: authenticate, hold the tenant's quotas, pin the version, pick a
+replica, forward, retry elsewhere within the budget and the deadline.
+
+``Router.handle(Incoming) -> Answer`` is protocol-free (no web framework): the ASGI adapter
+(``online/router/app.py``) reads the request into an ``Incoming`` and writes the ``Answer``. The
+decisions are the pure functions of ``placement`` and ``health`` over the ``ReplicaSet``'s state.
+
+What a replica is sent: the request as the client sent it (body bytes untouched but for an
+OpenAI body's ``model``, pinned to the version the router resolved), with ``Authorization:
+Bearer <router key>``, ``X-Shardline-Tenant: <tenant>`` (a client's own is dropped),
+``X-Shardline-Timeout-Ms`` (what is left of the deadline) and ``X-Request-Id``. What the client
+gets: the replica's answer as it came (status, body, Content-Encoding), or the router's own error
+in the protocol's form.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import orjson
+
+from shardline.bundle import ModelRef
+from shardline.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ReplicasUnavailable,
+    ShardlineError,
+)
+from shardline.online.admission import TenantGate
+from shardline.online.bodies import decode_body
+from shardline.online.errors import error_status, shown
+from shardline.online.models import ModelDirectory
+from shardline.online.protocols.forms import openai_error_body, v2_error_body
+from shardline.online.router.health import Deadline, RetryBudget, backoff_s
+from shardline.online.router.placement import choose
+from shardline.online.router.replicas import Replica, ReplicaSet
+from shardline.online.tenants import TENANT_HEADER, Tenant, TenantDirectory, not_available
+from shardline.settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_HEADER = "x-shardline-timeout-ms"
+ROUTE_KEY_HEADER = "x-shardline-route-key"  # optional: requests with the same key go to the same replica
+REQUEST_ID_HEADER = "x-request-id"
+RETRY_STATUSES = frozenset({502, 503, 504})  # the replica could not serve it; another may (inference is idempotent)
+# Not passed on, either way: hop-by-hop headers (RFC 9110 7.6.1), and what the router sets itself.
+_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization", b"te",
+    b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+})
+_OWN_ANSWER = frozenset({b"date", b"server"})  # the router's server writes its own
+_SET_HERE = frozenset({b"authorization", TENANT_HEADER.encode(), TIMEOUT_HEADER.encode()})
+_MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/infer|/ready)?/?$")
+_BODY_MODEL_PATHS = frozenset({"/v1/embeddings", "/v1/completions", "/v1/chat/completions"})
+
+
+@dataclass
+class Incoming:
+    """A request as the router got it."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+
+    def header(self, name: bytes) -> str | None:
+        """The first value of a header (``name`` lower-case)."""
+        for key, value in self.headers:
+            if key == name:
+                return value.decode("latin-1")
+        return None
+
+
+@dataclass
+class Answer:
+    """What the client is sent."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    body: bytes = b""
+
+
+def error_answer(error: ShardlineError, openai: bool, request_id: str) -> Answer:
+    """The router's own error, in the protocol's form (V2 ``{"error": ...}``, OpenAI's ``{"error": {...}}``)."""
+    status, extra = error_status(error)
+    body = (openai_error_body if openai else v2_error_body)(str(error), status)
+    headers = [(b"content-type", b"application/json"), (REQUEST_ID_HEADER.encode(), request_id.encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
+    return Answer(status, headers, orjson.dumps(body))
+
+
+class Router:
+    """One router: its tenants, model directory, replicas and the HTTP client that reaches them."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        tenants: TenantDirectory,
+        directory: ModelDirectory,
+        replicas: ReplicaSet,
+        key: str,
+        clock: Callable[[], float] = time.monotonic,
+        draw: Callable[[], float] = random.random,
+    ) -> None:
+        self.settings = settings
+        self.tenants = tenants
+        self.directory = directory
+        self.replicas = replicas
+        self._key = f"Bearer {key}".encode()
+        self._clock = clock
+        self._draw = draw
+        self._gates: dict[str, TenantGate] = {}
+        self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_min_per_s)
+        self._session: Any = None
+        self.counts: dict[str, int] = {"requests": 0, "retries": 0, "unavailable": 0, "budget_spent": 0}
+
+    async def start(self) -> None:
+        """Open the connection pools to the replicas."""
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=True)
+        # auto_decompress off: a gzipped answer reaches the client as the replica sent it
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
+
+    async def stop(self) -> None:
+        """Close the pools."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- the request path ----------------------------------------------------------------
+
+    async def handle(self, request: Incoming) -> Answer:
+        """Answer one request (never raises for a client's or a replica's fault)."""
+        request_id = request.header(REQUEST_ID_HEADER.encode()) or uuid.uuid4().hex
+        openai = request.path.startswith("/v1/")
+        try:
+            return await self._route(request, request_id)
+        except ShardlineError as e:
+            return error_answer(e, openai, request_id)
+
+    async def _route(self, request: Incoming, request_id: str) -> Answer:
+        path = request.path
+        if path == "/v2/health/live":
+            return _json(200, {"live": True})
+        if path == "/v2/health/ready":
+            ready = self.replicas.any_available()
+            return _json(200 if ready else 503, {"ready": ready, "group": self.replicas.active_group()})
+        tenant = self.tenants.authenticate(request.header(b"authorization"))
+        matched = _MODEL_PATH.match(path)
+        if matched is not None:
+            name, version, tail = matched.group(1), matched.group(2), matched.group(3)
+            if tenant.reference_for(name) is None:
+                raise not_available(tenant, name)
+            if tail == "/infer" and version is None:  # pin the version here, so every replica serves the same one
+                resolved = await self.directory.resolve(tenant.models[name])
+                version = str(resolved.version)
+                path = f"/v2/models/{name}/versions/{version}/infer"
+            key = f"{name}:{version or tenant.models[name]}"
+            return await self._admitted(tenant, request, path, request.body, key, request_id)
+        if path in _BODY_MODEL_PATHS and request.method == "POST":
+            body, key = await self._pin_body_model(tenant, request)
+            return await self._admitted(tenant, request, path, body, key, request_id)
+        if path.startswith(("/v2", "/v1/")):
+            return await self._admitted(tenant, request, path, request.body, path, request_id)
+        return _json(404, {"error": f"no route {shown(path)}; the router serves /v2 and /v1 as `shardline serve` does"})
+
+    async def _pin_body_model(self, tenant: Tenant, request: Incoming) -> tuple[bytes, str]:
+        """An OpenAI body with its ``model`` pinned to the version the tenant's reference means now."""
+        encoding = request.header(b"content-encoding")
+        body = decode_body(request.body, encoding, 64 * 1024 * 1024) if encoding else request.body
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as e:
+            raise InvalidInput(f"the request body is not valid JSON ({e}); send {{\"model\": ..., ...}}") from e
+        model = doc.get("model") if isinstance(doc, dict) else None
+        if not isinstance(model, str) or not model:
+            raise InvalidInput("the request body has no 'model'; name the model to call, e.g. {\"model\": \"minilm\"}")
+        name, alias, version = ModelRef.split(model)
+        listed = tenant.reference_for(name)
+        if listed is None:
+            raise not_available(tenant, name)
+        if version is not None:
+            return request.body, f"{name}:{version}"  # pinned by the client: sent as it came
+        ref = ModelRef(name=name, alias=alias) if alias is not None else listed
+        version = (await self.directory.resolve(ref)).version
+        doc["model"] = f"{name}:{version}"
+        if encoding:  # sent on plain
+            request.headers = [(k, v) for k, v in request.headers if k != b"content-encoding"]
+        return orjson.dumps(doc), f"{name}:{version}"
+
+    def _gate(self, tenant: Tenant) -> TenantGate:
+        gate = self._gates.get(tenant.name)
+        if gate is None or gate.tenant is not tenant:
+            gate = self._gates[tenant.name] = TenantGate(tenant, 1, self._clock, lambda *_: None)
+        return gate
+
+    async def _admitted(self, tenant: Tenant, request: Incoming, path: str, body: bytes, key: str,
+                        request_id: str) -> Answer:
+        with self._gate(tenant):  # the tenant's rate and concurrency, for every replica together
+            routed = request.header(ROUTE_KEY_HEADER.encode())
+            return await self.forward(tenant, request, path, body, f"{key}|{routed}" if routed else key, request_id)
+
+    async def forward(self, tenant: Tenant, request: Incoming, path: str, body: bytes, key: str,
+                      request_id: str) -> Answer:
+        """Send the request to the replica the key's order and the loads pick; on a failure the replica
+        could not help (no connection, 502-504), to the next, within the retries, the budget and the deadline.
+
+        Raises:
+            ReplicasUnavailable: no replica is available, or every try failed (or the budget was spent).
+            DeadlineExceeded: the deadline passed before any replica answered.
+        """
+        now = self._clock()
+        deadline = Deadline.from_header(request.header(TIMEOUT_HEADER.encode()), now,
+                                        self.settings.request_timeout_s, self.settings.max_timeout_s)
+        headers = [(k, v) for k, v in request.headers if k not in _HOP and k not in _SET_HERE]
+        headers += [(b"authorization", self._key), (TENANT_HEADER.encode(), tenant.name.encode())]
+        if request.header(REQUEST_ID_HEADER.encode()) is None:
+            headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+        target = path + ("?" + request.query.decode("latin-1") if request.query else "")
+        self.counts["requests"] += 1
+        self.budget.request(now)
+        tried: set[str] = set()
+        last: Answer | None = None
+        attempt = 0
+        while True:
+            replica = self._pick(key, tried)
+            if replica is None:
+                break
+            tried.add(replica.url)
+            answer = await self._send(replica, request.method, target, headers, body, deadline)
+            if answer is not None and answer.status not in RETRY_STATUSES:
+                return answer
+            last = answer if answer is not None else last
+            now = self._clock()
+            if deadline.left(now) <= 0:
+                raise DeadlineExceeded(
+                    f"no replica answered within the request's deadline ({_ms(deadline, now)}); retry, or send a "
+                    f"longer {TIMEOUT_HEADER}"
+                )
+            attempt += 1
+            if attempt > self.settings.retries:
+                break
+            if not self.budget.try_retry(now):
+                self.counts["budget_spent"] += 1
+                break
+            self.counts["retries"] += 1
+            await asyncio.sleep(min(backoff_s(attempt, self._draw()), max(0.0, deadline.left(now))))
+        if last is not None:
+            return last  # the last replica's own 502-504 (a shed request's 503 carries its Retry-After)
+        self.counts["unavailable"] += 1
+        raise ReplicasUnavailable(
+            "no replica can take the request now (none is up, or every one tried failed); retry after the "
+            "Retry-After seconds", 1.0,
+        )
+
+    def _pick(self, key: str, tried: set[str]) -> Replica | None:
+        now = self._clock()
+        while True:
+            order = self.replicas.order(key)
+            url = choose([r.url for r in order], {r.url: r.in_flight for r in order}, self.settings.balance, tried)
+            if url is None:
+                return None
+            replica = self.replicas.replicas[url]
+            if replica.breaker.allows(now):
+                return replica
+            tried.add(url)  # half-open with its probes out: the next one
+
+    async def _send(self, replica: Replica, method: str, target: str, headers: list[tuple[bytes, bytes]],
+                    body: bytes, deadline: Deadline) -> Answer | None:
+        """The replica's answer, or None when it gave none (no connection, reset, time-out)."""
+        import aiohttp
+
+        now = self._clock()
+        sent = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+        sent.append((TIMEOUT_HEADER, deadline.header(now)))
+        replica.in_flight += 1
+        replica.requests += 1
+        ok = False
+        try:
+            async with self._session.request(
+                method, replica.url + target, data=body or None, headers=sent,
+                timeout=aiohttp.ClientTimeout(total=max(0.001, deadline.left(now))), allow_redirects=False,
+            ) as response:
+                payload = await response.read()
+                answer = Answer(response.status, _answer_headers(response.raw_headers), payload)
+            ok = answer.status not in RETRY_STATUSES or answer.status == 503 and _shed(answer)
+            return answer
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.info("replica %s failed: %s", replica.url, f"{type(e).__name__}: {e}")
+            return None
+        finally:
+            replica.in_flight -= 1
+            if not ok:
+                replica.failures += 1
+            replica.breaker.record(ok, self._clock())
+
+
+def _shed(answer: Answer) -> bool:
+    """A 503 that a healthy replica gave on purpose (it shed the request, with Retry-After): no fault of it."""
+    return any(k == b"retry-after" for k, _ in answer.headers)
+
+
+def _answer_headers(raw: Any) -> list[tuple[bytes, bytes]]:
+    return [(k.lower(), v) for k, v in raw if k.lower() not in _HOP and k.lower() not in _OWN_ANSWER]
+
+
+def _json(status: int, content: Any) -> Answer:
+    return Answer(status, [(b"content-type", b"application/json")], orjson.dumps(content))
+
+
+def _ms(deadline: Deadline, now: float) -> str:
+    return f"{(now - deadline.at) * 1000:.0f} ms past it"

@@ -1,0 +1,111 @@
+"""``shardline router``: settings -> tenants, registry, replicas -> the router's ASGI app -> uvicorn.
+
+One process, one event loop (the router's work per request is a few header copies and one
+upstream call). With ``--local-replicas N`` it starts N ``shardline serve`` processes first and
+stops them when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import logging.config
+import secrets
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from shardline.errors import InvalidSetting
+from shardline.online.logs import log_config
+from shardline.online.models import ModelDirectory
+from shardline.online.router.config import RouterConfig, load_router_config, local_config
+from shardline.online.router.health import BreakerPolicy
+from shardline.online.router.local import LocalReplicas
+from shardline.online.router.replicas import ReplicaSet
+from shardline.online.router.router import Router
+from shardline.online.router.service import RouterService, router_app
+from shardline.online.tenants import load_tenants
+from shardline.settings import OnlineSettings, RouterSettings, StorageSettings, TenancySettings
+from shardline.storage.registry import ModelRegistry
+
+log = logging.getLogger(__name__)
+
+
+def _run_blocking(call: Any) -> Any:
+    return asyncio.get_running_loop().run_in_executor(None, call)
+
+
+def check_settings(settings: RouterSettings, tenancy: TenancySettings) -> None:
+    """Refuse a router that could not work, before anything starts.
+
+    Raises:
+        InvalidSetting: no tenants file; neither or both of a config file and local replicas; a config
+            file without the router's key.
+    """
+    if not tenancy.tenants_file:
+        raise InvalidSetting("the router needs the tenants file its replicas read: pass --tenants PATH or set "
+                             "SHARDLINE_TENANTS_FILE")
+    if bool(settings.config_file) == bool(settings.local_replicas):
+        raise InvalidSetting("give the router either --config router.yaml (its replica groups) or --local-replicas N "
+                             "(it starts N replicas on loopback), not both or neither")
+    if settings.config_file and not settings.key:
+        raise InvalidSetting("a router over configured replicas needs its key: set SHARDLINE_ROUTER_KEY, and give its "
+                             "replicas its sha256 as SHARDLINE_TENANCY_ROUTER_KEY_SHA256 (docs/routing.md)")
+
+
+def build_service(settings: RouterSettings, storage: StorageSettings, tenancy: TenancySettings,
+                  config: RouterConfig, key: str, local: LocalReplicas | None = None) -> RouterService:
+    """The router over ``config``'s replicas, authenticating the tenants of ``tenancy``'s file."""
+    assert tenancy.tenants_file
+    tenants = load_tenants(tenancy.tenants_file)
+    registry = ModelRegistry.from_settings(storage)
+    directory = ModelDirectory(registry, _run_blocking, OnlineSettings().alias_refresh_s)
+    policy = BreakerPolicy(consecutive_failures=settings.breaker_failures, open_s=settings.breaker_open_s)
+    replicas = ReplicaSet(config, policy, settings.failback_s, time.monotonic)
+    return RouterService(Router(settings, tenants, directory, replicas, key), config, local)
+
+
+def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: TenancySettings) -> None:
+    """Run the router until it is stopped (SIGINT or SIGTERM), with its local replicas if asked for.
+
+    Raises:
+        InvalidSetting: as ``check_settings``, or a bad tenants file or router config.
+    """
+    import uvicorn
+
+    from shardline.online.limits import open_files_limit, resolve_limits
+    from shardline.online.server import uvicorn_options
+
+    config_log = log_config(settings.log_level)
+    logging.config.dictConfig(config_log)
+    check_settings(settings, tenancy)
+    assert tenancy.tenants_file
+    load_tenants(tenancy.tenants_file)  # checked before any replica starts
+    key = settings.key or secrets.token_urlsafe(32)
+    local = None
+    if settings.local_replicas:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        local = LocalReplicas(settings.local_replicas, tenancy.tenants_file, digest,
+                              Path(tempfile.mkdtemp(prefix="shardline-replicas-")))
+        config = local_config(local.urls)
+    else:
+        assert settings.config_file
+        config = load_router_config(settings.config_file)
+    service = build_service(settings, storage, tenancy, config, key, local)
+    online = OnlineSettings()
+    limits = resolve_limits(online, open_files_limit())
+    server_config = uvicorn.Config(router_app(service, online.max_body_bytes), host=settings.host, port=settings.port,
+                                   log_config=config_log, timeout_graceful_shutdown=10, **uvicorn_options(limits))
+    try:
+        if local is not None:
+            local.start()
+            log.info("local replicas: %s (logs in %s)", ", ".join(local.urls), local.log_dir)
+        server = uvicorn.Server(server_config)
+        server.run()
+    finally:
+        if local is not None:
+            local.stop()
+    if not server.started:
+        raise SystemExit(3)

@@ -1,0 +1,182 @@
+"""The router as a running service: its background work and its ASGI adapter.
+
+- ``RouterService``: the ``Router`` plus what keeps its view of the replicas true: an active health
+  check of every replica (``GET /v2/health/ready``) every ``health_interval_s``, the DNS groups
+  resolved every ``refresh_s``, and the local replicas watched (``--local-replicas``).
+- ``router_app``: the plain ASGI app (no framework on this path): read the body (at most
+  ``max_body_bytes``), ``Router.handle``, write the answer; lifespan starts and stops the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import socket
+from typing import Any, Awaitable, Callable
+
+from shardline.errors import PayloadTooLarge
+from shardline.online.bodies import byte_count, too_large
+from shardline.online.router.config import RouterConfig
+from shardline.online.router.local import LocalReplicas
+from shardline.online.router.router import Answer, Incoming, Router, error_answer
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+HEALTH_TIMEOUT_S = 1.0
+
+
+class RouterService:
+    """The router and its background tasks."""
+
+    def __init__(self, router: Router, config: RouterConfig, local: LocalReplicas | None = None) -> None:
+        self.router = router
+        self.config = config
+        self.local = local
+        self._tasks: list[asyncio.Task[None]] = []
+        self._checks: Any = None
+
+    async def start(self) -> None:
+        """Open the pools, check every replica once, then keep checking in the background."""
+        import aiohttp
+
+        await self.router.start()
+        self._checks = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S))
+        loop = asyncio.get_running_loop()
+        for group in self.config.groups:
+            if group.dns is not None:
+                await self._resolve(group.name)
+                self._tasks.append(loop.create_task(self._every(group.dns.refresh_s, functools.partial(self._resolve, group.name))))
+        await self.check_all()
+        self._tasks.append(loop.create_task(self._every(self.router.settings.health_interval_s, self.check_all)))
+        if self.local is not None:
+            self._tasks.append(loop.create_task(self._every(0.5, self._watch_local)))
+
+    async def stop(self) -> None:
+        """Stop the background tasks and close the pools (local replicas are stopped by their owner)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._checks is not None:
+            await self._checks.close()
+        await self.router.stop()
+
+    async def _every(self, seconds: float, work: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await work()
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("router background work failed")
+
+    async def check_all(self) -> None:
+        """Check every replica's readiness now."""
+        replicas = list(self.router.replicas.replicas.values())
+        results = await asyncio.gather(*(self._ready(r.url) for r in replicas))
+        for replica, ready in zip(replicas, results):
+            if replica.healthy != ready:
+                log.info("replica %s is %s", replica.url, "ready" if ready else "not ready")
+            replica.healthy = ready
+
+    async def _ready(self, url: str) -> bool:
+        try:
+            async with self._checks.get(f"{url}/v2/health/ready") as response:
+                await response.read()
+                return bool(response.status == 200)
+        except Exception:  # noqa: BLE001 - refused, reset, timed out: not ready
+            return False
+
+    async def _resolve(self, group: str) -> None:
+        spec = next(g for g in self.config.groups if g.name == group).dns
+        assert spec is not None
+        try:
+            found = await asyncio.get_running_loop().getaddrinfo(spec.name, spec.port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            log.warning("group %s: %s does not resolve (%s); its replicas stay as they were", group, spec.name, e)
+            return
+        hosts = sorted({str(info[4][0]) for info in found})
+        urls = [f"{spec.scheme}://[{h}]:{spec.port}" if ":" in h else f"{spec.scheme}://{h}:{spec.port}" for h in hosts]
+        self.router.replicas.set_members(group, urls)
+
+    async def _watch_local(self) -> None:
+        assert self.local is not None
+        self.local.watch()
+
+
+def router_app(service: RouterService, max_body_bytes: int) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The router's ASGI app."""
+    router = service.router
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(service, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        headers = scope["headers"]
+        try:
+            body = await _read_body(receive, headers, max_body_bytes)
+        except PayloadTooLarge as e:
+            answer = error_answer(e, scope["path"].startswith("/v1/"), "-")
+        except _ClientGone:
+            return
+        else:
+            answer = await router.handle(Incoming(scope["method"], scope["path"], scope["query_string"], headers, body))
+        await _write(send, answer)
+
+    return app
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+    declared = next((v for k, v in headers if k == b"content-length"), None)
+    size = byte_count(declared.decode("latin-1")) if declared is not None else None
+    if size is not None and size > limit:
+        raise PayloadTooLarge(too_large(f"{size} bytes", limit), limit)
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise _ClientGone()
+        chunk = message.get("body", b"")
+        if chunk:
+            total += len(chunk)
+            if total > limit:
+                raise PayloadTooLarge(too_large(f"at least {total} bytes", limit), limit)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _write(send: Send, answer: Answer) -> None:
+    headers = [(k, v) for k, v in answer.headers if k != b"content-length"]
+    headers.append((b"content-length", str(len(answer.body)).encode()))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body})
+
+
+async def _lifespan(service: RouterService, receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            try:
+                await service.start()
+            except Exception as e:  # noqa: BLE001 - reported to uvicorn, which stops
+                await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
+                return
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            with contextlib.suppress(Exception):
+                await service.stop()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+

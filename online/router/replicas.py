@@ -133,7 +133,3 @@ class ReplicaSet:
                 self._ranks.clear()
             cached = self._ranks[(group.name, key)] = rank(key, group.members)
         return cached
-
-    def any_available(self) -> bool:
-        """Whether some replica could take a request now."""
-        return self.active_group() is not None

@@ -128,7 +128,7 @@ class Router:
 
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=True)
         # auto_decompress off: a gzipped answer reaches the client as the replica sent it
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"))
 
     async def stop(self) -> None:
         """Close the pools."""
@@ -152,8 +152,10 @@ class Router:
         if path == "/v2/health/live":
             return _json(200, {"live": True})
         if path == "/v2/health/ready":
-            ready = self.replicas.any_available()
-            return _json(200 if ready else 503, {"ready": ready, "group": self.replicas.active_group()})
+            group = self.replicas.active_group()
+            now = self._clock()
+            available = sum(self.replicas.available(r, now) for r in self.replicas.replicas.values())
+            return _json(200 if group else 503, {"ready": group is not None, "group": group, "available": available})
         tenant = self.tenants.authenticate(request.header(b"authorization"))
         matched = _MODEL_PATH.match(path)
         if matched is not None:
@@ -270,7 +272,10 @@ class Router:
             if url is None:
                 return None
             replica = self.replicas.replicas[url]
-            if replica.breaker.allows(now):
+            before = replica.breaker.state
+            allowed = replica.breaker.allows(now)
+            _note(replica, before)
+            if allowed:
                 return replica
             tried.add(url)  # half-open with its probes out: the next one
 
@@ -301,7 +306,16 @@ class Router:
             replica.in_flight -= 1
             if not ok:
                 replica.failures += 1
+            before = replica.breaker.state
             replica.breaker.record(ok, self._clock())
+            _note(replica, before)
+
+
+def _note(replica: Replica, before: str) -> None:
+    """Log a breaker's change of state (operators follow a replica's failures and recovery by these)."""
+    after = replica.breaker.state
+    if after != before:
+        log.warning("replica %s: breaker %s -> %s", replica.url, before, after)
 
 
 def _shed(answer: Answer) -> bool:

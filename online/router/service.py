@@ -57,7 +57,8 @@ class RouterService:
             self._tasks.append(loop.create_task(self._every(0.5, self._watch_local)))
 
     async def stop(self) -> None:
-        """Stop the background tasks and close the pools (local replicas are stopped by their owner)."""
+        """Stop the background tasks, close the pools, and stop the local replicas (uvicorn ends the process
+        by re-raising the signal that stopped it, so nothing after its run would)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -65,6 +66,8 @@ class RouterService:
         if self._checks is not None:
             await self._checks.close()
         await self.router.stop()
+        if self.local is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.local.stop)
 
     async def _every(self, seconds: float, work: Callable[[], Awaitable[None]]) -> None:
         while True:

@@ -1,0 +1,323 @@
+"""`shardline router` as a user runs it: a subprocess over 3 `shardline serve` replicas it starts itself
+(and, for failover, one over two groups of replicas started by hand), spoken to with tritonclient, the
+openai client and plain HTTP; a replica SIGKILLed under load."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import openai
+import orjson
+import pytest
+import tritonclient.http as triton
+
+from shardline.online.router.placement import rank
+from shardline.online.tenants import hash_api_key
+from shardline.storage.registry import ModelRegistry
+
+from tests.conftest import BuiltModel
+from tests.e2e.conftest import SHARDLINE
+from tests.e2e.test_serve import free_port
+
+KEY = "sk-router-e2e"
+TIGHT_KEY = "sk-router-tight"
+MODEL = "breast-cancer"
+pytestmark = pytest.mark.timeout(300)
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
+    env.update(SHARDLINE_STORAGE_HOME=str(home), DO_NOT_TRACK="1", ORT_DISABLE_TELEMETRY="1",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _tenants(path: Path) -> Path:
+    path.write_text(
+        "tenants:\n"
+        "  - name: acme\n"
+        f"    api_keys_sha256: [\"{hash_api_key(KEY)}\"]\n"
+        "    models: [\"breast-cancer@prod\", \"minilm@prod\"]\n"
+        "    rate: {requests_per_second: 5000, burst: 5000}\n"
+        "    max_concurrent: 64\n"
+        "  - name: tight\n"
+        f"    api_keys_sha256: [\"{hash_api_key(TIGHT_KEY)}\"]\n"
+        "    models: [\"breast-cancer@prod\"]\n"
+        "    rate: {requests_per_second: 1, burst: 5}\n"
+    )
+    return path
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, available: int | None = None,
+                timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, log.read_text()[-4000:]
+        try:
+            answer = httpx.get(f"{url}/v2/health/ready", timeout=2)
+            if answer.status_code == 200 and (available is None or answer.json().get("available") == available):
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.1)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+@dataclass
+class Routed:
+    url: str
+    log: Path
+    replicas: dict[str, int]  # url -> pid, as the router started them
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory, breast_cancer_model: BuiltModel, minilm_bundle: Path) -> Path:
+    home = tmp_path_factory.mktemp("router-home")
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias(MODEL, "prod", registry.push(breast_cancer_model.bundle_dir).version or 1)
+    registry.set_alias("minilm", "prod", registry.push(minilm_bundle).version or 1)
+    return home
+
+
+@pytest.fixture(scope="module")
+def routed(home: Path) -> Iterator[Routed]:
+    """`shardline router --local-replicas 3`, ready with all three."""
+    tenants = _tenants(home / "tenants.yaml")
+    port = free_port()
+    log = home / "router.log"
+    with open(log, "wb") as sink:
+        router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "3", "--tenants", str(tenants), "--port",
+                                   str(port)], env=_env(home), stdout=sink, stderr=subprocess.STDOUT, cwd=home)
+    url = f"http://127.0.0.1:{port}"
+    replicas: dict[str, int] = {}
+    try:
+        _wait_ready(url, router, log, available=3)
+        for pid, replica in re.findall(r"started replica \d \(pid (\d+)\) on (http://[0-9.:]+)", log.read_text()):
+            replicas[replica] = int(pid)
+        assert len(replicas) == 3
+        yield Routed(url, log, replicas)
+    finally:
+        code = _stop(router)
+    assert code in (0, -signal.SIGTERM), log.read_text()[-4000:]  # uvicorn re-raises the signal after a clean stop
+    pids = [int(p) for p in re.findall(r"started replica \d \(pid (\d+)\)", log.read_text())]
+    assert pids and not any(_alive(p) for p in pids)  # the router stopped every replica it started
+
+
+def key() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def v2_inputs(model: BuiltModel, rows: np.ndarray, binary: bool) -> list[triton.InferInput]:
+    inputs = []
+    for j, name in enumerate(model.data.names):
+        tensor = triton.InferInput(name, [len(rows)], "FP32")
+        tensor.set_data_from_numpy(rows[:, j].astype(np.float32), binary_data=binary)
+        inputs.append(tensor)
+    return inputs
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_tritonclient_through_the_router_scores_like_scikit_learn(
+    routed: Routed, breast_cancer_model: BuiltModel, binary: bool
+) -> None:
+    client = triton.InferenceServerClient(routed.url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready()
+    rows = breast_cancer_model.data.features[:40]
+    outputs = [triton.InferRequestedOutput(n, binary_data=binary) for n in ("label", "probabilities")]
+    result = client.infer(MODEL, v2_inputs(breast_cancer_model, rows, binary), outputs=outputs, headers=key(),
+                          request_compression_algorithm="gzip", request_id="via-router")
+
+    np.testing.assert_array_equal(result.as_numpy("label"), breast_cancer_model.estimator.predict(rows.astype(np.float32)))
+    assert result.get_response()["model_version"] == "1"  # the alias pinned at the router
+    assert result.get_response()["id"] == "via-router"
+    metadata = client.get_model_metadata(MODEL, headers=key())
+    assert metadata["versions"] == ["1"] and [i["name"] for i in metadata["inputs"]] == breast_cancer_model.data.names
+    assert client.is_model_ready(MODEL, "1", headers=key())
+
+
+def test_the_openai_client_through_the_router(routed: Routed) -> None:
+    client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key=KEY, max_retries=0)
+    one = client.embeddings.create(model="minilm", input="the router pins minilm@prod")
+    assert one.model == "minilm:1" and len(one.data[0].embedding) == 384
+    assert {m.id for m in client.models.list()} >= {"minilm", MODEL}
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4' is not available to tenant 'acme'"):
+        client.embeddings.create(model="gpt-4", input="hi")
+    with pytest.raises(openai.BadRequestError, match="breast-cancer:1 is not an embedding model"):
+        client.embeddings.create(model=MODEL, input="hi")
+    with pytest.raises(openai.AuthenticationError, match="the API key is not valid"):
+        openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_replicas_take_requests_only_through_the_router(routed: Routed, breast_cancer_model: BuiltModel) -> None:
+    replica = next(iter(routed.replicas))
+    direct = httpx.get(f"{replica}/v2/models/{MODEL}", headers=key())
+    assert direct.status_code == 401 and "only through its router" in direct.json()["error"]
+    # a client cannot name another tenant: the router sends the tenant its key belongs to
+    spoofed = httpx.get(f"{routed.url}/v2/models/minilm", headers={"Authorization": f"Bearer {TIGHT_KEY}",
+                                                                   "X-Shardline-Tenant": "acme"})
+    assert spoofed.status_code == 404 and "not available to tenant 'tight'" in spoofed.json()["error"]
+
+
+def test_a_tenants_rate_is_held_for_all_replicas_together(routed: Routed, breast_cancer_model: BuiltModel) -> None:
+    rows = breast_cancer_model.data.features[:1]
+    body = orjson.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": [1], "data": [float(rows[0, j])]}
+                                    for j, n in enumerate(breast_cancer_model.data.names)]})
+    with httpx.Client(base_url=routed.url, headers={"Authorization": f"Bearer {TIGHT_KEY}"}) as client:
+        statuses = [client.post(f"/v2/models/{MODEL}/infer", content=body).status_code for _ in range(15)]
+        refused = client.post(f"/v2/models/{MODEL}/infer", content=body)
+    # burst 5 (and about 1 a second more): with a share per replica, 3 replicas would have let ~15 through
+    assert 5 <= statuses.count(200) <= 7 and statuses.count(429) == 15 - statuses.count(200), statuses
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    assert "over its rate of 1 requests/s" in refused.json()["error"]
+
+
+def _infer_body(model: BuiltModel) -> bytes:
+    rows = model.data.features[:4]
+    return orjson.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": [4], "data": rows[:, j].tolist()}
+                                    for j, n in enumerate(model.data.names)]})
+
+
+def _wait_for_log(log: Path, pattern: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, log.read_text()):
+        assert time.monotonic() < deadline, f"no {pattern!r} in the router's log: {log.read_text()[-4000:]}"
+        time.sleep(0.2)
+
+
+def test_a_replica_killed_under_load_loses_no_request_and_its_breaker_recovers(
+    routed: Routed, breast_cancer_model: BuiltModel
+) -> None:
+    body = _infer_body(breast_cancer_model)
+    expected = breast_cancer_model.estimator.predict(breast_cancer_model.data.features[:4].astype(np.float32)).tolist()
+    victim = rank(f"{MODEL}:1", list(routed.replicas))[0]  # the replica the model's requests go to first
+    outcomes: list[Any] = []
+    stop = threading.Event()
+
+    def send() -> None:
+        with httpx.Client(base_url=routed.url, headers=key(), timeout=20) as client:
+            while not stop.is_set():
+                try:
+                    answer = client.post(f"/v2/models/{MODEL}/infer", content=body)
+                except httpx.HTTPError as e:  # a hung or dropped request: what must not happen
+                    outcomes.append(("lost", repr(e), None))
+                    continue
+                try:
+                    outcomes.append((answer.status_code, answer.json(), answer.headers.get("retry-after")))
+                except ValueError:
+                    outcomes.append(("not json", answer.status_code, answer.content[:200]))
+                time.sleep(0.005)
+
+    senders = [threading.Thread(target=send) for _ in range(4)]
+    for thread in senders:
+        thread.start()
+    try:
+        time.sleep(1.0)
+        before = len(outcomes)
+        os.kill(routed.replicas[victim], signal.SIGKILL)
+        _wait_for_log(routed.log, re.escape(victim) + r": breaker closed -> open", 20)
+        _wait_for_log(routed.log, r"replica \d exited with -9", 20)
+        _wait_for_log(routed.log, re.escape(victim) + r": breaker open -> half_open", 60)
+        _wait_for_log(routed.log, re.escape(victim) + r": breaker half_open -> closed", 30)
+    finally:
+        stop.set()
+        for thread in senders:
+            thread.join(timeout=30)
+    assert not any(t.is_alive() for t in senders)
+    assert len(outcomes) - before > 50  # the load went on through the kill and the recovery
+    assert [o for o in outcomes if o[0] in ("lost", "not json")] == []
+    unavailable = [o for o in outcomes if o[0] == 503]
+    assert all("error" in o[1] and o[2] is not None for o in unavailable)  # a clean 503 with Retry-After, if any
+    answered = [o for o in outcomes if o[0] == 200]
+    assert len(answered) + len(unavailable) == len(outcomes)
+    assert all(o[1]["outputs"][0]["data"] == expected for o in answered)
+    ready = httpx.get(f"{routed.url}/v2/health/ready").json()
+    assert ready == {"ready": True, "group": "local", "available": 3}
+
+
+def test_traffic_fails_over_to_the_next_group_and_comes_back(home: Path, breast_cancer_model: BuiltModel) -> None:
+    router_key = "router-key-for-the-failover-test"
+    digest = hashlib.sha256(router_key.encode()).hexdigest()
+    tenants = home / "tenants.yaml"
+    ports = {"east": free_port(), "west": free_port()}
+    config = home / "router.yaml"
+    config.write_text("groups:\n" + "".join(
+        f"  - name: {g}\n    priority: {i}\n    replicas: [\"http://127.0.0.1:{ports[g]}\"]\n" for i, g in enumerate(ports)))
+    env = _env(home, SHARDLINE_TENANCY_ROUTER_KEY_SHA256=digest)
+
+    def replica(group: str) -> subprocess.Popen[bytes]:
+        with open(home / f"{group}.log", "ab") as sink:
+            return subprocess.Popen([*SHARDLINE, "serve", "--port", str(ports[group]), "--metrics-port", "off",
+                                     "--tenants", str(tenants)], env=env, stdout=sink, stderr=subprocess.STDOUT)
+
+    servers = {g: replica(g) for g in ports}
+    port = free_port()
+    log = home / "router-groups.log"
+    with open(log, "wb") as sink:
+        router = subprocess.Popen([*SHARDLINE, "router", "--config", str(config), "--tenants", str(tenants), "--port",
+                                   str(port)], env=_env(home, SHARDLINE_ROUTER_KEY=router_key, SHARDLINE_ROUTER_FAILBACK_S="2"),
+                                  stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    body = _infer_body(breast_cancer_model)
+
+    def infer() -> int:
+        return httpx.post(f"{url}/v2/models/{MODEL}/infer", content=body, headers=key(), timeout=20).status_code
+
+    def group() -> str | None:
+        return httpx.get(f"{url}/v2/health/ready").json()["group"]
+
+    def until(what: str | None, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while group() != what:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+
+    try:
+        _wait_ready(url, router, log, available=2)
+        until("east")  # at once, or failback_s after east came up, if west was ready first
+        assert infer() == 200
+        _stop(servers["east"])
+        assert infer() == 200  # retried on west at once, before any health check noticed
+        until("west")
+        assert [infer() for _ in range(5)] == [200] * 5
+        servers["east"] = replica("east")
+        until("east")  # back after it has been up for failback_s
+        assert infer() == 200
+        _stop(servers["west"])
+        _stop(servers["east"])
+        until(None)
+        down = httpx.post(f"{url}/v2/models/{MODEL}/infer", content=body, headers=key(), timeout=20)
+        assert down.status_code == 503 and "no replica can take the request now" in down.json()["error"]
+        assert down.headers["retry-after"] == "1"
+    finally:
+        for server in servers.values():
+            _stop(server)
+        assert _stop(router) in (0, -signal.SIGTERM), log.read_text()[-3000:]

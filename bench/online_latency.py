@@ -170,11 +170,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def http(port: int, path: str, body: str | None = None) -> tuple[int, Any]:
-    """One blocking request with the bench's key; returns (status, parsed JSON or text)."""
+def http(port: int, path: str, body: str | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """One blocking request with the bench's key (or ``headers``); returns (status, parsed JSON or text)."""
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}", data=body.encode() if body is not None else None,
-        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        headers={**(headers or {"Authorization": f"Bearer {API_KEY}"}), "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             status, text = answer.status, answer.read().decode()

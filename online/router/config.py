@@ -33,7 +33,6 @@ class DnsReplicas(BaseModel):
 
     name: str = Field(min_length=1, max_length=253)
     port: int = Field(default=8000, ge=1, le=65_535)
-    scheme: str = Field(default="http", pattern="^https?$")
     refresh_s: float = Field(default=10.0, gt=0, le=3600)
 
 
@@ -52,8 +51,9 @@ class ReplicaGroup(BaseModel):
     def _urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for url in value:
             parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-                raise ValueError(f"{url!r} is not a replica address; write it as http://HOST:PORT")
+            if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+                raise ValueError(f"{url!r} is not a replica address; write it as http://HOST:PORT (the router speaks "
+                                 "plain HTTP to its replicas: keep them on a private network)")
         return tuple(url.rstrip("/") for url in value)
 
     @model_validator(mode="after")

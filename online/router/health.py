@@ -49,6 +49,7 @@ class Breaker:
     probing: int = 0  # half-open: probes in flight
     probe_successes: int = 0
     _answers: Deque[tuple[float, bool]] = field(default_factory=collections.deque, repr=False)
+    _failed: int = 0  # failures among _answers
 
     def allows(self, now: float) -> bool:
         """Whether a request may go to the replica now (a half-open breaker counts it as a probe)."""
@@ -79,16 +80,17 @@ class Breaker:
             if self.probe_successes >= self.policy.probes:
                 self.state, self.consecutive, self.open_for = "closed", 0, 0.0
                 self._answers.clear()
+                self._failed = 0
             return
         if self.state == "open":
             return  # an answer of a request sent before it opened
         self._answers.append((now, ok))
+        self._failed += not ok
         while self._answers and now - self._answers[0][0] > self.policy.window_s:
-            self._answers.popleft()
+            self._failed -= not self._answers.popleft()[1]
         self.consecutive = 0 if ok else self.consecutive + 1
-        failures = sum(1 for _, good in self._answers if not good)
         if self.consecutive >= self.policy.consecutive_failures or (
-            len(self._answers) >= self.policy.min_requests and failures > self.policy.error_rate * len(self._answers)
+            len(self._answers) >= self.policy.min_requests and self._failed > self.policy.error_rate * len(self._answers)
         ):
             self._open(now, again=False)
 
@@ -97,6 +99,7 @@ class Breaker:
         self.open_for = min(self.policy.max_open_s, self.open_for * 2 if again and self.open_for else base)
         self.state, self.opened_at, self.consecutive, self.probing = "open", now, 0, 0
         self._answers.clear()
+        self._failed = 0
 
 
 @dataclass

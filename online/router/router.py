@@ -3,7 +3,8 @@ replica, forward, retry elsewhere within the budget and the deadline.
 
 ``Router.handle(Incoming) -> Answer`` is protocol-free (no web framework): the ASGI adapter
 (``online/router/app.py``) reads the request into an ``Incoming`` and writes the ``Answer``. The
-decisions are the pure functions of ``placement`` and ``health`` over the ``ReplicaSet``'s state.
+decisions are the pure functions of ``placement`` and ``health`` over the ``ReplicaSet``'s state;
+``upstream`` is the HTTP/1.1 client to the replicas.
 
 What a replica is sent: the request as the client sent it (body bytes untouched but for an
 OpenAI body's ``model``, pinned to the version the router resolved), with ``Authorization:
@@ -23,6 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -41,6 +43,7 @@ from shardline.online.protocols.forms import openai_error_body, v2_error_body
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
 from shardline.online.router.placement import choose
 from shardline.online.router.replicas import Replica, ReplicaSet
+from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
 from shardline.online.tenants import TENANT_HEADER, Tenant, TenantDirectory, not_available
 from shardline.settings import RouterSettings
 
@@ -119,22 +122,25 @@ class Router:
         self._draw = draw
         self._gates: dict[str, TenantGate] = {}
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_min_per_s)
-        self._session: Any = None
+        self._pools: dict[str, UpstreamPool] = {}
         self.counts: dict[str, int] = {"requests": 0, "retries": 0, "unavailable": 0, "budget_spent": 0}
 
     async def start(self) -> None:
-        """Open the connection pools to the replicas."""
-        import aiohttp
-
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=True)
-        # auto_decompress off: a gzipped answer reaches the client as the replica sent it
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"))
+        """Ready the connection pools (connections open on first use)."""
+        self._pools = {}
 
     async def stop(self) -> None:
-        """Close the pools."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close the pools' idle connections."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+    def _pool(self, url: str) -> UpstreamPool:
+        pool = self._pools.get(url)
+        if pool is None:
+            parts = urlsplit(url)
+            pool = self._pools[url] = UpstreamPool(parts.hostname or "127.0.0.1", parts.port or 80)
+        return pool
 
     # -- the request path ----------------------------------------------------------------
 
@@ -282,25 +288,19 @@ class Router:
     async def _send(self, replica: Replica, method: str, target: str, headers: list[tuple[bytes, bytes]],
                     body: bytes, deadline: Deadline) -> Answer | None:
         """The replica's answer, or None when it gave none (no connection, reset, time-out)."""
-        import aiohttp
-
         now = self._clock()
-        sent = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
-        sent.append((TIMEOUT_HEADER, deadline.header(now)))
+        sent = [*headers, (TIMEOUT_HEADER.encode(), deadline.header(now).encode())]
         replica.in_flight += 1
         replica.requests += 1
         ok = False
         try:
-            async with self._session.request(
-                method, replica.url + target, data=body or None, headers=sent,
-                timeout=aiohttp.ClientTimeout(total=max(0.001, deadline.left(now))), allow_redirects=False,
-            ) as response:
-                payload = await response.read()
-                answer = Answer(response.status, _answer_headers(response.raw_headers), payload)
+            status, raw, payload = await self._pool(replica.url).request(
+                method, target, sent, body, max(0.001, deadline.left(now)))
+            answer = Answer(status, [(k, v) for k, v in raw if k not in _HOP and k not in _OWN_ANSWER], payload)
             ok = answer.status not in RETRY_STATUSES or answer.status == 503 and _shed(answer)
             return answer
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            log.info("replica %s failed: %s", replica.url, f"{type(e).__name__}: {e}")
+        except UpstreamFailed as e:
+            log.info("replica %s failed: %s", replica.url, e)
             return None
         finally:
             replica.in_flight -= 1
@@ -321,10 +321,6 @@ def _note(replica: Replica, before: str) -> None:
 def _shed(answer: Answer) -> bool:
     """A 503 that a healthy replica gave on purpose (it shed the request, with Retry-After): no fault of it."""
     return any(k == b"retry-after" for k, _ in answer.headers)
-
-
-def _answer_headers(raw: Any) -> list[tuple[bytes, bytes]]:
-    return [(k.lower(), v) for k, v in raw if k.lower() not in _HOP and k.lower() not in _OWN_ANSWER]
 
 
 def _json(status: int, content: Any) -> Answer:

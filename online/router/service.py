@@ -103,7 +103,7 @@ class RouterService:
             log.warning("group %s: %s does not resolve (%s); its replicas stay as they were", group, spec.name, e)
             return
         hosts = sorted({str(info[4][0]) for info in found})
-        urls = [f"{spec.scheme}://[{h}]:{spec.port}" if ":" in h else f"{spec.scheme}://{h}:{spec.port}" for h in hosts]
+        urls = [f"http://[{h}]:{spec.port}" if ":" in h else f"http://{h}:{spec.port}" for h in hosts]
         self.router.replicas.set_members(group, urls)
 
     async def _watch_local(self) -> None:

@@ -1,0 +1,196 @@
+"""Router overhead: the same `shardline serve` replicas called directly, through `shardline router`, and
+through nginx as a plain reverse proxy, open loop, on defaults.
+
+Three replicas (`shardline serve` on its defaults, each given the router's key digest, as behind any
+router) serve the breast-cancer classifier. Three series are measured with bench/loadgen.py (open
+loop, latency from each request's intended send time):
+
+- **direct**: one replica, the request carrying the router's key and the tenant (what the router sends);
+- **router**: `shardline router --config router.yaml` over the three, on its defaults, with the tenant's
+  own key;
+- **nginx**: Debian's nginx as a plain reverse proxy over the three (`worker_processes auto`, upstream
+  keep-alive, no access log), passing the same headers as direct.
+
+Printed: each series' steps, the p50 at the lightest rate, the highest rate held at p99 <= 10 ms, and
+the ratios against the targets: the router adds at most 1.5x nginx's p50 (p50 through it less p50
+direct), and holds at least 0.8x nginx's rate.
+
+    .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~2 min
+    .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~8 min
+
+nginx must be on PATH (`apt-get install nginx-light`). Data and logs: bench/.data/router/ (git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import online_latency as ol  # noqa: E402
+from loadgen import NOISY, held  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / ".data" / "router"
+ROUTER_KEY = "shardline-bench-router-key"
+TENANT = "bench"
+ADDED_P50_TARGET = 1.5  # the router's added p50 <= 1.5 x nginx's
+HELD_TARGET = 0.8  # the router's highest held rate >= 0.8 x nginx's
+
+
+def nginx_config(port: int, replicas: list[int], folder: Path) -> Path:
+    """A plain reverse proxy over the replicas, as its documentation shows one."""
+    upstream = "\n".join(f"        server 127.0.0.1:{p};" for p in replicas)
+    text = textwrap.dedent(f"""\
+        worker_processes auto;
+        pid {folder}/nginx.pid;
+        error_log {folder}/nginx-error.log warn;
+        daemon off;
+        events {{ worker_connections 4096; }}
+        http {{
+            access_log off;
+            client_body_temp_path {folder}/body;
+            proxy_temp_path {folder}/proxy;
+            upstream replicas {{
+        {upstream}
+                keepalive 64;
+            }}
+            server {{
+                listen 127.0.0.1:{port};
+                location / {{
+                    proxy_pass http://replicas;
+                    proxy_http_version 1.1;
+                    proxy_set_header Connection "";
+                }}
+            }}
+        }}
+    """)
+    path = folder / "nginx.conf"
+    path.write_text(text)
+    return path
+
+
+def requests(target: str, port: int, path: str, bodies: list[str]) -> list[str]:
+    """Raw HTTP requests: the tenant's key to the router, the router's key and the tenant to the rest."""
+    auth = (f"Authorization: Bearer {ol.API_KEY}\r\n" if target == "router"
+            else f"Authorization: Bearer {ROUTER_KEY}\r\nX-Shardline-Tenant: {TENANT}\r\n")
+    return [f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}Content-Type: application/json\r\n"
+            f"Content-Length: {len(b)}\r\n\r\n{b}" for b in bodies]
+
+
+def run(targets: list[tuple[str, ol.Server]], path: str, bodies: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    spec = {"targets": [{"name": name, "port": s.port, "pid": s.proc.pid,  # type: ignore[union-attr]
+                         "requests": requests(name, s.port, path, bodies)} for name, s in targets],
+            "ladder": args.ladder, "warmup": args.warmup, "seconds": args.seconds, "prewarm": args.prewarm,
+            "refine": args.refine, "connections": 256, "drain": 5.0, "retries": args.retries}
+    spec_file = DATA / "generator.json"
+    spec_file.write_text(json.dumps(spec))
+    gen = subprocess.Popen([sys.executable, str(HERE / "loadgen.py"), str(spec_file)], stdout=subprocess.PIPE, text=True)
+    steps: dict[str, list[Any]] = {name: [] for name, _ in targets}
+    for line in gen.stdout:  # type: ignore[union-attr]
+        step = json.loads(line)
+        steps[step["server"]].append(step)
+        print(f"  {step['rate']:>6,.0f} req/s  {step['server']:<7} p50 {step['p50_ms']:7.2f} ms  p99 "
+              f"{step['p99_ms']:8.2f} ms  achieved {step['achieved']:7,.0f}/s  {'held' if held(step) else 'NOT held'}",
+              flush=True)
+    if gen.wait() != 0:
+        raise SystemExit(f"the load generator failed (exit {gen.returncode})")
+    return steps
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 rates, short steps: ~2 minutes")
+    parser.add_argument("--rates", help="the ladder, req/s, comma-separated (default 100..6400 doubling)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    args = parser.parse_args(argv)
+    args.ladder = [float(r) for r in args.rates.split(",")] if args.rates else (
+        [100.0, 800.0, 1600.0] if args.quick else [100.0 * 2**k for k in range(7)])
+    args.seconds, args.warmup = (2.0, 0.5) if args.quick else (5.0, 1.0)
+    args.refine, args.retries, args.prewarm = (1, 1, 1.5) if args.quick else (2, 2, 3.0)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if nginx is None:
+        raise SystemExit("nginx is not installed: apt-get install nginx-light (or nginx), then run this again")
+    shutil.rmtree(DATA, ignore_errors=True)
+    DATA.mkdir(parents=True)
+    ol.DATA.mkdir(parents=True, exist_ok=True)
+    data = ol.prepare("gbt")
+    ol.DATA = DATA  # the servers' logs go here
+    digest = hashlib.sha256(ROUTER_KEY.encode()).hexdigest()
+    env = ol.user_environment(data["home"])
+    path = f"/v2/models/{ol.MODEL}/infer"
+    ports = [ol.free_port() for _ in range(3)]
+    servers = [ol.Server(f"replica-{i}", [sys.executable, "-m", "shardline.cli", "serve", "--port", str(p), "--tenants",
+                                          data["tenants"], "--metrics-port", "off"],
+                         dict(env, SHARDLINE_TENANCY_ROUTER_KEY_SHA256=digest), p, path, "/v2/health/ready")
+               for i, p in enumerate(ports)]
+    config = DATA / "router.yaml"
+    config.write_text("groups:\n  - name: bench\n    replicas: [" + ", ".join(f'"http://127.0.0.1:{p}"' for p in ports) + "]\n")
+    router_port, nginx_port = ol.free_port(), ol.free_port()
+    router = ol.Server("router", [sys.executable, "-m", "shardline.cli", "router", "--config", str(config), "--tenants",
+                                  data["tenants"], "--port", str(router_port)],
+                       dict(env, SHARDLINE_ROUTER_KEY=ROUTER_KEY), router_port, path, "/v2/health/ready")
+    proxy = ol.Server("nginx", [nginx, "-c", str(nginx_config(nginx_port, ports, DATA)), "-p", str(DATA)], env,
+                      nginx_port, path, "/v2/health/ready")
+    print(f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.2f}); ladder "
+          f"{', '.join(f'{r:,.0f}' for r in args.ladder)} req/s; one row per request (30 inputs of shape [1]); "
+          "3 replicas of `shardline serve` on their defaults", flush=True)
+    print(f"  {subprocess.run([nginx, '-v'], capture_output=True, text=True).stderr.strip()}", flush=True)
+    try:
+        for server in servers:
+            server.start(requests("direct", server.port, path, data["v2"][:1])[0])
+        for server in (router, proxy):
+            server.start("")
+        ok = {name: ol.http(s.port, path, data["v2"][0], _headers(name)) for name, s in
+              (("direct", servers[0]), ("router", router), ("nginx", proxy))}
+        for name, (status, answer) in ok.items():
+            got = ol.answer_of(answer)
+            if status != 200 or got is None or got[0] != data["expected"][0]:
+                raise SystemExit(f"{name} answered {status} {str(answer)[:300]}")
+        print("  every series answers as the model does", flush=True)
+        steps = run([("direct", servers[0]), ("router", router), ("nginx", proxy)], path, data["v2"], args)
+    finally:
+        for server in (router, proxy, *servers):
+            server.stop()
+    light = min(args.ladder)
+    for name, series in steps.items():
+        ol.report_steps(name, series)
+    summary = {name: ol.summarize(series, light) for name, series in steps.items()}
+    print(f"\n{'series':<8}{'p50 ms @ ' + format(light, ',.0f') + '/s':>16}{'held at p99<10ms':>18}  limited by")
+    for name, s in summary.items():
+        print(f"{name:<8}{ol._fmt(s['p50'], '.2f'):>16}{s['held']:>16,.0f}/s  {s['limit']}")
+    added = {n: summary[n]["p50"] - summary["direct"]["p50"] for n in ("router", "nginx")}
+    p50_ratio = added["router"] / added["nginx"] if added["nginx"] > 0 else math.inf
+    held_ratio = summary["router"]["held"] / summary["nginx"]["held"] if summary["nginx"]["held"] else math.inf
+    p50_met, held_met = p50_ratio <= ADDED_P50_TARGET, held_ratio >= HELD_TARGET
+    print(f"\nadded p50 at {light:,.0f}/s: router {added['router'] * 1000:.0f} us, nginx {added['nginx'] * 1000:.0f} us: "
+          f"{p50_ratio:.2f}x (target <= {ADDED_P50_TARGET}: {'met' if p50_met else 'MISSED'})")
+    print(f"highest rate held: router {summary['router']['held']:,.0f}/s, nginx {summary['nginx']['held']:,.0f}/s: "
+          f"{held_ratio:.2f}x (target >= {HELD_TARGET}: {'met' if held_met else 'MISSED'})")
+    print(f"(rest: cores the rest of the machine used; a figure marked '!' was noisy, over {NOISY:g} core)")
+    (DATA / "last-run.json").write_text(json.dumps({"steps": steps, "summary": summary}, indent=1))
+    return 1 if args.strict and not (p50_met and held_met) else 0
+
+
+def _headers(name: str) -> dict[str, str]:
+    if name == "router":
+        return {"Authorization": f"Bearer {ol.API_KEY}"}
+    return {"Authorization": f"Bearer {ROUTER_KEY}", "X-Shardline-Tenant": TENANT}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

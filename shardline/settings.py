@@ -562,14 +562,19 @@ class RouterSettings(BaseSettings):
     max_timeout_s: float = Field(default=300.0, gt=0, description="The longest deadline a request may ask for.")
     retries: int = Field(default=2, ge=0, le=10, description="Tries on other replicas after the first one failed.")
     retry_budget_ratio: float = Field(
-        default=0.2, ge=0, le=1, description="Retries at most this share of the requests of the last 10 s ..."
+        default=0.2, ge=0, le=1, description="Retries are at most this share of the requests of the last 10 s, "
+        "plus retry_min_per_s a second."
     )
-    retry_min_per_s: float = Field(default=5.0, ge=0, description="... plus this many a second.")
+    retry_min_per_s: float = Field(default=5.0, ge=0, description="Retries allowed a second whatever the traffic.")
     breaker_failures: int = Field(
         default=5, ge=1, description="Consecutive failures (connection, 502-504) that open a replica's breaker."
     )
     breaker_open_s: float = Field(
         default=2.0, gt=0, description="How long an open breaker passes nothing before probing (doubled at each re-open, at most 30 s)."
+    )
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="Largest request body the router takes (413 past it), and "
+        "what an OpenAI body it reads may inflate to."
     )
     health_interval_s: float = Field(default=1.0, gt=0, description="How often each replica's /v2/health/ready is read.")
     failback_s: float = Field(

@@ -172,7 +172,7 @@ class Router:
                 resolved = await self.directory.resolve(tenant.models[name])
                 version = str(resolved.version)
                 path = f"/v2/models/{name}/versions/{version}/infer"
-            key = f"{name}:{version or tenant.models[name]}"
+            key = f"{name}:{version}" if version else str(tenant.models[name])
             return await self._admitted(tenant, request, path, request.body, key, request_id)
         if path in _BODY_MODEL_PATHS and request.method == "POST":
             body, key = await self._pin_body_model(tenant, request)
@@ -184,7 +184,7 @@ class Router:
     async def _pin_body_model(self, tenant: Tenant, request: Incoming) -> tuple[bytes, str]:
         """An OpenAI body with its ``model`` pinned to the version the tenant's reference means now."""
         encoding = request.header(b"content-encoding")
-        body = decode_body(request.body, encoding, 64 * 1024 * 1024) if encoding else request.body
+        body = decode_body(request.body, encoding, self.settings.max_body_bytes) if encoding else request.body
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as e:

@@ -96,7 +96,7 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     service = build_service(settings, storage, tenancy, config, key, local)
     online = OnlineSettings()
     limits = resolve_limits(online, open_files_limit())
-    server_config = uvicorn.Config(router_app(service, online.max_body_bytes), host=settings.host, port=settings.port,
+    server_config = uvicorn.Config(router_app(service, settings.max_body_bytes), host=settings.host, port=settings.port,
                                    log_config=config_log, timeout_graceful_shutdown=10, **uvicorn_options(limits))
     try:
         if local is not None:

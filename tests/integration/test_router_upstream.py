@@ -1,0 +1,113 @@
+"""The router's client to its replicas against real sockets on loopback: keep-alive reuse, chunked
+answers, a replica that closes a kept-alive connection, one that dies mid-answer, one that is silent."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+import pytest
+
+from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    return head, await reader.readexactly(length)
+
+
+async def _serve(handler: Handler) -> tuple[asyncio.Server, int]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def test_answers_come_back_whole_and_the_connection_is_kept() -> None:
+    connections = []
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        while True:
+            try:
+                head, body = await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            tenant = next(line for line in head.split(b"\r\n") if line.startswith(b"x-tenant"))
+            if body == b"chunked":
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nX-Kind: Chunked\r\n\r\n"
+                             b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+            else:
+                answer = body[::-1] + b"|" + tenant
+                writer.write(b"HTTP/1.1 201 Created\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer))
+            await writer.drain()
+
+    async def main() -> None:
+        server, port = await _serve(echo)
+        pool = UpstreamPool("127.0.0.1", port)
+        status, headers, body = await pool.request("POST", "/x", [(b"x-tenant", b"acme")], b"hello", 5.0)
+        assert (status, body) == (201, b"olleh|x-tenant: acme")
+        status, headers, body = await pool.request("POST", "/x", [(b"x-tenant", b"acme")], b"chunked", 5.0)
+        assert (status, body) == (200, b"abcde") and (b"x-kind", b"Chunked") in headers
+        assert len(connections) == 1  # both over one kept-alive connection
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_kept_alive_connection_the_replica_closed_is_replaced_once() -> None:
+    served = 0
+
+    async def one_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        await _read_request(reader)
+        served += 1
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()  # its keep-alive ran out
+
+    async def main() -> None:
+        server, port = await _serve(one_then_close)
+        pool = UpstreamPool("127.0.0.1", port)
+        assert (await pool.request("GET", "/", [], b"", 5.0))[0] == 200
+        await asyncio.sleep(0.2)  # the replica has closed the idle connection by now
+        assert (await pool.request("GET", "/", [], b"", 5.0))[2] == b"ok"
+        assert served == 2
+        server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("behaviour", ["refused", "dies mid-answer", "silent", "not http"])
+def test_no_answer_is_an_upstream_failure(behaviour: str) -> None:
+    async def misbehave(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        if behaviour == "dies mid-answer":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part")
+            await writer.drain()
+            writer.close()
+        elif behaviour == "not http":
+            writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+            await writer.drain()
+        else:
+            await asyncio.sleep(5)
+
+    async def main() -> None:
+        server, port = await _serve(misbehave)
+        if behaviour == "refused":
+            server.close()
+            await server.wait_closed()
+        pool = UpstreamPool("127.0.0.1", port)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamFailed) as failed:
+            await pool.request("POST", "/v2/models/m/infer", [], b"{}", 0.3)
+        assert asyncio.get_running_loop().time() - started < 2
+        expected = {"refused": "cannot connect", "dies mid-answer": "in the middle of its answer",
+                    "silent": "no answer within 300 ms", "not http": "is not HTTP"}[behaviour]
+        assert expected in str(failed.value)
+        server.close()
+
+    asyncio.run(main())

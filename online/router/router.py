@@ -123,7 +123,6 @@ class Router:
         self._gates: dict[str, TenantGate] = {}
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_min_per_s)
         self._pools: dict[str, UpstreamPool] = {}
-        self.counts: dict[str, int] = {"requests": 0, "retries": 0, "unavailable": 0, "budget_spent": 0}
 
     async def start(self) -> None:
         """Ready the connection pools (connections open on first use)."""
@@ -234,7 +233,6 @@ class Router:
         if request.header(REQUEST_ID_HEADER.encode()) is None:
             headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
         target = path + ("?" + request.query.decode("latin-1") if request.query else "")
-        self.counts["requests"] += 1
         self.budget.request(now)
         tried: set[str] = set()
         last: Answer | None = None
@@ -258,13 +256,10 @@ class Router:
             if attempt > self.settings.retries:
                 break
             if not self.budget.try_retry(now):
-                self.counts["budget_spent"] += 1
                 break
-            self.counts["retries"] += 1
             await asyncio.sleep(min(backoff_s(attempt, self._draw()), max(0.0, deadline.left(now))))
         if last is not None:
             return last  # the last replica's own 502-504 (a shed request's 503 carries its Retry-After)
-        self.counts["unavailable"] += 1
         raise ReplicasUnavailable(
             "no replica can take the request now (none is up, or every one tried failed); retry after the "
             "Retry-After seconds", 1.0,

@@ -318,20 +318,24 @@ def effective_settings(server: Server, wait_s: float = 3.0) -> dict[str, Any] | 
 
 def run_ladder(targets: list[Target], args: argparse.Namespace) -> dict[str, list[Any]]:
     """Run the load generator's process against the targets; returns each one's steps."""
-    spec_targets = [{
+    return generate_steps([{
         "name": t.name, "port": t.server.port, "pid": t.server.proc.pid,  # type: ignore[union-attr]
         "requests": [f"POST {t.path} HTTP/1.1\r\nHost: 127.0.0.1:{t.server.port}\r\n"
                      f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(b)}\r\n\r\n{b}" for b in t.bodies],
-    } for t in targets]
+    } for t in targets], args, DATA / "generator.json")
+
+
+def generate_steps(spec_targets: list[dict[str, Any]], args: argparse.Namespace, spec_file: Path) -> dict[str, list[Any]]:
+    """The load generator (bench/loadgen.py) in its own process over ``spec_targets`` (name, port, pid, raw
+    requests) with the ladder of ``args``; each step printed as it comes; returns each target's steps."""
     spec = {"targets": spec_targets, "ladder": args.ladder, "warmup": args.warmup, "seconds": args.seconds,
-            "prewarm": args.prewarm,
-            "refine": args.refine, "connections": args.connections, "drain": args.drain, "retries": args.retries}
-    spec_file = DATA / "generator.json"
+            "prewarm": args.prewarm, "refine": args.refine, "connections": getattr(args, "connections", 256),
+            "drain": getattr(args, "drain", 5.0), "retries": args.retries}
     spec_file.write_text(json.dumps(spec))
     gen = subprocess.Popen([sys.executable, str(HERE / "loadgen.py"), str(spec_file)],
                            stdout=subprocess.PIPE, text=True)
-    steps: dict[str, list[Any]] = {t.name: [] for t in targets}
+    steps: dict[str, list[Any]] = {t["name"]: [] for t in spec_targets}
     for line in gen.stdout:  # type: ignore[union-attr]
         step = json.loads(line)
         steps[step["server"]].append(step)

@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import online_latency as ol  # noqa: E402
-from loadgen import NOISY, held  # noqa: E402
+from loadgen import NOISY  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / ".data" / "router"
@@ -88,23 +88,9 @@ def requests(target: str, port: int, path: str, bodies: list[str]) -> list[str]:
 
 
 def run(targets: list[tuple[str, ol.Server]], path: str, bodies: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    spec = {"targets": [{"name": name, "port": s.port, "pid": s.proc.pid,  # type: ignore[union-attr]
-                         "requests": requests(name, s.port, path, bodies)} for name, s in targets],
-            "ladder": args.ladder, "warmup": args.warmup, "seconds": args.seconds, "prewarm": args.prewarm,
-            "refine": args.refine, "connections": 256, "drain": 5.0, "retries": args.retries}
-    spec_file = DATA / "generator.json"
-    spec_file.write_text(json.dumps(spec))
-    gen = subprocess.Popen([sys.executable, str(HERE / "loadgen.py"), str(spec_file)], stdout=subprocess.PIPE, text=True)
-    steps: dict[str, list[Any]] = {name: [] for name, _ in targets}
-    for line in gen.stdout:  # type: ignore[union-attr]
-        step = json.loads(line)
-        steps[step["server"]].append(step)
-        print(f"  {step['rate']:>6,.0f} req/s  {step['server']:<7} p50 {step['p50_ms']:7.2f} ms  p99 "
-              f"{step['p99_ms']:8.2f} ms  achieved {step['achieved']:7,.0f}/s  {'held' if held(step) else 'NOT held'}",
-              flush=True)
-    if gen.wait() != 0:
-        raise SystemExit(f"the load generator failed (exit {gen.returncode})")
-    return steps
+    return ol.generate_steps([{"name": name, "port": s.port, "pid": s.proc.pid,  # type: ignore[union-attr]
+                               "requests": requests(name, s.port, path, bodies)} for name, s in targets],
+                             args, DATA / "generator.json")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

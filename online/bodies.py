@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from typing import Any, Awaitable, Callable
 
 from shardline.errors import InvalidInput, PayloadTooLarge, UnsupportedEncoding
 from shardline.online.errors import shown
@@ -23,6 +24,36 @@ def byte_count(header: str | None) -> int | None:
         return None
     text = header.strip()
     return int(text) if _BYTE_COUNT.fullmatch(text) else None
+
+
+class ClientGone(Exception):
+    """The client went away while its request was read: nobody is left to answer."""
+
+
+async def receive_body(receive: Callable[[], Awaitable[dict[str, Any]]], content_length: str | None, limit: int) -> bytes:
+    """The request's body from an ASGI ``receive``, as sent (not decompressed), at most ``limit`` bytes.
+
+    Raises:
+        PayloadTooLarge: the body, as declared (``content_length``) or as sent, is over the limit.
+        ClientGone: the client disconnected before the body was read.
+    """
+    declared = byte_count(content_length)
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(too_large(f"{content_length} bytes", limit), limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientGone("the client disconnected before sending the whole body")
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(too_large(f"at least {size} bytes", limit), limit)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def decode_body(body: bytes, content_encoding: str | None, limit: int) -> bytes:

@@ -23,8 +23,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from shardline.errors import PayloadTooLarge, ShardlineError
-from shardline.online.bodies import byte_count, decode_body, too_large
+from shardline.errors import ShardlineError
+from shardline.online.bodies import ClientGone, decode_body, receive_body
 from shardline.online.dataplane import DataPlane
 from shardline.online.errors import error_status
 from shardline.online.logs import current
@@ -120,23 +120,7 @@ async def read_body(receive: Receive, content_length: str | None, encoding: str 
         InvalidInput: a compressed body that does not decompress.
         ClientGone: the client disconnected before the body was read.
     """
-    limit = plane.settings.max_body_bytes
-    _check_declared(content_length, limit)
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise ClientGone("the client disconnected before sending the whole body")
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(too_large(f"at least {size} bytes", limit), limit)
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    body = await receive_body(receive, content_length, plane.settings.max_body_bytes)
     return await _decoded(body, encoding, plane)
 
 
@@ -147,13 +131,3 @@ async def _decoded(body: bytes, encoding: str | None, plane: DataPlane) -> bytes
     if runs_off_loop(len(body), True, plane.settings.offload_min_bytes):
         return await plane.off_loop(lambda: decode_body(body, encoding, limit))
     return decode_body(body, encoding, limit)
-
-
-class ClientGone(Exception):
-    """The client went away while its request was read: nobody is left to answer."""
-
-
-def _check_declared(declared: str | None, limit: int) -> None:
-    size = byte_count(declared)
-    if size is not None and size > limit:
-        raise PayloadTooLarge(too_large(f"{declared} bytes", limit), limit)

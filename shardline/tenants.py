@@ -268,20 +268,26 @@ def load_tenants_file(path: str | Path) -> TenantsFile:
     Raises:
         InvalidSetting: the file is missing, is not YAML, or a field is wrong.
     """
+    data = read_yaml(path, "the tenants file", "fix SHARDLINE_TENANTS_FILE (or SHARDLINE_ONLINE_TENANTS_FILE, or "
+                     "`shardline serve --tenants PATH`), or unset it for single-tenant batch development")
+    return parse_tenants_file(data, str(path))
+
+
+def read_yaml(path: str | Path, what: str, fix: str) -> Any:
+    """The parsed YAML of a settings file (the tenants file, the router's config).
+
+    Raises:
+        InvalidSetting: "<what> <path> cannot be read (...); <fix>", or it is not valid YAML.
+    """
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
-        raise InvalidSetting(
-            f"the tenants file {path} cannot be read ({e.strerror}); fix SHARDLINE_TENANTS_FILE (or "
-            "SHARDLINE_ONLINE_TENANTS_FILE, or `shardline serve --tenants PATH`), or unset it for "
-            "single-tenant batch development"
-        ) from e
+        raise InvalidSetting(f"{what} {path} cannot be read ({e.strerror}); {fix}") from e
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise InvalidSetting(f"the tenants file {path} is not valid YAML: {e}") from e
-    return parse_tenants_file(data, str(path))
+        raise InvalidSetting(f"{what} {path} is not valid YAML: {e}") from e
 
 
 def batch_tenant(tenants_file: str | None, name: str) -> BatchTenant | None:

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shardline.errors import InvalidSetting
-from shardline.tenants import validation_problems
+from shardline.tenants import read_yaml, validation_problems
 
 
 class DnsReplicas(BaseModel):
@@ -96,15 +95,7 @@ def load_router_config(path: str | Path) -> RouterConfig:
     Raises:
         InvalidSetting: the file is missing, is not YAML, or a field is wrong.
     """
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise InvalidSetting(f"the router config {path} cannot be read ({e.strerror}); check --config") from e
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise InvalidSetting(f"the router config {path} is not valid YAML: {e}") from e
+    data = read_yaml(path, "the router config", "check --config (SHARDLINE_ROUTER_CONFIG_FILE)")
     return parse_router_config(data, str(path))
 
 

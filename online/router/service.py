@@ -17,7 +17,7 @@ import socket
 from typing import Any, Awaitable, Callable
 
 from shardline.errors import PayloadTooLarge
-from shardline.online.bodies import byte_count, too_large
+from shardline.online.bodies import ClientGone, receive_body
 from shardline.online.router.config import RouterConfig
 from shardline.online.router.local import LocalReplicas
 from shardline.online.router.router import Answer, Incoming, Router, error_answer
@@ -122,42 +122,18 @@ def router_app(service: RouterService, max_body_bytes: int) -> Callable[[Scope, 
         if scope["type"] != "http":
             return
         headers = scope["headers"]
+        declared = next((v.decode("latin-1") for k, v in headers if k == b"content-length"), None)
         try:
-            body = await _read_body(receive, headers, max_body_bytes)
+            body = await receive_body(receive, declared, max_body_bytes)
         except PayloadTooLarge as e:
             answer = error_answer(e, scope["path"].startswith("/v1/"), "-")
-        except _ClientGone:
+        except ClientGone:
             return
         else:
             answer = await router.handle(Incoming(scope["method"], scope["path"], scope["query_string"], headers, body))
         await _write(send, answer)
 
     return app
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
-    declared = next((v for k, v in headers if k == b"content-length"), None)
-    size = byte_count(declared.decode("latin-1")) if declared is not None else None
-    if size is not None and size > limit:
-        raise PayloadTooLarge(too_large(f"{size} bytes", limit), limit)
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise _ClientGone()
-        chunk = message.get("body", b"")
-        if chunk:
-            total += len(chunk)
-            if total > limit:
-                raise PayloadTooLarge(too_large(f"at least {total} bytes", limit), limit)
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def _write(send: Send, answer: Answer) -> None:

@@ -37,7 +37,7 @@ from shardline.online.logs import (
     flush_access_log,
     request_id_from,
 )
-from shardline.online.metrics import Metrics
+from shardline.online.metrics import Metrics, metrics_app  # noqa: F401 (metrics_app: imported from here too)
 from shardline.online.protocols import kserve_v2, openai
 from shardline.online.protocols.forms import openai_error_body, v2_error_body
 
@@ -157,23 +157,3 @@ def create_app(plane: DataPlane, *, log_requests: bool = True) -> ASGIApp:
     )
     infer = next(r.app for r in v2_routes if isinstance(r, Route) and r.path.endswith("/infer"))
     return RequestMiddleware(InferFirst(starlette, infer), plane.metrics, log_requests)
-
-
-def metrics_app(exposition: Callable[[], tuple[bytes, str]]) -> ASGIApp:
-    """The app of the metrics listener: ``GET /metrics`` answers ``exposition()`` (Prometheus' text
-    format), anything else 404. No lifespan, no access log."""
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
-            status, (body, content_type) = 200, exposition()
-        else:
-            status, content_type = 404, "application/json"
-            body = orjson.dumps({"error": f"no endpoint {scope['method']} {scope['path']}; this listener serves "
-                                          "GET /metrics"})
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", content_type.encode("latin-1")), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
-
-    return app

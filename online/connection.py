@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import socket
 from typing import Any
 
 import httptools
@@ -43,10 +45,13 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from shardline.errors import InvalidSetting
 from shardline.online.limits import ConnectionLimits
 
 HEALTH_PREFIX = b"/v2/health/"
 LINGER_S = 2.0  # after an answer that closes, how long what the client still sends is read and dropped
+
+log = logging.getLogger(__name__)
 
 
 def error_answer(status: int, message: str, retry_after_s: int | None = None) -> bytes:
@@ -243,3 +248,32 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             (b"retry-after", str(self.limits.retry_after_s).encode()), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
+
+def uvicorn_options(limits: ConnectionLimits, apps_by_port: dict[int, ASGIApp] | None = None) -> dict[str, Any]:
+    """The uvicorn ``Config`` options every listener of ``shardline serve`` (and ``serve_in_thread``) uses:
+    the bounded protocol (``shardline.online.connection``), no websockets, no server header."""
+    # proxy_headers off: nothing here reads the client's address (uvicorn would rewrite it from
+    # X-Forwarded-For on every request, ~1 us).
+    return dict(http=limited_protocol(limits, apps_by_port), ws="none", timeout_keep_alive=limits.keep_alive_s,
+                access_log=False, server_header=False, proxy_headers=False)
+
+
+def bind_metrics_listener(host: str, port: int, main_port: int, setting: str) -> socket.socket:
+    """A bound socket for a metrics listener on ``host``:``port`` (``serve``'s and the router's).
+
+    Raises:
+        InvalidSetting: the port is the main port, or it cannot be listened on (``setting`` names the variable).
+    """
+    if port == main_port:
+        raise InvalidSetting(f"the metrics port and the main port are both {port}: set {setting} to another port, or 'off'")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InvalidSetting(f"cannot listen for metrics on {host}:{port} ({e.strerror}); set {setting} to a free "
+                             "port, or 'off'") from e
+    log.info("metrics on http://%s:%d/metrics", host, sock.getsockname()[1])
+    return sock

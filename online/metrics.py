@@ -22,7 +22,9 @@ from __future__ import annotations
 import os
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator
+
+import orjson
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -307,3 +309,23 @@ def multiprocess_exposition(shared_dir: str) -> tuple[bytes, str]:
     combined = CollectorRegistry()
     multiprocess.MultiProcessCollector(combined, shared_dir)
     return generate_latest(combined), CONTENT_TYPE_LATEST
+
+
+def metrics_app(exposition: Callable[[], tuple[bytes, str]]) -> Callable[[dict[str, Any], Any, Any], Awaitable[None]]:
+    """The app of the metrics listener: ``GET /metrics`` answers ``exposition()`` (Prometheus' text
+    format), anything else 404. No lifespan, no access log."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
+            status, (body, content_type) = 200, exposition()
+        else:
+            status, content_type = 404, "application/json"
+            body = orjson.dumps({"error": f"no endpoint {scope['method']} {scope['path']}; this listener serves "
+                                          "GET /metrics"})
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", content_type.encode("latin-1")), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+
+    return app

@@ -38,12 +38,12 @@ from typing import Any, Callable
 from starlette.types import ASGIApp
 
 from shardline.errors import InvalidSetting
-from shardline.online.app import create_app, metrics_app
-from shardline.online.connection import limited_protocol
+from shardline.online.app import create_app
+from shardline.online.connection import bind_metrics_listener, uvicorn_options
 from shardline.online.dataplane import DataPlane
 from shardline.online.limits import ConnectionLimits, open_files_limit, resolve_limits
 from shardline.online.logs import log_config
-from shardline.online.metrics import multiprocess_exposition
+from shardline.online.metrics import metrics_app, multiprocess_exposition
 from shardline.online.tenants import TenantDirectory, load_tenants
 from shardline.runtimes import RuntimeOptions
 from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings, TenancySettings
@@ -116,15 +116,6 @@ def worker_app() -> ASGIApp:
     return app
 
 
-def uvicorn_options(limits: ConnectionLimits, apps_by_port: dict[int, ASGIApp] | None = None) -> dict[str, Any]:
-    """The uvicorn ``Config`` options every listener of ``shardline serve`` (and ``serve_in_thread``) uses:
-    the bounded protocol (``shardline.online.connection``), no websockets, no server header."""
-    # proxy_headers off: nothing here reads the client's address (uvicorn would rewrite it from
-    # X-Forwarded-For on every request, ~1 us).
-    return dict(http=limited_protocol(limits, apps_by_port), ws="none", timeout_keep_alive=limits.keep_alive_s,
-                access_log=False, server_header=False, proxy_headers=False)
-
-
 def _check_address(host: str, port: int, what: str) -> None:
     try:
         socket.getaddrinfo(host, port)
@@ -141,20 +132,7 @@ def bind_metrics_socket(online: OnlineSettings) -> socket.socket | None:
     if not online.metrics_port:
         return None
     _check_address(online.metrics_host, online.metrics_port, "SHARDLINE_ONLINE_METRICS_HOST")
-    if online.metrics_port == online.port:
-        raise InvalidSetting(f"the metrics port and the main port are both {online.port}: set "
-                             "SHARDLINE_ONLINE_METRICS_PORT to another port, or 'off'")
-    family = socket.AF_INET6 if ":" in online.metrics_host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((online.metrics_host, online.metrics_port))
-    except OSError as e:
-        sock.close()
-        raise InvalidSetting(f"cannot listen for metrics on {online.metrics_host}:{online.metrics_port} ({e.strerror}); "
-                             "set SHARDLINE_ONLINE_METRICS_PORT to a free port, or 'off'") from e
-    log.info("metrics on http://%s:%d/metrics", online.metrics_host, sock.getsockname()[1])
-    return sock
+    return bind_metrics_listener(online.metrics_host, online.metrics_port, online.port, "SHARDLINE_ONLINE_METRICS_PORT")
 
 
 def serve(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings, tenancy: TenancySettings) -> None:

@@ -41,7 +41,7 @@ def serve_listeners_in_thread(app: Any, host: str = "127.0.0.1", startup_timeout
     import uvicorn
 
     from shardline.online.limits import open_files_limit, resolve_limits
-    from shardline.online.server import uvicorn_options
+    from shardline.online.connection import uvicorn_options
     from shardline.settings import OnlineSettings
 
     limits = limits or resolve_limits(OnlineSettings(), open_files_limit())

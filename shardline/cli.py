@@ -447,6 +447,9 @@ def router(
         None, "--tenants", help="The tenants YAML (the one its replicas read) \\[SHARDLINE_TENANTS_FILE]."),
     host: Optional[str] = typer.Option(None, help="Address to listen on \\[default: 127.0.0.1; SHARDLINE_ROUTER_HOST]."),
     port: Optional[int] = typer.Option(None, min=0, max=65_535, help="TCP port \\[default: 8080; SHARDLINE_ROUTER_PORT]."),
+    metrics_port: Optional[str] = typer.Option(
+        None, help="Port of the router's Prometheus /metrics listener; 0 or 'off': none \\[default: 8082; "
+        "SHARDLINE_ROUTER_METRICS_PORT]."),
 ) -> None:
     """One endpoint over many `shardline serve` replicas: the same /v2 and /v1 wire contract.
 
@@ -462,7 +465,7 @@ def router(
     from shardline.settings import RouterSettings, StorageSettings, TenancySettings
 
     given: dict[str, Any] = {"config_file": str(config) if config else None, "local_replicas": local_replicas,
-                             "host": host, "port": port}
+                             "host": host, "port": port, "metrics_port": metrics_port}
     try:
         settings = RouterSettings.model_validate({k: v for k, v in given.items() if v is not None})
         tenancy = TenancySettings(tenants_file=str(tenants)) if tenants is not None else TenancySettings()

@@ -581,4 +581,13 @@ class RouterSettings(BaseSettings):
         default=10.0, ge=0,
         description="A higher-priority group takes traffic back only after it has been available this long.",
     )
+    metrics_host: str = Field(default="127.0.0.1", description="Address of the router's Prometheus /metrics listener.")
+    metrics_port: int = Field(
+        default=8082, ge=0, le=65_535, description="Port of the router's /metrics listener; 0 or 'off': none."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Log level.")
+
+    @field_validator("metrics_port", mode="before")
+    @classmethod
+    def _metrics_off(cls, value: Any) -> Any:
+        return 0 if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", "") else value

@@ -41,6 +41,7 @@ from shardline.online.errors import error_status, shown
 from shardline.online.models import ModelDirectory
 from shardline.online.protocols.forms import openai_error_body, v2_error_body
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
+from shardline.online.router.metrics import RouterMetrics
 from shardline.online.router.placement import choose
 from shardline.online.router.replicas import Replica, ReplicaSet
 from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
@@ -123,6 +124,7 @@ class Router:
         self._gates: dict[str, TenantGate] = {}
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_min_per_s)
         self._pools: dict[str, UpstreamPool] = {}
+        self.metrics = RouterMetrics(replicas, clock)
 
     async def start(self) -> None:
         """Ready the connection pools (connections open on first use)."""
@@ -214,10 +216,24 @@ class Router:
                         request_id: str) -> Answer:
         with self._gate(tenant):  # the tenant's rate and concurrency, for every replica together
             routed = request.header(ROUTE_KEY_HEADER.encode())
-            return await self.forward(tenant, request, path, body, f"{key}|{routed}" if routed else key, request_id)
+            model = key if ":" in key else "-"
+            started = self._clock()
+            self.metrics.started(model)
+            tries = [0]
+            status = 500
+            try:
+                answer = await self.forward(tenant, request, path, body, f"{key}|{routed}" if routed else key,
+                                            request_id, tries)
+                status = answer.status
+                return answer
+            except ShardlineError as e:
+                status = error_status(e)[0]
+                raise
+            finally:
+                self.metrics.answered(model, status, self._clock() - started, max(0, tries[0] - 1))
 
     async def forward(self, tenant: Tenant, request: Incoming, path: str, body: bytes, key: str,
-                      request_id: str) -> Answer:
+                      request_id: str, tries: list[int] | None = None) -> Answer:
         """Send the request to the replica the key's order and the loads pick; on a failure the replica
         could not help (no connection, 502-504), to the next, within the retries, the budget and the deadline.
 
@@ -242,6 +258,8 @@ class Router:
             if replica is None:
                 break
             tried.add(replica.url)
+            if tries is not None:
+                tries[0] += 1
             answer = await self._send(replica, request.method, target, headers, body, deadline)
             if answer is not None and answer.status not in RETRY_STATUSES:
                 return answer

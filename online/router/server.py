@@ -75,8 +75,9 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     """
     import uvicorn
 
+    from shardline.online.connection import bind_metrics_listener, uvicorn_options
     from shardline.online.limits import open_files_limit, resolve_limits
-    from shardline.online.server import uvicorn_options
+    from shardline.online.metrics import metrics_app
 
     config_log = log_config(settings.log_level)
     logging.config.dictConfig(config_log)
@@ -96,16 +97,21 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     service = build_service(settings, storage, tenancy, config, key, local)
     online = OnlineSettings()
     limits = resolve_limits(online, open_files_limit())
+    metrics = (bind_metrics_listener(settings.metrics_host, settings.metrics_port, settings.port,
+                                     "SHARDLINE_ROUTER_METRICS_PORT") if settings.metrics_port else None)
+    apps = {metrics.getsockname()[1]: metrics_app(service.router.metrics.exposition)} if metrics is not None else None
     server_config = uvicorn.Config(router_app(service, settings.max_body_bytes), host=settings.host, port=settings.port,
-                                   log_config=config_log, timeout_graceful_shutdown=10, **uvicorn_options(limits))
+                                   log_config=config_log, timeout_graceful_shutdown=10, **uvicorn_options(limits, apps))
     try:
         if local is not None:
             local.start()
             log.info("local replicas: %s (logs in %s)", ", ".join(local.urls), local.log_dir)
         server = uvicorn.Server(server_config)
-        server.run()
+        server.run(sockets=[server_config.bind_socket(), *([metrics] if metrics is not None else [])])
     finally:
         if local is not None:
             local.stop()
+        if metrics is not None:
+            metrics.close()
     if not server.started:
         raise SystemExit(3)

@@ -15,12 +15,14 @@ import functools
 import logging
 import socket
 from typing import Any, Awaitable, Callable
+from urllib.parse import urlsplit
 
 from shardline.errors import PayloadTooLarge
 from shardline.online.bodies import ClientGone, receive_body
 from shardline.online.router.config import RouterConfig
 from shardline.online.router.local import LocalReplicas
 from shardline.online.router.router import Answer, Incoming, Router, error_answer
+from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +40,11 @@ class RouterService:
         self.config = config
         self.local = local
         self._tasks: list[asyncio.Task[None]] = []
-        self._checks: Any = None
+        self._checks: dict[str, UpstreamPool] = {}  # a pool of its own per replica: checks never wait behind requests
 
     async def start(self) -> None:
         """Open the pools, check every replica once, then keep checking in the background."""
-        import aiohttp
-
         await self.router.start()
-        self._checks = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S))
         loop = asyncio.get_running_loop()
         for group in self.config.groups:
             if group.dns is not None:
@@ -63,8 +62,9 @@ class RouterService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        if self._checks is not None:
-            await self._checks.close()
+        for pool in self._checks.values():
+            pool.close()
+        self._checks.clear()
         await self.router.stop()
         if self.local is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.local.stop)
@@ -87,12 +87,15 @@ class RouterService:
             replica.healthy = ready
 
     async def _ready(self, url: str) -> bool:
+        pool = self._checks.get(url)
+        if pool is None:
+            parts = urlsplit(url)
+            pool = self._checks[url] = UpstreamPool(parts.hostname or "127.0.0.1", parts.port or 80)
         try:
-            async with self._checks.get(f"{url}/v2/health/ready") as response:
-                await response.read()
-                return bool(response.status == 200)
-        except Exception:  # noqa: BLE001 - refused, reset, timed out: not ready
+            status, _, _ = await pool.request("GET", "/v2/health/ready", [], b"", HEALTH_TIMEOUT_S)
+        except UpstreamFailed:
             return False
+        return status == 200
 
     async def _resolve(self, group: str) -> None:
         spec = next(g for g in self.config.groups if g.name == group).dns

@@ -97,6 +97,7 @@ class Routed:
     url: str
     log: Path
     replicas: dict[str, int]  # url -> pid, as the router started them
+    metrics: str
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +116,10 @@ def routed(home: Path) -> Iterator[Routed]:
     port = free_port()
     log = home / "router.log"
     with open(log, "wb") as sink:
+        metrics_port = free_port()
         router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "3", "--tenants", str(tenants), "--port",
-                                   str(port)], env=_env(home), stdout=sink, stderr=subprocess.STDOUT, cwd=home)
+                                   str(port), "--metrics-port", str(metrics_port)], env=_env(home), stdout=sink,
+                                  stderr=subprocess.STDOUT, cwd=home)
     url = f"http://127.0.0.1:{port}"
     replicas: dict[str, int] = {}
     try:
@@ -124,7 +127,7 @@ def routed(home: Path) -> Iterator[Routed]:
         for pid, replica in re.findall(r"started replica \d \(pid (\d+)\) on (http://[0-9.:]+)", log.read_text()):
             replicas[replica] = int(pid)
         assert len(replicas) == 3
-        yield Routed(url, log, replicas)
+        yield Routed(url, log, replicas, f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         code = _stop(router)
     assert code in (0, -signal.SIGTERM), log.read_text()[-4000:]  # uvicorn re-raises the signal after a clean stop
@@ -261,6 +264,22 @@ def test_a_replica_killed_under_load_loses_no_request_and_its_breaker_recovers(
     assert all(o[1]["outputs"][0]["data"] == expected for o in answered)
     ready = httpx.get(f"{routed.url}/v2/health/ready").json()
     assert ready == {"ready": True, "group": "local", "available": 3}
+    series = _scrape(routed.metrics)
+    assert series[("shardline_router_requests_total", (("code", "200"), ("model", f"{MODEL}:1")))] >= len(answered)
+    assert series[("shardline_router_retries_total", (("model", f"{MODEL}:1"),))] >= 1  # the kill was retried around
+    for replica in routed.replicas:
+        labels = (("group", "local"), ("replica", replica))
+        assert series[("shardline_router_replica_available", labels)] == 1.0
+        assert series[("shardline_router_breaker_state", labels)] == 0.0
+    assert series[("shardline_router_in_flight", (("model", f"{MODEL}:1"),))] == 0.0
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_traffic_fails_over_to_the_next_group_and_comes_back(home: Path, breast_cancer_model: BuiltModel) -> None:
@@ -283,7 +302,7 @@ def test_traffic_fails_over_to_the_next_group_and_comes_back(home: Path, breast_
     log = home / "router-groups.log"
     with open(log, "wb") as sink:
         router = subprocess.Popen([*SHARDLINE, "router", "--config", str(config), "--tenants", str(tenants), "--port",
-                                   str(port)], env=_env(home, SHARDLINE_ROUTER_KEY=router_key, SHARDLINE_ROUTER_FAILBACK_S="2"),
+                                   str(port), "--metrics-port", "off"], env=_env(home, SHARDLINE_ROUTER_KEY=router_key, SHARDLINE_ROUTER_FAILBACK_S="2"),
                                   stdout=sink, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     body = _infer_body(breast_cancer_model)

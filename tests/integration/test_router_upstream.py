@@ -4,6 +4,7 @@ answers, a replica that closes a kept-alive connection, one that dies mid-answer
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Awaitable, Callable
 
 import pytest
@@ -111,3 +112,31 @@ def test_no_answer_is_an_upstream_failure(behaviour: str) -> None:
         server.close()
 
     asyncio.run(main())
+
+
+def test_a_dns_group_is_the_addresses_its_name_resolves_to() -> None:
+    from shardline.online.models import ModelDirectory
+    from shardline.online.router.config import DnsReplicas, ReplicaGroup, RouterConfig
+    from shardline.online.router.health import BreakerPolicy
+    from shardline.online.router.replicas import ReplicaSet
+    from shardline.online.router.router import Router
+    from shardline.online.router.service import RouterService
+    from shardline.online.tenants import TenantDirectory
+    from shardline.settings import RouterSettings
+
+    from tests.integration.conftest import free_port
+
+    port = free_port()  # nothing listens on it
+    config = RouterConfig(groups=(ReplicaGroup(name="svc", dns=DnsReplicas(name="localhost", port=port)),))
+    replicas = ReplicaSet(config, BreakerPolicy(), 0.0, time.monotonic)
+    router = Router(RouterSettings(), TenantDirectory([], []), ModelDirectory(None, None, 5.0), replicas, "k" * 16)  # type: ignore[arg-type]
+    service = RouterService(router, config)
+
+    async def main() -> None:
+        await service._resolve("svc")
+        await service.check_all()  # every address it resolves to is a replica, and none is ready
+
+    asyncio.run(main())
+    assert f"http://127.0.0.1:{port}" in replicas.replicas
+    assert set(replicas.replicas) <= {f"http://127.0.0.1:{port}", f"http://[::1]:{port}"}
+    assert not any(r.healthy for r in replicas.replicas.values())

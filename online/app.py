@@ -1,8 +1,8 @@
-"""The ASGI applications: the protocol adapters' routes, request ids, access logs; and metrics.
+"""The ASGI application: the protocol adapters' routes, request ids, access logs.
 
 ``create_app(plane)`` wires a data plane to the routes of both protocols and the request
 middleware; the app's lifespan starts and stops the data plane. It has no ``/metrics``: the
-metrics name every tenant, so ``metrics_app`` serves them on a listener of their own (loopback
+metrics name every tenant, so ``shardline.online.metrics.metrics_app`` serves them on a listener of their own (loopback
 by default, ``shardline.online.server``).
 ``RequestMiddleware`` (plain ASGI, no per-request task) gives every request an id
 (``X-Request-ID`` from the client, or a new one) that is echoed in the response and
@@ -15,9 +15,8 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -37,7 +36,7 @@ from shardline.online.logs import (
     flush_access_log,
     request_id_from,
 )
-from shardline.online.metrics import Metrics, metrics_app  # noqa: F401 (metrics_app: imported from here too)
+from shardline.online.metrics import Metrics
 from shardline.online.protocols import kserve_v2, openai
 from shardline.online.protocols.forms import openai_error_body, v2_error_body
 

@@ -18,6 +18,11 @@ def _default_home() -> str:
     return str(Path.home() / ".shardline")
 
 
+def port_or_off(value: Any) -> Any:
+    """A metrics port setting as given, with "off", "none", "false" or "" meaning 0 (no listener)."""
+    return 0 if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", "") else value
+
+
 class StorageSettings(BaseSettings):
     """Where models and the local model cache live."""
 
@@ -491,7 +496,7 @@ class OnlineSettings(BaseSettings):
     @field_validator("metrics_port", mode="before")
     @classmethod
     def _metrics_off(cls, value: Any) -> Any:
-        return 0 if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", "") else value
+        return port_or_off(value)
 
     @field_validator("models")
     @classmethod
@@ -590,4 +595,4 @@ class RouterSettings(BaseSettings):
     @field_validator("metrics_port", mode="before")
     @classmethod
     def _metrics_off(cls, value: Any) -> Any:
-        return 0 if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", "") else value
+        return port_or_off(value)

@@ -35,8 +35,6 @@ class Replica:
     breaker: Breaker
     healthy: bool = False  # its last /v2/health/ready answered 200 (False until the first check)
     in_flight: int = 0
-    failures: int = 0  # requests to it that failed (connection, time-out, 502-504), since the start
-    requests: int = 0
 
 
 @dataclass

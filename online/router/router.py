@@ -304,7 +304,6 @@ class Router:
         now = self._clock()
         sent = [*headers, (TIMEOUT_HEADER.encode(), deadline.header(now).encode())]
         replica.in_flight += 1
-        replica.requests += 1
         ok = False
         try:
             status, raw, payload = await self._pool(replica.url).request(
@@ -317,8 +316,6 @@ class Router:
             return None
         finally:
             replica.in_flight -= 1
-            if not ok:
-                replica.failures += 1
             before = replica.breaker.state
             replica.breaker.record(ok, self._clock())
             _note(replica, before)

@@ -17,7 +17,8 @@ import pytest
 import tritonclient.http as triton
 
 from shardline.examples import package_breast_cancer
-from shardline.online.app import create_app, metrics_app
+from shardline.online.app import create_app
+from shardline.online.metrics import metrics_app
 from shardline.online.server import build_plane
 from shardline.online.tenants import TenantDirectory, hash_api_key
 from shardline.online.testing import Served, serve_listeners_in_thread

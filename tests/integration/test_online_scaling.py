@@ -14,7 +14,8 @@ import numpy as np
 import orjson
 import pytest
 
-from shardline.online.app import create_app, metrics_app
+from shardline.online.app import create_app
+from shardline.online.metrics import metrics_app
 from shardline.online.server import build_plane
 from shardline.online.tenants import TenantDirectory, hash_api_key
 from shardline.online.testing import serve_listeners_in_thread

@@ -8,7 +8,8 @@ from typing import Any
 from prefect import flow
 
 from shardline.settings import DaskSettings, StorageSettings
-from shardline.tasks.sla_response import record_notification, scale_up
+from shardline.tasks.notifications import record_notification
+from shardline.tasks.sla_response import scale_up
 
 
 @flow(name="batch-sla-response", log_prints=True)

@@ -97,6 +97,10 @@ class AliasConflict(ShardlineError, RuntimeError):
     """An alias moved between reading it and moving it (a lost compare-and-swap)."""
 
 
+class RolloutConflict(AliasConflict):
+    """A rollout cannot start or move: another one runs on the model, or none does."""
+
+
 class GateFailed(ShardlineError, ValueError):
     """A promotion gate refused a version."""
 

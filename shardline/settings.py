@@ -586,6 +586,10 @@ class RouterSettings(BaseSettings):
         default=10.0, ge=0,
         description="A higher-priority group takes traffic back only after it has been available this long.",
     )
+    rollout_refresh_s: float = Field(
+        default=2.0, gt=0, description="How often the router reads the aliases its tenants call and decides for "
+        "the rollouts on them (step, promote, roll back)."
+    )
     metrics_host: str = Field(default="127.0.0.1", description="Address of the router's Prometheus /metrics listener.")
     metrics_port: int = Field(
         default=8082, ge=0, le=65_535, description="Port of the router's /metrics listener; 0 or 'off': none."

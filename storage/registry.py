@@ -7,6 +7,7 @@ Layout under the registry root::
     <name>/versions/<n>/variants/<v>.json    precision variants of version n (created once each)
     <name>/versions/<n>/profiles/<m>.json    measured latency/throughput on machine kind m
     <name>/aliases/<alias>/<seq>.json        the alias's moves, one record each, never rewritten
+    <name>/rollouts/<id>/<router>.json       what each router saw of a rollout (rewritten as it goes)
 
 Versions never change: artifacts are stored by content, so a racing push cannot
 overwrite another's bytes, and a version's manifest is created with an exclusive
@@ -24,6 +25,7 @@ log (``shardline.registry``), never into an error message, which a tenant may re
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import hashlib
 import json
@@ -46,6 +48,7 @@ from shardline.errors import (
     RegistryUnreadable,
 )
 from shardline.storage.fs import atomic_write_bytes, create_exclusive, join, open_fs
+from shardline.storage.rollouts import Rollout
 
 if TYPE_CHECKING:
     from shardline.settings import StorageSettings
@@ -53,7 +56,7 @@ if TYPE_CHECKING:
 _ALIAS_CHARS = set("0123456789abcdefghijklmnopqrstuvwxyz-_.")
 _PUSH_ATTEMPTS = 20
 
-AliasAction = Literal["set", "promote", "rollback"]
+AliasAction = Literal["set", "promote", "rollback", "canary", "shadow"]
 
 logger = logging.getLogger("shardline.registry")
 
@@ -130,6 +133,10 @@ class AliasMove(BaseModel):
     by: str
     at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     reason: str = ""
+    rollout: Rollout | None = Field(
+        default=None, description="With action canary or shadow: the rollout in progress (the alias still "
+        "points at ``version``, the baseline; storage/rollouts.py)."
+    )
 
 
 @dataclass(frozen=True)
@@ -376,9 +383,33 @@ class ModelRegistry:
             )
         return move
 
+    def put_rollout_report(self, name: str, rollout_id: str, source: str, report: dict[str, Any]) -> None:
+        """Store (or replace) what one router saw of a rollout (``rollout status`` reads them all)."""
+        atomic_write_bytes(self.fs, join(self.root, name, "rollouts", rollout_id, f"{source}.json"),
+                           json.dumps(report, default=str).encode(), join(self.root, "_staging"))
+
+    def rollout_reports(self, name: str, rollout_id: str) -> dict[str, dict[str, Any]]:
+        """What each router saw of a rollout, by router."""
+        directory = join(self.root, name, "rollouts", rollout_id)
+        found = {}
+        for f in self._listing(directory):
+            if f.endswith(".json"):
+                with contextlib.suppress(FileNotFoundError, ValueError):
+                    found[f[: -len(".json")]] = json.loads(self.fs.cat_file(join(directory, f)))
+        return found
+
     def current_move(self, name: str, alias: str) -> AliasMove | None:
-        """The newest readable move of ``name@alias``, or None if it was never set."""
-        return self.alias_log(name, alias).current
+        """The newest readable move of ``name@alias``, or None if it was never set.
+
+        Reads the records newest first and stops at the first readable one: one listing and
+        (usually) one read, however long the history (routers read it every few seconds)."""
+        directory = self._alias_dir(name, check_alias(alias))
+        numbered = [(seq, f) for f in self._listing(directory) if (seq := record_seq(f)) is not None]
+        for seq, filename in sorted(numbered, reverse=True):
+            move = self._read_move(join(directory, filename), seq, name, alias)
+            if move is not None:
+                return move
+        return None
 
     def aliases(self, name: str) -> dict[str, int]:
         """Alias -> version for one model."""
@@ -399,6 +430,7 @@ class ModelRegistry:
         expected_seq: int,
         by: str | None = None,
         reason: str = "",
+        rollout: Rollout | None = None,
     ) -> AliasMove:
         """Move ``name@alias`` to ``version`` if its newest readable record is still number ``expected_seq``.
 
@@ -416,7 +448,7 @@ class ModelRegistry:
         current = log.current
         move = AliasMove(
             seq=log.head + 1, alias=alias, version=version, previous=current.version if current else None,
-            action=action, by=by or getpass.getuser(), reason=reason,
+            action=action, by=by or getpass.getuser(), reason=reason, rollout=rollout,
         )
         path = join(self._alias_dir(name, alias), f"{move.seq:08d}.json")
         if (current.seq if current else 0) != expected_seq or not create_exclusive(self.fs, path, move.model_dump_json().encode()):

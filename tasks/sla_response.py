@@ -9,23 +9,16 @@ Scaling is honest about what it can reach:
   its worker deployment, or let deploy/'s DaskAutoscaler do it);
 - a local cluster: it lives inside the job's own process; nothing to scale from here.
 
-The notification is a JSON file under ``<home>/notifications/batch/`` plus a Prefect
-markdown artifact on the response run: what a pager or chat integration would pick up.
+The notification (``tasks/notifications.py``) is a JSON file under ``<home>/notifications/batch/``
+plus a Prefect markdown artifact on the response run: what a pager or chat integration would pick up.
 """
 
 from __future__ import annotations
 
-import json
-from datetime import datetime, timezone
-from typing import Any
-
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from shardline.settings import DaskSettings, StorageSettings
-from shardline.storage.fs import atomic_write_bytes, join, open_fs
-from shardline.tasks.logs import run_logger
+from shardline.settings import DaskSettings
 
 
 def _kubernetes_scale(cluster_name: str, step: int) -> str:
@@ -62,17 +55,3 @@ def scale_up(dask: DaskSettings, cluster_name: str | None, step: int) -> str:
     if dask.cluster == "kubernetes":
         return "the job's dask-kubernetes cluster is made per job; pass cluster_name to scale it; nothing scaled"
     return "the cluster is a LocalCluster inside the job's process; nothing to scale from outside"
-
-
-@task(name="notify", cache_policy=NO_CACHE)
-def record_notification(storage: StorageSettings, notice: dict[str, Any]) -> str:
-    """Write the notification under ``<home>/notifications/batch/`` and as a markdown artifact; returns its URL."""
-    fs, root = open_fs(join(storage.home, "notifications", "batch"), storage.storage_options)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    name = f"{notice.get('job_id') or 'job'}-{notice['event'].rsplit('.', 1)[-1]}-{stamp}.json"
-    path = join(root, name)
-    atomic_write_bytes(fs, path, json.dumps(notice, indent=2).encode(), join(root, "_staging"))
-    lines = "\n".join(f"- **{k}**: {v}" for k, v in notice.items())
-    create_markdown_artifact(f"### Batch SLA: {notice['event']}\n\n{lines}", description="batch SLA notification")
-    run_logger().warning("batch SLA %s for job %s: %s", notice["event"], notice.get("job_id"), notice["action"])
-    return path

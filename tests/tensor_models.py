@@ -6,6 +6,8 @@
   ``b`` ``[-1, 2]``; outputs ``total`` (the sum of each row's five values) and ``joined``
   (the row's values side by side, ``[-1, 5]``).
 - ``cube_model``: one input ``x`` ``[-1, 2, 3]``; output ``total`` (each row's sum).
+- ``breast_cancer_bundle``: the breast-cancer classifier as a bundle that passes the promotion gates,
+  optionally one whose graph fails on some inputs (a rollout candidate that errors on live rows only).
 """
 
 from __future__ import annotations
@@ -95,3 +97,46 @@ def fixed_batch_model(path: Path) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
     )
     return _save(graph, path)
+
+
+def breast_cancer_bundle(folder: Path, name: str, kind: str, fails_from: float | None = None) -> Path:
+    """The breast-cancer classifier packaged as ``name`` (golden set and reference profile: it passes the
+    gates); with ``fails_from``, its graph fails (onnxruntime: index out of bounds) on any row whose first
+    feature is at least that, which no golden row is. Returns the bundle folder."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from shardline.examples import breast_cancer, golden_table, package_breast_cancer, split
+    from shardline.packaging import GoldenSet, package_onnx
+    from shardline.quality.profile import profile_table
+
+    train, held_out = split(breast_cancer())
+    profile = profile_table(golden_table(train))
+    manifest, _ = package_breast_cancer(folder / "plain", name=name, kind=kind, reference_profile=profile)
+    if fails_from is None:
+        return folder / "plain"
+    model = onnx.load(str(folder / "plain" / "model.onnx"))
+    graph = model.graph
+    producer = next(n for n in graph.node if "probabilities" in n.output)
+    producer.output[list(producer.output).index("probabilities")] = "probabilities_raw"
+    graph.initializer.extend([
+        helper.make_tensor("first", TensorProto.INT64, [], [0]),
+        helper.make_tensor("step", TensorProto.FLOAT, [], [fails_from]),
+        helper.make_tensor("table", TensorProto.FLOAT, [1], [0.0]),
+        helper.make_tensor("one_axis", TensorProto.INT64, [1], [1]),
+    ])
+    graph.node.extend([
+        helper.make_node("Gather", ["X", "first"], ["x0"], axis=1),
+        helper.make_node("Div", ["x0", "step"], ["scaled"]),
+        helper.make_node("Floor", ["scaled"], ["floored"]),
+        helper.make_node("Cast", ["floored"], ["index"], to=TensorProto.INT64),
+        helper.make_node("Gather", ["table", "index"], ["zero"], axis=0),  # out of bounds from fails_from on
+        helper.make_node("Unsqueeze", ["zero", "one_axis"], ["zero_column"]),
+        helper.make_node("Add", ["probabilities_raw", "zero_column"], ["probabilities"]),
+    ])
+    onnx.checker.check_model(model)
+    (folder / "guarded.onnx").write_bytes(model.SerializeToString())
+    golden = GoldenSet(golden_table(held_out), "target", "accuracy", "label", 0.9)
+    package_onnx(folder / "guarded.onnx", folder / "bundle", name=name, signature=manifest.signature,
+                 runtime_config=manifest.runtime_config, golden=golden, reference_profile=profile)
+    return folder / "bundle"

@@ -6,7 +6,11 @@ Per request, counted as it is answered:
 - ``shardline_router_requests_total{model, code}``: answers by model version (``name:version``; ``-``
   for requests that name none) and status code;
 - ``shardline_router_request_seconds{model}``: the router's whole time for it, retries included;
-- ``shardline_router_retries_total{model}``: tries on another replica.
+- ``shardline_router_retries_total{model}``: tries on another replica;
+- ``shardline_router_rollout_answers_total{model, arm, error}``: answers during a rollout, by the
+  version answered, the arm (``baseline`` or ``candidate``) and whether it was a server error;
+- ``shardline_router_shadow_rows_total{model, agree}``: rows of shadow answers compared with the
+  primary's, by candidate version and whether they agreed (``online/router/compare.py``).
 
 Read at each scrape from the router's state (nothing on the request path):
 
@@ -43,6 +47,10 @@ class RouterMetrics:
                                  ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.retries = Counter("shardline_router_retries_total", "Tries on another replica", ["model"],
                                registry=self.registry)
+        self.rollout_answers = Counter("shardline_router_rollout_answers_total", "Answers during a rollout",
+                                       ["model", "arm", "error"], registry=self.registry)
+        self.shadow = Counter("shardline_router_shadow_rows_total", "Shadow answer rows compared with the primary's",
+                              ["model", "agree"], registry=self.registry)
         self.in_flight: Tally[str] = Tally()
         self.registry.register(_StateCollector(self, replicas, clock))
 
@@ -57,6 +65,17 @@ class RouterMetrics:
         self.seconds.labels(model).observe(seconds)
         if retries:
             self.retries.labels(model).inc(retries)
+
+    def rollout_answer(self, model: str, arm: str, error: bool) -> None:
+        """An answer of one arm of a rollout."""
+        self.rollout_answers.labels(model, arm, "true" if error else "false").inc()
+
+    def shadow_rows(self, model: str, rows: int, disagree: int) -> None:
+        """A shadow answer compared: ``rows`` rows, ``disagree`` of them disagreeing."""
+        if rows - disagree:
+            self.shadow.labels(model, "true").inc(rows - disagree)
+        if disagree:
+            self.shadow.labels(model, "false").inc(disagree)
 
     def exposition(self) -> tuple[bytes, str]:
         """Every series in Prometheus' text format, and its content type."""

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from shardline.agreement import compare
 from shardline.bundle import ModelRef
 from shardline.errors import (
     DeadlineExceeded,
@@ -42,11 +43,14 @@ from shardline.online.models import ModelDirectory
 from shardline.online.protocols.forms import openai_error_body, v2_error_body
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
 from shardline.online.router.metrics import RouterMetrics
+from shardline.online.router.compare import decode_answer
 from shardline.online.router.placement import choose
 from shardline.online.router.replicas import Replica, ReplicaSet
+from shardline.online.router.rollouts import Route, RolloutBook
 from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
 from shardline.online.tenants import TENANT_HEADER, Tenant, TenantDirectory, not_available
 from shardline.settings import RouterSettings
+from shardline.storage.rollouts import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,8 @@ _HOP = frozenset({
 _OWN_ANSWER = frozenset({b"date", b"server"})  # the router's server writes its own
 _SET_HERE = frozenset({b"authorization", TENANT_HEADER.encode(), TIMEOUT_HEADER.encode()})
 _MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/infer|/ready)?/?$")
+MAX_REMEMBERED = 65_536  # (replica, version) pairs known to have answered (past it, none counts as first)
+MAX_MIRRORS = 64  # shadow copies in flight at once; more are skipped (counted), never queued
 _BODY_MODEL_PATHS = frozenset({"/v1/embeddings", "/v1/completions", "/v1/chat/completions"})
 
 
@@ -92,6 +98,15 @@ class Answer:
     body: bytes = b""
 
 
+@dataclass
+class Tries:
+    """How a request went: replicas tried, and whether the answering replica answered that model version
+    for the first time (it likely loaded the model for it: a rollout leaves that time out of its p99)."""
+
+    count: int = 0
+    first: bool = False
+
+
 def error_answer(error: ShardlineError, openai: bool, request_id: str) -> Answer:
     """The router's own error, in the protocol's form (V2 ``{"error": ...}``, OpenAI's ``{"error": {...}}``)."""
     status, extra = error_status(error)
@@ -113,6 +128,7 @@ class Router:
         key: str,
         clock: Callable[[], float] = time.monotonic,
         draw: Callable[[], float] = random.random,
+        rollouts: RolloutBook | None = None,
     ) -> None:
         self.settings = settings
         self.tenants = tenants
@@ -125,13 +141,18 @@ class Router:
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_min_per_s)
         self._pools: dict[str, UpstreamPool] = {}
         self.metrics = RouterMetrics(replicas, clock)
+        self.rollouts = rollouts
+        self._mirrors: set[asyncio.Task[None]] = set()
+        self._answered: set[tuple[str, str]] = set()  # (replica, model version) pairs that have answered
 
     async def start(self) -> None:
         """Ready the connection pools (connections open on first use)."""
         self._pools = {}
 
     async def stop(self) -> None:
-        """Close the pools' idle connections."""
+        """Let the shadow copies in flight finish (a few seconds at most), then close the pools' idle connections."""
+        if self._mirrors:
+            await asyncio.wait(list(self._mirrors), timeout=5)
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
@@ -169,21 +190,39 @@ class Router:
             name, version, tail = matched.group(1), matched.group(2), matched.group(3)
             if tenant.reference_for(name) is None:
                 raise not_available(tenant, name)
+            route = mirror = None
             if tail == "/infer" and version is None:  # pin the version here, so every replica serves the same one
-                resolved = await self.directory.resolve(tenant.models[name])
-                version = str(resolved.version)
+                route = await self._version_for(tenant, request, tenant.models[name])
+                version = str(route.version)
                 path = f"/v2/models/{name}/versions/{version}/infer"
+                if route.shadow is not None:
+                    mirror = (f"/v2/models/{name}/versions/{route.shadow}/infer", request.body, f"{name}:{route.shadow}")
             key = f"{name}:{version}" if version else str(tenant.models[name])
-            return await self._admitted(tenant, request, path, request.body, key, request_id)
+            return await self._admitted(tenant, request, path, request.body, key, request_id, route, mirror)
         if path in _BODY_MODEL_PATHS and request.method == "POST":
-            body, key = await self._pin_body_model(tenant, request)
-            return await self._admitted(tenant, request, path, body, key, request_id)
+            body, key, route, mirror_body = await self._pin_body_model(tenant, request)
+            mirror = (path, mirror_body, f"{key.split(':')[0]}:{route.shadow}") if mirror_body and route else None
+            return await self._admitted(tenant, request, path, body, key, request_id, route, mirror)
         if path.startswith(("/v2", "/v1/")):
             return await self._admitted(tenant, request, path, request.body, path, request_id)
         return _json(404, {"error": f"no route {shown(path)}; the router serves /v2 and /v1 as `shardline serve` does"})
 
-    async def _pin_body_model(self, tenant: Tenant, request: Incoming) -> tuple[bytes, str]:
-        """An OpenAI body with its ``model`` pinned to the version the tenant's reference means now."""
+    async def _version_for(self, tenant: Tenant, request: Incoming, ref: ModelRef) -> Route:
+        """The version a reference means for this caller now: a rollout's pick (by the request key, else the
+        tenant) while one runs on the alias, else the alias's version."""
+        if ref.version is not None:
+            return Route(ref.version)
+        alias = ref.alias or "prod"
+        if self.rollouts is not None:
+            caller = request.header(ROUTE_KEY_HEADER.encode()) or f"tenant:{tenant.name}"
+            route = self.rollouts.route(ref.name, alias, caller, self._draw())
+            if route is not None:
+                return route
+        return Route((await self.directory.resolve(ref)).version)
+
+    async def _pin_body_model(self, tenant: Tenant, request: Incoming) -> tuple[bytes, str, Route | None, bytes | None]:
+        """An OpenAI body with its ``model`` pinned to the version the tenant's reference means now, its
+        key, its route, and the body to mirror to a shadow candidate (None: no mirror)."""
         encoding = request.header(b"content-encoding")
         body = decode_body(request.body, encoding, self.settings.max_body_bytes) if encoding else request.body
         try:
@@ -198,13 +237,18 @@ class Router:
         if listed is None:
             raise not_available(tenant, name)
         if version is not None:
-            return request.body, f"{name}:{version}"  # pinned by the client: sent as it came
+            return request.body, f"{name}:{version}", None, None  # pinned by the client: sent as it came
         ref = ModelRef(name=name, alias=alias) if alias is not None else listed
-        version = (await self.directory.resolve(ref)).version
-        doc["model"] = f"{name}:{version}"
+        route = await self._version_for(tenant, request, ref)
+        doc["model"] = f"{name}:{route.version}"
         if encoding:  # sent on plain
             request.headers = [(k, v) for k, v in request.headers if k != b"content-encoding"]
-        return orjson.dumps(doc), f"{name}:{version}"
+        pinned = orjson.dumps(doc)
+        mirror = None
+        if route.shadow is not None:
+            doc["model"] = f"{name}:{route.shadow}"
+            mirror = orjson.dumps(doc)
+        return pinned, f"{name}:{route.version}", route, mirror
 
     def _gate(self, tenant: Tenant) -> TenantGate:
         gate = self._gates.get(tenant.name)
@@ -213,29 +257,76 @@ class Router:
         return gate
 
     async def _admitted(self, tenant: Tenant, request: Incoming, path: str, body: bytes, key: str,
-                        request_id: str) -> Answer:
+                        request_id: str, route: Route | None = None,
+                        mirror: tuple[str, bytes, str] | None = None) -> Answer:
         with self._gate(tenant):  # the tenant's rate and concurrency, for every replica together
             routed = request.header(ROUTE_KEY_HEADER.encode())
             model = key if ":" in key else "-"
             started = self._clock()
             self.metrics.started(model)
-            tries = [0]
-            status = 500
+            tries = Tries()
+            status, shed = 500, False
             try:
                 answer = await self.forward(tenant, request, path, body, f"{key}|{routed}" if routed else key,
                                             request_id, tries)
-                status = answer.status
+                status, shed = answer.status, _shed(answer)
+                if mirror is not None and route is not None and route.rollout is not None:
+                    self._mirror(tenant, request, mirror, route.rollout, answer, request_id)
                 return answer
             except ShardlineError as e:
                 status = error_status(e)[0]
                 raise
             finally:
-                self.metrics.answered(model, status, self._clock() - started, max(0, tries[0] - 1))
+                seconds = self._clock() - started
+                self.metrics.answered(model, status, seconds, max(0, tries.count - 1))
+                if route is not None and route.rollout is not None and self.rollouts is not None:
+                    self.rollouts.record(route, status, None if tries.first else seconds, shed)
+                    self.metrics.rollout_answer(model, route.arm or "-", status >= 500 and not shed)
+
+    def _mirror(self, tenant: Tenant, request: Incoming, mirror: tuple[str, bytes, str], rollout: Rollout,
+                primary: Answer, request_id: str) -> None:
+        """Send a copy to the shadow candidate in the background (at most ``MAX_MIRRORS`` at a time); its
+        answer is compared with the primary's and dropped."""
+        assert self.rollouts is not None
+        if len(self._mirrors) >= MAX_MIRRORS:
+            self.rollouts.skipped_shadow(rollout)
+            return
+        task = asyncio.get_running_loop().create_task(self._shadow(tenant, request, mirror, rollout, primary, request_id))
+        self._mirrors.add(task)
+        task.add_done_callback(self._mirrors.discard)
+
+    async def _shadow(self, tenant: Tenant, request: Incoming, mirror: tuple[str, bytes, str], rollout: Rollout,
+                      primary: Answer, request_id: str) -> None:
+        assert self.rollouts is not None
+        path, body, key = mirror
+        started = self._clock()
+        tries = Tries()
+        try:
+            answer = await self.forward(tenant, request, path, body, key, f"{request_id}-shadow", tries, retry=False)
+        except ShardlineError as e:
+            answer = Answer(error_status(e)[0])
+        seconds = None if tries.first else self._clock() - started
+        comparison = None
+        if primary.status == 200:
+            try:
+                reference = decode_answer(primary.headers, primary.body)
+            except (ValueError, KeyError, TypeError):
+                reference = None
+            if reference is not None:
+                try:
+                    comparison = (compare(reference, decode_answer(answer.headers, answer.body))
+                                  if answer.status == 200 else compare(reference, {}))
+                except (ValueError, KeyError, TypeError):
+                    comparison = compare(reference, {})
+        self.rollouts.record_shadow(rollout, comparison, answer.status, seconds)
+        if comparison is not None:
+            self.metrics.shadow_rows(key, comparison.rows, comparison.disagree)
 
     async def forward(self, tenant: Tenant, request: Incoming, path: str, body: bytes, key: str,
-                      request_id: str, tries: list[int] | None = None) -> Answer:
+                      request_id: str, tries: Tries | None = None, retry: bool = True) -> Answer:
         """Send the request to the replica the key's order and the loads pick; on a failure the replica
-        could not help (no connection, 502-504), to the next, within the retries, the budget and the deadline.
+        could not help (no connection, 502-504), to the next, within the retries, the budget and the deadline
+        (``retry`` False: one try, outside the budget, as for a shadow copy).
 
         Raises:
             ReplicasUnavailable: no replica is available, or every try failed (or the budget was spent).
@@ -246,10 +337,12 @@ class Router:
                                         self.settings.request_timeout_s, self.settings.max_timeout_s)
         headers = [(k, v) for k, v in request.headers if k not in _HOP and k not in _SET_HERE]
         headers += [(b"authorization", self._key), (TENANT_HEADER.encode(), tenant.name.encode())]
-        if request.header(REQUEST_ID_HEADER.encode()) is None:
+        if request.header(REQUEST_ID_HEADER.encode()) is None or not retry:
+            headers = [(k, v) for k, v in headers if k != REQUEST_ID_HEADER.encode()]
             headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
         target = path + ("?" + request.query.decode("latin-1") if request.query else "")
-        self.budget.request(now)
+        if retry:
+            self.budget.request(now)
         tried: set[str] = set()
         last: Answer | None = None
         attempt = 0
@@ -259,9 +352,14 @@ class Router:
                 break
             tried.add(replica.url)
             if tries is not None:
-                tries[0] += 1
+                tries.count += 1
             answer = await self._send(replica, request.method, target, headers, body, deadline)
             if answer is not None and answer.status not in RETRY_STATUSES:
+                if tries is not None:
+                    pair = (replica.url, key.split("|", 1)[0])
+                    tries.first = pair not in self._answered
+                    if tries.first and len(self._answered) < MAX_REMEMBERED:
+                        self._answered.add(pair)
                 return answer
             last = answer if answer is not None else last
             now = self._clock()
@@ -271,7 +369,7 @@ class Router:
                     f"longer {TIMEOUT_HEADER}"
                 )
             attempt += 1
-            if attempt > self.settings.retries:
+            if not retry or attempt > self.settings.retries:
                 break
             if not self.budget.try_retry(now):
                 break

@@ -11,7 +11,9 @@ import asyncio
 import hashlib
 import logging
 import logging.config
+import os
 import secrets
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +25,9 @@ from shardline.online.models import ModelDirectory
 from shardline.online.router.config import RouterConfig, load_router_config, local_config
 from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.local import LocalReplicas
+from shardline.online.router.events import RouterEvents
 from shardline.online.router.replicas import ReplicaSet
+from shardline.online.router.rollouts import RolloutBook
 from shardline.online.router.router import Router
 from shardline.online.router.service import RouterService, router_app
 from shardline.online.tenants import load_tenants
@@ -64,7 +68,12 @@ def build_service(settings: RouterSettings, storage: StorageSettings, tenancy: T
     directory = ModelDirectory(registry, _run_blocking, OnlineSettings().alias_refresh_s)
     policy = BreakerPolicy(consecutive_failures=settings.breaker_failures, open_s=settings.breaker_open_s)
     replicas = ReplicaSet(config, policy, settings.failback_s, time.monotonic)
-    return RouterService(Router(settings, tenants, directory, replicas, key), config, local)
+    aliases = {(ref.name, ref.alias or "prod") for tenant in tenants.tenants.values() for ref in tenant.models.values()
+               if ref.version is None}
+    book = RolloutBook(registry, aliases, _run_blocking, time.monotonic, RouterEvents(storage.home),
+                       f"router-{socket.gethostname()}-{os.getpid()}")
+    router = Router(settings, tenants, directory, replicas, key, rollouts=book)
+    return RouterService(router, config, local)
 
 
 def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: TenancySettings) -> None:

@@ -2,7 +2,8 @@
 
 - ``RouterService``: the ``Router`` plus what keeps its view of the replicas true: an active health
   check of every replica (``GET /v2/health/ready``) every ``health_interval_s``, the DNS groups
-  resolved every ``refresh_s``, and the local replicas watched (``--local-replicas``).
+  resolved every ``refresh_s``, the local replicas watched (``--local-replicas``), and the aliases the
+  tenants call read again every ``rollout_refresh_s`` to follow their rollouts (``rollouts``).
 - ``router_app``: the plain ASGI app (no framework on this path): read the body (at most
   ``max_body_bytes``), ``Router.handle``, write the answer; lifespan starts and stops the service.
 """
@@ -52,6 +53,10 @@ class RouterService:
                 self._tasks.append(loop.create_task(self._every(group.dns.refresh_s, functools.partial(self._resolve, group.name))))
         await self.check_all()
         self._tasks.append(loop.create_task(self._every(self.router.settings.health_interval_s, self.check_all)))
+        book = self.router.rollouts
+        if book is not None:
+            await book.refresh()  # the aliases' versions and rollouts known before the first request
+            self._tasks.append(loop.create_task(self._every(self.router.settings.rollout_refresh_s, book.refresh)))
         if self.local is not None:
             self._tasks.append(loop.create_task(self._every(0.5, self._watch_local)))
 

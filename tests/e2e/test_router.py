@@ -1,6 +1,7 @@
 """`shardline router` as a user runs it: a subprocess over 3 `shardline serve` replicas it starts itself
 (and, for failover, one over two groups of replicas started by hand), spoken to with tritonclient, the
-openai client and plain HTTP; a replica SIGKILLed under load."""
+openai client and plain HTTP; a replica SIGKILLed under load; rollouts started and ended with
+`shardline rollout`, stepped, promoted and rolled back by the router itself."""
 
 from __future__ import annotations
 
@@ -24,15 +25,17 @@ import tritonclient.http as triton
 
 from shardline.online.router.placement import rank
 from shardline.online.tenants import hash_api_key
-from shardline.storage.registry import ModelRegistry
+from shardline.storage.registry import AliasMove, ModelRegistry
 
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
 from tests.e2e.test_serve import free_port
+from tests.tensor_models import breast_cancer_bundle
 
 KEY = "sk-router-e2e"
 TIGHT_KEY = "sk-router-tight"
 MODEL = "breast-cancer"
+CHURN = "churn"
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -48,7 +51,7 @@ def _tenants(path: Path) -> Path:
         "tenants:\n"
         "  - name: acme\n"
         f"    api_keys_sha256: [\"{hash_api_key(KEY)}\"]\n"
-        "    models: [\"breast-cancer@prod\", \"minilm@prod\"]\n"
+        "    models: [\"breast-cancer@prod\", \"minilm@prod\", \"churn@prod\"]\n"
         "    rate: {requests_per_second: 5000, burst: 5000}\n"
         "    max_concurrent: 64\n"
         "  - name: tight\n"
@@ -106,19 +109,29 @@ def home(tmp_path_factory: pytest.TempPathFactory, breast_cancer_model: BuiltMod
     registry = ModelRegistry(str(home / "registry"))
     registry.set_alias(MODEL, "prod", registry.push(breast_cancer_model.bundle_dir).version or 1)
     registry.set_alias("minilm", "prod", registry.push(minilm_bundle).version or 1)
+    registry.set_alias(CHURN, "prod", registry.push(_churn(home / "churn-1", "gbt")).version or 1)
+    registry.push(_churn(home / "churn-2", "logreg"))
+    registry.push(_churn(home / "churn-3", "logreg", fails_from=1000.0))
     return home
 
 
+def _churn(folder: Path, kind: str, fails_from: float | None = None) -> Path:
+    """The breast-cancer classifier packaged as ``churn``; with ``fails_from``, one that errors on some inputs."""
+    return breast_cancer_bundle(folder, CHURN, kind, fails_from)
+
+
 @pytest.fixture(scope="module")
-def routed(home: Path) -> Iterator[Routed]:
-    """`shardline router --local-replicas 3`, ready with all three."""
+def routed(home: Path, prefect_api: str) -> Iterator[Routed]:
+    """`shardline router --local-replicas 3`, ready with all three (its rollout events go to the session's
+    Prefect server)."""
     tenants = _tenants(home / "tenants.yaml")
     port = free_port()
     log = home / "router.log"
     with open(log, "wb") as sink:
         metrics_port = free_port()
         router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "3", "--tenants", str(tenants), "--port",
-                                   str(port), "--metrics-port", str(metrics_port)], env=_env(home), stdout=sink,
+                                   str(port), "--metrics-port", str(metrics_port)],
+                                  env=_env(home, PREFECT_API_URL=prefect_api), stdout=sink,
                                   stderr=subprocess.STDOUT, cwd=home)
     url = f"http://127.0.0.1:{port}"
     replicas: dict[str, int] = {}
@@ -340,3 +353,149 @@ def test_traffic_fails_over_to_the_next_group_and_comes_back(home: Path, breast_
         for server in servers.values():
             _stop(server)
         assert _stop(router) in (0, -signal.SIGTERM), log.read_text()[-3000:]
+
+
+# -- rollouts ----------------------------------------------------------------------------------------
+
+
+def _rows_body(rows: np.ndarray, names: list[str]) -> bytes:
+    return orjson.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": [len(rows)], "data": rows[:, j].tolist()}
+                                    for j, n in enumerate(names)]})
+
+
+def _churn_history(home: Path) -> list[AliasMove]:
+    return ModelRegistry(str(home / "registry")).alias_history(CHURN, "prod")
+
+
+def _eventually(check: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = check()
+        if found:
+            return found
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def _events(api_url: str, name: str, since: float) -> list[dict[str, Any]]:
+    from datetime import datetime, timezone
+
+    body = {"filter": {"event": {"name": [name]}, "resource": {"id": [f"shardline.model.{CHURN}"]},
+                       "occurred": {"since": datetime.fromtimestamp(since, timezone.utc).isoformat()}}}
+    found: list[dict[str, Any]] = httpx.post(f"{api_url}/events/filter", json=body, timeout=30).json()["events"]
+    return found
+
+
+def _start(shardline: Any, home: Path, *args: str) -> str:
+    """`shardline rollout start churn ...` on the router's home; the rollout's id once the router has read it."""
+    run = shardline("rollout", "start", CHURN, *args, SHARDLINE_STORAGE_HOME=str(home))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "gate evaluation" in run.stdout and "replay golden" in run.stdout, run.stdout
+    rollout_id = re.search(r"rollout ([0-9a-f]{12}) started", run.stdout)
+    assert rollout_id, run.stdout
+    registry = ModelRegistry(str(home / "registry"))
+    _eventually(lambda: registry.rollout_reports(CHURN, rollout_id.group(1)), 20, "the router never read the rollout")
+    return rollout_id.group(1)
+
+
+def test_shadow_answers_never_reach_the_caller_and_their_disagreement_is_reported(
+    routed: Routed, home: Path, shardline: Any, breast_cancer_model: BuiltModel, prefect_api: str
+) -> None:
+    since = time.time()
+    rollout_id = _start(shardline, home, "--candidate", f"{CHURN}:2", "--shadow", "100%", "--max-disagreement", "0.5")
+    names = breast_cancer_model.data.names
+    expected_disagreement = 0
+    with httpx.Client(base_url=routed.url, headers=key(), timeout=20) as client:
+        for chunk in np.array_split(breast_cancer_model.data.features.astype(np.float32), 57):
+            body = _rows_body(chunk, names)
+            through = client.post(f"/v2/models/{CHURN}/infer", content=body)
+            alone = client.post(f"/v2/models/{CHURN}/versions/1/infer", content=body)
+            assert through.status_code == 200 and through.content == alone.content  # the primary's answer, bit for bit
+            candidate = client.post(f"/v2/models/{CHURN}/versions/2/infer", content=body).json()
+            expected_disagreement += sum(a != b for a, b in zip(through.json()["outputs"][0]["data"],
+                                                                 candidate["outputs"][0]["data"]))
+    registry = ModelRegistry(str(home / "registry"))
+
+    def compared() -> dict[str, Any] | None:
+        reports = registry.rollout_reports(CHURN, rollout_id)
+        shadow = next(iter(reports.values()), {}).get("shadow") or {}
+        return shadow if shadow.get("rows") == 569 else None
+
+    shadow = _eventually(compared, 20, f"the shadow comparisons never covered the 569 rows: {registry.rollout_reports(CHURN, rollout_id)}")
+    assert shadow["disagree"] == expected_disagreement and shadow["skipped"] == 0
+    assert shadow["label_agreement"] == pytest.approx(1 - expected_disagreement / 569)
+    series = _scrape(routed.metrics)
+    assert series.get(("shardline_router_shadow_rows_total", (("agree", "false"), ("model", f"{CHURN}:2"))), 0) == \
+        expected_disagreement
+    status = shardline("rollout", "status", CHURN, SHARDLINE_STORAGE_HOME=str(home))
+    assert status.returncode == 0 and f"rollout {rollout_id} running: shadow of version 2" in status.stdout, status.stdout
+    assert f"shadow 569 rows compared, {expected_disagreement / 569:.1%} disagree" in status.stdout
+    aborted = shardline("rollout", "abort", CHURN, "--reason", "seen enough", SHARDLINE_STORAGE_HOME=str(home))
+    assert aborted.returncode == 0 and "churn@prod -> churn:1" in aborted.stdout and "aborted by hand: seen enough" in \
+        aborted.stdout, aborted.stdout + aborted.stderr
+    again = shardline("rollout", "abort", CHURN, SHARDLINE_STORAGE_HOME=str(home))
+    assert again.returncode != 0 and "no rollout runs on churn@prod" in again.stderr
+    assert "Traceback" not in again.stderr
+    for event in ("shardline.rollout.started", "shardline.rollout.aborted"):
+        _eventually(lambda e=event: _events(prefect_api, e, since), 30, f"no {event} event")
+
+
+def test_a_canary_that_fails_on_some_inputs_is_rolled_back_by_the_router(
+    routed: Routed, home: Path, shardline: Any, breast_cancer_model: BuiltModel, prefect_api: str
+) -> None:
+    since = time.time()
+    rollout_id = _start(shardline, home, "--candidate", "3", "--steps", "50,100", "--interval", "1h",
+                        "--min-requests", "20")
+    names = breast_cancer_model.data.names
+    rows = breast_cancer_model.data.features[:2].astype(np.float32)
+    hostile = rows.copy()
+    hostile[:, 0] = 5000.0  # a first feature the candidate fails on (the baseline scores it)
+    statuses: list[int] = []
+
+    def rolled_back() -> bool:
+        with httpx.Client(base_url=routed.url, headers=key(), timeout=20) as client:
+            for i in range(40):
+                body = _rows_body(hostile if i % 2 else rows, names)
+                answer = client.post(f"/v2/models/{CHURN}/infer", content=body, headers={"X-Shardline-Route-Key": f"k{i}"})
+                statuses.append(answer.status_code)
+        last = _churn_history(home)[-1]
+        return last.action == "rollback" and last.rollout is not None and last.rollout.id == rollout_id
+
+    _eventually(rolled_back, 40, "the router never rolled the failing canary back")
+    assert set(statuses) <= {200, 500} and 500 in statuses  # the canary's share of callers met its errors
+    last = _churn_history(home)[-1]
+    assert last.version == 1 and last.by.startswith("router-") and "candidate error rate" in last.reason
+    with httpx.Client(base_url=routed.url, headers=key(), timeout=20) as client:  # every caller back on version 1
+        answers = [client.post(f"/v2/models/{CHURN}/infer", content=_rows_body(hostile, names),
+                               headers={"X-Shardline-Route-Key": f"k{i}"}) for i in range(20)]
+    assert {(a.status_code, a.json()["model_version"]) for a in answers} == {(200, "1")}
+    [event] = _eventually(lambda: _events(prefect_api, "shardline.rollout.rolled-back", since), 30, "no rolled-back event")
+    assert event["payload"]["rollout"] == rollout_id and event["payload"]["candidate"] == 3
+    assert event["payload"]["observed"]["candidate"]["errors"] > 0
+
+
+def test_a_good_canary_steps_to_all_traffic_and_is_promoted(
+    routed: Routed, home: Path, shardline: Any, breast_cancer_model: BuiltModel, prefect_api: str
+) -> None:
+    since = time.time()
+    rollout_id = _start(shardline, home, "--candidate", "2", "--steps", "50,100", "--interval", "2s",
+                        "--min-requests", "10")
+    body = _rows_body(breast_cancer_model.data.features[:3].astype(np.float32), breast_cancer_model.data.names)
+    versions: set[str] = set()
+
+    def promoted() -> bool:
+        with httpx.Client(base_url=routed.url, headers=key(), timeout=20) as client:
+            for i in range(30):
+                answer = client.post(f"/v2/models/{CHURN}/infer", content=body, headers={"X-Shardline-Route-Key": f"c{i}"})
+                assert answer.status_code == 200, answer.text
+                versions.add(answer.json()["model_version"])
+        return _churn_history(home)[-1].action == "promote"
+
+    _eventually(promoted, 60, "the canary never reached promotion")
+    moves = [m for m in _churn_history(home) if m.rollout is not None and m.rollout.id == rollout_id]
+    assert [(m.action, m.rollout.weight if m.rollout else None) for m in moves] == [
+        ("canary", 50), ("canary", 100), ("promote", 100)]
+    assert moves[-1].version == 2 and all(m.by.startswith("router-") for m in moves[1:])
+    assert versions == {"1", "2"}
+    for event in ("shardline.rollout.stepped", "shardline.rollout.promoted"):
+        _eventually(lambda e=event: _events(prefect_api, e, since), 30, f"no {event} event")

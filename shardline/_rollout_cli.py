@@ -1,0 +1,175 @@
+"""`shardline rollout ...`: start, status, promote, abort (docs/routing.md, "Rollouts")."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import typer
+
+from shardline._cli_common import EXIT_FAILED, fail, open_registry
+from shardline.errors import ShardlineError
+
+rollout_app = typer.Typer(help="Canary and shadow rollouts of a new version behind the router.", no_args_is_help=True)
+
+
+def _criteria(window: str | None, min_requests: int | None, max_error_increase: float | None,
+              max_p99_ratio: float | None, max_disagreement: float | None) -> dict[str, Any]:
+    from shardline.storage.rollouts import parse_duration
+
+    given = {"window_s": parse_duration(window) if window else None, "min_requests": min_requests,
+             "max_error_increase": max_error_increase, "max_p99_ratio": max_p99_ratio,
+             "max_disagreement": max_disagreement}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+@rollout_app.command("start")
+def rollout_start(
+    name: str = typer.Argument(..., help="Model name."),
+    candidate: str = typer.Option(..., help="The version to roll out: name:version (or just the version)."),
+    alias: str = typer.Option("prod", help="The alias whose traffic it takes."),
+    steps: Optional[str] = typer.Option(None, help="Canary: percents of callers, step by step, e.g. 1,5,25,100."),
+    interval: Optional[str] = typer.Option(
+        None, help="Canary: how long each step lasts before the next (then promotion), e.g. 10m; "
+        "leave out to step by hand (`rollout promote`)."),
+    shadow: Optional[str] = typer.Option(None, help="Shadow instead: the share of requests mirrored, e.g. 10%."),
+    window: Optional[str] = typer.Option(None, help="Rollback window [default: 60s]."),
+    min_requests: Optional[int] = typer.Option(None, help="Candidate answers needed before any verdict [default: 50]."),
+    max_error_increase: Optional[float] = typer.Option(
+        None, help="Roll back past the baseline's error share plus this [default: 0.01]."),
+    max_p99_ratio: Optional[float] = typer.Option(
+        None, help="Roll back past the baseline's p99 times this, plus 5 ms [default: 1.5]."),
+    max_disagreement: Optional[float] = typer.Option(
+        None, help="Shadow: roll back past this share of disagreeing rows [default: 0.01]."),
+    reason: str = typer.Option("", help="Why, for the audit log."),
+) -> None:
+    """Run the promotion gates and an offline replay, then start the rollout (a Prefect flow); the routers do
+    the rest."""
+    from shardline._prefect_cli import use_prefect_api
+    from shardline.errors import InvalidSetting
+    from shardline.storage.rollouts import parse_duration, parse_share, parse_steps, refuse_if_running
+
+    try:
+        if (steps is None) == (shadow is None):
+            raise InvalidSetting("give --steps 1,5,25,100 (a canary) or --shadow 10% (a shadow), one of them")
+        if shadow is not None and interval is not None:
+            raise InvalidSetting("a shadow rollout has no steps: leave out --interval, and promote it by hand")
+        reference = candidate if ":" in candidate else f"{name}:{candidate}"
+        if reference.split(":")[0] != name:
+            raise InvalidSetting(f"the candidate {candidate!r} is not a version of {name!r}; write {name}:VERSION")
+        parameters = {
+            "candidate": reference, "alias": alias, "mode": "shadow" if shadow else "canary",
+            "steps": list(parse_steps(steps)) if steps else None, "shadow": parse_share(shadow) if shadow else 0.0,
+            "interval_s": parse_duration(interval) if interval else None, "reason": reason,
+            "criteria": _criteria(window, min_requests, max_error_increase, max_p99_ratio, max_disagreement),
+        }
+        refuse_if_running(open_registry(), name)  # said before the gates run (the flow checks it again)
+        use_prefect_api()
+    except ShardlineError as e:
+        raise fail(e) from e
+    from shardline.flows.rollout import start_rollout
+
+    state = start_rollout(**parameters, return_state=True)
+    result = state.result(raise_on_failure=False)
+    if isinstance(result, BaseException):
+        raise fail(result, EXIT_FAILED)
+    for gate in result["gates"]:
+        typer.echo(f"  gate {gate['gate']:<18} pass  {gate['detail']}")
+    for source, found in result["replay"].items():
+        typer.echo(f"  replay {source:<16} {_replay_line(found)}")
+    rollout = result["rollout"]
+    typer.echo(f"{name}@{alias}: rollout {rollout.id} started: {rollout.describe()} (record {result['record']})")
+
+
+def _replay_line(found: dict[str, Any]) -> str:
+    if not found.get("rows"):
+        return found.get("note", found.get("skipped", "nothing to replay"))
+    agreement = found.get("label_agreement")
+    labels = f", labels agree on {agreement:.1%}" if agreement is not None else ""
+    return (f"{found['compared']} of {found['rows']} rows compared, {found['disagreement']:.1%} disagree{labels}, "
+            f"largest delta {found['max_delta']:.3g}")
+
+
+@rollout_app.command("status")
+def rollout_status(
+    name: str = typer.Argument(..., help="Model name."),
+    alias: str = typer.Option("prod", help="The alias rolled out on."),
+    json_out: bool = typer.Option(False, "--json", help="Print the rollout record and the routers' reports as JSON."),
+) -> None:
+    """Where the rollout on name@alias stands (or how the last one ended), and what each router saw."""
+    from shardline.storage.rollouts import active
+
+    try:
+        registry = open_registry()
+        history = registry.alias_history(name, alias)
+    except ShardlineError as e:
+        raise fail(e) from e
+    last = next((m for m in reversed(history) if m.rollout is not None), None)
+    if last is None or last.rollout is None:
+        typer.echo(f"no rollout has run on {name}@{alias} (it points at "
+                   f"{name}:{history[-1].version if history else '-'})")
+        return
+    rollout = last.rollout
+    running = active(history[-1]) is not None and history[-1].rollout is not None and history[-1].rollout.id == rollout.id
+    reports = registry.rollout_reports(name, rollout.id)
+    steps = [m for m in history if m.rollout is not None and m.rollout.id == rollout.id]
+    if json_out:
+        typer.echo(json.dumps({"running": running, "rollout": rollout.model_dump(mode="json"),
+                               "records": [m.model_dump(mode="json", exclude={"rollout"}) for m in steps],
+                               "reports": reports}, indent=2, default=str))
+        return
+    state = "running" if running else {"promote": "promoted", "rollback": "rolled back"}.get(last.action, last.action)
+    typer.echo(f"{name}@{alias}: rollout {rollout.id} {state}: {rollout.describe()} (baseline {name}:{rollout.baseline})")
+    for move in steps:
+        typer.echo(f"  {move.seq:>4}  {move.at:%Y-%m-%d %H:%M:%S}  {move.action:<8} {name}:{move.version:<4} by "
+                   f"{move.by:<12} {move.reason}")
+    for source, report in sorted(reports.items()):
+        base, cand = report.get("baseline", {}), report.get("candidate", {})
+        line = (f"  {source}: {report.get('verdict')} ({report.get('reason')}); baseline {base.get('requests')} answers "
+                f"{base.get('error_rate', 0):.1%} errors, candidate {cand.get('requests')} answers "
+                f"{cand.get('error_rate', 0):.1%} errors")
+        shadow = report.get("shadow")
+        if shadow:
+            line += f"; shadow {shadow['rows']} rows compared, {shadow['disagreement']:.1%} disagree"
+        typer.echo(line + f" (at {report.get('at')})")
+
+
+def _end(name: str, alias: str, action: str, reason: str) -> None:
+    from shardline._prefect_cli import use_prefect_api
+    from shardline.errors import RolloutConflict
+    from shardline.storage.rollouts import active
+
+    try:
+        if active(open_registry().current_move(name, alias)) is None:  # said before any flow starts
+            raise RolloutConflict(f"no rollout runs on {name}@{alias} (see `shardline rollout status {name} --alias "
+                                  f"{alias}`)")
+        use_prefect_api()
+    except ShardlineError as e:
+        raise fail(e) from e
+    from shardline.flows.rollout import end_rollout
+
+    state = end_rollout(name=name, alias=alias, action=action, reason=reason, return_state=True)
+    move = state.result(raise_on_failure=False)
+    if isinstance(move, BaseException):
+        raise fail(move, EXIT_FAILED)
+    typer.echo(f"{name}@{alias} -> {name}:{move.version}: {move.reason}")
+
+
+@rollout_app.command("promote")
+def rollout_promote(
+    name: str = typer.Argument(..., help="Model name."),
+    alias: str = typer.Option("prod", help="The alias rolled out on."),
+    reason: str = typer.Option("", help="Why, for the audit log."),
+) -> None:
+    """Promote the candidate now: the alias points at it and the rollout ends."""
+    _end(name, alias, "promote", reason)
+
+
+@rollout_app.command("abort")
+def rollout_abort(
+    name: str = typer.Argument(..., help="Model name."),
+    alias: str = typer.Option("prod", help="The alias rolled out on."),
+    reason: str = typer.Option("", help="Why, for the audit log."),
+) -> None:
+    """Stop the rollout: every caller goes back to the baseline."""
+    _end(name, alias, "abort", reason)

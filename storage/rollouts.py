@@ -1,0 +1,257 @@
+"""Rollouts: a candidate version takes an alias's traffic in steps (canary) or sees a mirrored share
+of it (shadow), then is promoted or rolled back. The state is the alias's own log.
+
+While a rollout runs, the alias's newest record has action ``canary`` (or ``shadow``) and carries
+the ``Rollout``; its ``version`` is still the baseline, so whatever resolves the alias (batch jobs,
+a server on its own) keeps the baseline and only routers split traffic. Each step is one more
+record; so is the end: action ``promote`` (the candidate) or ``rollback`` (the baseline, after a
+breach or an abort). ``shardline model history NAME`` lists them all.
+
+Every change is the registry's compare-and-swap on the log (``ModelRegistry.move_alias``): of two
+routers deciding at once one moves it and the other is told (``AliasConflict``) and reads it
+again, so several routers agree, and a router that restarts finds the rollout where it was.
+One rollout per model at a time: a start is refused while any alias of the model has one.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from shardline.errors import InvalidSetting, ModelNotFound, RolloutConflict
+
+if TYPE_CHECKING:
+    from shardline.storage.registry import AliasMove, ModelRegistry
+
+Mode = Literal["canary", "shadow"]
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+class RollbackCriteria(BaseModel):
+    """When a router rolls a rollout back by itself, over a sliding window of what it routed."""
+
+    window_s: float = Field(default=60.0, gt=0, description="The window the rates and p99s are taken over.")
+    min_requests: int = Field(
+        default=50, ge=1, description="No verdict (no rollback, no step) before the candidate has this many "
+        "answers (or shadow comparisons) in the window.",
+    )
+    max_error_increase: float = Field(
+        default=0.01, ge=0, le=1, description="Roll back when the candidate's share of server errors (5xx, not "
+        "a shed 503) passes the baseline's by more than this.",
+    )
+    max_p99_ratio: float = Field(
+        default=1.5, ge=1, description="Roll back when the candidate's p99 passes the baseline's times this "
+        "(plus p99_slack_ms); needs min_requests of each.",
+    )
+    p99_slack_ms: float = Field(default=5.0, ge=0, description="Added to the baseline's p99 before comparing.")
+    max_disagreement: float = Field(
+        default=0.01, ge=0, le=1, description="Shadow: roll back when more than this share of compared answers "
+        "disagree with the baseline's.",
+    )
+
+
+class Rollout(BaseModel):
+    """A rollout in progress, as the alias's records carry it."""
+
+    id: str = Field(description="Unique per rollout; callers are split by a hash of it and their key.")
+    candidate: int
+    baseline: int
+    mode: Mode
+    steps: tuple[float, ...] = Field(default=(), description="Canary: the candidate's share of callers, in percent, step by step.")
+    step: int = Field(default=0, ge=0, description="Index of the current step.")
+    shadow: float = Field(default=0.0, ge=0, le=1, description="Shadow: the share of requests mirrored to the candidate.")
+    interval_s: float | None = Field(
+        default=None, gt=0, description="A step lasts this long before the next (then promotion); None: by hand only."
+    )
+    criteria: RollbackCriteria = Field(default_factory=RollbackCriteria)
+    started_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    offline: dict[str, Any] = Field(default_factory=dict, description="The replay before any live traffic.")
+    observed: dict[str, Any] = Field(default_factory=dict, description="What the router that last moved it saw.")
+
+    @property
+    def weight(self) -> float:
+        """The candidate's share of callers now, in percent (0 in shadow: it answers nobody)."""
+        return self.steps[self.step] if self.mode == "canary" else 0.0
+
+    def describe(self) -> str:
+        """One line: mode, candidate, where it is."""
+        if self.mode == "shadow":
+            return f"shadow of version {self.candidate}: {self.shadow:.0%} of requests mirrored"
+        return (f"canary of version {self.candidate}: step {self.step + 1} of {len(self.steps)}, {self.weight:g}% of "
+                f"callers")
+
+
+def active(move: AliasMove | None) -> Rollout | None:
+    """The rollout an alias's newest record says runs, or None."""
+    return move.rollout if move is not None and move.action in ("canary", "shadow") else None
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``30s``, ``10m``, ``1h``, ``500ms`` -> seconds.
+
+    Raises:
+        InvalidSetting: not a positive duration.
+    """
+    matched = _DURATION.match(text)
+    if matched is None or float(matched.group(1)) <= 0:
+        raise InvalidSetting(f"{text!r} is not a duration; write e.g. 30s, 10m or 1h")
+    return float(matched.group(1)) * _UNIT_S[matched.group(2)]
+
+
+def parse_share(text: str) -> float:
+    """``10%`` or ``0.1`` -> 0.1.
+
+    Raises:
+        InvalidSetting: not a share in (0, 1].
+    """
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise InvalidSetting(f"{text!r} is not a share of traffic; write e.g. 10% or 0.1")
+    return value
+
+
+def parse_steps(text: str) -> tuple[float, ...]:
+    """``1,5,25,100`` -> (1.0, 5.0, 25.0, 100.0): percents, rising, in (0, 100].
+
+    Raises:
+        InvalidSetting: not such a list.
+    """
+    try:
+        steps = tuple(float(part.strip().rstrip("%")) for part in text.split(",") if part.strip())
+    except ValueError:
+        steps = ()
+    if not steps or any(not 0 < s <= 100 for s in steps) or list(steps) != sorted(set(steps)):
+        raise InvalidSetting(f"steps {text!r} are not rising percents in (0, 100]; write e.g. 1,5,25,100")
+    return steps
+
+
+def running(registry: ModelRegistry, name: str) -> tuple[str, AliasMove, Rollout] | None:
+    """The rollout that runs on any alias of the model: (alias, its newest record, the rollout), or None."""
+    for alias in registry.aliases(name):
+        move = registry.current_move(name, alias)
+        rollout = active(move)
+        if rollout is not None and move is not None:
+            return alias, move, rollout
+    return None
+
+
+def refuse_if_running(registry: ModelRegistry, name: str) -> None:
+    """Raise RolloutConflict, saying which and what to do, when a rollout runs on any alias of the model."""
+    busy = running(registry, name)
+    if busy is not None:
+        other_alias, _, other = busy
+        raise RolloutConflict(
+            f"a rollout runs on {name} already ({name}@{other_alias}: {other.describe()}); one rollout per model at "
+            f"a time: promote or abort it first (`shardline rollout abort {name} --alias {other_alias}`)"
+        )
+
+
+def start(
+    registry: ModelRegistry, name: str, alias: str, candidate: int, *, mode: Mode, steps: tuple[float, ...] = (),
+    shadow: float = 0.0, interval_s: float | None = None, criteria: RollbackCriteria | None = None,
+    offline: dict[str, Any] | None = None, by: str | None = None, reason: str = "",
+) -> AliasMove:
+    """Start a rollout of ``name:candidate`` on ``name@alias`` (the alias's version is the baseline).
+
+    Raises:
+        RolloutConflict: a rollout runs on the model already.
+        ModelNotFound: the alias was never set, or the candidate does not exist.
+        InvalidSetting: the candidate is the baseline, or the mode's steps or share are missing.
+    """
+    refuse_if_running(registry, name)
+    current = registry.current_move(name, alias)
+    if current is None:
+        raise ModelNotFound(f"{name}@{alias} was never set, so there is no baseline to roll out against; set it "
+                            f"first (`shardline model alias {name} {alias} VERSION`)", f"{name}@{alias}")
+    if candidate == current.version:
+        raise InvalidSetting(f"{name}:{candidate} is what {name}@{alias} points at already; roll out another version")
+    if mode == "canary" and not steps:
+        raise InvalidSetting("a canary needs its steps, e.g. --steps 1,5,25,100")
+    if mode == "shadow" and not shadow:
+        raise InvalidSetting("a shadow rollout needs the share to mirror, e.g. --shadow 10%")
+    rollout = Rollout(
+        id=uuid.uuid4().hex[:12], candidate=candidate, baseline=current.version, mode=mode, steps=steps,
+        shadow=shadow, interval_s=interval_s, criteria=criteria or RollbackCriteria(), offline=offline or {},
+    )
+    return registry.move_alias(
+        name, alias, current.version, action=mode, expected_seq=current.seq, by=by, rollout=rollout,
+        reason=reason or f"rollout {rollout.id} started: {rollout.describe()}",
+    )
+
+
+def _running_on(registry: ModelRegistry, name: str, alias: str, rollout_id: str | None) -> tuple[AliasMove, Rollout]:
+    move = registry.current_move(name, alias)
+    rollout = active(move)
+    if move is None or rollout is None or (rollout_id is not None and rollout.id != rollout_id):
+        raise RolloutConflict(f"no rollout{'' if rollout_id is None else ' ' + rollout_id} runs on {name}@{alias} "
+                              f"(see `shardline rollout status {name} --alias {alias}`)")
+    return move, rollout
+
+
+def advance(
+    registry: ModelRegistry, name: str, alias: str, *, rollout_id: str | None = None, expected_seq: int | None = None,
+    observed: dict[str, Any] | None = None, by: str | None = None,
+) -> AliasMove:
+    """The next step of a canary, or its promotion after the last one.
+
+    Raises:
+        RolloutConflict: no such rollout runs (it ended, or another one runs).
+        AliasConflict: the alias moved since ``expected_seq``.
+    """
+    move, rollout = _running_on(registry, name, alias, rollout_id)
+    if rollout.mode == "shadow" or rollout.step + 1 >= len(rollout.steps):
+        return promote(registry, name, alias, rollout_id=rollout.id, expected_seq=expected_seq, observed=observed,
+                       by=by, reason=f"rollout {rollout.id}: {rollout.describe()} held; promoted")
+    stepped = rollout.model_copy(update={"step": rollout.step + 1, "observed": observed or {}})
+    return registry.move_alias(
+        name, alias, move.version, action="canary", expected_seq=expected_seq if expected_seq is not None else move.seq,
+        by=by, rollout=stepped, reason=f"rollout {rollout.id}: step {stepped.step + 1} of {len(stepped.steps)}, "
+        f"{stepped.weight:g}% of callers",
+    )
+
+
+def promote(
+    registry: ModelRegistry, name: str, alias: str, *, rollout_id: str | None = None, expected_seq: int | None = None,
+    observed: dict[str, Any] | None = None, by: str | None = None, reason: str = "",
+) -> AliasMove:
+    """Point the alias at the candidate: the rollout ends.
+
+    Raises:
+        RolloutConflict: no such rollout runs.
+        AliasConflict: the alias moved since ``expected_seq``.
+    """
+    move, rollout = _running_on(registry, name, alias, rollout_id)
+    ended = rollout.model_copy(update={"observed": observed or rollout.observed})
+    return registry.move_alias(
+        name, alias, rollout.candidate, action="promote",
+        expected_seq=expected_seq if expected_seq is not None else move.seq, by=by, rollout=ended,
+        reason=reason or f"rollout {rollout.id}: promoted by hand ({rollout.describe()})",
+    )
+
+
+def roll_back(
+    registry: ModelRegistry, name: str, alias: str, *, reason: str, rollout_id: str | None = None,
+    expected_seq: int | None = None, observed: dict[str, Any] | None = None, by: str | None = None,
+) -> AliasMove:
+    """End the rollout with the alias on the baseline (a breach, or an abort).
+
+    Raises:
+        RolloutConflict: no such rollout runs.
+        AliasConflict: the alias moved since ``expected_seq``.
+    """
+    move, rollout = _running_on(registry, name, alias, rollout_id)
+    ended = rollout.model_copy(update={"observed": observed or rollout.observed})
+    return registry.move_alias(
+        name, alias, rollout.baseline, action="rollback",
+        expected_seq=expected_seq if expected_seq is not None else move.seq, by=by, rollout=ended,
+        reason=f"rollout {rollout.id}: {reason}",
+    )

@@ -445,6 +445,10 @@ def router(
     local_replicas: Optional[int] = typer.Option(
         None, "--local-replicas", min=1, max=64,
         help="Start and supervise this many `shardline serve` replicas on loopback instead \\[SHARDLINE_ROUTER_LOCAL_REPLICAS]."),
+    min_replicas: Optional[int] = typer.Option(
+        None, "--min-replicas", min=0, max=64,
+        help="With --local-replicas N: scale between this and N by demand; 0 scales to zero (requests wait while "
+        "one starts) \\[default: N, no scaling; SHARDLINE_ROUTER_MIN_REPLICAS]."),
     tenants: Optional[Path] = typer.Option(
         None, "--tenants", help="The tenants YAML (the one its replicas read) \\[SHARDLINE_TENANTS_FILE]."),
     host: Optional[str] = typer.Option(None, help="Address to listen on \\[default: 127.0.0.1; SHARDLINE_ROUTER_HOST]."),
@@ -457,8 +461,9 @@ def router(
 
     It authenticates tenants and holds their quotas for all replicas, pins each request's model
     version, sends a model to its replicas by rendezvous hashing with bounded loads, retries on
-    another replica within a budget and the request's deadline, and breaks the circuit of a failing
-    replica. Stop it with Ctrl-C (SIGINT) or SIGTERM (its local replicas stop with it).
+    another replica within a budget and the request's deadline, breaks the circuit of a failing
+    replica, carries out rollouts (`shardline rollout`), and with --min-replicas scales its local
+    replicas to demand (from zero). Stop it with Ctrl-C (SIGINT) or SIGTERM (its local replicas stop with it).
     """
     from pydantic import ValidationError
 
@@ -467,7 +472,7 @@ def router(
     from shardline.settings import RouterSettings, StorageSettings, TenancySettings
 
     given: dict[str, Any] = {"config_file": str(config) if config else None, "local_replicas": local_replicas,
-                             "host": host, "port": port, "metrics_port": metrics_port}
+                             "min_replicas": min_replicas, "host": host, "port": port, "metrics_port": metrics_port}
     try:
         settings = RouterSettings.model_validate({k: v for k, v in given.items() if v is not None})
         tenancy = TenancySettings(tenants_file=str(tenants)) if tenants is not None else TenancySettings()

@@ -586,6 +586,25 @@ class RouterSettings(BaseSettings):
         default=10.0, ge=0,
         description="A higher-priority group takes traffic back only after it has been available this long.",
     )
+    hedge_after_ms: float = Field(
+        default=0.0, ge=0, description="Send a second copy of a request to the next replica when the first has not "
+        "answered within this (within the retry budget; the first good answer wins, the other is cancelled); 0: off.",
+    )
+    min_replicas: int | None = Field(
+        default=None, ge=0, le=64,
+        description="With --local-replicas N: scale between this and N by demand (0: scale to zero, requests wait "
+        "while one starts); unset: run N.",
+    )
+    target_in_flight: float = Field(
+        default=4.0, gt=0, description="Requests in flight per replica that scaling aims at (and that "
+        "shardline_router_replicas_wanted is worked out with)."
+    )
+    scale_up_delay_s: float = Field(default=2.0, ge=0, description="Demand must want more replicas this long before "
+                                    "they start (from zero: at once).")
+    scale_down_delay_s: float = Field(default=60.0, ge=0, description="Demand must want fewer replicas this long "
+                                      "before one stops.")
+    activator_queue: int = Field(default=1000, ge=1, description="Requests held at most while a replica starts "
+                                 "from zero; more get 503 with Retry-After.")
     rollout_refresh_s: float = Field(
         default=2.0, gt=0, description="How often the router reads the aliases its tenants call and decides for "
         "the rollouts on them (step, promote, roll back)."

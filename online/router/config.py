@@ -99,6 +99,11 @@ def load_router_config(path: str | Path) -> RouterConfig:
     return parse_router_config(data, str(path))
 
 
+LOCAL_GROUP = "local"
+
+
 def local_config(urls: list[str]) -> RouterConfig:
-    """The config of ``--local-replicas``: one group of the replicas the router started."""
-    return RouterConfig(groups=(ReplicaGroup(name="local", replicas=tuple(urls)),))
+    """The config of ``--local-replicas``: one group of the replicas the router runs (none at first when it
+    scales from zero: the group's members follow the scaling)."""
+    group = ReplicaGroup.model_construct(name=LOCAL_GROUP, priority=0, replicas=tuple(urls), dns=None)
+    return RouterConfig.model_construct(groups=(group,))

@@ -10,6 +10,8 @@
   failing replica set is not hit with a multiple of its load (Finagle's and Envoy's retry budgets).
 - ``backoff_s``: exponential backoff with full jitter (a uniform draw up to ``base * 2**attempt``,
   capped), so retries of many callers do not arrive together.
+- ``latency_outliers``: which replicas answer so much slower than the others for the same models
+  that they should rest (ejected for a while, as Envoy's outlier detection does for errors).
 - ``Deadline``: what is left of a request's time (``X-Shardline-Timeout-Ms``, else the router's
   default); no retry starts past it, and what is left is passed on to the replica.
 """
@@ -170,3 +172,44 @@ class Deadline:
     def header(self, now: float) -> str:
         """What is left, in whole milliseconds, for the replica's ``X-Shardline-Timeout-Ms``."""
         return str(max(1, int(self.left(now) * 1000)))
+
+
+@dataclass(frozen=True)
+class OutlierPolicy:
+    """When a replica is ejected for latency (see ``latency_outliers``)."""
+
+    ratio: float = 3.0  # slower than this many times the other replicas' median for the same model
+    floor_ms: float = 10.0  # and by at least this much (sub-millisecond jitter ejects nobody)
+    min_answers: int = 20  # answers of a model behind each figure compared
+    max_fraction: float = 0.34  # of a group's replicas ejected at once, at most (at least one of three)
+    eject_s: float = 30.0  # the first ejection; doubled for each one after, up to max_eject_s
+    max_eject_s: float = 300.0
+
+
+def latency_outliers(latency: dict[str, dict[str, tuple[float, int]]], policy: OutlierPolicy) -> list[str]:
+    """Replicas to eject for latency, slowest first.
+
+    ``latency`` is, per replica, per model version: (EWMA of answer time in ms, answers). Replicas are
+    compared model by model (rendezvous hashing puts models on different replicas, and a slow model
+    is no fault of its replica): a replica is an outlier when, for every model it shares with
+    another replica (with ``min_answers`` each, at least one such model), its time passes the
+    others' median by ``ratio`` and by ``floor_ms``. At most ``max_fraction`` of the replicas are
+    returned, rounded down (one of three by default; none of two: half the capacity is too much to
+    rest for slowness).
+    """
+    votes: dict[str, list[bool]] = {}
+    models = {m for figures in latency.values() for m in figures}
+    for model in models:
+        seen = {r: f[model] for r, f in latency.items() if model in f and f[model][1] >= policy.min_answers}
+        if len(seen) < 2:
+            continue
+        for replica, (ewma, _) in seen.items():
+            others = sorted(e for r, (e, _) in seen.items() if r != replica)
+            middle = others[len(others) // 2] if len(others) % 2 else (others[len(others) // 2 - 1] + others[len(others) // 2]) / 2
+            votes.setdefault(replica, []).append(ewma > policy.ratio * middle and ewma - middle > policy.floor_ms)
+    slow = [r for r, v in votes.items() if v and all(v)]
+    if not slow:
+        return []
+    cap = math.floor(policy.max_fraction * len(latency))
+    worst = {r: max(f[0] for f in latency[r].values()) for r in slow}
+    return sorted(slow, key=lambda r: -worst[r])[:cap]

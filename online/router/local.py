@@ -7,6 +7,12 @@ sha256 of the router's key (``SHARDLINE_TENANCY_ROUTER_KEY_SHA256``). A replica 
 started again on the same port after a back-off (1 s, doubling to 30 s; reset once it has run a
 minute); the router's health checks take it out of rotation meanwhile. Stopping the router stops
 them (SIGTERM, then SIGKILL after 10 s).
+
+With autoscaling (``--min-replicas`` under ``--local-replicas``) the N are slots: ``scale_to(n)``
+starts the next stopped slots or stops the highest running ones (SIGTERM: a replica finishes
+what it is answering; the router has already taken it out of rotation). A slot started again
+gets fresh ports (the stopping process may still hold its old ones). Only running slots are
+restarted when they exit.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class LocalReplica:
     delay: float = 0.0
     restart_at: float | None = None
     restarts: int = 0
+    running: bool = False  # a slot in use (started, or waiting to be started again after an exit)
     log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -78,23 +85,53 @@ class LocalReplicas:
     """Start, watch and stop the replicas (the router calls ``watch`` every half second)."""
 
     def __init__(self, count: int, tenants_file: str, router_key_sha256: str, log_dir: Path,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, initial: int | None = None) -> None:
         self.tenants_file = tenants_file
         self.key_sha256 = router_key_sha256
         self.log_dir = log_dir
         self._clock = clock
         self.replicas = [LocalReplica(i, free_port(), free_port()) for i in range(count)]
+        self.initial = count if initial is None else initial
+        self._stopping: list[subprocess.Popen[bytes]] = []
 
     @property
     def urls(self) -> list[str]:
-        """The replicas' addresses, fixed for the router's life."""
-        return [r.url for r in self.replicas]
+        """The running slots' addresses (a slot keeps its port while it runs, restarts included)."""
+        return [r.url for r in self.replicas if r.running]
+
+    @property
+    def running(self) -> int:
+        """Slots in use."""
+        return sum(r.running for r in self.replicas)
 
     def start(self) -> None:
-        """Start every replica (they load nothing until their first request; readiness is the health checks')."""
+        """Start the first replicas (they load nothing until their first request; readiness is the health checks')."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.scale_to(self.initial)
+
+    def scale_to(self, count: int) -> list[str]:
+        """Run ``count`` replicas: start stopped slots, lowest first, or stop running ones, highest first;
+        returns the URLs of the replicas started."""
+        started = []
         for replica in self.replicas:
-            self._spawn(replica)
+            if self.running >= count:
+                break
+            if not replica.running:
+                replica.running, replica.delay = True, 0.0
+                self._spawn(replica)
+                started.append(replica.url)
+        for replica in reversed(self.replicas):
+            if self.running <= count:
+                break
+            if replica.running:
+                replica.running, replica.restart_at = False, None
+                if replica.process is not None and replica.process.poll() is None:
+                    replica.process.send_signal(signal.SIGTERM)
+                    self._stopping.append(replica.process)
+                    log.info("stopping replica %d (pid %d) on %s", replica.index, replica.process.pid, replica.url)
+                replica.process = None
+                replica.port, replica.metrics_port = free_port(), free_port()  # the old one may hold them a while
+        return started
 
     def _spawn(self, replica: LocalReplica) -> None:
         env = dict(os.environ)
@@ -113,9 +150,12 @@ class LocalReplicas:
         log.info("started replica %d (pid %d) on %s", replica.index, replica.process.pid, replica.url)
 
     def watch(self) -> None:
-        """Start again each replica that exited, after its back-off."""
+        """Start again each running replica that exited, after its back-off; reap the stopped ones."""
         now = self._clock()
+        self._stopping = [p for p in self._stopping if p.poll() is None]
         for replica in self.replicas:
+            if not replica.running:
+                continue
             process = replica.process
             if process is not None and process.poll() is not None:
                 ran = now - replica.started_at
@@ -132,6 +172,8 @@ class LocalReplicas:
     def stop(self) -> None:
         """SIGTERM every replica, SIGKILL those still running after the grace period."""
         running = [r.process for r in self.replicas if r.process is not None and r.process.poll() is None]
+        running += [p for p in self._stopping if p.poll() is None]
+        self._stopping = []
         for process in running:
             process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
@@ -142,7 +184,7 @@ class LocalReplicas:
                 process.kill()
                 process.wait()
         for replica in self.replicas:
-            replica.process = None
+            replica.process, replica.running = None, False
             if replica.log is not None:
                 replica.log.close()
                 replica.log = None

@@ -7,6 +7,8 @@ Per request, counted as it is answered:
   for requests that name none) and status code;
 - ``shardline_router_request_seconds{model}``: the router's whole time for it, retries included;
 - ``shardline_router_retries_total{model}``: tries on another replica;
+- ``shardline_router_hedges_total{winner}``: hedged requests (a second copy sent), by whose answer was used;
+- ``shardline_router_ejections_total{group, replica}``: replicas ejected for latency;
 - ``shardline_router_rollout_answers_total{model, arm, error}``: answers during a rollout, by the
   version answered, the arm (``baseline`` or ``candidate``) and whether it was a server error;
 - ``shardline_router_shadow_rows_total{model, agree}``: rows of shadow answers compared with the
@@ -18,11 +20,17 @@ Read at each scrape from the router's state (nothing on the request path):
   autoscaler scales replicas on;
 - ``shardline_router_replica_in_flight{group, replica}``, ``shardline_router_replica_available{group,
   replica}`` (1 ready with its breaker letting requests through, else 0) and
-  ``shardline_router_breaker_state{group, replica}`` (0 closed, 1 half-open, 2 open).
+  ``shardline_router_breaker_state{group, replica}`` (0 closed, 1 half-open, 2 open);
+- for an autoscaler: ``shardline_router_replicas_wanted{group}`` (what the group's demand wants at
+  ``target_in_flight`` per replica; for the router's own scaled replicas, its scaler's figure),
+  ``shardline_router_replicas{group}`` and ``shardline_router_queued{model}`` (requests held
+  while a replica starts from zero); ``shardline_router_cold_start_seconds`` is a histogram of
+  local replicas' starts.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter as Tally
 from typing import Callable, Iterator
 
@@ -31,15 +39,17 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from shardline.online.router.replicas import ReplicaSet
+from shardline.online.router.scaling import Activator
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+COLD_START_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class RouterMetrics:
     """The router's series in a registry of their own."""
 
-    def __init__(self, replicas: ReplicaSet, clock: Callable[[], float]) -> None:
+    def __init__(self, replicas: ReplicaSet, clock: Callable[[], float], target_in_flight: float = 4.0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("shardline_router_requests_total", "Requests answered by the router",
                                 ["model", "code"], registry=self.registry)
@@ -51,7 +61,16 @@ class RouterMetrics:
                                        ["model", "arm", "error"], registry=self.registry)
         self.shadow = Counter("shardline_router_shadow_rows_total", "Shadow answer rows compared with the primary's",
                               ["model", "agree"], registry=self.registry)
+        self.hedges = Counter("shardline_router_hedges_total", "Second copies sent after the hedge delay, by which "
+                              "copy's answer was used", ["winner"], registry=self.registry)
+        self.ejections = Counter("shardline_router_ejections_total", "Replicas ejected for latency", ["group", "replica"],
+                                 registry=self.registry)
+        self.cold_starts = Histogram("shardline_router_cold_start_seconds", "From a local replica's start to its "
+                                     "first ready answer", buckets=COLD_START_BUCKETS, registry=self.registry)
         self.in_flight: Tally[str] = Tally()
+        self.wanted: dict[str, int] = {}  # group -> replicas its scaler wants (local autoscaling)
+        self.target_in_flight = target_in_flight
+        self.activator: Activator | None = None
         self.registry.register(_StateCollector(self, replicas, clock))
 
     def started(self, model: str) -> None:
@@ -65,6 +84,14 @@ class RouterMetrics:
         self.seconds.labels(model).observe(seconds)
         if retries:
             self.retries.labels(model).inc(retries)
+
+    def hedged(self, second_won: bool) -> None:
+        """A hedged request was answered, by its second copy or its first."""
+        self.hedges.labels("second" if second_won else "first").inc()
+
+    def cold_start(self, seconds: float) -> None:
+        """A replica the router started answered ready after ``seconds``."""
+        self.cold_starts.observe(seconds)
 
     def rollout_answer(self, model: str, arm: str, error: bool) -> None:
         """An answer of one arm of a rollout."""
@@ -98,9 +125,30 @@ class _StateCollector(Collector):
                                       labels=["group", "replica"])
         breaker = GaugeMetricFamily("shardline_router_breaker_state", "0 closed, 1 half-open, 2 open",
                                     labels=["group", "replica"])
+        group_demand: Tally[str] = Tally()
+        members: Tally[str] = Tally()
         for replica in list(self.replicas.replicas.values()):
             labels = [replica.group, replica.url]
             in_flight.add_metric(labels, replica.in_flight)
             available.add_metric(labels, 1 if self.replicas.available(replica, now) else 0)
             breaker.add_metric(labels, BREAKER_STATES[replica.breaker.state])
-        yield from (demand, in_flight, available, breaker)
+            group_demand[replica.group] += replica.in_flight
+            members[replica.group] += 1
+        queued = GaugeMetricFamily("shardline_router_queued", "Requests held while a replica starts, by model",
+                                   labels=["model"])
+        activator = self.metrics.activator
+        for model, count in sorted((activator.waiting if activator is not None else {}).items()):
+            queued.add_metric([model], count)
+        held = activator.total if activator is not None else 0
+        wanted = GaugeMetricFamily("shardline_router_replicas_wanted", "Replicas the group's demand wants at the "
+                                   "target in flight per replica", labels=["group"])
+        running = GaugeMetricFamily("shardline_router_replicas", "Replicas the group has now", labels=["group"])
+        active = self.replicas.active_group()
+        for name, _ in self.replicas.groups():
+            figure = self.metrics.wanted.get(name)
+            if figure is None:
+                load = group_demand[name] + (held if name == active else 0)
+                figure = math.ceil(load / self.metrics.target_in_flight)
+            wanted.add_metric([name], figure)
+            running.add_metric([name], members[name])
+        yield from (demand, in_flight, available, breaker, queued, wanted, running)

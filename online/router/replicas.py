@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from shardline.online.router.config import RouterConfig
-from shardline.online.router.health import Breaker, BreakerPolicy
+from shardline.online.router.health import Breaker, BreakerPolicy, OutlierPolicy, latency_outliers
 from shardline.online.router.placement import rank
 
 RANK_CACHE = 4096  # keys whose replica order is remembered (per membership change)
+EWMA_WEIGHT = 0.1  # of each answer in a replica's moving average of latency per model
+MAX_MODELS_TIMED = 256  # models whose latency one replica keeps
 
 
 @dataclass
@@ -35,6 +37,15 @@ class Replica:
     breaker: Breaker
     healthy: bool = False  # its last /v2/health/ready answered 200 (False until the first check)
     in_flight: int = 0
+    latency: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (EWMA ms, answers)
+    ejected_until: float = 0.0  # ejected for latency until then
+    ejections: int = 0
+
+    def answered(self, model: str, ms: float) -> None:
+        """A good answer for ``model`` took ``ms``: into the model's moving average (weight ``EWMA_WEIGHT``)."""
+        ewma, n = self.latency.get(model, (ms, 0))
+        if len(self.latency) < MAX_MODELS_TIMED or model in self.latency:
+            self.latency[model] = (ewma + EWMA_WEIGHT * (ms - ewma), n + 1)
 
 
 @dataclass
@@ -83,8 +94,29 @@ class ReplicaSet:
         return [(g.name, list(g.members)) for g in self._groups]
 
     def available(self, replica: Replica, now: float) -> bool:
-        """Healthy, and its breaker would let a request through now."""
-        return replica.healthy and not replica.breaker.closed_to(now)
+        """Healthy, not ejected for latency, and its breaker would let a request through now."""
+        return replica.healthy and now >= replica.ejected_until and not replica.breaker.closed_to(now)
+
+    def eject_outliers(self, now: float, policy: OutlierPolicy) -> list[str]:
+        """Eject, group by group, the replicas ``latency_outliers`` names (for ``eject_s``, doubled each time
+        after the first); a replica back from ejection starts its figures afresh. Returns those ejected."""
+        ejected = []
+        for group in self._groups:
+            members = [self.replicas[u] for u in group.members]
+            for replica in members:
+                if replica.ejected_until and now >= replica.ejected_until:
+                    replica.ejected_until, replica.latency = 0.0, {}
+            timed = {r.url: r.latency for r in members if now >= r.ejected_until and r.healthy}
+            out = sum(now < r.ejected_until for r in members)
+            for url in latency_outliers(timed, policy):
+                if out + 1 > policy.max_fraction * len(members):
+                    break
+                replica = self.replicas[url]
+                replica.ejections += 1
+                replica.ejected_until = now + min(policy.max_eject_s, policy.eject_s * 2 ** (replica.ejections - 1))
+                out += 1
+                ejected.append(url)
+        return ejected
 
     def _update_groups(self, now: float) -> str | None:
         for g in self._groups:

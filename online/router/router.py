@@ -17,13 +17,14 @@ in the protocol's form.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import orjson
@@ -47,6 +48,7 @@ from shardline.online.router.compare import decode_answer
 from shardline.online.router.placement import choose
 from shardline.online.router.replicas import Replica, ReplicaSet
 from shardline.online.router.rollouts import Route, RolloutBook
+from shardline.online.router.scaling import Activator
 from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
 from shardline.online.tenants import TENANT_HEADER, Tenant, TenantDirectory, not_available
 from shardline.settings import RouterSettings
@@ -129,6 +131,7 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         draw: Callable[[], float] = random.random,
         rollouts: RolloutBook | None = None,
+        activator: Activator | None = None,
     ) -> None:
         self.settings = settings
         self.tenants = tenants
@@ -140,8 +143,10 @@ class Router:
         self._gates: dict[str, TenantGate] = {}
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_min_per_s)
         self._pools: dict[str, UpstreamPool] = {}
-        self.metrics = RouterMetrics(replicas, clock)
+        self.metrics = RouterMetrics(replicas, clock, settings.target_in_flight)
         self.rollouts = rollouts
+        self.activator = activator  # set: the replicas scale from zero, and requests wait for one to start
+        self.metrics.activator = activator
         self._mirrors: set[asyncio.Task[None]] = set()
         self._answered: set[tuple[str, str]] = set()  # (replica, model version) pairs that have answered
 
@@ -183,7 +188,8 @@ class Router:
             group = self.replicas.active_group()
             now = self._clock()
             available = sum(self.replicas.available(r, now) for r in self.replicas.replicas.values())
-            return _json(200 if group else 503, {"ready": group is not None, "group": group, "available": available})
+            ready = group is not None or self.activator is not None  # scaled to zero: a request starts one
+            return _json(200 if ready else 503, {"ready": ready, "group": group, "available": available})
         tenant = self.tenants.authenticate(request.header(b"authorization"))
         matched = _MODEL_PATH.match(path)
         if matched is not None:
@@ -346,17 +352,27 @@ class Router:
         tried: set[str] = set()
         last: Answer | None = None
         attempt = 0
+        model = key.split("|", 1)[0]
+        hedge = self.settings.hedge_after_ms / 1000 if retry else 0.0
         while True:
             replica = self._pick(key, tried)
+            if replica is None and not tried and self.activator is not None:
+                while replica is None and await self.activator.wait(model, deadline.left(self._clock())):
+                    replica = self._pick(key, tried)
             if replica is None:
                 break
             tried.add(replica.url)
             if tries is not None:
                 tries.count += 1
-            answer = await self._send(replica, request.method, target, headers, body, deadline)
+            send = functools.partial(self._send, method=request.method, target=target, headers=headers, body=body,
+                                     deadline=deadline, model=model)
+            if hedge > 0:
+                answer, replica = await self._hedged(send, replica, key, tried, tries, hedge)
+            else:
+                answer = await send(replica)
             if answer is not None and answer.status not in RETRY_STATUSES:
                 if tries is not None:
-                    pair = (replica.url, key.split("|", 1)[0])
+                    pair = (replica.url, model)
                     tries.first = pair not in self._answered
                     if tries.first and len(self._answered) < MAX_REMEMBERED:
                         self._answered.add(pair)
@@ -396,27 +412,66 @@ class Router:
                 return replica
             tried.add(url)  # half-open with its probes out: the next one
 
+    async def _hedged(self, send: Callable[[Replica], Awaitable[Answer | None]], replica: Replica, key: str,
+                      tried: set[str], tries: Tries | None, after_s: float) -> tuple[Answer | None, Replica]:
+        """Send to ``replica``; if it has not answered after ``after_s``, send a copy to the next replica too
+        (within the retry budget): the first good answer wins and the other copy is cancelled."""
+        first = asyncio.ensure_future(send(replica))
+        done, _ = await asyncio.wait({first}, timeout=after_s)
+        if done:
+            return first.result(), replica
+        other = self._pick(key, tried)
+        if other is None or not self.budget.try_retry(self._clock()):
+            return await first, replica
+        tried.add(other.url)
+        if tries is not None:
+            tries.count += 1
+        copies = {first: replica, asyncio.ensure_future(send(other)): other}
+        pending = set(copies)
+        last: tuple[Answer | None, Replica] = (None, replica)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    answer = task.result()
+                    if answer is not None and answer.status not in RETRY_STATUSES:
+                        self.metrics.hedged(copies[task] is other)
+                        return answer, copies[task]
+                    last = (answer, copies[task]) if answer is not None or last[0] is None else last
+            return last
+        finally:
+            for task in pending:
+                task.cancel()  # the loser: its connection is closed, its replica's breaker not charged
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+
     async def _send(self, replica: Replica, method: str, target: str, headers: list[tuple[bytes, bytes]],
-                    body: bytes, deadline: Deadline) -> Answer | None:
+                    body: bytes, deadline: Deadline, model: str = "-") -> Answer | None:
         """The replica's answer, or None when it gave none (no connection, reset, time-out)."""
         now = self._clock()
         sent = [*headers, (TIMEOUT_HEADER.encode(), deadline.header(now).encode())]
         replica.in_flight += 1
-        ok = False
+        ok, cancelled = False, False
         try:
             status, raw, payload = await self._pool(replica.url).request(
                 method, target, sent, body, max(0.001, deadline.left(now)))
             answer = Answer(status, [(k, v) for k, v in raw if k not in _HOP and k not in _OWN_ANSWER], payload)
             ok = answer.status not in RETRY_STATUSES or answer.status == 503 and _shed(answer)
+            if answer.status < 500:
+                replica.answered(model, (self._clock() - now) * 1000)
             return answer
         except UpstreamFailed as e:
             log.info("replica %s failed: %s", replica.url, e)
             return None
+        except asyncio.CancelledError:
+            cancelled = True  # a hedge's loser, or the client went: no fault of the replica
+            raise
         finally:
             replica.in_flight -= 1
-            before = replica.breaker.state
-            replica.breaker.record(ok, self._clock())
-            _note(replica, before)
+            if not cancelled:
+                before = replica.breaker.state
+                replica.breaker.record(ok, self._clock())
+                _note(replica, before)
 
 
 def _note(replica: Replica, before: str) -> None:

@@ -28,6 +28,7 @@ from shardline.online.router.local import LocalReplicas
 from shardline.online.router.events import RouterEvents
 from shardline.online.router.replicas import ReplicaSet
 from shardline.online.router.rollouts import RolloutBook
+from shardline.online.router.scaling import Activator, Scaler, ScalePolicy
 from shardline.online.router.router import Router
 from shardline.online.router.service import RouterService, router_app
 from shardline.online.tenants import load_tenants
@@ -46,7 +47,7 @@ def check_settings(settings: RouterSettings, tenancy: TenancySettings) -> None:
 
     Raises:
         InvalidSetting: no tenants file; neither or both of a config file and local replicas; a config
-            file without the router's key.
+            file without the router's key; a minimum of replicas without local replicas, or above them.
     """
     if not tenancy.tenants_file:
         raise InvalidSetting("the router needs the tenants file its replicas read: pass --tenants PATH or set "
@@ -54,6 +55,12 @@ def check_settings(settings: RouterSettings, tenancy: TenancySettings) -> None:
     if bool(settings.config_file) == bool(settings.local_replicas):
         raise InvalidSetting("give the router either --config router.yaml (its replica groups) or --local-replicas N "
                              "(it starts N replicas on loopback), not both or neither")
+    if settings.min_replicas is not None and not settings.local_replicas:
+        raise InvalidSetting("--min-replicas scales the router's own replicas: give --local-replicas N (the most it "
+                             "runs) with it; configured groups are scaled by their own autoscaler (KEDA, an HPA)")
+    if settings.min_replicas is not None and settings.min_replicas > settings.local_replicas:
+        raise InvalidSetting(f"--min-replicas {settings.min_replicas} is more than --local-replicas "
+                             f"{settings.local_replicas}, the most it runs; give a smaller minimum")
     if settings.config_file and not settings.key:
         raise InvalidSetting("a router over configured replicas needs its key: set SHARDLINE_ROUTER_KEY, and give its "
                              "replicas its sha256 as SHARDLINE_TENANCY_ROUTER_KEY_SHA256 (docs/routing.md)")
@@ -72,8 +79,13 @@ def build_service(settings: RouterSettings, storage: StorageSettings, tenancy: T
                if ref.version is None}
     book = RolloutBook(registry, aliases, _run_blocking, time.monotonic, RouterEvents(storage.home),
                        f"router-{socket.gethostname()}-{os.getpid()}")
-    router = Router(settings, tenants, directory, replicas, key, rollouts=book)
-    return RouterService(router, config, local)
+    scaler = None
+    if local is not None and settings.min_replicas is not None and settings.min_replicas < settings.local_replicas:
+        scaler = Scaler(ScalePolicy(settings.target_in_flight, settings.min_replicas, settings.local_replicas,
+                                    settings.scale_up_delay_s, settings.scale_down_delay_s))
+    activator = Activator(settings.activator_queue) if scaler is not None and settings.min_replicas == 0 else None
+    router = Router(settings, tenants, directory, replicas, key, rollouts=book, activator=activator)
+    return RouterService(router, config, local, scaler)
 
 
 def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: TenancySettings) -> None:
@@ -98,8 +110,8 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     if settings.local_replicas:
         digest = hashlib.sha256(key.encode()).hexdigest()
         local = LocalReplicas(settings.local_replicas, tenancy.tenants_file, digest,
-                              Path(tempfile.mkdtemp(prefix="shardline-replicas-")))
-        config = local_config(local.urls)
+                              Path(tempfile.mkdtemp(prefix="shardline-replicas-")), initial=settings.min_replicas)
+        config = local_config([r.url for r in local.replicas[:local.initial]])
     else:
         assert settings.config_file
         config = load_router_config(settings.config_file)
@@ -114,7 +126,8 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     try:
         if local is not None:
             local.start()
-            log.info("local replicas: %s (logs in %s)", ", ".join(local.urls), local.log_dir)
+            log.info("local replicas: %s (logs in %s)", ", ".join(local.urls) or "none until a request comes",
+                     local.log_dir)
         server = uvicorn.Server(server_config)
         server.run(sockets=[server_config.bind_socket(), *([metrics] if metrics is not None else [])])
     finally:

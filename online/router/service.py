@@ -3,7 +3,9 @@
 - ``RouterService``: the ``Router`` plus what keeps its view of the replicas true: an active health
   check of every replica (``GET /v2/health/ready``) every ``health_interval_s``, the DNS groups
   resolved every ``refresh_s``, the local replicas watched (``--local-replicas``), and the aliases the
-  tenants call read again every ``rollout_refresh_s`` to follow their rollouts (``rollouts``).
+  tenants call read again every ``rollout_refresh_s`` to follow their rollouts (``rollouts``); with a
+  scaler, the local replicas scaled to demand every half second (``scaling``), the ones starting
+  checked every ``STARTING_CHECK_S`` (requests held by the activator go on once one is ready).
 - ``router_app``: the plain ASGI app (no framework on this path): read the body (at most
   ``max_body_bytes``), ``Router.handle``, write the answer; lifespan starts and stops the service.
 """
@@ -15,14 +17,17 @@ import contextlib
 import functools
 import logging
 import socket
+import time
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
 from shardline.errors import PayloadTooLarge
 from shardline.online.bodies import ClientGone, receive_body
-from shardline.online.router.config import RouterConfig
+from shardline.online.router.config import LOCAL_GROUP, RouterConfig
+from shardline.online.router.health import OutlierPolicy
 from shardline.online.router.local import LocalReplicas
 from shardline.online.router.router import Answer, Incoming, Router, error_answer
+from shardline.online.router.scaling import Scaler
 from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -31,15 +36,20 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 HEALTH_TIMEOUT_S = 1.0
+STARTING_CHECK_S = 0.1  # how often a replica being started is checked
 
 
 class RouterService:
     """The router and its background tasks."""
 
-    def __init__(self, router: Router, config: RouterConfig, local: LocalReplicas | None = None) -> None:
+    def __init__(self, router: Router, config: RouterConfig, local: LocalReplicas | None = None,
+                 scaler: Scaler | None = None) -> None:
         self.router = router
         self.config = config
         self.local = local
+        self.scaler = scaler
+        self._starting: dict[str, float] = {}  # replicas started and not yet ready: when they were started
+        self.outliers = OutlierPolicy()
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: dict[str, UpstreamPool] = {}  # a pool of its own per replica: checks never wait behind requests
 
@@ -52,13 +62,16 @@ class RouterService:
                 await self._resolve(group.name)
                 self._tasks.append(loop.create_task(self._every(group.dns.refresh_s, functools.partial(self._resolve, group.name))))
         await self.check_all()
-        self._tasks.append(loop.create_task(self._every(self.router.settings.health_interval_s, self.check_all)))
+        self._tasks.append(loop.create_task(self._every(self.router.settings.health_interval_s, self._check_round)))
         book = self.router.rollouts
         if book is not None:
             await book.refresh()  # the aliases' versions and rollouts known before the first request
             self._tasks.append(loop.create_task(self._every(self.router.settings.rollout_refresh_s, book.refresh)))
         if self.local is not None:
             self._tasks.append(loop.create_task(self._every(0.5, self._watch_local)))
+            self._tasks.append(loop.create_task(self._every(STARTING_CHECK_S, self._check_starting)))
+            now = time.monotonic()
+            self._starting.update({url: now for url in self.local.urls if not self.router.replicas.replicas[url].healthy})
 
     async def stop(self) -> None:
         """Stop the background tasks, close the pools, and stop the local replicas (uvicorn ends the process
@@ -82,14 +95,38 @@ class RouterService:
             except Exception:  # noqa: BLE001 - the next round tries again
                 log.exception("router background work failed")
 
-    async def check_all(self) -> None:
-        """Check every replica's readiness now."""
-        replicas = list(self.router.replicas.replicas.values())
+    async def check_all(self, only: list[str] | None = None) -> None:
+        """Check the readiness of every replica (or of ``only`` those) now."""
+        replicas = [r for r in self.router.replicas.replicas.values() if only is None or r.url in only]
         results = await asyncio.gather(*(self._ready(r.url) for r in replicas))
+        woke = False
         for replica, ready in zip(replicas, results):
+            if replica.url not in self.router.replicas.replicas:
+                continue  # scaled away meanwhile
             if replica.healthy != ready:
                 log.info("replica %s is %s", replica.url, "ready" if ready else "not ready")
+                woke = woke or ready
             replica.healthy = ready
+            started = self._starting.pop(replica.url, None) if ready else None
+            if started is not None:
+                self.router.metrics.cold_start(time.monotonic() - started)
+        if woke and self.router.activator is not None:
+            self.router.activator.notify()
+
+    async def _check_round(self) -> None:
+        """Every health interval: check every replica, and eject the ones far slower than the rest."""
+        await self.check_all()
+        replicas = self.router.replicas
+        for url in replicas.eject_outliers(time.monotonic(), self.outliers):
+            replica = replicas.replicas[url]
+            self.router.metrics.ejections.labels(replica.group, url).inc()
+            log.warning("replica %s ejected for latency for %.0f s (%s)", url, replica.ejected_until - time.monotonic(),
+                        ", ".join(f"{m}: {e:.1f} ms" for m, (e, _) in sorted(replica.latency.items())[:4]))
+
+    async def _check_starting(self) -> None:
+        """Check the replicas being started often (a request may wait for the first), the rest each interval."""
+        if self._starting:
+            await self.check_all(list(self._starting))
 
     async def _ready(self, url: str) -> bool:
         pool = self._checks.get(url)
@@ -115,8 +152,24 @@ class RouterService:
         self.router.replicas.set_members(group, urls)
 
     async def _watch_local(self) -> None:
+        """Restart replicas that exited; with a scaler, run as many as demand wants."""
         assert self.local is not None
         self.local.watch()
+        if self.scaler is None:
+            return
+        now = time.monotonic()
+        replicas = self.router.replicas
+        activator = self.router.activator
+        demand = sum(r.in_flight for r in replicas.replicas.values()) + (activator.total if activator else 0)
+        self.router.metrics.wanted[LOCAL_GROUP] = self.scaler.observe(now, demand)
+        target = self.scaler.decide(now, self.local.running)
+        if target != self.local.running:
+            log.info("scaling the local replicas from %d to %d (demand %d in flight or waiting)", self.local.running,
+                     target, demand)
+            for url in self.local.scale_to(target):
+                self._starting[url] = now
+            replicas.set_members(LOCAL_GROUP, self.local.urls)
+            self._starting = {u: t for u, t in self._starting.items() if u in replicas.replicas}
 
 
 def router_app(service: RouterService, max_body_bytes: int) -> Callable[[Scope, Receive, Send], Awaitable[None]]:

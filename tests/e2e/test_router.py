@@ -499,3 +499,57 @@ def test_a_good_canary_steps_to_all_traffic_and_is_promoted(
     assert versions == {"1", "2"}
     for event in ("shardline.rollout.stepped", "shardline.rollout.promoted"):
         _eventually(lambda e=event: _events(prefect_api, e, since), 30, f"no {event} event")
+
+
+# -- scaling from zero ---------------------------------------------------------------------------------
+
+
+def test_scaled_to_zero_the_router_holds_requests_while_a_replica_starts_and_loses_none(
+    home: Path, breast_cancer_model: BuiltModel
+) -> None:
+    tenants = _tenants(home / "tenants-zero.yaml")
+    port, metrics_port = free_port(), free_port()
+    log = home / "router-zero.log"
+    with open(log, "wb") as sink:
+        router = subprocess.Popen(
+            [*SHARDLINE, "router", "--local-replicas", "2", "--min-replicas", "0", "--tenants", str(tenants), "--port",
+             str(port), "--metrics-port", str(metrics_port)],
+            env=_env(home, SHARDLINE_ROUTER_SCALE_DOWN_DELAY_S="3"), stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    body = _infer_body(breast_cancer_model)
+    expected = breast_cancer_model.estimator.predict(breast_cancer_model.data.features[:4].astype(np.float32)).tolist()
+
+    def burst(n: int) -> list[Any]:
+        outcomes: list[Any] = []
+
+        def one() -> None:
+            try:
+                answer = httpx.post(f"{url}/v2/models/{MODEL}/infer", content=body, headers=key(), timeout=60)
+                outcomes.append((answer.status_code, answer.json()["outputs"][0]["data"]))
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                outcomes.append(("lost", repr(e)))
+
+        threads = [threading.Thread(target=one) for _ in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=90)
+        return outcomes
+
+    try:
+        _wait_ready(url, router, log, available=0)  # ready at zero: a request starts a replica
+        assert "none until a request comes" in log.read_text() and "started replica" not in log.read_text()
+        first = burst(12)
+        assert first == [(200, expected)] * 12, first
+        assert re.search(r"scaling the local replicas from 0 to [12] \(demand \d+", log.read_text())
+        series = _scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert series[("shardline_router_cold_start_seconds_count", ())] >= 1
+        assert series[("shardline_router_replicas", (("group", "local"),))] >= 1
+        _wait_for_log(log, r"scaling the local replicas from \d to 0", 30)  # idle past the scale-down delay
+        pids = [int(p) for p in re.findall(r"started replica \d \(pid (\d+)\)", log.read_text())]
+        _eventually(lambda: not any(_alive(p) for p in pids), 20, "a replica scaled away is still running")
+        second = burst(8)  # from zero again
+        assert second == [(200, expected)] * 8, second
+    finally:
+        code = _stop(router)
+    assert code in (0, -signal.SIGTERM), log.read_text()[-4000:]

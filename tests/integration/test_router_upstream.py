@@ -140,3 +140,86 @@ def test_a_dns_group_is_the_addresses_its_name_resolves_to() -> None:
     assert f"http://127.0.0.1:{port}" in replicas.replicas
     assert set(replicas.replicas) <= {f"http://127.0.0.1:{port}", f"http://[::1]:{port}"}
     assert not any(r.healthy for r in replicas.replicas.values())
+
+
+def _replica(delay_s: dict[str, float], name: str, seen: list[str]) -> Handler:
+    """A stand-in replica on a real socket: health 200; anything else answers ``name`` after ``delay_s[name]``."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, _ = await _read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            seen.append(name)
+            if b"/health/" not in head.split(b"\r\n")[0]:
+                await asyncio.sleep(delay_s[name])
+            answer = b'{"replica": "%s"}' % name.encode()
+            try:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(answer), answer))
+                await writer.drain()
+            except ConnectionError:
+                return
+
+    return handler
+
+
+def _router(urls: list[str], **settings: float) -> "tuple[object, object]":
+    from shardline.online.models import ModelDirectory
+    from shardline.online.router.config import ReplicaGroup, RouterConfig
+    from shardline.online.router.health import BreakerPolicy
+    from shardline.online.router.replicas import ReplicaSet
+    from shardline.online.router.router import Router
+    from shardline.online.tenants import TenantDirectory, hash_api_key
+    from shardline.settings import RouterSettings
+
+    tenants = TenantDirectory.from_config({"tenants": [
+        {"name": "acme", "api_keys_sha256": [hash_api_key("sk-acme")], "models": ["m@prod"]}]})
+    replicas = ReplicaSet(RouterConfig(groups=(ReplicaGroup(name="g", replicas=tuple(urls)),)), BreakerPolicy(), 0.0,
+                          time.monotonic)
+    for replica in replicas.replicas.values():
+        replica.healthy = True
+    router = Router(RouterSettings(**settings), tenants, ModelDirectory(None, None, 5.0), replicas, "k" * 16)  # type: ignore[arg-type]
+    return router, replicas
+
+
+@pytest.mark.parametrize("hedge_ms", [0, 40])
+def test_a_hedged_request_is_answered_by_the_faster_copy_and_the_slow_one_is_cancelled(hedge_ms: int) -> None:
+    from shardline.online.router.placement import rank
+    from shardline.online.router.router import Incoming
+
+    seen: list[str] = []
+
+    async def main() -> tuple[list[bytes], list[float], object]:
+        delays: dict[str, float] = {}
+        servers = {}
+        for name in ("a", "b"):
+            servers[name] = await _serve(_replica(delays, name, seen))
+        urls = {f"http://127.0.0.1:{port}": name for name, (_, port) in servers.items()}
+        first = urls[rank("m:1", list(urls))[0]]  # the replica the model's requests go to first: make it slow
+        delays.update({first: 0.4, ("b" if first == "a" else "a"): 0.0})
+        router, replicas = _router(list(urls), hedge_after_ms=hedge_ms)
+        bodies, took = [], []
+        for _ in range(4):
+            started = time.monotonic()
+            answer = await router.handle(Incoming("POST", "/v2/models/m/versions/1/infer", b"",  # type: ignore[attr-defined]
+                                                  [(b"authorization", b"Bearer sk-acme")], b"{}"))
+            took.append(time.monotonic() - started)
+            assert answer.status == 200
+            bodies.append(answer.body)
+        states = {r.breaker.state for r in replicas.replicas.values()}  # type: ignore[attr-defined]
+        await router.stop()  # type: ignore[attr-defined]
+        for server, _ in servers.values():
+            server.close()
+        return bodies, took, (first, states, router.metrics)  # type: ignore[attr-defined]
+
+    bodies, took, (slow, states, metrics) = asyncio.run(main())
+    fast = "b" if slow == "a" else "a"
+    if hedge_ms:
+        assert bodies == [b'{"replica": "%s"}' % fast.encode()] * 4  # the copy sent after 40 ms won each time
+        assert all(t < 0.3 for t in took[1:])
+        assert states == {"closed"}  # the cancelled copies are no fault of the slow replica
+        assert metrics.hedges.labels("second")._value.get() == 4  # type: ignore[attr-defined]
+    else:
+        assert bodies == [b'{"replica": "%s"}' % slow.encode()] * 4 and all(t >= 0.4 for t in took)

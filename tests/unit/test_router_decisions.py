@@ -190,3 +190,30 @@ def test_a_bad_router_config_names_the_field() -> None:
     with pytest.raises(InvalidSetting, match="group names must be unique"):
         parse_router_config({"groups": [{"name": "a", "replicas": ["http://x:1"]},
                                         {"name": "a", "replicas": ["http://y:1"]}]}, "router.yaml")
+
+
+def test_a_replica_much_slower_than_the_others_for_the_same_models_is_ejected_for_a_while() -> None:
+    from shardline.online.router.health import OutlierPolicy, latency_outliers
+
+    policy = OutlierPolicy(min_answers=20)
+    figures = {"a": {"m:1": (4.0, 50), "n:1": (40.0, 50)}, "b": {"m:1": (5.0, 50)}, "c": {"m:1": (60.0, 50)},
+               "d": {"n:1": (45.0, 50)}}
+    # c is 12x the others on m:1; a's 40 ms on n:1 is that model's own time (d takes as long): only c
+    assert latency_outliers(figures, policy) == ["c"]
+    assert latency_outliers({**figures, "c": {"m:1": (60.0, 5)}}, policy) == []  # too few answers to judge
+    assert latency_outliers({"a": {"m:1": (1.0, 50)}, "b": {"m:1": (9.0, 50)}, "c": {"m:1": (1.2, 50)}}, policy) == []
+    assert latency_outliers({"a": {"m:1": (4.0, 50)}, "b": {"m:1": (60.0, 50)}}, policy) == []  # never one of two
+
+    config = RouterConfig(groups=(ReplicaGroup(name="g", replicas=tuple(f"http://10.0.0.{i}:8000" for i in range(3))),))
+    now = [100.0]
+    replicas = ReplicaSet(config, BreakerPolicy(), 0.0, lambda: now[0])
+    urls = list(replicas.replicas)
+    for url, ms in zip(urls, (4.0, 5.0, 60.0)):
+        replicas.replicas[url].healthy = True
+        for _ in range(30):
+            replicas.replicas[url].answered("m:1", ms)
+    assert replicas.eject_outliers(now[0], policy) == [urls[2]]
+    assert not replicas.available(replicas.replicas[urls[2]], now[0]) and len(replicas.order("m:1")) == 2
+    now[0] += policy.eject_s
+    assert replicas.eject_outliers(now[0], policy) == []  # back, with its figures started afresh
+    assert replicas.available(replicas.replicas[urls[2]], now[0]) and replicas.replicas[urls[2]].latency == {}

@@ -229,6 +229,10 @@ def model_promote(
     reason: str = typer.Option("", help="Why, for the audit log."),
 ) -> None:
     """Run the promotion gates (a Prefect flow) and move the alias if they all pass."""
+    try:
+        open_registry().resolve(reference)  # a missing version is one line here, not a failed flow's traceback
+    except ShardlineError as e:
+        raise fail(e) from e
     from shardline.flows.promotion import promote_model
 
     state = promote_model(reference=reference, to_alias=to, allow_breaking=allow_breaking,

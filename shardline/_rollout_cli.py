@@ -47,7 +47,7 @@ def rollout_start(
     the rest."""
     from shardline._prefect_cli import use_prefect_api
     from shardline.errors import InvalidSetting
-    from shardline.storage.rollouts import parse_duration, parse_share, parse_steps, refuse_if_running
+    from shardline.storage.rollouts import check_start, parse_duration, parse_share, parse_steps
 
     try:
         if (steps is None) == (shadow is None):
@@ -55,7 +55,8 @@ def rollout_start(
         if shadow is not None and interval is not None:
             raise InvalidSetting("a shadow rollout has no steps: leave out --interval, and promote it by hand")
         reference = candidate if ":" in candidate else f"{name}:{candidate}"
-        if reference.split(":")[0] != name:
+        version = reference.split(":", 1)[1]
+        if reference.split(":")[0] != name or not version.isdigit():
             raise InvalidSetting(f"the candidate {candidate!r} is not a version of {name!r}; write {name}:VERSION")
         parameters = {
             "candidate": reference, "alias": alias, "mode": "shadow" if shadow else "canary",
@@ -63,7 +64,7 @@ def rollout_start(
             "interval_s": parse_duration(interval) if interval else None, "reason": reason,
             "criteria": _criteria(window, min_requests, max_error_increase, max_p99_ratio, max_disagreement),
         }
-        refuse_if_running(open_registry(), name)  # said before the gates run (the flow checks it again)
+        check_start(open_registry(), name, alias, int(version))  # said before the gates run (the flow checks again)
         use_prefect_api()
     except ShardlineError as e:
         raise fail(e) from e
@@ -106,8 +107,8 @@ def rollout_status(
         raise fail(e) from e
     last = next((m for m in reversed(history) if m.rollout is not None), None)
     if last is None or last.rollout is None:
-        typer.echo(f"no rollout has run on {name}@{alias} (it points at "
-                   f"{name}:{history[-1].version if history else '-'})")
+        where = f"it points at {name}:{history[-1].version}" if history else "the alias is not set"
+        typer.echo(f"no rollout has run on {name}@{alias} ({where})")
         return
     rollout = last.rollout
     running = active(history[-1]) is not None and history[-1].rollout is not None and history[-1].rollout.id == rollout.id

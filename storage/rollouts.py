@@ -155,6 +155,24 @@ def refuse_if_running(registry: ModelRegistry, name: str) -> None:
         )
 
 
+def check_start(registry: ModelRegistry, name: str, alias: str, candidate: int) -> AliasMove:
+    """What a start needs, checked (the CLI checks it before the gates run): no rollout on the model, the
+    candidate in the registry, the alias set to another version. Returns the alias's newest record.
+
+    Raises:
+        RolloutConflict, ModelNotFound, InvalidSetting: as ``start``.
+    """
+    refuse_if_running(registry, name)
+    registry.get_manifest(name, candidate)
+    current = registry.current_move(name, alias)
+    if current is None:
+        raise ModelNotFound(f"{name}@{alias} was never set, so there is no baseline to roll out against; set it "
+                            f"first (`shardline model alias {name} {alias} VERSION`)", f"{name}@{alias}")
+    if candidate == current.version:
+        raise InvalidSetting(f"{name}:{candidate} is what {name}@{alias} points at already; roll out another version")
+    return current
+
+
 def start(
     registry: ModelRegistry, name: str, alias: str, candidate: int, *, mode: Mode, steps: tuple[float, ...] = (),
     shadow: float = 0.0, interval_s: float | None = None, criteria: RollbackCriteria | None = None,
@@ -167,13 +185,7 @@ def start(
         ModelNotFound: the alias was never set, or the candidate does not exist.
         InvalidSetting: the candidate is the baseline, or the mode's steps or share are missing.
     """
-    refuse_if_running(registry, name)
-    current = registry.current_move(name, alias)
-    if current is None:
-        raise ModelNotFound(f"{name}@{alias} was never set, so there is no baseline to roll out against; set it "
-                            f"first (`shardline model alias {name} {alias} VERSION`)", f"{name}@{alias}")
-    if candidate == current.version:
-        raise InvalidSetting(f"{name}:{candidate} is what {name}@{alias} points at already; roll out another version")
+    current = check_start(registry, name, alias, candidate)
     if mode == "canary" and not steps:
         raise InvalidSetting("a canary needs its steps, e.g. --steps 1,5,25,100")
     if mode == "shadow" and not shadow:

@@ -79,3 +79,22 @@ def test_a_link_in_the_input_out_of_the_tenants_prefixes_is_one_line_and_exit_2(
     assert_one_error_line(refused, f"the link '{lake}/acme/in/theirs.parquet' in the input leads to "
                                    f"'{lake}/globex/in/part-00000.parquet', outside the tenant's storage prefixes")
     assert not (lake / "acme" / "out").exists()
+
+
+@pytest.mark.usefixtures("local_registry")
+def test_a_rollout_or_promotion_of_what_is_not_there_is_one_line_and_exit_2(shardline: Shardline) -> None:
+    """Found before any flow starts: no failed run, no traceback."""
+    cases = [
+        (shardline("rollout", "start", "breast-cancer", "--candidate", "breast-cancer:7", "--steps", "5,100"),
+         "model 'breast-cancer' has no version 7"),
+        (shardline("rollout", "start", "breast-cancer", "--candidate", "1", "--steps", "5,100"),
+         "breast-cancer:1 is what breast-cancer@prod points at already"),
+        (shardline("rollout", "start", "breast-cancer", "--candidate", "1", "--alias", "staging", "--shadow", "5%"),
+         "breast-cancer@staging was never set, so there is no baseline"),
+        (shardline("rollout", "start", "breast-cancer", "--candidate", "1", "--steps", "50,5"),
+         "steps '50,5' are not rising percents"),
+        (shardline("rollout", "promote", "breast-cancer"), "no rollout runs on breast-cancer@prod"),
+        (shardline("model", "promote", "churn:2", "--to", "prod"), "model 'churn' is not in the registry"),
+    ]
+    for finished, message in cases:
+        assert_one_error_line(finished, message)

@@ -165,7 +165,7 @@ def _replica(delay_s: dict[str, float], name: str, seen: list[str]) -> Handler:
     return handler
 
 
-def _router(urls: list[str], **settings: float) -> "tuple[object, object]":
+def _router(urls: list[str], models: tuple[str, ...] = ("m@prod",), **settings: float) -> "tuple[object, object]":
     from shardline.online.models import ModelDirectory
     from shardline.online.router.config import ReplicaGroup, RouterConfig
     from shardline.online.router.health import BreakerPolicy
@@ -175,7 +175,7 @@ def _router(urls: list[str], **settings: float) -> "tuple[object, object]":
     from shardline.settings import RouterSettings
 
     tenants = TenantDirectory.from_config({"tenants": [
-        {"name": "acme", "api_keys_sha256": [hash_api_key("sk-acme")], "models": ["m@prod"]}]})
+        {"name": "acme", "api_keys_sha256": [hash_api_key("sk-acme")], "models": list(models)}]})
     replicas = ReplicaSet(RouterConfig(groups=(ReplicaGroup(name="g", replicas=tuple(urls)),)), BreakerPolicy(), 0.0,
                           time.monotonic)
     for replica in replicas.replicas.values():
@@ -223,3 +223,64 @@ def test_a_hedged_request_is_answered_by_the_faster_copy_and_the_slow_one_is_can
         assert metrics.hedges.labels("second")._value.get() == 4  # type: ignore[attr-defined]
     else:
         assert bodies == [b'{"replica": "%s"}' % slow.encode()] * 4 and all(t >= 0.4 for t in took)
+
+
+def test_an_openai_body_is_pinned_to_the_callers_canary_version_and_mirrored_in_shadow() -> None:
+    """The rollout's pick for an OpenAI body (``"model": "emb"``): the candidate for the callers under the
+    weight, the baseline for the rest; in shadow every caller gets the baseline and a copy goes to the candidate."""
+    import json
+
+    from shardline.online.router.rollouts import RolloutBook, bucket
+    from shardline.online.router.router import Incoming
+    from shardline.storage.registry import AliasMove
+    from shardline.storage.rollouts import Rollout
+
+    models_seen: list[str] = []
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                _, body = await _read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            model = json.loads(body)["model"]
+            models_seen.append(model)
+            answer = json.dumps({"object": "list", "model": model,
+                                 "data": [{"object": "embedding", "index": 0, "embedding": [1.0, 0.0]}]}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(answer), answer))
+            await writer.drain()
+
+    canary = Rollout(id="r-openai", candidate=2, baseline=1, mode="canary", steps=(50,))
+    shadow = Rollout(id="s-openai", candidate=2, baseline=1, mode="shadow", shadow=1.0)
+
+    async def main() -> tuple[dict[str, str], list[str], object]:
+        server, port = await _serve(echo)
+        router, _ = _router([f"http://127.0.0.1:{port}"], ("emb@prod",))
+        book = RolloutBook(None, set(), None, time.monotonic, lambda *a: None, "test")  # type: ignore[arg-type]
+        router.rollouts = book  # type: ignore[attr-defined]
+        book.moves[("emb", "prod")] = AliasMove(seq=2, alias="prod", version=1, action="canary", by="t", rollout=canary)
+        got = {}
+        for key in (f"user-{i}" for i in range(20)):
+            answer = await router.handle(Incoming(  # type: ignore[attr-defined]
+                "POST", "/v1/embeddings", b"", [(b"authorization", b"Bearer sk-acme"), (b"x-shardline-route-key", key.encode())],
+                b'{"model": "emb", "input": "hi"}'))
+            got[key] = json.loads(answer.body)["model"]
+        models_seen.clear()
+        book.moves[("emb", "prod")] = AliasMove(seq=3, alias="prod", version=1, action="shadow", by="t", rollout=shadow)
+        answer = await router.handle(Incoming(  # type: ignore[attr-defined]
+            "POST", "/v1/embeddings", b"", [(b"authorization", b"Bearer sk-acme")], b'{"model": "emb", "input": "hi"}'))
+        for _ in range(50):
+            if len(models_seen) == 2 and book.shadows.get("s-openai"):
+                break
+            await asyncio.sleep(0.02)
+        seen = list(models_seen)
+        await router.stop()  # type: ignore[attr-defined]
+        server.close()
+        return got, seen, (json.loads(answer.body)["model"], book.observed(shadow)["shadow"])
+
+    got, seen, (answered, compared) = asyncio.run(main())
+    assert got == {k: ("emb:2" if bucket("r-openai", k) < 50 else "emb:1") for k in got}
+    assert set(got.values()) == {"emb:1", "emb:2"}  # 20 callers split by the weight
+    assert answered == "emb:1" and sorted(seen) == ["emb:1", "emb:2"]  # the caller got the baseline; a copy went on
+    assert compared["rows"] == 1 and compared["disagree"] == 0 and compared["min_cosine"] == 1.0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import uuid
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
@@ -241,13 +241,8 @@ def promote(
         RolloutConflict: no such rollout runs.
         AliasConflict: the alias moved since ``expected_seq``.
     """
-    move, rollout = _running_on(registry, name, alias, rollout_id)
-    ended = rollout.model_copy(update={"observed": observed or rollout.observed})
-    return registry.move_alias(
-        name, alias, rollout.candidate, action="promote",
-        expected_seq=expected_seq if expected_seq is not None else move.seq, by=by, rollout=ended,
-        reason=reason or f"rollout {rollout.id}: promoted by hand ({rollout.describe()})",
-    )
+    return _end(registry, name, alias, "promote", lambda r: reason or f"rollout {r.id}: promoted by hand ({r.describe()})",
+                rollout_id, expected_seq, observed, by)
 
 
 def roll_back(
@@ -260,10 +255,18 @@ def roll_back(
         RolloutConflict: no such rollout runs.
         AliasConflict: the alias moved since ``expected_seq``.
     """
+    return _end(registry, name, alias, "rollback", lambda r: f"rollout {r.id}: {reason}", rollout_id, expected_seq,
+                observed, by)
+
+
+def _end(registry: ModelRegistry, name: str, alias: str, action: Literal["promote", "rollback"],
+         reason: Callable[[Rollout], str], rollout_id: str | None, expected_seq: int | None,
+         observed: dict[str, Any] | None, by: str | None) -> AliasMove:
+    """The record that ends the running rollout: the candidate (promote) or the baseline (rollback)."""
     move, rollout = _running_on(registry, name, alias, rollout_id)
     ended = rollout.model_copy(update={"observed": observed or rollout.observed})
     return registry.move_alias(
-        name, alias, rollout.baseline, action="rollback",
+        name, alias, rollout.candidate if action == "promote" else rollout.baseline, action=action,
         expected_seq=expected_seq if expected_seq is not None else move.seq, by=by, rollout=ended,
-        reason=f"rollout {rollout.id}: {reason}",
+        reason=reason(rollout),
     )

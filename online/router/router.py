@@ -1,10 +1,12 @@
-"""The router's request path: authenticate, hold the tenant's quotas, pin the version, pick a
-replica, forward, retry elsewhere within the budget and the deadline.
+"""The router's request path: authenticate, hold the tenant's quotas, pin the version (a rollout's
+pick for the caller, ``rollouts``), pick a replica (held by the activator while one starts from
+zero, ``scaling``), forward (hedged when set), retry elsewhere within the budget and the deadline,
+and mirror a shadow copy in the background.
 
 ``Router.handle(Incoming) -> Answer`` is protocol-free (no web framework): the ASGI adapter
-(``online/router/app.py``) reads the request into an ``Incoming`` and writes the ``Answer``. The
-decisions are the pure functions of ``placement`` and ``health`` over the ``ReplicaSet``'s state;
-``upstream`` is the HTTP/1.1 client to the replicas.
+(``online/router/service.py``) reads the request into an ``Incoming`` and writes the ``Answer``. The
+decisions are the pure functions of ``placement``, ``health`` and ``rollouts`` over the state of
+the ``ReplicaSet`` and the ``RolloutBook``; ``upstream`` is the HTTP/1.1 client to the replicas.
 
 What a replica is sent: the request as the client sent it (body bytes untouched but for an
 OpenAI body's ``model``, pinned to the version the router resolved), with ``Authorization:
@@ -42,9 +44,9 @@ from shardline.online.bodies import decode_body
 from shardline.online.errors import error_status, shown
 from shardline.online.models import ModelDirectory
 from shardline.online.protocols.forms import openai_error_body, v2_error_body
+from shardline.online.router.compare import decode_answer
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
 from shardline.online.router.metrics import RouterMetrics
-from shardline.online.router.compare import decode_answer
 from shardline.online.router.placement import choose
 from shardline.online.router.replicas import Replica, ReplicaSet
 from shardline.online.router.rollouts import Route, RolloutBook

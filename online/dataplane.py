@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,7 @@ from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, batch_limits, missing_for_serving
 from shardline.online.tenants import Tenant, TenantDirectory, not_available
 from shardline.runtimes import RuntimeOptions
+from shardline.runtimes.base import concat_answers, out_of_memory
 from shardline.settings import OnlineSettings
 from shardline.rows import Rows, check_rows
 from shardline.storage.model_cache import ModelCache
@@ -371,8 +373,28 @@ class DataPlane:
 
     def _score(self, served: ServedModel, runtime: Any, inputs: Rows) -> Any:
         """``runtime.predict`` (which picks its own fast path for the rows), timed (its smoothed
-        time per row decides what runs inline)."""
-        return self._timed(served, runtime, inputs.num_rows, lambda: runtime.predict(inputs))
+        time per row decides what runs inline).
+
+        A batch the device has no memory for (``out_of_memory``) is split in two and each half scored
+        the same way, down to one row; the model's batch limit is lowered to the half that fit, so the
+        next batches are cut smaller before they are tried. Counted in ``shardline_oom_splits`` and
+        logged. Only a single row that does not fit fails (InferenceFailed)."""
+        try:
+            return self._timed(served, runtime, inputs.num_rows, lambda: runtime.predict(inputs))
+        except InferenceFailed as e:
+            if inputs.num_rows <= 1 or not out_of_memory(e.__cause__):
+                raise
+        half = inputs.num_rows // 2
+        resolved = served.resolved
+        limits = served.batcher.limits
+        if limits.max_batch_size > half:
+            served.batcher.limits = dataclasses.replace(limits, max_batch_size=max(1, half))
+        self.metrics.oom_splits.labels(resolved.name, str(resolved.version)).inc()
+        log.warning("out of memory on a batch: split in two, the batch limit lowered", extra={"fields": {
+            "model": resolved.pinned, "rows": inputs.num_rows, "max_batch_size": served.batcher.limits.max_batch_size}})
+        parts = [self._score(served, runtime, inputs.slice(0, half)),
+                 self._score(served, runtime, inputs.slice(half, inputs.num_rows - half))]
+        return concat_answers(parts)
 
     def _timed(self, served: ServedModel, runtime: Any, rows: int, score: Callable[[], T]) -> T:
         """A scoring call, timed into ``served.seconds_per_row``; a failure not the request's is InferenceFailed.

@@ -246,6 +246,12 @@ class Rows:
             self._table = self.plan.table_of(self.arrays)  # type: ignore[arg-type]
         return self._table
 
+    def slice(self, offset: int, length: int) -> Rows:
+        """Rows ``offset`` to ``offset + length`` (views, not copies)."""
+        if self.arrays is not None:
+            return Rows(self.plan, arrays=tuple(a[offset: offset + length] for a in self.arrays))
+        return Rows(self.plan, self.table().slice(offset, length))
+
     @staticmethod
     def concat(parts: Sequence[Rows]) -> Rows:
         """The rows of ``parts`` (checked with one plan) one after the other: arrays if all hold them."""

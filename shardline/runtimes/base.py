@@ -32,6 +32,29 @@ class RuntimeOptions:
 Answer: TypeAlias = "pa.RecordBatch | dict[str, np.ndarray]"
 """What ``predict`` gives for ``Rows``: a record batch, or each output column as a numpy array."""
 
+_OUT_OF_MEMORY = ("out of memory", "failed to allocate memory", "cudaerrormemoryallocation", "cuda_error_out_of_memory",
+                  "bfc_arena", "oom when allocating")
+
+
+def out_of_memory(error: BaseException | None) -> bool:
+    """Whether a runtime's error says the device (or host) had no memory for the batch: torch's
+    ``OutOfMemoryError``, ``MemoryError``, or onnxruntime's and CUDA's allocation failures by message."""
+    if error is None:
+        return False
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
+        return True
+    text = str(error).lower()
+    return any(phrase in text for phrase in _OUT_OF_MEMORY)
+
+
+def concat_answers(parts: list[Answer]) -> Answer:
+    """The answers of consecutive slices of rows, as one (all of one kind, as one runtime gives them)."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], dict):
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}  # type: ignore[index]
+    return pa.concat_batches(parts)  # type: ignore[arg-type]
+
 
 class Runtime(ABC):
     """A loaded model: rows in, rows out, through one method, ``predict``, that both tiers call.

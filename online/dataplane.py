@@ -86,7 +86,7 @@ class DataPlane:
         self._io_pool: ThreadPoolExecutor | None = None
         self._codec_pool: ThreadPoolExecutor | None = None
         self.directory = ModelDirectory(registry, self._blocking_io, settings.alias_refresh_s, clock)
-        self._served: dict[tuple[str, int], ServedModel] = {}
+        self._served: dict[tuple[str, int, str], ServedModel] = {}  # (name, version, variant or "")
         self._gates: dict[str, TenantGate] = {}
         self._tokenizers: dict[str, Any] = {}
         self._reaper: asyncio.Task[None] | None = None
@@ -169,12 +169,14 @@ class DataPlane:
 
     # -- models -------------------------------------------------------------------------
     async def model(
-        self, tenant: Tenant, name: str, version: str | int | None = None, alias: str | None = None
+        self, tenant: Tenant, name: str, version: str | int | None = None, alias: str | None = None,
+        variant: str | None = None,
     ) -> ServedModel:
-        """The version of a model that a request means: ``version``, ``alias``, or the tenant's reference.
+        """The version of a model that a request means: ``version``, ``alias``, or the tenant's reference;
+        with ``variant``, that version's precision variant (a router's fallback asks for one).
 
         Raises:
-            ModelNotFound: the tenant may not call the model, or the version or alias does not exist.
+            ModelNotFound: the tenant may not call the model, or the version, alias or variant does not exist.
             InvalidInput: the version is not a number or the alias is malformed.
         """
         listed = tenant.reference_for(name)
@@ -194,7 +196,8 @@ class DataPlane:
                 raise InvalidInput(str(e)) from e
         else:
             ref = listed
-        return await self._served_for(await self.directory.resolve(ref))
+        resolved = await self.directory.resolve(ref)
+        return await self._served_for(resolved.variant(variant) if variant else resolved)
 
     async def model_for_reference(self, tenant: Tenant, reference: str) -> ServedModel:
         """Like ``model`` for a reference string: ``name``, ``name@alias`` or ``name:version``."""
@@ -210,7 +213,8 @@ class DataPlane:
         return await self.directory.versions(name)
 
     async def _served_for(self, resolved: ResolvedModel) -> ServedModel:
-        key = (resolved.name, resolved.version)
+        variant = resolved.variant_name
+        key = (resolved.name, resolved.version, variant)
         served = self._served.get(key)
         if served is not None:
             return served
@@ -227,7 +231,7 @@ class DataPlane:
         if served is not None:
             return served
         limits, idle = batch_limits(resolved.name, self.settings, profile)
-        version = str(resolved.version)
+        version = f"{resolved.version}#{variant}" if variant else str(resolved.version)
 
         def observe(rows: int, requests: int, seconds: float) -> None:
             self.metrics.observe_batch(resolved.name, version, rows, requests, seconds)
@@ -336,7 +340,7 @@ class DataPlane:
         served.last_used = self._clock()
         return answer
 
-    async def _predict(self, key: tuple[str, int], inputs: Rows) -> Any:
+    async def _predict(self, key: tuple[str, int, str], inputs: Rows) -> Any:
         served = self._served[key]
         while served.unloading is not None:  # an unload in progress ends before the model is used again
             await asyncio.shield(served.unloading)
@@ -347,7 +351,7 @@ class DataPlane:
             self._infer_pool, context.run, self._predict_blocking, served, inputs
         )
 
-    def _predict_inline(self, key: tuple[str, int], inputs: Rows) -> Any:
+    def _predict_inline(self, key: tuple[str, int, str], inputs: Rows) -> Any:
         """Score on the event loop when the model is loaded and fast enough (see ``runs_inline``), else None."""
         served = self._served[key]
         if served.unloading is not None or not runs_inline(

@@ -147,6 +147,9 @@ def missing_for_serving(resolved: ResolvedModel, registry: ModelRegistry, local_
     return None
 
 
+VARIANT_HEADER = "x-shardline-variant"  # a request for a version's precision variant (a router's fallback)
+
+
 @dataclass
 class _Alias:
     version: int

@@ -117,6 +117,11 @@ class ResolvedModel(BaseModel):
         return f"{self.name}:{self.version}"
 
     @property
+    def variant_name(self) -> str:
+        """The precision variant this is (``variant`` made it), "" for the version's own model file."""
+        return self.reference.rsplit("#", 1)[1] if "#" in self.reference else ""
+
+    @property
     def uri(self) -> str:
         """Where the version's manifest lives."""
         return f"{self.registry_url.rstrip('/')}/{self.name}/versions/{self.version}"

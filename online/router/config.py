@@ -62,18 +62,33 @@ class ReplicaGroup(BaseModel):
         return self
 
 
+class Fallback(BaseModel):
+    """A model's degraded mode: on ``group``'s replicas it is answered by its precision ``variant``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="The model name.")
+    variant: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$", description="e.g. int8 (`shardline model optimize`).")
+    group: str = Field(description="The group (a CPU pool) whose replicas serve the variant.")
+
+
 class RouterConfig(BaseModel):
     """The whole of ``router.yaml``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     groups: tuple[ReplicaGroup, ...] = Field(min_length=1)
+    fallbacks: tuple[Fallback, ...] = ()
 
     @model_validator(mode="after")
     def _unique(self) -> "RouterConfig":
         names = [g.name for g in self.groups]
         if len(set(names)) != len(names):
             raise ValueError(f"group names must be unique, got {names}")
+        for fallback in self.fallbacks:
+            if fallback.group not in names:
+                raise ValueError(f"the fallback of {fallback.model!r} names group {fallback.group!r}, which is not "
+                                 f"one of the groups {names}")
         return self
 
 

@@ -7,6 +7,7 @@ Per request, counted as it is answered:
   for requests that name none) and status code;
 - ``shardline_router_request_seconds{model}``: the router's whole time for it, retries included;
 - ``shardline_router_retries_total{model}``: tries on another replica;
+- ``shardline_router_fallbacks_total{model, variant}``: answers a model's fallback variant gave;
 - ``shardline_router_hedges_total{winner}``: hedged requests (a second copy sent), by whose answer was used;
 - ``shardline_router_ejections_total{group, replica}``: replicas ejected for latency;
 - ``shardline_router_rollout_answers_total{model, arm, error}``: answers during a rollout, by the
@@ -61,6 +62,8 @@ class RouterMetrics:
                                        ["model", "arm", "error"], registry=self.registry)
         self.shadow = Counter("shardline_router_shadow_rows_total", "Shadow answer rows compared with the primary's",
                               ["model", "agree"], registry=self.registry)
+        self.fallbacks = Counter("shardline_router_fallbacks_total", "Answers a model's fallback variant gave",
+                                 ["model", "variant"], registry=self.registry)
         self.hedges = Counter("shardline_router_hedges_total", "Second copies sent after the hedge delay, by which "
                               "copy's answer was used", ["winner"], registry=self.registry)
         self.ejections = Counter("shardline_router_ejections_total", "Replicas ejected for latency", ["group", "replica"],
@@ -84,6 +87,10 @@ class RouterMetrics:
         self.seconds.labels(model).observe(seconds)
         if retries:
             self.retries.labels(model).inc(retries)
+
+    def fallback(self, model: str, variant: str) -> None:
+        """A fallback group's replica answered with the model's variant."""
+        self.fallbacks.labels(model, variant).inc()
 
     def hedged(self, second_won: bool) -> None:
         """A hedged request was answered, by its second copy or its first."""

@@ -42,7 +42,7 @@ from shardline.errors import (
 from shardline.online.admission import TenantGate
 from shardline.online.bodies import decode_body
 from shardline.online.errors import error_status, shown
-from shardline.online.models import ModelDirectory
+from shardline.online.models import VARIANT_HEADER, ModelDirectory
 from shardline.online.protocols.forms import openai_error_body, v2_error_body
 from shardline.online.router.compare import decode_answer
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 TIMEOUT_HEADER = "x-shardline-timeout-ms"
 ROUTE_KEY_HEADER = "x-shardline-route-key"  # optional: requests with the same key go to the same replica
 REQUEST_ID_HEADER = "x-request-id"
+FALLBACK_HEADER = "x-shardline-fallback"  # on an answer a fallback variant gave: name:version#variant
 RETRY_STATUSES = frozenset({502, 503, 504})  # the replica could not serve it; another may (inference is idempotent)
 # Not passed on, either way: hop-by-hop headers (RFC 9110 7.6.1), and what the router sets itself.
 _HOP = frozenset({
@@ -68,7 +69,7 @@ _HOP = frozenset({
     b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
 })
 _OWN_ANSWER = frozenset({b"date", b"server"})  # the router's server writes its own
-_SET_HERE = frozenset({b"authorization", TENANT_HEADER.encode(), TIMEOUT_HEADER.encode()})
+_SET_HERE = frozenset({b"authorization", TENANT_HEADER.encode(), TIMEOUT_HEADER.encode(), VARIANT_HEADER.encode()})
 _MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/infer|/ready)?/?$")
 MAX_REMEMBERED = 65_536  # (replica, version) pairs known to have answered (past it, none counts as first)
 MAX_MIRRORS = 64  # shadow copies in flight at once; more are skipped (counted), never queued
@@ -151,6 +152,7 @@ class Router:
         self.metrics.activator = activator
         self._mirrors: set[asyncio.Task[None]] = set()
         self._answered: set[tuple[str, str]] = set()  # (replica, model version) pairs that have answered
+        self.fallbacks: dict[tuple[str, str], str] = {}  # (model name, group) -> the variant that group answers with
 
     async def start(self) -> None:
         """Ready the connection pools (connections open on first use)."""
@@ -368,6 +370,8 @@ class Router:
                 tries.count += 1
             send = functools.partial(self._send, method=request.method, target=target, headers=headers, body=body,
                                      deadline=deadline, model=model)
+            if self.fallbacks:
+                send = functools.partial(self._fallback_send, send, model)
             if hedge > 0:
                 answer, replica = await self._hedged(send, replica, key, tried, tries, hedge)
             else:
@@ -447,11 +451,27 @@ class Router:
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
 
+    async def _fallback_send(self, send: Callable[..., Awaitable[Answer | None]], model: str,
+                             replica: Replica) -> Answer | None:
+        """Send to ``replica``; on a group where the model declares a fallback, ask for its variant and mark the
+        answer (``X-Shardline-Fallback: name:version#variant``)."""
+        name = model.split(":", 1)[0]
+        variant = self.fallbacks.get((name, replica.group))
+        if variant is None:
+            return await send(replica)
+        answer = await send(replica, variant=variant)
+        if answer is not None and answer.status < 400:
+            answer.headers.append((FALLBACK_HEADER.encode(), f"{model}#{variant}".encode()))
+            self.metrics.fallback(model, variant)
+        return answer
+
     async def _send(self, replica: Replica, method: str, target: str, headers: list[tuple[bytes, bytes]],
-                    body: bytes, deadline: Deadline, model: str = "-") -> Answer | None:
+                    body: bytes, deadline: Deadline, model: str = "-", variant: str | None = None) -> Answer | None:
         """The replica's answer, or None when it gave none (no connection, reset, time-out)."""
         now = self._clock()
         sent = [*headers, (TIMEOUT_HEADER.encode(), deadline.header(now).encode())]
+        if variant is not None:
+            sent.append((VARIANT_HEADER.encode(), variant.encode()))
         replica.in_flight += 1
         ok, cancelled = False, False
         try:

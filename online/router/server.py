@@ -85,6 +85,7 @@ def build_service(settings: RouterSettings, storage: StorageSettings, tenancy: T
                                     settings.scale_up_delay_s, settings.scale_down_delay_s))
     activator = Activator(settings.activator_queue) if scaler is not None and settings.min_replicas == 0 else None
     router = Router(settings, tenants, directory, replicas, key, rollouts=book, activator=activator)
+    router.fallbacks = {(f.model, f.group): f.variant for f in config.fallbacks}
     return RouterService(router, config, local, scaler)
 
 

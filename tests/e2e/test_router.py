@@ -51,7 +51,7 @@ def _tenants(path: Path) -> Path:
         "tenants:\n"
         "  - name: acme\n"
         f"    api_keys_sha256: [\"{hash_api_key(KEY)}\"]\n"
-        "    models: [\"breast-cancer@prod\", \"minilm@prod\", \"churn@prod\"]\n"
+        "    models: [\"breast-cancer@prod\", \"minilm@prod\", \"churn@prod\", \"mlp@prod\"]\n"
         "    rate: {requests_per_second: 5000, burst: 5000}\n"
         "    max_concurrent: 64\n"
         "  - name: tight\n"
@@ -553,3 +553,80 @@ def test_scaled_to_zero_the_router_holds_requests_while_a_replica_starts_and_los
     finally:
         code = _stop(router)
     assert code in (0, -signal.SIGTERM), log.read_text()[-4000:]
+
+
+# -- degraded mode: a fallback variant -----------------------------------------------------------------
+
+
+def _mlp_with_int8(home: Path) -> Any:
+    """mlp:1 (an MLP classifier, where int8 quantization applies) with its int8 variant, as prod; its estimator."""
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from shardline.examples import breast_cancer, golden_table
+    from shardline.packaging import GoldenSet, package_sklearn
+    from shardline.quality.variants import make_variant
+
+    data = breast_cancer()
+    estimator = make_pipeline(StandardScaler(), MLPClassifier((32,), max_iter=1000, random_state=0))
+    estimator.fit(data.features, data.labels)
+    golden = GoldenSet(golden_table(data), "target", "accuracy", "label", 0.95, max_variant_delta=0.02)
+    package_sklearn(estimator, home / "mlp", name="mlp", feature_names=data.names, golden=golden)
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias("mlp", "prod", registry.push(home / "mlp").version or 1)
+    make_variant(registry, "mlp:1", "int8")
+    return estimator
+
+
+def test_a_model_falls_back_to_its_int8_variant_on_the_cpu_group_marked_in_the_answer(
+    home: Path, breast_cancer_model: BuiltModel
+) -> None:
+    estimator = _mlp_with_int8(home)
+    router_key = "router-key-for-the-fallback-test"
+    tenants = _tenants(home / "tenants-fallback.yaml")
+    ports = {"gpu": free_port(), "cpu": free_port()}
+    config = home / "router-fallback.yaml"
+    config.write_text("groups:\n" + "".join(
+        f"  - name: {g}\n    priority: {i}\n    replicas: [\"http://127.0.0.1:{ports[g]}\"]\n" for i, g in enumerate(ports))
+        + "fallbacks:\n  - {model: mlp, variant: int8, group: cpu}\n")
+    env = _env(home, SHARDLINE_TENANCY_ROUTER_KEY_SHA256=hashlib.sha256(router_key.encode()).hexdigest())
+    servers = {}
+    for group, port in ports.items():
+        with open(home / f"fallback-{group}.log", "ab") as sink:
+            servers[group] = subprocess.Popen([*SHARDLINE, "serve", "--port", str(port), "--metrics-port", "off",
+                                               "--tenants", str(tenants)], env=env, stdout=sink, stderr=subprocess.STDOUT)
+    port, metrics_port = free_port(), free_port()
+    log = home / "router-fallback.log"
+    with open(log, "wb") as sink:
+        router = subprocess.Popen([*SHARDLINE, "router", "--config", str(config), "--tenants", str(tenants), "--port",
+                                   str(port), "--metrics-port", str(metrics_port)],
+                                  env=_env(home, SHARDLINE_ROUTER_KEY=router_key), stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    rows = breast_cancer_model.data.features[:60].astype(np.float32)
+    body = _rows_body(rows, breast_cancer_model.data.names)
+    expected = estimator.predict(rows).tolist()
+
+    def infer() -> httpx.Response:
+        return httpx.post(f"{url}/v2/models/mlp/infer", content=body, headers=key(), timeout=30)
+
+    try:
+        _wait_ready(url, router, log, available=2)
+        primary = infer()
+        assert primary.status_code == 200 and "x-shardline-fallback" not in primary.headers
+        assert primary.json()["outputs"][0]["data"] == expected
+        _stop(servers["gpu"])  # the primary group is gone
+        degraded = [infer() for _ in range(3)]
+        assert {a.status_code for a in degraded} == {200}
+        assert {a.headers.get("x-shardline-fallback") for a in degraded} == {"mlp:1#int8"}  # marked in the answer
+        labels = degraded[0].json()["outputs"][0]["data"]
+        assert sum(a == b for a, b in zip(labels, expected)) >= 57  # int8: within its golden-set delta
+        other = httpx.post(f"{url}/v2/models/{MODEL}/infer", content=_infer_body(breast_cancer_model), headers=key(),
+                           timeout=30)
+        assert other.status_code == 200 and "x-shardline-fallback" not in other.headers  # no fallback declared
+        series = _scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert series[("shardline_router_fallbacks_total", (("model", "mlp:1"), ("variant", "int8")))] == 3
+    finally:
+        for server in servers.values():
+            _stop(server)
+        assert _stop(router) in (0, -signal.SIGTERM), log.read_text()[-3000:]

@@ -190,6 +190,9 @@ def test_a_bad_router_config_names_the_field() -> None:
     with pytest.raises(InvalidSetting, match="group names must be unique"):
         parse_router_config({"groups": [{"name": "a", "replicas": ["http://x:1"]},
                                         {"name": "a", "replicas": ["http://y:1"]}]}, "router.yaml")
+    with pytest.raises(InvalidSetting, match="the fallback of 'churn' names group 'cpu', which is not one of the groups"):
+        parse_router_config({"groups": [{"name": "a", "replicas": ["http://x:1"]}],
+                             "fallbacks": [{"model": "churn", "variant": "int8", "group": "cpu"}]}, "router.yaml")
 
 
 def test_a_replica_much_slower_than_the_others_for_the_same_models_is_ejected_for_a_while() -> None:

@@ -21,10 +21,8 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/shardline demo
 
-# Test files spread over up to 4 processes (2 on two cores): a file's tests stay in one (they share its
-# fixtures: a router, a cluster). About 15 minutes on two cores, against 18 in one process.
 test: setup typecheck
-	$(PY) -m pytest tests --numprocesses=auto --maxprocesses=4 --dist loadfile --durations=15
+	$(PY) -m pytest tests --durations=15
 
 test-fast: setup
 	$(PY) -m pytest tests/unit

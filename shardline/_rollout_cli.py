@@ -31,7 +31,7 @@ def rollout_start(
     steps: Optional[str] = typer.Option(None, help="Canary: percents of callers, step by step, e.g. 1,5,25,100."),
     interval: Optional[str] = typer.Option(
         None, help="Canary: how long each step lasts before the next (then promotion), e.g. 10m; "
-        "leave out to step by hand (`rollout promote`)."),
+        "leave out to hold the first step until `rollout promote`."),
     shadow: Optional[str] = typer.Option(None, help="Shadow instead: the share of requests mirrored, e.g. 10%."),
     window: Optional[str] = typer.Option(None, help="Rollback window [default: 60s]."),
     min_requests: Optional[int] = typer.Option(None, help="Candidate answers needed before any verdict [default: 50]."),

@@ -165,8 +165,10 @@ def verdict(rollout: Rollout, observed: dict[str, Any], step_age_s: float) -> Ve
     if shadow is not None and shadow["rows"] >= need and shadow["disagreement"] > criteria.max_disagreement:
         return Verdict("rollback", f"shadow answers disagree on {shadow['disagreement']:.1%} of {shadow['rows']} rows "
                                    f"(at most {criteria.max_disagreement:.1%} allowed)")
-    if rollout.mode == "shadow" or rollout.interval_s is None:
-        return Verdict("hold", "promoted by hand")
+    if rollout.mode == "shadow":
+        return Verdict("hold", "a shadow is promoted or aborted by hand")
+    if rollout.interval_s is None:
+        return Verdict("hold", "no interval: it holds this step until `shardline rollout promote` or abort")
     if step_age_s < rollout.interval_s:
         return Verdict("hold", f"step {rollout.step + 1} runs {rollout.interval_s - step_age_s:.0f} s more")
     if cand["requests"] < need:

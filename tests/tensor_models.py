@@ -6,6 +6,7 @@
   ``b`` ``[-1, 2]``; outputs ``total`` (the sum of each row's five values) and ``joined``
   (the row's values side by side, ``[-1, 5]``).
 - ``cube_model``: one input ``x`` ``[-1, 2, 3]``; output ``total`` (each row's sum).
+- ``mlp_bundle``: an MLP classifier on the breast-cancer data, where int8 quantization applies (variants).
 - ``breast_cancer_bundle``: the breast-cancer classifier as a bundle that passes the promotion gates,
   optionally one whose graph fails on some inputs (a rollout candidate that errors on live rows only).
 """
@@ -140,3 +141,21 @@ def breast_cancer_bundle(folder: Path, name: str, kind: str, fails_from: float |
     package_onnx(folder / "guarded.onnx", folder / "bundle", name=name, signature=manifest.signature,
                  runtime_config=manifest.runtime_config, golden=golden, reference_profile=profile)
     return folder / "bundle"
+
+
+def mlp_bundle(folder: Path, name: str = "mlp") -> tuple[Path, Any]:
+    """(bundle folder, estimator): an MLP classifier on the breast-cancer data, where int8 quantization
+    applies, with its golden set (accuracy 0.95, a variant may move it by 0.02)."""
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from shardline.examples import breast_cancer, golden_table
+    from shardline.packaging import GoldenSet, package_sklearn
+
+    data = breast_cancer()
+    estimator = make_pipeline(StandardScaler(), MLPClassifier((32,), max_iter=1000, random_state=0))
+    estimator.fit(data.features, data.labels)
+    golden = GoldenSet(golden_table(data), "target", "accuracy", "label", 0.95, max_variant_delta=0.02)
+    package_sklearn(estimator, folder / name, name=name, feature_names=data.names, golden=golden)
+    return folder / name, estimator

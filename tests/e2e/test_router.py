@@ -30,7 +30,7 @@ from shardline.storage.registry import AliasMove, ModelRegistry
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
 from tests.e2e.test_serve import free_port
-from tests.tensor_models import breast_cancer_bundle
+from tests.tensor_models import breast_cancer_bundle, mlp_bundle
 
 KEY = "sk-router-e2e"
 TIGHT_KEY = "sk-router-tight"
@@ -560,21 +560,11 @@ def test_scaled_to_zero_the_router_holds_requests_while_a_replica_starts_and_los
 
 def _mlp_with_int8(home: Path) -> Any:
     """mlp:1 (an MLP classifier, where int8 quantization applies) with its int8 variant, as prod; its estimator."""
-    from sklearn.neural_network import MLPClassifier
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
-    from shardline.examples import breast_cancer, golden_table
-    from shardline.packaging import GoldenSet, package_sklearn
     from shardline.quality.variants import make_variant
 
-    data = breast_cancer()
-    estimator = make_pipeline(StandardScaler(), MLPClassifier((32,), max_iter=1000, random_state=0))
-    estimator.fit(data.features, data.labels)
-    golden = GoldenSet(golden_table(data), "target", "accuracy", "label", 0.95, max_variant_delta=0.02)
-    package_sklearn(estimator, home / "mlp", name="mlp", feature_names=data.names, golden=golden)
+    bundle, estimator = mlp_bundle(home)
     registry = ModelRegistry(str(home / "registry"))
-    registry.set_alias("mlp", "prod", registry.push(home / "mlp").version or 1)
+    registry.set_alias("mlp", "prod", registry.push(bundle).version or 1)
     make_variant(registry, "mlp:1", "int8")
     return estimator
 

@@ -8,9 +8,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from shardline.examples import breast_cancer, golden_table
 from shardline.flows.batch_inference import batch_inference
-from shardline.packaging import GoldenSet, package_sklearn
 from shardline.placement import BatchWorkload, CostTable, candidates_from_profiles, choose_placement
 from shardline.quality.model_profiles import profile_version
 from shardline.quality.variants import make_variant
@@ -19,23 +17,17 @@ from shardline.settings import PlacementSettings
 from shardline.storage.model_cache import ModelCache
 from shardline.storage.registry import ModelRegistry
 
+from tests.tensor_models import mlp_bundle
+
 pytestmark = pytest.mark.usefixtures("on_cluster")
 
 
 @pytest.fixture
 def mlp_registry(shardline_home: Path, tmp_path: Path) -> ModelRegistry:
     """mlp:1 (an MLP classifier, where int8 applies) with an int8 variant and profiles of both here."""
-    from sklearn.neural_network import MLPClassifier
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
-    data = breast_cancer()
-    estimator = make_pipeline(StandardScaler(), MLPClassifier((32,), max_iter=1000, random_state=0))
-    estimator.fit(data.features, data.labels)
-    golden = GoldenSet(golden_table(data), "target", "accuracy", "label", 0.95, max_variant_delta=0.02)
-    package_sklearn(estimator, tmp_path / "mlp", name="mlp", feature_names=data.names, golden=golden)
+    bundle, _ = mlp_bundle(tmp_path)
     registry = ModelRegistry(str(shardline_home / "registry"))
-    registry.push(tmp_path / "mlp")
+    registry.push(bundle)
     registry.set_alias("mlp", "prod", 1)
     make_variant(registry, "mlp:1", "int8")
     for variant in (None, "int8"):

@@ -591,7 +591,8 @@ def test_a_model_falls_back_to_its_int8_variant_on_the_cpu_group_marked_in_the_a
     with open(log, "wb") as sink:
         router = subprocess.Popen([*SHARDLINE, "router", "--config", str(config), "--tenants", str(tenants), "--port",
                                    str(port), "--metrics-port", str(metrics_port)],
-                                  env=_env(home, SHARDLINE_ROUTER_KEY=router_key), stdout=sink, stderr=subprocess.STDOUT)
+                                  env=_env(home, SHARDLINE_ROUTER_KEY=router_key, SHARDLINE_ROUTER_FAILBACK_S="2"),
+                                  stdout=sink, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     rows = breast_cancer_model.data.features[:60].astype(np.float32)
     body = _rows_body(rows, breast_cancer_model.data.names)
@@ -602,6 +603,8 @@ def test_a_model_falls_back_to_its_int8_variant_on_the_cpu_group_marked_in_the_a
 
     try:
         _wait_ready(url, router, log, available=2)
+        # the gpu group takes traffic at once, or failback_s after it came up if the cpu group was ready first
+        _eventually(lambda: httpx.get(f"{url}/v2/health/ready").json()["group"] == "gpu", 30, log.read_text()[-3000:])
         primary = infer()
         assert primary.status_code == 200 and "x-shardline-fallback" not in primary.headers
         assert primary.json()["outputs"][0]["data"] == expected

@@ -131,7 +131,10 @@ def routed(home: Path, prefect_api: str) -> Iterator[Routed]:
         metrics_port = free_port()
         router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "3", "--tenants", str(tenants), "--port",
                                    str(port), "--metrics-port", str(metrics_port)],
-                                  env=_env(home, PREFECT_API_URL=prefect_api), stdout=sink,
+                                  # health checks every 10 s: the SIGKILL test's breaker must open on the failed
+                                  # requests before an active check takes the replica out (1 s made that a race)
+                                  env=_env(home, PREFECT_API_URL=prefect_api, SHARDLINE_ROUTER_HEALTH_INTERVAL_S="10"),
+                                  stdout=sink,
                                   stderr=subprocess.STDOUT, cwd=home)
     url = f"http://127.0.0.1:{port}"
     replicas: dict[str, int] = {}

@@ -11,12 +11,14 @@ loop, latency from each request's intended send time):
 - **nginx**: Debian's nginx as a plain reverse proxy over the three (`worker_processes auto`, upstream
   keep-alive, no access log), passing the same headers as direct.
 
-Printed: each series' steps, the p50 at the lightest rate, the highest rate held at p99 <= 10 ms, and
+Both request layouts a V2 client sends for this model are measured, one after the other: 30
+inputs of shape [1] (one per feature column) and one input of shape [1, 30] (the model packaged
+from its ONNX file alone). Printed, for each layout: each series' steps, the p50 at the lightest rate, the highest rate held at p99 <= 10 ms, and
 the ratios against the targets: the router adds at most 1.5x nginx's p50 (p50 through it less p50
 direct), and holds at least 0.8x nginx's rate.
 
-    .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~2 min
-    .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~8 min
+    .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~4 min
+    .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~16 min
 
 nginx must be on PATH (`apt-get install nginx-light`). Data and logs: bench/.data/router/ (git-ignored).
 """
@@ -95,7 +97,7 @@ def run(targets: list[tuple[str, ol.Server]], path: str, bodies: list[str], args
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 rates, short steps: ~2 minutes")
+    parser.add_argument("--quick", action="store_true", help="3 rates, short steps: ~4 minutes")
     parser.add_argument("--rates", help="the ladder, req/s, comma-separated (default 100..6400 doubling)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
@@ -133,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     proxy = ol.Server("nginx", [nginx, "-c", str(nginx_config(nginx_port, ports, DATA)), "-p", str(DATA)], env,
                       nginx_port, path, "/v2/health/ready")
     print(f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.2f}); ladder "
-          f"{', '.join(f'{r:,.0f}' for r in args.ladder)} req/s; one row per request (30 inputs of shape [1]); "
+          f"{', '.join(f'{r:,.0f}' for r in args.ladder)} req/s; one row per request, in both layouts "
+          f"({'; '.join(ol.LAYOUTS.values())}); "
           "3 replicas of `shardline serve` on their defaults", flush=True)
     print(f"  {subprocess.run([nginx, '-v'], capture_output=True, text=True).stderr.strip()}", flush=True)
     try:
@@ -148,11 +151,22 @@ def main(argv: list[str] | None = None) -> int:
             if status != 200 or got is None or got[0] != data["expected"][0]:
                 raise SystemExit(f"{name} answered {status} {str(answer)[:300]}")
         print("  every series answers as the model does", flush=True)
-        steps = run([("direct", servers[0]), ("router", router), ("nginx", proxy)], path, data["v2"], args)
+        layouts = {"scalar": (path, data["v2"]), "nk": (f"/v2/models/{ol.MODEL_NK}/infer", data["nk"])}
+        steps = {layout: run([("direct", servers[0]), ("router", router), ("nginx", proxy)], layout_path, bodies, args)
+                 for layout, (layout_path, bodies) in layouts.items()}
     finally:
         for server in (router, proxy, *servers):
             server.stop()
+    met = [report(layout, series, args) for layout, series in steps.items()]
+    print(f"(rest: cores the rest of the machine used; a figure marked '!' was noisy, over {NOISY:g} core)")
+    (DATA / "last-run.json").write_text(json.dumps({"steps": steps}, indent=1))
+    return 1 if args.strict and not all(met) else 0
+
+
+def report(layout: str, steps: dict[str, Any], args: argparse.Namespace) -> bool:
+    """Print one request layout's series, summary and ratios against the targets; whether both were met."""
     light = min(args.ladder)
+    print(f"\n=== layout {layout}: {ol.LAYOUTS[layout]} ===")
     for name, series in steps.items():
         ol.report_steps(name, series)
     summary = {name: ol.summarize(series, light) for name, series in steps.items()}
@@ -163,13 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     p50_ratio = added["router"] / added["nginx"] if added["nginx"] > 0 else math.inf
     held_ratio = summary["router"]["held"] / summary["nginx"]["held"] if summary["nginx"]["held"] else math.inf
     p50_met, held_met = p50_ratio <= ADDED_P50_TARGET, held_ratio >= HELD_TARGET
-    print(f"\nadded p50 at {light:,.0f}/s: router {added['router'] * 1000:.0f} us, nginx {added['nginx'] * 1000:.0f} us: "
-          f"{p50_ratio:.2f}x (target <= {ADDED_P50_TARGET}: {'met' if p50_met else 'MISSED'})")
-    print(f"highest rate held: router {summary['router']['held']:,.0f}/s, nginx {summary['nginx']['held']:,.0f}/s: "
-          f"{held_ratio:.2f}x (target >= {HELD_TARGET}: {'met' if held_met else 'MISSED'})")
-    print(f"(rest: cores the rest of the machine used; a figure marked '!' was noisy, over {NOISY:g} core)")
-    (DATA / "last-run.json").write_text(json.dumps({"steps": steps, "summary": summary}, indent=1))
-    return 1 if args.strict and not (p50_met and held_met) else 0
+    print(f"\n[{layout}] added p50 at {light:,.0f}/s: router {added['router'] * 1000:.0f} us, nginx "
+          f"{added['nginx'] * 1000:.0f} us: {p50_ratio:.2f}x (target <= {ADDED_P50_TARGET}: "
+          f"{'met' if p50_met else 'MISSED'})")
+    print(f"[{layout}] highest rate held: router {summary['router']['held']:,.0f}/s, nginx "
+          f"{summary['nginx']['held']:,.0f}/s: {held_ratio:.2f}x (target >= {HELD_TARGET}: "
+          f"{'met' if held_met else 'MISSED'})")
+    return p50_met and held_met
 
 
 def _headers(name: str) -> dict[str, str]:

@@ -231,7 +231,7 @@ class DataPlane:
         if served is not None:
             return served
         limits, idle = batch_limits(resolved.name, self.settings, profile)
-        version = f"{resolved.version}#{variant}" if variant else str(resolved.version)
+        version = _version_label(resolved)
 
         def observe(rows: int, requests: int, seconds: float) -> None:
             self.metrics.observe_batch(resolved.name, version, rows, requests, seconds)
@@ -393,7 +393,7 @@ class DataPlane:
         limits = served.batcher.limits
         if limits.max_batch_size > half:
             served.batcher.limits = dataclasses.replace(limits, max_batch_size=max(1, half))
-        self.metrics.oom_splits.labels(resolved.name, str(resolved.version)).inc()
+        self.metrics.oom_splits.labels(resolved.name, _version_label(resolved)).inc()
         log.warning("out of memory on a batch: split in two, the batch limit lowered", extra={"fields": {
             "model": resolved.pinned, "rows": inputs.num_rows, "max_batch_size": served.batcher.limits.max_batch_size}})
         parts = [self._score(served, runtime, inputs.slice(0, half)),
@@ -494,3 +494,8 @@ class DataPlane:
             for s in self._served.values()
         ]
         return Snapshot(models, {name: gate.in_flight for name, gate in self._gates.items()})
+
+
+def _version_label(resolved: ResolvedModel) -> str:
+    """A served version's ``version`` metrics label: ``3``, or ``3#int8`` for a precision variant."""
+    return f"{resolved.version}#{resolved.variant_name}" if resolved.variant_name else str(resolved.version)

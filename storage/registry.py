@@ -418,11 +418,15 @@ class ModelRegistry:
 
     def aliases(self, name: str) -> dict[str, int]:
         """Alias -> version for one model."""
+        return {alias: move.version for alias, move in self.current_moves(name).items()}
+
+    def current_moves(self, name: str) -> dict[str, AliasMove]:
+        """Alias -> its newest readable record, for one model (aliases never set readably left out)."""
         found = {}
         for alias in self._listing(join(self.root, name, "aliases")):
             move = self.current_move(name, alias)
             if move is not None:
-                found[alias] = move.version
+                found[alias] = move
         return found
 
     def move_alias(

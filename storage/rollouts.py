@@ -136,10 +136,9 @@ def parse_steps(text: str) -> tuple[float, ...]:
 
 def running(registry: ModelRegistry, name: str) -> tuple[str, AliasMove, Rollout] | None:
     """The rollout that runs on any alias of the model: (alias, its newest record, the rollout), or None."""
-    for alias in registry.aliases(name):
-        move = registry.current_move(name, alias)
+    for alias, move in registry.current_moves(name).items():
         rollout = active(move)
-        if rollout is not None and move is not None:
+        if rollout is not None:
             return alias, move, rollout
     return None
 

@@ -206,8 +206,13 @@ class RolloutBook:
         ``seconds`` None: left out of the p99, as a replica's first answer of a version, which loaded it)."""
         if route.rollout is None or route.arm is None:
             return
-        arms = self.windows.setdefault(route.rollout.id, {"baseline": Window(), "candidate": Window()})
-        arms[route.arm].add(self._clock(), status >= 500 and not shed, seconds)
+        self._arms(route.rollout.id)[route.arm].add(self._clock(), status >= 500 and not shed, seconds)
+
+    def _arms(self, rollout_id: str) -> dict[Arm, Window]:
+        arms = self.windows.get(rollout_id)
+        if arms is None:
+            arms = self.windows[rollout_id] = {"baseline": Window(), "candidate": Window()}
+        return arms
 
     def record_shadow(self, rollout: Rollout, comparison: Comparison | None, status: int,
                       seconds: float | None) -> None:
@@ -223,9 +228,8 @@ class RolloutBook:
     def observed(self, rollout: Rollout) -> dict[str, Any]:
         """What the window holds for a rollout now (what ``verdict`` reads and ``rollout status`` shows)."""
         since = self._clock() - rollout.criteria.window_s
-        arms = self.windows.setdefault(rollout.id, {"baseline": Window(), "candidate": Window()})
         found: dict[str, Any] = {}
-        for arm, window in arms.items():
+        for arm, window in self._arms(rollout.id).items():
             window.trim(since)
             found[arm] = window.summary()
         if rollout.mode == "shadow":

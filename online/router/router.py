@@ -358,6 +358,10 @@ class Router:
         attempt = 0
         model = key.split("|", 1)[0]
         hedge = self.settings.hedge_after_ms / 1000 if retry else 0.0
+        send: Callable[[Replica], Awaitable[Answer | None]] = functools.partial(
+            self._send, method=request.method, target=target, headers=headers, body=body, deadline=deadline, model=model)
+        if self.fallbacks:
+            send = functools.partial(self._fallback_send, send, model)
         while True:
             replica = self._pick(key, tried)
             if replica is None and not tried and self.activator is not None:
@@ -368,10 +372,6 @@ class Router:
             tried.add(replica.url)
             if tries is not None:
                 tries.count += 1
-            send = functools.partial(self._send, method=request.method, target=target, headers=headers, body=body,
-                                     deadline=deadline, model=model)
-            if self.fallbacks:
-                send = functools.partial(self._fallback_send, send, model)
             if hedge > 0:
                 answer, replica = await self._hedged(send, replica, key, tried, tries, hedge)
             else:

@@ -191,7 +191,7 @@ def test_a_hedged_request_is_answered_by_the_faster_copy_and_the_slow_one_is_can
 
     seen: list[str] = []
 
-    async def main() -> tuple[list[bytes], list[float], object]:
+    async def main() -> tuple[list[bytes], object]:
         delays: dict[str, float] = {}
         servers = {}
         for name in ("a", "b"):
@@ -200,29 +200,27 @@ def test_a_hedged_request_is_answered_by_the_faster_copy_and_the_slow_one_is_can
         first = urls[rank("m:1", list(urls))[0]]  # the replica the model's requests go to first: make it slow
         delays.update({first: 0.4, ("b" if first == "a" else "a"): 0.0})
         router, replicas = _router(list(urls), hedge_after_ms=hedge_ms)
-        bodies, took = [], []
+        bodies = []
         for _ in range(4):
-            started = time.monotonic()
             answer = await router.handle(Incoming("POST", "/v2/models/m/versions/1/infer", b"",  # type: ignore[attr-defined]
                                                   [(b"authorization", b"Bearer sk-acme")], b"{}"))
-            took.append(time.monotonic() - started)
             assert answer.status == 200
             bodies.append(answer.body)
         states = {r.breaker.state for r in replicas.replicas.values()}  # type: ignore[attr-defined]
         await router.stop()  # type: ignore[attr-defined]
         for server, _ in servers.values():
             server.close()
-        return bodies, took, (first, states, router.metrics)  # type: ignore[attr-defined]
+        return bodies, (first, states, router.metrics)  # type: ignore[attr-defined]
 
-    bodies, took, (slow, states, metrics) = asyncio.run(main())
+    bodies, (slow, states, metrics) = asyncio.run(main())
     fast = "b" if slow == "a" else "a"
     if hedge_ms:
         assert bodies == [b'{"replica": "%s"}' % fast.encode()] * 4  # the copy sent after 40 ms won each time
-        assert all(t < 0.3 for t in took[1:])
         assert states == {"closed"}  # the cancelled copies are no fault of the slow replica
         assert metrics.hedges.labels("second")._value.get() == 4  # type: ignore[attr-defined]
     else:
-        assert bodies == [b'{"replica": "%s"}' % slow.encode()] * 4 and all(t >= 0.4 for t in took)
+        assert bodies == [b'{"replica": "%s"}' % slow.encode()] * 4  # no hedge: the first replica's answer, waited for
+        assert metrics.hedges.labels("second")._value.get() == 0  # type: ignore[attr-defined]
 
 
 def test_an_openai_body_is_pinned_to_the_callers_canary_version_and_mirrored_in_shadow() -> None:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import random
 import re
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
@@ -51,7 +52,7 @@ from shardline.online.router.placement import choose
 from shardline.online.router.replicas import Replica, ReplicaSet
 from shardline.online.router.rollouts import Route, RolloutBook
 from shardline.online.router.scaling import Activator
-from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
+from shardline.online.router.upstream import UpstreamFailed, UpstreamPool, header_lines
 from shardline.online.tenants import TENANT_HEADER, Tenant, TenantDirectory, not_available
 from shardline.settings import RouterSettings
 from shardline.storage.rollouts import Rollout
@@ -68,8 +69,15 @@ _HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization", b"te",
     b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
 })
-_OWN_ANSWER = frozenset({b"date", b"server"})  # the router's server writes its own
-_SET_HERE = frozenset({b"authorization", TENANT_HEADER.encode(), TIMEOUT_HEADER.encode(), VARIANT_HEADER.encode()})
+_NOT_ANSWERED = _HOP | {b"date", b"server"}  # the router's server writes its own date and server
+_SET_HERE = frozenset({b"authorization", TENANT_HEADER.encode(), TIMEOUT_HEADER.encode(), VARIANT_HEADER.encode(),
+                       REQUEST_ID_HEADER.encode()})
+_NOT_SENT = _HOP | _SET_HERE
+_TENANT, _VARIANT = TENANT_HEADER.encode(), VARIANT_HEADER.encode()
+_REQUEST_ID, _ROUTE_KEY, _TIMEOUT = REQUEST_ID_HEADER.encode(), ROUTE_KEY_HEADER.encode(), TIMEOUT_HEADER.encode()
+# new_request_id: a random half per process, then a count from a random start
+_ID_PREFIX = secrets.token_hex(8)
+_ID_COUNT = itertools.count(int.from_bytes(secrets.token_bytes(4), "big"))
 _MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/infer|/ready)?/?$")
 MAX_REMEMBERED = 65_536  # (replica, version) pairs known to have answered (past it, none counts as first)
 MAX_MIRRORS = 64  # shadow copies in flight at once; more are skipped (counted), never queued
@@ -110,6 +118,12 @@ class Tries:
 
     count: int = 0
     first: bool = False
+
+
+def new_request_id() -> str:
+    """An id for a request that came without ``X-Request-Id``: 32 hex digits, unique in this process (a count)
+    and across processes (a random half), as a uuid4's hex is but cheaper (~0.3 us, not ~3)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNT) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
 
 
 def error_answer(error: ShardlineError, openai: bool, request_id: str) -> Answer:
@@ -177,7 +191,7 @@ class Router:
 
     async def handle(self, request: Incoming) -> Answer:
         """Answer one request (never raises for a client's or a replica's fault)."""
-        request_id = request.header(REQUEST_ID_HEADER.encode()) or uuid.uuid4().hex
+        request_id = request.header(_REQUEST_ID) or new_request_id()
         openai = request.path.startswith("/v1/")
         try:
             return await self._route(request, request_id)
@@ -224,7 +238,7 @@ class Router:
             return Route(ref.version)
         alias = ref.alias or "prod"
         if self.rollouts is not None:
-            caller = request.header(ROUTE_KEY_HEADER.encode()) or f"tenant:{tenant.name}"
+            caller = request.header(_ROUTE_KEY) or f"tenant:{tenant.name}"
             route = self.rollouts.route(ref.name, alias, caller, self._draw())
             if route is not None:
                 return route
@@ -270,7 +284,7 @@ class Router:
                         request_id: str, route: Route | None = None,
                         mirror: tuple[str, bytes, str] | None = None) -> Answer:
         with self._gate(tenant):  # the tenant's rate and concurrency, for every replica together
-            routed = request.header(ROUTE_KEY_HEADER.encode())
+            routed = request.header(_ROUTE_KEY)
             model = key if ":" in key else "-"
             started = self._clock()
             self.metrics.started(model)
@@ -343,13 +357,10 @@ class Router:
             DeadlineExceeded: the deadline passed before any replica answered.
         """
         now = self._clock()
-        deadline = Deadline.from_header(request.header(TIMEOUT_HEADER.encode()), now,
+        deadline = Deadline.from_header(request.header(_TIMEOUT), now,
                                         self.settings.request_timeout_s, self.settings.max_timeout_s)
-        headers = [(k, v) for k, v in request.headers if k not in _HOP and k not in _SET_HERE]
-        headers += [(b"authorization", self._key), (TENANT_HEADER.encode(), tenant.name.encode())]
-        if request.header(REQUEST_ID_HEADER.encode()) is None or not retry:
-            headers = [(k, v) for k, v in headers if k != REQUEST_ID_HEADER.encode()]
-            headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+        headers = header_lines([(k, v) for k, v in request.headers if k not in _NOT_SENT] + [
+            (b"authorization", self._key), (_TENANT, tenant.name.encode()), (_REQUEST_ID, request_id.encode())])
         target = path + ("?" + request.query.decode("latin-1") if request.query else "")
         if retry:
             self.budget.request(now)
@@ -465,19 +476,20 @@ class Router:
             self.metrics.fallback(model, variant)
         return answer
 
-    async def _send(self, replica: Replica, method: str, target: str, headers: list[tuple[bytes, bytes]],
+    async def _send(self, replica: Replica, method: str, target: str, headers: bytes,
                     body: bytes, deadline: Deadline, model: str = "-", variant: str | None = None) -> Answer | None:
-        """The replica's answer, or None when it gave none (no connection, reset, time-out)."""
+        """The replica's answer, or None when it gave none (no connection, reset, time-out). ``headers``:
+        the request's header lines (``header_lines``), to which the deadline left (and the variant) are added."""
         now = self._clock()
-        sent = [*headers, (TIMEOUT_HEADER.encode(), deadline.header(now).encode())]
+        sent = b"%s%s: %s\r\n" % (headers, _TIMEOUT, deadline.header(now).encode())
         if variant is not None:
-            sent.append((VARIANT_HEADER.encode(), variant.encode()))
+            sent += b"%s: %s\r\n" % (_VARIANT, variant.encode())
         replica.in_flight += 1
         ok, cancelled = False, False
         try:
             status, raw, payload = await self._pool(replica.url).request(
                 method, target, sent, body, max(0.001, deadline.left(now)))
-            answer = Answer(status, [(k, v) for k, v in raw if k not in _HOP and k not in _OWN_ANSWER], payload)
+            answer = Answer(status, [(k, v) for k, v in raw if k not in _NOT_ANSWERED], payload)
             ok = answer.status not in RETRY_STATUSES or answer.status == 503 and _shed(answer)
             if answer.status < 500:
                 replica.answered(model, (self._clock() - now) * 1000)

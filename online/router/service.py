@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import socket
 import time
@@ -134,7 +135,7 @@ class RouterService:
             parts = urlsplit(url)
             pool = self._checks[url] = UpstreamPool(parts.hostname or "127.0.0.1", parts.port or 80)
         try:
-            status, _, _ = await pool.request("GET", "/v2/health/ready", [], b"", HEALTH_TIMEOUT_S)
+            status, _, _ = await pool.request("GET", "/v2/health/ready", b"", b"", HEALTH_TIMEOUT_S)
         except UpstreamFailed:
             return False
         return status == 200
@@ -213,6 +214,8 @@ async def _lifespan(service: RouterService, receive: Receive, send: Send) -> Non
             except Exception as e:  # noqa: BLE001 - reported to uvicorn, which stops
                 await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
                 return
+            gc.collect()
+            gc.freeze()  # what is loaded by now lives as long as the router: keep it out of every collection
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             with contextlib.suppress(Exception):

@@ -7,7 +7,8 @@ router's work is under 100 us; this client writes the request in one ``write`` a
 as it arrives. It does only what the router needs: a request with a body of known length, the whole
 answer read (Content-Length or chunked), keep-alive, a time-out.
 
-- ``UpstreamPool.request`` raises ``UpstreamFailed`` when the replica gave no answer: it refused the
+- ``UpstreamPool.request`` takes the request's header lines already joined (``header_lines``): the
+  router builds them once per request, not once per try. It raises ``UpstreamFailed`` when the replica gave no answer: it refused the
   connection, reset it, closed it before answering, or the time-out passed. A connection reused from
   the pool that the replica had already closed (its keep-alive ran out as the request went) is retried
   once on a new connection: that is not the replica's fault.
@@ -21,6 +22,11 @@ from typing import Iterable, cast
 import httptools
 
 MAX_IDLE = 64  # idle keep-alive connections kept per replica
+
+
+def header_lines(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """``name: value`` lines, each ended by CRLF, as ``UpstreamPool.request`` takes them."""
+    return b"".join([b"%s: %s\r\n" % pair for pair in headers])
 
 
 class UpstreamFailed(ConnectionError):
@@ -89,6 +95,11 @@ class _Connection(asyncio.Protocol):
         return self.answer
 
 
+def _time_out(answer: asyncio.Future[None]) -> None:
+    if not answer.done():
+        answer.set_exception(TimeoutError())
+
+
 class UpstreamPool:
     """Keep-alive connections to one replica (``host``:``port``)."""
 
@@ -97,48 +108,52 @@ class UpstreamPool:
         self._host_header = f"{host}:{port}".encode()
         self._idle: list[_Connection] = []
 
-    async def request(self, method: str, target: str, headers: Iterable[tuple[bytes, bytes]], body: bytes,
+    async def request(self, method: str, target: str, headers: bytes, body: bytes,
                       timeout: float) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        """Send one request and read the whole answer: (status, headers with lower-case names, body).
+        """Send one request (``headers``: ``header_lines``; Host and Content-Length are added) and read the
+        whole answer: (status, headers with lower-case names, body).
 
         Raises:
             UpstreamFailed: no answer from the replica (see the module docstring).
         """
-        head = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), b"host: ", self._host_header, b"\r\n"]
-        for name, value in headers:
-            head += [name, b": ", value, b"\r\n"]
-        head += [b"content-length: ", str(len(body)).encode(), b"\r\n\r\n", body]
-        data = b"".join(head)
+        data = b"%s %s HTTP/1.1\r\nhost: %s\r\n%scontent-length: %d\r\n\r\n%s" % (
+            method.encode("latin-1"), target.encode("latin-1"), self._host_header, headers, len(body), body)
         loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(timeout):
-                for attempt in (0, 1):
-                    connection, reused = await self._connection(loop)
-                    answer = connection.start(loop)
-                    assert connection.transport is not None
-                    connection.transport.write(data)
-                    try:
-                        await answer
-                    except _Stale:
-                        if reused and attempt == 0:
-                            continue  # its keep-alive ran out as we sent: a new connection, once
-                        raise UpstreamFailed("the replica closed the connection without answering") from None
-                    except BaseException:
-                        connection.transport.close()
-                        raise
-                    self._release(connection)
-                    return connection.status, connection.headers, b"".join(connection.body)
-        except TimeoutError:
-            raise UpstreamFailed(f"no answer within {timeout * 1000:.0f} ms") from None
+        until = loop.time() + timeout
+        for attempt in (0, 1):
+            connection, reused = await self._connection(loop, until)
+            answer = connection.start(loop)
+            assert connection.transport is not None
+            connection.transport.write(data)
+            timer = loop.call_at(until, _time_out, answer)  # cheaper than asyncio.timeout on this path
+            try:
+                await answer
+            except _Stale:
+                if reused and attempt == 0:
+                    continue  # its keep-alive ran out as we sent: a new connection, once
+                raise UpstreamFailed("the replica closed the connection without answering") from None
+            except TimeoutError:
+                connection.transport.close()
+                raise UpstreamFailed(f"no answer within {timeout * 1000:.0f} ms") from None
+            except BaseException:
+                connection.transport.close()
+                raise
+            finally:
+                timer.cancel()
+            self._release(connection)
+            return connection.status, connection.headers, b"".join(connection.body)
         raise AssertionError("unreachable")
 
-    async def _connection(self, loop: asyncio.AbstractEventLoop) -> tuple[_Connection, bool]:
+    async def _connection(self, loop: asyncio.AbstractEventLoop, until: float) -> tuple[_Connection, bool]:
         while self._idle:
             connection = self._idle.pop()
             if not connection.closed:
                 return connection, True
         try:
-            _, protocol = await loop.create_connection(_Connection, self.host, self.port)
+            async with asyncio.timeout_at(until):
+                _, protocol = await loop.create_connection(_Connection, self.host, self.port)
+        except TimeoutError:
+            raise UpstreamFailed("no connection within the time-out") from None
         except OSError as e:
             raise UpstreamFailed(f"cannot connect ({e.strerror or e})") from e
         return protocol, False

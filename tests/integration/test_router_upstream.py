@@ -47,9 +47,9 @@ def test_answers_come_back_whole_and_the_connection_is_kept() -> None:
     async def main() -> None:
         server, port = await _serve(echo)
         pool = UpstreamPool("127.0.0.1", port)
-        status, headers, body = await pool.request("POST", "/x", [(b"x-tenant", b"acme")], b"hello", 5.0)
+        status, headers, body = await pool.request("POST", "/x", b"x-tenant: acme\r\n", b"hello", 5.0)
         assert (status, body) == (201, b"olleh|x-tenant: acme")
-        status, headers, body = await pool.request("POST", "/x", [(b"x-tenant", b"acme")], b"chunked", 5.0)
+        status, headers, body = await pool.request("POST", "/x", b"x-tenant: acme\r\n", b"chunked", 5.0)
         assert (status, body) == (200, b"abcde") and (b"x-kind", b"Chunked") in headers
         assert len(connections) == 1  # both over one kept-alive connection
         pool.close()
@@ -73,9 +73,9 @@ def test_a_kept_alive_connection_the_replica_closed_is_replaced_once() -> None:
     async def main() -> None:
         server, port = await _serve(one_then_close)
         pool = UpstreamPool("127.0.0.1", port)
-        assert (await pool.request("GET", "/", [], b"", 5.0))[0] == 200
+        assert (await pool.request("GET", "/", b"", b"", 5.0))[0] == 200
         await asyncio.sleep(0.2)  # the replica has closed the idle connection by now
-        assert (await pool.request("GET", "/", [], b"", 5.0))[2] == b"ok"
+        assert (await pool.request("GET", "/", b"", b"", 5.0))[2] == b"ok"
         assert served == 2
         server.close()
 
@@ -104,7 +104,7 @@ def test_no_answer_is_an_upstream_failure(behaviour: str) -> None:
         pool = UpstreamPool("127.0.0.1", port)
         started = asyncio.get_running_loop().time()
         with pytest.raises(UpstreamFailed) as failed:
-            await pool.request("POST", "/v2/models/m/infer", [], b"{}", 0.3)
+            await pool.request("POST", "/v2/models/m/infer", b"", b"{}", 0.3)
         assert asyncio.get_running_loop().time() - started < 2
         expected = {"refused": "cannot connect", "dies mid-answer": "in the middle of its answer",
                     "silent": "no answer within 300 ms", "not http": "is not HTTP"}[behaviour]

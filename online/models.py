@@ -8,7 +8,10 @@ starts a re-read in the background (stale-while-revalidate): once an alias is kn
 no request waits for the registry (under load, a registry read on a thread waits for
 the GIL, and every request of the model would wait with it). An alias the registry no
 longer has is forgotten (the next request is told); a registry that cannot be read
-leaves the known version in use (logged). ``alias_refresh_s`` 0 reads it every time. ``ServedModel`` is one version as the server holds it: its
+leaves the known version in use (logged). A reference the registry lacks (no such model,
+version or alias) is remembered as missing for ``alias_refresh_s`` too, so that callers
+retrying it are told at once and cost no registry reads (two per request otherwise: the
+reference and the versions the message names). ``alias_refresh_s`` 0 reads it every time. ``ServedModel`` is one version as the server holds it: its
 batcher, when it was last used, and whether it is being unloaded.
 """
 
@@ -147,6 +150,7 @@ def missing_for_serving(resolved: ResolvedModel, registry: ModelRegistry, local_
     return None
 
 
+MAX_MISSING = 1024  # references remembered as missing (past it, the memory starts afresh)
 VARIANT_HEADER = "x-shardline-variant"  # a request for a version's precision variant (a router's fallback)
 
 
@@ -174,6 +178,7 @@ class ModelDirectory:
         self._aliases: dict[tuple[str, str], _Alias] = {}
         self._inflight: dict[tuple[str, str], asyncio.Future[ResolvedModel]] = {}
         self._refreshing: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._missing_since: dict[tuple[str, str], tuple[ModelNotFound, float]] = {}  # read key -> error, when
 
     async def resolve(self, ref: ModelRef) -> ResolvedModel:
         """The version a reference means now.
@@ -228,7 +233,18 @@ class ModelDirectory:
         return self._versions[(name, version)]
 
     async def _once(self, key: tuple[str, str], read: Callable[[], ResolvedModel]) -> ResolvedModel:
-        """One registry read per key at a time; concurrent callers share its answer."""
+        """One registry read per key at a time; concurrent callers share its answer. A key found missing
+        is not read again for ``alias_refresh_s``.
+
+        Raises:
+            ModelNotFound: the registry lacks it (now, or when it was read less than ``alias_refresh_s`` ago).
+        """
+        missing = self._missing_since.get(key)
+        if missing is not None:
+            error, since = missing
+            if self._clock() - since < self._refresh:
+                raise ModelNotFound(str(error), error.reference)
+            del self._missing_since[key]
         pending = self._inflight.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
@@ -238,6 +254,10 @@ class ModelDirectory:
             resolved: ResolvedModel = await self._run(read)
         except ModelNotFound as e:
             error = ModelNotFound(await self._missing(key[1], e), e.reference)
+            if self._refresh > 0:
+                if len(self._missing_since) >= MAX_MISSING:
+                    self._missing_since.clear()
+                self._missing_since[key] = (error, self._clock())
             future.set_exception(error)
             future.exception()  # retrieved: no "never retrieved" warning when nobody else waited
             raise error from e

@@ -8,10 +8,11 @@ as it arrives. It does only what the router needs: a request with a body of know
 answer read (Content-Length or chunked), keep-alive, a time-out.
 
 - ``UpstreamPool.request`` takes the request's header lines already joined (``header_lines``): the
-  router builds them once per request, not once per try. It raises ``UpstreamFailed`` when the replica gave no answer: it refused the
-  connection, reset it, closed it before answering, or the time-out passed. A connection reused from
-  the pool that the replica had already closed (its keep-alive ran out as the request went) is retried
-  once on a new connection: that is not the replica's fault.
+  router builds them once per request, not once per try. It raises ``UpstreamFailed`` when the
+  replica gave no answer: it refused the connection, reset it, closed it before answering, or the
+  time-out passed. A connection reused from the pool that the replica had already closed (its
+  keep-alive ran out as the request went) is retried once on a new connection: that is not the
+  replica's fault.
 """
 
 from __future__ import annotations

@@ -258,8 +258,51 @@ def test_a_known_alias_is_read_again_in_the_background_while_requests_keep_its_v
         fail.append(ModelNotFound("breast-cancer@prod does not exist", "breast-cancer@prod"))
         await directory.resolve(prod)
         await asyncio.gather(*directory._refreshing.values())
-        seen.append((await directory.resolve(prod)).version)  # forgotten, so read (and found) at once
+        with pytest.raises(ModelNotFound):  # forgotten; the registry said missing, and that is trusted for 5 s
+            await directory.resolve(prod)
+        seen.append(len(reads))
+        clock[0] = 24.0
+        seen += [(await directory.resolve(prod)).version, len(reads)]  # past it: read (and found) at once
         await directory.close()
         return seen
 
-    assert asyncio.run(scenario()) == [1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 2]
+    assert asyncio.run(scenario()) == [1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 4, 2, 5]
+
+
+def test_a_missing_reference_is_remembered_for_the_refresh_time_not_read_for_every_request(
+        local_registry: ModelRegistry) -> None:
+    from shardline.bundle import ModelRef
+    from shardline.online.models import ModelDirectory
+
+    reads: list[str] = []
+    real = local_registry.resolve
+
+    def counted(reference: Any) -> Any:
+        reads.append(str(reference))
+        return real(reference)
+
+    local_registry.resolve = counted  # type: ignore[method-assign]
+    clock = [0.0]
+
+    async def in_thread(call: Any) -> Any:
+        return await asyncio.to_thread(call)
+
+    async def scenario() -> list[Any]:
+        directory = ModelDirectory(local_registry, in_thread, alias_refresh_s=5.0, clock=lambda: clock[0])
+        messages = []
+        for ref in [ModelRef(name="breast-cancer", alias="canary")] * 20 + [ModelRef(name="breast-cancer", version=9)] * 20:
+            with pytest.raises(ModelNotFound) as raised:
+                await directory.resolve(ref)
+            messages.append(str(raised.value))
+        seen: list[Any] = [len(reads), sorted(set(messages))]
+        local_registry.set_alias("breast-cancer", "canary", 1)
+        clock[0] = 4.9
+        with pytest.raises(ModelNotFound):
+            await directory.resolve(ModelRef(name="breast-cancer", alias="canary"))
+        clock[0] = 5.0
+        seen += [(await directory.resolve(ModelRef(name="breast-cancer", alias="canary"))).version, len(reads)]
+        return seen
+
+    assert asyncio.run(scenario()) == [
+        2, ["breast-cancer:9 does not exist; model 'breast-cancer' has versions [1]",
+            "breast-cancer@canary does not exist; model 'breast-cancer' has versions [1]"], 1, 3]

@@ -1,4 +1,5 @@
-"""Build bundles from trained models: an ONNX file, or a scikit-learn estimator.
+"""Build bundles from trained models: an ONNX file, or a scikit-learn estimator (XGBoost, LightGBM and
+PyTorch models: ``shardline.frameworks``).
 
 A bundle carries the model, its signature (checked against sample data), the
 environment that made it, lineage, and optionally a golden data set with the score
@@ -33,7 +34,8 @@ from shardline.signature import (
     type_name,
 )
 
-_RECORDED_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnx", "scikit-learn", "skl2onnx", "pyarrow", "tokenizers")
+_RECORDED_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnx", "scikit-learn", "skl2onnx", "pyarrow", "tokenizers",
+                      "xgboost", "xgboost-cpu", "lightgbm", "onnxmltools", "torch")
 GOLDEN_FILE = "golden.parquet"
 PROFILE_FILE = "reference_profile.json"
 

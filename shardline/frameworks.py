@@ -1,0 +1,267 @@
+"""Bundles from XGBoost, LightGBM and PyTorch models: converted to ONNX, then checked against the
+framework's own predictions before the bundle is written.
+
+Each builder takes the fitted model and sample rows (a table holding the feature columns, such as
+the training data) and:
+
+1. converts the model to ONNX with one float32 input ``X`` of shape ``[N, k]``: XGBoost and
+   LightGBM through onnxmltools, a PyTorch module through ``torch.onnx.export``;
+2. packages it as any ONNX bundle is packaged from sample rows (``package_onnx``): the feature
+   columns are stacked into ``X``, so each tier reads them as plain columns, and the signature
+   is checked on the sample;
+3. loads the bundle with the runtime both tiers use and scores the sample's first
+   ``CHECK_ROWS`` rows, then compares every output with the framework's predictions on them:
+   within ``atol + rtol * |expected|`` (float32 conversion: ``ATOL`` 1e-4, ``RTOL`` 1e-3), and a
+   classifier's labels equal wherever its two highest probabilities are further apart than that.
+   A conversion that does not match is refused (``InvalidInput`` naming the output, the largest
+   difference and the rows), and no bundle is left behind.
+
+Outputs, as for scikit-learn (``packaging.package_sklearn``): a classifier's ``label`` (int64)
+and ``probabilities`` (one float32 per class), a regressor's ``prediction`` (float32); a PyTorch
+module's outputs are named by ``output_names`` (``output`` by default), a ``[N, k]`` one a
+``fixed_size_list<float32>[k]`` column. Bundles never hold pickles: the ONNX file is the model.
+
+The frameworks are imported inside the builders (``pip install 'shardline[frameworks]'`` for
+XGBoost, LightGBM and onnxmltools; torch is the ``embedding-build`` extra's).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from shardline.bundle import Lineage, Manifest, write_manifest
+from shardline.errors import InvalidInput, RuntimeUnavailable
+from shardline.packaging import GoldenSet, package_onnx
+
+CHECK_ROWS = 2_048  # sample rows the bundle's answers are compared with the framework's on
+ATOL, RTOL = 1e-4, 1e-3  # the float32 conversion's tolerance
+ONNX_OPSET = 15  # the highest onnxmltools' tree converters support
+TORCH_OPSET = 18
+FRAMEWORKS_EXTRA = "pip install 'shardline[frameworks]'"
+
+
+def package_xgboost(model: Any, out_dir: str | Path, *, name: str, sample: pa.Table,
+                    feature_names: Sequence[str] | None = None, lineage: Lineage | None = None,
+                    golden: GoldenSet | None = None, reference_profile: dict[str, Any] | None = None,
+                    image: str | None = None) -> Manifest:
+    """Bundle a fitted ``xgboost.XGBClassifier`` or ``XGBRegressor`` (see the module docstring).
+
+    ``feature_names``: the sample's columns the model reads, in its order (default: the model's
+    ``feature_names_in_``, else every sample column).
+
+    Raises:
+        InvalidInput: the sample lacks a feature, or the conversion does not match XGBoost's predictions.
+        RuntimeUnavailable: xgboost or onnxmltools is not installed.
+    """
+    try:
+        import onnxmltools
+        from onnxmltools.convert.common.data_types import FloatTensorType
+    except ImportError as e:
+        raise RuntimeUnavailable(f"packaging an XGBoost model needs onnxmltools; {FRAMEWORKS_EXTRA}") from e
+    features = _features(model, sample, feature_names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onx = onnxmltools.convert_xgboost(model, initial_types=[("X", FloatTensorType([None, len(features)]))],
+                                          target_opset=ONNX_OPSET)
+    return _package_trees(onx, model, "xgboost", out_dir, name, sample, features, lineage, golden,
+                          reference_profile, image)
+
+
+def package_lightgbm(model: Any, out_dir: str | Path, *, name: str, sample: pa.Table,
+                     feature_names: Sequence[str] | None = None, lineage: Lineage | None = None,
+                     golden: GoldenSet | None = None, reference_profile: dict[str, Any] | None = None,
+                     image: str | None = None) -> Manifest:
+    """Bundle a fitted ``lightgbm.LGBMClassifier`` or ``LGBMRegressor`` (see the module docstring).
+
+    Raises:
+        InvalidInput: the sample lacks a feature, or the conversion does not match LightGBM's predictions.
+        RuntimeUnavailable: lightgbm or onnxmltools is not installed.
+    """
+    try:
+        import onnxmltools
+        from onnxmltools.convert.common.data_types import FloatTensorType
+    except ImportError as e:
+        raise RuntimeUnavailable(f"packaging a LightGBM model needs onnxmltools; {FRAMEWORKS_EXTRA}") from e
+    features = _features(model, sample, feature_names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onx = onnxmltools.convert_lightgbm(model, initial_types=[("X", FloatTensorType([None, len(features)]))],
+                                           target_opset=ONNX_OPSET, zipmap=False)
+    return _package_trees(onx, model, "lightgbm", out_dir, name, sample, features, lineage, golden,
+                          reference_profile, image)
+
+
+def package_torch(module: Any, out_dir: str | Path, *, name: str, sample: pa.Table, feature_names: Sequence[str],
+                  output_names: Sequence[str] = ("output",), lineage: Lineage | None = None,
+                  golden: GoldenSet | None = None, reference_profile: dict[str, Any] | None = None,
+                  image: str | None = None) -> Manifest:
+    """Bundle a PyTorch module that maps a float32 ``[N, k]`` tensor of the features to one tensor per
+    name of ``output_names`` (see the module docstring). It is exported in eval mode.
+
+    Raises:
+        InvalidInput: the sample lacks a feature, the module does not export, or the ONNX model does not
+            match the module's outputs.
+        RuntimeUnavailable: torch is not installed.
+    """
+    try:
+        import torch
+    except ImportError as e:
+        raise RuntimeUnavailable("packaging a PyTorch module needs torch; pip install 'shardline[embedding-build]' "
+                                 "(torch==2.13.0, the CPU build)") from e
+    features = _features(None, sample, feature_names)
+    outputs = list(output_names)
+    module = module.eval()
+    rows = _matrix(sample, features, CHECK_ROWS)
+    with torch.no_grad():
+        got = module(torch.from_numpy(rows))
+    expected_list = [got] if isinstance(got, torch.Tensor) else list(got)
+    if len(expected_list) != len(outputs):
+        raise InvalidInput(f"the module returns {len(expected_list)} tensors and output_names names {len(outputs)} "
+                           f"({outputs}); give one name per tensor it returns")
+    expected = {n: t.detach().cpu().numpy() for n, t in zip(outputs, expected_list)}
+    axes = {n: {0: "batch"} for n in ["X", *outputs]}
+    with tempfile.TemporaryDirectory(prefix="shardline-export-") as scratch:
+        exported = Path(scratch) / "model.onnx"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+                torch.onnx.export(module, (torch.from_numpy(rows[:2]),), str(exported), input_names=["X"],
+                                  output_names=outputs, dynamic_axes=axes, opset_version=TORCH_OPSET, dynamo=False)
+        except Exception as e:  # noqa: BLE001 - the exporter's errors are many; the user gets its message in one line
+            raise InvalidInput(f"the module does not export to ONNX ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                               "it must take one float32 [N, k] tensor and return tensors") from e
+        onnx_bytes = exported.read_bytes()
+    tags = {"framework": "pytorch", "module": type(module).__name__, "torch": torch.__version__}
+    return _package_checked(onnx_bytes, out_dir, name, sample, features, expected, None, tags, lineage, golden,
+                            reference_profile, image)
+
+
+def _features(model: Any, sample: pa.Table, feature_names: Sequence[str] | None) -> list[str]:
+    names = list(feature_names) if feature_names is not None else None
+    if names is None and model is not None and getattr(model, "feature_names_in_", None) is not None:
+        names = [str(n) for n in model.feature_names_in_]
+    names = names if names is not None else list(sample.column_names)
+    missing = [n for n in names if n not in sample.column_names]
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise InvalidInput(f"the sample has no column {shown}; give rows that hold every feature the model reads "
+                           f"({len(names)} of them), or name the sample's columns it reads, in order, with feature_names")
+    return names
+
+
+def _matrix(sample: pa.Table, features: Sequence[str], rows: int) -> np.ndarray:
+    head = sample.slice(0, min(rows, sample.num_rows))
+    try:
+        return np.column_stack([head.column(f).to_numpy(zero_copy_only=False) for f in features]).astype(np.float32)
+    except (TypeError, ValueError, pa.ArrowInvalid) as e:
+        raise InvalidInput(f"the sample's feature columns are not all numbers ({e}); the model reads float32 "
+                           "features, one column each") from e
+
+
+def _package_trees(onx: Any, model: Any, framework: str, out_dir: str | Path, name: str, sample: pa.Table,
+                   features: list[str], lineage: Lineage | None, golden: GoldenSet | None,
+                   reference_profile: dict[str, Any] | None, image: str | None) -> Manifest:
+    """A tree ensemble's ONNX model, its outputs named as scikit-learn's builder names them, checked."""
+    rows = _matrix(sample, features, CHECK_ROWS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "X does not have valid feature names": a model fitted on a DataFrame
+        if hasattr(model, "classes_"):
+            expected = {"label": np.asarray(model.predict(rows)), "probabilities": np.asarray(model.predict_proba(rows))}
+        else:
+            expected = {"prediction": np.asarray(model.predict(rows))}
+    tie = _tie_rows(expected["probabilities"]) if "probabilities" in expected else None
+    if "prediction" in expected:
+        _rename_output(onx, onx.graph.output[0].name, "prediction")
+    for output in onx.graph.output:  # onnxmltools declares LightGBM's label [1]: every output is [N, ...]
+        dims = output.type.tensor_type.shape.dim
+        if len(dims) and not dims[0].dim_param:
+            dims[0].dim_param = "N"
+    tags = {"framework": framework, "estimator": type(model).__name__}
+    return _package_checked(onx.SerializeToString(), out_dir, name, sample, features, expected, tie, tags, lineage,
+                            golden, reference_profile, image)
+
+
+def _rename_output(onx: Any, old: str, new: str) -> None:
+    for node in onx.graph.node:
+        node.output[:] = [new if o == old else o for o in node.output]
+    for output in onx.graph.output:
+        if output.name == old:
+            output.name = new
+
+
+def _tie_rows(probabilities: np.ndarray) -> np.ndarray:
+    """Rows whose two highest probabilities are within the tolerance: either label is right there."""
+    top = np.sort(probabilities, axis=1)
+    return np.abs(top[:, -1] - top[:, -2]) <= 2 * (ATOL + RTOL * top[:, -1])
+
+
+def _package_checked(onnx_bytes: bytes, out_dir: str | Path, name: str, sample: pa.Table, features: list[str],
+                     expected: dict[str, np.ndarray], tie: np.ndarray | None, tags: dict[str, str],
+                     lineage: Lineage | None, golden: GoldenSet | None, reference_profile: dict[str, Any] | None,
+                     image: str | None) -> Manifest:
+    with tempfile.TemporaryDirectory(prefix="shardline-convert-") as scratch:
+        onnx_file = Path(scratch) / "model.onnx"
+        onnx_file.write_bytes(onnx_bytes)
+        manifest = package_onnx(onnx_file, out_dir, name=name, sample=sample.select(features), lineage=lineage,
+                                golden=golden, reference_profile=reference_profile, image=image)
+    folder = Path(out_dir)
+    try:
+        _check(folder, manifest, sample.select(features).slice(0, min(CHECK_ROWS, sample.num_rows)), expected, tie,
+               tags["framework"])
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    done = manifest.model_copy(update={"tags": {**manifest.tags, **tags}})
+    write_manifest(folder, done)
+    return done
+
+
+def _check(folder: Path, manifest: Manifest, rows: pa.Table, expected: dict[str, np.ndarray], tie: np.ndarray | None,
+           framework: str) -> None:
+    """Score ``rows`` with the bundle as both tiers load it; refuse answers that differ from ``expected``."""
+    from shardline.runtimes import RuntimeOptions, create_runtime
+
+    runtime = create_runtime(folder, manifest, RuntimeOptions("cpu", 1))
+    runtime.load()
+    try:
+        answer = runtime.predict(rows)
+    finally:
+        runtime.close()
+    for output, want in expected.items():
+        got = _values(answer.column(output))
+        want = want.reshape(got.shape) if want.size == got.size else want
+        if got.shape != want.shape:
+            raise InvalidInput(f"the ONNX model's {output!r} has shape {list(got.shape)} where {framework} gives "
+                               f"{list(want.shape)}; the conversion does not fit this model")
+        if output == "label":
+            wrong = (got != want) & ~(tie if tie is not None else False)
+            if wrong.any():
+                raise InvalidInput(_mismatch(framework, output, int(wrong.sum()), len(got), "labels differ"))
+            continue
+        bound = ATOL + RTOL * np.abs(want)
+        off = np.abs(got.astype(np.float64) - want.astype(np.float64)) > bound
+        if off.any():
+            worst = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
+            rows_off = int(off.reshape(len(off), -1).any(axis=1).sum())
+            raise InvalidInput(_mismatch(framework, output, rows_off, len(got), f"off by up to {worst:.3g}"))
+
+
+def _values(column: Any) -> np.ndarray:
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_fixed_size_list(array.type):
+        return np.asarray(array.flatten().to_numpy(zero_copy_only=False)).reshape(len(array), array.type.list_size)
+    return np.asarray(array.to_numpy(zero_copy_only=False))
+
+
+def _mismatch(framework: str, output: str, rows: int, total: int, how: str) -> str:
+    return (f"the ONNX conversion does not match {framework}'s own predictions: {output!r} {how} on {rows} of "
+            f"{total} sample rows (tolerance {ATOL:g} + {RTOL:g} x |value|); no bundle was written. Check the model "
+            "converts (its objective and options), or package its ONNX file yourself with `shardline model package`")
+

@@ -1,0 +1,104 @@
+"""XGBoost, LightGBM and PyTorch models, fitted here, packaged by their builders, pushed, and scored in both
+tiers: the batch flow on a real Dask cluster and `serve` over real HTTP answer as the framework itself does
+(within the converter's tolerance, ``shardline.frameworks``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import pyarrow.dataset as ds
+import pytest
+
+from shardline.flows.batch_inference import batch_inference
+from shardline.frameworks import ATOL, RTOL, package_lightgbm, package_torch, package_xgboost
+from shardline.online.app import create_app
+from shardline.online.server import build_plane
+from shardline.online.tenants import TenantDirectory, hash_api_key
+from shardline.online.testing import serve_listeners_in_thread
+from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
+from shardline.storage.registry import ModelRegistry
+
+from tests.framework_models import fitted, predictions, training_rows
+
+KINDS = ("xgboost-classifier", "lightgbm-classifier", "torch-mlp")
+KEY = "sk-frameworks-test-key"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A registry home where each kind is pushed as a model of its name with the alias prod; the fitted models."""
+    home = tmp_path_factory.mktemp("frameworks-home")
+    registry = ModelRegistry(str(home / "registry"))
+    _, _, names, sample = training_rows()
+    built = {}
+    for kind in KINDS:
+        model = built[kind] = fitted(kind)
+        folder = home / "bundles" / kind
+        if kind == "torch-mlp":
+            package_torch(model, folder, name=kind, sample=sample, feature_names=names, output_names=["probabilities"])
+        else:
+            builder = package_xgboost if kind.startswith("xgboost") else package_lightgbm
+            builder(model, folder, name=kind, sample=sample, feature_names=names)
+        registry.set_alias(kind, "prod", registry.push(folder).version or 1)
+    return home, built
+
+
+def _assert_close(kind: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    for output, expected in want.items():
+        values = np.asarray(got[output])
+        if output == "label":
+            assert (values == expected).mean() >= 0.999, f"{kind}: labels differ from the framework's"
+        else:
+            assert np.allclose(values.reshape(expected.shape), expected, atol=ATOL, rtol=RTOL), f"{kind}: {output}"
+
+
+@pytest.mark.usefixtures("on_cluster")
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_batch_flow_scores_like_the_framework(kind: str, models: tuple[Path, dict[str, Any]],
+                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home, built = models
+    monkeypatch.setenv("SHARDLINE_STORAGE_HOME", str(home))
+    from shardline.examples import write_shards
+
+    write_shards(tmp_path / "input", 2, 600)
+    state = batch_inference(model=f"{kind}@prod", input_uri=str(tmp_path / "input"), output_uri=str(tmp_path / "out"),
+                            return_state=True)
+
+    assert state.is_completed(), state.message
+    _, _, names, _ = training_rows()
+    rows = ds.dataset(tmp_path / "input").to_table().sort_by("id")
+    scored = ds.dataset(tmp_path / "out").to_table().sort_by("id")
+    assert scored.column("id").to_pylist() == rows.column("id").to_pylist()  # every row once
+    features = np.column_stack([rows.column(n).to_numpy() for n in names]).astype(np.float32)
+    got = {c: np.asarray(scored.column(c).to_pylist()) for c in scored.column_names if c != "id"}
+    _assert_close(kind, got, predictions(kind, built[kind], features))
+
+
+@pytest.fixture(scope="module")
+def url(models: tuple[Path, dict[str, Any]]) -> Iterator[str]:
+    home, _ = models
+    tenants = TenantDirectory.from_config({"tenants": [
+        {"name": "acme", "api_keys_sha256": [hash_api_key(KEY)], "models": [f"{k}@prod" for k in KINDS]}]})
+    plane = build_plane(OnlineSettings(), StorageSettings(home=str(home)), RuntimeSettings(device="cpu", intra_op_threads=1),
+                        tenants)
+    with serve_listeners_in_thread(create_app(plane)) as served:
+        yield served.url
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_serve_answers_like_the_framework(kind: str, models: tuple[Path, dict[str, Any]], url: str) -> None:
+    _, built = models
+    features, _, names, _ = training_rows()
+    rows = features[::7][:40]
+    body = {"inputs": [{"name": n, "shape": [len(rows)], "datatype": "FP32", "data": rows[:, i].tolist()}
+                       for i, n in enumerate(names)]}
+
+    answer = httpx.post(f"{url}/v2/models/{kind}/infer", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                        timeout=30)
+
+    assert answer.status_code == 200, answer.text
+    outputs = {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in answer.json()["outputs"]}
+    _assert_close(kind, outputs, predictions(kind, built[kind], rows))

@@ -37,8 +37,13 @@ _NO_PROFILE = (
 
 @model_app.command("package")
 def model_package(
-    source: Path = typer.Argument(..., exists=True, dir_okay=False, help="The model as an ONNX file."),
+    source: Path = typer.Argument(..., exists=True, dir_okay=False, help="The model: an ONNX file, or (with "
+                                  "--framework) the file XGBoost's or LightGBM's save_model wrote."),
     name: str = typer.Option(..., help="Model name (lower-case letters, digits, '.', '_', '-')."),
+    framework: str = typer.Option("onnx", help="onnx, xgboost or lightgbm. xgboost and lightgbm convert the model "
+                                  "to ONNX and check the bundle answers as the framework does on the sample "
+                                  "(--signature-from, needed: the feature columns, less --exclude, in the model's "
+                                  "order)."),
     signature_from: Optional[Path] = typer.Option(
         None, exists=True, help="Sample Parquet data: the signature is inferred from it (a column per model input, "
         "named after it: a fixed_size_list<T>[k] column for an input [N, k]; or, for a model of one [N, k] input, "
@@ -55,7 +60,8 @@ def model_package(
     tag: Optional[list[str]] = typer.Option(None, help="KEY=VALUE tag; repeat."),
     out: Optional[Path] = typer.Option(None, help="Bundle folder (default ./<name>-bundle)."),
 ) -> None:
-    """Make a bundle from an ONNX model: signature, checksums, environment, lineage, golden set, profile."""
+    """Make a bundle from an ONNX model (or an XGBoost or LightGBM model file): signature, checksums,
+    environment, lineage, golden set, profile."""
     import pyarrow.parquet as pq
 
     from shardline.bundle import Lineage, write_manifest
@@ -76,10 +82,14 @@ def model_package(
         if golden is not None:
             golden_set = GoldenSet(pq.read_table(golden), label, metric, prediction, threshold)
         folder = out or Path(f"{name}-bundle")
-        manifest = package_onnx(
-            source, folder, name=name, sample=sample, exclude=exclude or [], lineage=lineage,
-            golden=golden_set, image=image,
-        )
+        if framework == "onnx":
+            manifest = package_onnx(
+                source, folder, name=name, sample=sample, exclude=exclude or [], lineage=lineage,
+                golden=golden_set, image=image,
+            )
+        else:
+            manifest = _package_framework(source, framework, folder, name, sample, exclude or [], lineage, golden_set,
+                                          image)
         if sample is not None:  # the sample's profile and the model's outputs on it: the baseline drift checks compare with
             manifest = attach_reference_profile(folder, sample)
         if tag:
@@ -94,6 +104,25 @@ def model_package(
     if sample is None:
         typer.echo("  signature: the ONNX file's own input and output types and shapes (no sample data)")
         typer.echo(_NO_PROFILE)
+
+
+def _package_framework(source: Path, framework: str, folder: Path, name: str, sample: Any, exclude: list[str],
+                       lineage: Any, golden: Any, image: str | None) -> Any:
+    from shardline.frameworks import FRAMEWORKS, load_model_file, package_lightgbm, package_xgboost, saved_feature_names
+
+    if framework not in FRAMEWORKS:
+        raise ShardlineError(f"--framework {framework!r} is not one of onnx, {', '.join(FRAMEWORKS)}")
+    if sample is None:
+        raise ShardlineError(f"--framework {framework} needs --signature-from ROWS.parquet: the rows the model was "
+                             "fitted on (its feature columns, in order), which the converted model is checked on")
+    model = load_model_file(source, framework)
+    features = [c for c in sample.column_names if c not in set(exclude)]
+    saved = saved_feature_names(model)
+    if saved is not None and set(saved) <= set(sample.column_names):
+        features = saved  # the order the model was fitted in
+    builder = package_xgboost if framework == "xgboost" else package_lightgbm
+    return builder(model, folder, name=name, sample=sample, feature_names=features,
+                   lineage=lineage, golden=golden, image=image)
 
 
 @model_app.command("package-minilm")

@@ -21,6 +21,10 @@ and ``probabilities`` (one float32 per class), a regressor's ``prediction`` (flo
 module's outputs are named by ``output_names`` (``output`` by default), a ``[N, k]`` one a
 ``fixed_size_list<float32>[k]`` column. Bundles never hold pickles: the ONNX file is the model.
 
+``load_model_file`` reads a model as the framework saves it (XGBoost's ``save_model`` JSON or UBJ,
+LightGBM's text model file) for ``shardline model package --framework``: its objective says
+whether it is a classifier or a regressor.
+
 The frameworks are imported inside the builders (``pip install 'shardline[frameworks]'`` for
 XGBoost, LightGBM and onnxmltools; torch is the ``embedding-build`` extra's).
 """
@@ -92,7 +96,7 @@ def package_lightgbm(model: Any, out_dir: str | Path, *, name: str, sample: pa.T
     features = _features(model, sample, feature_names)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        onx = onnxmltools.convert_lightgbm(model, initial_types=[("X", FloatTensorType([None, len(features)]))],
+        onx = onnxmltools.convert_lightgbm(getattr(model, "booster", model), initial_types=[("X", FloatTensorType([None, len(features)]))],
                                            target_opset=ONNX_OPSET, zipmap=False)
     return _package_trees(onx, model, "lightgbm", out_dir, name, sample, features, lineage, golden,
                           reference_profile, image)
@@ -143,6 +147,85 @@ def package_torch(module: Any, out_dir: str | Path, *, name: str, sample: pa.Tab
                             reference_profile, image)
 
 
+FRAMEWORKS = ("xgboost", "lightgbm")  # what load_model_file reads
+
+
+def load_model_file(path: str | Path, framework: str) -> Any:
+    """A fitted model from its framework's own file: XGBoost's ``save_model`` (JSON or UBJ) as an
+    ``XGBClassifier`` or ``XGBRegressor``, LightGBM's ``save_model`` text file as a ``Booster``.
+
+    Raises:
+        InvalidInput: the file is not such a model, or its objective is neither a classifier's nor a regressor's.
+        RuntimeUnavailable: the framework is not installed.
+    """
+    if framework not in FRAMEWORKS:
+        raise InvalidInput(f"framework {framework!r} is not one of {list(FRAMEWORKS)}")
+    try:
+        module = __import__(framework)
+    except ImportError as e:
+        raise RuntimeUnavailable(f"reading a {framework} model needs {framework}; {FRAMEWORKS_EXTRA}") from e
+    try:
+        if framework == "lightgbm":
+            booster = module.Booster(model_file=str(path))
+            objective = str(booster.dump_model().get("objective", ""))
+        else:
+            import json
+
+            booster = module.Booster(model_file=str(path))
+            objective = json.loads(booster.save_config())["learner"]["objective"]["name"]
+    except Exception as e:  # noqa: BLE001 - each framework raises its own error for a file it cannot read
+        raise InvalidInput(f"{path} is not a {framework} model file ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                           f"give the file {framework}'s save_model wrote") from e
+    kind = _objective_kind(framework, objective)
+    if framework == "lightgbm":
+        return _LightgbmBooster(booster, kind)
+    model = (module.XGBClassifier if kind == "classifier" else module.XGBRegressor)()
+    model.load_model(str(path))
+    return model
+
+
+def saved_feature_names(model: Any) -> list[str] | None:
+    """The feature names a model file keeps (None: it keeps none, or only LightGBM's ``Column_i``)."""
+    if isinstance(model, _LightgbmBooster):
+        names = [str(n) for n in model.booster.feature_name()]
+        return None if all(n == f"Column_{i}" for i, n in enumerate(names)) else names
+    kept = getattr(model.get_booster(), "feature_names", None) if hasattr(model, "get_booster") else None
+    return [str(n) for n in kept] if kept else None
+
+
+def _objective_kind(framework: str, objective: str) -> str:
+    name = objective.split()[0] if objective else ""
+    if name.startswith(("binary", "multi")) or name in ("multiclass", "multiclassova", "cross_entropy"):
+        return "classifier"
+    if name.startswith(("reg:", "count:", "regression", "huber", "fair", "poisson", "quantile", "mape", "gamma",
+                        "tweedie")) or name in ("reg", "l1", "l2"):
+        return "regressor"
+    raise InvalidInput(f"the {framework} model's objective is {objective!r}: only classifiers and regressors are "
+                       "packaged (a ranking or survival model's scores have no such outputs); convert it to ONNX "
+                       "yourself and package the ONNX file")
+
+
+class _LightgbmBooster:
+    """A LightGBM ``Booster`` read from its file, answering as ``LGBMClassifier`` / ``LGBMRegressor`` do
+    (onnxmltools converts the booster itself)."""
+
+    def __init__(self, booster: Any, kind: str) -> None:
+        self.booster = booster
+        self.feature_names_in_ = None
+        if kind == "classifier":
+            classes = int(booster.dump_model().get("num_class", 1))
+            self.classes_ = np.arange(classes if classes > 1 else 2)
+
+    def predict_proba(self, rows: np.ndarray) -> np.ndarray:
+        scores = np.asarray(self.booster.predict(rows))
+        return np.column_stack([1 - scores, scores]) if scores.ndim == 1 else scores
+
+    def predict(self, rows: np.ndarray) -> np.ndarray:
+        if hasattr(self, "classes_"):
+            return np.argmax(self.predict_proba(rows), axis=1)
+        return np.asarray(self.booster.predict(rows))
+
+
 def _features(model: Any, sample: pa.Table, feature_names: Sequence[str] | None) -> list[str]:
     names = list(feature_names) if feature_names is not None else None
     if names is None and model is not None and getattr(model, "feature_names_in_", None) is not None:
@@ -183,7 +266,7 @@ def _package_trees(onx: Any, model: Any, framework: str, out_dir: str | Path, na
         dims = output.type.tensor_type.shape.dim
         if len(dims) and not dims[0].dim_param:
             dims[0].dim_param = "N"
-    tags = {"framework": framework, "estimator": type(model).__name__}
+    tags = {"framework": framework, "estimator": type(getattr(model, "booster", model)).__name__}
     return _package_checked(onx.SerializeToString(), out_dir, name, sample, features, expected, tie, tags, lineage,
                             golden, reference_profile, image)
 

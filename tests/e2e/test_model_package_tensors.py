@@ -46,3 +46,28 @@ def test_a_refusal_is_one_line_that_says_what_to_do(shardline: Shardline, tmp_pa
     assert flat.returncode == 2 and len(flat.stderr.strip().splitlines()) == 1 and "Traceback" not in flat.stderr
     assert "give it as one fixed_size_list<float32>[30] column" in flat.stderr
     assert stray.returncode == 2 and "give the sample with --signature-from" in stray.stderr
+
+
+def test_an_xgboost_model_file_is_packaged_checked_and_refusals_are_one_line(
+        shardline: Shardline, tmp_path: Path) -> None:
+    from tests.framework_models import fitted, training_rows
+
+    _, labels, _, sample = training_rows()
+    pq.write_table(sample.append_column("target", pa.array(labels)), tmp_path / "train.parquet")
+    fitted("xgboost-classifier").save_model(tmp_path / "model.json")
+    fitted("lightgbm-regressor").booster_.save_model(tmp_path / "model.txt")  # not an XGBoost model
+
+    xgb = shardline("model", "package", str(tmp_path / "model.json"), "--framework", "xgboost", "--name", "churn",
+                    "--signature-from", str(tmp_path / "train.parquet"), "--exclude", "target",
+                    "--out", str(tmp_path / "xgb"))
+    unsampled = shardline("model", "package", str(tmp_path / "model.json"), "--framework", "xgboost", "--name", "x")
+    wrong = shardline("model", "package", str(tmp_path / "model.txt"), "--framework", "xgboost", "--name", "x",
+                      "--signature-from", str(tmp_path / "train.parquet"), "--exclude", "target")
+
+    assert xgb.returncode == 0, xgb.stderr
+    assert "in: mean radius:float32" in xgb.stdout and "out: label:int64, probabilities:fixed_size_list<float32>[2]" in xgb.stdout
+    assert json.loads((tmp_path / "xgb" / "manifest.json").read_text())["tags"]["framework"] == "xgboost"
+    for refused, says in ((unsampled, "--framework xgboost needs --signature-from ROWS.parquet"),
+                          (wrong, "is not a xgboost model file")):
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert says in refused.stderr and "Traceback" not in refused.stderr

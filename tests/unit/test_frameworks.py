@@ -9,7 +9,13 @@ import pytest
 
 from shardline.bundle import read_manifest
 from shardline.errors import InvalidInput
-from shardline.frameworks import package_lightgbm, package_torch, package_xgboost
+from shardline.frameworks import (
+    load_model_file,
+    package_lightgbm,
+    package_torch,
+    package_xgboost,
+    saved_feature_names,
+)
 
 from tests.framework_models import fitted, training_rows
 
@@ -66,3 +72,28 @@ def test_a_module_returning_more_tensors_than_names_is_refused(tmp_path: Path) -
     with pytest.raises(InvalidInput, match="returns 2 tensors and output_names names 1"):
         package_torch(Two(), tmp_path / "bundle", name="m", sample=sample, feature_names=names)
     assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.parametrize("kind", ["lightgbm-classifier", "lightgbm-regressor", "xgboost-classifier", "xgboost-regressor"])
+def test_a_saved_model_file_is_read_as_what_its_objective_says_and_packaged(kind: str, tmp_path: Path) -> None:
+    _, _, names, sample = training_rows()
+    model = fitted(kind)
+    path = tmp_path / ("model.txt" if kind.startswith("lightgbm") else "model.ubj")
+    (model.booster_ if kind.startswith("lightgbm") else model).save_model(path)
+
+    loaded = load_model_file(path, kind.split("-")[0])
+    builder = package_lightgbm if kind.startswith("lightgbm") else package_xgboost
+    manifest = builder(loaded, tmp_path / "bundle", name="m", sample=sample, feature_names=names)
+
+    assert [o.name for o in manifest.signature.outputs] == (
+        ["prediction"] if kind.endswith("regressor") else ["label", "probabilities"])
+    assert saved_feature_names(loaded) is None  # fitted on a matrix: the files keep no names
+
+
+def test_a_ranking_model_is_refused_naming_its_objective(tmp_path: Path) -> None:
+    import xgboost
+
+    features, labels, _, _ = training_rows()
+    xgboost.XGBRanker(n_estimators=2).fit(features, labels, qid=[0] * len(labels)).save_model(tmp_path / "rank.json")
+    with pytest.raises(InvalidInput, match="objective is 'rank:ndcg': only classifiers and regressors are packaged"):
+        load_model_file(tmp_path / "rank.json", "xgboost")

@@ -275,6 +275,46 @@ def model_promote(
     typer.echo(f"{result['model']}@{result['alias']} -> {result['model']}:{result['version']}{before}")
 
 
+@model_app.command("release")
+def model_release(
+    candidate: str = typer.Argument(..., help="The pushed version: name:version."),
+    steps: str = typer.Option("1,5,25,100", help="The canary's percents of callers on prod, step by step."),
+    interval: str = typer.Option("5m", help="How long each step lasts before the next (then promotion)."),
+    wait: str = typer.Option("1h", help="How long to wait for the routers' verdict (they go on after it)."),
+    window: Optional[str] = typer.Option(None, help="Rollback window [default: 60s]."),
+    min_requests: Optional[int] = typer.Option(None, help="Candidate answers needed before any verdict [default: 50]."),
+    max_error_increase: Optional[float] = typer.Option(
+        None, help="Roll back past the baseline's error share plus this [default: 0.01]."),
+    max_p99_ratio: Optional[float] = typer.Option(
+        None, help="Roll back past the baseline's p99 times this, plus 5 ms [default: 1.5]."),
+    reason: str = typer.Option("", help="Why, for the audit log."),
+) -> None:
+    """Release a pushed version (the release-model flow): staging through the gates, a canary on prod that the
+    routers step, judge and promote, and their verdict (exit 1 when it is rolled back). CI runs this after push."""
+    from shardline._prefect_cli import use_prefect_api
+    from shardline._rollout_cli import _criteria
+    from shardline.storage.rollouts import parse_duration, parse_steps
+
+    try:
+        open_registry().resolve(candidate)  # a missing version is one line here, not a failed flow's traceback
+        parameters = {"candidate": candidate, "steps": list(parse_steps(steps)), "interval_s": parse_duration(interval),
+                      "wait_s": parse_duration(wait), "reason": reason,
+                      "criteria": _criteria(window, min_requests, max_error_increase, max_p99_ratio, None)}
+        use_prefect_api()
+    except ShardlineError as e:
+        raise fail(e) from e
+    from shardline.flows.release import release_model
+
+    state = release_model(**parameters, return_state=True)
+    if state.is_failed():
+        raise fail(state.message or "the release failed", EXIT_FAILED)
+    result = state.result()
+    for record in result["records"]:
+        weight = f" {record['weight']:g}%" if record["weight"] is not None else ""
+        typer.echo(f"  {record['seq']:>4}  {record['action']:<8}{weight:<6} by {record['by']:<12} {record['reason']}")
+    typer.echo(f"{result['model']}:{result['version']} released: {result['outcome']}")
+
+
 @model_app.command("rollback")
 def model_rollback(
     name: str = typer.Argument(..., help="Model name."),

@@ -504,6 +504,36 @@ def test_a_good_canary_steps_to_all_traffic_and_is_promoted(
         _eventually(lambda e=event: _events(prefect_api, e, since), 30, f"no {event} event")
 
 
+def test_a_release_goes_through_staging_and_a_canary_to_prod_with_every_step_in_the_history(
+    routed: Routed, home: Path, cli_env: dict[str, str], tmp_path: Path, breast_cancer_model: BuiltModel
+) -> None:
+    """`shardline model release` (the release-model flow), as CI runs it after push: staging through the gates,
+    a canary on prod that the router steps and promotes under live traffic, the verdict as its exit code."""
+    registry = ModelRegistry(str(home / "registry"))
+    pushed = registry.push(_churn(tmp_path / "churn-4", "logreg", fails_from=1e9))  # a new, good version
+    env = {**cli_env, "SHARDLINE_STORAGE_HOME": str(home)}
+    with open(tmp_path / "release.log", "w") as log:
+        release = subprocess.Popen([*SHARDLINE, "model", "release", f"{CHURN}:{pushed.version}", "--steps", "50,100",
+                                    "--interval", "2s", "--min-requests", "10", "--wait", "90s", "--reason", "ci"],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    body = _rows_body(breast_cancer_model.data.features[:3].astype(np.float32), breast_cancer_model.data.names)
+    with httpx.Client(base_url=routed.url, headers=key(), timeout=20) as client:
+        while release.poll() is None:  # live traffic until the release has its verdict
+            for i in range(20):
+                assert client.post(f"/v2/models/{CHURN}/infer", content=body,
+                                   headers={"X-Shardline-Route-Key": f"r{i}"}).status_code == 200
+    output = (tmp_path / "release.log").read_text()
+    assert release.returncode == 0, output
+    assert f"{CHURN}:{pushed.version} released: promoted" in output
+    staging = registry.alias_history(CHURN, "staging")[-1]
+    assert (staging.version, staging.action, staging.reason) == (pushed.version, "promote", "ci")
+    moves = [m for m in _churn_history(home) if m.version == pushed.version or
+             (m.rollout is not None and m.rollout.candidate == pushed.version)]
+    assert [(m.action, m.rollout.weight if m.rollout else None) for m in moves] == [
+        ("canary", 50), ("canary", 100), ("promote", 100)]
+    assert registry.current_move(CHURN, "prod").version == pushed.version  # type: ignore[union-attr]
+
+
 # -- scaling from zero ---------------------------------------------------------------------------------
 
 

@@ -183,7 +183,8 @@ def known_settings() -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("relative", ["deploy/README.md", "deploy/dask/cluster.yaml", "prefect.yaml"])
+@pytest.mark.parametrize("relative", ["deploy/README.md", "deploy/dask/cluster.yaml", "deploy/ci/release-model.yml",
+                                      "prefect.yaml"])
 def test_settings_named_in_deploy_files_exist(relative: str) -> None:
     # whole names only: SHARDLINE_STORAGE_* is a family, not a setting
     mentioned = set(re.findall(r"\bSHARDLINE_[A-Z0-9_]*[A-Z0-9]\b", (REPO / relative).read_text()))

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import typer
 
 from shardline._cli_common import EXIT_FAILED, EXIT_USAGE, fail, open_registry
+from shardline._rollout_cli import MAX_ERROR_INCREASE, MAX_P99_RATIO, MIN_REQUESTS, WINDOW
 from shardline.errors import GateFailed, ShardlineError
 
 model_app = typer.Typer(help="The model registry: package, push, promote, roll back, optimize.", no_args_is_help=True)
@@ -281,12 +282,10 @@ def model_release(
     steps: str = typer.Option("1,5,25,100", help="The canary's percents of callers on prod, step by step."),
     interval: str = typer.Option("5m", help="How long each step lasts before the next (then promotion)."),
     wait: str = typer.Option("1h", help="How long to wait for the routers' verdict (they go on after it)."),
-    window: Optional[str] = typer.Option(None, help="Rollback window [default: 60s]."),
-    min_requests: Optional[int] = typer.Option(None, help="Candidate answers needed before any verdict [default: 50]."),
-    max_error_increase: Optional[float] = typer.Option(
-        None, help="Roll back past the baseline's error share plus this [default: 0.01]."),
-    max_p99_ratio: Optional[float] = typer.Option(
-        None, help="Roll back past the baseline's p99 times this, plus 5 ms [default: 1.5]."),
+    window: Optional[str] = WINDOW,
+    min_requests: Optional[int] = MIN_REQUESTS,
+    max_error_increase: Optional[float] = MAX_ERROR_INCREASE,
+    max_p99_ratio: Optional[float] = MAX_P99_RATIO,
     reason: str = typer.Option("", help="Why, for the audit log."),
 ) -> None:
     """Release a pushed version (the release-model flow): staging through the gates, a canary on prod that the

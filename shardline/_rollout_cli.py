@@ -12,6 +12,12 @@ from shardline.errors import ShardlineError
 
 rollout_app = typer.Typer(help="Canary and shadow rollouts of a new version behind the router.", no_args_is_help=True)
 
+# The live rollback criteria, as `rollout start` and `model release` take them (storage/rollouts.RollbackCriteria).
+WINDOW = typer.Option(None, help="Rollback window (default 60s).")
+MIN_REQUESTS = typer.Option(None, help="Candidate answers needed before any verdict (default 50).")
+MAX_ERROR_INCREASE = typer.Option(None, help="Roll back past the baseline's error share plus this (default 0.01).")
+MAX_P99_RATIO = typer.Option(None, help="Roll back past the baseline's p99 times this, plus 5 ms (default 1.5).")
+
 
 def _criteria(window: str | None, min_requests: int | None, max_error_increase: float | None,
               max_p99_ratio: float | None, max_disagreement: float | None) -> dict[str, Any]:
@@ -33,14 +39,12 @@ def rollout_start(
         None, help="Canary: how long each step lasts before the next (then promotion), e.g. 10m; "
         "leave out to hold the first step until `rollout promote`."),
     shadow: Optional[str] = typer.Option(None, help="Shadow instead: the share of requests mirrored, e.g. 10%."),
-    window: Optional[str] = typer.Option(None, help="Rollback window [default: 60s]."),
-    min_requests: Optional[int] = typer.Option(None, help="Candidate answers needed before any verdict [default: 50]."),
-    max_error_increase: Optional[float] = typer.Option(
-        None, help="Roll back past the baseline's error share plus this [default: 0.01]."),
-    max_p99_ratio: Optional[float] = typer.Option(
-        None, help="Roll back past the baseline's p99 times this, plus 5 ms [default: 1.5]."),
+    window: Optional[str] = WINDOW,
+    min_requests: Optional[int] = MIN_REQUESTS,
+    max_error_increase: Optional[float] = MAX_ERROR_INCREASE,
+    max_p99_ratio: Optional[float] = MAX_P99_RATIO,
     max_disagreement: Optional[float] = typer.Option(
-        None, help="Shadow: roll back past this share of disagreeing rows [default: 0.01]."),
+        None, help="Shadow: roll back past this share of disagreeing rows (default 0.01)."),
     reason: str = typer.Option("", help="Why, for the audit log."),
 ) -> None:
     """Run the promotion gates and an offline replay, then start the rollout (a Prefect flow); the routers do

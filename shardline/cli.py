@@ -149,13 +149,13 @@ def batch_run(
         "version's profiles; default: the fp32 model."
     ),
     sla: Optional[str] = typer.Option(
-        None, "--sla", help="How long the job may take: 2h, 90m, 1h30m [default: SHARDLINE_BATCH_DEFAULT_SLA, 24h]."
+        None, "--sla", help="How long the job may take: 2h, 90m, 1h30m \\[default: SHARDLINE_BATCH_DEFAULT_SLA, 24h]."
     ),
     deadline: Optional[str] = typer.Option(
         None, "--deadline", help="When the job must be done, ISO 8601: 2026-12-01T06:00Z (instead of --sla)."
     ),
     priority: Optional[str] = typer.Option(
-        None, "--priority", help="high, normal or low (backfills) [default: the tenant's, else normal]."
+        None, "--priority", help="high, normal or low (backfills) \\[default: the tenant's, else normal]."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
 ) -> None:

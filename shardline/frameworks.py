@@ -64,18 +64,8 @@ def package_xgboost(model: Any, out_dir: str | Path, *, name: str, sample: pa.Ta
         InvalidInput: the sample lacks a feature, or the conversion does not match XGBoost's predictions.
         RuntimeUnavailable: xgboost or onnxmltools is not installed.
     """
-    try:
-        import onnxmltools
-        from onnxmltools.convert.common.data_types import FloatTensorType
-    except ImportError as e:
-        raise RuntimeUnavailable(f"packaging an XGBoost model needs onnxmltools; {FRAMEWORKS_EXTRA}") from e
-    features = _features(model, sample, feature_names)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        onx = onnxmltools.convert_xgboost(model, initial_types=[("X", FloatTensorType([None, len(features)]))],
-                                          target_opset=ONNX_OPSET)
-    return _package_trees(onx, model, "xgboost", out_dir, name, sample, features, lineage, golden,
-                          reference_profile, image)
+    return _package_trees("xgboost", model, out_dir, name, sample, _features(model, sample, feature_names), lineage,
+                          golden, reference_profile, image)
 
 
 def package_lightgbm(model: Any, out_dir: str | Path, *, name: str, sample: pa.Table,
@@ -88,18 +78,8 @@ def package_lightgbm(model: Any, out_dir: str | Path, *, name: str, sample: pa.T
         InvalidInput: the sample lacks a feature, or the conversion does not match LightGBM's predictions.
         RuntimeUnavailable: lightgbm or onnxmltools is not installed.
     """
-    try:
-        import onnxmltools
-        from onnxmltools.convert.common.data_types import FloatTensorType
-    except ImportError as e:
-        raise RuntimeUnavailable(f"packaging a LightGBM model needs onnxmltools; {FRAMEWORKS_EXTRA}") from e
-    features = _features(model, sample, feature_names)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        onx = onnxmltools.convert_lightgbm(getattr(model, "booster", model), initial_types=[("X", FloatTensorType([None, len(features)]))],
-                                           target_opset=ONNX_OPSET, zipmap=False)
-    return _package_trees(onx, model, "lightgbm", out_dir, name, sample, features, lineage, golden,
-                          reference_profile, image)
+    return _package_trees("lightgbm", model, out_dir, name, sample, _features(model, sample, feature_names), lineage,
+                          golden, reference_profile, image)
 
 
 def package_torch(module: Any, out_dir: str | Path, *, name: str, sample: pa.Table, feature_names: Sequence[str],
@@ -248,10 +228,23 @@ def _matrix(sample: pa.Table, features: Sequence[str], rows: int) -> np.ndarray:
                            "features, one column each") from e
 
 
-def _package_trees(onx: Any, model: Any, framework: str, out_dir: str | Path, name: str, sample: pa.Table,
-                   features: list[str], lineage: Lineage | None, golden: GoldenSet | None,
-                   reference_profile: dict[str, Any] | None, image: str | None) -> Manifest:
-    """A tree ensemble's ONNX model, its outputs named as scikit-learn's builder names them, checked."""
+def _package_trees(framework: str, model: Any, out_dir: str | Path, name: str, sample: pa.Table, features: list[str],
+                   lineage: Lineage | None, golden: GoldenSet | None, reference_profile: dict[str, Any] | None,
+                   image: str | None) -> Manifest:
+    """A tree ensemble converted by onnxmltools, its outputs named as scikit-learn's builder names them, checked."""
+    try:
+        import onnxmltools
+        from onnxmltools.convert.common.data_types import FloatTensorType
+    except ImportError as e:
+        raise RuntimeUnavailable(f"packaging a {framework} model needs onnxmltools; {FRAMEWORKS_EXTRA}") from e
+    initial = [("X", FloatTensorType([None, len(features)]))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if framework == "xgboost":
+            onx = onnxmltools.convert_xgboost(model, initial_types=initial, target_opset=ONNX_OPSET)
+        else:  # a Booster read from its file converts as itself
+            onx = onnxmltools.convert_lightgbm(getattr(model, "booster", model), initial_types=initial,
+                                               target_opset=ONNX_OPSET, zipmap=False)
     rows = _matrix(sample, features, CHECK_ROWS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "X does not have valid feature names": a model fitted on a DataFrame

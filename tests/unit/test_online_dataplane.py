@@ -212,6 +212,26 @@ def test_the_access_logs_fast_line_is_the_formatters_line() -> None:
     assert not handler.takes_fields()  # a filter must see records: the middleware takes the record path
 
 
+def _count_reads(registry: ModelRegistry) -> tuple[list[str], list[BaseException]]:
+    """The real registry with its reads counted (the references read) and a fault on demand (append one)."""
+    reads: list[str] = []
+    fail: list[BaseException] = []
+    resolve = registry.resolve
+
+    def counted(reference: Any) -> Any:
+        reads.append(str(reference))
+        if fail:
+            raise fail.pop()
+        return resolve(reference)
+
+    registry.resolve = counted  # type: ignore[method-assign]
+    return reads, fail
+
+
+async def _in_thread(call: Any) -> Any:
+    return await asyncio.to_thread(call)
+
+
 def test_a_known_alias_is_read_again_in_the_background_while_requests_keep_its_version(
     local_registry: ModelRegistry, tmp_path: Path
 ) -> None:
@@ -221,24 +241,11 @@ def test_a_known_alias_is_read_again_in_the_background_while_requests_keep_its_v
 
     package_breast_cancer(tmp_path / "logreg", name="breast-cancer", kind="logreg")
 
-    reads: list[str] = []
-    fail: list[BaseException] = []
-    resolve = local_registry.resolve
-
-    def counted(reference: Any) -> Any:  # the real registry, with its reads counted (and a fault on demand)
-        reads.append(str(reference))
-        if fail:
-            raise fail.pop()
-        return resolve(reference)
-
-    local_registry.resolve = counted  # type: ignore[method-assign]
+    reads, fail = _count_reads(local_registry)
     clock = [0.0]
 
-    async def in_thread(call: Any) -> Any:
-        return await asyncio.to_thread(call)
-
     async def scenario() -> list[Any]:
-        directory = ModelDirectory(local_registry, in_thread, alias_refresh_s=5.0, clock=lambda: clock[0])
+        directory = ModelDirectory(local_registry, _in_thread, alias_refresh_s=5.0, clock=lambda: clock[0])
         prod = ModelRef(name="breast-cancer", alias="prod")
         seen = [(await directory.resolve(prod)).version, len(reads)]  # unknown: read, and waited for
         version_2 = local_registry.push(tmp_path / "logreg").version
@@ -274,21 +281,11 @@ def test_a_missing_reference_is_remembered_for_the_refresh_time_not_read_for_eve
     from shardline.bundle import ModelRef
     from shardline.online.models import ModelDirectory
 
-    reads: list[str] = []
-    real = local_registry.resolve
-
-    def counted(reference: Any) -> Any:
-        reads.append(str(reference))
-        return real(reference)
-
-    local_registry.resolve = counted  # type: ignore[method-assign]
+    reads, _ = _count_reads(local_registry)
     clock = [0.0]
 
-    async def in_thread(call: Any) -> Any:
-        return await asyncio.to_thread(call)
-
     async def scenario() -> list[Any]:
-        directory = ModelDirectory(local_registry, in_thread, alias_refresh_s=5.0, clock=lambda: clock[0])
+        directory = ModelDirectory(local_registry, _in_thread, alias_refresh_s=5.0, clock=lambda: clock[0])
         messages = []
         for ref in [ModelRef(name="breast-cancer", alias="canary")] * 20 + [ModelRef(name="breast-cancer", version=9)] * 20:
             with pytest.raises(ModelNotFound) as raised:

@@ -19,7 +19,7 @@ MAX_ERROR_INCREASE = typer.Option(None, help="Roll back past the baseline's erro
 MAX_P99_RATIO = typer.Option(None, help="Roll back past the baseline's p99 times this, plus 5 ms (default 1.5).")
 
 
-def _criteria(window: str | None, min_requests: int | None, max_error_increase: float | None,
+def rollback_criteria(window: str | None, min_requests: int | None, max_error_increase: float | None,
               max_p99_ratio: float | None, max_disagreement: float | None) -> dict[str, Any]:
     from shardline.storage.rollouts import parse_duration
 
@@ -66,7 +66,7 @@ def rollout_start(
             "candidate": reference, "alias": alias, "mode": "shadow" if shadow else "canary",
             "steps": list(parse_steps(steps)) if steps else None, "shadow": parse_share(shadow) if shadow else 0.0,
             "interval_s": parse_duration(interval) if interval else None, "reason": reason,
-            "criteria": _criteria(window, min_requests, max_error_increase, max_p99_ratio, max_disagreement),
+            "criteria": rollback_criteria(window, min_requests, max_error_increase, max_p99_ratio, max_disagreement),
         }
         check_start(open_registry(), name, alias, int(version))  # said before the gates run (the flow checks again)
         use_prefect_api()

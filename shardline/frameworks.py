@@ -119,7 +119,7 @@ def package_torch(module: Any, out_dir: str | Path, *, name: str, sample: pa.Tab
                 torch.onnx.export(module, (torch.from_numpy(rows[:2]),), str(exported), input_names=["X"],
                                   output_names=outputs, dynamic_axes=axes, opset_version=TORCH_OPSET, dynamo=False)
         except Exception as e:  # noqa: BLE001 - the exporter's errors are many; the user gets its message in one line
-            raise InvalidInput(f"the module does not export to ONNX ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            raise InvalidInput(f"the module does not export to ONNX ({type(e).__name__}: {_first_line(e)}); "
                                "it must take one float32 [N, k] tensor and return tensors") from e
         onnx_bytes = exported.read_bytes()
     tags = {"framework": "pytorch", "module": type(module).__name__, "torch": torch.__version__}
@@ -147,18 +147,19 @@ def load_model_file(path: str | Path, framework: str) -> Any:
     try:
         if framework == "lightgbm":
             booster = module.Booster(model_file=str(path))
-            objective = str(booster.dump_model().get("objective", ""))
+            dumped = booster.dump_model(num_iteration=1)  # objective and classes, with one iteration's trees only
+            objective = str(dumped.get("objective", ""))
         else:
             import json
 
             booster = module.Booster(model_file=str(path))
             objective = json.loads(booster.save_config())["learner"]["objective"]["name"]
     except Exception as e:  # noqa: BLE001 - each framework raises its own error for a file it cannot read
-        raise InvalidInput(f"{path} is not a {framework} model file ({type(e).__name__}: {str(e).splitlines()[0]}); "
+        raise InvalidInput(f"{path} is not a {framework} model file ({type(e).__name__}: {_first_line(e)}); "
                            f"give the file {framework}'s save_model wrote") from e
     kind = _objective_kind(framework, objective)
     if framework == "lightgbm":
-        return _LightgbmBooster(booster, kind)
+        return _LightgbmBooster(booster, kind, int(dumped.get("num_class", 1)))
     model = (module.XGBClassifier if kind == "classifier" else module.XGBRegressor)()
     model.load_model(str(path))
     return model
@@ -189,11 +190,10 @@ class _LightgbmBooster:
     """A LightGBM ``Booster`` read from its file, answering as ``LGBMClassifier`` / ``LGBMRegressor`` do
     (onnxmltools converts the booster itself)."""
 
-    def __init__(self, booster: Any, kind: str) -> None:
+    def __init__(self, booster: Any, kind: str, classes: int) -> None:
         self.booster = booster
         self.feature_names_in_ = None
         if kind == "classifier":
-            classes = int(booster.dump_model().get("num_class", 1))
             self.classes_ = np.arange(classes if classes > 1 else 2)
 
     def predict_proba(self, rows: np.ndarray) -> np.ndarray:
@@ -204,6 +204,10 @@ class _LightgbmBooster:
         if hasattr(self, "classes_"):
             return np.argmax(self.predict_proba(rows), axis=1)
         return np.asarray(self.booster.predict(rows))
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _features(model: Any, sample: pa.Table, feature_names: Sequence[str] | None) -> list[str]:

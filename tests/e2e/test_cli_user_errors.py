@@ -82,7 +82,7 @@ def test_a_link_in_the_input_out_of_the_tenants_prefixes_is_one_line_and_exit_2(
 
 
 @pytest.mark.usefixtures("local_registry")
-def test_a_rollout_or_promotion_of_what_is_not_there_is_one_line_and_exit_2(shardline: Shardline) -> None:
+def test_a_rollout_promotion_or_release_of_what_is_not_there_is_one_line_and_exit_2(shardline: Shardline) -> None:
     """Found before any flow starts: no failed run, no traceback."""
     cases = [
         (shardline("rollout", "start", "breast-cancer", "--candidate", "breast-cancer:7", "--steps", "5,100"),
@@ -95,6 +95,8 @@ def test_a_rollout_or_promotion_of_what_is_not_there_is_one_line_and_exit_2(shar
          "steps '50,5' are not rising percents"),
         (shardline("rollout", "promote", "breast-cancer"), "no rollout runs on breast-cancer@prod"),
         (shardline("model", "promote", "churn:2", "--to", "prod"), "model 'churn' is not in the registry"),
+        (shardline("model", "release", "breast-cancer:7"), "model 'breast-cancer' has no version 7"),
+        (shardline("model", "release", "breast-cancer"), "the candidate 'breast-cancer' is not name:version"),
     ]
     for finished, message in cases:
         assert_one_error_line(finished, message)

@@ -130,7 +130,7 @@ def error_answer(error: ShardlineError, openai: bool, request_id: str) -> Answer
     """The router's own error, in the protocol's form (V2 ``{"error": ...}``, OpenAI's ``{"error": {...}}``)."""
     status, extra = error_status(error)
     body = (openai_error_body if openai else v2_error_body)(str(error), status)
-    headers = [(b"content-type", b"application/json"), (REQUEST_ID_HEADER.encode(), request_id.encode())]
+    headers = [(b"content-type", b"application/json"), (_REQUEST_ID, request_id.encode("latin-1"))]
     headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
     return Answer(status, headers, orjson.dumps(body))
 
@@ -360,7 +360,8 @@ class Router:
         deadline = Deadline.from_header(request.header(_TIMEOUT), now,
                                         self.settings.request_timeout_s, self.settings.max_timeout_s)
         headers = header_lines([(k, v) for k, v in request.headers if k not in _NOT_SENT] + [
-            (b"authorization", self._key), (_TENANT, tenant.name.encode()), (_REQUEST_ID, request_id.encode())])
+            (b"authorization", self._key), (_TENANT, tenant.name.encode()),
+            (_REQUEST_ID, request_id.encode("latin-1"))])  # as it came: header values are Latin-1
         target = path + ("?" + request.query.decode("latin-1") if request.query else "")
         if retry:
             self.budget.request(now)

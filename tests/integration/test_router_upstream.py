@@ -4,6 +4,7 @@ answers, a replica that closes a kept-alive connection, one that dies mid-answer
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Awaitable, Callable
 
@@ -282,3 +283,37 @@ def test_an_openai_body_is_pinned_to_the_callers_canary_version_and_mirrored_in_
     assert set(got.values()) == {"emb:1", "emb:2"}  # 20 callers split by the weight
     assert answered == "emb:1" and sorted(seen) == ["emb:1", "emb:2"]  # the caller got the baseline; a copy went on
     assert compared["rows"] == 1 and compared["disagree"] == 0 and compared["min_cosine"] == 1.0
+
+
+def test_a_callers_request_id_reaches_the_replica_byte_for_byte_and_one_is_made_when_none_came() -> None:
+    from shardline.online.router.router import Incoming
+
+    heads: list[bytes] = []
+
+    async def replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, _ = await _read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            heads.append(head)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    async def main() -> list[int]:
+        server, port = await _serve(replica)
+        router, _ = _router([f"http://127.0.0.1:{port}"])
+        statuses = []
+        for extra in ([(b"x-request-id", b"caller-\xe9-7")], []):  # a Latin-1 byte, as HTTP allows in a value
+            answer = await router.handle(Incoming("POST", "/v2/models/m/versions/1/infer", b"",  # type: ignore[attr-defined]
+                                                  [(b"authorization", b"Bearer sk-acme"), *extra], b"{}"))
+            statuses.append(answer.status)
+        await router.stop()  # type: ignore[attr-defined]
+        server.close()
+        return statuses
+
+    assert asyncio.run(main()) == [200, 200]
+    ids = [[line.split(b": ", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"x-request-id:")]
+           for head in heads]
+    assert ids[0] == [b"caller-\xe9-7"]  # once, as the caller sent it
+    assert len(ids[1]) == 1 and re.fullmatch(rb"[0-9a-f]{32}", ids[1][0])

@@ -15,7 +15,8 @@ package``) through:
    ``shardline rollout status`` follows it.
 
 A model without ``prod`` yet has no baseline to canary against: its first version goes from
-staging to prod through the gates alone. A version already on prod is reported, not released again.
+staging to prod through the gates alone. A version already on prod is reported and nothing moves
+(a re-run of a finished release).
 """
 
 from __future__ import annotations
@@ -64,11 +65,14 @@ def release_model(
     storage = StorageSettings()
     registry = ModelRegistry(storage.registry, storage.storage_options)
     why = reason or f"release of {candidate}"
+    prod = registry.current_move(name, "prod")
+    if prod is not None and prod.version == version and rollouts.active(prod) is None:
+        print(f"{name}@prod is on {version} already")  # a re-run: nothing moves
+        return {"model": name, "version": version, "outcome": "already on prod", "records": []}
     staged = promote_model(candidate, "staging", by=by, reason=why, return_state=True)
     if staged.is_failed():
         return staged
     print(f"{name}@staging -> {version}: every gate passed")
-    prod = registry.current_move(name, "prod")
     if prod is None:
         first = promote_model(candidate, "prod", by=by, reason=f"{why}: the first version (no baseline to canary "
                               "against)", return_state=True)
@@ -76,9 +80,6 @@ def release_model(
             return first
         print(f"{name}@prod -> {version}: the model's first version, through the gates alone")
         return {"model": name, "version": version, "outcome": "first version", "records": []}
-    if prod.version == version and rollouts.active(prod) is None:
-        print(f"{name}@prod is on {version} already")
-        return {"model": name, "version": version, "outcome": "already on prod", "records": []}
     started = start_rollout(candidate=candidate, alias="prod", mode="canary", steps=list(steps or DEFAULT_STEPS),
                             interval_s=interval_s, criteria=criteria, by=by, reason=why, return_state=True)
     if started.is_failed():

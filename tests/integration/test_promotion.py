@@ -133,3 +133,21 @@ def test_an_alias_moved_during_the_gates_is_not_overwritten(registry: ModelRegis
     with pytest.raises(AliasConflict, match="moved while you were deciding"):
         move_alias.fn(plan, "prod", results, None, "")
     assert [m.by for m in registry.alias_history("breast-cancer", "prod")][-1] == "someone-else"
+
+
+def test_a_release_takes_a_first_version_through_the_gates_alone_and_refuses_what_is_not_name_version(
+        registry: ModelRegistry) -> None:
+    from shardline.flows.release import release_model
+
+    first = release_model(candidate="breast-cancer:1", by="ci", reason="first release", return_state=True)
+    again = release_model(candidate="breast-cancer:1", by="ci", return_state=True)
+    unpinned = release_model(candidate="breast-cancer", return_state=True)
+
+    assert first.is_completed() and first.result()["outcome"] == "first version"
+    assert [(m.action, m.version, m.by) for m in registry.alias_history("breast-cancer", "staging")] == [
+        ("promote", 1, "ci")]
+    prod = registry.alias_history("breast-cancer", "prod")
+    assert [(m.action, m.version) for m in prod] == [("promote", 1)]
+    assert "the first version (no baseline to canary against)" in prod[0].reason
+    assert again.is_completed() and again.result()["outcome"] == "already on prod"
+    assert unpinned.is_failed() and "is not name:version" in (unpinned.message or "")

@@ -52,6 +52,7 @@ from shardline.runtimes.base import concat_answers, out_of_memory
 from shardline.settings import OnlineSettings
 from shardline.rows import Rows, check_rows
 from shardline.storage.model_cache import ModelCache
+from shardline.tenants import check_custom_code
 from shardline.storage.registry import ModelRegistry, ResolvedModel, check_alias
 
 log = logging.getLogger("shardline.online")
@@ -178,6 +179,7 @@ class DataPlane:
         Raises:
             ModelNotFound: the tenant may not call the model, or the version, alias or variant does not exist.
             InvalidInput: the version is not a number or the alias is malformed.
+            AccessDenied: the version carries its own Python code and the tenant may not run it.
         """
         listed = tenant.reference_for(name)
         if listed is None:
@@ -197,6 +199,7 @@ class DataPlane:
         else:
             ref = listed
         resolved = await self.directory.resolve(ref)
+        check_custom_code(resolved.manifest.runtime, resolved.pinned, tenant.name, tenant.custom_code)
         return await self._served_for(resolved.variant(variant) if variant else resolved)
 
     async def model_for_reference(self, tenant: Tenant, reference: str) -> ServedModel:

@@ -15,6 +15,7 @@ import math
 import reprlib
 
 from shardline.errors import (
+    AccessDenied,
     DeadlineExceeded,
     InferenceFailed,
     InvalidBundle,
@@ -34,6 +35,7 @@ from shardline.errors import (
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (Unauthenticated, 401),  # no key, or not a key of any tenant
     (ModelNotFound, 404),  # no such model/version/alias, or one the tenant may not call (same answer)
+    (AccessDenied, 403),  # a model whose own Python code the tenant may not run (tenants file: custom_code)
     (PayloadTooLarge, 413),
     (UnsupportedEncoding, 415),
     (InvalidInput, 400),  # malformed body, wrong shape or datatype, missing input, nulls

@@ -49,6 +49,7 @@ class Tenant:
     models: dict[str, ModelRef] = field(hash=False)
     rate: RateQuota | None = field(default=None, hash=False)
     max_concurrent: int | None = None
+    custom_code: bool = False  # may call models that carry their own Python code
 
     def reference_for(self, name: str) -> ModelRef | None:
         """The reference the tenant listed for a model name, or None if it may not call it."""
@@ -96,7 +97,8 @@ class TenantDirectory:
         """The online view of a checked tenants file: the tenants with keys, and their key digests."""
         served = parsed.served()
         tenants = [
-            Tenant(name=t.name, priority=t.priority, models=t.model_refs(), rate=t.rate, max_concurrent=t.max_concurrent)
+            Tenant(name=t.name, priority=t.priority, models=t.model_refs(), rate=t.rate, max_concurrent=t.max_concurrent,
+                   custom_code=t.custom_code)
             for t in served
         ]
         return cls(tenants, [(digest, t.name) for t in served for digest in t.api_keys_sha256])

@@ -38,13 +38,21 @@ _NO_PROFILE = (
 
 @model_app.command("package")
 def model_package(
-    source: Path = typer.Argument(..., exists=True, dir_okay=False, help="The model: an ONNX file, or (with "
-                                  "--framework) the file XGBoost's or LightGBM's save_model wrote."),
+    source: Path = typer.Argument(..., exists=True, help="The model: an ONNX file; (with --framework) the file "
+                                  "XGBoost's or LightGBM's save_model wrote; or custom model code, a .py file or a "
+                                  "folder of modules (--framework python)."),
     name: str = typer.Option(..., help="Model name (lower-case letters, digits, '.', '_', '-')."),
-    framework: str = typer.Option("onnx", help="onnx, xgboost or lightgbm. xgboost and lightgbm convert the model "
-                                  "to ONNX and check the bundle answers as the framework does on the sample "
+    framework: str = typer.Option("onnx", help="onnx, xgboost, lightgbm or python. xgboost and lightgbm convert the "
+                                  "model to ONNX and check the bundle answers as the framework does on the sample "
                                   "(--signature-from, needed: the feature columns, less --exclude, in the model's "
-                                  "order)."),
+                                  "order). python bundles the code's class (load(context), predict(rows); see "
+                                  "docs/custom-models.md) with --file and --requirement; --signature-from is needed."),
+    entry: Optional[str] = typer.Option(None, help="python: the class, module:Class (default <file stem>:Model, or "
+                                        "model:Model for a folder)."),
+    file: Optional[list[Path]] = typer.Option(None, exists=True, dir_okay=False, help="python: a file the code "
+                                              "loads (weights as ONNX, .npz, JSON; never a pickle); repeat."),
+    requirement: Optional[list[str]] = typer.Option(None, help="python: a package the code needs, as pip writes it "
+                                                    "('scikit-learn>=1.5'), checked wherever it loads; repeat."),
     signature_from: Optional[Path] = typer.Option(
         None, exists=True, help="Sample Parquet data: the signature is inferred from it (a column per model input, "
         "named after it: a fixed_size_list<T>[k] column for an input [N, k]; or, for a model of one [N, k] input, "
@@ -61,8 +69,8 @@ def model_package(
     tag: Optional[list[str]] = typer.Option(None, help="KEY=VALUE tag; repeat."),
     out: Optional[Path] = typer.Option(None, help="Bundle folder (default ./<name>-bundle)."),
 ) -> None:
-    """Make a bundle from an ONNX model (or an XGBoost or LightGBM model file): signature, checksums,
-    environment, lineage, golden set, profile."""
+    """Make a bundle from an ONNX model (an XGBoost or LightGBM model file, or custom model code): signature,
+    checksums, environment, lineage, golden set, profile."""
     import pyarrow.parquet as pq
 
     from shardline.bundle import Lineage, write_manifest
@@ -83,7 +91,20 @@ def model_package(
         if golden is not None:
             golden_set = GoldenSet(pq.read_table(golden), label, metric, prediction, threshold)
         folder = out or Path(f"{name}-bundle")
-        if framework == "onnx":
+        if framework != "python" and (entry or file or requirement):
+            raise ShardlineError("--entry, --file and --requirement are for custom model code (--framework python)")
+        if framework != "python" and source.is_dir():
+            raise ShardlineError(f"{source} is a folder; --framework {framework} packages a model file")
+        if framework == "python":
+            from shardline.code_bundles import package_python
+
+            if sample is None:
+                raise ShardlineError("--framework python needs --signature-from ROWS.parquet: the rows the model "
+                                     "reads (its inputs, less --exclude), which the code is run and checked on")
+            manifest = package_python(source, folder, name=name, sample=sample, entry=entry, exclude=exclude or [],
+                                      files=file or [], requirements=requirement or [], lineage=lineage,
+                                      golden=golden_set, image=image)
+        elif framework == "onnx":
             manifest = package_onnx(
                 source, folder, name=name, sample=sample, exclude=exclude or [], lineage=lineage,
                 golden=golden_set, image=image,
@@ -112,7 +133,7 @@ def _package_framework(source: Path, framework: str, folder: Path, name: str, sa
     from shardline.frameworks import FRAMEWORKS, load_model_file, package_lightgbm, package_xgboost, saved_feature_names
 
     if framework not in FRAMEWORKS:
-        raise ShardlineError(f"--framework {framework!r} is not one of onnx, {', '.join(FRAMEWORKS)}")
+        raise ShardlineError(f"--framework {framework!r} is not one of onnx, {', '.join(FRAMEWORKS)}, python")
     if sample is None:
         raise ShardlineError(f"--framework {framework} needs --signature-from ROWS.parquet: the rows the model was "
                              "fitted on (its feature columns, in order), which the converted model is checked on")

@@ -56,7 +56,7 @@ def check_model_name(name: str) -> str:
     return name
 
 
-ArtifactRole = Literal["model", "tokenizer", "golden", "profile", "other"]
+ArtifactRole = Literal["model", "code", "tokenizer", "golden", "profile", "other"]
 # Roles that describe or check a model without changing what it computes.
 _NOT_IN_DIGEST = ("golden", "profile")
 

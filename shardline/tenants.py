@@ -14,6 +14,7 @@ the online tier builds its key directory from it (``online/tenants.py``), batch 
         priority: high                           # online shedding class
         rate: {requests_per_second: 200, burst: 400}
         max_concurrent: 64
+        custom_code: false                       # models that carry their own Python code (both tiers)
         batch:
           storage_prefixes: ["s3://lake/acme/", "/data/acme"]
           priority: normal                       # high | normal | low (backfills: low)
@@ -100,6 +101,10 @@ class TenantConfig(BaseModel):
     rate: RateQuota | None = Field(default=None, description="Request rate quota; none means unlimited.")
     max_concurrent: int | None = Field(default=None, ge=1, description="Requests in flight at most; none: unlimited.")
     batch: BatchPolicy | None = Field(default=None, description="Batch jobs' prefixes and quotas; none: no batch jobs.")
+    custom_code: bool = Field(
+        default=False, description="Whether the tenant may run models that carry their own Python code (runtime "
+        "'python'), online and in batch jobs: that code runs inside the platform's processes with their rights.",
+    )
 
     @model_validator(mode="after")
     def _serves_something(self) -> "TenantConfig":
@@ -174,7 +179,8 @@ class TenantsFile(BaseModel):
 
     def batch_tenants(self) -> dict[str, "BatchTenant | None"]:
         """Batch jobs' view: every tenant by name, with its batch policy (None: no ``batch:`` section)."""
-        return {t.name: BatchTenant(t.name, t.batch) if t.batch is not None else None for t in self.tenants}
+        return {t.name: BatchTenant(t.name, t.batch, t.custom_code) if t.batch is not None else None
+                for t in self.tenants}
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,30 @@ class BatchTenant:
 
     name: str
     policy: BatchPolicy
+    custom_code: bool = False  # may run models that carry their own Python code
+
+
+CUSTOM_CODE_RUNTIME = "python"
+"""The runtime of bundles that carry their own Python code (``shardline.runtimes.custom``)."""
+
+
+def check_custom_code(runtime: str, model: str, tenant: str | None, allowed: bool) -> None:
+    """Refuse a model whose bundle carries its own code (runtime 'python') to a tenant not allowed to run it.
+
+    ``tenant`` None is single-tenant batch development (no tenants file): allowed. Both tiers ask this
+    before the model is loaded, so a refused tenant never has the code imported on its behalf.
+
+    Raises:
+        AccessDenied: naming the model, the tenant and the flag that allows it.
+    """
+    if runtime != CUSTOM_CODE_RUNTIME or tenant is None or allowed:
+        return
+    raise AccessDenied(
+        f"model {model} carries its own Python code, which tenant {tenant!r} may not run (it runs inside the "
+        "platform's processes); set custom_code: true for the tenant in the tenants file if you trust the code's "
+        "authors, or use a model without custom code",
+        tenant,
+    )
 
 
 Resolve = Callable[[str], str]

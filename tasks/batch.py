@@ -53,6 +53,7 @@ from shardline.tasks.artifacts import batch_artifact_key, current_deployment, su
 from shardline.tasks.cluster import threads_per_call
 from shardline.tasks.dispatch import dispatch_shards
 from shardline.tasks.sla_tracking import publish_sla_table
+from shardline.tenants import check_custom_code
 
 if TYPE_CHECKING:
     from shardline.tasks.preemption import PreemptionPlugin
@@ -170,20 +171,25 @@ def plan_batch_job(
     variant: str | None = None,
     link_roots: list[str] | None = None,
     placement: PlacementSettings | None = None,
+    custom_code: bool = True,
 ) -> JobPlan:
     """Pin the model (and its variant), list the shards, and split off those a previous run settled.
 
     ``link_roots``: where links in the input may lead (the tenant's resolved prefixes); None: anywhere.
     ``placement``: the prices ``variant='auto'`` weighs profiles with (needed only then).
+    ``custom_code``: whether the tenant may run a model that carries its own Python code (the
+    tenants file's ``custom_code``; True in single-tenant mode).
 
     Raises:
         InvalidSetting: ``variant='auto'`` without ``placement``.
+        AccessDenied: the model carries its own code and the tenant may not run it (before any shard is read).
     """
     registry = ModelRegistry.from_settings(storage)
     if variant == "auto" and placement is None:
         raise InvalidSetting("variant 'auto' weighs profiles by price: pass the placement settings")
     costs = CostTable(per_hour=placement.costs_per_hour if placement is not None else {})
     resolved = choose_variant(registry, registry.resolve(model), variant, dask.cluster == "local", costs)
+    check_custom_code(resolved.manifest.runtime, resolved.pinned, tenant, custom_code)
     retry = RetryPolicy(batch.retry_attempts, batch.retry_base_s, max(batch.retry_cap_s, batch.retry_base_s))
     shards = call_with_retries(
         lambda: list_shards(input_uri, storage.storage_options, batch.shard_suffixes, link_roots), retry,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 _OPENAI_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
     413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 501: "not_implemented",
     503: "overloaded_error",
 }

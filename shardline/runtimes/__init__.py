@@ -12,6 +12,8 @@ from shardline.runtimes.base import Runtime, RuntimeOptions
 # name -> (module, class, the extra that installs what it needs)
 KNOWN_RUNTIMES: dict[str, tuple[str, str, str]] = {
     "onnx": ("shardline.runtimes.onnx", "OnnxModel", "pip install 'shardline[cpu]' (or [gpu])"),
+    # A bundle's own Python class (custom code): what it needs is what its requirements list.
+    "python": ("shardline.runtimes.custom", "CustomCodeModel", "install the packages its requirements list"),
 }
 
 __all__ = ["KNOWN_RUNTIMES", "Runtime", "RuntimeOptions", "create_runtime"]

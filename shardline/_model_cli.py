@@ -174,15 +174,40 @@ def model_push(
     bundle: Path = typer.Argument(..., help="Bundle folder (manifest.json and artifacts)."),
     alias: Optional[str] = typer.Option(None, help="Also point this alias at the new version (unprotected aliases)."),
 ) -> None:
-    """Add a bundle to the registry as its next version (the same bytes again: the same version)."""
+    """Add a bundle to the registry as its next version (the same bytes again: the same version).
+
+    A new version is announced as the Prefect event shardline.model.pushed when a Prefect API is known
+    (PREFECT_API_URL, the active profile, or the home's local server): prefect.yaml's promote-on-push
+    automation answers it by promoting the version to staging through the gates."""
     try:
         registry = open_registry()
-        manifest = registry.push(bundle)
+        manifest, new = push_version(registry, bundle)
         if alias:
             _set_alias(registry, manifest.name, alias, manifest.version or 0, "model push --alias")
     except ShardlineError as e:
         raise fail(e) from e
     typer.echo(f"pushed {manifest.reference} (digest {manifest.outputs_digest[:12]})" + (f", {alias} -> it" if alias else ""))
+    if new:
+        announce(manifest, "model push")
+
+
+def push_version(registry: Any, bundle: Path) -> tuple[Any, bool]:
+    """Push a bundle folder; returns its manifest as pushed, and whether it is a new version."""
+    from shardline.bundle import read_manifest
+
+    local = read_manifest(bundle)
+    known = {m.content_digest for m in registry.list_versions(local.name)}
+    return registry.push(bundle), local.content_digest not in known
+
+
+def announce(manifest: Any, source: str) -> None:
+    """Emit shardline.model.pushed for a new version when a Prefect API is known; say where it went (stderr)."""
+    from shardline.events import announce_push
+    from shardline.settings import StorageSettings
+
+    api = announce_push(StorageSettings().home, manifest.name, manifest.version or 0, manifest.outputs_digest, source)
+    if api is not None:
+        typer.echo(f"  announced as shardline.model.pushed to the Prefect API at {api}", err=True)
 
 
 @model_app.command("list")

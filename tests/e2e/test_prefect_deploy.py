@@ -216,7 +216,7 @@ def test_the_readme_commands_deploy_everything_and_run_nightly(
     # ... and every trigger as an automation (the Automations page is not empty)
     automations = {a["name"]: a for a in prefect_server.post("/automations/filter", {})}
     triggers = {t["name"] for d in DECLARED for t in d.get("triggers", [])}
-    assert len(triggers) == 5 and set(automations) == triggers
+    assert len(triggers) == 6 and set(automations) == triggers
     assert all(a["enabled"] for a in automations.values())
     # what the user saw: the listings name them too
     for name in triggers:

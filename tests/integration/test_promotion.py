@@ -151,3 +151,32 @@ def test_a_release_takes_a_first_version_through_the_gates_alone_and_refuses_wha
     assert "the first version (no baseline to canary against)" in prod[0].reason
     assert again.is_completed() and again.result()["outcome"] == "already on prod"
     assert unpinned.is_failed() and "is not name:version" in (unpinned.message or "")
+
+
+def test_a_pushed_version_is_announced_and_prefect_yamls_automation_promotes_it_to_staging(
+    shardline_home: Path, breast_cancer_model: BuiltModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+    from typer.testing import CliRunner
+
+    from shardline.cli import app
+    from tests.integration.automations import deploy_with_triggers, run_flow_run_here, wait_for_flow_run
+
+    api_url = str(PREFECT_API_URL.value())
+    deployment = deploy_with_triggers(api_url, ["promote"])["promote"]
+    monkeypatch.setenv("PREFECT_API_URL", api_url)
+
+    pushed = CliRunner().invoke(app, ["model", "push", str(breast_cancer_model.bundle_dir)])
+    again = CliRunner().invoke(app, ["model", "push", str(breast_cancer_model.bundle_dir)])
+
+    assert pushed.exit_code == 0 and "pushed breast-cancer:1" in pushed.stdout
+    assert f"announced as shardline.model.pushed to the Prefect API at {api_url}" in pushed.stderr
+    assert again.exit_code == 0 and "announced" not in again.stderr  # the same bytes: no new version, no event
+    run = wait_for_flow_run(api_url, deployment["id"], timeout=30)
+    assert run["parameters"]["reference"] == "breast-cancer:1" and run["parameters"]["to_alias"] == "staging"
+    assert run["parameters"]["reason"].startswith("shardline.model.pushed (event ")
+    assert run_flow_run_here(run["id"]).is_completed()
+    registry = ModelRegistry(str(shardline_home / "registry"))
+    assert registry.resolve("breast-cancer@staging").version == 1
+    [move] = registry.alias_history("breast-cancer", "staging")
+    assert move.by == "automation promote-on-push" and "model push" in move.reason

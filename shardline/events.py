@@ -1,0 +1,95 @@
+"""Prefect events posted over plain HTTP, for the automations in ``prefect.yaml``.
+
+Which Prefect API: ``PREFECT_API_URL`` (the environment, else the active profile of Prefect's
+profiles file), else the home's local Prefect server when one runs (``shardline/_prefect_server.py``;
+nothing here starts one). With none, an event is only logged.
+
+An event is posted to the API's ``POST /events`` (the batch endpoint Prefect's server offers beside
+its websocket). Prefect is not imported: its import costs seconds of CPU (the router would hold up
+requests for it, a CLI command would wait) and it is not needed to write one JSON document.
+``PREFECT_API_KEY``, when set, is sent as the bearer token (Prefect Cloud).
+
+Who posts: the router (``shardline.rollout.*``, ``online/router/events.py``) and the registry's
+commands (``shardline.model.pushed`` from ``shardline model push`` and ``model import``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tomllib
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+log = logging.getLogger(__name__)
+POST_TIMEOUT_S = 10.0
+MODEL_PUSHED = "shardline.model.pushed"
+
+
+def prefect_api_url(home: str) -> str | None:
+    """The Prefect API events go to (see the module docstring), or None."""
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        return url
+    prefect_home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
+    profiles = Path(os.environ.get("PREFECT_PROFILES_PATH", prefect_home / "profiles.toml"))
+    try:
+        parsed = tomllib.loads(profiles.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        parsed = {}
+    active = os.environ.get("PREFECT_PROFILE") or parsed.get("active")
+    url = parsed.get("profiles", {}).get(active, {}).get("PREFECT_API_URL") if active else None
+    if url:
+        return str(url)
+    from shardline._prefect_server import find
+
+    server = find(home)
+    return server.api_url if server is not None else None
+
+
+def post_event(api_url: str, event: str, resource: dict[str, str], payload: dict[str, Any]) -> bool:
+    """Post one event to a Prefect API now (blocking); never raises. Returns whether the API took it."""
+    import httpx
+
+    document = [{
+        "id": str(uuid.uuid4()), "occurred": datetime.now(timezone.utc).isoformat(), "event": event,
+        "resource": resource, "related": [], "payload": payload,
+    }]
+    headers = {"content-type": "application/json"}
+    key = os.environ.get("PREFECT_API_KEY")
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    try:
+        answer = httpx.post(f"{api_url.rstrip('/')}/events", content=orjson.dumps(document, default=str),
+                            headers=headers, timeout=POST_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - an event is a notice; what it tells of is recorded elsewhere
+        log.warning("could not emit %s: %s: %s", event, type(e).__name__, e)
+        return False
+    if answer.status_code >= 300:
+        log.warning("the Prefect API refused %s: %s %s", event, answer.status_code, answer.text[:200])
+        return False
+    return True
+
+
+def model_resource(name: str, alias: str | None = None) -> dict[str, str]:
+    """The resource of an event about a model (``shardline.model.<name>``, with ``shardline.alias`` if any)."""
+    resource = {"prefect.resource.id": f"shardline.model.{name}", "shardline.model": name}
+    if alias is not None:
+        resource["shardline.alias"] = alias
+    return resource
+
+
+def announce_push(home: str, name: str, version: int, digest: str, source: str) -> str | None:
+    """Emit ``shardline.model.pushed`` for a new version (prefect.yaml's ``promote-on-push`` answers it).
+
+    Returns the API it went to, or None when no Prefect API is known (then nothing is sent) or it refused.
+    """
+    api = prefect_api_url(home)
+    if api is None:
+        return None
+    payload = {"name": name, "version": version, "reference": f"{name}:{version}", "digest": digest, "source": source}
+    return api if post_event(api, MODEL_PUSHED, model_resource(name), payload) else None

@@ -2,11 +2,12 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
-# Nothing may reach the internet: Prefect, onnxruntime and great-expectations telemetry off.
+# Nothing may reach the internet: Prefect, onnxruntime, great-expectations and MLflow telemetry off.
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export ORT_DISABLE_TELEMETRY := 1
 export GX_ANALYTICS_ENABLED := false
+export MLFLOW_DISABLE_TELEMETRY := true
 
 .PHONY: setup demo test test-fast bench typecheck clean
 
@@ -15,7 +16,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[cpu,package,embedding,embedding-build,frameworks,dev,quality]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[cpu,package,embedding,embedding-build,frameworks,dev,quality,mlflow]'
 	touch $@
 
 demo: setup

@@ -18,6 +18,7 @@ OFF_THE_NETWORK = {
     "DO_NOT_TRACK": "1",
     "ORT_DISABLE_TELEMETRY": "1",
     "GX_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",  # MLflow reads DO_NOT_TRACK only as "true", not "1"
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_QUARANTINED = 0, 1, 2, 3

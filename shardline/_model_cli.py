@@ -1,5 +1,5 @@
-"""`shardline model ...`: package, push, list, show, search, alias, promote, rollback, history,
-optimize and profile.
+"""`shardline model ...`: package, import (from MLflow), push, list, show, search, alias, promote, rollback,
+history, optimize and profile.
 """
 
 from __future__ import annotations
@@ -476,3 +476,74 @@ def model_place(
     except ShardlineError as e:
         raise fail(e) from e
     typer.echo(placement.reason)
+
+
+_IMPORT_NO_PROFILE = (
+    "  no reference profile: drift checks and the promotion gate 'reference-profile' need one; import again with "
+    "--signature-from ROWS.parquet (rows the model reads, e.g. its training data)"
+)
+
+
+@model_app.command("import")
+def model_import(
+    uri: str = typer.Argument(..., help="The MLflow model: mlflow:/models/NAME/VERSION, or MLflow's own "
+                              "models:/NAME/VERSION, models:/NAME@ALIAS, models:/m-MODEL_ID or runs:/RUN_ID/PATH."),
+    tracking_uri: Optional[str] = typer.Option(None, help="MLflow's tracking URI (sqlite:///mlflow.db, "
+                                               "http://host:5000, ...); default: MLflow's own (MLFLOW_TRACKING_URI, "
+                                               "else its default store here)."),
+    name: Optional[str] = typer.Option(None, help="Shardline model name; default: the MLflow name, lower-cased, "
+                                       "other characters made '-'."),
+    signature_from: Optional[Path] = typer.Option(
+        None, exists=True, dir_okay=False, help="Sample Parquet rows the model reads (e.g. its training data): the "
+        "signature is checked on them and their profile becomes the reference profile. Default: the input example "
+        "logged with the model; XGBoost, LightGBM and scikit-learn models need one or the other."),
+    exclude: Optional[list[str]] = typer.Option(None, help="Sample column that is not a feature (label, id); repeat."),
+    out: Optional[Path] = typer.Option(None, help="Bundle folder; default: ./<name>-bundle with --no-push, a "
+                                       "temporary folder (removed after the push) otherwise."),
+    push: bool = typer.Option(True, "--push/--no-push", help="Push the bundle to the registry as its next version, "
+                              "as `shardline model push` does."),
+) -> None:
+    """Make a bundle from a model kept in MLflow (its onnx, xgboost, lightgbm or sklearn flavor), with its
+    lineage: run, experiment, metrics. Pickled models and pyfuncs are refused: nothing is unpickled."""
+    import contextlib
+    import os
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from shardline.bundle import Lineage
+    from shardline.mlflow_import import import_mlflow_model
+    from shardline.quality.profile import attach_reference_profile
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one error line, no progress bars
+    try:
+        if exclude and signature_from is None:
+            raise ShardlineError("--exclude names columns of the sample data; give the sample with --signature-from")
+        sample = pq.read_table(signature_from) if signature_from is not None else None
+        lineage = Lineage(
+            training_data=str(signature_from.resolve()) if signature_from is not None else None,
+            training_data_digest=hashlib.sha256(signature_from.read_bytes()).hexdigest() if signature_from else None,
+        )
+        with contextlib.ExitStack() as scratch:
+            folder = out
+            if folder is None and push:
+                folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="shardline-import-"))) / "bundle"
+            imported = import_mlflow_model(uri, folder, name=name, tracking_uri=tracking_uri, sample=sample,
+                                           exclude=exclude or [], lineage=lineage)
+            manifest = imported.manifest
+            if sample is not None:
+                manifest = attach_reference_profile(imported.folder, sample)
+            pushed, new = push_version(open_registry(), imported.folder) if push else (None, False)
+    except ShardlineError as e:
+        raise fail(e) from e
+    inputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.inputs[:4])
+    outputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.outputs)
+    where = "" if pushed is not None and out is None else f" in {imported.folder}"
+    typer.echo(f"imported {imported.source} (flavor {imported.flavor}) as {manifest.name}{where}\n  in: {inputs}"
+               f"{' ...' if len(manifest.signature.inputs) > 4 else ''}\n  out: {outputs}")
+    if sample is None:
+        typer.echo(_IMPORT_NO_PROFILE)
+    if pushed is not None:
+        typer.echo(f"pushed {pushed.reference} (digest {pushed.outputs_digest[:12]})")
+        if new:
+            announce(pushed, f"model import {imported.source}")

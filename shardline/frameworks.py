@@ -263,7 +263,10 @@ def _package_trees(framework: str, model: Any, out_dir: str | Path, name: str, s
         dims = output.type.tensor_type.shape.dim
         if len(dims) and not dims[0].dim_param:
             dims[0].dim_param = "N"
-    tags = {"framework": framework, "estimator": type(getattr(model, "booster", model)).__name__}
+    onx.graph.name = f"{framework}-{name}"  # onnxmltools names each graph at random: the same model, the same bytes
+    booster = getattr(model, "booster", None)  # lightgbm's sklearn API: the Booster; xgboost's: a hyperparameter
+    tags = {"framework": framework, "estimator": type(model if booster is None or isinstance(booster, str) else
+                                                      booster).__name__}
     return _package_checked(onx.SerializeToString(), out_dir, name, sample, features, expected, tie, tags, lineage,
                             golden, reference_profile, image)
 

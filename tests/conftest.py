@@ -9,6 +9,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # MLflow reads DO_NOT_TRACK only as "true"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are built here, never fetched
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

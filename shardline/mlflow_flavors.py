@@ -1,0 +1,279 @@
+"""How each MLflow flavor becomes a bundle: ``FLAVORS``, a table from flavor name to builder, in the order
+flavors are preferred when a model has several (``shardline.mlflow_import`` resolves, downloads and reads the
+model, then hands it to one of these as an ``ImportRequest``).
+
+- ``onnx``: the ``.onnx`` file (``data``), packaged as any ONNX file is (``package_onnx``);
+- ``xgboost``: the JSON or UBJ file XGBoost's ``save_model`` wrote, converted and checked
+  (``frameworks.package_xgboost``);
+- ``lightgbm``: a ``Booster``'s text model file, or a scikit-learn-API model (``LGBMClassifier``) saved
+  by skops, converted and checked (``package_lightgbm``);
+- ``sklearn``: an estimator saved by skops (MLflow's default), rebuilt by skops trusting scikit-learn's
+  own classes only, converted by skl2onnx (``package_sklearn``) and checked on the sample rows.
+
+Nothing is unpickled: a model saved as a pickle or cloudpickle (``serialization_format``), a pyfunc
+(``python_function`` alone) and any other flavor is refused (``InvalidInput`` naming the flavor and
+what to log instead) before anything is written. A new mapping (pyfunc "models from code" to the
+custom-code runtime) is one entry of ``FLAVORS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import pyarrow as pa
+
+from shardline.bundle import Lineage, Manifest
+from shardline.errors import InvalidInput, RuntimeUnavailable, ShardlineError
+
+MLFLOW_EXTRA = "pip install 'shardline[mlflow]'"
+_LOG_INSTEAD = ("log it with mlflow.onnx (convert it with skl2onnx or onnxmltools first), or with "
+                "mlflow.sklearn.log_model(..., serialization_format='skops')")
+# Types skops may rebuild for a LightGBM scikit-learn-API model: LightGBM's own (its Booster reads the
+# model's text), as mlflow.lightgbm lists them.
+_LIGHTGBM_SKOPS_TYPES = frozenset({"lightgbm.sklearn.LGBMClassifier", "lightgbm.sklearn.LGBMRegressor",
+                                   "lightgbm.basic.Booster", "collections.OrderedDict"})
+
+
+@dataclass
+class ImportRequest:
+    """What one import builds from: the MLflow model downloaded, its MLmodel file read, the rows it is
+    checked on. Handed to a flavor's builder (``FLAVORS``)."""
+
+    source: str  # the model URI as given
+    model_dir: Path
+    mlmodel: Any  # mlflow.models.Model
+    flavor: str
+    out_dir: Path
+    name: str
+    sample: pa.Table | None  # the user's rows, else the logged input example; None: neither
+    sample_is_example: bool
+    exclude: Sequence[str]
+    lineage: Lineage
+
+    @property
+    def conf(self) -> dict[str, Any]:
+        """The flavor's section of the MLmodel file."""
+        return dict(self.mlmodel.flavors[self.flavor])
+
+    def file(self, key: str) -> Path:
+        """A file the flavor's section names (``data``, ``pickled_model``), inside the downloaded model."""
+        relative = str(self.conf.get(key) or "")
+        path = (self.model_dir / relative).resolve()
+        if not relative or not path.is_file() or self.model_dir.resolve() not in path.parents:
+            raise InvalidInput(f"MLflow model {self.source} (flavor {self.flavor}) names no model file in its "
+                               f"MLmodel field {key!r} (got {relative!r}); log the model again with MLflow's client")
+        return path
+
+    def signature_names(self) -> list[str] | None:
+        """The input column names of the MLmodel signature (None: no signature, or a tensor one)."""
+        schema = getattr(self.mlmodel.signature, "inputs", None)
+        if schema is None or schema.is_tensor_spec() or not schema.has_input_names():
+            return None
+        return [str(n) for n in schema.input_names()]
+
+    def needs_sample(self, what: str) -> pa.Table:
+        """The sample rows, or the refusal that says how to give them."""
+        if self.sample is None:
+            raise InvalidInput(
+                f"MLflow model {self.source} (flavor {self.flavor}) has no input example, and {what} needs sample "
+                "rows (the features the model reads, one column each, named as in its signature): give them with "
+                "--signature-from ROWS.parquet (e.g. its training data; --exclude the label), or log the model "
+                "with input_example=")
+        return self.sample
+
+    def refuse(self, why: str, do: str) -> InvalidInput:
+        """The error for a model this flavor cannot map."""
+        return InvalidInput(f"MLflow model {self.source} (flavor {self.flavor}{', ' + why if why else ''}) "
+                            f"cannot be imported: {do}")
+
+
+def _features(request: ImportRequest, model: Any, sample: pa.Table) -> list[str]:
+    """The feature columns in the model's order: the names the model keeps (its file's, or scikit-learn's
+    ``feature_names_in_``), else the MLmodel signature's, else the sample's columns less ``exclude``."""
+    from shardline.frameworks import saved_feature_names
+
+    kept = getattr(model, "feature_names_in_", None)
+    saved = saved_feature_names(model) if hasattr(model, "get_booster") or hasattr(model, "booster") else None
+    saved = saved if saved is not None else ([str(n) for n in kept] if kept is not None else None)
+    if saved is not None and set(saved) <= set(sample.column_names):
+        return saved
+    named = request.signature_names()
+    if named is not None:
+        return named
+    return [c for c in sample.column_names if c not in set(request.exclude)]
+
+
+def _from_onnx(request: ImportRequest) -> Manifest:
+    from shardline.packaging import package_onnx
+
+    return package_onnx(request.file("data"), request.out_dir, name=request.name, sample=request.sample,
+                        exclude=request.exclude, lineage=request.lineage)
+
+
+def _from_xgboost(request: ImportRequest) -> Manifest:
+    from shardline.frameworks import load_model_file, package_xgboost
+
+    path = request.file("data")
+    model_format = str(request.conf.get("model_format") or path.suffix.lstrip("."))
+    if model_format not in ("json", "ubj"):
+        raise request.refuse(f"model_format {model_format}", "Shardline reads XGBoost's JSON and UBJ model files; "
+                             "log it again with mlflow.xgboost.log_model(..., model_format='ubj')")
+    sample = request.needs_sample("converting an XGBoost model (checked against XGBoost's predictions)")
+    model = load_model_file(path, "xgboost")
+    features = _features(request, model, sample)
+    model.get_booster().feature_names = None  # onnxmltools reads features as f0, f1, ... only; the bundle names them
+    return _converted(request, lambda: package_xgboost(model, request.out_dir, name=request.name, sample=sample,
+                                                       feature_names=features, lineage=request.lineage))
+
+
+def _from_lightgbm(request: ImportRequest) -> Manifest:
+    from shardline.frameworks import load_model_file, package_lightgbm
+
+    model_class = str(request.conf.get("model_class") or "lightgbm.basic.Booster")
+    if model_class == "lightgbm.basic.Booster":
+        model = load_model_file(request.file("data"), "lightgbm")
+    else:
+        model = _skops_model(request, "data", _LIGHTGBM_SKOPS_TYPES, "a LightGBM scikit-learn-API model "
+                             f"({model_class.rsplit('.', 1)[-1]})", "log its booster instead: "
+                             "mlflow.lightgbm.log_model(model.booster_, ...)")
+    sample = request.needs_sample("converting a LightGBM model (checked against LightGBM's predictions)")
+    features = _features(request, model, sample)
+    return _converted(request, lambda: package_lightgbm(model, request.out_dir, name=request.name, sample=sample,
+                                                        feature_names=features, lineage=request.lineage))
+
+
+def _converted(request: ImportRequest, build: Callable[[], Manifest]) -> Manifest:
+    """Run a converting builder; a converter's own error (onnxmltools raises plain ones) becomes ``InvalidInput``."""
+    try:
+        return build()
+    except ShardlineError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the converters raise RuntimeError, ValueError, KeyError, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise request.refuse("", f"its model does not convert to ONNX ({type(e).__name__}: {first}); export it to "
+                             "ONNX yourself and log it with mlflow.onnx") from e
+
+
+def _from_sklearn(request: ImportRequest) -> Manifest:
+    from shardline.packaging import package_sklearn
+
+    estimator = _skops_model(request, "pickled_model", frozenset(), "a scikit-learn model", _LOG_INSTEAD)
+    if request.sample is not None:
+        features = _features(request, estimator, request.sample)
+    else:
+        named = request.signature_names()
+        kept = getattr(estimator, "feature_names_in_", None)
+        features = named or ([str(n) for n in kept] if kept is not None else [])
+        if not features:
+            request.needs_sample("naming a scikit-learn model's features")
+
+    def build() -> Manifest:
+        manifest = package_sklearn(estimator, request.out_dir, name=request.name, feature_names=features,
+                                   lineage=request.lineage)
+        if request.sample is not None:
+            _check_sklearn(request, manifest, estimator, features)
+        return manifest
+
+    return _converted(request, build)
+
+
+def _check_sklearn(request: ImportRequest, manifest: Manifest, estimator: Any, features: list[str]) -> None:
+    """Score the sample with the bundle as both tiers load it; refuse answers that differ from scikit-learn's."""
+    import warnings
+
+    import numpy as np
+
+    from shardline.frameworks import CHECK_ROWS, _check, _features as sample_features, _matrix, _tie_rows
+
+    sample = request.needs_sample("checking the conversion")
+    sample_features(None, sample, features)  # every feature is there, or InvalidInput naming the missing ones
+    rows = _matrix(sample, features, CHECK_ROWS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "X does not have valid feature names": fitted on a DataFrame
+        if hasattr(estimator, "classes_"):
+            expected = {"label": np.asarray(estimator.predict(rows)),
+                        "probabilities": np.asarray(estimator.predict_proba(rows))}
+        else:
+            expected = {"prediction": np.asarray(estimator.predict(rows))}
+    tie = _tie_rows(expected["probabilities"]) if "probabilities" in expected else None
+    head = sample.select(features).slice(0, min(CHECK_ROWS, sample.num_rows))
+    _check(request.out_dir, manifest, head, expected, tie, "scikit-learn")
+
+
+def _skops_model(request: ImportRequest, key: str, also_trusted: frozenset[str], what: str, do: str) -> Any:
+    """A model MLflow saved with skops, rebuilt trusting scikit-learn's own classes (and ``also_trusted``) only;
+    a pickle is refused unread."""
+    serialization = str(request.conf.get("serialization_format") or "cloudpickle")
+    if serialization != "skops":
+        raise InvalidInput(
+            f"MLflow model {request.source} (flavor {request.flavor}, serialization_format {serialization}) is "
+            f"{what} saved as a pickle, which Shardline never loads (unpickling runs any code the file holds): {do}")
+    try:
+        import skops.io
+    except ImportError as e:
+        raise RuntimeUnavailable(f"reading a model MLflow saved with skops needs skops; {MLFLOW_EXTRA}") from e
+    path = request.file(key)
+    try:
+        untrusted = [str(t) for t in skops.io.get_untrusted_types(file=path)]
+    except Exception as e:  # noqa: BLE001 - skops raises its own errors for a file that is not its format
+        raise InvalidInput(f"MLflow model {request.source} (flavor {request.flavor}): {path.name} is not a skops "
+                           f"file skops reads ({type(e).__name__}: {e}); log the model again") from e
+    refused = [t for t in untrusted if t not in also_trusted and not _is_sklearn_class(t)]
+    if refused:
+        raise InvalidInput(
+            f"MLflow model {request.source} (flavor {request.flavor}, skops) holds types Shardline does not "
+            f"trust: {', '.join(refused[:5])}{' ...' if len(refused) > 5 else ''} (it rebuilds scikit-learn's own "
+            f"classes only); {do}")
+    try:
+        return skops.io.load(path, trusted=untrusted)
+    except Exception as e:  # noqa: BLE001 - as above
+        raise InvalidInput(f"MLflow model {request.source} (flavor {request.flavor}): skops cannot rebuild "
+                           f"{path.name} here ({type(e).__name__}: {e}); {do}") from e
+
+
+def _is_sklearn_class(type_name: str) -> bool:
+    """Whether a skops type name is a class scikit-learn itself defines (not a function, not a name it imported)."""
+    import importlib
+
+    module_name, _, qualname = type_name.rpartition(".")
+    if not module_name.startswith("sklearn.") or not qualname.isidentifier():
+        return False
+    try:
+        found = getattr(importlib.import_module(module_name), qualname)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(found, type) and found.__module__ == module_name and found.__qualname__ == qualname
+
+
+# Flavors that map, in the order they are preferred when a model has several. A new mapping (the pyfunc
+# "models from code" to the custom-code runtime) is one entry; python_function alone is refused below.
+FLAVORS: dict[str, Callable[[ImportRequest], Manifest]] = {
+    "onnx": _from_onnx,
+    "xgboost": _from_xgboost,
+    "lightgbm": _from_lightgbm,
+    "sklearn": _from_sklearn,
+}
+_IGNORED_FLAVORS = ("python_function",)  # present beside nearly every flavor
+
+
+def choose_flavor(uri: str, flavors: Sequence[str]) -> str:
+    """The flavor of ``FLAVORS`` a model with ``flavors`` is built from.
+
+    Raises:
+        InvalidInput: none maps (the message names the model's flavors, those that map, and what to do).
+    """
+    for flavor in FLAVORS:
+        if flavor in flavors:
+            return flavor
+    maps = ", ".join(FLAVORS)
+    others = [f for f in flavors if f not in _IGNORED_FLAVORS]
+    if not others:
+        raise InvalidInput(
+            f"MLflow model {uri} has flavor python_function only (a pyfunc: Python code MLflow runs), which "
+            f"Shardline does not import: log the model with a flavor that maps ({maps}), or package its ONNX "
+            "export with `shardline model package`")
+    raise InvalidInput(f"MLflow model {uri} has flavors {', '.join(flavors)}; Shardline maps {maps}: export the "
+                       "model to ONNX (torch.onnx.export, tf2onnx, optimum) and log it with mlflow.onnx, or package "
+                       "the ONNX file with `shardline model package`")

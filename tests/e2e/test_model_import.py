@@ -1,0 +1,75 @@
+"""`shardline model import` as a user runs it: a model logged by MLflow's own client to a local store is
+imported and pushed (the new reference printed), and a refused import is one `error:` line with exit 2.
+
+The command needs no Prefect server, so these runs use the user's environment without the session's one
+(the `shardline` fixture would start it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.e2e.conftest import SHARDLINE
+from tests.framework_models import training_rows
+from tests.mlflow_models import REGISTERED, LoggedModels, log_models
+
+Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory: pytest.TempPathFactory) -> LoggedModels:
+    return log_models(tmp_path_factory.mktemp("mlflow"), kinds=("xgboost", "sklearn-pickle"))
+
+
+@pytest.fixture
+def shardline_cli(shardline_home: Path, tmp_path: Path) -> Run:
+    """Run `shardline ARGS...` in ``tmp_path`` with the user's environment: its own home, no MLflow URI set."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_", "MLFLOW_"))}
+    env.update(SHARDLINE_STORAGE_HOME=str(shardline_home), PREFECT_HOME=str(tmp_path / "prefect"))
+
+    def run(*args: str, **more: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*SHARDLINE, *args], env={**env, **more}, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+
+    return run
+
+
+def test_an_mlflow_model_is_imported_and_pushed(shardline_cli: Run, logged: LoggedModels, tmp_path: Path) -> None:
+    _, labels, _, sample = training_rows()
+    pq.write_table(sample.append_column("target", pa.array(labels)), tmp_path / "train.parquet")
+
+    imported = shardline_cli("model", "import", f"mlflow:/models/{REGISTERED['xgboost']}/1", "--signature-from",
+                             "train.parquet", "--exclude", "target", MLFLOW_TRACKING_URI=logged.tracking_uri)
+    shown = shardline_cli("model", "show", "breastcancer-xgb:1")
+
+    assert imported.returncode == 0, imported.stderr
+    assert f"imported models:/{REGISTERED['xgboost']}/1 (flavor xgboost) as breastcancer-xgb" in imported.stdout
+    assert imported.stdout.strip().splitlines()[-1].startswith("pushed breastcancer-xgb:1 (digest ")
+    assert "no reference profile" not in imported.stdout
+    manifest = json.loads(shown.stdout)
+    assert manifest["tags"]["mlflow.run_id"] == logged.run_ids["xgboost"]
+    assert manifest["lineage"]["metrics"] == logged.metrics["xgboost"] and manifest["reference_profile"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "train.parquet"]  # the bundle folder was temporary
+
+
+def test_a_refused_import_prints_one_line_and_exits_2(shardline_cli: Run, logged: LoggedModels,
+                                                      tmp_path: Path) -> None:
+    pickled = shardline_cli("model", "import", f"models:/{REGISTERED['sklearn-pickle']}/1", "--no-push",
+                            "--tracking-uri", logged.tracking_uri)
+    no_store = shardline_cli("model", "import", f"models:/{REGISTERED['xgboost']}/1")  # MLflow's default: ./mlflow.db
+
+    for refused, says in ((pickled, "(flavor sklearn, serialization_format cloudpickle) is a scikit-learn model "
+                                    "saved as a pickle, which Shardline never loads"),
+                          (no_store, f"there is no MLflow tracking store at sqlite:///{tmp_path / 'mlflow.db'}")):
+        assert refused.returncode == 2, refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert refused.stderr.strip().splitlines() == [refused.stderr.strip()] and refused.stderr.startswith("error: ")
+        assert says in refused.stderr and refused.stdout == ""
+    assert list(tmp_path.iterdir()) == []  # no bundle folder, no empty MLflow database, no registry

@@ -1,0 +1,166 @@
+"""Models logged by MLflow's own client to a local store, imported as bundles: each answers as its framework
+does on every training row (as both tiers load it), carries its run, experiment, metrics and source, is
+served over real HTTP; what cannot map (a pickle, a pyfunc, no sample rows) is refused, naming the flavor,
+and nothing is written."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound
+from shardline.frameworks import ATOL, RTOL
+from shardline.mlflow_import import ImportedModel, import_mlflow_model, parse_model_uri, shardline_name
+from shardline.runtimes import RuntimeOptions, create_runtime
+
+from tests.framework_models import training_rows
+from tests.mlflow_models import ALIAS, COMMIT, REGISTERED, LoggedModels, feature_table, log_models
+from tests.tensor_models import feature_column
+
+KEY = "sk-mlflow-import-test-key"
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory: pytest.TempPathFactory) -> LoggedModels:
+    return log_models(tmp_path_factory.mktemp("mlflow"))
+
+
+def _answers(imported: ImportedModel, rows: pa.Table) -> dict[str, np.ndarray]:
+    runtime = create_runtime(imported.folder, imported.manifest, RuntimeOptions("cpu", 1))
+    runtime.load()
+    try:
+        answer = runtime.predict(rows)
+    finally:
+        runtime.close()
+    return {name: np.asarray(answer.column(name).to_pylist()) for name in answer.column_names}
+
+
+def _expected(kind: str, model: Any, features: np.ndarray) -> dict[str, np.ndarray]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fitted on a DataFrame, asked about a matrix
+        if kind == "lightgbm-booster":
+            positive = np.asarray(model.predict(features))
+            return {"label": (positive > 0.5).astype(np.int64), "probabilities": np.column_stack([1 - positive, positive])}
+        return {"label": model.predict(features), "probabilities": model.predict_proba(features)}
+
+
+@pytest.mark.parametrize("kind", ["xgboost", "lightgbm-booster", "lightgbm-sklearn", "sklearn-skops", "onnx"])
+def test_an_imported_model_answers_as_its_framework_and_carries_its_run(kind: str, logged: LoggedModels,
+                                                                        tmp_path: Path) -> None:
+    features, _, names, sample = training_rows()
+
+    imported = import_mlflow_model(logged.uri(kind), tmp_path / "bundle", tracking_uri=logged.tracking_uri)
+
+    manifest = imported.manifest
+    assert manifest.name == shardline_name(REGISTERED[kind]) and imported.source == logged.uri(kind)
+    rows = pa.table({"X": feature_column(features)}) if kind == "onnx" else sample
+    if kind != "onnx":  # the feature columns are the signature's (the input example's DataFrame columns)
+        assert manifest.signature.input_names == names
+    got, want = _answers(imported, rows), _expected(kind, logged.models[kind], features)
+    assert (got["label"] == want["label"]).mean() >= 0.999
+    assert np.allclose(got["probabilities"], want["probabilities"], atol=ATOL, rtol=RTOL)
+    assert manifest.lineage.metrics == logged.metrics[kind]
+    assert manifest.lineage.source_commit == COMMIT and manifest.lineage.parent == logged.uri(kind)
+    tags = manifest.tags
+    assert tags["mlflow.run_id"] == logged.run_ids[kind] and tags["mlflow.experiment_id"] == logged.experiment_id
+    assert tags["mlflow.source"] == logged.uri(kind) and tags["mlflow.model_version"] == "1"
+    assert tags["mlflow.flavor"] == kind.split("-")[0] and tags["mlflow.model_id"].startswith("m-")
+    assert sorted(p.name for p in imported.folder.iterdir()) == ["manifest.json", "model.onnx"]
+
+
+def test_an_alias_a_run_and_shardlines_own_uri_resolve_to_the_same_model(logged: LoggedModels, tmp_path: Path) -> None:
+    name, run_id = REGISTERED["xgboost"], logged.run_ids["xgboost"]
+    uris = [f"models:/{name}@{ALIAS}", f"mlflow:/models/{name}/1", f"runs:/{run_id}/model"]
+
+    imported = [import_mlflow_model(uri, tmp_path / str(i), tracking_uri=logged.tracking_uri, name="churn")
+                for i, uri in enumerate(uris)]
+
+    assert [i.source for i in imported] == [f"models:/{name}/1", f"models:/{name}/1", f"runs:/{run_id}/model"]
+    assert [i.manifest.tags["mlflow.source"] for i in imported] == uris
+    assert {i.manifest.tags["mlflow.run_id"] for i in imported} == {run_id}
+    first = _answers(imported[0], feature_table(50))
+    for other in imported[1:]:
+        assert all(np.array_equal(first[k], v) for k, v in _answers(other, feature_table(50)).items())
+
+
+def test_a_tree_model_logged_without_an_example_needs_sample_rows(logged: LoggedModels, tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        import_mlflow_model(logged.uri("xgboost-bare"), tmp_path / "bare", tracking_uri=logged.tracking_uri)
+    assert "(flavor xgboost) has no input example" in str(refused.value)
+    assert "--signature-from ROWS.parquet" in str(refused.value) and not (tmp_path / "bare").exists()
+
+    sample = feature_table().append_column("target", pa.array(training_rows()[1]))
+    imported = import_mlflow_model(logged.uri("xgboost-bare"), tmp_path / "bare", tracking_uri=logged.tracking_uri,
+                                   sample=sample, exclude=["target"])
+    assert imported.manifest.signature.input_names == training_rows()[2] and not imported.sample_from_example
+
+
+@pytest.mark.parametrize(("kind", "says"), [
+    ("sklearn-pickle", "(flavor sklearn, serialization_format cloudpickle) is a scikit-learn model saved as a pickle, "
+                       "which Shardline never loads"),
+    ("pyfunc", "has flavor python_function only (a pyfunc: Python code MLflow runs)"),
+])
+def test_what_cannot_map_is_refused_naming_the_flavor_and_nothing_is_written(
+        kind: str, says: str, logged: LoggedModels, tmp_path: Path) -> None:
+    out = tmp_path / "refused"
+
+    with pytest.raises(InvalidInput) as refused:
+        import_mlflow_model(logged.uri(kind), out, tracking_uri=logged.tracking_uri)
+
+    assert says in str(refused.value) and logged.uri(kind) in str(refused.value)
+    assert "log" in str(refused.value).split(":", 1)[1]  # and what to do
+    assert not out.exists()
+
+
+def test_a_missing_model_store_or_uri_is_refused(logged: LoggedModels, tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFound, match="has no models:/BreastCancer-XGB/7"):
+        import_mlflow_model("models:/BreastCancer-XGB/7", tmp_path / "a", tracking_uri=logged.tracking_uri)
+    with pytest.raises(InvalidSetting, match="there is no MLflow tracking store at sqlite:///"):
+        import_mlflow_model(logged.uri("xgboost"), tmp_path / "b", tracking_uri=f"sqlite:///{tmp_path / 'none.db'}")
+    with pytest.raises(InvalidSetting, match="is not an MLflow model URI"):
+        parse_model_uri("s3://bucket/model")
+    assert not list(tmp_path.iterdir())  # no bundle folder, and no empty MLflow database made
+
+
+@pytest.fixture(scope="module")
+def served(logged: LoggedModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The imported XGBoost model pushed to a registry (alias prod) and served by `shardline serve`'s app."""
+    from shardline.online.app import create_app
+    from shardline.online.server import build_plane
+    from shardline.online.tenants import TenantDirectory, hash_api_key
+    from shardline.online.testing import serve_listeners_in_thread
+    from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
+    from shardline.storage.registry import ModelRegistry
+
+    home = tmp_path_factory.mktemp("mlflow-home")
+    imported = import_mlflow_model(logged.uri("xgboost"), home / "bundle", tracking_uri=logged.tracking_uri)
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias(imported.manifest.name, "prod", registry.push(imported.folder).version or 1)
+    tenants = TenantDirectory.from_config({"tenants": [
+        {"name": "acme", "api_keys_sha256": [hash_api_key(KEY)], "models": [f"{imported.manifest.name}@prod"]}]})
+    plane = build_plane(OnlineSettings(), StorageSettings(home=str(home)), RuntimeSettings(device="cpu", intra_op_threads=1),
+                        tenants)
+    with serve_listeners_in_thread(create_app(plane)) as server:
+        yield server.url
+
+
+def test_an_imported_model_is_served_with_xgboosts_answers(logged: LoggedModels, served: str) -> None:
+    features, _, names, _ = training_rows()
+    rows = features[::7][:40]
+    body = {"inputs": [{"name": n, "shape": [len(rows)], "datatype": "FP32", "data": rows[:, i].tolist()}
+                       for i, n in enumerate(names)]}
+
+    answer = httpx.post(f"{served}/v2/models/breastcancer-xgb/infer", json=body,
+                        headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+
+    assert answer.status_code == 200, answer.text
+    outputs = {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in answer.json()["outputs"]}
+    want = _expected("xgboost", logged.models["xgboost"], rows)
+    assert np.array_equal(outputs["label"], want["label"])
+    assert np.allclose(outputs["probabilities"], want["probabilities"], atol=ATOL, rtol=RTOL)

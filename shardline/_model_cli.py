@@ -49,8 +49,8 @@ def model_package(
                                   "docs/custom-models.md) with --file and --requirement; --signature-from is needed."),
     entry: Optional[str] = typer.Option(None, help="python: the class, module:Class (default <file stem>:Model, or "
                                         "model:Model for a folder)."),
-    file: Optional[list[Path]] = typer.Option(None, exists=True, dir_okay=False, help="python: a file the code "
-                                              "loads (weights as ONNX, .npz, JSON; never a pickle); repeat."),
+    file: Optional[list[Path]] = typer.Option(None, exists=True, help="python: a file (or a folder, copied whole) "
+                                              "the code loads (weights as ONNX, .npz, JSON; never a pickle); repeat."),
     requirement: Optional[list[str]] = typer.Option(None, help="python: a package the code needs, as pip writes it "
                                                     "('scikit-learn>=1.5'), checked wherever it loads; repeat."),
     signature_from: Optional[Path] = typer.Option(
@@ -503,8 +503,9 @@ def model_import(
     push: bool = typer.Option(True, "--push/--no-push", help="Push the bundle to the registry as its next version, "
                               "as `shardline model push` does."),
 ) -> None:
-    """Make a bundle from a model kept in MLflow (its onnx, xgboost, lightgbm or sklearn flavor), with its
-    lineage: run, experiment, metrics. Pickled models and pyfuncs are refused: nothing is unpickled."""
+    """Make a bundle from a model kept in MLflow (its onnx, xgboost, lightgbm or sklearn flavor, or a pyfunc logged
+    from code, which becomes custom model code), with its lineage: run, experiment, metrics. Pickled models and
+    pickled pyfuncs are refused: nothing is unpickled."""
     import contextlib
     import os
     import tempfile

@@ -1,7 +1,8 @@
 """Bundles of custom model code: a Python class with ``load`` and ``predict``, its files, its requirements.
 
 ``package_python`` copies the code (one ``.py`` file, or a folder of them) under ``code/`` and the
-model's files (weights as files: ``.onnx``, ``.npz``, ``.json``...; never a pickle) beside it,
+model's files (weights as files: ``.onnx``, ``.npz``, ``.json``...; never a pickle) beside it, a
+folder of them whole under its own name (an MLflow model's folder, for ``shardline.mlflow_pyfunc``),
 infers the signature from sample rows (each sample column less ``exclude`` is an input, of its
 Arrow type; the outputs are what the class answers on the sample's first rows), then loads the
 bundle with the runtime both tiers use (``shardline.runtimes.custom``) and checks that it
@@ -27,6 +28,7 @@ from shardline.signature import ColumnSpec, Signature, non_finite_counts, parse_
 SAMPLE_ROWS = 256  # sample rows the packaged bundle is checked on
 _OUTPUT_ROWS = 16  # sample rows the class is first run on, to learn its outputs
 _OPTIONS = RuntimeOptions(device="cpu", intra_op_threads=1)
+_PICKLE_SUFFIXES = frozenset({".pkl", ".pickle", ".joblib"})
 
 
 def package_python(
@@ -50,11 +52,13 @@ def package_python(
         code: a ``.py`` file, or a folder of Python modules (copied whole, less ``__pycache__``).
         sample: rows the model reads (e.g. its training data): its columns less ``exclude`` are the inputs.
         entry: ``module:Class``; default ``<file stem>:Model`` for a file, ``model:Model`` for a folder.
-        files: the model's files (weights, vocabularies), copied into the bundle root by their names.
+        files: the model's files (weights, vocabularies), copied into the bundle root by their names; a folder is
+            copied whole under its name (its paths kept, less ``__pycache__``), each file listed as an artifact.
         requirements: PEP 508 lines the code needs beyond Shardline's own packages, checked at every load.
 
     Raises:
-        InvalidSetting: the code or a file is missing, or two files share a name.
+        InvalidSetting: the code or a file is missing, two files share a name, or a file (or one in a folder) is a
+            pickle.
         InvalidInput: a sample column's type has no signature name, or the class fails on the sample.
         InvalidBundle: the entry is not a class with ``predict``, or its answer cannot be typed.
     """
@@ -67,7 +71,7 @@ def package_python(
     signature_inputs = _inputs(sample, exclude)
     out = new_bundle_dir(out_dir)
     try:
-        artifacts = _copy_code(source, out) + [_copy_file(path, out) for path in paths]
+        artifacts = _copy_code(source, out) + [a for path in paths for a in _copy_file(path, out)]
         provisional = Manifest(
             name=name, runtime="python", artifacts=artifacts,
             signature=Signature.model_construct(inputs=signature_inputs, outputs=()),  # outputs: learnt below
@@ -87,8 +91,8 @@ def package_python(
 def _check_files(paths: list[Path]) -> None:
     names: dict[str, Path] = {}
     for path in paths:
-        if not path.is_file():
-            raise InvalidSetting(f"model file {path} does not exist or is not a file; give each file the code loads")
+        if not path.is_file() and not path.is_dir():
+            raise InvalidSetting(f"model file {path} does not exist; give each file (or folder) the code loads")
         if path.name in names or path.name in (CODE_DIR, "manifest.json"):
             raise InvalidSetting(f"model files {names.get(path.name, path.name)} and {path} share the name "
                                  f"{path.name!r} in the bundle; rename one")
@@ -130,19 +134,33 @@ def _copy_code(source: Path, out: Path) -> list[Any]:
     found = sorted(p for p in target.rglob("*") if p.is_file())
     if not any(p.suffix == ".py" for p in found):
         raise InvalidSetting(f"model code {source} holds no .py file; give the module that holds the class")
-    pickles = [p.name for p in found if p.suffix in (".pkl", ".pickle", ".joblib")]
+    pickles = [p.name for p in found if is_pickle(p)]
     if pickles:
         raise InvalidSetting(f"model code {source} holds pickles ({', '.join(pickles)}), which Shardline never "
                              "loads; save weights as files (ONNX, .npz, JSON) and load them in load(context)")
     return [describe_artifact(out, p.relative_to(out).as_posix(), role="code") for p in found]
 
 
-def _copy_file(path: Path, out: Path) -> Any:
-    if path.suffix in (".pkl", ".pickle", ".joblib"):
-        raise InvalidSetting(f"model file {path} is a pickle, which Shardline never loads; save the weights as "
-                             "files (ONNX, .npz, JSON) and load them in load(context)")
-    shutil.copyfile(path, out / path.name)
-    return describe_artifact(out, path.name, role="model")
+def _copy_file(path: Path, out: Path) -> list[Any]:
+    """Copy one model file, or a folder whole under its name, into the bundle; the artifacts (role model)."""
+    if path.is_file():
+        if is_pickle(path):
+            raise InvalidSetting(f"model file {path} is a pickle, which Shardline never loads; save the weights as "
+                                 "files (ONNX, .npz, JSON) and load them in load(context)")
+        shutil.copyfile(path, out / path.name)
+        return [describe_artifact(out, path.name, role="model")]
+    pickles = [p.relative_to(path).as_posix() for p in sorted(path.rglob("*")) if p.is_file() and is_pickle(p)]
+    if pickles:
+        raise InvalidSetting(f"model folder {path} holds pickles ({', '.join(pickles[:5])}), which Shardline never "
+                             "loads; save the weights as files (ONNX, .npz, JSON) and load them in load(context)")
+    shutil.copytree(path, out / path.name, ignore=shutil.ignore_patterns("__pycache__"))
+    found = sorted(p for p in (out / path.name).rglob("*") if p.is_file())
+    return [describe_artifact(out, p.relative_to(out).as_posix(), role="model") for p in found]
+
+
+def is_pickle(path: Path) -> bool:
+    """Whether a file is named as a pickle (``.pkl``, ``.pickle``, ``.joblib``; compressed too: ``.pkl.gz``)."""
+    return any(suffix in _PICKLE_SUFFIXES for suffix in path.suffixes)
 
 
 def _outputs(out: Path, manifest: Manifest, sample: pa.Table) -> tuple[ColumnSpec, ...]:

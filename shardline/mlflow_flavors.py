@@ -8,19 +8,26 @@ model, then hands it to one of these as an ``ImportRequest``).
 - ``lightgbm``: a ``Booster``'s text model file, or a scikit-learn-API model (``LGBMClassifier``) saved
   by skops, converted and checked (``package_lightgbm``);
 - ``sklearn``: an estimator saved by skops (MLflow's default), rebuilt by skops trusting scikit-learn's
-  own classes only, converted by skl2onnx (``package_sklearn``) and checked on the sample rows.
+  own classes only, converted by skl2onnx (``package_sklearn``) and checked on the sample rows;
+- ``python_function`` logged from code (``mlflow.pyfunc.log_model(python_model="model.py", artifacts=...)``:
+  its MLmodel section names the code file in ``model_code_path``): a custom-code bundle (runtime ``python``,
+  ``package_python``) whose class is Shardline's adapter (``shardline.mlflow_pyfunc``), carrying the MLflow
+  model's folder whole and loading it with ``mlflow.pyfunc.load_model``; its outputs are learnt by running it
+  on the sample rows. Importing runs the model's code here, and only tenants with ``custom_code: true`` may
+  call the bundle. It comes after the framework flavors: the pyfunc MLflow writes beside an sklearn or
+  xgboost model is not from code, and that model maps to its framework.
 
-Nothing is unpickled: a model saved as a pickle or cloudpickle (``serialization_format``), a pyfunc
-(``python_function`` alone) and any other flavor is refused (``InvalidInput`` naming the flavor and
-what to log instead) before anything is written. A new mapping (pyfunc "models from code" to the
-custom-code runtime) is one entry of ``FLAVORS``.
+Nothing is unpickled: a model saved as a pickle or cloudpickle (``serialization_format``), a pyfunc whose
+class MLflow cloudpickled (``python_model``, e.g. ``python_model.pkl``), a pyfunc from code whose folder holds
+a pickle, and any other flavor is refused (``InvalidInput`` naming the flavor and what to log instead)
+before anything is written.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import pyarrow as pa
 
@@ -30,6 +37,9 @@ from shardline.errors import InvalidInput, RuntimeUnavailable, ShardlineError
 MLFLOW_EXTRA = "pip install 'shardline[mlflow]'"
 _LOG_INSTEAD = ("log it with mlflow.onnx (convert it with skl2onnx or onnxmltools first), or with "
                 "mlflow.sklearn.log_model(..., serialization_format='skops')")
+_PYFUNC = "python_function"
+_PYFUNC_FROM_CODE = ("log it from code instead: mlflow.pyfunc.log_model(python_model='model.py', artifacts={...}), "
+                     "the file defining the class and calling mlflow.models.set_model(...)")
 # Types skops may rebuild for a LightGBM scikit-learn-API model: LightGBM's own (its Booster reads the
 # model's text), as mlflow.lightgbm lists them.
 _LIGHTGBM_SKOPS_TYPES = frozenset({"lightgbm.sklearn.LGBMClassifier", "lightgbm.sklearn.LGBMRegressor",
@@ -202,6 +212,35 @@ def _check_sklearn(request: ImportRequest, manifest: Manifest, estimator: Any, f
     _check(request.out_dir, manifest, head, expected, tie, "scikit-learn")
 
 
+def _from_pyfunc(request: ImportRequest) -> Manifest:
+    """A pyfunc logged from code: Shardline's adapter as the bundle's code, the MLflow model's folder whole."""
+    import tempfile
+
+    from shardline import mlflow_pyfunc
+    from shardline.code_bundles import is_pickle, package_python
+
+    refused = mlflow_pyfunc.from_code_refusal(request.conf)
+    if refused is not None:
+        raise request.refuse(refused, _PYFUNC_FROM_CODE)
+    code_file = request.model_dir / Path(str(request.conf["model_code_path"])).name
+    if not code_file.is_file():
+        raise request.refuse(f"model_code_path {request.conf['model_code_path']}", f"its folder has no {code_file.name}; "
+                             "log the model again with MLflow's client")
+    pickles = sorted(p.relative_to(request.model_dir).as_posix() for p in request.model_dir.rglob("*")
+                     if p.is_file() and is_pickle(p))
+    if pickles:
+        raise request.refuse(f"it holds pickles: {', '.join(pickles[:5])}", "Shardline never unpickles (that runs "
+                             "whatever code the file holds); log its weights as files (JSON, .npz, ONNX) in "
+                             "artifacts= and read them in load_context")
+    sample = request.needs_sample("learning a pyfunc's outputs (Shardline runs it on the rows)")
+    with tempfile.TemporaryDirectory(prefix="shardline-pyfunc-") as staging:
+        folder = Path(staging) / mlflow_pyfunc.MODEL_FOLDER  # the bundle keeps the folder under this name
+        folder.symlink_to(request.model_dir.resolve(), target_is_directory=True)
+        return package_python(Path(mlflow_pyfunc.__file__), request.out_dir, name=request.name, sample=sample,
+                              exclude=request.exclude, files=[folder], requirements=["pandas"],
+                              lineage=request.lineage)
+
+
 def _skops_model(request: ImportRequest, key: str, also_trusted: frozenset[str], what: str, do: str) -> Any:
     """A model MLflow saved with skops, rebuilt trusting scikit-learn's own classes (and ``also_trusted``) only;
     a pickle is refused unread."""
@@ -247,33 +286,38 @@ def _is_sklearn_class(type_name: str) -> bool:
     return isinstance(found, type) and found.__module__ == module_name and found.__qualname__ == qualname
 
 
-# Flavors that map, in the order they are preferred when a model has several. A new mapping (the pyfunc
-# "models from code" to the custom-code runtime) is one entry; python_function alone is refused below.
+# Flavors that map, in the order they are preferred when a model has several; python_function maps only when
+# it was logged from code (``choose_flavor``).
 FLAVORS: dict[str, Callable[[ImportRequest], Manifest]] = {
     "onnx": _from_onnx,
     "xgboost": _from_xgboost,
     "lightgbm": _from_lightgbm,
     "sklearn": _from_sklearn,
+    "python_function": _from_pyfunc,
 }
-_IGNORED_FLAVORS = ("python_function",)  # present beside nearly every flavor
 
 
-def choose_flavor(uri: str, flavors: Sequence[str]) -> str:
+def choose_flavor(uri: str, flavors: Collection[str]) -> str:
     """The flavor of ``FLAVORS`` a model with ``flavors`` is built from.
+
+    Args:
+        flavors: the MLmodel's ``flavors`` (name -> section); python_function maps when its section names
+            ``model_code_path`` (logged from code); given names alone, a pyfunc counts as pickled.
 
     Raises:
         InvalidInput: none maps (the message names the model's flavors, those that map, and what to do).
     """
+    section = flavors.get(_PYFUNC) if isinstance(flavors, Mapping) else None
     for flavor in FLAVORS:
-        if flavor in flavors:
+        if flavor in flavors and (flavor != _PYFUNC or (isinstance(section, dict) and section.get("model_code_path"))):
             return flavor
-    maps = ", ".join(FLAVORS)
-    others = [f for f in flavors if f not in _IGNORED_FLAVORS]
-    if not others:
+    maps = ", ".join(f for f in FLAVORS if f != _PYFUNC)
+    if list(flavors) == [_PYFUNC]:
         raise InvalidInput(
-            f"MLflow model {uri} has flavor python_function only (a pyfunc: Python code MLflow runs), which "
-            f"Shardline does not import: log the model with a flavor that maps ({maps}), or package its ONNX "
-            "export with `shardline model package`")
+            f"MLflow model {uri} has flavor python_function only, a pyfunc whose class MLflow saved as a pickle "
+            f"(python_model), which Shardline never loads (unpickling runs any code the file holds): "
+            f"{_PYFUNC_FROM_CODE}; or log the model with a flavor that maps ({maps})")
     raise InvalidInput(f"MLflow model {uri} has flavors {', '.join(flavors)}; Shardline maps {maps}: export the "
-                       "model to ONNX (torch.onnx.export, tf2onnx, optimum) and log it with mlflow.onnx, or package "
-                       "the ONNX file with `shardline model package`")
+                       "model to ONNX (torch.onnx.export, tf2onnx, optimum) and log it with mlflow.onnx, package "
+                       "the ONNX file with `shardline model package`, or wrap it in a pyfunc logged from code "
+                       "(python_model='model.py')")

@@ -4,15 +4,16 @@
 alias, a logged model, a run's model) with ``mlflow.MlflowClient`` against one tracking URI, downloads
 its folder with ``mlflow.artifacts.download_artifacts``, reads its ``MLmodel`` file (YAML, with
 ``mlflow.models.Model.load``) and builds the bundle from the first flavor that maps
-(``shardline.mlflow_flavors``: onnx, xgboost, lightgbm, sklearn saved by skops). Nothing is ever
-unpickled: a pickled model, a pyfunc and other flavors are refused, naming the flavor, and a refused
-import leaves nothing behind (no bundle folder; a local tracking store that is not there is refused
-rather than created empty, as MLflow's client would).
+(``shardline.mlflow_flavors``: onnx, xgboost, lightgbm, sklearn saved by skops, and a pyfunc logged from
+code, which becomes a custom-code bundle that runs the model's own code). Nothing is ever unpickled: a
+pickled model, a pickled pyfunc and other flavors are refused, naming the flavor, and a refused import
+leaves nothing behind (no bundle folder; a local tracking store that is not there is refused rather than
+created empty, as MLflow's client would).
 
 The signature comes from the rows the converted model is checked on: ``sample`` (the user's rows,
 e.g. ``--signature-from``), else the input example logged with the model (a DataFrame example, read as
-JSON and typed by the MLmodel signature). The tree builders need such rows; an ONNX model packages
-without. The feature order is the model file's own, else the MLmodel signature's input columns.
+JSON and typed by the MLmodel signature). The tree builders and a pyfunc need such rows; an ONNX model
+packages without. The feature order is the model file's own, else the MLmodel signature's input columns.
 
 Lineage: ``parent`` is the pinned model URI (``models:/NAME/VERSION`` for an alias too),
 ``source_commit`` the run's ``mlflow.source.git.commit`` tag, ``metrics`` the run's metrics; the
@@ -170,7 +171,7 @@ def import_mlflow_model(uri: str, out_dir: str | Path | None = None, *, name: st
         model_dir = Path(_mlflow_call(lambda: mlflow.artifacts.download_artifacts(
             artifact_uri=found.location, dst_path=scratch, tracking_uri=tracking), parsed, tracking, "download the model"))
         mlmodel = _read_mlmodel(mlflow, model_dir, parsed)
-        flavor = choose_flavor(parsed.given, list(mlmodel.flavors))
+        flavor = choose_flavor(parsed.given, dict(mlmodel.flavors))
         run_id = found.run_id or getattr(mlmodel, "run_id", None)
         run = _mlflow_call(lambda: client.get_run(run_id), parsed, tracking, "read the run") if run_id else None
         example = _input_example(model_dir, mlmodel) if sample is None else None

@@ -1,7 +1,7 @@
 """Models logged by MLflow's own client to a local store, imported as bundles: each answers as its framework
 does on every training row (as both tiers load it), carries its run, experiment, metrics and source, is
-served over real HTTP; what cannot map (a pickle, a pyfunc, no sample rows) is refused, naming the flavor,
-and nothing is written."""
+served over real HTTP; what cannot map (a pickle, a pickled pyfunc, no sample rows) is refused, naming the
+flavor, and nothing is written. A pyfunc logged from code: test_mlflow_pyfunc.py."""
 
 from __future__ import annotations
 
@@ -104,7 +104,9 @@ def test_a_tree_model_logged_without_an_example_needs_sample_rows(logged: Logged
 @pytest.mark.parametrize(("kind", "says"), [
     ("sklearn-pickle", "(flavor sklearn, serialization_format cloudpickle) is a scikit-learn model saved as a pickle, "
                        "which Shardline never loads"),
-    ("pyfunc", "has flavor python_function only (a pyfunc: Python code MLflow runs)"),
+    ("pyfunc", "has flavor python_function only, a pyfunc whose class MLflow saved as a pickle (python_model), which "
+               "Shardline never loads (unpickling runs any code the file holds): log it from code instead: "
+               "mlflow.pyfunc.log_model(python_model='model.py'"),
 ])
 def test_what_cannot_map_is_refused_naming_the_flavor_and_nothing_is_written(
         kind: str, says: str, logged: LoggedModels, tmp_path: Path) -> None:

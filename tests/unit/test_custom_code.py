@@ -190,3 +190,31 @@ def test_only_tenants_the_file_allows_may_run_custom_code() -> None:
     with pytest.raises(AccessDenied) as caught:
         check_custom_code("python", "diagnosis:1", "globex", False)
     assert "tenant 'globex' may not run" in str(caught.value) and "custom_code: true" in str(caught.value)
+
+
+def test_a_model_folder_is_copied_whole_under_its_name_and_a_pickle_inside_is_refused(tmp_path: Path) -> None:
+    table = shard_table(breast_cancer(), 40, 0, 4)
+    code = tmp_path / "cutoff.py"
+    code.write_text("import json\n\nclass Model:\n    def load(self, context):\n"
+                    "        self.cutoff = json.loads(context.path('weights/radius/cutoff.json').read_text())\n"
+                    "    def predict(self, rows):\n        return {'large': [r > self.cutoff for r in "
+                    "rows.column('mean radius').to_pylist()]}\n")
+    weights = tmp_path / "weights"
+    (weights / "radius").mkdir(parents=True)
+    (weights / "radius" / "cutoff.json").write_text("15.0")
+    (weights / "README.md").write_text("the cutoff of the mean radius")
+    (weights / "__pycache__").mkdir()
+    (weights / "__pycache__" / "stale.cpython-311.pyc").write_bytes(b"\x00")
+
+    manifest = package_python(code, tmp_path / "bundle", name="cutoff", sample=table, exclude=["id"], files=[weights])
+    runtime = create_runtime(tmp_path / "bundle", manifest, OPTIONS)
+    runtime.load()
+
+    assert {a.path: a.role for a in manifest.artifacts} == {
+        "code/cutoff.py": "code", "weights/README.md": "model", "weights/radius/cutoff.json": "model"}
+    assert runtime.predict(table).column("large").to_pylist() == [r > 15.0 for r in table.column("mean radius").to_pylist()]
+    (weights / "radius" / "scaler.pkl.gz").write_bytes(b"\x1f\x8b")
+    with pytest.raises(InvalidSetting, match=r"model folder .*weights holds pickles \(radius/scaler.pkl.gz\), which "
+                                             "Shardline never loads"):
+        package_python(code, tmp_path / "refused", name="cutoff", sample=table, exclude=["id"], files=[weights])
+    assert not (tmp_path / "refused").exists()

@@ -16,7 +16,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[cpu,package,embedding,embedding-build,frameworks,dev,quality,mlflow]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[cpu,package,embedding,embedding-build,frameworks,dev,quality,mlflow,llm]'
 	touch $@
 
 demo: setup

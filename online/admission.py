@@ -43,19 +43,33 @@ class TokenBucket:
         self.tokens = float(burst)
         self.updated: float | None = None
 
-    def take(self, now: float) -> float:
-        """Take one token: 0.0 when one was taken, else the seconds until one will be there
-        (nothing is taken then). A clock that steps back adds nothing."""
+    def take(self, now: float, count: float = 1.0) -> float:
+        """Take ``count`` tokens: 0.0 when they were taken, else the seconds until they will be there
+        (nothing is taken then; more than ``burst`` never will: infinity). A clock that steps back adds nothing."""
         tokens, updated = self.tokens, self.updated
         if updated is not None and now > updated:
             tokens = min(self.burst, tokens + (now - updated) * self.rate)
         if updated is None or now > updated:
             self.updated = now
-        if tokens >= 1.0:
-            self.tokens = tokens - 1.0
+        if tokens >= count:
+            self.tokens = tokens - count
             return 0.0
         self.tokens = tokens
-        return (1.0 - tokens) / self.rate
+        return math.inf if count > self.burst else (count - tokens) / self.rate
+
+    def wait(self, now: float, count: float = 1.0) -> float:
+        """The seconds until ``count`` tokens are there (0.0: they are now), taking none."""
+        waited = self.take(now, count)
+        if waited == 0.0:
+            self.tokens += count
+        return waited
+
+    def spend(self, now: float, count: float) -> bool:
+        """Take up to ``count`` tokens (all there are when fewer); whether all ``count`` were there."""
+        if self.take(now, count) == 0.0:
+            return True
+        self.tokens = 0.0
+        return False
 
 
 class TenantGate:

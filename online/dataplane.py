@@ -44,6 +44,7 @@ from shardline.online.admission import TenantGate, next_seconds_per_row, runs_in
 from shardline.online.batcher import Batcher
 from shardline.online.capture import OnlineCapture
 from shardline.online.errors import shown
+from shardline.online.generation import Generations
 from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, batch_limits, missing_for_serving
 from shardline.online.tenants import Tenant, TenantDirectory, not_available
@@ -96,6 +97,7 @@ class DataPlane:
         self.started = False
         self.stopping = False
         self.metrics.watch(self.snapshot)
+        self.llm = Generations(self)  # text generation (the LLM endpoints)
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -126,6 +128,11 @@ class DataPlane:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         self.metrics.close()
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The plane's monotonic clock (quotas, idle times)."""
+        return self._clock
 
     @property
     def ready(self) -> bool:
@@ -365,8 +372,22 @@ class DataPlane:
             return None
         return self._score(served, runtime, inputs)
 
+    async def runtime_for(self, served: ServedModel) -> Any:
+        """The version's loaded runtime (loaded through the model cache on a pool thread if it is not held):
+        for a runtime used beside ``infer``, such as an LLM's generation engine."""
+        runtime = self.cache.held(served.content_digest, self.runtime)
+        if runtime is not None:
+            return runtime
+        if self._infer_pool is None:
+            raise RuntimeError("DataPlane.start() was not awaited")
+        return await asyncio.get_running_loop().run_in_executor(self._infer_pool, self._load_blocking, served)
+
     def _predict_blocking(self, served: ServedModel, inputs: Rows) -> Any:
         """Score on a pool thread through the model cache (which loads the model if it is not held)."""
+        return self._score(served, self._load_blocking(served), inputs)
+
+    def _load_blocking(self, served: ServedModel) -> Any:
+        """The version's runtime from the model cache, loaded (and counted, logged) if it is not held."""
         resolved = served.resolved
         runtime = self.cache.held(served.content_digest, self.runtime)
         if runtime is None:
@@ -376,7 +397,7 @@ class DataPlane:
                 self.metrics.loads.labels(resolved.name, str(resolved.version)).inc()
                 log.info("model loaded", extra={"fields": {
                     "model": resolved.pinned, "device": runtime.device, "seconds": round(time.perf_counter() - started, 3)}})
-        return self._score(served, runtime, inputs)
+        return runtime
 
     def _score(self, served: ServedModel, runtime: Any, inputs: Rows) -> Any:
         """``runtime.predict`` (which picks its own fast path for the rows), timed (its smoothed

@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MAX_CACHED = 4096  # label sets kept (a bound, should labels ever grow)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 
@@ -215,6 +216,15 @@ class Metrics:
                                ["model", "version"], registry=r)
         self.captured = Counter("shardline_capture_rows", "Rows sampled for capture: kept, or dropped because "
                                 "the capture store fell behind.", ["model", "version", "outcome"], registry=r)
+        # LLM generation: time to first token, time between tokens, tokens per tenant, streams in flight.
+        self.llm_ttft = Histogram("shardline_llm_time_to_first_token_seconds", "From a generation's start to its "
+                                  "first token.", ["model", "version", "tenant"], buckets=TOKEN_BUCKETS, registry=r)
+        self.llm_itl = Histogram("shardline_llm_inter_token_seconds", "Between two tokens of one stream.",
+                                 ["model", "version"], buckets=TOKEN_BUCKETS, registry=r)
+        self.llm_token_count = Counter("shardline_llm_tokens", "Tokens metered: kind prompt or completion (their "
+                                       "rate is tokens/s).", ["model", "version", "tenant", "kind"], registry=r)
+        self.llm_streams = Gauge("shardline_llm_streams", "Generations in flight.", ["model"], registry=r,
+                                 multiprocess_mode="livesum")
         # Tallies of the per-request series, added to them at every scrape (not in multiprocess
         # mode: a worker's series must be current whichever worker answers the scrape).
         self._tallies: list[_Tally] | None = [] if self.shared_dir is None else None
@@ -280,6 +290,19 @@ class Metrics:
                 self._capture_children.clear()
             child = self._capture_children[key] = self.captured.labels(model, version, "kept" if kept else "dropped")
         child.inc(rows)
+
+    def llm_first_token(self, model: str, version: str, tenant: str, seconds: float) -> None:
+        """A generation's time to its first token."""
+        self.llm_ttft.labels(model, version, tenant).observe(seconds)
+
+    def llm_between_tokens(self, model: str, version: str, seconds: float) -> None:
+        """The time between two tokens of a stream."""
+        self.llm_itl.labels(model, version).observe(seconds)
+
+    def llm_tokens(self, model: str, version: str, tenant: str, prompt: int, completion: int) -> None:
+        """Meter one generation's tokens for its tenant."""
+        self.llm_token_count.labels(model, version, tenant, "prompt").inc(prompt)
+        self.llm_token_count.labels(model, version, tenant, "completion").inc(completion)
 
     def flush(self) -> None:
         """Add the tallied observations to their series (done before every exposition)."""

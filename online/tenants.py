@@ -50,6 +50,8 @@ class Tenant:
     rate: RateQuota | None = field(default=None, hash=False)
     max_concurrent: int | None = None
     custom_code: bool = False  # may call models that carry their own Python code
+    tokens_per_minute: int | None = None  # LLM prompt + completion tokens a minute
+    max_streams: int | None = None  # LLM generations in flight
 
     def reference_for(self, name: str) -> ModelRef | None:
         """The reference the tenant listed for a model name, or None if it may not call it."""
@@ -78,14 +80,21 @@ class TenantDirectory:
 
     Behind a router (``router_key_sha256``) the one key taken is the router's, and the tenant is the one
     the router names in ``X-Shardline-Tenant``; the router has checked the tenant's own key and holds its
-    rate and concurrency quotas for every replica, so the tenants this directory answers carry none.
+    rate, concurrency and LLM token and stream quotas for every replica, so the tenants this directory
+    answers carry none.
     """
 
     def __init__(self, tenants: list[Tenant], digests: list[tuple[str, str]], router_key_sha256: str | None = None) -> None:
         self.tenants = {t.name: t for t in tenants}
         self._digests = [(bytes.fromhex(d), self.tenants[name]) for d, name in digests]
         self._router = bytes.fromhex(router_key_sha256) if router_key_sha256 else None
-        self._unmetered = {t.name: replace(t, rate=None, max_concurrent=None) for t in tenants}
+        self._unmetered = {t.name: replace(t, rate=None, max_concurrent=None, tokens_per_minute=None, max_streams=None)
+                           for t in tenants}
+
+    @property
+    def routed(self) -> bool:
+        """Whether requests come through a router (which holds the quotas: see the class docstring)."""
+        return self._router is not None
 
     def behind_router(self, router_key_sha256: str) -> "TenantDirectory":
         """The same tenants, taking requests only from the router whose key hashes to ``router_key_sha256``."""
@@ -98,7 +107,7 @@ class TenantDirectory:
         served = parsed.served()
         tenants = [
             Tenant(name=t.name, priority=t.priority, models=t.model_refs(), rate=t.rate, max_concurrent=t.max_concurrent,
-                   custom_code=t.custom_code)
+                   custom_code=t.custom_code, tokens_per_minute=t.tokens_per_minute, max_streams=t.max_streams)
             for t in served
         ]
         return cls(tenants, [(digest, t.name) for t in served for digest in t.api_keys_sha256])

@@ -159,6 +159,15 @@ class DeadlineExceeded(ShardlineError, TimeoutError):
     """The request's deadline (``X-Shardline-Timeout-Ms``, or the router's default) passed before an answer."""
 
 
+class InvalidParameter(InvalidInput):
+    """A request parameter (``max_tokens``, ``temperature``, ``messages``, ...) is out of range or malformed;
+    ``param`` names it, as OpenAI's error object does."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class PayloadTooLarge(InvalidInput):
     """A request body is over the server's size limit (before or after decompression)."""
 

@@ -7,6 +7,7 @@ down; nothing reads the environment at import time.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -99,6 +100,32 @@ class RuntimeSettings(BaseSettings):
         description="Loaded models the process's model cache keeps (LRU), in batch workers and the server alike "
         "(SHARDLINE_RUNTIME_CACHE_CAPACITY; the deprecated SHARDLINE_ONLINE_MAX_LOADED_MODELS is read when it "
         "is unset).",
+    )
+
+
+class VllmSettings(BaseSettings):
+    """Where the ``vllm`` runtime finds vLLM: a server that runs, or an environment to start one from."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_VLLM_", extra="ignore")
+
+    url: str | None = Field(
+        default=None, description="Base URL of a running vLLM OpenAI server (http://vllm:8000) whose served model "
+        "name is the bundle's name; set: nothing is started.",
+    )
+    python: str | None = Field(
+        default=None, description="The Python of an environment where vLLM is installed (vLLM pins an older fastapi "
+        "than Prefect, so it never shares Shardline's): the runtime starts vLLM's server with it for each model.",
+    )
+    args: list[str] = Field(
+        default_factory=list, description="More arguments for the vLLM server it starts, as JSON "
+        "('[\"--gpu-memory-utilization\", \"0.9\"]').",
+    )
+    start_timeout_s: float = Field(default=600.0, gt=0, description="Seconds a started vLLM server may take to be healthy.")
+    api_key: str | None = Field(default=None, description="The key the vLLM server wants (its --api-key), if any.")
+    device: Literal["cuda", "cpu"] = Field(default="cuda", description="Where the vLLM build runs: its wheels are CUDA builds.")
+    log_dir: str = Field(
+        default_factory=lambda: str(Path(tempfile.gettempdir()) / "shardline-vllm"),
+        description="Folder for the logs of the vLLM servers it starts.",
     )
 
 

@@ -15,6 +15,8 @@ the online tier builds its key directory from it (``online/tenants.py``), batch 
         rate: {requests_per_second: 200, burst: 400}
         max_concurrent: 64
         custom_code: false                       # models that carry their own Python code (both tiers)
+        tokens_per_minute: 20000                 # LLM prompt + completion tokens (online)
+        max_streams: 8                           # LLM generations in flight (online)
         batch:
           storage_prefixes: ["s3://lake/acme/", "/data/acme"]
           priority: normal                       # high | normal | low (backfills: low)
@@ -104,6 +106,13 @@ class TenantConfig(BaseModel):
     custom_code: bool = Field(
         default=False, description="Whether the tenant may run models that carry their own Python code (runtime "
         "'python'), online and in batch jobs: that code runs inside the platform's processes with their rights.",
+    )
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="LLM tokens (prompt and completion) per minute, across the tenant's "
+        "generation requests; checked before a stream starts and enforced during it. None: unlimited.",
+    )
+    max_streams: int | None = Field(
+        default=None, ge=1, description="LLM generations (streamed or not) in flight at most; none: unlimited."
     )
 
     @model_validator(mode="after")

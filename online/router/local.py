@@ -147,7 +147,8 @@ class LocalReplicas:
         replica.process = subprocess.Popen(command, env=env, stdout=replica.log, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         replica.started_at, replica.restart_at = self._clock(), None
-        log.info("started replica %d (pid %d) on %s", replica.index, replica.process.pid, replica.url)
+        log.info("started replica %d (pid %d) on %s (metrics on port %d)", replica.index, replica.process.pid,
+                 replica.url, replica.metrics_port)
 
     def watch(self) -> None:
         """Start again each running replica that exited, after its back-off; reap the stopped ones."""

@@ -27,7 +27,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import orjson
@@ -43,6 +43,7 @@ from shardline.errors import (
 from shardline.online.admission import TenantGate
 from shardline.online.bodies import decode_body
 from shardline.online.errors import error_status, shown
+from shardline.online.generation import LlmGate
 from shardline.online.models import VARIANT_HEADER, ModelDirectory
 from shardline.online.protocols.forms import openai_error_body, v2_error_body
 from shardline.online.router.compare import decode_answer
@@ -52,6 +53,7 @@ from shardline.online.router.placement import choose
 from shardline.online.router.replicas import Replica, ReplicaSet
 from shardline.online.router.rollouts import Route, RolloutBook
 from shardline.online.router.scaling import Activator
+from shardline.online.router.streams import GENERATION_PATHS, PROMPT_TOKENS_HEADER, affinity, metered
 from shardline.online.router.upstream import UpstreamFailed, UpstreamPool, header_lines
 from shardline.online.tenants import TENANT_HEADER, Tenant, TenantDirectory, not_available
 from shardline.settings import RouterSettings
@@ -109,6 +111,7 @@ class Answer:
     status: int
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None  # a streamed answer's body (server-sent events), instead of ``body``
 
 
 @dataclass
@@ -118,6 +121,17 @@ class Tries:
 
     count: int = 0
     first: bool = False
+
+
+@dataclass
+class Pinned:
+    """An OpenAI body as the router sends it on (see ``Router._pin_body_model``)."""
+
+    body: bytes
+    key: str
+    route: Route | None
+    mirror: bytes | None
+    stream: bool
 
 
 def new_request_id() -> str:
@@ -158,6 +172,7 @@ class Router:
         self._clock = clock
         self._draw = draw
         self._gates: dict[str, TenantGate] = {}
+        self._llm_gates: dict[str, LlmGate] = {}  # tenants' generations in flight and token quotas
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_min_per_s)
         self._pools: dict[str, UpstreamPool] = {}
         self.metrics = RouterMetrics(replicas, clock, settings.target_in_flight)
@@ -224,9 +239,13 @@ class Router:
             key = f"{name}:{version}" if version else str(tenant.models[name])
             return await self._admitted(tenant, request, path, request.body, key, request_id, route, mirror)
         if path in _BODY_MODEL_PATHS and request.method == "POST":
-            body, key, route, mirror_body = await self._pin_body_model(tenant, request)
-            mirror = (path, mirror_body, f"{key.split(':')[0]}:{route.shadow}") if mirror_body and route else None
-            return await self._admitted(tenant, request, path, body, key, request_id, route, mirror)
+            pinned = await self._pin_body_model(tenant, request)
+            route = pinned.route
+            model = pinned.key.split("|", 1)[0]
+            mirror = ((path, pinned.mirror, f"{model.split(':')[0]}:{route.shadow}")
+                      if pinned.mirror and route and not pinned.stream else None)
+            return await self._admitted(tenant, request, path, pinned.body, pinned.key, request_id, route, mirror,
+                                        pinned.stream)
         if path.startswith(("/v2", "/v1/")):
             return await self._admitted(tenant, request, path, request.body, path, request_id)
         return _json(404, {"error": f"no route {shown(path)}; the router serves /v2 and /v1 as `shardline serve` does"})
@@ -244,9 +263,10 @@ class Router:
                 return route
         return Route((await self.directory.resolve(ref)).version)
 
-    async def _pin_body_model(self, tenant: Tenant, request: Incoming) -> tuple[bytes, str, Route | None, bytes | None]:
+    async def _pin_body_model(self, tenant: Tenant, request: Incoming) -> Pinned:
         """An OpenAI body with its ``model`` pinned to the version the tenant's reference means now, its
-        key, its route, and the body to mirror to a shadow candidate (None: no mirror)."""
+        placement key (a generation's with its affinity: ``streams.affinity``), its route, the body to mirror
+        to a shadow candidate (None: no mirror), and whether the answer is streamed."""
         encoding = request.header(b"content-encoding")
         body = decode_body(request.body, encoding, self.settings.max_body_bytes) if encoding else request.body
         try:
@@ -260,8 +280,11 @@ class Router:
         listed = tenant.reference_for(name)
         if listed is None:
             raise not_available(tenant, name)
-        if version is not None:
-            return request.body, f"{name}:{version}", None, None  # pinned by the client: sent as it came
+        generation = request.path in GENERATION_PATHS
+        stream = generation and doc.get("stream") is True
+        near = f"|{affinity(doc, request.header(_ROUTE_KEY))}" if generation else ""
+        if version is not None:  # pinned by the client: sent as it came
+            return Pinned(request.body, f"{name}:{version}{near}", None, None, stream)
         ref = ModelRef(name=name, alias=alias) if alias is not None else listed
         route = await self._version_for(tenant, request, ref)
         doc["model"] = f"{name}:{route.version}"
@@ -272,7 +295,7 @@ class Router:
         if route.shadow is not None:
             doc["model"] = f"{name}:{route.shadow}"
             mirror = orjson.dumps(doc)
-        return pinned, f"{name}:{route.version}", route, mirror
+        return Pinned(pinned, f"{name}:{route.version}{near}", route, mirror, stream)
 
     def _gate(self, tenant: Tenant) -> TenantGate:
         gate = self._gates.get(tenant.name)
@@ -282,30 +305,69 @@ class Router:
 
     async def _admitted(self, tenant: Tenant, request: Incoming, path: str, body: bytes, key: str,
                         request_id: str, route: Route | None = None,
-                        mirror: tuple[str, bytes, str] | None = None) -> Answer:
-        with self._gate(tenant):  # the tenant's rate and concurrency, for every replica together
-            routed = request.header(_ROUTE_KEY)
-            model = key if ":" in key else "-"
-            started = self._clock()
-            self.metrics.started(model)
-            tries = Tries()
-            status, shed = 500, False
-            try:
-                answer = await self.forward(tenant, request, path, body, f"{key}|{routed}" if routed else key,
-                                            request_id, tries)
-                status, shed = answer.status, _shed(answer)
-                if mirror is not None and route is not None and route.rollout is not None:
-                    self._mirror(tenant, request, mirror, route.rollout, answer, request_id)
-                return answer
-            except ShardlineError as e:
-                status = error_status(e)[0]
-                raise
-            finally:
-                seconds = self._clock() - started
-                self.metrics.answered(model, status, seconds, max(0, tries.count - 1))
-                if route is not None and route.rollout is not None and self.rollouts is not None:
-                    self.rollouts.record(route, status, None if tries.first else seconds, shed)
-                    self.metrics.rollout_answer(model, route.arm or "-", status >= 500 and not shed)
+                        mirror: tuple[str, bytes, str] | None = None, stream: bool = False) -> Answer:
+        gate = self._gate(tenant)
+        gate.__enter__()  # the tenant's rate and concurrency, for every replica together (held while a stream runs)
+        llm = None
+        try:
+            if path in GENERATION_PATHS:
+                llm = self._llm_gate(tenant)
+                llm.open(0)  # its generations in flight, and a token quota not spent
+            answer = await self._measured(tenant, request, path, body, key, request_id, route, mirror, stream)
+        except BaseException:
+            if llm is not None:
+                llm.close()
+            gate.__exit__(None, None, None)
+            raise
+        if llm is None:
+            gate.__exit__(None, None, None)
+            return answer
+
+        def done() -> None:
+            assert llm is not None
+            llm.close()
+            gate.__exit__(None, None, None)
+
+        if answer.stream is None:
+            if answer.status == 200:
+                llm.spend(_usage_tokens(answer.body))
+            done()
+            return answer
+        prompt = next((v for k, v in answer.headers if k == PROMPT_TOKENS_HEADER), b"0")
+        answer.stream = metered(answer.stream, llm, int(prompt) if prompt.isdigit() else 0,
+                                path.endswith("/chat/completions"), done)
+        return answer
+
+    def _llm_gate(self, tenant: Tenant) -> LlmGate:
+        gate = self._llm_gates.get(tenant.name)
+        if gate is None or gate.tenant is not tenant:
+            gate = self._llm_gates[tenant.name] = LlmGate(tenant, self._clock)
+        return gate
+
+    async def _measured(self, tenant: Tenant, request: Incoming, path: str, body: bytes, key: str, request_id: str,
+                        route: Route | None, mirror: tuple[str, bytes, str] | None, stream: bool) -> Answer:
+        routed = request.header(_ROUTE_KEY)
+        model = key.split("|", 1)[0] if ":" in key else "-"
+        started = self._clock()
+        self.metrics.started(model)
+        tries = Tries()
+        status, shed = 500, False
+        try:
+            answer = await self.forward(tenant, request, path, body, f"{key}|{routed}" if routed else key,
+                                        request_id, tries, stream=stream)
+            status, shed = answer.status, _shed(answer)
+            if mirror is not None and route is not None and route.rollout is not None:
+                self._mirror(tenant, request, mirror, route.rollout, answer, request_id)
+            return answer
+        except ShardlineError as e:
+            status = error_status(e)[0]
+            raise
+        finally:
+            seconds = self._clock() - started
+            self.metrics.answered(model, status, seconds, max(0, tries.count - 1))
+            if route is not None and route.rollout is not None and self.rollouts is not None:
+                self.rollouts.record(route, status, None if tries.first else seconds, shed)
+                self.metrics.rollout_answer(model, route.arm or "-", status >= 500 and not shed)
 
     def _mirror(self, tenant: Tenant, request: Incoming, mirror: tuple[str, bytes, str], rollout: Rollout,
                 primary: Answer, request_id: str) -> None:
@@ -347,7 +409,7 @@ class Router:
             self.metrics.shadow_rows(key, comparison.rows, comparison.disagree)
 
     async def forward(self, tenant: Tenant, request: Incoming, path: str, body: bytes, key: str,
-                      request_id: str, tries: Tries | None = None, retry: bool = True) -> Answer:
+                      request_id: str, tries: Tries | None = None, retry: bool = True, stream: bool = False) -> Answer:
         """Send the request to the replica the key's order and the loads pick; on a failure the replica
         could not help (no connection, 502-504), to the next, within the retries, the budget and the deadline
         (``retry`` False: one try, outside the budget, as for a shadow copy).
@@ -369,9 +431,10 @@ class Router:
         last: Answer | None = None
         attempt = 0
         model = key.split("|", 1)[0]
-        hedge = self.settings.hedge_after_ms / 1000 if retry else 0.0
+        hedge = self.settings.hedge_after_ms / 1000 if retry and not stream else 0.0  # a stream is not hedged
         send: Callable[[Replica], Awaitable[Answer | None]] = functools.partial(
-            self._send, method=request.method, target=target, headers=headers, body=body, deadline=deadline, model=model)
+            self._send, method=request.method, target=target, headers=headers, body=body, deadline=deadline, model=model,
+            stream=stream)
         if self.fallbacks:
             send = functools.partial(self._fallback_send, send, model)
         while True:
@@ -478,19 +541,32 @@ class Router:
         return answer
 
     async def _send(self, replica: Replica, method: str, target: str, headers: bytes,
-                    body: bytes, deadline: Deadline, model: str = "-", variant: str | None = None) -> Answer | None:
+                    body: bytes, deadline: Deadline, model: str = "-", variant: str | None = None,
+                    stream: bool = False) -> Answer | None:
         """The replica's answer, or None when it gave none (no connection, reset, time-out). ``headers``:
-        the request's header lines (``header_lines``), to which the deadline left (and the variant) are added."""
+        the request's header lines (``header_lines``), to which the deadline left (and the variant) are added.
+        ``stream``: a 200's body is passed on as it comes (the replica counts as busy until it ends)."""
         now = self._clock()
         sent = b"%s%s: %s\r\n" % (headers, _TIMEOUT, deadline.header(now).encode())
         if variant is not None:
             sent += b"%s: %s\r\n" % (_VARIANT, variant.encode())
         replica.in_flight += 1
-        ok, cancelled = False, False
+        ok, cancelled, streaming = False, False, False
         try:
-            status, raw, payload = await self._pool(replica.url).request(
-                method, target, sent, body, max(0.001, deadline.left(now)))
-            answer = Answer(status, [(k, v) for k, v in raw if k not in _NOT_ANSWERED], payload)
+            pool = self._pool(replica.url)
+            pieces = None
+            if stream:
+                status, raw, pieces = await pool.stream(method, target, sent, body, max(0.001, deadline.left(now)))
+                if status == 200:
+                    streaming = True
+                else:  # an error's JSON: read whole, so that it may be retried elsewhere
+                    payload = b"".join([piece async for piece in pieces])
+                    pieces = None
+            else:
+                status, raw, payload = await pool.request(method, target, sent, body, max(0.001, deadline.left(now)))
+            answer = Answer(status, [(k, v) for k, v in raw if k not in _NOT_ANSWERED], b"" if streaming else payload)
+            if pieces is not None:
+                answer.stream = _busy_until_done(pieces, replica)
             ok = answer.status not in RETRY_STATUSES or answer.status == 503 and _shed(answer)
             if answer.status < 500:
                 replica.answered(model, (self._clock() - now) * 1000)
@@ -502,11 +578,33 @@ class Router:
             cancelled = True  # a hedge's loser, or the client went: no fault of the replica
             raise
         finally:
-            replica.in_flight -= 1
+            if not streaming:
+                replica.in_flight -= 1  # a stream's ends with it (_busy_until_done)
             if not cancelled:
                 before = replica.breaker.state
                 replica.breaker.record(ok, self._clock())
                 _note(replica, before)
+
+
+async def _busy_until_done(pieces: AsyncIterator[bytes], replica: Replica) -> AsyncIterator[bytes]:
+    """A streamed answer's pieces; the replica counts one more request in flight until the stream ends."""
+    try:
+        async for piece in pieces:
+            yield piece
+    finally:
+        replica.in_flight -= 1
+        close = getattr(pieces, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def _usage_tokens(body: bytes) -> int:
+    """The total tokens a generation's JSON answer reports (0 when it does not say)."""
+    try:
+        usage = orjson.loads(body).get("usage") or {}
+        return int(usage.get("total_tokens") or 0)
+    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return 0
 
 
 def _note(replica: Replica, before: str) -> None:

@@ -193,7 +193,10 @@ def router_app(service: RouterService, max_body_bytes: int) -> Callable[[Scope, 
             return
         else:
             answer = await router.handle(Incoming(scope["method"], scope["path"], scope["query_string"], headers, body))
-        await _write(send, answer)
+        if answer.stream is not None:
+            await _write_stream(send, receive, answer)
+        else:
+            await _write(send, answer)
 
     return app
 
@@ -203,6 +206,36 @@ async def _write(send: Send, answer: Answer) -> None:
     headers.append((b"content-length", str(len(answer.body)).encode()))
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     await send({"type": "http.response.body", "body": answer.body})
+
+
+async def _write_stream(send: Send, receive: Receive, answer: Answer) -> None:
+    """Pass a streamed answer on piece by piece (chunked), until it ends or the client goes away; either way
+    the stream is closed, so that a replica still generating is told (its connection closes)."""
+    assert answer.stream is not None
+    pieces = answer.stream
+    headers = [(k, v) for k, v in answer.headers if k != b"content-length"]
+
+    async def relay() -> None:
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        async for piece in pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def client_gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    relaying = asyncio.ensure_future(relay())
+    watching = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({relaying, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (relaying, watching):
+            task.cancel()
+        await asyncio.gather(relaying, watching, return_exceptions=True)
+        close = getattr(pieces, "aclose", None)
+        if close is not None:
+            await close()
 
 
 async def _lifespan(service: RouterService, receive: Receive, send: Send) -> None:

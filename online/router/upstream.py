@@ -5,7 +5,8 @@ Why not aiohttp's client: a proxy makes one upstream call per request, and aioht
 of CPU for one (its request and response objects, timers, payload writers) where the rest of the
 router's work is under 100 us; this client writes the request in one ``write`` and parses the answer
 as it arrives. It does only what the router needs: a request with a body of known length, the whole
-answer read (Content-Length or chunked), keep-alive, a time-out.
+answer read (Content-Length or chunked) or streamed as it comes (``stream``: server-sent events of a
+generation), keep-alive, a time-out.
 
 - ``UpstreamPool.request`` takes the request's header lines already joined (``header_lines``): the
   router builds them once per request, not once per try. It raises ``UpstreamFailed`` when the
@@ -18,7 +19,7 @@ answer read (Content-Length or chunked), keep-alive, a time-out.
 from __future__ import annotations
 
 import asyncio
-from typing import Iterable, cast
+from typing import AsyncIterator, Iterable, cast
 
 import httptools
 
@@ -39,7 +40,7 @@ class _Stale(Exception):
 
 
 class _Connection(asyncio.Protocol):
-    __slots__ = ("transport", "parser", "answer", "status", "headers", "body", "keep", "closed", "got_bytes")
+    __slots__ = ("transport", "parser", "answer", "status", "headers", "body", "keep", "closed", "got_bytes", "chunks")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -51,6 +52,7 @@ class _Connection(asyncio.Protocol):
         self.keep = False
         self.closed = False
         self.got_bytes = False
+        self.chunks: asyncio.Queue[bytes | None | Exception] | None = None  # a streamed answer's body, as it comes
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -65,6 +67,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.chunks is not None and self.answer is not None and self.answer.done():
+            self.chunks.put_nowait(UpstreamFailed("the replica closed the connection in the middle of its answer"))
+            return
         if self.answer is not None and not self.answer.done():
             if not self.got_bytes:
                 self.answer.set_exception(_Stale())
@@ -75,12 +80,23 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
 
+    def on_headers_complete(self) -> None:
+        if self.chunks is not None:  # streamed: the answer is there once its head is
+            self.status = self.parser.get_status_code()
+            if self.answer is not None and not self.answer.done():
+                self.answer.set_result(None)
+
     def on_body(self, body: bytes) -> None:
-        self.body.append(body)
+        if self.chunks is not None:
+            self.chunks.put_nowait(body)
+        else:
+            self.body.append(body)
 
     def on_message_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.keep = self.parser.should_keep_alive()
+        if self.chunks is not None:
+            self.chunks.put_nowait(None)
         if self.answer is not None and not self.answer.done():
             self.answer.set_result(None)
 
@@ -90,9 +106,10 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+    def start(self, loop: asyncio.AbstractEventLoop, stream: bool = False) -> asyncio.Future[None]:
         self.answer = loop.create_future()
         self.headers, self.body, self.got_bytes = [], [], False
+        self.chunks = asyncio.Queue() if stream else None
         return self.answer
 
 
@@ -117,13 +134,52 @@ class UpstreamPool:
         Raises:
             UpstreamFailed: no answer from the replica (see the module docstring).
         """
+        connection = await self._send(method, target, headers, body, timeout, False)
+        self._release(connection)
+        return connection.status, connection.headers, b"".join(connection.body)
+
+    async def stream(self, method: str, target: str, headers: bytes, body: bytes,
+                     timeout: float) -> tuple[int, list[tuple[bytes, bytes]], AsyncIterator[bytes]]:
+        """Like ``request``, but the answer is handed over once its head is there: (status, headers, the
+        body's pieces as they come). ``timeout`` bounds the wait for the head only (a generation streams for
+        as long as it runs). Closing the pieces' iterator before its end closes the connection, which
+        tells the replica the client is gone.
+
+        Raises:
+            UpstreamFailed: no answer from the replica; from the iterator, the replica closed the connection
+                in the middle of its answer.
+        """
+        connection = await self._send(method, target, headers, body, timeout, True)
+        return connection.status, connection.headers, self._pieces(connection)
+
+    async def _pieces(self, connection: _Connection) -> AsyncIterator[bytes]:
+        assert connection.chunks is not None
+        ended = False
+        try:
+            while True:
+                piece = await connection.chunks.get()
+                if piece is None:
+                    ended = True
+                    return
+                if isinstance(piece, Exception):
+                    raise piece
+                yield piece
+        finally:
+            if ended:
+                connection.chunks = None
+                self._release(connection)
+            elif connection.transport is not None:
+                connection.transport.close()
+
+    async def _send(self, method: str, target: str, headers: bytes, body: bytes, timeout: float,
+                    stream: bool) -> _Connection:
         data = b"%s %s HTTP/1.1\r\nhost: %s\r\n%scontent-length: %d\r\n\r\n%s" % (
             method.encode("latin-1"), target.encode("latin-1"), self._host_header, headers, len(body), body)
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout
         for attempt in (0, 1):
             connection, reused = await self._connection(loop, until)
-            answer = connection.start(loop)
+            answer = connection.start(loop, stream)
             assert connection.transport is not None
             connection.transport.write(data)
             timer = loop.call_at(until, _time_out, answer)  # cheaper than asyncio.timeout on this path
@@ -141,8 +197,7 @@ class UpstreamPool:
                 raise
             finally:
                 timer.cancel()
-            self._release(connection)
-            return connection.status, connection.headers, b"".join(connection.body)
+            return connection
         raise AssertionError("unreachable")
 
     async def _connection(self, loop: asyncio.AbstractEventLoop, until: float) -> tuple[_Connection, bool]:

@@ -14,6 +14,10 @@ KNOWN_RUNTIMES: dict[str, tuple[str, str, str]] = {
     "onnx": ("shardline.runtimes.onnx", "OnnxModel", "pip install 'shardline[cpu]' (or [gpu])"),
     # A bundle's own Python class (custom code): what it needs is what its requirements list.
     "python": ("shardline.runtimes.custom", "CustomCodeModel", "install the packages its requirements list"),
+    # vLLM runs in an environment of its own; this process needs only the tokenizer and an HTTP client.
+    "vllm": ("shardline.runtimes.vllm", "VllmModel", "pip install 'shardline[llm]'"),
+    # A causal LM on CPU with continuous batching (shardline.generation): torch, safetensors, tokenizers.
+    "llm": ("shardline.runtimes.llm", "LlmModel", "pip install 'shardline[llm]'"),
 }
 
 __all__ = ["KNOWN_RUNTIMES", "Runtime", "RuntimeOptions", "create_runtime"]

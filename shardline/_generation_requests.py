@@ -1,0 +1,190 @@
+"""What a generation request is made of and what it gives back: sampling parameters, token events,
+completions, the chat template, the engine's shape, and how much of a streamed text may be sent.
+
+``shardline.generation`` re-exports every public name here; import them from there.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from shardline.errors import InvalidBundle, InvalidParameter
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP_STRINGS = 4
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+_LAST_WORD = re.compile(r"\s+\S*\Z")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick a request's tokens, checked as OpenAI checks them.
+
+    Attributes:
+        max_tokens: completion tokens at most (also capped so that prompt and completion fit the context).
+        temperature: 0 picks the most likely token (greedy); up to 2.
+        top_p: sample only from the most likely tokens whose probabilities add up to ``top_p`` (0 to 1).
+        seed: the same seed, prompt and model give the same text; None draws a random seed.
+        stop: up to 4 strings (a single string, a list or None are taken too); the text ends before the
+            first one that appears (it is not included).
+
+    Raises:
+        InvalidParameter: a field is out of range; its ``param`` names the field.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidParameter(f"max_tokens must be an integer of at least 1, got {self.max_tokens!r}",
+                                   "max_tokens")
+        for name, high in (("temperature", 2.0), ("top_p", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= high:
+                raise InvalidParameter(f"{name} must be between 0 and {high:g}, got {value!r}", name)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidParameter(f"seed must be an integer, got {self.seed!r}", "seed")
+        given: Any = self.stop
+        if given is not None and not isinstance(given, (str, list, tuple)):
+            raise InvalidParameter(f"stop must be a string or a list of strings, got {given!r}", "stop")
+        stop = () if given is None else (given,) if isinstance(given, str) else tuple(given)
+        if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+            raise InvalidParameter(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings, "
+                                   f"got {self.stop!r}", "stop")
+        object.__setattr__(self, "stop", stop)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What a request's ``on_event`` gets after each token, and once at its end.
+
+    Attributes:
+        text: the text new since the previous event (may be empty while a word is held back).
+        token_ids: the tokens new since the previous event (an end-of-sequence token included).
+        finish_reason: None while it runs; then "stop" (end-of-sequence token or stop string),
+            "length" (``max_tokens`` or the context is full), "cancelled" or "error".
+        prompt_tokens: tokens in the prompt.
+        completion_tokens: tokens generated so far.
+        error: what went wrong, when ``finish_reason`` is "error".
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request: its whole text (the events' pieces joined), tokens and why it ended."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How chat messages become a prompt: each message is ``message`` with ``{role}`` and ``{content}``
+    filled in, and ``reply`` follows the last one, e.g.::
+
+        system: You are terse.
+        user: Hello
+        assistant:
+    """
+
+    message: str = "{role}: {content}\n"
+    reply: str = "assistant:"
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The prompt for a list of ``{"role": ..., "content": ...}`` messages.
+
+        Raises:
+            InvalidParameter: the list is empty, or a message has no known role or no text content.
+        """
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise InvalidParameter("messages must be a non-empty list of {role, content} objects", "messages")
+        lines = []
+        for i, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, Mapping) else None
+            if role not in CHAT_ROLES:
+                raise InvalidParameter(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}",
+                                       f"messages[{i}].role")
+            lines.append(self.message.replace("{role}", role).replace("{content}", _content(message, i)))
+        return "".join(lines) + self.reply
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> ChatTemplate:
+        """Read ``runtime_config['chat_template']`` (``{"message": ..., "reply": ...}``; None: the default).
+
+        Raises:
+            InvalidBundle: it is not such an object, or ``message`` lacks ``{content}``.
+        """
+        if value is None:
+            return cls()
+        if (not isinstance(value, Mapping) or not isinstance(value.get("message", ""), str)
+                or not isinstance(value.get("reply", ""), str) or "{content}" not in value.get("message", "{content}")):
+            raise InvalidBundle(f"{where}: runtime_config chat_template must be "
+                                f"{{'message': '{{role}}: {{content}}\\n', "
+                                f"'reply': 'assistant:'}} (message holding {{content}}), got {value!r}")
+        return cls(**{k: value[k] for k in ("message", "reply") if k in value})
+
+
+def _content(message: Mapping[str, Any], i: int) -> str:
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI's content parts: only text ones
+        if all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+    elif isinstance(content, str):
+        return content
+    raise InvalidParameter(f"messages[{i}].content must be a string or a list of text parts, got {content!r}",
+                           f"messages[{i}].content")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's shape: slots decoded together, tokens per slot (prompt and completion), chat template."""
+
+    max_batch: int = 16
+    max_context: int = 512
+    chat_template: ChatTemplate = field(default_factory=ChatTemplate)
+
+    @classmethod
+    def from_runtime_config(cls, config: Mapping[str, Any], where: str) -> EngineConfig:
+        """Read ``max_batch``, ``max_context`` and ``chat_template`` from a manifest's runtime_config.
+
+        Raises:
+            InvalidBundle: a value is not a positive integer (``max_context`` at least 2) or the template is malformed.
+        """
+        values = {"max_batch": config.get("max_batch", 16), "max_context": config.get("max_context", 512)}
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "max_context" else 1):
+                raise InvalidBundle(f"{where}: runtime_config {name} must be a positive integer"
+                                    f"{' of at least 2' if name == 'max_context' else ''}, got {value!r}; "
+                                    "re-package the model with a valid value")
+        template = ChatTemplate.from_config(config.get("chat_template"), where)
+        return cls(values["max_batch"], values["max_context"], template)
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How much of a completion's text may be sent before it is finished: all but the last word (the
+    next token may still change it) and any tail that could begin a stop string."""
+    match = _LAST_WORD.search(text)
+    end = match.start() if match else 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                end = min(end, len(text) - k)
+                break
+    return end

@@ -1,0 +1,433 @@
+"""The ``vllm`` runtime: a causal LM served by vLLM's own OpenAI server, with Shardline in front of it.
+
+vLLM pins an older fastapi than Prefect, so it never shares Shardline's environment: it runs as its
+own process, from its own environment or image. This runtime either
+
+- points to a vLLM server that already runs (``SHARDLINE_VLLM_URL``, e.g. a sidecar container or a
+  Kubernetes Service; its served model name is the bundle's name), or
+- starts one per model and supervises it (``SHARDLINE_VLLM_PYTHON``: the Python of vLLM's own
+  environment): ``python -m vllm.entrypoints.openai.api_server --model <bundle folder>
+  --served-model-name <name> --host 127.0.0.1 --port <free>``, plus ``SHARDLINE_VLLM_ARGS``
+  (``--gpu-memory-utilization 0.9``, ``--tensor-parallel-size 2``...); ready when its ``/health``
+  answers, started again if it exits (with back-off), stopped with the model. It dies with its
+  replica (PR_SET_PDEATHSIG on Linux).
+
+The bundle is a Hugging Face checkpoint as vLLM reads it (``config.json``, safetensors weights,
+``tokenizer.json`` and ``tokenizer_config.json``, ``generation_config.json``; ``shardline.llm_build``
+packages one), with the signature of every ``llm`` bundle: ``prompt`` in; ``completion``,
+``prompt_tokens``, ``completion_tokens`` out.
+
+What Shardline adds in front: the replica's tenants, quotas (``max_streams``, ``tokens_per_minute``),
+metering and metrics, the router's placement, and the same engine interface as the CPU runtime
+(``RemoteEngine``: ``tokenize``, ``chat_prompt``, ``submit`` with ``SamplingParams`` and token events,
+``generate_many``), so the HTTP tier and batch generation (``predict``, inherited from ``LlmModel``)
+work unchanged. The prompt is tokenized here with the bundle's tokenizer and sent to vLLM as token
+ids (so a tenant's prompt tokens are counted before anything is sent); vLLM streams back text with
+its token ids (``return_token_ids``) and running usage (``continuous_usage_stats``), and closing the
+stream cancels the request in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from shardline.errors import InferenceFailed, InvalidBundle, InvalidInput, RuntimeUnavailable
+from shardline.generation import (
+    GENERATION_CONFIG_FILE,
+    TOKENIZER_FILE,
+    Completion,
+    EngineConfig,
+    SamplingParams,
+    TokenEvent,
+)
+from shardline.runtimes.llm import LlmModel
+
+log = logging.getLogger(__name__)
+HEALTH_POLL_S = 0.5
+
+
+class RemoteHandle:
+    """A request sent to vLLM: ``cancel()`` closes its stream, which makes vLLM abort it."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self._engine = engine
+        self.cancelled = False
+        self.response: Any = None
+        self.done = False
+
+    def cancel(self) -> None:
+        """Stop it; harmless after its end."""
+        if self.done or self.cancelled:
+            return
+        self.cancelled = True
+        response = self.response
+        if response is not None:
+            response.close()
+
+
+class RemoteEngine:
+    """The CPU engine's interface (``shardline.generation.GenerationEngine``) over a vLLM OpenAI server."""
+
+    def __init__(self, model_dir: Path, config: EngineConfig, base_url: str, served_name: str,
+                 api_key: str | None = None) -> None:
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self.base_url = base_url.rstrip("/")
+        self.served_name = served_name
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._tokenizer: Any = None
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._active: set[RemoteHandle] = set()
+        self._counts = {"requests": 0, "tokens_generated": 0}
+        self.bos_token_id: int | None = None
+        self.generation_defaults: dict[str, Any] = {}
+
+    def start(self) -> None:
+        """Read the tokenizer and generation config; open the HTTP client.
+
+        Raises:
+            RuntimeUnavailable: tokenizers or httpx is missing.
+            InvalidBundle: the tokenizer or a config is unreadable.
+        """
+        try:
+            import httpx
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise RuntimeUnavailable(f"the vllm runtime needs {e.name}; pip install 'shardline[llm]'") from e
+        from shardline.generation import read_generation_config, read_tokenizer
+
+        self._tokenizer = read_tokenizer(Tokenizer, self.model_dir / TOKENIZER_FILE)
+        self.generation_defaults = read_generation_config(self.model_dir / GENERATION_CONFIG_FILE)
+        try:
+            raw = json.loads((self.model_dir / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise InvalidBundle(f"config.json in {self.model_dir} is not readable JSON ({e}); re-package it") from e
+        bos = self.generation_defaults.get("bos_token_id", raw.get("bos_token_id"))
+        self.bos_token_id = bos[0] if isinstance(bos, list) and bos else bos if isinstance(bos, int) else None
+        self._client = httpx.Client(timeout=httpx.Timeout(30.0, read=None))
+
+    def close(self) -> None:
+        """Cancel what runs and close the client. Twice is harmless."""
+        with self._lock:
+            active = list(self._active)
+        for handle in active:
+            handle.cancel()
+        if self._client is not None:
+            self._client.close()
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt accepted: the context less one token for the completion."""
+        return self.config.max_context - 1
+
+    def tokenize(self, text: str) -> list[int]:
+        """A prompt's token ids, as the CPU engine makes them (the beginning-of-sequence token first)."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return ids if self.bos_token_id is None else [self.bos_token_id, *ids]
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The prompt text for chat messages, through the bundle's chat template."""
+        return self.config.chat_template.render(messages)
+
+    def stats(self) -> dict[str, int]:
+        """Requests in flight (``slots_busy``, as the CPU engine says it), sent so far and tokens generated."""
+        with self._lock:
+            return {"slots_busy": len(self._active), **self._counts}
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               on_event: Callable[[TokenEvent], None]) -> RemoteHandle:
+        """Send a request to vLLM; ``on_event`` is called from a thread of its own for each piece and once with
+        a ``finish_reason`` ("cancelled" after ``cancel()``, "error" when vLLM fails or goes away).
+
+        Raises:
+            InvalidInput: the prompt is empty or longer than ``max_prompt_tokens``.
+        """
+        prompt = [int(i) for i in prompt_ids]
+        if not prompt:
+            raise InvalidInput("the prompt has no tokens; send some text")
+        if len(prompt) > self.max_prompt_tokens:
+            raise InvalidInput(f"the prompt is {len(prompt)} tokens; this model takes at most {self.max_prompt_tokens} "
+                               f"(its context of {self.config.max_context} less one for the completion); shorten it")
+        if self._client is None:
+            raise RuntimeError("submit() before start()")
+        handle = RemoteHandle(self)
+        with self._lock:
+            self._active.add(handle)
+            self._counts["requests"] += 1
+        threading.Thread(target=self._stream, args=(handle, prompt, params, on_event), daemon=True,
+                         name="vllm-request").start()
+        return handle
+
+    def _stream(self, handle: RemoteHandle, prompt: list[int], params: SamplingParams,
+                on_event: Callable[[TokenEvent], None]) -> None:
+        body: dict[str, Any] = {
+            "model": self.served_name, "prompt": prompt, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_tokens": min(params.max_tokens, self.config.max_context - len(prompt)),
+            "temperature": params.temperature, "top_p": params.top_p,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.stop:
+            body["stop"] = list(params.stop)
+        completion, finish, error = 0, None, None
+        try:
+            with self._client.stream("POST", f"{self.base_url}/v1/completions", json=body,
+                                     headers=self._headers) as response:
+                handle.response = response
+                if response.status_code != 200:
+                    error = f"vLLM answered {response.status_code}: {response.read()[:300]!r}"
+                else:
+                    for line in response.iter_lines():
+                        if handle.cancelled:
+                            break
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        completion = int((chunk.get("usage") or {}).get("completion_tokens") or completion)
+                        choices = chunk.get("choices") or []
+                        if not choices:
+                            continue
+                        choice = choices[0]
+                        finish = choice.get("finish_reason")
+                        tokens = tuple(choice.get("token_ids") or ())
+                        with self._lock:
+                            self._counts["tokens_generated"] += len(tokens)
+                        on_event(TokenEvent(choice.get("text") or "", tokens, finish, len(prompt), completion))
+                        if finish is not None:
+                            break
+        except Exception as e:  # noqa: BLE001 - the stream's end says what happened
+            if not handle.cancelled:
+                error = f"{type(e).__name__}: {e}"
+        finally:
+            handle.done = True
+            with self._lock:
+                self._active.discard(handle)
+        if handle.cancelled:
+            on_event(TokenEvent("", (), "cancelled", len(prompt), completion))
+        elif error is not None or finish is None:
+            on_event(TokenEvent("", (), "error", len(prompt), completion,
+                                error or "vLLM ended the stream without a finish_reason"))
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        """Generate one completion and wait for it."""
+        return self.generate_many([prompt_ids], params)[0]
+
+    def generate_many(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """Send every prompt at once (vLLM batches them) and wait for all their completions.
+
+        Raises:
+            InvalidInput: a prompt is refused (nothing is sent then).
+            InferenceFailed: vLLM failed on one.
+        """
+        for prompt in prompts:
+            if not prompt or len(prompt) > self.max_prompt_tokens:
+                raise InvalidInput(f"a prompt is {len(prompt)} tokens; this model takes 1 to {self.max_prompt_tokens}")
+        results: list[list[TokenEvent]] = [[] for _ in prompts]
+        left = [len(prompts)]
+        finished = threading.Event()
+        guard = threading.Lock()
+        if not prompts:
+            return []
+
+        def collect(index: int) -> Callable[[TokenEvent], None]:
+            def on_event(event: TokenEvent) -> None:
+                results[index].append(event)
+                if event.finish_reason is not None:
+                    with guard:
+                        left[0] -= 1
+                        if left[0] == 0:
+                            finished.set()
+            return on_event
+
+        handles = [self.submit(prompt, params, collect(i)) for i, prompt in enumerate(prompts)]
+        try:
+            finished.wait()
+        finally:
+            for handle in handles:
+                handle.cancel()
+        completions = []
+        for events in results:
+            last = events[-1]
+            if last.finish_reason == "error":
+                raise InferenceFailed(f"vLLM failed while generating: {last.error}")
+            completions.append(Completion("".join(e.text for e in events), tuple(t for e in events for t in e.token_ids),
+                                          last.finish_reason or "stop", last.prompt_tokens, last.completion_tokens))
+        return completions
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class VllmServer:
+    """vLLM's OpenAI server for one bundle, started from vLLM's own Python and kept running (see the module
+    docstring)."""
+
+    def __init__(self, python: str, bundle_dir: Path, served_name: str, args: Sequence[str], max_context: int,
+                 start_timeout_s: float, log_file: Path) -> None:
+        self.python, self.bundle_dir, self.served_name = python, bundle_dir, served_name
+        self.args, self.max_context, self.start_timeout_s, self.log_file = list(args), max_context, start_timeout_s, log_file
+        self.port = _free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        """The server's base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        """The command line that starts it."""
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.bundle_dir),
+                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(self.port),
+                "--max-model-len", str(self.max_context), *self.args]
+
+    def start(self) -> None:
+        """Start it and wait until ``/health`` answers 200.
+
+        Raises:
+            RuntimeUnavailable: the Python is not there, vLLM exits, or it is not healthy within the time-out
+                (the message names its log).
+        """
+        if not Path(self.python).exists():
+            raise RuntimeUnavailable(f"SHARDLINE_VLLM_PYTHON is {self.python!r}, which does not exist; give the Python "
+                                     "of an environment where vLLM is installed, or SHARDLINE_VLLM_URL of a running server")
+        self._spawn()
+        self._wait_healthy()
+        self._watcher = threading.Thread(target=self._watch, name=f"vllm-{self.served_name}", daemon=True)
+        self._watcher.start()
+
+    def _spawn(self) -> None:
+        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "ab") as sink:
+            self.process = subprocess.Popen(self.command(), env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        log.info("started vLLM for %s (pid %d) on %s", self.served_name, self.process.pid, self.url)
+
+    def _wait_healthy(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeUnavailable(f"vLLM for {self.served_name} exited with {self.process.returncode} while "
+                                         f"starting; its log: {self.log_file}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(HEALTH_POLL_S)
+        self.stop()
+        raise RuntimeUnavailable(f"vLLM for {self.served_name} was not healthy within {self.start_timeout_s:.0f} s; "
+                                 f"its log: {self.log_file}")
+
+    def _watch(self) -> None:
+        delay = 1.0
+        while not self._stopping.wait(1.0):
+            if self.process is not None and self.process.poll() is not None:
+                log.warning("vLLM for %s exited with %s; starting it again in %.0f s", self.served_name,
+                            self.process.returncode, delay)
+                if self._stopping.wait(delay):
+                    return
+                self.restarts += 1
+                delay = min(delay * 2, 60.0)
+                self._spawn()
+
+    def stop(self) -> None:
+        """SIGTERM it, SIGKILL it after 30 s. Twice is harmless."""
+        self._stopping.set()
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class VllmModel(LlmModel):
+    """An ``llm`` bundle served by vLLM (see the module docstring); ``predict`` and ``engine`` as ``LlmModel``'s."""
+
+    def load(self) -> None:
+        """Find or start vLLM, then read the tokenizer and the generation defaults.
+
+        Raises:
+            RuntimeUnavailable: neither SHARDLINE_VLLM_URL nor SHARDLINE_VLLM_PYTHON is set, or vLLM does not start.
+            InvalidBundle: a file is unreadable, or a runtime_config value is out of range.
+        """
+        from shardline.settings import VllmSettings
+
+        settings = VllmSettings()
+        config = EngineConfig.from_runtime_config(self.manifest.runtime_config, self.manifest.reference)
+        server = None
+        if settings.url:
+            url = settings.url
+        elif settings.python:
+            server = VllmServer(settings.python, self.bundle_dir, self.manifest.name, settings.args, config.max_context,
+                                settings.start_timeout_s, Path(settings.log_dir) / f"vllm-{self.manifest.name}.log")
+            server.start()
+            url = server.url
+        else:
+            raise RuntimeUnavailable(f"{self.manifest.reference} runs on vLLM, which runs in an environment of its own: "
+                                     "set SHARDLINE_VLLM_URL to a running vLLM OpenAI server, or SHARDLINE_VLLM_PYTHON "
+                                     "to the Python of an environment where vLLM is installed")
+        engine = RemoteEngine(self.bundle_dir, config, url, self.manifest.name, settings.api_key)
+        try:
+            engine.start()
+            self._params = self._default_params(engine)  # type: ignore[arg-type]
+        except BaseException:
+            engine.close()
+            if server is not None:
+                server.stop()
+            raise
+        self._engine = engine  # type: ignore[assignment]
+        self._server = server
+
+    @property
+    def device(self) -> str:
+        """Where vLLM runs it: 'cuda' (vLLM's wheels are CUDA builds; a CPU build says 'cpu' through this setting)."""
+        if self._engine is None:
+            return "unloaded"
+        from shardline.settings import VllmSettings
+
+        return VllmSettings().device
+
+    def close(self) -> None:
+        """Close the client and stop the vLLM server this runtime started (one it found is left running)."""
+        super().close()
+        server, self._server = getattr(self, "_server", None), None
+        if server is not None:
+            server.stop()
+
+
+__all__ = ["RemoteEngine", "VllmModel", "VllmServer"]

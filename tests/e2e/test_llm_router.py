@@ -1,0 +1,146 @@
+"""Text generation through `shardline router --local-replicas 2` as a user runs it, with the official openai
+client: streams pass through as they come, prompts that share a prefix land on one replica, the tenant's
+token quota is held at the router (a stream past it ends cleanly, saying why), and a client that goes away
+mid-stream stops the generation on its replica (the replica's streams gauge is back to 0)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from shardline.llm_build import package_tiny_llm
+from shardline.online.tenants import hash_api_key
+from shardline.storage.registry import ModelRegistry
+
+from tests.e2e.conftest import SHARDLINE
+from tests.e2e.test_router import _env, _stop, _wait_ready
+from tests.e2e.test_serve import free_port
+
+KEY, SMALL = "sk-llm-router", "sk-llm-router-small"
+SYSTEM = {"role": "system", "content": "You answer questions about the attached contract, clause by clause. " * 12}
+pytestmark = pytest.mark.timeout(300)
+
+
+@dataclass
+class Routed:
+    url: str
+    log: Path
+    replica_metrics: dict[str, str]  # replica url -> its metrics url
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routed]:
+    home = tmp_path_factory.mktemp("llm-router-home")
+    package_tiny_llm(home / "tiny-bundle", name="tiny")
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias("tiny", "prod", registry.push(home / "tiny-bundle").version or 1)
+    tenants = home / "tenants.yaml"
+    tenants.write_text(
+        "tenants:\n"
+        "  - name: acme\n"
+        f"    api_keys_sha256: [\"{hash_api_key(KEY)}\"]\n"
+        "    models: [\"tiny@prod\"]\n"
+        "    max_streams: 8\n"
+        "  - name: small\n"
+        f"    api_keys_sha256: [\"{hash_api_key(SMALL)}\"]\n"
+        "    models: [\"tiny@prod\"]\n"
+        "    tokens_per_minute: 80\n"
+    )
+    port = free_port()
+    log = home / "router.log"
+    with open(log, "wb") as sink:
+        router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "2", "--tenants", str(tenants), "--port",
+                                   str(port), "--metrics-port", str(free_port())],
+                                  env=_env(home), stdout=sink, stderr=subprocess.STDOUT, cwd=home)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, router, log, available=2)
+        found = re.findall(r"started replica \d \(pid \d+\) on (http://[0-9.:]+) \(metrics on port (\d+)\)",
+                           log.read_text())
+        assert len(found) == 2
+        yield Routed(url, log, {replica: f"http://127.0.0.1:{metrics}/metrics" for replica, metrics in found})
+    finally:
+        _stop(router)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _completion_tokens(routed: Routed) -> dict[str, float]:
+    return {replica: _metric(httpx.get(metrics, timeout=10).text, "shardline_llm_tokens_total", kind="completion")
+            for replica, metrics in routed.replica_metrics.items()}
+
+
+def _streams(routed: Routed) -> float:
+    return sum(_metric(httpx.get(m, timeout=10).text, "shardline_llm_streams", model="tiny")
+               for m in routed.replica_metrics.values())
+
+
+def test_a_stream_passes_through_the_router_as_it_comes(routed: Routed) -> None:
+    client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": "list the parties"}]
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+
+    assert len({c.id for c in chunks}) == 1 and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert whole.model == "tiny:1"  # the alias pinned at the router
+    with pytest.raises(openai.NotFoundError, match="not available to tenant 'acme'"):
+        client.chat.completions.create(model="gpt-4", messages=messages)
+    with pytest.raises(openai.BadRequestError, match="field 'top_p'"):
+        client.chat.completions.create(model="tiny", messages=messages, top_p=7)
+
+
+def test_prompts_that_share_a_system_prompt_land_on_one_replica(routed: Routed) -> None:
+    client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key=KEY, max_retries=0)
+    before = _completion_tokens(routed)
+
+    for question in ("who signs?", "when does it end?", "what does clause 4 say?", "can it be renewed?",
+                     "who pays?", "which law governs it?"):
+        client.chat.completions.create(model="tiny", messages=[SYSTEM, {"role": "user", "content": question}],
+                                       max_tokens=3, temperature=0)
+
+    grew = [replica for replica, tokens in _completion_tokens(routed).items() if tokens > before[replica]]
+    assert len(grew) == 1  # every one of them on the replica whose KV cache holds the prefix
+
+
+def test_the_token_quota_is_held_at_the_router_and_a_stream_past_it_ends_cleanly(routed: Routed) -> None:
+    small = openai.OpenAI(base_url=f"{routed.url}/v1", api_key=SMALL, max_retries=0)
+
+    chunks = list(small.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go on"}],
+                                                max_tokens=300, stream=True))
+
+    last: Any = chunks[-1].choices[0]
+    assert last.finish_reason == "length"
+    assert "tenant 'small' used its 80 tokens per minute" in last.model_extra["stop_reason"]
+    with pytest.raises(openai.RateLimitError):
+        small.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "more"}], max_tokens=2)
+
+
+def test_a_client_gone_mid_stream_stops_the_generation_on_its_replica(routed: Routed) -> None:
+    with httpx.stream("POST", f"{routed.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 450, "stream": True}) as answer:
+        assert answer.status_code == 200
+        lines = answer.iter_lines()
+        assert sum(1 for _ in range(8) if next(lines).startswith("data: ")) >= 2  # (and `: tokens N` comments)
+        assert _streams(routed) == 1
+    deadline = time.monotonic() + 10
+    while _streams(routed) != 0:
+        assert time.monotonic() < deadline, "the replica still generates for a client that is gone"
+        time.sleep(0.05)

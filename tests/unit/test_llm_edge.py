@@ -1,0 +1,161 @@
+"""Text generation at the edge, without a model: OpenAI's request fields checked one by one, the tenants' LLM
+quotas (streams in flight, tokens per minute), and the router's placement key and metered relay."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import orjson
+import pytest
+
+from shardline.errors import InvalidInput, RateLimited
+from shardline.online.admission import TokenBucket
+from shardline.online.generation import LlmGate
+from shardline.openai_wire import parse_generation_request
+from shardline.online.router.streams import affinity, metered, stop_chunk, tokens_of
+from shardline.online.tenants import Tenant
+
+
+def _body(**fields: object) -> bytes:
+    return orjson.dumps({"model": "tiny", **fields})
+
+
+def test_a_chat_request_is_read_with_every_field_the_openai_client_sends() -> None:
+    parsed = parse_generation_request(_body(
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        stream=True, stream_options={"include_usage": True}, max_completion_tokens=7, max_tokens=99, stop="\n",
+        temperature=0.5, top_p=0.9, seed=3, user="u-1", n=1), chat=True)
+
+    assert parsed.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert (parsed.stream, parsed.include_usage, parsed.max_tokens, parsed.stop) == (True, True, 7, ("\n",))
+    assert (parsed.temperature, parsed.top_p, parsed.seed, parsed.user) == (0.5, 0.9, 3, "u-1")
+    completion = parse_generation_request(_body(prompt=["once upon"], max_tokens=5), chat=False)
+    assert (completion.prompt, completion.max_tokens, completion.stream, completion.temperature) == ("once upon", 5,
+                                                                                                   False, 1.0)
+
+
+@pytest.mark.parametrize("fields, chat, named", [
+    ({"messages": []}, True, "field 'messages'"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, True, "field 'messages[0].role'"),
+    ({"messages": [{"role": "user", "content": 3}]}, True, "field 'messages[0].content'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, True, "text only"),
+    ({"prompt": [1, 2, 3]}, False, "field 'prompt'"),
+    ({"prompt": "x", "temperature": 3}, False, "field 'temperature'"),
+    ({"prompt": "x", "top_p": -0.1}, False, "field 'top_p'"),
+    ({"prompt": "x", "max_tokens": 0}, False, "field 'max_tokens'"),
+    ({"prompt": "x", "n": 2}, False, "field 'n'"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, False, "field 'stop'"),
+    ({"prompt": "x", "seed": "7"}, False, "field 'seed'"),
+    ({"prompt": "x", "stream": "yes"}, False, "field 'stream'"),
+    ({"prompt": "x", "logprobs": 2}, False, "'logprobs'"),
+])
+def test_a_wrong_field_is_a_400_naming_it(fields: dict[str, object], chat: bool, named: str) -> None:
+    with pytest.raises(InvalidInput, match=named.replace("[", r"\[").replace("]", r"\]")):
+        parse_generation_request(_body(**fields), chat)
+
+
+def _tenant(tpm: int | None = None, streams: int | None = None) -> Tenant:
+    return Tenant(name="acme", priority="normal", models={}, tokens_per_minute=tpm, max_streams=streams)
+
+
+def test_streams_in_flight_are_bounded_and_given_back() -> None:
+    gate = LlmGate(_tenant(streams=2), lambda: 0.0)
+    gate.open(5)
+    gate.open(5)
+    with pytest.raises(RateLimited, match="2 generations in flight, its max_streams"):
+        gate.open(5)
+    gate.close()
+    gate.open(5)
+    assert gate.streams == 2
+
+
+def test_the_token_quota_is_checked_before_a_stream_and_spent_during_it() -> None:
+    now = [0.0]
+    gate = LlmGate(_tenant(tpm=600), lambda: now[0])  # 10 tokens a second, at most 600 at once
+    gate.open(500)
+    assert gate.spend(90) and not gate.spend(20)  # 10 left: the stream that asked for 20 must stop
+    gate.close()
+    with pytest.raises(RateLimited) as waited:
+        gate.open(50)  # empty now: 50 tokens come back in 5 s
+    assert waited.value.retry_after == 5
+    now[0] = 5.0
+    gate.open(50)
+    with pytest.raises(InvalidInput, match="more than the whole quota of tenant 'acme', 600 tokens per minute"):
+        gate.open(601)
+    unlimited = LlmGate(_tenant(), lambda: 0.0)
+    unlimited.open(10**6)
+    assert unlimited.spend(10**6)
+
+
+def test_a_bucket_tells_how_long_until_tokens_are_there_without_taking_them() -> None:
+    bucket = TokenBucket(2.0, 4)
+    assert bucket.wait(0.0, 3) == 0.0 and bucket.tokens == 4.0
+    assert bucket.take(0.0, 4) == 0.0 and bucket.wait(0.0, 1) == pytest.approx(0.5)
+    assert bucket.take(1.0, 10) == float("inf")
+
+
+def test_placement_affinity_follows_the_route_key_then_the_user_then_the_prompts_prefix() -> None:
+    system = {"role": "system", "content": "You answer questions about the attached 40-page contract. " * 20}
+    a = affinity({"messages": [system, {"role": "user", "content": "who signs?"}]}, None)
+    b = affinity({"messages": [system, {"role": "user", "content": "when does it end?"}]}, None)
+    other = affinity({"messages": [{"role": "system", "content": "You write poems."},
+                                   {"role": "user", "content": "who signs?"}]}, None)
+
+    assert a == b and a.startswith("prefix:") and other != a  # the same long system prompt: the same replica
+    assert affinity({"prompt": "x", "user": "u-7"}, None) == "user:u-7"
+    assert affinity({"prompt": "x", "user": "u-7"}, "k") == "key:k"
+
+
+def _collect(stream: AsyncIterator[bytes]) -> bytes:
+    async def run() -> bytes:
+        return b"".join([piece async for piece in stream])
+
+    return asyncio.run(run())
+
+
+async def _pieces(*pieces: bytes) -> AsyncIterator[bytes]:
+    for piece in pieces:
+        yield piece
+
+
+def _chunk(text: str) -> bytes:
+    doc = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "tiny:1",
+           "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+def test_the_relay_drops_token_comments_and_passes_every_event_split_anywhere() -> None:
+    events = b": tokens 1\n\n" + _chunk("Hel") + b": tokens 2\n\n" + _chunk("lo") + b"data: [DONE]\n\n"
+    gate = LlmGate(_tenant(tpm=600), lambda: 0.0)
+    gate.open(0)
+    ended: list[bool] = []
+
+    out = _collect(metered(_pieces(events[:7], events[7:40], events[40:]), gate, 4, True, lambda: ended.append(True)))
+
+    assert out == _chunk("Hel") + _chunk("lo") + b"data: [DONE]\n\n"
+    assert gate.bucket is not None and gate.bucket.tokens == pytest.approx(600 - 4 - 3)
+    assert ended == [True] and tokens_of(b": tokens 12") == 12 and tokens_of(b"data: {}") is None
+
+
+def test_a_stream_past_the_quota_is_stopped_cleanly_with_the_reason() -> None:
+    events = b"".join(b": tokens 4\n\n" + _chunk(str(i)) for i in range(5))
+    gate = LlmGate(_tenant(tpm=10), lambda: 0.0)  # 10 tokens: the prompt's 2, then two pieces of 4
+    gate.open(0)
+    closed: list[bool] = []
+
+    async def upstream() -> AsyncIterator[bytes]:
+        try:
+            yield events
+        finally:
+            closed.append(True)  # the replica's connection closes: it cancels the generation
+
+    out = _collect(metered(upstream(), gate, 2, True, lambda: None))
+
+    blocks = out.split(b"\n\n")
+    assert blocks[:2] == [_chunk("0")[:-2], _chunk("1")[:-2]]
+    final = orjson.loads(blocks[2][6:])
+    assert final["id"] == "chatcmpl-1" and final["choices"][0]["finish_reason"] == "length"
+    assert "tenant 'acme' used its 10 tokens per minute" in final["choices"][0]["stop_reason"]
+    assert blocks[3] == b"data: [DONE]" and closed == [True]
+    assert orjson.loads(stop_chunk(None, False, "why")[6:])["choices"][0]["text"] == ""

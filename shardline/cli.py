@@ -268,6 +268,28 @@ def batch_resume(
     raise typer.Exit(present(run_batch_job(request, progress=not json_out), json_out))
 
 
+@batch_app.command("openai")
+def batch_openai(
+    input: str = typer.Argument(..., help="The OpenAI Batch file (JSONL): a path or URL."),
+    output: str = typer.Option(..., "--output", help="Folder for output.jsonl, errors.jsonl and batch.json: a path "
+                               "or URL."),
+    lines_per_part: int = typer.Option(100, "--lines-per-part", min=1, help="Lines answered and committed together; "
+                                       "a re-run answers only the parts not yet committed."),
+    tenant: str = typer.Option("default", help="Tenant the job runs for."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
+) -> None:
+    """Answer an OpenAI Batch file (/v1/chat/completions, /v1/completions, /v1/embeddings lines) with the one
+    model it names; run it again to resume.
+
+    Exit codes: 0 every line answered, 3 some lines failed (in errors.jsonl), 1 failed (re-run to resume),
+    2 the file or request was refused (a custom_id twice, two models, a model that does not fit the endpoint,
+    an output holding another job).
+    """
+    from shardline._openai_batch_cli import run_openai_batch
+
+    raise typer.Exit(run_openai_batch(input, output, lines_per_part, tenant, json_out))
+
+
 @app.command()
 def demo(
     workdir: Path = typer.Option(Path("shardline-demo"), help="Folder for the demo's registry, data and output."),
@@ -489,8 +511,9 @@ def main() -> None:
     ends. Where the runner does not apply (or cannot take the job), they run it cold in a
     supervised child (shardline/_supervise.py), so that nothing they start (Prefect's
     temporary server, Dask workers) outlives the command, even when it is killed with
-    SIGKILL. Detached on purpose, for later runs to reuse: the runner, and the local
-    Prefect server a first run starts (shardline/_prefect_server.py).
+    SIGKILL. `batch openai` always runs cold in such a child. Detached on purpose, for later
+    runs to reuse: the runner, and the local Prefect server a first run starts
+    (shardline/_prefect_server.py).
     """
     from shardline._supervise import CHILD_FLAG, run_supervised, run_supervised_child, wants_supervision
 
@@ -501,6 +524,8 @@ def main() -> None:
         sys.argv = [sys.argv[0], *argv[2:]]
         _PROCESS["supervised_child"] = True
         run_supervised_child(int(argv[1]), _run_app)
+    elif argv[:2] == ["batch", "openai"] and hasattr(os, "fork") and hasattr(os, "killpg"):
+        sys.exit(run_supervised(argv))  # always cold, in a supervised child: the model loads there
     elif wants_supervision(argv):
         if not runner_applies():
             sys.exit(run_supervised(argv))

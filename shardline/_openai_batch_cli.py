@@ -1,0 +1,56 @@
+"""`shardline batch openai`: run the ``openai-batch`` flow in this process and print how it ended.
+
+The command runs cold (no warm runner: the model loads in this process, in about a second for the tiny
+LLM), in the supervised child ``cli.main`` starts for it, so nothing it starts outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+from shardline._cli_common import EXIT_FAILED, EXIT_OK, EXIT_QUARANTINED, error_line, exit_code, one_line_user_errors
+
+
+def run_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenant: str, json_out: bool) -> int:
+    """Run the flow on the Prefect API the settings choose; print the counts and files; returns the exit code."""
+    from shardline._prefect_cli import use_prefect_api
+    from shardline.errors import PrefectServerUnavailable
+
+    try:
+        use_prefect_api()
+    except PrefectServerUnavailable as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        return EXIT_FAILED
+    from shardline.flows.openai_batch import openai_batch
+
+    with one_line_user_errors():
+        state = openai_batch(input_uri=input_uri, output_uri=output_uri, lines_per_part=lines_per_part,
+                             tenant=tenant, return_state=True)
+    result = state.result(raise_on_failure=False)
+    if isinstance(result, BaseException):
+        typer.secho(f"error: {error_line(result)}", fg="red", err=True)
+        return exit_code(result)
+    summary: dict[str, Any] = result
+    _print_summary(summary)
+    if json_out:
+        typer.echo(json.dumps(summary))
+    return EXIT_QUARANTINED if summary["failed"] else EXIT_OK
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    lines = [
+        ("batch", summary["batch_id"]),
+        ("model", summary["model"]),
+        ("lines", f"{summary['total']} ({summary['completed']} answered, {summary['failed']} failed)"),
+        ("parts", f"{summary['parts']} ({summary['parts_answered']} answered now, {summary['parts_skipped']} "
+                  "already committed)"),
+        ("output", summary["output"]),
+        ("errors", summary["errors"]),
+        ("batch object", summary["batch"]),
+    ]
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        typer.echo(f"{key.rjust(width)}  {value}")

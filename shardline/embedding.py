@@ -196,16 +196,6 @@ def _check_export(torch: Any, model: Any, out: Path, manifest: Manifest) -> floa
     return error
 
 
-def _environment() -> dict[str, str]:
-    env = current_environment()
-    for package in _RECORDED:
-        try:
-            env[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            continue
-    return env
-
-
 def package_minilm(
     out_dir: str | Path, name: str = "minilm", max_length: int = 256, reference_profile: dict[str, Any] | None = None
 ) -> Manifest:
@@ -278,7 +268,7 @@ def _build_bundle(
             "text_inputs": {"column": "text", "tokenizer": "tokenizer.json", "max_length": max_length}
         },
         hardware=HardwareHints(min_memory_mb=512),
-        environment=_environment(),
+        environment=current_environment(packages=_RECORDED),
         lineage=Lineage(parent=UPSTREAM),
         tags={
             "framework": "sentence-transformers",

@@ -240,31 +240,11 @@ class GenerationEngine:
             InvalidInput: a prompt is refused (nothing is generated then).
             InferenceFailed: the engine failed while generating.
         """
-        results: list[list[TokenEvent]] = [[] for _ in prompts]
-        remaining = [len(prompts)]
-        finished = threading.Event()
         if not prompts:
             return []
-
-        def collect(index: int) -> Callable[[TokenEvent], None]:
-            def on_event(event: TokenEvent) -> None:
-                results[index].append(event)
-                if event.finish_reason is not None:
-                    remaining[0] -= 1  # only the engine thread calls this: no race
-                    if remaining[0] == 0:
-                        finished.set()
-            return on_event
-
         self._check_running()
         checked = [self._checked_prompt(prompt) for prompt in prompts]  # refuse a bad prompt before any is queued
-        handles: list[Handle] = []
-        try:
-            handles = self._enqueue([(prompt, collect(i)) for i, prompt in enumerate(checked)], params)
-            finished.wait()
-        finally:
-            for handle in handles:
-                handle.cancel()  # a no-op for those that finished
-        return [_completion(events) for events in results]
+        return run_together(len(checked), lambda callbacks: self._enqueue(list(zip(checked, callbacks)), params))
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         """Generate one completion and wait for it (``submit`` with the events joined)."""
@@ -448,6 +428,41 @@ def _pin_threads(torch: Any, threads: int) -> None:
     restore = threading.Thread(target=torch.set_num_threads, args=(before,), name="generation-threads")
     restore.start()
     restore.join()
+
+
+def run_together(count: int, start: Callable[[list[Callable[[TokenEvent], None]]], Sequence[Any]]) -> list[Completion]:
+    """Run ``count`` requests at once and wait for all of them: ``start`` gets one ``on_event`` callback per
+    request (callable from any thread) and submits them, returning their handles; whatever is still running
+    when this returns or fails is cancelled. The engines' ``generate_many``.
+
+    Raises:
+        InferenceFailed: a request ended on an error.
+    """
+    if count == 0:
+        return []
+    results: list[list[TokenEvent]] = [[] for _ in range(count)]
+    remaining = [count]
+    finished = threading.Event()
+    guard = threading.Lock()
+
+    def collect(index: int) -> Callable[[TokenEvent], None]:
+        def on_event(event: TokenEvent) -> None:
+            results[index].append(event)
+            if event.finish_reason is not None:
+                with guard:
+                    remaining[0] -= 1
+                    if remaining[0] == 0:
+                        finished.set()
+        return on_event
+
+    handles: Sequence[Any] = []
+    try:
+        handles = start([collect(i) for i in range(count)])
+        finished.wait()
+    finally:
+        for handle in handles:
+            handle.cancel()  # a no-op for those that finished
+    return [_completion(events) for events in results]
 
 
 def _completion(events: list[TokenEvent]) -> Completion:

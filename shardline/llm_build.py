@@ -110,16 +110,6 @@ def _random_weights(torch: Any, config: dict[str, Any], seed: int) -> dict[str, 
     return weights
 
 
-def _environment() -> dict[str, str]:
-    env = current_environment()
-    for package in _RECORDED:
-        try:
-            env[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            continue
-    return env
-
-
 def package_tiny_llm(
     out_dir: str | Path, *, name: str = "tiny-llm", layers: int = 2, hidden: int = 64, heads: int = 4,
     kv_heads: int = 2, intermediate: int = 128, max_positions: int = 512, seed: int = 0, runtime: str = "llm",
@@ -190,7 +180,7 @@ def package_tiny_llm(
                 "max_context": min(MAX_CONTEXT, max_positions),
             },
             hardware=HardwareHints(devices=["cpu"] if runtime == "llm" else ["cuda", "cpu"], min_memory_mb=256),
-            environment=_environment(),
+            environment=current_environment(packages=_RECORDED),
             tags={
                 "task": "text-generation",
                 "architecture": "LlamaForCausalLM",

@@ -52,10 +52,11 @@ class GoldenSet:
     max_variant_delta: float = 0.01
 
 
-def current_environment(image: str | None = None) -> dict[str, str]:
-    """Python and the versions of the packages that shape a model's outputs (and the image, if any)."""
+def current_environment(image: str | None = None, packages: Sequence[str] = ()) -> dict[str, str]:
+    """Python and the versions of the packages that shape a model's outputs, and of ``packages`` (and the
+    image, if any)."""
     env = {"python": platform.python_version()}
-    for package in _RECORDED_PACKAGES:
+    for package in (*_RECORDED_PACKAGES, *packages):
         try:
             env[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import InferenceFailed, InvalidBundle, InvalidInput, RuntimeUnavailable
+from shardline.errors import InvalidBundle, InvalidInput, RuntimeUnavailable
 from shardline.generation import (
     GENERATION_CONFIG_FILE,
     TOKENIZER_FILE,
@@ -49,6 +49,7 @@ from shardline.generation import (
     EngineConfig,
     SamplingParams,
     TokenEvent,
+    run_together,
 )
 from shardline.runtimes.llm import LlmModel
 
@@ -234,37 +235,8 @@ class RemoteEngine:
         for prompt in prompts:
             if not prompt or len(prompt) > self.max_prompt_tokens:
                 raise InvalidInput(f"a prompt is {len(prompt)} tokens; this model takes 1 to {self.max_prompt_tokens}")
-        results: list[list[TokenEvent]] = [[] for _ in prompts]
-        left = [len(prompts)]
-        finished = threading.Event()
-        guard = threading.Lock()
-        if not prompts:
-            return []
-
-        def collect(index: int) -> Callable[[TokenEvent], None]:
-            def on_event(event: TokenEvent) -> None:
-                results[index].append(event)
-                if event.finish_reason is not None:
-                    with guard:
-                        left[0] -= 1
-                        if left[0] == 0:
-                            finished.set()
-            return on_event
-
-        handles = [self.submit(prompt, params, collect(i)) for i, prompt in enumerate(prompts)]
-        try:
-            finished.wait()
-        finally:
-            for handle in handles:
-                handle.cancel()
-        completions = []
-        for events in results:
-            last = events[-1]
-            if last.finish_reason == "error":
-                raise InferenceFailed(f"vLLM failed while generating: {last.error}")
-            completions.append(Completion("".join(e.text for e in events), tuple(t for e in events for t in e.token_ids),
-                                          last.finish_reason or "stop", last.prompt_tokens, last.completion_tokens))
-        return completions
+        return run_together(len(prompts), lambda callbacks: [self.submit(p, params, on_event)
+                                                             for p, on_event in zip(prompts, callbacks)])
 
 
 def _free_port() -> int:

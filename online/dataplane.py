@@ -517,7 +517,17 @@ class DataPlane:
                        max(0.0, now - s.last_used))
             for s in self._served.values()
         ]
-        return Snapshot(models, {name: gate.in_flight for name, gate in self._gates.items()})
+        return Snapshot(models, {name: gate.in_flight for name, gate in self._gates.items()}, self._engine_stats())
+
+    def _engine_stats(self) -> dict[tuple[str, str], dict[str, int]]:
+        """(model, version) -> its generation engine's stats (waiting, slots busy, decode steps), for loaded LLMs."""
+        stats = {}
+        for served in self._served.values():
+            runtime = self.cache.held(served.content_digest, self.runtime)
+            engine = getattr(runtime, "engine", None) if runtime is not None and hasattr(type(runtime), "engine") else None
+            if engine is not None:
+                stats[(served.name, str(served.version))] = engine.stats()
+        return stats
 
 
 def _version_label(resolved: ResolvedModel) -> str:

@@ -117,6 +117,7 @@ class Snapshot:
 
     models: list[ModelState]
     tenants_in_flight: dict[str, int] = field(default_factory=dict)
+    engines: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)  # LLM engines' stats by (model, version)
 
 
 class _Gauges(Collector):
@@ -144,7 +145,24 @@ class _Gauges(Collector):
         tenants = GaugeMetricFamily("shardline_tenant_in_flight", "Requests in flight per tenant.", labels=["tenant"])
         for tenant, count in snapshot.tenants_in_flight.items():
             tenants.add_metric([tenant], count)
-        yield from (queued, in_flight, loaded, idle, total, tenants)
+        yield from (queued, in_flight, loaded, idle, total, tenants, *_engine_families(snapshot))
+
+
+_ENGINE_SERIES = (  # (stat, name, help) of an LLM engine's gauges
+    ("waiting", "shardline_llm_queued", "Generations waiting for a slot of the model's engine."),
+    ("slots_busy", "shardline_llm_slots_busy", "Sequences the model's engine is generating now."),
+    ("decode_steps", "shardline_llm_decode_steps", "Decode steps the model's engine has run since it loaded (one "
+     "forward pass for every sequence running)."),
+)
+
+
+def _engine_families(snapshot: Snapshot) -> Iterator[Metric]:
+    for stat, name, text in _ENGINE_SERIES:
+        family = GaugeMetricFamily(name, text, labels=["model", "version"])
+        for (model, version), stats in snapshot.engines.items():
+            if stat in stats:
+                family.add_metric([model, version], stats[stat])
+        yield family
 
 
 def multiprocess_dir() -> str | None:

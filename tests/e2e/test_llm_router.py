@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,3 +145,35 @@ def test_a_client_gone_mid_stream_stops_the_generation_on_its_replica(routed: Ro
     while _streams(routed) != 0:
         assert time.monotonic() < deadline, "the replica still generates for a client that is gone"
         time.sleep(0.05)
+
+
+def _decode_steps(routed: Routed) -> float:
+    return sum(_metric(httpx.get(m, timeout=10).text, "shardline_llm_decode_steps", model="tiny")
+               for m in routed.replica_metrics.values())
+
+
+def test_eight_streams_through_the_router_share_their_forward_passes(routed: Routed) -> None:
+    import concurrent.futures
+
+    before = _decode_steps(routed)
+    headers = {"Authorization": f"Bearer {KEY}", "X-Shardline-Route-Key": "one-replica"}
+
+    together = threading.Barrier(8)
+
+    def stream(i: int) -> list[str]:
+        together.wait()
+        with httpx.stream("POST", f"{routed.url}/v1/completions", headers=headers, timeout=120,
+                          json={"model": "tiny", "prompt": f"Story {i} starts", "max_tokens": 32, "temperature": 0,
+                                "stream": True}) as answer:
+            return [line for line in answer.iter_lines() if line.startswith("data: ")]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        streams = list(pool.map(stream, range(8)))
+
+    for events in streams:
+        assert events[-1] == "data: [DONE]"
+        finishes = [e for e in events[:-1] if '"finish_reason":"' in e]
+        assert len(finishes) == 1 and '"finish_reason":"length"' in finishes[0]
+    steps = _decode_steps(routed) - before
+    # one after another they take 8 x 31 = 248 steps; together, 31 plus however far apart they arrived
+    assert steps < 3 * 32, f"8 streams of 32 tokens took {steps} decode steps: they were not batched"

@@ -1,5 +1,5 @@
 """`shardline model ...`: package, import (from MLflow), push, list, show, search, alias, promote, rollback,
-history, optimize and profile.
+history, optimize, profile and watch-mlflow (one run of the mlflow-watch flow).
 """
 
 from __future__ import annotations
@@ -548,3 +548,55 @@ def model_import(
         typer.echo(f"pushed {pushed.reference} (digest {pushed.outputs_digest[:12]})")
         if new:
             announce(pushed, f"model import {imported.source}")
+
+
+@model_app.command("watch-mlflow")
+def model_watch_mlflow(
+    models: list[str] = typer.Argument(..., help="MLflow registered models: NAME (every version) or NAME@ALIAS (the "
+                                       "version the alias points at)."),
+    tracking_uri: Optional[str] = typer.Option(None, help="MLflow's tracking URI (sqlite:///mlflow.db, "
+                                               "http://host:5000, ...); default: MLflow's own (MLFLOW_TRACKING_URI, "
+                                               "else its default store here)."),
+    name: Optional[list[str]] = typer.Option(None, help="MLFLOW_NAME=SHARDLINE_NAME: the Shardline name of a watched "
+                                             "model (default: the MLflow name, lower-cased, other characters '-'); "
+                                             "repeat."),
+) -> None:
+    """One run of the mlflow-watch flow: import each MLflow version not seen before, push it and announce it as
+    shardline.model.pushed (prefect.yaml's promote-on-push promotes it to staging). What it has seen is kept under
+    <home>/mlflow-watch/; a refused version (a pickle, a flavor that does not map) is recorded, not retried. Exit 1
+    when a model or version could not be done (the next run retries it), 2 for a wrong request."""
+    import os
+
+    from shardline._cli_common import exit_code, one_line_user_errors
+    from shardline._prefect_cli import use_prefect_api
+    from shardline.mlflow_import import mlflow_tracking_uri
+    from shardline.mlflow_watch import watch_targets
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one error line, no progress bars
+    try:
+        name_map = {}
+        for pair in name or []:
+            mlflow_name, equals, target = pair.rpartition("=")
+            if not equals or not mlflow_name or not target:
+                raise ShardlineError(f"--name {pair!r} is not MLFLOW_NAME=SHARDLINE_NAME, e.g. --name "
+                                     "'Churn Model=churn'")
+            name_map[mlflow_name] = target
+        watch_targets(models, name_map)  # a wrong request is one line here, before any flow starts
+        tracking = mlflow_tracking_uri(tracking_uri)
+        use_prefect_api()
+    except ShardlineError as e:
+        raise fail(e) from e
+    from shardline.flows.mlflow_watch import mlflow_watch
+
+    with one_line_user_errors():
+        state = mlflow_watch(models=models, tracking_uri=tracking, name_map=name_map or None, return_state=True)
+    result = state.result(raise_on_failure=False)
+    if isinstance(result, BaseException):
+        raise fail(result, exit_code(result))
+    for outcome in result["outcomes"]:
+        typer.echo(f"  {outcome['line']}")
+    typer.echo(result["headline"])
+    failed = [o for o in result["outcomes"] if o["action"] == "failed"]
+    if failed:
+        raise fail(f"{len(failed)} not done: {failed[0]['line']}",
+                   EXIT_USAGE if all(o["user_error"] for o in failed) else EXIT_FAILED)

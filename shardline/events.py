@@ -10,7 +10,8 @@ requests for it, a CLI command would wait) and it is not needed to write one JSO
 ``PREFECT_API_KEY``, when set, is sent as the bearer token (Prefect Cloud).
 
 Who posts: the router (``shardline.rollout.*``, ``online/router/events.py``) and the registry's
-commands (``shardline.model.pushed`` from ``shardline model push`` and ``model import``).
+commands (``shardline.model.pushed`` from ``shardline model push`` and ``model import``, and from the
+``mlflow-watch`` flow for each version it imports).
 """
 
 from __future__ import annotations
@@ -83,12 +84,17 @@ def model_resource(name: str, alias: str | None = None) -> dict[str, str]:
     return resource
 
 
-def announce_push(home: str, name: str, version: int, digest: str, source: str) -> str | None:
+def announce_push(home: str, name: str, version: int, digest: str, source: str,
+                  api_url: str | None = None) -> str | None:
     """Emit ``shardline.model.pushed`` for a new version (prefect.yaml's ``promote-on-push`` answers it).
+
+    Args:
+        api_url: the Prefect API to post to (a flow passes the one it runs against); default: found as
+            ``prefect_api_url(home)`` finds it.
 
     Returns the API it went to, or None when no Prefect API is known (then nothing is sent) or it refused.
     """
-    api = prefect_api_url(home)
+    api = api_url or prefect_api_url(home)
     if api is None:
         return None
     payload = {"name": name, "version": version, "reference": f"{name}:{version}", "digest": digest, "source": source}

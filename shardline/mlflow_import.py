@@ -20,6 +20,9 @@ Lineage: ``parent`` is the pinned model URI (``models:/NAME/VERSION`` for an ali
 manifest's tags carry ``mlflow.source`` (the URI as given), ``mlflow.model_version``,
 ``mlflow.run_id``, ``mlflow.experiment_id``, ``mlflow.model_id`` and ``mlflow.flavor``.
 
+``list_registered_versions`` lists a registered model's versions and aliases with the same client: what the
+``mlflow-watch`` flow compares with what it has seen (``shardline.mlflow_watch``).
+
 MLflow (``mlflow-skinny``) and skops are imported inside the functions: ``pip install
 'shardline[mlflow]'``. MLflow sends usage telemetry unless ``MLFLOW_DISABLE_TELEMETRY=true`` is set
 before it is imported (it takes ``DO_NOT_TRACK`` only as ``true``, not ``1``); the ``shardline``
@@ -190,6 +193,55 @@ def import_mlflow_model(uri: str, out_dir: str | Path | None = None, *, name: st
     return ImportedModel(manifest, out, flavor, found.pinned, request.sample_is_example)
 
 
+@dataclass(frozen=True)
+class RegisteredVersions:
+    """A registered model's versions (number, MLflow status such as ``READY``) and aliases, as MLflow lists them."""
+
+    name: str
+    versions: tuple[tuple[str, str], ...]
+    aliases: dict[str, str]
+
+
+def mlflow_tracking_uri(tracking_uri: str | None = None) -> str:
+    """The tracking URI MLflow's client will use: ``tracking_uri``, else MLflow's own (``MLFLOW_TRACKING_URI``
+    or its default).
+
+    Raises:
+        InvalidSetting: it names a local store that is not there.
+        RuntimeUnavailable: mlflow is not installed.
+    """
+    tracking = tracking_uri or str(_mlflow().get_tracking_uri())
+    _check_local_store(tracking)
+    return tracking
+
+
+def list_registered_versions(name: str, tracking_uri: str) -> RegisteredVersions:
+    """Every version of the registered model ``name`` and its aliases, listed by MLflow's client.
+
+    Raises:
+        ModelNotFound: MLflow has no registered model of that name.
+        InvalidSetting: the store cannot be read.
+        RuntimeUnavailable: mlflow is not installed.
+    """
+    mlflow = _mlflow()
+    uri = MlflowModelUri(f"models:/{name}", name=name)
+    client = _mlflow_call(lambda: mlflow.MlflowClient(tracking_uri=tracking_uri), uri, tracking_uri, "open its store for")
+    model = _mlflow_call(lambda: client.get_registered_model(name), uri, tracking_uri, "read the registered model")
+    quote = "'" if "'" not in name else '"'
+    query = f"name = {quote}{name}{quote}" if quote not in name else None  # a name holding both quotes: filter here
+    found: list[tuple[str, str]] = []
+    token = None
+    while True:
+        page = _mlflow_call(lambda: client.search_model_versions(filter_string=query, page_token=token), uri,
+                            tracking_uri, "list the versions of")
+        found += [(str(v.version), str(v.status)) for v in page if v.name == name]
+        token = getattr(page, "token", None)
+        if not token:
+            break
+    aliases = {str(alias): str(version) for alias, version in (model.aliases or {}).items()}
+    return RegisteredVersions(name, tuple(found), aliases)
+
+
 def _mlflow() -> Any:
     try:
         import mlflow
@@ -199,7 +251,7 @@ def _mlflow() -> Any:
     return mlflow
 
 
-def _shown(uri: str) -> str:
+def shown_uri(uri: str) -> str:
     """A URI as an error may print it: without a password."""
     return re.sub(r"//[^/@]*@", "//", uri)
 
@@ -231,9 +283,9 @@ def _mlflow_call(call: Callable[[], Any], uri: MlflowModelUri, tracking: str, do
     except MlflowException as e:
         first = (str(e.message if hasattr(e, "message") else e).strip().splitlines() or [type(e).__name__])[0]
         if getattr(e, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND") or " not found" in first:
-            raise ModelNotFound(f"MLflow at {_shown(tracking)} has no {uri.given} ({first}); check the name, version, "
+            raise ModelNotFound(f"MLflow at {shown_uri(tracking)} has no {uri.given} ({first}); check the name, version, "
                                 "alias or run, and --tracking-uri", uri.given) from e
-        raise InvalidSetting(f"MLflow at {_shown(tracking)} could not {doing} {uri.given} ({first}); check "
+        raise InvalidSetting(f"MLflow at {shown_uri(tracking)} could not {doing} {uri.given} ({first}); check "
                              "--tracking-uri (or MLFLOW_TRACKING_URI) and the URI") from e
 
 

@@ -87,6 +87,25 @@ def log_models(folder: Path, kinds: tuple[str, ...] = KINDS) -> LoggedModels:
     return logged
 
 
+def log_xgboost_version(logged: LoggedModels, n_estimators: int = 20) -> str:
+    """Log another XGBoost model (fitted with ``n_estimators`` trees: other bytes) as the next version of
+    ``REGISTERED["xgboost"]``; returns that version's number."""
+    import mlflow
+    import xgboost
+    from mlflow.models import infer_signature
+
+    features, labels, _, _ = training_rows()
+    with _tracking(logged.tracking_uri), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with mlflow.start_run(experiment_id=logged.experiment_id):
+            model = xgboost.XGBClassifier(n_estimators=n_estimators, max_depth=3, n_jobs=1).fit(frame(), labels)
+            example = frame(5)
+            info = mlflow.xgboost.log_model(
+                model, name="model", registered_model_name=REGISTERED["xgboost"], pip_requirements=[],
+                input_example=example, signature=infer_signature(example, model.predict(features[:5])))
+    return str(info.registered_model_version)
+
+
 def frame(rows: int | None = None) -> Any:
     """The training rows as a pandas DataFrame (float32 features named as scikit-learn names them)."""
     features, _, names, _ = training_rows()

@@ -21,8 +21,8 @@ from shardline.tasks.mlflow_watch import (
 
 
 @flow(name="mlflow-watch", log_prints=True, validate_parameters=True)
-def mlflow_watch(models: list[str], tracking_uri: str | None = None,
-                 name_map: dict[str, str] | None = None) -> State[Any]:
+def mlflow_watch(models: list[str], tracking_uri: str | None = None, name_map: dict[str, str] | None = None,
+                 samples: dict[str, str] | None = None, exclude: list[str] | None = None) -> State[Any]:
     """Import the MLflow registered versions not seen before, push each to the registry and announce it as
     ``shardline.model.pushed`` (prefect.yaml's ``promote-on-push`` promotes it to staging through the gates).
 
@@ -31,6 +31,11 @@ def mlflow_watch(models: list[str], tracking_uri: str | None = None,
             alias points at; an alias moved to a version imported before imports nothing).
         tracking_uri: MLflow's tracking URI (default: MLflow's own, ``MLFLOW_TRACKING_URI`` or its default).
         name_map: MLflow name -> Shardline model name (default: the MLflow name, lower-cased, other characters '-').
+        samples: MLflow name -> a Parquet file (any URL) of rows the model reads, e.g. its training data: each
+            imported version is checked on them and gets their profile as its reference profile, which the
+            promotion gates ask for (without one, a version imported from its logged input example alone is
+            refused by the gate reference-profile).
+        exclude: sample columns that are not features (a label, an id).
 
     Returns:
         Completed, its data the summary (imported, refused, unchanged, and each line), also published as the
@@ -40,13 +45,14 @@ def mlflow_watch(models: list[str], tracking_uri: str | None = None,
     """
     storage = StorageSettings()
     api_url = get_current_settings().api.url  # the API this run reports to: where the automations live
-    targets = watch_targets(models, name_map)
+    targets = watch_targets(models, name_map, samples)
     tracking = open_tracking_task(tracking_uri)
     outcomes: list[WatchOutcome] = []
     for target in targets:
         plan, lines = plan_model_task(target, tracking, storage)
         if plan is not None:
-            outcomes += [import_version_task(target, version, tracking, storage, api_url) for version in plan.to_import]
+            outcomes += [import_version_task(target, version, tracking, storage, api_url, exclude or [])
+                         for version in plan.to_import]
             if plan.alias_moves:
                 record_aliases_task(plan, tracking, storage)
         outcomes += lines

@@ -560,6 +560,11 @@ def model_watch_mlflow(
     name: Optional[list[str]] = typer.Option(None, help="MLFLOW_NAME=SHARDLINE_NAME: the Shardline name of a watched "
                                              "model (default: the MLflow name, lower-cased, other characters '-'); "
                                              "repeat."),
+    sample: Optional[list[str]] = typer.Option(None, help="MLFLOW_NAME=ROWS.parquet: rows a watched model reads (e.g. "
+                                               "its training data, any URL): its versions are checked on them and get "
+                                               "their profile as reference profile, which promotion's gates ask for; "
+                                               "repeat."),
+    exclude: Optional[list[str]] = typer.Option(None, help="A sample column that is not a feature (label, id); repeat."),
 ) -> None:
     """One run of the mlflow-watch flow: import each MLflow version not seen before, push it and announce it as
     shardline.model.pushed (prefect.yaml's promote-on-push promotes it to staging). What it has seen is kept under
@@ -574,14 +579,9 @@ def model_watch_mlflow(
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one error line, no progress bars
     try:
-        name_map = {}
-        for pair in name or []:
-            mlflow_name, equals, target = pair.rpartition("=")
-            if not equals or not mlflow_name or not target:
-                raise ShardlineError(f"--name {pair!r} is not MLFLOW_NAME=SHARDLINE_NAME, e.g. --name "
-                                     "'Churn Model=churn'")
-            name_map[mlflow_name] = target
-        watch_targets(models, name_map)  # a wrong request is one line here, before any flow starts
+        name_map = _pairs("--name", name, "MLFLOW_NAME=SHARDLINE_NAME, e.g. --name 'Churn Model=churn'")
+        samples = _pairs("--sample", sample, "MLFLOW_NAME=ROWS.parquet, e.g. --sample 'Churn Model=train.parquet'")
+        watch_targets(models, name_map, samples)  # a wrong request is one line here, before any flow starts
         tracking = mlflow_tracking_uri(tracking_uri)
         use_prefect_api()
     except ShardlineError as e:
@@ -589,7 +589,8 @@ def model_watch_mlflow(
     from shardline.flows.mlflow_watch import mlflow_watch
 
     with one_line_user_errors():
-        state = mlflow_watch(models=models, tracking_uri=tracking, name_map=name_map or None, return_state=True)
+        state = mlflow_watch(models=models, tracking_uri=tracking, name_map=name_map or None, samples=samples or None,
+                             exclude=exclude or None, return_state=True)
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
         raise fail(result, exit_code(result))
@@ -600,3 +601,14 @@ def model_watch_mlflow(
     if failed:
         raise fail(f"{len(failed)} not done: {failed[0]['line']}",
                    EXIT_USAGE if all(o["user_error"] for o in failed) else EXIT_FAILED)
+
+
+def _pairs(option: str, given: list[str] | None, form: str) -> dict[str, str]:
+    """``KEY=VALUE`` options as a dict (the key may hold '=' up to the last one)."""
+    pairs = {}
+    for pair in given or []:
+        key, equals, value = pair.rpartition("=")
+        if not equals or not key or not value:
+            raise ShardlineError(f"{option} {pair!r} is not {form}")
+        pairs[key] = value
+    return pairs

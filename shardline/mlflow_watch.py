@@ -38,6 +38,7 @@ class WatchTarget:
     mlflow_name: str
     alias: str | None
     shardline_name: str
+    sample: str | None = None  # Parquet rows its versions are checked on and profiled from (a URL)
 
     @property
     def label(self) -> str:
@@ -49,15 +50,18 @@ class WatchTarget:
         return f"models:/{self.mlflow_name}/{version}"
 
 
-def watch_targets(models: Sequence[str], name_map: Mapping[str, str] | None = None) -> list[WatchTarget]:
-    """The watch's targets from its ``models`` (``NAME`` or ``NAME@ALIAS``; the alias follows the last '@') and
-    ``name_map`` (MLflow name -> Shardline name; default ``shardline_name``), in order, duplicates dropped.
+def watch_targets(models: Sequence[str], name_map: Mapping[str, str] | None = None,
+                  samples: Mapping[str, str] | None = None) -> list[WatchTarget]:
+    """The watch's targets from its ``models`` (``NAME`` or ``NAME@ALIAS``; the alias follows the last '@'),
+    ``name_map`` (MLflow name -> Shardline name; default ``shardline_name``) and ``samples`` (MLflow name ->
+    Parquet rows of that model's inputs, e.g. its training data), in order, duplicates dropped.
 
     Raises:
         InvalidSetting: no model, an empty name or alias, an alias MLflow would not allow, a Shardline name that
-            is not valid, or a ``name_map`` entry for a model the watch does not list.
+            is not valid, or a ``name_map`` or ``samples`` entry for a model the watch does not list.
     """
     mapping = dict(name_map or {})
+    rows = dict(samples or {})
     targets: list[WatchTarget] = []
     for given in models:
         text = given.strip()
@@ -69,15 +73,16 @@ def watch_targets(models: Sequence[str], name_map: Mapping[str, str] | None = No
             raise InvalidSetting(f"the alias {alias!r} of {given!r} is not an MLflow alias (letters, digits, '_' and "
                                  "'-'); give NAME@ALIAS, e.g. churn@champion")
         target_name = mapping[name] if name in mapping else shardline_name(name)
-        target = WatchTarget(name, alias or None, check_model_name(target_name))
+        target = WatchTarget(name, alias or None, check_model_name(target_name), rows.get(name))
         if target not in targets:
             targets.append(target)
     if not targets:
         raise InvalidSetting("the watch lists no model; give MLflow registered model names (NAME or NAME@ALIAS)")
-    unknown = sorted(set(mapping) - {t.mlflow_name for t in targets})
-    if unknown:
-        raise InvalidSetting(f"name_map names {', '.join(map(repr, unknown))}, which the watch does not list; add "
-                             "them to models or remove them from name_map")
+    for field, given_map in (("name_map", mapping), ("samples", rows)):
+        unknown = sorted(set(given_map) - {t.mlflow_name for t in targets})
+        if unknown:
+            raise InvalidSetting(f"{field} names {', '.join(map(repr, unknown))}, which the watch does not list; add "
+                                 f"them to models or remove them from {field}")
     return targets
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from shardline.errors import InvalidInput, ModelNotFound, RuntimeUnavailable, ShardlineError
+from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound, RuntimeUnavailable, ShardlineError
 from shardline.events import MODEL_PUSHED, announce_push
 from shardline.mlflow_import import list_registered_versions, mlflow_tracking_uri, shown_uri
 from shardline.mlflow_watch import (
@@ -67,18 +68,23 @@ def plan_model_task(target: WatchTarget, tracking_uri: str, storage: StorageSett
 
 @task(name="import-mlflow-version", cache_policy=NO_CACHE)
 def import_version_task(target: WatchTarget, version: str, tracking_uri: str, storage: StorageSettings,
-                        api_url: str | None) -> WatchOutcome:
-    """Import ``models:/NAME/VERSION``, push it to the registry and announce it when it is a new version there;
-    record it as seen. A refused import (a pickle, a flavor that does not map, no rows to check it on) is recorded
-    with its reason and not retried; any other error is reported and left for the next run."""
+                        api_url: str | None, exclude: list[str] | None = None) -> WatchOutcome:
+    """Import ``models:/NAME/VERSION`` (checked on the target's sample rows, whose profile becomes its reference
+    profile, when it has them), push it to the registry and announce it when it is a new version there; record
+    it as seen. A refused import (a pickle, a flavor that does not map, no rows to check it on) is recorded with
+    its reason and not retried; any other error is reported and left for the next run."""
     from shardline.mlflow_import import import_mlflow_model
+    from shardline.quality.profile import attach_reference_profile
 
     uri, logger = target.uri(version), run_logger()
     states = WatchStates(storage.home, storage.storage_options)
     with tempfile.TemporaryDirectory(prefix="shardline-mlflow-watch-") as scratch:
         try:
+            sample = read_sample(target.sample, storage) if target.sample else None
             imported = import_mlflow_model(uri, Path(scratch) / "bundle", name=target.shardline_name,
-                                           tracking_uri=tracking_uri)
+                                           tracking_uri=tracking_uri, sample=sample, exclude=exclude or [])
+            if sample is not None:  # its profile: the baseline drift checks and the promotion gate need
+                attach_reference_profile(imported.folder, sample)
             registry = ModelRegistry(storage.registry, storage.storage_options)
             known = {m.content_digest for m in registry.list_versions(imported.manifest.name)}
             pushed = registry.push(imported.folder)
@@ -106,6 +112,20 @@ def import_version_task(target: WatchTarget, version: str, tracking_uri: str, st
         detail += "; no reference profile, so promotion's gate reference-profile refuses it"
     logger.info("%s imported as %s (%s)", uri, pushed.reference, detail)
     return WatchOutcome(target.label, "imported", version, reference=pushed.reference, detail=detail)
+
+
+def read_sample(url: str, storage: StorageSettings) -> Any:
+    """A target's sample rows: a Parquet file at any URL (InvalidSetting when it cannot be read)."""
+    import pyarrow.parquet as pq
+
+    from shardline.storage.fs import open_fs
+
+    fs, path = open_fs(url, storage.storage_options)
+    try:
+        return pq.read_table(path, filesystem=fs)
+    except (OSError, ValueError) as e:
+        raise InvalidSetting(f"the sample rows {url!r} cannot be read as Parquet ({e}); give a Parquet file of the "
+                             "model's inputs in samples") from e
 
 
 @task(name="record-mlflow-aliases", cache_policy=NO_CACHE)

@@ -156,3 +156,32 @@ def test_watch_mlflow_runs_the_flow_once_from_the_cli_and_refuses_a_wrong_reques
         refused = run(app, ["model", "watch-mlflow", *args])
         assert refused.exit_code == 2 and says in refused.stderr, refused.output
         assert len(refused.stderr.strip().splitlines()) == 1  # one line, no traceback
+
+
+def test_a_new_mlflow_version_starts_the_promotion_flow_through_the_promote_on_push_automation(
+        shardline_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow.parquet as pq
+
+    from tests.integration.automations import deploy_with_triggers, run_flow_run_here, wait_for_flow_run
+    from tests.mlflow_models import feature_table
+
+    deployment = deploy_with_triggers(_api_url(), ["promote"])["promote"]
+    monkeypatch.setenv("PREFECT_API_URL", _api_url())
+    logged = log_models(tmp_path / "mlflow", ("xgboost",))
+    pq.write_table(feature_table(), tmp_path / "train.parquet")
+
+    state = mlflow_watch(models=[XGB], tracking_uri=logged.tracking_uri, samples={XGB: str(tmp_path / "train.parquet")},
+                         return_state=True)
+
+    assert state.is_completed(), state.message
+    [v1] = ModelRegistry(str(shardline_home / "registry")).list_versions(XGB_SHARDLINE)
+    assert v1.reference_profile is not None  # from the sample rows: the promotion gate's reference-profile passes
+    run = wait_for_flow_run(_api_url(), deployment["id"], timeout=30)
+    assert run["parameters"]["reference"] == f"{XGB_SHARDLINE}:1" and run["parameters"]["to_alias"] == "staging"
+    assert f"mlflow-watch models:/{XGB}/1" in run["parameters"]["reason"]
+    promoted = run_flow_run_here(run["id"])
+    # the gates decide: the sample's profile passes reference-profile; an MLflow model carries no golden set, so
+    # the evaluation gate refuses it (and says how to add one), and staging does not move
+    assert promoted.is_failed() and "gate evaluation refused" in str(promoted.message)
+    assert "declares no golden data set" in str(promoted.message)
+    assert "staging" not in ModelRegistry(str(shardline_home / "registry")).aliases(XGB_SHARDLINE)

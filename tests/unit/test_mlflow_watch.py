@@ -224,3 +224,11 @@ def test_the_mlflow_watch_deployment_runs_every_10_minutes_ships_inactive_and_fi
     parameters = deployment["parameters"]
     assert set(parameters) <= set(inspect.signature(flow.fn).parameters)
     assert flow.validate_parameters(parameters)["models"] == parameters["models"]
+
+
+def test_sample_rows_follow_their_model_and_one_for_a_model_not_watched_is_refused() -> None:
+    targets = watch_targets(["churn", "fraud"], samples={"churn": "s3://lake/churn/train.parquet"})
+
+    assert [t.sample for t in targets] == ["s3://lake/churn/train.parquet", None]
+    with pytest.raises(InvalidSetting, match="samples names 'chrun', which the watch does not list"):
+        watch_targets(["churn"], samples={"chrun": "train.parquet"})

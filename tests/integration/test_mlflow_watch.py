@@ -176,8 +176,10 @@ def test_a_new_mlflow_version_starts_the_promotion_flow_through_the_promote_on_p
     assert state.is_completed(), state.message
     [v1] = ModelRegistry(str(shardline_home / "registry")).list_versions(XGB_SHARDLINE)
     assert v1.reference_profile is not None  # from the sample rows: the promotion gate's reference-profile passes
-    run = wait_for_flow_run(_api_url(), deployment["id"], timeout=30)
-    assert run["parameters"]["reference"] == f"{XGB_SHARDLINE}:1" and run["parameters"]["to_alias"] == "staging"
+    # (the session's harness may hold runs of this deployment that other tests' pushes started)
+    run = wait_for_flow_run(_api_url(), deployment["id"], timeout=30,
+                            where=lambda r: r["parameters"].get("reference") == f"{XGB_SHARDLINE}:1")
+    assert run["parameters"]["to_alias"] == "staging"
     assert f"mlflow-watch models:/{XGB}/1" in run["parameters"]["reason"]
     promoted = run_flow_run_here(run["id"])
     # the gates decide: the sample's profile passes reference-profile; an MLflow model carries no golden set, so

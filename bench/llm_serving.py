@@ -16,6 +16,8 @@ Each stream is a chat completion with `stream: true` and `stream_options.include
 `max_tokens` 64 (the tiny model rarely stops earlier), its own prompt; at concurrency C, C clients
 each send requests back to back until 2 x C requests (at least 16) are answered. TTFT is from sending
 the request to the first chunk with content; inter-token latency is the gap between content chunks.
+The other layout clients send, a text completion answered whole (no stream), is measured at 8
+clients too: its latency and tokens/s.
 Printed: p50/p99 of both, aggregate tokens/s, and the target: the router adds at most 2 ms to TTFT at
 p50 (its p50 less direct's), per concurrency.
 
@@ -98,17 +100,28 @@ async def one_stream(client: httpx.AsyncClient, url: str, i: int) -> dict[str, A
     return {"ttft": (first or time.perf_counter()) - sent, "gaps": gaps, "tokens": tokens}
 
 
-async def measure(url: str, concurrency: int) -> dict[str, Any]:
+async def one_whole(client: httpx.AsyncClient, url: str, i: int) -> dict[str, Any]:
+    """The other layout a client sends: a text completion answered whole (no stream); its latency stands as TTFT."""
+    body = {"model": "tiny", "prompt": f"Story number {i} about a river and a bridge:", "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    sent = time.perf_counter()
+    answer = await client.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    if answer.status_code != 200:
+        raise SystemExit(f"{url} answered {answer.status_code}: {answer.text[:300]}")
+    return {"ttft": time.perf_counter() - sent, "gaps": [], "tokens": answer.json()["usage"]["completion_tokens"]}
+
+
+async def measure(url: str, concurrency: int, call: Any = one_stream) -> dict[str, Any]:
     total = max(16, 2 * concurrency)
     results: list[dict[str, Any]] = []
     counter = iter(range(total))
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        await one_stream(client, url, 10_000)  # warm: the model loads on first use
+        await call(client, url, 10_000)  # warm: the model loads on first use
 
         async def worker() -> None:
             for i in counter:
-                results.append(await one_stream(client, url, i))
+                results.append(await call(client, url, i))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -171,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.2f}); tiny Llama (2 layers, random weights), "
           f"greedy, {MAX_TOKENS} tokens a request, streams of chat completions; servers on their defaults", flush=True)
     table: dict[str, dict[int, dict[str, Any]]] = {"direct": {}, "router": {}}
+    whole: dict[str, dict[str, Any]] = {}
     try:
         for name, server in (("direct", direct), ("router", router)):
             server.start("")
@@ -180,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name:<7} {concurrency:>3} streams: TTFT p50 {row['ttft_p50']:7.1f} ms p99 "
                       f"{row['ttft_p99']:7.1f} ms | ITL p50 {row['itl_p50']:6.2f} ms p99 {row['itl_p99']:6.2f} ms | "
                       f"{row['tokens_per_s']:7.0f} tokens/s", flush=True)
+            whole[name] = asyncio.run(measure(f"http://127.0.0.1:{server.port}", 8, one_whole))
+            print(f"  {name:<7}   8 clients, completions answered whole: latency p50 {whole[name]['ttft_p50']:7.1f} ms "
+                  f"p99 {whole[name]['ttft_p99']:7.1f} ms | {whole[name]['tokens_per_s']:7.0f} tokens/s", flush=True)
             server.stop()
     finally:
         for server in (direct, router):
@@ -197,9 +214,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{TTFT_ADDED_TARGET_MS:g} ms: {'met' if ok else 'MISSED'}); tokens/s router/direct "
               f"{r['tokens_per_s'] / d['tokens_per_s']:.2f}x; direct/hf-generate "
               f"{d['tokens_per_s'] / peer['tokens_per_s']:.2f}x")
+    print(f"  completions answered whole, 8 clients: the router adds "
+          f"{whole['router']['ttft_p50'] - whole['direct']['ttft_p50']:+.2f} ms to the p50 latency")
     one, eight = table["direct"][1]["tokens_per_s"], table["direct"][8]["tokens_per_s"]
     print(f"  batching: 8 streams make {eight / one:.1f}x one stream's tokens/s (direct)")
-    (DATA / "last-run.json").write_text(json.dumps({"table": table, "peer": peer}, indent=1))
+    (DATA / "last-run.json").write_text(json.dumps({"table": table, "whole": whole, "peer": peer}, indent=1))
     return 0 if met else 1
 
 

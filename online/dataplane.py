@@ -44,6 +44,7 @@ from shardline.online.admission import TenantGate, next_seconds_per_row, runs_in
 from shardline.online.batcher import Batcher
 from shardline.online.capture import OnlineCapture
 from shardline.online.errors import shown
+from shardline.generation import LLM_RUNTIMES
 from shardline.online.generation import Generations
 from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, batch_limits, missing_for_serving
@@ -523,10 +524,11 @@ class DataPlane:
         """(model, version) -> its generation engine's stats (waiting, slots busy, decode steps), for loaded LLMs."""
         stats = {}
         for served in self._served.values():
+            if served.resolved.manifest.runtime not in LLM_RUNTIMES:
+                continue
             runtime = self.cache.held(served.content_digest, self.runtime)
-            engine = getattr(runtime, "engine", None) if runtime is not None and hasattr(type(runtime), "engine") else None
-            if engine is not None:
-                stats[(served.name, str(served.version))] = engine.stats()
+            if runtime is not None:
+                stats[(served.name, str(served.version))] = runtime.engine.stats()
         return stats
 
 

@@ -215,17 +215,6 @@ def _ran_out(event: Any, tenant: Tenant) -> Any:
     """The stream's last event when the tenant's token quota ran out: its text, finish_reason length, and why."""
     from dataclasses import replace
 
-    why = (f"tenant {tenant.name!r} used its {tenant.tokens_per_minute} tokens per minute; the generation was "
-           "stopped (ask for a larger quota, or a smaller max_tokens)")
-    return _Stopped(replace(event, finish_reason="length"), why)
-
-
-@dataclass(frozen=True)
-class _Stopped:
-    """A final event with the reason the stream was stopped early (``stop_reason``)."""
-
-    event: Any
-    stop_reason: str
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.event, name)
+    return replace(event, finish_reason="length", stop_reason=(
+        f"tenant {tenant.name!r} used its {tenant.tokens_per_minute} tokens per minute; the generation was "
+        "stopped (ask for a larger quota, or a smaller max_tokens)"))

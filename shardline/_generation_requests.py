@@ -73,6 +73,7 @@ class TokenEvent:
         prompt_tokens: tokens in the prompt.
         completion_tokens: tokens generated so far.
         error: what went wrong, when ``finish_reason`` is "error".
+        stop_reason: why a stream was stopped before the model's own end (a tenant's token quota ran out).
     """
 
     text: str
@@ -81,6 +82,7 @@ class TokenEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    stop_reason: str | None = None
 
 
 @dataclass(frozen=True)

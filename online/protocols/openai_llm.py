@@ -33,7 +33,6 @@ from shardline.online.generation import Generation
 from shardline.online.protocols.forms import openai_error_body
 
 PROTOCOL = "openai"
-PROMPT_TOKENS = "x-shardline-prompt-tokens"  # on a streamed answer: the prompt's size (a router meters it)
 
 
 class _Encoder:
@@ -92,7 +91,7 @@ async def _events(encoder: _Encoder, generation: Generation, metered: bool) -> A
             if event.text or finish is None:
                 out += encoder.chunk(event.text, None)
             if finish is not None:  # (one write for the piece and its end)
-                yield out + encoder.chunk(None if encoder.chat else "", finish, getattr(event, "stop_reason", None))
+                yield out + encoder.chunk(None if encoder.chat else "", finish, event.stop_reason)
                 break
             yield out
         if encoder.include_usage:
@@ -112,7 +111,7 @@ async def _answer(encoder: _Encoder, generation: Generation) -> dict[str, Any]:
                 raise InferenceFailed(f"{generation.served.pinned} failed while generating: {event.error}; this is a "
                                       "fault of the model or the server, not of the request")
             if event.finish_reason is not None:
-                finish, why = event.finish_reason, getattr(event, "stop_reason", None)
+                finish, why = event.finish_reason, event.stop_reason
                 break
     finally:
         await generation.aclose()
@@ -125,7 +124,7 @@ class _Stream(StreamingResponse):
 
     def __init__(self, content: AsyncIterator[bytes], cleanup: Any, prompt_tokens: int) -> None:
         super().__init__(content, media_type="text/event-stream", headers={
-            "cache-control": "no-cache", "x-accel-buffering": "no", PROMPT_TOKENS: str(prompt_tokens)})
+            "cache-control": "no-cache", "x-accel-buffering": "no", openai_wire.PROMPT_TOKENS_HEADER: str(prompt_tokens)})
         self._cleanup = cleanup
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

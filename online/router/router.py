@@ -54,7 +54,7 @@ from shardline.online.router.replicas import Replica, ReplicaSet
 from shardline.online.router.rollouts import Route, RolloutBook
 from shardline.online.router.scaling import Activator
 from shardline.online.router.streams import GENERATION_PATHS, PROMPT_TOKENS_HEADER, affinity, metered
-from shardline.online.router.upstream import UpstreamFailed, UpstreamPool, header_lines
+from shardline.online.router.upstream import Relay, UpstreamFailed, UpstreamPool, header_lines
 from shardline.online.tenants import TENANT_HEADER, Tenant, TenantDirectory, not_available
 from shardline.settings import RouterSettings
 from shardline.storage.rollouts import Rollout
@@ -586,16 +586,13 @@ class Router:
                 _note(replica, before)
 
 
-async def _busy_until_done(pieces: AsyncIterator[bytes], replica: Replica) -> AsyncIterator[bytes]:
-    """A streamed answer's pieces; the replica counts one more request in flight until the stream ends."""
-    try:
-        async for piece in pieces:
-            yield piece
-    finally:
+def _busy_until_done(pieces: Relay, replica: Replica) -> Relay:
+    """A streamed answer's pieces; the replica counts one more request in flight until the stream ends or is closed."""
+
+    async def done(_: bool) -> None:
         replica.in_flight -= 1
-        close = getattr(pieces, "aclose", None)
-        if close is not None:
-            await close()
+
+    return Relay(pieces, done)
 
 
 def _usage_tokens(body: bytes) -> int:

@@ -22,10 +22,12 @@ from typing import Any, AsyncIterator, Callable
 
 import orjson
 
+from shardline import openai_wire
 from shardline.online.generation import LlmGate
+from shardline.online.router.upstream import Relay
 
 PREFIX_CHARS = 512  # how much of a prompt decides its replica: a system prompt's worth
-PROMPT_TOKENS_HEADER = b"x-shardline-prompt-tokens"
+PROMPT_TOKENS_HEADER = openai_wire.PROMPT_TOKENS_HEADER.encode()
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _TOKENS = b": tokens "
 
@@ -77,43 +79,51 @@ def stop_chunk(last: dict[str, Any] | None, chat: bool, why: str) -> bytes:
     return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
 
 
-async def metered(pieces: AsyncIterator[bytes], gate: LlmGate, prompt_tokens: int, chat: bool,
-                  done: Callable[[], None]) -> AsyncIterator[bytes]:
+def metered(pieces: AsyncIterator[bytes], gate: LlmGate, prompt_tokens: int, chat: bool,
+            done: Callable[[], None]) -> Relay:
     """Relay server-sent events, taking their tokens from the tenant's quota (see the module docstring);
-    ``done`` is called once the stream ends, however it ends (the gate's slot given back)."""
+    ``done`` is called once the stream ends, however it ends (the gate's slot given back), and ``pieces`` is
+    closed then (stopped early: the replica's connection closes and it cancels the generation)."""
+
+    async def finished(_: bool) -> None:
+        try:
+            close = getattr(pieces, "aclose", None)
+            if close is not None:
+                await close()
+        finally:
+            done()
+
+    return Relay(_metered(pieces, gate, prompt_tokens, chat), finished)
+
+
+async def _metered(pieces: AsyncIterator[bytes], gate: LlmGate, prompt_tokens: int, chat: bool) -> AsyncIterator[bytes]:
     why = (f"tenant {gate.tenant.name!r} used its {gate.tenant.tokens_per_minute} tokens per minute; the generation "
            "was stopped (ask for a larger quota, or a smaller max_tokens)")
     buffer = b""
     last = b""  # the last data block: the stop chunk takes its id and model
-    try:
-        if gate.bucket is None:  # no token quota: passed on as it comes (its comment lines are ignored by clients)
-            async for piece in pieces:
-                yield piece
-            return
-        if prompt_tokens and not gate.spend(prompt_tokens):
-            yield stop_chunk(None, chat, why) + b"data: [DONE]\n\n"
-            return
+    if gate.bucket is None:  # no token quota: passed on as it comes (its comment lines are ignored by clients)
         async for piece in pieces:
-            buffer += piece
-            out = []
-            while b"\n\n" in buffer:
-                block, buffer = buffer.split(b"\n\n", 1)
-                count = tokens_of(block)
-                if count is None:
-                    if block.startswith(b"data: {"):
-                        last = block
-                    out.append(block + b"\n\n")
-                elif not gate.spend(count):
-                    if out:
-                        yield b"".join(out)
-                    yield stop_chunk(_last_chunk(last), chat, why) + b"data: [DONE]\n\n"
-                    return
-            if out:
-                yield b"".join(out)
-        if buffer:
-            yield buffer
-    finally:
-        close = getattr(pieces, "aclose", None)
-        if close is not None:
-            await close()  # stopped early: the replica's connection closes and it cancels the generation
-        done()
+            yield piece
+        return
+    if prompt_tokens and not gate.spend(prompt_tokens):
+        yield stop_chunk(None, chat, why) + b"data: [DONE]\n\n"
+        return
+    async for piece in pieces:
+        buffer += piece
+        out = []
+        while b"\n\n" in buffer:
+            block, buffer = buffer.split(b"\n\n", 1)
+            count = tokens_of(block)
+            if count is None:
+                if block.startswith(b"data: {"):
+                    last = block
+                out.append(block + b"\n\n")
+            elif not gate.spend(count):
+                if out:
+                    yield b"".join(out)
+                yield stop_chunk(_last_chunk(last), chat, why) + b"data: [DONE]\n\n"
+                return
+        if out:
+            yield b"".join(out)
+    if buffer:
+        yield buffer

@@ -19,7 +19,7 @@ generation), keep-alive, a time-out.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Iterable, cast
+from typing import AsyncIterator, Awaitable, Callable, Iterable, cast
 
 import httptools
 
@@ -118,6 +118,59 @@ def _time_out(answer: asyncio.Future[None]) -> None:
         answer.set_exception(TimeoutError())
 
 
+class Relay:
+    """An async iterator over a streamed answer whose clean-up runs once, however it ends: read to its end
+    (``cleanup(True)``), failed, or closed by ``aclose()`` before its end (``cleanup(False)``), also when it
+    was never read at all (an async generator closed before its first step skips its ``finally``: a client
+    gone before the first byte would leave the replica generating and its slots taken). The router's stream
+    layers (the replica's connection, its in-flight count, the tenant's quotas) are each one of these."""
+
+    def __init__(self, pieces: AsyncIterator[bytes], cleanup: Callable[[bool], Awaitable[None]]) -> None:
+        self._pieces = pieces
+        self._cleanup = cleanup
+        self._done = False
+
+    def __aiter__(self) -> Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._pieces.__anext__()
+        except StopAsyncIteration:
+            await self._finish(True)
+            raise
+        except BaseException:
+            await self._finish(False)
+            raise
+
+    async def aclose(self) -> None:
+        """Stop it before its end (harmless after it)."""
+        await self._finish(False)
+
+    async def _finish(self, ended: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            close = getattr(self._pieces, "aclose", None)
+            if close is not None:
+                await close()
+        finally:
+            await self._cleanup(ended)
+
+
+async def _pieces(connection: _Connection) -> AsyncIterator[bytes]:
+    """The pieces of a streamed answer as they come (the clean-up is its ``Relay``'s)."""
+    assert connection.chunks is not None
+    while True:
+        piece = await connection.chunks.get()
+        if piece is None:
+            return
+        if isinstance(piece, Exception):
+            raise piece
+        yield piece
+
+
 class UpstreamPool:
     """Keep-alive connections to one replica (``host``:``port``)."""
 
@@ -139,7 +192,7 @@ class UpstreamPool:
         return connection.status, connection.headers, b"".join(connection.body)
 
     async def stream(self, method: str, target: str, headers: bytes, body: bytes,
-                     timeout: float) -> tuple[int, list[tuple[bytes, bytes]], AsyncIterator[bytes]]:
+                     timeout: float) -> tuple[int, list[tuple[bytes, bytes]], Relay]:
         """Like ``request``, but the answer is handed over once its head is there: (status, headers, the
         body's pieces as they come). ``timeout`` bounds the wait for the head only (a generation streams for
         as long as it runs). Closing the pieces' iterator before its end closes the connection, which
@@ -150,26 +203,15 @@ class UpstreamPool:
                 in the middle of its answer.
         """
         connection = await self._send(method, target, headers, body, timeout, True)
-        return connection.status, connection.headers, self._pieces(connection)
 
-    async def _pieces(self, connection: _Connection) -> AsyncIterator[bytes]:
-        assert connection.chunks is not None
-        ended = False
-        try:
-            while True:
-                piece = await connection.chunks.get()
-                if piece is None:
-                    ended = True
-                    return
-                if isinstance(piece, Exception):
-                    raise piece
-                yield piece
-        finally:
-            if ended:
+        async def closed(ended: bool) -> None:
+            if ended:  # the whole answer was read: the connection may serve the next request
                 connection.chunks = None
                 self._release(connection)
             elif connection.transport is not None:
                 connection.transport.close()
+
+        return connection.status, connection.headers, Relay(_pieces(connection), closed)
 
     async def _send(self, method: str, target: str, headers: bytes, body: bytes, timeout: float,
                     stream: bool) -> _Connection:

@@ -159,3 +159,30 @@ def test_a_stream_past_the_quota_is_stopped_cleanly_with_the_reason() -> None:
     assert "tenant 'acme' used its 10 tokens per minute" in final["choices"][0]["stop_reason"]
     assert blocks[3] == b"data: [DONE]" and closed == [True]
     assert orjson.loads(stop_chunk(None, False, "why")[6:])["choices"][0]["text"] == ""
+
+
+def test_a_stream_closed_before_its_first_piece_still_gives_its_slots_back_and_closes_the_replica() -> None:
+    # the client went away before the router sent a byte: an async generator closed before its first step
+    # skips its clean-up, so the layers are Relays, whose close always runs it
+    from shardline.online.router.upstream import Relay
+
+    calls: list[str] = []
+
+    async def replica_pieces() -> AsyncIterator[bytes]:
+        yield _chunk("never read")
+
+    async def replica_closed(ended: bool) -> None:
+        calls.append(f"replica connection {'released' if ended else 'closed'}")
+
+    gate = LlmGate(_tenant(tpm=600, streams=1), lambda: 0.0)
+    gate.open(0)
+    def done() -> None:
+        gate.close()
+        calls.append("quota slot back")
+
+    relay = metered(Relay(replica_pieces(), replica_closed), gate, 3, True, done)
+
+    asyncio.run(relay.aclose())
+    asyncio.run(relay.aclose())  # twice is harmless
+
+    assert calls == ["replica connection closed", "quota slot back"] and gate.streams == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from functools import partial
 from datetime import datetime, timedelta, timezone
@@ -16,7 +18,7 @@ from shardline.online.tenants import TenantDirectory, hash_api_key, load_tenants
 from shardline.settings import TenancySettings
 from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
 from shardline.storage.metering import MeteringLedger
-from shardline.tasks.fairness import check_gpu_quota, limit_names, priority_of
+from shardline.tasks.fairness import check_gpu_quota, has_cuda_provider, limit_names, priority_of
 from shardline.storage.fs import resolve_location
 from shardline.tenants import (
     BatchPolicy,
@@ -160,6 +162,24 @@ def test_gpu_quota_refuses_with_what_was_used_and_what_to_do() -> None:
     assert (e.value.used, e.value.limit) == (2.0, 2)
     check_gpu_quota(ledger, globex, "cpu", now)  # CPU jobs do not spend GPU-hours
     check_gpu_quota(ledger, globex, "gpu", now + timedelta(days=1))  # a new day
+
+
+def test_the_device_of_an_auto_job_is_found_without_importing_onnxruntime(tmp_path: Path) -> None:
+    """The process that admits jobs (the warm runner) lives long: it learns whether onnxruntime has CUDA from
+    the package's files, as onnxruntime's own provider list says, and does not carry onnxruntime for it."""
+    script = ("import sys; from shardline.settings import RuntimeSettings; from shardline.tasks.fairness import "
+              "device_kind; kind = device_kind(RuntimeSettings(device='auto')); "
+              "imported = 'onnxruntime' in sys.modules; import onnxruntime; "
+              "print(kind, imported, onnxruntime.get_available_providers())")
+    found = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split(" ", 2)
+    assert found[1] == "False"  # onnxruntime was not imported for it
+    assert found[0] == ("gpu" if "CUDAExecutionProvider" in found[2] else "cpu")  # and it agrees with onnxruntime
+    gpu_build = tmp_path / "onnxruntime"
+    (gpu_build / "capi").mkdir(parents=True)
+    (gpu_build / "capi" / "libonnxruntime_providers_shared.so").touch()
+    assert not has_cuda_provider([str(gpu_build)])
+    (gpu_build / "capi" / "libonnxruntime_providers_cuda.so").touch()  # what onnxruntime-gpu carries
+    assert has_cuda_provider([str(tmp_path / "elsewhere"), str(gpu_build)])
 
 
 def test_priority_and_limit_names() -> None:

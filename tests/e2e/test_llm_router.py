@@ -26,7 +26,6 @@ from tests.e2e.test_router import _env, _stop, _wait_ready
 from tests.e2e.test_serve import free_port
 
 KEY, SMALL = "sk-llm-router", "sk-llm-router-small"
-SYSTEM = {"role": "system", "content": "You answer questions about the attached contract, clause by clause. " * 12}
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -108,17 +107,25 @@ def test_a_stream_passes_through_the_router_as_it_comes(routed: Routed) -> None:
         client.chat.completions.create(model="tiny", messages=messages, top_p=7)
 
 
-def test_prompts_that_share_a_system_prompt_land_on_one_replica(routed: Routed) -> None:
+def test_prompts_that_share_a_system_prompt_land_on_one_replica_and_others_spread(routed: Routed) -> None:
+    """Each contract's questions go to one replica (its KV cache holds the prefix), and the contracts are spread
+    over both replicas. A router that ignored the prefix would pass the first check for all 12 contracts once in
+    about 16 million runs (3 questions each, 2 replicas); one that sent everything to one replica fails the second
+    (a correct router fails it once in about 2,000 runs: all 12 prefixes hashed to one replica)."""
     client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key=KEY, max_retries=0)
-    before = _completion_tokens(routed)
+    used: set[str] = set()
 
-    for question in ("who signs?", "when does it end?", "what does clause 4 say?", "can it be renewed?",
-                     "who pays?", "which law governs it?"):
-        client.chat.completions.create(model="tiny", messages=[SYSTEM, {"role": "user", "content": question}],
-                                       max_tokens=3, temperature=0)
+    for contract in range(12):
+        system = {"role": "system", "content": f"You answer questions about contract {contract}, clause by clause. " * 12}
+        before = _completion_tokens(routed)
+        for question in ("who signs?", "when does it end?", "who pays?"):
+            client.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": question}],
+                                           max_tokens=3, temperature=0)
+        grew = {replica for replica, tokens in _completion_tokens(routed).items() if tokens > before[replica]}
+        assert len(grew) == 1, f"contract {contract}'s questions went to {sorted(grew)}"
+        used |= grew
 
-    grew = [replica for replica, tokens in _completion_tokens(routed).items() if tokens > before[replica]]
-    assert len(grew) == 1  # every one of them on the replica whose KV cache holds the prefix
+    assert used == set(routed.replica_metrics)
 
 
 def test_the_token_quota_is_held_at_the_router_and_a_stream_past_it_ends_cleanly(routed: Routed) -> None:

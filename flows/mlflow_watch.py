@@ -9,7 +9,7 @@ from prefect.settings import get_current_settings
 from prefect.states import Completed, Failed, State
 
 from shardline.mlflow_import import shown_uri
-from shardline.mlflow_watch import WatchOutcome, WatchSummary, watch_targets
+from shardline.mlflow_watch import GoldenRows, WatchOutcome, WatchSummary, watch_targets
 from shardline.settings import StorageSettings
 from shardline.tasks.mlflow_watch import (
     import_version_task,
@@ -22,7 +22,8 @@ from shardline.tasks.mlflow_watch import (
 
 @flow(name="mlflow-watch", log_prints=True, validate_parameters=True)
 def mlflow_watch(models: list[str], tracking_uri: str | None = None, name_map: dict[str, str] | None = None,
-                 samples: dict[str, str] | None = None, exclude: list[str] | None = None) -> State[Any]:
+                 samples: dict[str, str] | None = None, exclude: list[str] | None = None,
+                 golden: dict[str, GoldenRows] | None = None) -> State[Any]:
     """Import the MLflow registered versions not seen before, push each to the registry and announce it as
     ``shardline.model.pushed`` (prefect.yaml's ``promote-on-push`` promotes it to staging through the gates).
 
@@ -36,6 +37,9 @@ def mlflow_watch(models: list[str], tracking_uri: str | None = None, name_map: d
             promotion gates ask for (without one, a version imported from its logged input example alone is
             refused by the gate reference-profile).
         exclude: sample columns that are not features (a label, an id).
+        golden: MLflow name -> its golden set: ``{rows: URL, label: target, metric: accuracy, prediction: label,
+            threshold: 0.9}`` (the defaults shown), which each imported version carries and promotion's gate
+            evaluation scores (without one, the gate refuses the version).
 
     Returns:
         Completed, its data the summary (imported, refused, unchanged, and each line), also published as the
@@ -45,7 +49,7 @@ def mlflow_watch(models: list[str], tracking_uri: str | None = None, name_map: d
     """
     storage = StorageSettings()
     api_url = get_current_settings().api.url  # the API this run reports to: where the automations live
-    targets = watch_targets(models, name_map, samples)
+    targets = watch_targets(models, name_map, samples, golden)
     tracking = open_tracking_task(tracking_uri)
     outcomes: list[WatchOutcome] = []
     for target in targets:

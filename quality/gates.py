@@ -83,8 +83,8 @@ def evaluation_gate(manifest: Manifest, score: float | None) -> GateResult:
     if evaluation is None or score is None:
         return GateResult(
             EVALUATION, False,
-            f"{manifest.reference} declares no golden data set; package it with one (--golden) so promotion "
-            "can check it",
+            f"{manifest.reference} declares no golden data set; give it one when it is packaged or imported "
+            "(`shardline model package|import --golden`, the mlflow-watch flow's golden) so promotion can check it",
         )
     direction = "at most" if evaluation.metric == "rmse" else "at least"
     verdict = f"{evaluation.metric} {score:.4f} on {evaluation.golden}, the bundle asks {direction} {evaluation.threshold}"

@@ -28,6 +28,33 @@ def _tags(pairs: list[str] | None) -> dict[str, str]:
     return tags
 
 
+# The golden set's options, the same for `package`, `import` (a path) and `watch-mlflow` (NAME=PATH).
+_LABEL = typer.Option("target", help="Golden-set column with the expected answer.")
+_METRIC = typer.Option("accuracy", help="accuracy, rmse or cosine_min.")
+_PREDICTION = typer.Option("label", help="Model output compared with the label.")
+_THRESHOLD = typer.Option(0.9, help="Score promotion demands (at least; at most for rmse).")
+_GOLDEN_HELP = ("Golden Parquet set: inputs with known answers, which promotion's gate 'evaluation' scores (it refuses "
+                "a version without one)")
+_METRICS = ("accuracy", "rmse", "cosine_min")
+
+
+def _check_metric(metric: str) -> None:
+    if metric not in _METRICS:
+        raise ShardlineError(f"--metric {metric!r} is not one of {', '.join(_METRICS)}")
+
+
+def _golden_set(path: Path | None, label: str, metric: str, prediction: str, threshold: float) -> Any:
+    """The golden set the options give (None without --golden)."""
+    import pyarrow.parquet as pq
+
+    from shardline.packaging import GoldenSet
+
+    if path is None:
+        return None
+    _check_metric(metric)
+    return GoldenSet(pq.read_table(path), label, metric, prediction, threshold)
+
+
 _NO_PROFILE = (
     "  no reference profile: drift checks and the promotion gate 'reference-profile' need one (`shardline model "
     "promote` refuses a version without it); package again with --signature-from ROWS.parquet (rows the model "
@@ -59,11 +86,11 @@ def model_package(
         "k feature columns) and checked by running the model; its profile becomes the reference profile. Left out: "
         "the signature is the ONNX file's own inputs and outputs, and the bundle has no reference profile."),
     exclude: Optional[list[str]] = typer.Option(None, help="Sample column that is not a feature (label, id); repeat."),
-    golden: Optional[Path] = typer.Option(None, exists=True, help="Golden Parquet set with known answers."),
-    label: str = typer.Option("target", help="Golden-set column with the expected answer."),
-    metric: str = typer.Option("accuracy", help="accuracy, rmse or cosine_min."),
-    prediction: str = typer.Option("label", help="Model output compared with the label."),
-    threshold: float = typer.Option(0.9, help="Score promotion demands (at least; at most for rmse)."),
+    golden: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, help=_GOLDEN_HELP + "."),
+    label: str = _LABEL,
+    metric: str = _METRIC,
+    prediction: str = _PREDICTION,
+    threshold: float = _THRESHOLD,
     image: Optional[str] = typer.Option(None, help="Container image the model runs in, recorded."),
     source_commit: Optional[str] = typer.Option(None, help="Commit of the training code, recorded."),
     tag: Optional[list[str]] = typer.Option(None, help="KEY=VALUE tag; repeat."),
@@ -74,7 +101,7 @@ def model_package(
     import pyarrow.parquet as pq
 
     from shardline.bundle import Lineage, write_manifest
-    from shardline.packaging import GoldenSet, package_onnx
+    from shardline.packaging import package_onnx
     from shardline.quality.profile import attach_reference_profile
 
     try:
@@ -87,9 +114,7 @@ def model_package(
             training_data_digest=hashlib.sha256(signature_from.read_bytes()).hexdigest() if signature_from else None,
             source_commit=source_commit,
         )
-        golden_set = None
-        if golden is not None:
-            golden_set = GoldenSet(pq.read_table(golden), label, metric, prediction, threshold)
+        golden_set = _golden_set(golden, label, metric, prediction, threshold)
         folder = out or Path(f"{name}-bundle")
         if framework != "python" and (entry or file or requirement):
             raise ShardlineError("--entry, --file and --requirement are for custom model code (--framework python)")
@@ -498,6 +523,11 @@ def model_import(
         "signature is checked on them and their profile becomes the reference profile. Default: the input example "
         "logged with the model; XGBoost, LightGBM and scikit-learn models need one or the other."),
     exclude: Optional[list[str]] = typer.Option(None, help="Sample column that is not a feature (label, id); repeat."),
+    golden: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, help=_GOLDEN_HELP + "."),
+    label: str = _LABEL,
+    metric: str = _METRIC,
+    prediction: str = _PREDICTION,
+    threshold: float = _THRESHOLD,
     out: Optional[Path] = typer.Option(None, help="Bundle folder; default: ./<name>-bundle with --no-push, a "
                                        "temporary folder (removed after the push) otherwise."),
     push: bool = typer.Option(True, "--push/--no-push", help="Push the bundle to the registry as its next version, "
@@ -530,7 +560,8 @@ def model_import(
             if folder is None and push:
                 folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="shardline-import-"))) / "bundle"
             imported = import_mlflow_model(uri, folder, name=name, tracking_uri=tracking_uri, sample=sample,
-                                           exclude=exclude or [], lineage=lineage)
+                                           exclude=exclude or [], lineage=lineage,
+                                           golden=_golden_set(golden, label, metric, prediction, threshold))
             manifest = imported.manifest
             if sample is not None:
                 manifest = attach_reference_profile(imported.folder, sample)
@@ -565,6 +596,15 @@ def model_watch_mlflow(
                                                "their profile as reference profile, which promotion's gates ask for; "
                                                "repeat."),
     exclude: Optional[list[str]] = typer.Option(None, help="A sample column that is not a feature (label, id); repeat."),
+    golden: Optional[list[str]] = typer.Option(None, help="MLFLOW_NAME=GOLDEN.parquet (any URL): the golden set each "
+                                               "imported version of that model carries: inputs with known answers, "
+                                               "which promotion's gate 'evaluation' scores (it refuses a version "
+                                               "without one); repeat. --label, --metric, --prediction and --threshold "
+                                               "apply to each."),
+    label: str = _LABEL,
+    metric: str = _METRIC,
+    prediction: str = _PREDICTION,
+    threshold: float = _THRESHOLD,
 ) -> None:
     """One run of the mlflow-watch flow: import each MLflow version not seen before, push it and announce it as
     shardline.model.pushed (prefect.yaml's promote-on-push promotes it to staging). What it has seen is kept under
@@ -575,13 +615,18 @@ def model_watch_mlflow(
     from shardline._cli_common import exit_code, one_line_user_errors
     from shardline._prefect_cli import use_prefect_api
     from shardline.mlflow_import import mlflow_tracking_uri
-    from shardline.mlflow_watch import watch_targets
+    from shardline.mlflow_watch import GoldenRows, watch_targets
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one error line, no progress bars
     try:
         name_map = _pairs("--name", name, "MLFLOW_NAME=SHARDLINE_NAME, e.g. --name 'Churn Model=churn'")
         samples = _pairs("--sample", sample, "MLFLOW_NAME=ROWS.parquet, e.g. --sample 'Churn Model=train.parquet'")
-        watch_targets(models, name_map, samples)  # a wrong request is one line here, before any flow starts
+        goldens = _pairs("--golden", golden, "MLFLOW_NAME=GOLDEN.parquet, e.g. --golden 'Churn Model=golden.parquet'")
+        if goldens:
+            _check_metric(metric)
+        golden_rows = {model: GoldenRows(rows=rows, label=label, metric=metric,  # type: ignore[arg-type]
+                                         prediction=prediction, threshold=threshold) for model, rows in goldens.items()}
+        watch_targets(models, name_map, samples, golden_rows)  # a wrong request is one line here, before any flow starts
         tracking = mlflow_tracking_uri(tracking_uri)
         use_prefect_api()
     except ShardlineError as e:
@@ -590,7 +635,7 @@ def model_watch_mlflow(
 
     with one_line_user_errors():
         state = mlflow_watch(models=models, tracking_uri=tracking, name_map=name_map or None, samples=samples or None,
-                             exclude=exclude or None, return_state=True)
+                             exclude=exclude or None, golden=golden_rows or None, return_state=True)
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
         raise fail(result, exit_code(result))

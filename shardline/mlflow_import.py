@@ -38,13 +38,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import pyarrow as pa
 
 from shardline.bundle import Lineage, Manifest, check_model_name, write_manifest
 from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound, RuntimeUnavailable
 from shardline.mlflow_flavors import FLAVORS, MLFLOW_EXTRA, ImportRequest, choose_flavor
+
+if TYPE_CHECKING:
+    from shardline.packaging import GoldenSet
 
 _MLFLOW_TYPES = {"double": pa.float64(), "float": pa.float32(), "long": pa.int64(), "integer": pa.int32(),
                  "boolean": pa.bool_(), "string": pa.string()}
@@ -141,7 +144,7 @@ class _Resolved:
 
 def import_mlflow_model(uri: str, out_dir: str | Path | None = None, *, name: str | None = None,
                         tracking_uri: str | None = None, sample: pa.Table | None = None, exclude: Sequence[str] = (),
-                        lineage: Lineage | None = None) -> ImportedModel:
+                        lineage: Lineage | None = None, golden: GoldenSet | None = None) -> ImportedModel:
     """Build a bundle from a model kept in MLflow (see the module docstring).
 
     Args:
@@ -153,9 +156,13 @@ def import_mlflow_model(uri: str, out_dir: str | Path | None = None, *, name: st
         sample: rows the model reads (e.g. its training data); default: the input example logged with it.
         exclude: columns of ``sample`` that are not features (a label, an id).
         lineage: lineage to start from (training data); the run's metrics, commit and the URI are added.
+        golden: rows with known answers and the score promotion demands on them (the gate ``evaluation``
+            refuses a version without one), as ``shardline model package --golden`` adds them.
 
     Raises:
-        InvalidSetting: the URI is malformed, the tracking store is not there or unreadable, or ``out_dir`` holds files.
+        InvalidSetting: the URI is malformed, the tracking store is not there or unreadable, ``out_dir`` holds files,
+            or the golden set does not fit the model (no label column, or an output the model lacks): the request's
+            fault, not the model's (a watch retries the version once its setting is mended).
         ModelNotFound: MLflow has no such model, version, alias or run.
         InvalidInput: the model cannot be mapped (its flavor, a pickle, no sample rows) or does not convert.
         RuntimeUnavailable: mlflow (or skops, or a framework) is not installed.
@@ -186,7 +193,15 @@ def import_mlflow_model(uri: str, out_dir: str | Path | None = None, *, name: st
         try:
             manifest = FLAVORS[flavor](request)
             manifest = manifest.model_copy(update={"tags": {**manifest.tags, **tags}})
-            write_manifest(out, manifest)
+            if golden is not None:
+                from shardline.packaging import finish_bundle
+
+                try:
+                    manifest = finish_bundle(out, manifest, golden)  # checked against the outputs; writes the manifest
+                except InvalidInput as e:
+                    raise InvalidSetting(f"the golden set does not fit {chosen}: {e}") from e
+            else:
+                write_manifest(out, manifest)
         except BaseException:
             _remove_bundle(out, existed)
             raise

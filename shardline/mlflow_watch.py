@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Literal, Mapping, Sequence
 from urllib.parse import quote
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.bundle import check_model_name
 from shardline.errors import InvalidSetting
@@ -31,6 +31,19 @@ _ALIAS = re.compile(r"[\w-]+")  # what MLflow allows in an alias name
 Action = Literal["imported", "refused", "unchanged", "pending", "failed"]
 
 
+class GoldenRows(BaseModel):
+    """A watched model's golden set: Parquet rows with known answers (any URL), and the score each imported
+    version must reach on them to be promoted (as ``shardline model package --golden`` takes them)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rows: str = Field(description="Parquet file of inputs and expected answers (any URL).")
+    label: str = Field(default="target", description="Column with the expected answer.")
+    metric: Literal["accuracy", "rmse", "cosine_min"] = Field(default="accuracy", description="How answers are scored.")
+    prediction: str = Field(default="label", description="Model output compared with the label.")
+    threshold: float = Field(default=0.9, description="Score promotion demands (at least; at most for rmse).")
+
+
 @dataclass(frozen=True)
 class WatchTarget:
     """One watched MLflow model: every version of ``mlflow_name``, or (with ``alias``) the version it points at."""
@@ -39,6 +52,7 @@ class WatchTarget:
     alias: str | None
     shardline_name: str
     sample: str | None = None  # Parquet rows its versions are checked on and profiled from (a URL)
+    golden: GoldenRows | None = None  # the golden set its versions carry (promotion's gate evaluation asks for one)
 
     @property
     def label(self) -> str:
@@ -51,17 +65,20 @@ class WatchTarget:
 
 
 def watch_targets(models: Sequence[str], name_map: Mapping[str, str] | None = None,
-                  samples: Mapping[str, str] | None = None) -> list[WatchTarget]:
+                  samples: Mapping[str, str] | None = None,
+                  golden: Mapping[str, GoldenRows] | None = None) -> list[WatchTarget]:
     """The watch's targets from its ``models`` (``NAME`` or ``NAME@ALIAS``; the alias follows the last '@'),
-    ``name_map`` (MLflow name -> Shardline name; default ``shardline_name``) and ``samples`` (MLflow name ->
-    Parquet rows of that model's inputs, e.g. its training data), in order, duplicates dropped.
+    ``name_map`` (MLflow name -> Shardline name; default ``shardline_name``), ``samples`` (MLflow name ->
+    Parquet rows of that model's inputs, e.g. its training data) and ``golden`` (MLflow name -> its golden set),
+    in order, duplicates dropped.
 
     Raises:
         InvalidSetting: no model, an empty name or alias, an alias MLflow would not allow, a Shardline name that
-            is not valid, or a ``name_map`` or ``samples`` entry for a model the watch does not list.
+            is not valid, or a ``name_map``, ``samples`` or ``golden`` entry for a model the watch does not list.
     """
     mapping = dict(name_map or {})
     rows = dict(samples or {})
+    goldens = dict(golden or {})
     targets: list[WatchTarget] = []
     for given in models:
         text = given.strip()
@@ -73,12 +90,12 @@ def watch_targets(models: Sequence[str], name_map: Mapping[str, str] | None = No
             raise InvalidSetting(f"the alias {alias!r} of {given!r} is not an MLflow alias (letters, digits, '_' and "
                                  "'-'); give NAME@ALIAS, e.g. churn@champion")
         target_name = mapping[name] if name in mapping else shardline_name(name)
-        target = WatchTarget(name, alias or None, check_model_name(target_name), rows.get(name))
+        target = WatchTarget(name, alias or None, check_model_name(target_name), rows.get(name), goldens.get(name))
         if target not in targets:
             targets.append(target)
     if not targets:
         raise InvalidSetting("the watch lists no model; give MLflow registered model names (NAME or NAME@ALIAS)")
-    for field, given_map in (("name_map", mapping), ("samples", rows)):
+    for field, given_map in (("name_map", mapping), ("samples", rows), ("golden", goldens)):
         unknown = sorted(set(given_map) - {t.mlflow_name for t in targets})
         if unknown:
             raise InvalidSetting(f"{field} names {', '.join(map(repr, unknown))}, which the watch does not list; add "

@@ -20,6 +20,7 @@ from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound, Runtim
 from shardline.events import MODEL_PUSHED, announce_push
 from shardline.mlflow_import import list_registered_versions, mlflow_tracking_uri, shown_uri
 from shardline.mlflow_watch import (
+    GoldenRows,
     SeenVersion,
     WatchOutcome,
     WatchPlan,
@@ -70,9 +71,10 @@ def plan_model_task(target: WatchTarget, tracking_uri: str, storage: StorageSett
 def import_version_task(target: WatchTarget, version: str, tracking_uri: str, storage: StorageSettings,
                         api_url: str | None, exclude: list[str] | None = None) -> WatchOutcome:
     """Import ``models:/NAME/VERSION`` (checked on the target's sample rows, whose profile becomes its reference
-    profile, when it has them), push it to the registry and announce it when it is a new version there; record
-    it as seen. A refused import (a pickle, a flavor that does not map, no rows to check it on) is recorded with
-    its reason and not retried; any other error is reported and left for the next run."""
+    profile, when it has them; with the target's golden set, when it has one), push it to the registry and
+    announce it when it is a new version there; record it as seen. A refused import (a pickle, a flavor that
+    does not map, no rows to check it on) is recorded with its reason and not retried; any other error (a golden
+    set that does not fit included) is reported and left for the next run."""
     from shardline.mlflow_import import import_mlflow_model
     from shardline.quality.profile import attach_reference_profile
 
@@ -81,8 +83,10 @@ def import_version_task(target: WatchTarget, version: str, tracking_uri: str, st
     with tempfile.TemporaryDirectory(prefix="shardline-mlflow-watch-") as scratch:
         try:
             sample = read_sample(target.sample, storage) if target.sample else None
+            golden = _golden_set(target.golden, storage) if target.golden else None
             imported = import_mlflow_model(uri, Path(scratch) / "bundle", name=target.shardline_name,
-                                           tracking_uri=tracking_uri, sample=sample, exclude=exclude or [])
+                                           tracking_uri=tracking_uri, sample=sample, exclude=exclude or [],
+                                           golden=golden)
             if sample is not None:  # its profile: the baseline drift checks and the promotion gate need
                 attach_reference_profile(imported.folder, sample)
             registry = ModelRegistry(storage.registry, storage.storage_options)
@@ -110,12 +114,16 @@ def import_version_task(target: WatchTarget, version: str, tracking_uri: str, st
         "the registry already held these bytes: no new version, no event")
     if pushed.reference_profile is None:
         detail += "; no reference profile, so promotion's gate reference-profile refuses it"
+    if pushed.evaluation is None:
+        detail += "; no golden set, so promotion's gate evaluation refuses it"
     logger.info("%s imported as %s (%s)", uri, pushed.reference, detail)
     return WatchOutcome(target.label, "imported", version, reference=pushed.reference, detail=detail)
 
 
-def read_sample(url: str, storage: StorageSettings) -> Any:
-    """A target's sample rows: a Parquet file at any URL (InvalidSetting when it cannot be read)."""
+def read_sample(url: str, storage: StorageSettings, what: str = "sample rows",
+                should: str = "a Parquet file of the model's inputs in samples") -> Any:
+    """A target's sample rows (or other rows: ``what``, and what to give instead: ``should``): a Parquet file at
+    any URL (InvalidSetting when it cannot be read)."""
     import pyarrow.parquet as pq
 
     from shardline.storage.fs import open_fs
@@ -124,8 +132,16 @@ def read_sample(url: str, storage: StorageSettings) -> Any:
     try:
         return pq.read_table(path, filesystem=fs)
     except (OSError, ValueError) as e:
-        raise InvalidSetting(f"the sample rows {url!r} cannot be read as Parquet ({e}); give a Parquet file of the "
-                             "model's inputs in samples") from e
+        raise InvalidSetting(f"the {what} {url!r} cannot be read as Parquet ({e}); give {should}") from e
+
+
+def _golden_set(spec: GoldenRows, storage: StorageSettings) -> Any:
+    """A target's golden set, its rows read (InvalidSetting when they cannot be)."""
+    from shardline.packaging import GoldenSet
+
+    table = read_sample(spec.rows, storage, "golden rows",
+                        "a Parquet file of the model's inputs and the expected answers in golden")
+    return GoldenSet(table, spec.label, spec.metric, spec.prediction, spec.threshold)
 
 
 @task(name="record-mlflow-aliases", cache_policy=NO_CACHE)

@@ -46,8 +46,11 @@ def test_an_mlflow_model_is_imported_and_pushed(shardline_cli: Run, logged: Logg
     pq.write_table(sample.append_column("target", pa.array(labels)), tmp_path / "train.parquet")
 
     imported = shardline_cli("model", "import", f"mlflow:/models/{REGISTERED['xgboost']}/1", "--signature-from",
-                             "train.parquet", "--exclude", "target", MLFLOW_TRACKING_URI=logged.tracking_uri)
+                             "train.parquet", "--exclude", "target", "--golden", "train.parquet", "--threshold", "0.95",
+                             MLFLOW_TRACKING_URI=logged.tracking_uri)
     shown = shardline_cli("model", "show", "breastcancer-xgb:1")
+    unfit = shardline_cli("model", "import", f"mlflow:/models/{REGISTERED['xgboost']}/1", "--golden", "train.parquet",
+                          "--label", "churned", MLFLOW_TRACKING_URI=logged.tracking_uri)
 
     assert imported.returncode == 0, imported.stderr
     assert f"imported models:/{REGISTERED['xgboost']}/1 (flavor xgboost) as breastcancer-xgb" in imported.stdout
@@ -56,7 +59,13 @@ def test_an_mlflow_model_is_imported_and_pushed(shardline_cli: Run, logged: Logg
     manifest = json.loads(shown.stdout)
     assert manifest["tags"]["mlflow.run_id"] == logged.run_ids["xgboost"]
     assert manifest["lineage"]["metrics"] == logged.metrics["xgboost"] and manifest["reference_profile"]
+    assert manifest["evaluation"] == {"golden": "golden.parquet", "label_column": "target", "metric": "accuracy",
+                                      "prediction_column": "label", "threshold": 0.95, "max_variant_delta": 0.01}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "train.parquet"]  # the bundle folder was temporary
+    # a golden set that does not fit the model: one line, exit 2, nothing pushed
+    assert unfit.returncode == 2 and "Traceback" not in unfit.stderr and len(unfit.stderr.strip().splitlines()) == 1
+    assert "the golden set does not fit breastcancer-xgb: the golden set has no column ['churned']" in unfit.stderr
+    assert "breastcancer-xgb:2" not in shardline_cli("model", "list").stdout
 
 
 def test_a_refused_import_prints_one_line_and_exits_2(shardline_cli: Run, logged: LoggedModels,

@@ -140,6 +140,7 @@ def test_watch_mlflow_runs_the_flow_once_from_the_cli_and_refuses_a_wrong_reques
 
     assert first.exit_code == 0, first.output
     assert f"{ONNX} version 1: imported as bc-onnx:1 (flavor onnx; announced as shardline.model.pushed" in first.stdout
+    assert "no golden set, so promotion's gate evaluation refuses it" in first.stdout
     assert first.stdout.rstrip().endswith("1 imported, 0 refused, 0 unchanged")
     assert again.exit_code == 0 and again.stdout.rstrip().endswith("0 imported, 0 refused, 1 unchanged")
     assert [m.version for m in ModelRegistry(str(shardline_home / "registry")).list_versions("bc-onnx")] == [1]
@@ -152,38 +153,46 @@ def test_watch_mlflow_runs_the_flow_once_from_the_cli_and_refuses_a_wrong_reques
         (["churn", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"], "there is no MLflow tracking store"),
         (["churn", "--name", "churn"], "--name 'churn' is not MLFLOW_NAME=SHARDLINE_NAME"),
         ([ONNX, "--name", "Other=other"], "name_map names 'Other', which the watch does not list"),
+        ([ONNX, "--golden", "golden.parquet"], "--golden 'golden.parquet' is not MLFLOW_NAME=GOLDEN.parquet"),
+        ([ONNX, "--golden", "Other=golden.parquet"], "golden names 'Other', which the watch does not list"),
+        ([ONNX, "--golden", f"{ONNX}=golden.parquet", "--metric", "f1"],
+         "--metric 'f1' is not one of accuracy, rmse, cosine_min"),
     ]:
         refused = run(app, ["model", "watch-mlflow", *args])
         assert refused.exit_code == 2 and says in refused.stderr, refused.output
         assert len(refused.stderr.strip().splitlines()) == 1  # one line, no traceback
 
 
-def test_a_new_mlflow_version_starts_the_promotion_flow_through_the_promote_on_push_automation(
+def test_a_new_mlflow_version_with_its_golden_set_is_promoted_through_the_promote_on_push_automation(
         shardline_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from tests.integration.automations import deploy_with_triggers, run_flow_run_here, wait_for_flow_run
-    from tests.mlflow_models import feature_table
+    from tests.mlflow_models import training_rows
 
     deployment = deploy_with_triggers(_api_url(), ["promote"])["promote"]
     monkeypatch.setenv("PREFECT_API_URL", _api_url())
     logged = log_models(tmp_path / "mlflow", ("xgboost",))
-    pq.write_table(feature_table(), tmp_path / "train.parquet")
+    _, labels, _, rows = training_rows()
+    pq.write_table(rows, tmp_path / "train.parquet")
+    pq.write_table(rows.append_column("target", pa.array(labels)).slice(0, 200), tmp_path / "golden.parquet")
 
+    # as a deployment's parameters give it (prefect.yaml): the golden set's defaults (label target, accuracy >= 0.9)
     state = mlflow_watch(models=[XGB], tracking_uri=logged.tracking_uri, samples={XGB: str(tmp_path / "train.parquet")},
-                         return_state=True)
+                         golden={XGB: {"rows": str(tmp_path / "golden.parquet")}}, return_state=True)
 
     assert state.is_completed(), state.message
-    [v1] = ModelRegistry(str(shardline_home / "registry")).list_versions(XGB_SHARDLINE)
+    registry = ModelRegistry(str(shardline_home / "registry"))
+    [v1] = registry.list_versions(XGB_SHARDLINE)
     assert v1.reference_profile is not None  # from the sample rows: the promotion gate's reference-profile passes
+    assert v1.evaluation is not None and (v1.evaluation.label_column, v1.evaluation.metric) == ("target", "accuracy")
     # (the session's harness may hold runs of this deployment that other tests' pushes started)
     run = wait_for_flow_run(_api_url(), deployment["id"], timeout=30,
                             where=lambda r: r["parameters"].get("reference") == f"{XGB_SHARDLINE}:1")
     assert run["parameters"]["to_alias"] == "staging"
     assert f"mlflow-watch models:/{XGB}/1" in run["parameters"]["reason"]
     promoted = run_flow_run_here(run["id"])
-    # the gates decide: the sample's profile passes reference-profile; an MLflow model carries no golden set, so
-    # the evaluation gate refuses it (and says how to add one), and staging does not move
-    assert promoted.is_failed() and "gate evaluation refused" in str(promoted.message)
-    assert "declares no golden data set" in str(promoted.message)
-    assert "staging" not in ModelRegistry(str(shardline_home / "registry")).aliases(XGB_SHARDLINE)
+    # every gate passes (the golden set scored by the imported model, the sample's profile) and staging moves
+    assert promoted.is_completed(), promoted.message
+    assert registry.aliases(XGB_SHARDLINE)["staging"] == 1

@@ -14,7 +14,7 @@ import pytest
 from shardline.bundle import read_manifest, sha256_file
 from shardline.errors import InvalidInput
 from shardline.examples import breast_cancer, golden_table, split, with_site
-from shardline.quality.gates import reference_profile_gate
+from shardline.quality.gates import evaluation_gate, reference_profile_gate
 from shardline.quality.profile import (
     attach_reference_profile,
     golden_reference_profile,
@@ -79,6 +79,15 @@ def test_attaching_a_profile_rewrites_the_bundle_and_passes_the_gate(breast_canc
     assert manifest.outputs_digest == breast_cancer_model.manifest.outputs_digest  # the model itself did not change
     assert "outputs" in json.loads((bundle / artifact.path).read_text())
     assert reference_profile_gate(bundle, manifest).passed
+
+
+def test_a_version_without_a_golden_set_is_refused_by_the_evaluation_gate_saying_how_to_add_one(
+        breast_cancer_model: Any) -> None:
+    manifest = breast_cancer_model.manifest
+    assert evaluation_gate(manifest, 0.95).passed
+    refused = evaluation_gate(manifest.model_copy(update={"evaluation": None}), None)
+    assert not refused.passed and "declares no golden data set" in refused.detail
+    assert "`shardline model package|import --golden`, the mlflow-watch flow's golden" in refused.detail
 
 
 def test_reference_data_without_the_model_inputs_is_refused(breast_cancer_model: Any) -> None:

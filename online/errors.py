@@ -4,15 +4,13 @@ The data plane, router and batcher raise ``shardline.errors``; the protocol adap
 encode the message in their protocol's error body; the status comes from here only.
 The first row whose class matches wins, so subclasses come before their bases.
 
-``shown`` is how a message quotes a value a client sent: its repr, cut short (a client
-chooses the value, and a 16 MB string or a list nested 1,000 deep must not become a
-16 MB message or a RecursionError).
+``shown`` (``shardline.errors``, where the batch tier's OpenAI wire finds it too) is how a
+message quotes a value a client sent, cut short.
 """
 
 from __future__ import annotations
 
 import math
-import reprlib
 
 from shardline.errors import (
     AccessDenied,
@@ -30,6 +28,7 @@ from shardline.errors import (
     ShardlineError,
     Unauthenticated,
     UnsupportedEncoding,
+    shown,  # re-exported: the online tier's modules quote client values with it
 )
 
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
@@ -50,13 +49,6 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (ShardlineError, 500),
 )
 INTERNAL = 500
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 3, 60, 60, 8, 4
-
-
-def shown(value: object) -> str:
-    """A client's value as a message quotes it: its repr, at most ~80 characters and 3 levels deep."""
-    return _SHOWN.repr(value)
 
 
 def error_status(error: BaseException) -> tuple[int, dict[str, str]]:

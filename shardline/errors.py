@@ -3,9 +3,23 @@
 Every error says what was wrong, what was got, and what to do. Each subclass also
 inherits the builtin exception it resembles, so callers that catch ``ValueError`` or
 ``LookupError`` keep working. Only the HTTP edge maps these to status codes.
+
+``shown`` is how a message quotes a value a client sent: its repr, cut short (a client
+chooses the value, and a 16 MB string or a list nested 1,000 deep must not become a
+16 MB message or a RecursionError).
 """
 
 from __future__ import annotations
+
+import reprlib
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 3, 60, 60, 8, 4
+
+
+def shown(value: object) -> str:
+    """A client's value as a message quotes it: its repr, at most ~80 characters and 3 levels deep."""
+    return _SHOWN.repr(value)
 
 
 class ShardlineError(Exception):

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import base64
 import re
-import reprlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
 
-from shardline.errors import InvalidInput
+from shardline.errors import InvalidInput, shown
 from shardline.generation import MAX_STOP_STRINGS
 from shardline.signature import Signature
 
@@ -32,14 +31,7 @@ CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/complet
 MAX_STOP = MAX_STOP_STRINGS  # OpenAI's limit on stop strings (the engine's too)
 MAX_INPUTS = 2048  # texts in one embeddings request
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 3, 60, 60, 8, 4
 _FIELD = re.compile(r"\bfield '([A-Za-z_][\w.\[\]]*)'")
-
-
-def shown(value: object) -> str:
-    """A client's value as a message quotes it: its repr, at most ~80 characters and 3 levels deep."""
-    return _SHOWN.repr(value)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ a time window (lazily, see ``shardline.storage.capture``) and computes the repor
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone

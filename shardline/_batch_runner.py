@@ -50,7 +50,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Mapping
+from typing import IO, Any, Callable, Mapping
 
 RECORD, LOG, LOCK = "runner.json", "runner.log", "runner.lock"
 _CONNECT_TIMEOUT_S = 2.0

@@ -95,11 +95,11 @@ def watch_targets(models: Sequence[str], name_map: Mapping[str, str] | None = No
             targets.append(target)
     if not targets:
         raise InvalidSetting("the watch lists no model; give MLflow registered model names (NAME or NAME@ALIAS)")
-    for field, given_map in (("name_map", mapping), ("samples", rows), ("golden", goldens)):
+    for option, given_map in (("name_map", mapping), ("samples", rows), ("golden", goldens)):
         unknown = sorted(set(given_map) - {t.mlflow_name for t in targets})
         if unknown:
-            raise InvalidSetting(f"{field} names {', '.join(map(repr, unknown))}, which the watch does not list; add "
-                                 f"them to models or remove them from {field}")
+            raise InvalidSetting(f"{option} names {', '.join(map(repr, unknown))}, which the watch does not list; add "
+                                 f"them to models or remove them from {option}")
     return targets
 
 

@@ -23,18 +23,13 @@ scoring and recording a variant in the registry is ``shardline.quality.variants`
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-import pyarrow as pa
-
-from shardline.bundle import Artifact, Evaluation, Manifest, describe_artifact
-from shardline.errors import GateFailed, InvalidBundle, InvalidSetting, RuntimeUnavailable
-from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
+from shardline.bundle import Artifact, Manifest, describe_artifact
+from shardline.errors import InvalidBundle, RuntimeUnavailable
 
 Precision = Literal["int8", "fp16"]
 # precision -> (the device it is meant for, the variant file's name in a bundle)

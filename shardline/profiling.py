@@ -15,18 +15,15 @@ import os
 import platform
 import re
 import subprocess
-import tempfile
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from shardline.bundle import Manifest
 from shardline.errors import InvalidSetting
-from shardline.runtimes.base import Runtime, RuntimeOptions
+from shardline.runtimes.base import Runtime
 
 DEFAULT_BATCH_SIZES = (1, 8, 64, 512, 4096)
 PROFILE_FORMAT = 1

@@ -6,7 +6,8 @@ and mirror a shadow copy in the background.
 ``Router.handle(Incoming) -> Answer`` is protocol-free (no web framework): the ASGI adapter
 (``online/router/service.py``) reads the request into an ``Incoming`` and writes the ``Answer``. The
 decisions are the pure functions of ``placement``, ``health`` and ``rollouts`` over the state of
-the ``ReplicaSet`` and the ``RolloutBook``; ``upstream`` is the HTTP/1.1 client to the replicas.
+the ``ReplicaSet`` and the ``RolloutBook``; ``upstream`` is the HTTP/1.1 client to the replicas;
+``messages`` has the request and answer types, request ids and the router's own answers.
 
 What a replica is sent: the request as the client sent it (body bytes untouched but for an
 OpenAI body's ``model``, pinned to the version the router resolved), with ``Authorization:
@@ -20,14 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
 import random
 import re
-import secrets
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import orjson
@@ -45,9 +43,19 @@ from shardline.online.bodies import decode_body
 from shardline.online.errors import error_status, shown
 from shardline.online.generation import LlmGate
 from shardline.online.models import VARIANT_HEADER, ModelDirectory
-from shardline.online.protocols.forms import openai_error_body, v2_error_body
 from shardline.online.router.compare import decode_answer
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
+from shardline.online.router.messages import (
+    REQUEST_ID,
+    REQUEST_ID_HEADER,
+    Answer,
+    Incoming,
+    Pinned,
+    Tries,
+    error_answer,
+    json_answer,
+    new_request_id,
+)
 from shardline.online.router.metrics import RouterMetrics
 from shardline.online.router.placement import choose
 from shardline.online.router.replicas import Replica, ReplicaSet
@@ -63,7 +71,6 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "x-shardline-timeout-ms"
 ROUTE_KEY_HEADER = "x-shardline-route-key"  # optional: requests with the same key go to the same replica
-REQUEST_ID_HEADER = "x-request-id"
 FALLBACK_HEADER = "x-shardline-fallback"  # on an answer a fallback variant gave: name:version#variant
 RETRY_STATUSES = frozenset({502, 503, 504})  # the replica could not serve it; another may (inference is idempotent)
 # Not passed on, either way: hop-by-hop headers (RFC 9110 7.6.1), and what the router sets itself.
@@ -76,77 +83,11 @@ _SET_HERE = frozenset({b"authorization", TENANT_HEADER.encode(), TIMEOUT_HEADER.
                        REQUEST_ID_HEADER.encode()})
 _NOT_SENT = _HOP | _SET_HERE
 _TENANT, _VARIANT = TENANT_HEADER.encode(), VARIANT_HEADER.encode()
-_REQUEST_ID, _ROUTE_KEY, _TIMEOUT = REQUEST_ID_HEADER.encode(), ROUTE_KEY_HEADER.encode(), TIMEOUT_HEADER.encode()
-# new_request_id: a random half per process, then a count from a random start
-_ID_PREFIX = secrets.token_hex(8)
-_ID_COUNT = itertools.count(int.from_bytes(secrets.token_bytes(4), "big"))
+_ROUTE_KEY, _TIMEOUT = ROUTE_KEY_HEADER.encode(), TIMEOUT_HEADER.encode()
 _MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/infer|/ready)?/?$")
 MAX_REMEMBERED = 65_536  # (replica, version) pairs known to have answered (past it, none counts as first)
 MAX_MIRRORS = 64  # shadow copies in flight at once; more are skipped (counted), never queued
 _BODY_MODEL_PATHS = frozenset({"/v1/embeddings", "/v1/completions", "/v1/chat/completions"})
-
-
-@dataclass
-class Incoming:
-    """A request as the router got it."""
-
-    method: str
-    path: str
-    query: bytes
-    headers: list[tuple[bytes, bytes]]
-    body: bytes = b""
-
-    def header(self, name: bytes) -> str | None:
-        """The first value of a header (``name`` lower-case)."""
-        for key, value in self.headers:
-            if key == name:
-                return value.decode("latin-1")
-        return None
-
-
-@dataclass
-class Answer:
-    """What the client is sent."""
-
-    status: int
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    body: bytes = b""
-    stream: AsyncIterator[bytes] | None = None  # a streamed answer's body (server-sent events), instead of ``body``
-
-
-@dataclass
-class Tries:
-    """How a request went: replicas tried, and whether the answering replica answered that model version
-    for the first time (it likely loaded the model for it: a rollout leaves that time out of its p99)."""
-
-    count: int = 0
-    first: bool = False
-
-
-@dataclass
-class Pinned:
-    """An OpenAI body as the router sends it on (see ``Router._pin_body_model``)."""
-
-    body: bytes
-    key: str
-    route: Route | None
-    mirror: bytes | None
-    stream: bool
-
-
-def new_request_id() -> str:
-    """An id for a request that came without ``X-Request-Id``: 32 hex digits, unique in this process (a count)
-    and across processes (a random half), as a uuid4's hex is but cheaper (~0.3 us, not ~3)."""
-    return f"{_ID_PREFIX}{next(_ID_COUNT) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
-
-
-def error_answer(error: ShardlineError, openai: bool, request_id: str) -> Answer:
-    """The router's own error, in the protocol's form (V2 ``{"error": ...}``, OpenAI's ``{"error": {...}}``)."""
-    status, extra = error_status(error)
-    body = (openai_error_body if openai else v2_error_body)(str(error), status)
-    headers = [(b"content-type", b"application/json"), (_REQUEST_ID, request_id.encode("latin-1"))]
-    headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
-    return Answer(status, headers, orjson.dumps(body))
 
 
 class Router:
@@ -206,7 +147,7 @@ class Router:
 
     async def handle(self, request: Incoming) -> Answer:
         """Answer one request (never raises for a client's or a replica's fault)."""
-        request_id = request.header(_REQUEST_ID) or new_request_id()
+        request_id = request.header(REQUEST_ID) or new_request_id()
         openai = request.path.startswith("/v1/")
         try:
             return await self._route(request, request_id)
@@ -216,13 +157,13 @@ class Router:
     async def _route(self, request: Incoming, request_id: str) -> Answer:
         path = request.path
         if path == "/v2/health/live":
-            return _json(200, {"live": True})
+            return json_answer(200, {"live": True})
         if path == "/v2/health/ready":
             group = self.replicas.active_group()
             now = self._clock()
             available = sum(self.replicas.available(r, now) for r in self.replicas.replicas.values())
             ready = group is not None or self.activator is not None  # scaled to zero: a request starts one
-            return _json(200 if ready else 503, {"ready": ready, "group": group, "available": available})
+            return json_answer(200 if ready else 503, {"ready": ready, "group": group, "available": available})
         tenant = self.tenants.authenticate(request.header(b"authorization"))
         matched = _MODEL_PATH.match(path)
         if matched is not None:
@@ -248,7 +189,7 @@ class Router:
                                         pinned.stream)
         if path.startswith(("/v2", "/v1/")):
             return await self._admitted(tenant, request, path, request.body, path, request_id)
-        return _json(404, {"error": f"no route {shown(path)}; the router serves /v2 and /v1 as `shardline serve` does"})
+        return json_answer(404, {"error": f"no route {shown(path)}; the router serves /v2 and /v1 as `shardline serve` does"})
 
     async def _version_for(self, tenant: Tenant, request: Incoming, ref: ModelRef) -> Route:
         """The version a reference means for this caller now: a rollout's pick (by the request key, else the
@@ -423,7 +364,7 @@ class Router:
                                         self.settings.request_timeout_s, self.settings.max_timeout_s)
         headers = header_lines([(k, v) for k, v in request.headers if k not in _NOT_SENT] + [
             (b"authorization", self._key), (_TENANT, tenant.name.encode()),
-            (_REQUEST_ID, request_id.encode("latin-1"))])  # as it came: header values are Latin-1
+            (REQUEST_ID, request_id.encode("latin-1"))])  # as it came: header values are Latin-1
         target = path + ("?" + request.query.decode("latin-1") if request.query else "")
         if retry:
             self.budget.request(now)
@@ -614,10 +555,6 @@ def _note(replica: Replica, before: str) -> None:
 def _shed(answer: Answer) -> bool:
     """A 503 that a healthy replica gave on purpose (it shed the request, with Retry-After): no fault of it."""
     return any(k == b"retry-after" for k, _ in answer.headers)
-
-
-def _json(status: int, content: Any) -> Answer:
-    return Answer(status, [(b"content-type", b"application/json")], orjson.dumps(content))
 
 
 def _ms(deadline: Deadline, now: float) -> str:

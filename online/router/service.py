@@ -27,7 +27,8 @@ from shardline.online.bodies import ClientGone, receive_body
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig
 from shardline.online.router.health import OutlierPolicy
 from shardline.online.router.local import LocalReplicas
-from shardline.online.router.router import Answer, Incoming, Router, error_answer
+from shardline.online.router.messages import Answer, Incoming, error_answer
+from shardline.online.router.router import Router
 from shardline.online.router.scaling import Scaler
 from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
 

@@ -188,7 +188,7 @@ def _router(urls: list[str], models: tuple[str, ...] = ("m@prod",), **settings: 
 @pytest.mark.parametrize("hedge_ms", [0, 40])
 def test_a_hedged_request_is_answered_by_the_faster_copy_and_the_slow_one_is_cancelled(hedge_ms: int) -> None:
     from shardline.online.router.placement import rank
-    from shardline.online.router.router import Incoming
+    from shardline.online.router.messages import Incoming
 
     seen: list[str] = []
 
@@ -230,7 +230,7 @@ def test_an_openai_body_is_pinned_to_the_callers_canary_version_and_mirrored_in_
     import json
 
     from shardline.online.router.rollouts import RolloutBook, bucket
-    from shardline.online.router.router import Incoming
+    from shardline.online.router.messages import Incoming
     from shardline.storage.registry import AliasMove
     from shardline.storage.rollouts import Rollout
 
@@ -286,7 +286,7 @@ def test_an_openai_body_is_pinned_to_the_callers_canary_version_and_mirrored_in_
 
 
 def test_a_callers_request_id_reaches_the_replica_byte_for_byte_and_one_is_made_when_none_came() -> None:
-    from shardline.online.router.router import Incoming
+    from shardline.online.router.messages import Incoming
 
     heads: list[bytes] = []
 

@@ -11,7 +11,7 @@ from shardline.online.router.config import RouterConfig
 from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.metrics import LATENCY_BUCKETS, RouterMetrics
 from shardline.online.router.replicas import ReplicaSet
-from shardline.online.router.router import new_request_id
+from shardline.online.router.messages import new_request_id
 
 
 def _metrics() -> RouterMetrics:

@@ -52,7 +52,12 @@ def _golden_set(path: Path | None, label: str, metric: str, prediction: str, thr
     if path is None:
         return None
     _check_metric(metric)
-    return GoldenSet(pq.read_table(path), label, metric, prediction, threshold)
+    try:
+        rows = pq.read_table(path)
+    except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors or OSErrors
+        raise ShardlineError(f"--golden {path} cannot be read as Parquet ({e}); give a Parquet file of the model's "
+                             "inputs and the expected answers") from e
+    return GoldenSet(rows, label, metric, prediction, threshold)
 
 
 _NO_PROFILE = (

@@ -73,12 +73,16 @@ def test_a_refused_import_prints_one_line_and_exits_2(shardline_cli: Run, logged
     pickled = shardline_cli("model", "import", f"models:/{REGISTERED['sklearn-pickle']}/1", "--no-push",
                             "--tracking-uri", logged.tracking_uri)
     no_store = shardline_cli("model", "import", f"models:/{REGISTERED['xgboost']}/1")  # MLflow's default: ./mlflow.db
+    (tmp_path / "golden.parquet").write_text("id,target\n1,0\n")  # a CSV named .parquet
+    not_parquet = shardline_cli("model", "import", f"models:/{REGISTERED['xgboost']}/1", "--golden", "golden.parquet",
+                                "--tracking-uri", logged.tracking_uri)
 
     for refused, says in ((pickled, "(flavor sklearn, serialization_format cloudpickle) is a scikit-learn model "
                                     "saved as a pickle, which Shardline never loads"),
-                          (no_store, f"there is no MLflow tracking store at sqlite:///{tmp_path / 'mlflow.db'}")):
+                          (no_store, f"there is no MLflow tracking store at sqlite:///{tmp_path / 'mlflow.db'}"),
+                          (not_parquet, "--golden golden.parquet cannot be read as Parquet")):
         assert refused.returncode == 2, refused.stderr
         assert "Traceback" not in refused.stderr
         assert refused.stderr.strip().splitlines() == [refused.stderr.strip()] and refused.stderr.startswith("error: ")
         assert says in refused.stderr and refused.stdout == ""
-    assert list(tmp_path.iterdir()) == []  # no bundle folder, no empty MLflow database, no registry
+    assert [p.name for p in tmp_path.iterdir()] == ["golden.parquet"]  # no bundle folder, no empty MLflow database, no registry

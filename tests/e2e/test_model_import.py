@@ -85,4 +85,5 @@ def test_a_refused_import_prints_one_line_and_exits_2(shardline_cli: Run, logged
         assert "Traceback" not in refused.stderr
         assert refused.stderr.strip().splitlines() == [refused.stderr.strip()] and refused.stderr.startswith("error: ")
         assert says in refused.stderr and refused.stdout == ""
-    assert [p.name for p in tmp_path.iterdir()] == ["golden.parquet"]  # no bundle folder, no empty MLflow database, no registry
+    # no bundle folder, no empty MLflow database, no registry
+    assert [p.name for p in tmp_path.iterdir()] == ["golden.parquet"]

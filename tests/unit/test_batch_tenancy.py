@@ -171,7 +171,8 @@ def test_the_device_of_an_auto_job_is_found_without_importing_onnxruntime(tmp_pa
               "device_kind; kind = device_kind(RuntimeSettings(device='auto')); "
               "imported = 'onnxruntime' in sys.modules; import onnxruntime; "
               "print(kind, imported, onnxruntime.get_available_providers())")
-    found = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split(" ", 2)
+    found = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           check=True).stdout.split(" ", 2)
     assert found[1] == "False"  # onnxruntime was not imported for it
     assert found[0] == ("gpu" if "CUDAExecutionProvider" in found[2] else "cpu")  # and it agrees with onnxruntime
     gpu_build = tmp_path / "onnxruntime"

@@ -1,10 +1,11 @@
 """The dispatcher on a real LocalCluster: it spreads a job's shards over every worker and stops on request;
-the clusters this platform starts go without the dashboard's sampling."""
+the clusters this platform starts go without the dashboard's sampling, their workers on Arrow's jemalloc pool."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from dask.utils import key_split
 
 from shardline.examples import write_shards
@@ -70,7 +71,6 @@ def test_a_stop_request_withdraws_unstarted_shards_and_returns_once_the_running_
     import threading
     import time
 
-    import pytest
     from distributed import Client
 
     from shardline.errors import JobStopped
@@ -100,17 +100,25 @@ def test_a_stop_request_withdraws_unstarted_shards_and_returns_once_the_running_
     assert layout.present_parts() == committed
 
 
-def test_a_local_cluster_started_here_has_its_workers_profiler_off() -> None:
+def test_a_local_cluster_started_here_has_its_workers_profiler_off_and_arrows_jemalloc_pool(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import dask
+    import resource
     from distributed import Client
+
+    import pyarrow as pa
 
     from shardline.settings import DaskSettings
     from shardline.tasks.cluster import dask_scheduler
 
+    monkeypatch.delenv("ARROW_DEFAULT_MEMORY_POOL", raising=False)
     with dask_scheduler(DaskSettings(n_workers=1)) as address, Client(address) as client:
         on_workers = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
         on_scheduler = client.run_on_scheduler(lambda: dask.config.get("distributed.admin.tick.interval"))
+        pools = client.run(lambda: __import__("pyarrow").default_memory_pool().backend_name)
     assert list(on_workers.values()) == [False] and on_scheduler == "1s"
+    assert resource.getpagesize() == 4096 and pa.jemalloc_memory_pool()  # this machine allows it, so it is used
+    assert list(pools.values()) == ["jemalloc"]
 
 
 def test_a_job_of_few_shards_is_split_evenly_over_the_workers(

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from shardline.errors import InvalidSetting, RuntimeUnavailable
 from shardline.settings import DaskSettings, StorageSettings
-from shardline.tasks.cluster import dask_scheduler, threads_per_call
+from shardline.tasks.cluster import dask_scheduler, threads_per_call, worker_memory_pool_config
 
 
 def test_storage_defaults_follow_home_and_options_parse_from_json(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -133,3 +133,13 @@ def test_the_clusters_started_here_go_without_the_dashboards_sampling_unless_the
     assert "distributed.admin.tick.interval" not in chosen
     assert chosen["distributed.worker.profile.enabled"] is False
 
+
+
+def test_local_workers_get_arrows_jemalloc_pool_unless_the_user_chose_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ARROW_DEFAULT_MEMORY_POOL", raising=False)
+    assert worker_memory_pool_config() == {"distributed.nanny.pre-spawn-environ.ARROW_DEFAULT_MEMORY_POOL": "jemalloc"}
+    monkeypatch.setenv("ARROW_DEFAULT_MEMORY_POOL", "mimalloc")  # the user's choice wins
+    assert worker_memory_pool_config() == {}
+    monkeypatch.delenv("ARROW_DEFAULT_MEMORY_POOL")
+    monkeypatch.setattr("resource.getpagesize", lambda: 65536)  # a 64 KiB-page kernel: jemalloc's build must not run
+    assert worker_memory_pool_config() == {}

@@ -87,11 +87,11 @@ ARROW_POOL_VARIABLE = "ARROW_DEFAULT_MEMORY_POOL"
 
 def worker_memory_pool_config() -> dict[str, Any]:
     """Dask config that starts each local worker with Arrow's jemalloc pool (see above), or nothing."""
-    import resource
+    import mmap
 
     import pyarrow as pa
 
-    if ARROW_POOL_VARIABLE in os.environ or resource.getpagesize() != 4096:
+    if ARROW_POOL_VARIABLE in os.environ or mmap.PAGESIZE != 4096:
         return {}
     try:
         pa.jemalloc_memory_pool()

@@ -103,7 +103,7 @@ def test_a_stop_request_withdraws_unstarted_shards_and_returns_once_the_running_
 def test_a_local_cluster_started_here_has_its_workers_profiler_off_and_arrows_jemalloc_pool(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import dask
-    import resource
+    import mmap
     from distributed import Client
 
     import pyarrow as pa
@@ -117,7 +117,7 @@ def test_a_local_cluster_started_here_has_its_workers_profiler_off_and_arrows_je
         on_scheduler = client.run_on_scheduler(lambda: dask.config.get("distributed.admin.tick.interval"))
         pools = client.run(lambda: __import__("pyarrow").default_memory_pool().backend_name)
     assert list(on_workers.values()) == [False] and on_scheduler == "1s"
-    assert resource.getpagesize() == 4096 and pa.jemalloc_memory_pool()  # this machine allows it, so it is used
+    assert mmap.PAGESIZE == 4096 and pa.jemalloc_memory_pool()  # this machine allows it, so it is used
     assert list(pools.values()) == ["jemalloc"]
 
 

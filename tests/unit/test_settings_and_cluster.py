@@ -141,5 +141,5 @@ def test_local_workers_get_arrows_jemalloc_pool_unless_the_user_chose_one(monkey
     monkeypatch.setenv("ARROW_DEFAULT_MEMORY_POOL", "mimalloc")  # the user's choice wins
     assert worker_memory_pool_config() == {}
     monkeypatch.delenv("ARROW_DEFAULT_MEMORY_POOL")
-    monkeypatch.setattr("resource.getpagesize", lambda: 65536)  # a 64 KiB-page kernel: jemalloc's build must not run
+    monkeypatch.setattr("mmap.PAGESIZE", 65536)  # a 64 KiB-page kernel: jemalloc's build must not run
     assert worker_memory_pool_config() == {}

@@ -35,12 +35,15 @@ _PREDICTION = typer.Option("label", help="Model output compared with the label."
 _THRESHOLD = typer.Option(0.9, help="Score promotion demands (at least; at most for rmse).")
 _GOLDEN_HELP = ("Golden Parquet set: inputs with known answers, which promotion's gate 'evaluation' scores (it refuses "
                 "a version without one)")
-_METRICS = ("accuracy", "rmse", "cosine_min")
 
 
 def _check_metric(metric: str) -> None:
-    if metric not in _METRICS:
-        raise ShardlineError(f"--metric {metric!r} is not one of {', '.join(_METRICS)}")
+    from typing import get_args
+
+    from shardline.bundle import GoldenMetric
+
+    if metric not in get_args(GoldenMetric):
+        raise ShardlineError(f"--metric {metric!r} is not one of {', '.join(get_args(GoldenMetric))}")
 
 
 def _golden_set(path: Path | None, label: str, metric: str, prediction: str, threshold: float) -> Any:

@@ -101,12 +101,15 @@ class HardwareHints(BaseModel):
     min_memory_mb: int | None = None
 
 
+GoldenMetric = Literal["accuracy", "rmse", "cosine_min"]  # how a golden set's answers are scored
+
+
 class Evaluation(BaseModel):
     """How promotion checks a version: a golden data set and the scores it must reach."""
 
     golden: str = Field(description="Artifact path of the golden Parquet file.")
     label_column: str = Field(description="Column of the golden set holding the expected answer.")
-    metric: Literal["accuracy", "rmse", "cosine_min"] = Field(
+    metric: GoldenMetric = Field(
         description="accuracy: label == prediction; rmse: of a numeric prediction; cosine_min: "
         "the least cosine similarity between an embedding and the expected one."
     )

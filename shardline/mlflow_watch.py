@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardline.bundle import check_model_name
+from shardline.bundle import GoldenMetric, check_model_name
 from shardline.errors import InvalidSetting
 from shardline.mlflow_import import RegisteredVersions, shardline_name
 
@@ -39,7 +39,7 @@ class GoldenRows(BaseModel):
 
     rows: str = Field(description="Parquet file of inputs and expected answers (any URL).")
     label: str = Field(default="target", description="Column with the expected answer.")
-    metric: Literal["accuracy", "rmse", "cosine_min"] = Field(default="accuracy", description="How answers are scored.")
+    metric: GoldenMetric = Field(default="accuracy", description="How answers are scored.")
     prediction: str = Field(default="label", description="Model output compared with the label.")
     threshold: float = Field(default=0.9, description="Score promotion demands (at least; at most for rmse).")
 

@@ -221,10 +221,11 @@ class BatchSettings(BaseSettings):
         default=(".parquet", ".pq"), description="File suffixes that count as shards."
     )
     checkpoint_bytes: int = Field(
-        default=256 * 1024 * 1024,
+        default=1024 * 1024 * 1024,
         ge=1,
         description="A shard larger than this is scored in ranges of row groups of about this many (compressed) "
-        "bytes, each checkpointed, so a lost worker redoes one range, not the shard.",
+        "bytes, each checkpointed, so a lost worker redoes one range, not the shard; the ranges are then copied "
+        "into the part, one more read and write of the scored columns.",
     )
     retry_attempts: int = Field(
         default=4, ge=0, description="Retries of a shard after a transient storage error (connection, timeout, throttling)."

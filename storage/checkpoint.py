@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from shardline.storage.fs import atomic_write_bytes, commit_file, ensure_dir, join, parent, staging_path
+from shardline.storage.fs import atomic_write_bytes, commit_file, ensure_dir, join, open_file, parent, staging_path
 from shardline.storage.output import OutputLayout
 from shardline.storage.shards import ShardInfo
 
@@ -151,8 +151,9 @@ class ShardCheckpoint:
         """(rows in, rows out) over the finished ranges."""
         return sum(d.rows_in for d in self.done.values()), sum(d.rows_out for d in self.done.values())
 
-    def assemble(self, final: str) -> None:
-        """Copy the chunks, in row-group order, into the part and commit it atomically.
+    def assemble(self, final: str, dictionary: list[str]) -> None:
+        """Copy the chunks, in row-group order, into the part and commit it atomically, with the
+        ``dictionary`` columns dictionary-encoded (as the chunks were).
 
         Reads one record batch at a time, so memory stays bounded by a batch, not by
         the shard. No inference runs here.
@@ -161,11 +162,11 @@ class ShardCheckpoint:
         staged = staging_path(final, self.layout.staging_dir)
         chunks = [join(self.chunk_dir, self.done[r].chunk) for r in self.ranges]
         try:
-            with fs.open(chunks[0], "rb") as first:
+            with open_file(fs, chunks[0], "rb") as first:
                 schema = pq.ParquetFile(first).schema_arrow
-            with fs.open(staged, "wb") as sink, pq.ParquetWriter(sink, schema) as writer:
+            with open_file(fs, staged, "wb") as sink, pq.ParquetWriter(sink, schema, use_dictionary=dictionary) as writer:
                 for chunk in chunks:
-                    with fs.open(chunk, "rb") as source:
+                    with open_file(fs, chunk, "rb") as source:
                         for batch in pq.ParquetFile(source, pre_buffer=False).iter_batches():
                             writer.write_batch(batch)
         except BaseException:

@@ -14,8 +14,10 @@ import errno
 import os
 import posixpath
 import re
+import threading
 import uuid
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import fsspec
@@ -44,6 +46,37 @@ def open_fs(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[Ab
     except ValueError as e:
         raise InvalidSetting(f"the URL {uri!r} cannot be opened: {e}; check its scheme") from e
     return fs, path.rstrip("/") or path
+
+
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def io_threads(role: Literal["read", "write"]) -> ThreadPoolExecutor:
+    """This process's threads that read shards ahead and write parts behind the scoring, kept for its life.
+
+    A thread started per shard (one to read ahead, one to write) cost ~2.7 ms each to start on a busy
+    worker: 5.5 ms of a 50,000-row shard's ~45. Reads and writes have a pool each, so that a reader waiting
+    for its consumer never holds up a write that consumer waits for; a pool starts a thread only when none
+    of its own is idle (one of each per shard in progress).
+    """
+    pool = _POOLS.get(role)
+    if pool is None:
+        with _POOLS_LOCK:
+            pool = _POOLS.get(role)
+            if pool is None:
+                pool = _POOLS[role] = ThreadPoolExecutor(64, thread_name_prefix=f"shard-{role}")
+    return pool
+
+
+def open_file(fs: AbstractFileSystem, path: str, mode: Literal["rb", "wb"]) -> Any:
+    """A file to read or write Parquet through: on local disk pyarrow's own (its reads and writes never
+    take the GIL), elsewhere the file system's (s3fs)."""
+    if isinstance(fs, LocalFileSystem):
+        import pyarrow as pa
+
+        return pa.OSFile(path, "r" if mode == "rb" else "w")
+    return fs.open(path, mode)
 
 
 def join(base: str, *parts: str) -> str:

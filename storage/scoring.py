@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 import logging
 from typing import Any, Callable, Generator
@@ -30,12 +30,12 @@ from shardline.errors import (
 from shardline.rows import check_rows, schema_mismatch
 from shardline.runtimes import RuntimeOptions
 from shardline.storage.checkpoint import ShardCheckpoint, plan_ranges, row_group_sizes
-from shardline.storage.fs import commit_file, ensure_dir, open_fs, staging_path
+from shardline.storage.fs import commit_file, ensure_dir, io_threads, open_file, open_fs, staging_path
 from shardline.storage.model_cache import get_model_cache
 from shardline.storage.output import OutputLayout, PartRecord
 from shardline.storage.registry import ResolvedModel
 from shardline.storage.retry import RetryPolicy, call_with_retries, is_transient
-from shardline.storage.shards import ShardInfo, iter_batches, read_footer
+from shardline.storage.shards import ShardInfo, dictionary_columns, iter_batches, read_footer
 
 logger = logging.getLogger("shardline.scoring")
 
@@ -71,7 +71,7 @@ class ScoringJob:
     cache_capacity: int = 4
     runtime: RuntimeOptions = RuntimeOptions()
     storage_options: dict[str, Any] = field(default_factory=dict)
-    checkpoint_bytes: int = 256 * 1024 * 1024
+    checkpoint_bytes: int = 1024 * 1024 * 1024
     retry: RetryPolicy = RetryPolicy()
     sample_check: Callable[[pa.Table], list[str]] | None = None
     contract_sample_rows: int = 1_000
@@ -119,19 +119,19 @@ class PartWriter:
     Scoring the next batch overlaps writing this one. On exit the batch in flight is
     always finished before the writer closes (closing under a running write crashes
     pyarrow), and a write error is raised unless another error is already on its way.
+    ``dictionary``: the columns dictionary-encoded (``dictionary_columns``).
     """
 
-    def __init__(self, fs: Any, path: str, schema: pa.Schema) -> None:
-        self._sink = fs.open(path, "wb")
-        self._writer = pq.ParquetWriter(self._sink, schema)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="part-writer")
+    def __init__(self, fs: Any, path: str, schema: pa.Schema, dictionary: list[str]) -> None:
+        self._sink = open_file(fs, path, "wb")
+        self._writer = pq.ParquetWriter(self._sink, schema, use_dictionary=dictionary)
         self._pending: Future[None] | None = None
 
     def write(self, batch: pa.RecordBatch) -> None:
         """Queue a batch behind the one in flight."""
         if self._pending is not None:
             self._pending.result()
-        self._pending = self._pool.submit(self._writer.write_batch, batch)
+        self._pending = io_threads("write").submit(self._writer.write_batch, batch)
 
     def __enter__(self) -> "PartWriter":
         return self
@@ -143,7 +143,6 @@ class PartWriter:
                 if kind is None:
                     self._pending.result()
         finally:
-            self._pool.shutdown(wait=True)
             try:
                 self._writer.close()
             finally:
@@ -158,6 +157,7 @@ class _Opened:
     carried: list[str]
     columns: list[str]
     target: pa.Schema
+    dictionary: list[str]  # the part's dictionary-encoded columns (``dictionary_columns``)
 
 
 @contextlib.contextmanager
@@ -169,7 +169,7 @@ def _open_shard(job: ScoringJob, shard: ShardInfo) -> Generator[_Opened, None, N
     """
     in_fs, in_path = open_fs(shard.uri, job.storage_options)
     try:
-        source = in_fs.open(in_path, "rb")
+        source = open_file(in_fs, in_path, "rb")
         # pre_buffer (pyarrow's default) would read every row group's column chunks up
         # front, so a worker's memory would grow with the shard's size.
         parquet = pq.ParquetFile(source, pre_buffer=False)
@@ -182,7 +182,8 @@ def _open_shard(job: ScoringJob, shard: ShardInfo) -> Generator[_Opened, None, N
         carried = carried_columns(job, schema)
         _check_schema(schema, job, carried)
         columns = list(dict.fromkeys([*carried, *job.model.manifest.signature.input_names]))
-        yield _Opened(parquet, carried, columns, output_schema(job, schema, carried))
+        target = output_schema(job, schema, carried)
+        yield _Opened(parquet, carried, columns, target, dictionary_columns(target, carried))
 
 
 class _Sample:
@@ -258,7 +259,7 @@ def _score_into(
     batches = _read(opened.parquet, opened.columns, job.batch_rows, shard, row_groups)
     # closing(): the read-ahead thread stops before the source file closes, even
     # when a check below raises while the generator is suspended.
-    with contextlib.closing(batches), PartWriter(out.fs, path, opened.target) as part:
+    with contextlib.closing(batches), PartWriter(out.fs, path, opened.target, opened.dictionary) as part:
         for batch in batches:
             rows = check_rows(batch, signature, job.model.pinned)  # the one row check, as the online tier's
             predicted = signature.plan.answer_batch(model.predict(rows))  # (a float matrix's answer is numpy)
@@ -327,7 +328,7 @@ def _score_to_part(job: ScoringJob, shard: ShardInfo, out: OutputLayout, final: 
         except InvalidInput:
             checkpoint.discard()  # the shard is quarantined: its partial scores are of no use
             raise
-    checkpoint.assemble(final)
+    checkpoint.assemble(final, opened.dictionary)
     rows_in, rows_out = checkpoint.rows()
     checkpoint.discard()
     if sample is not None:

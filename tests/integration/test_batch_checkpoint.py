@@ -105,8 +105,18 @@ def test_killed_midway_resumes_from_the_last_finished_range(
     resumed_part = pq.read_table(record.part.removeprefix("file://"))
     assert resumed_part.equals(pq.read_table(whole.part.removeprefix("file://")))
     assert resumed_part.column("id").to_pylist() == pq.read_table(big_shard).column("id").to_pylist()
+    # ... and encoded as it: the label as a dictionary; the probabilities and the carried ids as plain values
+    assembled, single = (_dictionary_encoded(r.part.removeprefix("file://")) for r in (record, whole))
+    assert assembled == single == {"label"}
     assert not (Path(layout.staging_dir) / CHECKPOINTS / f"{shard.relative}.json").exists()
     assert not list((Path(layout.staging_dir) / CHECKPOINTS).rglob("*.parquet"))
+
+
+def _dictionary_encoded(path: str) -> set[str]:
+    """The columns of a Parquet file whose first row group is dictionary-encoded."""
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    return {group.column(i).path_in_schema.split(".")[0] for i in range(group.num_columns)
+            if {"PLAIN_DICTIONARY", "RLE_DICTIONARY"} & set(group.column(i).encodings)}
 
 
 def test_a_stale_checkpoint_is_not_trusted(job: ScoringJob, big_shard: Path) -> None:

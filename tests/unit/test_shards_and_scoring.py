@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from shardline.storage.job_identity import job_id, job_key, summarize
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, part_name, split_done
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.scoring import ScoringJob, score_shard
-from shardline.storage.shards import ShardInfo, iter_batches, list_shards, read_footer
+from shardline.storage.shards import ShardInfo, dictionary_columns, iter_batches, list_shards, read_footer
 
 from tests.conftest import BuiltModel
 
@@ -53,6 +54,19 @@ def test_batches_are_bounded_and_complete(input_shards: Path) -> None:
     assert max(sizes) <= 300 and sum(sizes) == 2_000
     ids = [i for b in iter_batches(parquet, ["id"], 300, prefetch=0) for i in b.column("id").to_pylist()]
     assert ids == list(range(2_000))
+
+
+def test_readers_stopped_early_let_their_thread_go_and_the_next_shard_reuses_it(input_shards: Path) -> None:
+    parquet = pq.ParquetFile(input_shards / "part-00000.parquet")
+    for _ in range(30):  # a shard quarantined after its first batch, thirty times
+        batches = iter_batches(parquet, ["id"], 100)  # 20 batches: the reader is blocked on the full queue
+        assert next(batches).num_rows == 100
+        batches.close()
+
+    readers = [t for t in threading.enumerate() if t.name.startswith("shard-read")]
+    assert 1 <= len(readers) < 5  # kept and reused: not one a shard, none blocked for good
+    whole = [i for b in iter_batches(parquet, ["id"], 300) for i in b.column("id").to_pylist()]
+    assert whole == list(range(2_000))
 
 
 def test_reader_errors_reach_the_consumer(tmp_path: Path) -> None:
@@ -204,3 +218,15 @@ def test_footer_reader_says_the_file_is_not_parquet(tmp_path: Path) -> None:
     (tmp_path / "x.parquet").write_bytes(b"PAR1 but not really")
     with pytest.raises(CorruptShard, match="is not a readable Parquet file"):
         read_footer(str(tmp_path / "x.parquet"))
+
+
+def test_a_part_dictionary_encodes_labels_and_text_not_floats_or_carried_ids() -> None:
+    schema = pa.schema([
+        ("id", pa.int64()), ("country", pa.string()), ("weight", pa.float64()), ("tags", pa.dictionary(pa.int8(), pa.string())),
+        ("label", pa.int64()), ("name", pa.string()), ("score", pa.float32()),
+        ("probabilities", pa.list_(pa.float32(), 2)), ("embedding", pa.list_(pa.float32())),
+    ])
+
+    chosen = dictionary_columns(schema, carried=["id", "country", "weight", "tags"])
+
+    assert chosen == ["country", "tags", "label", "name"]

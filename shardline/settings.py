@@ -235,7 +235,8 @@ class BatchSettings(BaseSettings):
     )
     retry_cap_s: float = Field(default=30.0, gt=0, description="Largest backoff between two retries.")
     max_in_flight: int = Field(
-        default=0, ge=0, description="Shards submitted to the cluster at once; 0: 4 per worker thread (at least 8)."
+        default=0, ge=0, description="Tasks submitted to the cluster at once (a shard each, or a group of small "
+        "shards scored one after the other); 0: 4 per worker thread (at least 8)."
     )
     contract_sample_rows: int = Field(
         default=1_000,

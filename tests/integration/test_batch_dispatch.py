@@ -15,7 +15,7 @@ from shardline.storage.output import OutputLayout, PartRecord
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.scoring import ScoringJob
 from shardline.storage.shards import ShardInfo, list_shards
-from shardline.tasks.dispatch import dispatch_shards, job_task_key
+from shardline.tasks.dispatch import dispatch_shards, group_shards, job_task_key, score_group
 
 from tests.conftest import BuiltModel
 
@@ -140,3 +140,54 @@ def test_a_job_of_few_shards_is_split_evenly_over_the_workers(
 
     ran = [(t["key"], t["worker"]) for t in stream.data if t["key"].startswith("shard-even-")]
     assert sorted(sum(1 for _, w in ran if w == worker) for worker in workers) == [2, 2], ran
+
+
+def test_small_shards_go_in_groups_and_each_settles_with_its_own_record(
+    breast_cancer_model: BuiltModel, dask_address: str, tmp_path: Path
+) -> None:
+    from distributed import Client, get_task_stream
+
+    job, shards = scoring_job(breast_cancer_model.bundle_dir, tmp_path, 24, 5_000, "grouped")
+    settled: list[str] = []
+
+    def on_settled(shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:
+        assert error is None and record is not None and record.relative == shard.relative, error
+        settled.append(record.relative)
+
+    with Client(dask_address) as client, get_task_stream(client) as stream:
+        stats = dispatch_shards(client, job, shards, on_settled, key_prefix="shard-grouped")
+
+    tasks = [t for t in stream.data if t["key"].startswith("shard-grouped-")]
+    assert stats.submitted == 24 and stats.tasks == len(tasks) == 8  # 3 small shards a task, 4 a worker thread
+    assert sorted(settled) == sorted(s.relative for s in shards)  # each once
+    assert OutputLayout(job.output_uri).present_parts() == set(settled)
+    ledger = OutputLayout(job.output_uri).read_ledger()
+    assert {r.relative for r in ledger.values()} == set(settled) and all(r.rows_out == 20_000 for r in ledger.values())
+
+
+def test_groups_are_of_small_shards_and_leave_every_worker_thread_some() -> None:
+    def shards(*sizes: int) -> list[ShardInfo]:
+        return [ShardInfo(f"file:///in/{i}.parquet", f"{i}.parquet", size, str(i)) for i, size in enumerate(sizes)]
+
+    mib = 1024 * 1024
+    assert [len(g) for g in group_shards(shards(*[15 * mib] * 80), threads=2)] == [4] * 20  # 64 MiB a task
+    assert [len(g) for g in group_shards(shards(*[mib] * 80), threads=2)] == [8] * 10  # at most 8 a task
+    assert [len(g) for g in group_shards(shards(*[mib] * 24), threads=2)] == [3] * 8  # 8 tasks for 2 threads
+    assert [len(g) for g in group_shards(shards(*[mib] * 8), threads=2)] == [1] * 8
+    assert [len(g) for g in group_shards(shards(*[300 * mib] * 40), threads=2)] == [1] * 40  # large ones alone
+    mixed = group_shards(shards(10 * mib, 200 * mib, 10 * mib, 10 * mib, *[mib] * 36), threads=1)
+    assert [s.relative for g in mixed for s in g] == [f"{i}.parquet" for i in range(40)]  # in order
+    assert all(len(g) == 1 or sum(s.size for s in g) <= 64 * mib for g in mixed)
+
+
+def test_a_shard_failing_in_a_group_fails_alone(breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    job, shards = scoring_job(breast_cancer_model.bundle_dir, tmp_path, 3, 1_000, "one-fails")
+    gone = replace(shards[1], uri="nope://nowhere/part.parquet")  # no such file system: raises
+
+    outcomes = score_group(job, [shards[0], gone, shards[2]])
+
+    assert [r is not None and r.status for r, _ in outcomes] == ["committed", False, "committed"]
+    assert outcomes[1][1] is not None and outcomes[0][1] is None and outcomes[2][1] is None
+    assert OutputLayout(job.output_uri).present_parts() == {shards[0].relative, shards[2].relative}

@@ -30,7 +30,7 @@ Dask, with the targets (steady >= 1.2x the tight loop and >= 1.1x Dask; tree mem
 Dask's; memory flat across the cells; start-up plus tear-down <= 2 s) and MISSED where
 one is not met.
 
-    .venv/bin/python bench/batch_throughput.py            # 4M rows a cell, 2 runs each: ~12 min on 2 quiet cores
+    .venv/bin/python bench/batch_throughput.py            # 4M rows a cell, 2 runs each: ~6 min on 2 quiet cores
     .venv/bin/python bench/batch_throughput.py --quick    # 0.8-2M rows a cell, 1 run: ~3 min (shards written once more)
 
 Data lives under bench/.data/batch/ (git-ignored): the shards are written once and

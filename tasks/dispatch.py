@@ -152,7 +152,7 @@ def dispatch_shards(
     by_key: dict[str, list[ShardInfo]] = {}
     counter = itertools.count()
     pending = as_completed()
-    futures: dict[str, Any] = {}  # key -> future, of the shards in flight
+    futures: dict[str, Any] = {}  # key -> future, of the tasks in flight
     stop, stopping, settled_count = STOP_REQUEST.get(), False, 0
     threads = _cluster_threads(client)
     limit = in_flight_target(threads, max_in_flight)

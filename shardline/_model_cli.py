@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, get_args
 
 import typer
 
@@ -38,8 +38,6 @@ _GOLDEN_HELP = ("Golden Parquet set: inputs with known answers, which promotion'
 
 
 def _check_metric(metric: str) -> None:
-    from typing import get_args
-
     from shardline.bundle import GoldenMetric
 
     if metric not in get_args(GoldenMetric):

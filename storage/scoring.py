@@ -114,7 +114,8 @@ def output_schema(job: ScoringJob, input_schema: pa.Schema, carried: list[str]) 
 
 
 class PartWriter:
-    """Writes record batches to a Parquet file on a background thread, one batch in flight.
+    """Writes record batches to a Parquet file on a background thread (the process's kept writers,
+    ``io_threads("write")``), one batch in flight.
 
     Scoring the next batch overlaps writing this one. On exit the batch in flight is
     always finished before the writer closes (closing under a running write crashes

@@ -204,7 +204,8 @@ def iter_batches(
     prefetch: int = 1,
     row_groups: Sequence[int] | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """Record batches of at most ``batch_rows`` rows, read ``prefetch`` ahead on a thread.
+    """Record batches of at most ``batch_rows`` rows, read ``prefetch`` ahead on a thread (the process's kept
+    readers, ``io_threads("read")``).
 
     Reading ahead lets decompression overlap the caller's work (both release the GIL)
     while memory stays bounded by ``(prefetch + 1) * batch_rows`` rows. ``row_groups``

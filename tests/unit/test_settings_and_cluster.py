@@ -134,7 +134,6 @@ def test_the_clusters_started_here_go_without_the_dashboards_sampling_unless_the
     assert chosen["distributed.worker.profile.enabled"] is False
 
 
-
 def test_local_workers_get_arrows_jemalloc_pool_unless_the_user_chose_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ARROW_DEFAULT_MEMORY_POOL", raising=False)
     assert worker_memory_pool_config() == {"distributed.nanny.pre-spawn-environ.ARROW_DEFAULT_MEMORY_POOL": "jemalloc"}

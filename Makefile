@@ -9,9 +9,18 @@ export ORT_DISABLE_TELEMETRY := 1
 export GX_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: setup demo test test-fast bench typecheck clean
+.PHONY: setup haproxy demo test test-fast bench typecheck clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed haproxy
+
+# HAProxy in front of `shardline router` (docs/routing.md "The data plane"): Debian's package, installed
+# when missing and this is root with apt; otherwise the router relays every request itself (slower).
+haproxy:
+	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { apt-get install -y -qq haproxy >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
+	      apt-get install -y -qq haproxy >/dev/null 2>&1; }; }; } || \
+	  echo "note: haproxy is not installed (apt-get install haproxy): shardline router will relay every request itself"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

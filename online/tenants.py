@@ -91,6 +91,10 @@ class TenantDirectory:
         self._unmetered = {t.name: replace(t, rate=None, max_concurrent=None, tokens_per_minute=None, max_streams=None)
                            for t in tenants}
 
+    def digests(self) -> list[tuple[str, str]]:
+        """(sha256 hex of a key, tenant name) for every key (what a native data plane looks keys up in)."""
+        return [(stored.hex(), tenant.name) for stored, tenant in self._digests]
+
     @property
     def routed(self) -> bool:
         """Whether requests come through a router (which holds the quotas: see the class docstring)."""
@@ -98,8 +102,7 @@ class TenantDirectory:
 
     def behind_router(self, router_key_sha256: str) -> "TenantDirectory":
         """The same tenants, taking requests only from the router whose key hashes to ``router_key_sha256``."""
-        digests = [(stored.hex(), tenant.name) for stored, tenant in self._digests]
-        return TenantDirectory(list(self.tenants.values()), digests, router_key_sha256)
+        return TenantDirectory(list(self.tenants.values()), self.digests(), router_key_sha256)
 
     @classmethod
     def from_file(cls, parsed: TenantsFile) -> "TenantDirectory":

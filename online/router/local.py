@@ -50,7 +50,7 @@ def restart_delay(previous: float, ran_s: float) -> float:
     return min(RESTART_MAX_S, previous * 2)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the replica, before it runs: on Linux, be sent SIGTERM when the router dies, however it dies
     (a SIGKILLed router leaves no replica behind); elsewhere nothing."""
     if not sys.platform.startswith("linux"):
@@ -145,7 +145,7 @@ class LocalReplicas:
             "--metrics-port", str(replica.metrics_port), "--tenants", self.tenants_file,
         ]
         replica.process = subprocess.Popen(command, env=env, stdout=replica.log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                           stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         replica.started_at, replica.restart_at = self._clock(), None
         log.info("started replica %d (pid %d) on %s (metrics on port %d)", replica.index, replica.process.pid,
                  replica.url, replica.metrics_port)

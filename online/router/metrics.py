@@ -14,11 +14,13 @@ Per request, counted as it is answered:
   version answered, the arm (``baseline`` or ``candidate``) and whether it was a server error;
 - ``shardline_router_shadow_rows_total{model, agree}``: rows of shadow answers compared with the
   primary's, by candidate version and whether they agreed (``online/router/compare.py``).
+- ``shardline_router_fast_lane_requests_total{model}``: requests HAProxy in front answered without
+  the router (``edge``), read from HAProxy; they are not in the series above.
 
 Read at each scrape from the router's state (nothing on the request path):
 
-- ``shardline_router_in_flight{model}``: requests being answered now, by model: the demand an
-  autoscaler scales replicas on;
+- ``shardline_router_in_flight{model}``: requests being answered now, by model (the fast lane's
+  included, as last read): the demand an autoscaler scales replicas on;
 - ``shardline_router_replica_in_flight{group, replica}``, ``shardline_router_replica_available{group,
   replica}`` (1 ready with its breaker letting requests through, else 0) and
   ``shardline_router_breaker_state{group, replica}`` (0 closed, 1 half-open, 2 open);
@@ -74,6 +76,11 @@ class RouterMetrics:
         self.cold_starts = Histogram("shardline_router_cold_start_seconds", "From a local replica's start to its "
                                      "first ready answer", buckets=COLD_START_BUCKETS, registry=self.registry)
         self.in_flight: Tally[str] = Tally()
+        # What HAProxy's fast lane carries (``edge``), as last read from it: in flight by model and by replica
+        # url, and requests by model since it started.
+        self.edge_in_flight: dict[str, int] = {}
+        self.edge_replicas: dict[str, int] = {}
+        self.edge_requests: dict[str, int] = {}
         self.wanted: dict[str, int] = {}  # group -> replicas its scaler wants (local autoscaling)
         self.target_in_flight = target_in_flight
         self.activator: Activator | None = None
@@ -131,7 +138,9 @@ class _StateCollector(Collector):
         yield from self._answers()
         now = self.clock()
         demand = GaugeMetricFamily("shardline_router_in_flight", "Requests being answered, by model", labels=["model"])
-        for model, count in sorted(self.metrics.in_flight.items()):
+        models = Tally(self.metrics.in_flight)
+        models.update(self.metrics.edge_in_flight)
+        for model, count in sorted(models.items()):
             demand.add_metric([model], count)
         in_flight = GaugeMetricFamily("shardline_router_replica_in_flight", "Requests at a replica now",
                                       labels=["group", "replica"])
@@ -142,12 +151,14 @@ class _StateCollector(Collector):
                                     labels=["group", "replica"])
         group_demand: Tally[str] = Tally()
         members: Tally[str] = Tally()
+        edge = self.metrics.edge_replicas
         for replica in list(self.replicas.replicas.values()):
             labels = [replica.group, replica.url]
-            in_flight.add_metric(labels, replica.in_flight)
+            busy = replica.in_flight + edge.get(replica.url, 0)
+            in_flight.add_metric(labels, busy)
             available.add_metric(labels, 1 if self.replicas.available(replica, now) else 0)
             breaker.add_metric(labels, BREAKER_STATES[replica.breaker.state])
-            group_demand[replica.group] += replica.in_flight
+            group_demand[replica.group] += busy
             members[replica.group] += 1
         queued = GaugeMetricFamily("shardline_router_queued", "Requests held while a replica starts, by model",
                                    labels=["model"])
@@ -179,4 +190,8 @@ class _StateCollector(Collector):
         for model, counts in sorted(self.metrics.latency.items()):
             cumulative = list(itertools.accumulate(counts[:-1]))
             seconds.add_metric([model], list(zip(bounds, cumulative)), counts[-1])
-        yield from (requests, seconds)
+        fast = CounterMetricFamily("shardline_router_fast_lane_requests", "Requests HAProxy in front answered "
+                                   "itself, by model version (read from it every half second)", labels=["model"])
+        for model, count in sorted(self.metrics.edge_requests.items()):
+            fast.add_metric([model], count)
+        yield from (requests, seconds, fast)

@@ -195,6 +195,9 @@ class RolloutBook:
         self.moves: dict[tuple[str, str], AliasMove | None] = {}
         self.windows: dict[str, dict[Arm, Window]] = {}
         self.shadows: dict[str, ShadowWindow] = {}
+        # Called once the aliases are read, before any decision is written: HAProxy in front stops answering an
+        # alias's requests itself before this router reports it has seen the alias's rollout (``edge``).
+        self.after_read: Callable[[], Awaitable[None]] | None = None
 
     def route(self, name: str, alias: str, caller: str, draw: float) -> Route | None:
         """The route for a request, or None when the book has not read the alias (the caller resolves it)."""
@@ -246,6 +249,8 @@ class RolloutBook:
                 self.moves[key] = await self._run(functools.partial(self.registry.current_move, *key))
             except Exception as e:  # noqa: BLE001 - the known record stays in use; read again next round
                 log.warning("could not read %s@%s: %s: %s", key[0], key[1], type(e).__name__, e)
+        if self.after_read is not None:
+            await self.after_read()
         live = set()
         for (name, alias), move in list(self.moves.items()):
             rollout = rollouts.active(move)

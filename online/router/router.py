@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import logging
 import random
 import re
@@ -44,6 +45,7 @@ from shardline.online.errors import error_status, shown
 from shardline.online.generation import LlmGate
 from shardline.online.models import VARIANT_HEADER, ModelDirectory
 from shardline.online.router.compare import decode_answer
+from shardline.online.router.edge import GATED_HEADER
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
 from shardline.online.router.messages import (
     REQUEST_ID,
@@ -80,10 +82,10 @@ _HOP = frozenset({
 })
 _NOT_ANSWERED = _HOP | {b"date", b"server"}  # the router's server writes its own date and server
 _SET_HERE = frozenset({b"authorization", TENANT_HEADER.encode(), TIMEOUT_HEADER.encode(), VARIANT_HEADER.encode(),
-                       REQUEST_ID_HEADER.encode()})
+                       REQUEST_ID_HEADER.encode(), GATED_HEADER.encode()})
 _NOT_SENT = _HOP | _SET_HERE
 _TENANT, _VARIANT = TENANT_HEADER.encode(), VARIANT_HEADER.encode()
-_ROUTE_KEY, _TIMEOUT = ROUTE_KEY_HEADER.encode(), TIMEOUT_HEADER.encode()
+_ROUTE_KEY, _TIMEOUT, _GATED = ROUTE_KEY_HEADER.encode(), TIMEOUT_HEADER.encode(), GATED_HEADER.encode()
 _MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/infer|/ready)?/?$")
 MAX_REMEMBERED = 65_536  # (replica, version) pairs known to have answered (past it, none counts as first)
 MAX_MIRRORS = 64  # shadow copies in flight at once; more are skipped (counted), never queued
@@ -123,6 +125,7 @@ class Router:
         self._mirrors: set[asyncio.Task[None]] = set()
         self._answered: set[tuple[str, str]] = set()  # (replica, model version) pairs that have answered
         self.fallbacks: dict[tuple[str, str], str] = {}  # (model name, group) -> the variant that group answers with
+        self.behind_edge = False  # HAProxy in front (``edge``): it holds the rate and concurrency quotas it marks
 
     async def start(self) -> None:
         """Ready the connection pools (connections open on first use)."""
@@ -164,7 +167,9 @@ class Router:
             available = sum(self.replicas.available(r, now) for r in self.replicas.replicas.values())
             ready = group is not None or self.activator is not None  # scaled to zero: a request starts one
             return json_answer(200 if ready else 503, {"ready": ready, "group": group, "available": available})
-        tenant = self.tenants.authenticate(request.header(b"authorization"))
+        tenant = self._edge_tenant(request) if self.behind_edge else None
+        if tenant is None:
+            tenant = self.tenants.authenticate(request.header(b"authorization"))
         matched = _MODEL_PATH.match(path)
         if matched is not None:
             name, version, tail = matched.group(1), matched.group(2), matched.group(3)
@@ -190,6 +195,18 @@ class Router:
         if path.startswith(("/v2", "/v1/")):
             return await self._admitted(tenant, request, path, request.body, path, request_id)
         return json_answer(404, {"error": f"no route {shown(path)}; the router serves /v2 and /v1 as `shardline serve` does"})
+
+    def _edge_tenant(self, request: Incoming) -> Tenant | None:
+        """Behind HAProxy: the tenant of a fast-lane request it could not place (its group had no replica up),
+        which it passes on as it would to a replica: with the router's key and the tenant it authenticated."""
+        sent = request.header(b"authorization")
+        if sent is None or not hmac.compare_digest(sent.encode("latin-1"), self._key) or request.header(_TENANT) is None:
+            return None
+        tenant = self.tenants.tenants.get(request.header(_TENANT) or "")
+        if tenant is None:
+            return None
+        request.headers.append((_GATED, tenant.name.encode()))  # admitted by HAProxy already
+        return tenant
 
     async def _version_for(self, tenant: Tenant, request: Incoming, ref: ModelRef) -> Route:
         """The version a reference means for this caller now: a rollout's pick (by the request key, else the
@@ -247,8 +264,10 @@ class Router:
     async def _admitted(self, tenant: Tenant, request: Incoming, path: str, body: bytes, key: str,
                         request_id: str, route: Route | None = None,
                         mirror: tuple[str, bytes, str] | None = None, stream: bool = False) -> Answer:
-        gate = self._gate(tenant)
-        gate.__enter__()  # the tenant's rate and concurrency, for every replica together (held while a stream runs)
+        # The tenant's rate and concurrency, for every replica together (held while a stream runs), unless
+        # HAProxy in front has held them (it marks the requests it admitted; a client's mark never gets here).
+        gate = (_ADMITTED if self.behind_edge and request.header(_GATED) == tenant.name else self._gate(tenant))
+        gate.__enter__()
         llm = None
         try:
             if path in GENERATION_PATHS:
@@ -525,6 +544,19 @@ class Router:
                 before = replica.breaker.state
                 replica.breaker.record(ok, self._clock())
                 _note(replica, before)
+
+
+class _Admitted:
+    """The gate of a request HAProxy has admitted already: nothing to hold."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_ADMITTED = _Admitted()
 
 
 def _busy_until_done(pieces: Relay, replica: Replica) -> Relay:

@@ -2,7 +2,9 @@
 
 One process, one event loop (the router's work per request is a few header copies and one
 upstream call). With ``--local-replicas N`` it starts N ``shardline serve`` processes first and
-stops them when it stops.
+stops them when it stops. With HAProxy installed (``data_plane`` auto or haproxy) the router binds
+its address and hands the socket to HAProxy, which it starts in front of itself (``edge``); uvicorn
+then listens on a unix socket in a private folder, for HAProxy alone.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 from shardline.errors import InvalidSetting
 from shardline.online.logs import log_config
 from shardline.online.models import ModelDirectory
-from shardline.online.router.config import RouterConfig, load_router_config, local_config
+from shardline.online.router.config import LOCAL_GROUP, RouterConfig, load_router_config, local_config
+from shardline.online.router.edge import DNS_SLOTS, Edge, EdgeLayout, choose_data_plane
 from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.local import LocalReplicas
 from shardline.online.router.events import RouterEvents
@@ -89,6 +92,36 @@ def build_service(settings: RouterSettings, storage: StorageSettings, tenancy: T
     return RouterService(router, config, local, scaler)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The router's listening socket, for HAProxy to inherit.
+
+    Raises:
+        InvalidSetting: the address cannot be listened on.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        listener = socket.create_server((host, port), family=family, backlog=4096)
+    except OSError as e:
+        raise InvalidSetting(f"cannot listen on {host}:{port} ({e.strerror}); set SHARDLINE_ROUTER_PORT to a free "
+                             "port") from e
+    listener.set_inheritable(True)
+    return listener
+
+
+def _edge_layout(settings: RouterSettings, config: RouterConfig, key: str, listener: socket.socket) -> EdgeLayout:
+    """HAProxy's layout: a slot per configured replica (``DNS_SLOTS`` for a DNS group, the most local replicas for
+    the local group), the router's failure settings."""
+    groups = tuple(
+        (g.name, settings.local_replicas if g.name == LOCAL_GROUP and settings.local_replicas
+         else len(g.replicas) or DNS_SLOTS)
+        for g in sorted(config.groups, key=lambda g: (g.priority, g.name)))
+    return EdgeLayout(
+        folder=Path(tempfile.mkdtemp(prefix="shardline-edge-")), listen_fd=listener.fileno(), groups=groups,
+        router_key=key, balance=settings.balance, retries=settings.retries,
+        request_timeout_s=settings.request_timeout_s, max_timeout_s=settings.max_timeout_s,
+        health_interval_s=settings.health_interval_s)
+
+
 def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: TenancySettings) -> None:
     """Run the router until it is stopped (SIGINT or SIGTERM), with its local replicas if asked for.
 
@@ -117,13 +150,26 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
         assert settings.config_file
         config = load_router_config(settings.config_file)
     service = build_service(settings, storage, tenancy, config, key, local)
+    haproxy = choose_data_plane(settings.data_plane)
     online = OnlineSettings()
     limits = resolve_limits(online, open_files_limit())
     metrics = (bind_metrics_listener(settings.metrics_host, settings.metrics_port, settings.port,
                                      "SHARDLINE_ROUTER_METRICS_PORT") if settings.metrics_port else None)
     apps = {metrics.getsockname()[1]: metrics_app(service.router.metrics.exposition)} if metrics is not None else None
-    server_config = uvicorn.Config(router_app(service, settings.max_body_bytes), host=settings.host, port=settings.port,
-                                   log_config=config_log, timeout_graceful_shutdown=10, **uvicorn_options(limits, apps))
+    app = router_app(service, settings.max_body_bytes)
+    listener = None
+    if haproxy is not None:
+        listener = _listen(settings.host, settings.port)
+        service.edge = Edge(haproxy, _edge_layout(settings, config, key, listener), service.router.tenants)
+        service.router.behind_edge = True
+        server_config = uvicorn.Config(app, uds=str(service.edge.layout.router_socket), log_config=config_log,
+                                       timeout_graceful_shutdown=10, **uvicorn_options(limits, apps))
+        host, port = listener.getsockname()[:2]
+        log.info("router on http://%s:%d (haproxy in front; the router behind it on %s)", host, port,
+                 service.edge.layout.router_socket)
+    else:
+        server_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=config_log,
+                                       timeout_graceful_shutdown=10, **uvicorn_options(limits, apps))
     try:
         if local is not None:
             local.start()
@@ -132,9 +178,13 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
         server = uvicorn.Server(server_config)
         server.run(sockets=[server_config.bind_socket(), *([metrics] if metrics is not None else [])])
     finally:
+        if service.edge is not None:
+            service.edge.stop()
         if local is not None:
             local.stop()
         if metrics is not None:
             metrics.close()
+        if listener is not None:
+            listener.close()
     if not server.started:
         raise SystemExit(3)

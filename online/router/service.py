@@ -1,6 +1,7 @@
 """The router as a running service: its background work and its ASGI adapter.
 
-- ``RouterService``: the ``Router`` plus what keeps its view of the replicas true: an active health
+- ``RouterService``: the ``Router`` plus what keeps its view of the replicas true (and HAProxy's, when it is
+  in front: ``edge``): an active health
   check of every replica (``GET /v2/health/ready``) every ``health_interval_s``, the DNS groups
   resolved every ``refresh_s``, the local replicas watched (``--local-replicas``), and the aliases the
   tenants call read again every ``rollout_refresh_s`` to follow their rollouts (``rollouts``); with a
@@ -25,6 +26,7 @@ from urllib.parse import urlsplit
 from shardline.errors import PayloadTooLarge
 from shardline.online.bodies import ClientGone, receive_body
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig
+from shardline.online.router.edge import SYNC_S, Edge
 from shardline.online.router.health import OutlierPolicy
 from shardline.online.router.local import LocalReplicas
 from shardline.online.router.messages import Answer, Incoming, error_answer
@@ -54,6 +56,7 @@ class RouterService:
         self.outliers = OutlierPolicy()
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: dict[str, UpstreamPool] = {}  # a pool of its own per replica: checks never wait behind requests
+        self.edge: Edge | None = None  # HAProxy in front (``edge``), kept true every SYNC_S
 
     async def start(self) -> None:
         """Open the pools, check every replica once, then keep checking in the background."""
@@ -66,9 +69,15 @@ class RouterService:
         await self.check_all()
         self._tasks.append(loop.create_task(self._every(self.router.settings.health_interval_s, self._check_round)))
         book = self.router.rollouts
+        if book is not None and self.edge is not None:
+            book.after_read = functools.partial(self.edge.sync_pins, self.router)
         if book is not None:
             await book.refresh()  # the aliases' versions and rollouts known before the first request
             self._tasks.append(loop.create_task(self._every(self.router.settings.rollout_refresh_s, book.refresh)))
+        if self.edge is not None:
+            await loop.run_in_executor(None, self.edge.start)
+            await self.edge.sync(self.router)
+            self._tasks.append(loop.create_task(self._every(SYNC_S, functools.partial(self.edge.sync, self.router))))
         if self.local is not None:
             self._tasks.append(loop.create_task(self._every(0.5, self._watch_local)))
             self._tasks.append(loop.create_task(self._every(STARTING_CHECK_S, self._check_starting)))
@@ -86,6 +95,8 @@ class RouterService:
             pool.close()
         self._checks.clear()
         await self.router.stop()
+        if self.edge is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.edge.stop)
         if self.local is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.local.stop)
 
@@ -162,7 +173,8 @@ class RouterService:
         now = time.monotonic()
         replicas = self.router.replicas
         activator = self.router.activator
-        demand = sum(r.in_flight for r in replicas.replicas.values()) + (activator.total if activator else 0)
+        demand = (sum(r.in_flight for r in replicas.replicas.values()) + sum(self.router.metrics.edge_replicas.values())
+                  + (activator.total if activator else 0))
         self.router.metrics.wanted[LOCAL_GROUP] = self.scaler.observe(now, demand)
         target = self.scaler.decide(now, self.local.running)
         if target != self.local.running:

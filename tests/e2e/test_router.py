@@ -1,7 +1,11 @@
 """`shardline router` as a user runs it: a subprocess over 3 `shardline serve` replicas it starts itself
 (and, for failover, one over two groups of replicas started by hand), spoken to with tritonclient, the
 openai client and plain HTTP; a replica SIGKILLed under load; rollouts started and ended with
-`shardline rollout`, stepped, promoted and rolled back by the router itself."""
+`shardline rollout`, stepped, promoted and rolled back by the router itself.
+
+The router relays every request itself here (SHARDLINE_ROUTER_DATA_PLANE=python: what runs where
+haproxy is not installed, and what answers every request HAProxy passes on); test_router_edge.py
+runs it with HAProxy in front."""
 
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ pytestmark = pytest.mark.timeout(300)
 def _env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
     env.update(SHARDLINE_STORAGE_HOME=str(home), DO_NOT_TRACK="1", ORT_DISABLE_TELEMETRY="1",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1", **extra)
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1", SHARDLINE_ROUTER_DATA_PLANE="python")
+    env.update(extra)
     return env
 
 

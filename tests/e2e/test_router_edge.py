@@ -1,0 +1,296 @@
+"""`shardline router` with HAProxy in front (online/router/edge.py), as a user runs it where haproxy is
+installed: pinned V2 inference answered by HAProxy's fast lane, everything else by the router behind it,
+the tenants' quotas held once for both lanes, the pins following an alias, and a replica SIGKILLed
+under load through the fast lane. The router's own relay is tested in test_router.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import openai
+import orjson
+import pytest
+import tritonclient.http as triton
+
+from shardline.online.router.edge import find_haproxy
+from shardline.online.tenants import hash_api_key
+from shardline.storage.registry import ModelRegistry
+from shardline.storage.rollouts import Rollout
+
+from tests.conftest import BuiltModel
+from tests.e2e.conftest import SHARDLINE
+from tests.e2e.test_router import CHURN, KEY, MODEL, TIGHT_KEY, _env, _infer_body, _scrape, _stop, _wait_ready, v2_inputs
+from tests.e2e.test_router import home  # noqa: F401 - the module's registry (breast-cancer, minilm, churn 1-3)
+from tests.e2e.test_serve import free_port
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(find_haproxy() is None, reason="haproxy is not installed (apt-get install haproxy)")]
+NARROW_KEY = "sk-router-narrow"
+
+
+@dataclass
+class Edged:
+    url: str
+    log: Path
+    replicas: dict[str, int]  # url -> pid
+    metrics: str
+    admin: Path  # HAProxy's runtime API
+
+
+def _tenants(path: Path) -> Path:
+    path.write_text(
+        "tenants:\n"
+        "  - name: acme\n"
+        f"    api_keys_sha256: [\"{hash_api_key(KEY)}\"]\n"
+        "    models: [\"breast-cancer@prod\", \"minilm@prod\", \"churn@prod\"]\n"
+        "    rate: {requests_per_second: 5000, burst: 5000}\n"
+        "    max_concurrent: 64\n"
+        "  - name: tight\n"
+        f"    api_keys_sha256: [\"{hash_api_key(TIGHT_KEY)}\"]\n"
+        "    models: [\"breast-cancer@prod\", \"minilm@prod\"]\n"
+        "    rate: {requests_per_second: 1, burst: 6}\n"
+        "  - name: narrow\n"
+        f"    api_keys_sha256: [\"{hash_api_key(NARROW_KEY)}\"]\n"
+        "    models: [\"breast-cancer@prod\"]\n"
+        "    max_concurrent: 2\n"
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def edged(home: Path) -> Iterator[Edged]:  # noqa: F811 - the imported fixture
+    tenants = _tenants(home / "tenants-edge.yaml")
+    port, metrics_port = free_port(), free_port()
+    log = home / "router-edge.log"
+    with open(log, "wb") as sink:
+        router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "3", "--tenants", str(tenants), "--port",
+                                   str(port), "--metrics-port", str(metrics_port)],
+                                  env=_env(home, SHARDLINE_ROUTER_DATA_PLANE="haproxy"), stdout=sink,
+                                  stderr=subprocess.STDOUT, cwd=home)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, router, log, available=3)
+        text = log.read_text()
+        replicas = {u: int(p) for p, u in re.findall(r"started replica \d \(pid (\d+)\) on (http://[0-9.:]+)", text)}
+        folder = re.search(r"its files in (/\S+?)\)", text)
+        assert folder is not None and len(replicas) == 3, text[-3000:]
+        yield Edged(url, log, replicas, f"http://127.0.0.1:{metrics_port}/metrics", Path(folder.group(1)) / "admin.sock")
+    finally:
+        code = _stop(router)
+    assert code in (0, -signal.SIGTERM), log.read_text()[-4000:]
+    assert not Path(folder.group(1), "admin.sock").exists()  # HAProxy stopped with the router
+
+
+def _admin(edged: Edged, command: str) -> str:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(edged.admin))
+        s.sendall(command.encode() + b"\n")
+        return s.makefile().read()
+
+
+def _fast_lane(edged: Edged, model: str) -> float:
+    """Requests HAProxy answered itself for ``model`` (name:version), as the router last read them."""
+    time.sleep(0.6)  # the router reads HAProxy's counts every half second
+    return _scrape(edged.metrics).get(("shardline_router_fast_lane_requests_total", (("model", model),)), 0.0)
+
+
+def _eventually(check: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = check()
+        if found:
+            return found
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_tritonclient_is_answered_by_the_fast_lane_like_scikit_learn(
+    edged: Edged, breast_cancer_model: BuiltModel, binary: bool
+) -> None:
+    before = _fast_lane(edged, f"{MODEL}:1")
+    client = triton.InferenceServerClient(edged.url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready()
+    rows = breast_cancer_model.data.features[:40]
+    outputs = [triton.InferRequestedOutput(n, binary_data=binary) for n in ("label", "probabilities")]
+    for compression in ("gzip", None):
+        result = client.infer(MODEL, v2_inputs(breast_cancer_model, rows, binary), outputs=outputs, headers=key(),
+                              request_compression_algorithm=compression, request_id="via-haproxy")
+        np.testing.assert_array_equal(result.as_numpy("label"),
+                                      breast_cancer_model.estimator.predict(rows.astype(np.float32)))
+        assert result.get_response()["model_version"] == "1" and result.get_response()["id"] == "via-haproxy"
+    assert _fast_lane(edged, f"{MODEL}:1") == before + 2  # both answered by HAProxy, not the router
+    metadata = client.get_model_metadata(MODEL, headers=key())  # the router's lane
+    assert metadata["versions"] == ["1"] and [i["name"] for i in metadata["inputs"]] == breast_cancer_model.data.names
+
+
+def key() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def test_the_openai_client_and_a_deadline_go_to_the_router_behind(edged: Edged, breast_cancer_model: BuiltModel) -> None:
+    client = openai.OpenAI(base_url=f"{edged.url}/v1", api_key=KEY, max_retries=0)
+    assert client.embeddings.create(model="minilm", input="through haproxy").model == "minilm:1"
+    with pytest.raises(openai.AuthenticationError, match="the API key is not valid"):
+        openai.OpenAI(base_url=f"{edged.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    before = _fast_lane(edged, f"{MODEL}:1")
+    timed = httpx.post(f"{edged.url}/v2/models/{MODEL}/infer", content=_infer_body(breast_cancer_model),
+                       headers={**key(), "X-Shardline-Timeout-Ms": "5000"})
+    assert timed.status_code == 200 and timed.json()["model_version"] == "1"
+    assert _fast_lane(edged, f"{MODEL}:1") == before  # a deadline is the router's to keep
+
+
+def test_a_client_cannot_name_a_tenant_or_claim_its_quota_was_held(edged: Edged, breast_cancer_model: BuiltModel) -> None:
+    spoofed = httpx.get(f"{edged.url}/v2/models/minilm", headers={
+        "Authorization": f"Bearer {NARROW_KEY}", "X-Shardline-Tenant": "acme", "X-Shardline-Gated": "acme"})
+    assert spoofed.status_code == 404 and "not available to tenant 'narrow'" in spoofed.json()["error"]
+    replica = next(iter(edged.replicas))
+    direct = httpx.get(f"{replica}/v2/models/{MODEL}", headers=key())
+    assert direct.status_code == 401 and "only through its router" in direct.json()["error"]
+
+
+def test_a_tenants_rate_is_held_once_for_both_lanes(edged: Edged, breast_cancer_model: BuiltModel) -> None:
+    body = _infer_body(breast_cancer_model)
+    headers = {"Authorization": f"Bearer {TIGHT_KEY}", "X-Shardline-Gated": "tight"}  # a claim HAProxy drops
+    statuses, refused = [], []
+    with httpx.Client(base_url=edged.url, headers=headers) as client:
+        for i in range(18):  # fast lane, router lane (metadata) and /v1, in turn
+            answer = (client.post(f"/v2/models/{MODEL}/infer", content=body) if i % 3 == 0
+                      else client.get(f"/v2/models/{MODEL}") if i % 3 == 1 else client.get("/v1/models"))
+            statuses.append(answer.status_code)
+            if answer.status_code == 429:
+                refused.append((i % 3, answer))
+    # burst 6, and about 1 a second more: each lane counting its own would have let all 18 through
+    assert 6 <= statuses.count(200) <= 8 and statuses.count(429) == 18 - statuses.count(200), statuses
+    assert {lane for lane, _ in refused} == {0, 1, 2}
+    for lane, answer in refused:
+        assert int(answer.headers["retry-after"]) >= 1
+        message = answer.json()["error"]
+        if lane == 2:  # OpenAI's form
+            assert message["type"] == "rate_limit_error" and message["code"] == "rate_limit_exceeded"
+            message = message["message"]
+        assert re.fullmatch(r"tenant 'tight' is over its rate of 1 requests/s \(burst 6\); retry after \d+ s", message)
+
+
+def test_a_tenants_concurrency_is_held_for_requests_in_flight(edged: Edged, breast_cancer_model: BuiltModel) -> None:
+    body = _infer_body(breast_cancer_model)
+    host, port = edged.url.removeprefix("http://").split(":")
+    held = []
+    for _ in range(2):  # two requests whose bodies have not all arrived: in flight
+        s = socket.create_connection((host, int(port)))
+        s.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {NARROW_KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:10])
+        held.append(s)
+    time.sleep(0.3)
+    third = httpx.post(f"{edged.url}/v2/models/{MODEL}/infer", content=body,
+                       headers={"Authorization": f"Bearer {NARROW_KEY}"})
+    assert third.status_code == 429 and third.headers["retry-after"] == "1"
+    assert third.json()["error"] == ("tenant 'narrow' has 2 requests in flight, its max_concurrent; wait for one to "
+                                     "finish or ask for a larger quota")
+    for s in held:  # the rest of each body: both answered
+        s.sendall(body[10:])
+        answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        s.close()
+    time.sleep(0.2)
+    again = httpx.post(f"{edged.url}/v2/models/{MODEL}/infer", content=body,
+                       headers={"Authorization": f"Bearer {NARROW_KEY}"})
+    assert again.status_code == 200
+
+
+def test_the_fast_lane_follows_an_alias_and_leaves_a_rollout_to_the_router(edged: Edged, home: Path,  # noqa: F811
+                                                                          breast_cancer_model: BuiltModel) -> None:
+    registry = ModelRegistry(str(home / "registry"))
+    body = _infer_body(breast_cancer_model)
+
+    def version() -> str:
+        answer = httpx.post(f"{edged.url}/v2/models/{CHURN}/infer", content=body, headers=key())
+        assert answer.status_code == 200, answer.text
+        return str(answer.json()["model_version"])
+
+    assert version() == "1"
+    registry.set_alias(CHURN, "prod", 2, reason="the fast lane follows")
+    try:
+        _eventually(lambda: version() == "2", 20, "the fast lane never followed churn@prod to 2")
+        before = _fast_lane(edged, f"{CHURN}:2")
+        assert before >= 1
+        # a rollout on the alias (as `shardline rollout start` records one): the router must see every request
+        current = registry.current_move(CHURN, "prod")
+        assert current is not None
+        registry.move_alias(CHURN, "prod", 2, action="shadow", expected_seq=current.seq, by="test",
+                            rollout=Rollout(id="edge-shadow-1", baseline=2, candidate=3, mode="shadow", shadow=1.0))
+        _eventually(lambda: f"fast lane: acme/{CHURN} to the router" in edged.log.read_text(), 20,
+                    "the pin was never taken off")
+        counted = _fast_lane(edged, f"{CHURN}:2")
+        assert [version() for _ in range(5)] == ["2"] * 5  # shadow answers never reach the caller
+        assert _fast_lane(edged, f"{CHURN}:2") == counted
+    finally:
+        registry.set_alias(CHURN, "prod", 1, reason="back")
+    _eventually(lambda: version() == "1", 20, "the fast lane never came back to churn 1")
+
+
+def test_a_replica_killed_under_load_loses_no_request_through_haproxy(edged: Edged,
+                                                                      breast_cancer_model: BuiltModel) -> None:
+    body = _infer_body(breast_cancer_model)
+    expected = breast_cancer_model.estimator.predict(breast_cancer_model.data.features[:4].astype(np.float32)).tolist()
+    outcomes: list[Any] = []
+    stop = threading.Event()
+
+    def send() -> None:
+        with httpx.Client(base_url=edged.url, headers=key(), timeout=20) as client:
+            while not stop.is_set():
+                try:
+                    answer = client.post(f"/v2/models/{MODEL}/infer", content=body)
+                except httpx.HTTPError as e:  # a hung or dropped request: what must not happen
+                    outcomes.append(("lost", repr(e), None))
+                    continue
+                try:
+                    outcomes.append((answer.status_code, answer.json(), answer.headers.get("retry-after")))
+                except ValueError:
+                    outcomes.append(("not json", answer.status_code, answer.content[:200]))
+                time.sleep(0.005)
+
+    def servers() -> dict[str, str]:  # slot -> operational state (0 down, 2 up) of the slots in use
+        rows = [line.split() for line in _admin(edged, "show servers state g_local").splitlines()[2:] if line.strip()]
+        return {f"{r[4]}:{r[18]}": r[5] for r in rows if r[3][1:].isdigit() and r[18] != "1"}
+
+    before_fast = _fast_lane(edged, f"{MODEL}:1")
+    senders = [threading.Thread(target=send) for _ in range(4)]
+    for thread in senders:
+        thread.start()
+    victim = ""
+    try:
+        time.sleep(1.0)
+        busiest = max(edged.replicas, key=lambda u: int(_scrape(edged.metrics).get(
+            ("shardline_router_replica_in_flight", (("group", "local"), ("replica", u))), 0)))
+        victim = busiest.removeprefix("http://")
+        before = len(outcomes)
+        os.kill(edged.replicas[busiest], signal.SIGKILL)
+        _eventually(lambda: servers().get(victim) == "0", 20, f"HAProxy never took {victim} out: {servers()}")
+        _eventually(lambda: re.search(r"replica \d exited with -9", edged.log.read_text()), 20, "no restart")
+        _eventually(lambda: servers().get(victim) == "2", 60, f"HAProxy never put {victim} back: {servers()}")
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for thread in senders:
+            thread.join(timeout=30)
+    assert len(outcomes) - before > 50
+    assert [o for o in outcomes if o[0] in ("lost", "not json")] == []
+    unavailable = [o for o in outcomes if o[0] == 503]
+    assert all("error" in o[1] and o[2] is not None for o in unavailable)  # a clean 503 with Retry-After, if any
+    answered = [o for o in outcomes if o[0] == 200]
+    assert len(answered) + len(unavailable) == len(outcomes)
+    assert all(o[1]["outputs"][0]["data"] == expected for o in answered)
+    assert _fast_lane(edged, f"{MODEL}:1") - before_fast >= len(answered) * 0.9  # HAProxy carried the load
+    assert set(servers().values()) == {"2"} and len(servers()) == 3

@@ -345,10 +345,9 @@ class Edge:
         self.tenants = tenants
         self.process: subprocess.Popen[bytes] | None = None
         self._pushed = _Pushed()
-        self.requests: dict[str, int] = {}  # pinned model version (name:version) -> fast-lane requests answered
+        self.requests: dict[str, int] = {}  # pinned model version (name:version) -> fast-lane requests taken
         self.in_flight: dict[str, int] = {}  # pinned model version -> fast-lane requests in flight
         self.replica_in_flight: dict[str, int] = {}  # replica url -> fast-lane requests in flight
-        self.restarts = 0
         self._pinning = asyncio.Lock()
 
     def write_files(self, pins: dict[str, str] | None = None) -> None:
@@ -370,6 +369,7 @@ class Edge:
         """
         self.write_files(self._pushed.pins)
         self._pushed = _Pushed(pins=dict(self._pushed.pins))
+        self.layout.admin_socket.unlink(missing_ok=True)  # a dead one's: the new one's tells it is up
         log_file = open(self.layout.folder / "haproxy.log", "ab")  # noqa: SIM115 - the process holds it
         try:
             self.process = subprocess.Popen(
@@ -416,7 +416,6 @@ class Edge:
         a HAProxy that exited is started again (it holds the listening socket: the endpoint goes on)."""
         if self.process is None or self.process.poll() is not None:
             if self.process is not None:
-                self.restarts += 1
                 log.error("haproxy exited (code %s); starting it again", self.process.returncode)
             await asyncio.get_running_loop().run_in_executor(None, self.start)
         await self.sync_pins(router)

@@ -27,6 +27,7 @@ import orjson
 import pytest
 import tritonclient.http as triton
 
+from shardline.online.router.edge import find_haproxy
 from shardline.online.router.placement import rank
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import AliasMove, ModelRegistry
@@ -303,10 +304,18 @@ def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_traffic_fails_over_to_the_next_group_and_comes_back(home: Path, breast_cancer_model: BuiltModel) -> None:
+# The tests that also run with HAProxy in front: its failover goes through the router (a group with no replica up
+# sends it the request), and scaling from zero leaves every request to the router's activator.
+PLANES = [pytest.param("python"), pytest.param("haproxy", marks=pytest.mark.skipif(
+    find_haproxy() is None, reason="haproxy is not installed (apt-get install haproxy)"))]
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_traffic_fails_over_to_the_next_group_and_comes_back(home: Path, breast_cancer_model: BuiltModel,
+                                                             plane: str) -> None:
     router_key = "router-key-for-the-failover-test"
     digest = hashlib.sha256(router_key.encode()).hexdigest()
-    tenants = home / "tenants.yaml"
+    tenants = _tenants(home / "tenants.yaml")
     ports = {"east": free_port(), "west": free_port()}
     config = home / "router.yaml"
     config.write_text("groups:\n" + "".join(
@@ -320,10 +329,12 @@ def test_traffic_fails_over_to_the_next_group_and_comes_back(home: Path, breast_
 
     servers = {g: replica(g) for g in ports}
     port = free_port()
-    log = home / "router-groups.log"
+    log = home / f"router-groups-{plane}.log"
     with open(log, "wb") as sink:
         router = subprocess.Popen([*SHARDLINE, "router", "--config", str(config), "--tenants", str(tenants), "--port",
-                                   str(port), "--metrics-port", "off"], env=_env(home, SHARDLINE_ROUTER_KEY=router_key, SHARDLINE_ROUTER_FAILBACK_S="2"),
+                                   str(port), "--metrics-port", "off"],
+                                  env=_env(home, SHARDLINE_ROUTER_KEY=router_key, SHARDLINE_ROUTER_FAILBACK_S="2",
+                                           SHARDLINE_ROUTER_DATA_PLANE=plane),
                                   stdout=sink, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     body = _infer_body(breast_cancer_model)
@@ -542,17 +553,19 @@ def test_a_release_goes_through_staging_and_a_canary_to_prod_with_every_step_in_
 # -- scaling from zero ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("plane", PLANES)
 def test_scaled_to_zero_the_router_holds_requests_while_a_replica_starts_and_loses_none(
-    home: Path, breast_cancer_model: BuiltModel
+    home: Path, breast_cancer_model: BuiltModel, plane: str
 ) -> None:
     tenants = _tenants(home / "tenants-zero.yaml")
     port, metrics_port = free_port(), free_port()
-    log = home / "router-zero.log"
+    log = home / f"router-zero-{plane}.log"
     with open(log, "wb") as sink:
         router = subprocess.Popen(
             [*SHARDLINE, "router", "--local-replicas", "2", "--min-replicas", "0", "--tenants", str(tenants), "--port",
              str(port), "--metrics-port", str(metrics_port)],
-            env=_env(home, SHARDLINE_ROUTER_SCALE_DOWN_DELAY_S="3"), stdout=sink, stderr=subprocess.STDOUT)
+            env=_env(home, SHARDLINE_ROUTER_SCALE_DOWN_DELAY_S="3", SHARDLINE_ROUTER_DATA_PLANE=plane), stdout=sink,
+            stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     body = _infer_body(breast_cancer_model)
     expected = breast_cancer_model.estimator.predict(breast_cancer_model.data.features[:4].astype(np.float32)).tolist()

@@ -62,6 +62,7 @@ FAST_BODY_BYTES = 112 * 1024  # larger bodies go to the router, which streams th
 DNS_SLOTS = 32  # server slots of a group found by DNS (addresses past them are served by the router alone)
 SYNC_S = 0.5  # how often the router brings HAProxy up to date and reads its counts
 STOP_GRACE_S = 5.0
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 _TABLE_ROW = re.compile(r"key=(\S+) use=(\d+).*?http_req_cnt=(\d+)")
 
 
@@ -140,7 +141,7 @@ def render_config(layout: EdgeLayout) -> str:
         "defaults",
         "    mode http",
         "    timeout connect 2s",
-        "    timeout client 75s",
+        f"    timeout client {layout.max_timeout_s + 10:g}s",  # a stream's client waits as long as its server
         "    timeout http-request 30s",
         "    timeout http-keep-alive 75s",
         f"    timeout server {layout.max_timeout_s + 10:g}s",
@@ -314,8 +315,8 @@ def desired_pins(router: Router) -> dict[str, str]:
     pins = {}
     for tenant in router.tenants.tenants.values():
         for name, ref in tenant.models.items():
-            if name in fallbacks or "/" in name:
-                continue
+            if name in fallbacks or not _PLAIN_NAME.match(name):
+                continue  # a name a path would carry escaped: the router's
             version = ref.version
             if version is None:
                 move = book.moves.get((name, ref.alias or "prod")) if book is not None else None

@@ -19,8 +19,8 @@ the ratios against the targets: the router adds at most 1.5x nginx's p50 (p50 th
 direct; each series' p50 at the lightest rate is its median over 3 rounds, 5 in full mode), and holds
 at least 0.8x nginx's rate.
 
-    .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~4 min
-    .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~16 min
+    .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~7 min
+    .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~22 min
 
 nginx must be on PATH, and haproxy for the router's default data plane (`apt-get install nginx-light
 haproxy`). Data and logs: bench/.data/router/ (git-ignored).

@@ -9,6 +9,7 @@ runs it with HAProxy in front."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -244,11 +245,37 @@ def test_a_replica_killed_under_load_loses_no_request_and_its_breaker_recovers(
     body = _infer_body(breast_cancer_model)
     expected = breast_cancer_model.estimator.predict(breast_cancer_model.data.features[:4].astype(np.float32)).tolist()
     victim = rank(f"{MODEL}:1", list(routed.replicas))[0]  # the replica the model's requests go to first
+    with steady_load(routed.url, body) as outcomes:
+        time.sleep(1.0)
+        before = len(outcomes)
+        os.kill(routed.replicas[victim], signal.SIGKILL)
+        _wait_for_log(routed.log, re.escape(victim) + r": breaker closed -> open", 20)
+        _wait_for_log(routed.log, r"replica \d exited with -9", 20)
+        _wait_for_log(routed.log, re.escape(victim) + r": breaker open -> half_open", 60)
+        _wait_for_log(routed.log, re.escape(victim) + r": breaker half_open -> closed", 30)
+    answered = none_lost(outcomes, before, expected)
+    ready = httpx.get(f"{routed.url}/v2/health/ready").json()
+    assert ready == {"ready": True, "group": "local", "available": 3}
+    series = _scrape(routed.metrics)
+    assert series[("shardline_router_requests_total", (("code", "200"), ("model", f"{MODEL}:1")))] >= len(answered)
+    assert series[("shardline_router_retries_total", (("model", f"{MODEL}:1"),))] >= 1  # the kill was retried around
+    for replica in routed.replicas:
+        labels = (("group", "local"), ("replica", replica))
+        assert series[("shardline_router_replica_available", labels)] == 1.0
+        assert series[("shardline_router_breaker_state", labels)] == 0.0
+    assert series[("shardline_router_in_flight", (("model", f"{MODEL}:1"),))] == 0.0
+
+
+@contextlib.contextmanager
+def steady_load(url: str, body: bytes, senders: int = 4) -> Iterator[list[Any]]:
+    """Inference requests sent without pause by ``senders`` threads while the block runs; yields their outcomes
+    as they come: (status, JSON, Retry-After), or ("lost", error) for a request dropped or hung, or ("not json",
+    ...). The threads are stopped and joined when the block ends."""
     outcomes: list[Any] = []
     stop = threading.Event()
 
     def send() -> None:
-        with httpx.Client(base_url=routed.url, headers=key(), timeout=20) as client:
+        with httpx.Client(base_url=url, headers=key(), timeout=20) as client:
             while not stop.is_set():
                 try:
                     answer = client.post(f"/v2/models/{MODEL}/infer", content=body)
@@ -261,39 +288,29 @@ def test_a_replica_killed_under_load_loses_no_request_and_its_breaker_recovers(
                     outcomes.append(("not json", answer.status_code, answer.content[:200]))
                 time.sleep(0.005)
 
-    senders = [threading.Thread(target=send) for _ in range(4)]
-    for thread in senders:
+    threads = [threading.Thread(target=send) for _ in range(senders)]
+    for thread in threads:
         thread.start()
     try:
-        time.sleep(1.0)
-        before = len(outcomes)
-        os.kill(routed.replicas[victim], signal.SIGKILL)
-        _wait_for_log(routed.log, re.escape(victim) + r": breaker closed -> open", 20)
-        _wait_for_log(routed.log, r"replica \d exited with -9", 20)
-        _wait_for_log(routed.log, re.escape(victim) + r": breaker open -> half_open", 60)
-        _wait_for_log(routed.log, re.escape(victim) + r": breaker half_open -> closed", 30)
+        yield outcomes
     finally:
         stop.set()
-        for thread in senders:
+        for thread in threads:
             thread.join(timeout=30)
-    assert not any(t.is_alive() for t in senders)
-    assert len(outcomes) - before > 50  # the load went on through the kill and the recovery
+    assert not any(t.is_alive() for t in threads)
+
+
+def none_lost(outcomes: list[Any], before: int, expected: list[Any]) -> list[Any]:
+    """Every request answered: 200 with the model's labels, or a clean 503 with Retry-After; none lost or hung,
+    and the load went on (more than 50 answers after ``before``). Returns the 200s."""
+    assert len(outcomes) - before > 50
     assert [o for o in outcomes if o[0] in ("lost", "not json")] == []
     unavailable = [o for o in outcomes if o[0] == 503]
-    assert all("error" in o[1] and o[2] is not None for o in unavailable)  # a clean 503 with Retry-After, if any
+    assert all("error" in o[1] and o[2] is not None for o in unavailable)
     answered = [o for o in outcomes if o[0] == 200]
     assert len(answered) + len(unavailable) == len(outcomes)
     assert all(o[1]["outputs"][0]["data"] == expected for o in answered)
-    ready = httpx.get(f"{routed.url}/v2/health/ready").json()
-    assert ready == {"ready": True, "group": "local", "available": 3}
-    series = _scrape(routed.metrics)
-    assert series[("shardline_router_requests_total", (("code", "200"), ("model", f"{MODEL}:1")))] >= len(answered)
-    assert series[("shardline_router_retries_total", (("model", f"{MODEL}:1"),))] >= 1  # the kill was retried around
-    for replica in routed.replicas:
-        labels = (("group", "local"), ("replica", replica))
-        assert series[("shardline_router_replica_available", labels)] == 1.0
-        assert series[("shardline_router_breaker_state", labels)] == 0.0
-    assert series[("shardline_router_in_flight", (("model", f"{MODEL}:1"),))] == 0.0
+    return answered
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -10,7 +10,6 @@ import re
 import signal
 import socket
 import subprocess
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,8 @@ from shardline.storage.rollouts import Rollout
 
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
-from tests.e2e.test_router import CHURN, KEY, MODEL, TIGHT_KEY, _env, _infer_body, _scrape, _stop, _wait_ready, v2_inputs
+from tests.e2e.test_router import (CHURN, KEY, MODEL, TIGHT_KEY, _env, _eventually, _infer_body, _scrape, _stop,
+                                   _wait_ready, none_lost, steady_load, v2_inputs)
 from tests.e2e.test_router import home  # noqa: F401 - the module's registry (breast-cancer, minilm, churn 1-3)
 from tests.e2e.test_serve import free_port
 
@@ -103,16 +103,6 @@ def _fast_lane(edged: Edged, model: str) -> float:
     """Requests HAProxy answered itself for ``model`` (name:version), as the router last read them."""
     time.sleep(0.6)  # the router reads HAProxy's counts every half second
     return _scrape(edged.metrics).get(("shardline_router_fast_lane_requests_total", (("model", model),)), 0.0)
-
-
-def _eventually(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
@@ -244,33 +234,13 @@ def test_a_replica_killed_under_load_loses_no_request_through_haproxy(edged: Edg
                                                                       breast_cancer_model: BuiltModel) -> None:
     body = _infer_body(breast_cancer_model)
     expected = breast_cancer_model.estimator.predict(breast_cancer_model.data.features[:4].astype(np.float32)).tolist()
-    outcomes: list[Any] = []
-    stop = threading.Event()
-
-    def send() -> None:
-        with httpx.Client(base_url=edged.url, headers=key(), timeout=20) as client:
-            while not stop.is_set():
-                try:
-                    answer = client.post(f"/v2/models/{MODEL}/infer", content=body)
-                except httpx.HTTPError as e:  # a hung or dropped request: what must not happen
-                    outcomes.append(("lost", repr(e), None))
-                    continue
-                try:
-                    outcomes.append((answer.status_code, answer.json(), answer.headers.get("retry-after")))
-                except ValueError:
-                    outcomes.append(("not json", answer.status_code, answer.content[:200]))
-                time.sleep(0.005)
 
     def servers() -> dict[str, str]:  # slot -> operational state (0 down, 2 up) of the slots in use
         rows = [line.split() for line in _admin(edged, "show servers state g_local").splitlines()[2:] if line.strip()]
         return {f"{r[4]}:{r[18]}": r[5] for r in rows if r[3][1:].isdigit() and r[18] != "1"}
 
     before_fast = _fast_lane(edged, f"{MODEL}:1")
-    senders = [threading.Thread(target=send) for _ in range(4)]
-    for thread in senders:
-        thread.start()
-    victim = ""
-    try:
+    with steady_load(edged.url, body) as outcomes:
         time.sleep(1.0)
         busiest = max(edged.replicas, key=lambda u: int(_scrape(edged.metrics).get(
             ("shardline_router_replica_in_flight", (("group", "local"), ("replica", u))), 0)))
@@ -281,16 +251,6 @@ def test_a_replica_killed_under_load_loses_no_request_through_haproxy(edged: Edg
         _eventually(lambda: re.search(r"replica \d exited with -9", edged.log.read_text()), 20, "no restart")
         _eventually(lambda: servers().get(victim) == "2", 60, f"HAProxy never put {victim} back: {servers()}")
         time.sleep(1.0)
-    finally:
-        stop.set()
-        for thread in senders:
-            thread.join(timeout=30)
-    assert len(outcomes) - before > 50
-    assert [o for o in outcomes if o[0] in ("lost", "not json")] == []
-    unavailable = [o for o in outcomes if o[0] == 503]
-    assert all("error" in o[1] and o[2] is not None for o in unavailable)  # a clean 503 with Retry-After, if any
-    answered = [o for o in outcomes if o[0] == 200]
-    assert len(answered) + len(unavailable) == len(outcomes)
-    assert all(o[1]["outputs"][0]["data"] == expected for o in answered)
+    answered = none_lost(outcomes, before, expected)
     assert _fast_lane(edged, f"{MODEL}:1") - before_fast >= len(answered) * 0.9  # HAProxy carried the load
     assert set(servers().values()) == {"2"} and len(servers()) == 3

@@ -28,7 +28,7 @@ The router keeps HAProxy true through its runtime API every ``SYNC_S``: the pins
 the active group (failover with its hysteresis stays the router's), each group's replicas in
 server slots (addresses from DNS or the local replicas; a slot in maintenance while the router
 has ejected its replica or opened its breaker), and reads back what the fast lane carries (each
-replica's and model's requests in flight, requests answered) for its metrics and its scaler.
+replica's and model's requests in flight, and requests taken) for its metrics and its scaler.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def render_config(layout: EdgeLayout) -> str:
         "backend quotas",  # a tenant's requests in flight (the trackers of its entry)
         "    stick-table type string len 64 size 100k store http_req_cnt",
         "",
-        "backend models",  # a pinned model version's fast-lane requests: in flight, and answered
+        "backend models",  # a pinned model version's fast-lane requests: in flight, and taken
         "    stick-table type string len 200 size 100k store http_req_cnt",
         "",
         "backend router",

@@ -14,7 +14,7 @@ Per request, counted as it is answered:
   version answered, the arm (``baseline`` or ``candidate``) and whether it was a server error;
 - ``shardline_router_shadow_rows_total{model, agree}``: rows of shadow answers compared with the
   primary's, by candidate version and whether they agreed (``online/router/compare.py``).
-- ``shardline_router_fast_lane_requests_total{model}``: requests HAProxy in front answered without
+- ``shardline_router_fast_lane_requests_total{model}``: requests HAProxy in front took without
   the router (``edge``), read from HAProxy; they are not in the series above.
 
 Read at each scrape from the router's state (nothing on the request path):
@@ -190,7 +190,7 @@ class _StateCollector(Collector):
         for model, counts in sorted(self.metrics.latency.items()):
             cumulative = list(itertools.accumulate(counts[:-1]))
             seconds.add_metric([model], list(zip(bounds, cumulative)), counts[-1])
-        fast = CounterMetricFamily("shardline_router_fast_lane_requests", "Requests HAProxy in front answered "
+        fast = CounterMetricFamily("shardline_router_fast_lane_requests", "Requests HAProxy in front took "
                                    "itself, by model version (read from it every half second)", labels=["model"])
         for model, count in sorted(self.metrics.edge_requests.items()):
             fast.add_metric([model], count)

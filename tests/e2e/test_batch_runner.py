@@ -97,8 +97,9 @@ def test_runs_go_to_one_warm_runner_whose_cluster_stays_and_prefect_stop_stops_i
 def test_a_killed_command_stops_its_job_a_busy_runner_with_other_settings_is_left_and_a_rerun_resumes(
     cli_env: dict[str, str], shardline: Shardline, input_shards: Path, tmp_path: Path, shardline_home: Path,
 ) -> None:
-    # 40 shards of 30,000 rows in batches of 1,000 on one worker: ~12 s
-    shards = write_shards(tmp_path / "big", 40, 30_000, row_group_rows=5_000)
+    # 80 shards of 30,000 rows in batches of 1,000 on one worker: ~25 s, so that it still runs when the other
+    # command below (a cold start, seconds on a busy machine) is done and this one is killed
+    shards = write_shards(tmp_path / "big", 80, 30_000, row_group_rows=5_000)
     out = tmp_path / "out"
     args = [*SHARDLINE, "batch", "run", "--model", "breast-cancer@prod", "--input", str(tmp_path / "big"),
             "--output", str(out), "--batch-rows", "1000"]

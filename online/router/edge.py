@@ -52,6 +52,7 @@ from shardline.online.tenants import TenantDirectory
 from shardline.storage import rollouts
 
 if TYPE_CHECKING:
+    from shardline.online.router.metrics import RouterMetrics
     from shardline.online.router.router import Router
 
 log = logging.getLogger(__name__)
@@ -346,9 +347,6 @@ class Edge:
         self.tenants = tenants
         self.process: subprocess.Popen[bytes] | None = None
         self._pushed = _Pushed()
-        self.requests: dict[str, int] = {}  # pinned model version (name:version) -> fast-lane requests taken
-        self.in_flight: dict[str, int] = {}  # pinned model version -> fast-lane requests in flight
-        self.replica_in_flight: dict[str, int] = {}  # replica url -> fast-lane requests in flight
         self._pinning = asyncio.Lock()
 
     def write_files(self, pins: dict[str, str] | None = None) -> None:
@@ -422,10 +420,7 @@ class Edge:
         await self.sync_pins(router)
         await self._push_group(router.replicas.active_group())
         await self._push_servers(router)
-        await self._read_counts()
-        metrics = router.metrics
-        metrics.edge_in_flight, metrics.edge_requests, metrics.edge_replicas = (
-            self.in_flight, self.requests, self.replica_in_flight)
+        await self._read_counts(router.metrics)
 
     async def sync_pins(self, router: Router) -> None:
         """Bring the pins up to date (``desired_pins``): also called by the rollout book each time it has read the
@@ -494,14 +489,14 @@ class Edge:
                     await self.command(f"set server {server} state {state}")
                 pushed.servers[(group, slot)] = (address, state)
 
-    async def _read_counts(self) -> None:
-        """Requests in flight and answered, by pinned model version and by replica, from HAProxy's tables."""
+    async def _read_counts(self, metrics: RouterMetrics) -> None:
+        """The fast lane's requests in flight and taken, by pinned model version (name:version), and in flight by
+        replica url, from HAProxy's tables into the router's metrics (``edge_*``)."""
         in_flight, requests = {}, {}
         for match in _TABLE_ROW.finditer(await self.command("show table models")):
             model = match.group(1).replace("/versions/", ":")
             in_flight[model] = int(match.group(2))
             requests[model] = int(match.group(3))
-        self.in_flight, self.requests = in_flight, requests
         by_slot = {where: url for url, where in self._pushed.slots.items()}
         replicas: dict[str, int] = {}
         lines = (await self.command("show stat")).splitlines()
@@ -515,4 +510,4 @@ class Edge:
                 url = by_slot.get((cells[name][2:], int(cells[server][1:])))
                 if url is not None:
                     replicas[url] = int(cells[current] or 0)
-        self.replica_in_flight = replicas
+        metrics.edge_in_flight, metrics.edge_requests, metrics.edge_replicas = in_flight, requests, replicas

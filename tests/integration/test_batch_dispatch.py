@@ -137,9 +137,16 @@ def test_a_job_of_few_shards_is_split_evenly_over_the_workers(
         with get_task_stream(client) as stream:
             dispatch_shards(client, job, shards, lambda *_: None, key_prefix="shard-even")
         workers = set(client.scheduler_info()["workers"])
+        steals = [msg for _, msg in client.get_events("stealing") if msg[0] == "confirm"]
 
-    ran = [(t["key"], t["worker"]) for t in stream.data if t["key"].startswith("shard-even-")]
-    assert sorted(sum(1 for _, w in ran if w == worker) for worker in workers) == [2, 2], ran
+    # Judged on where the scheduler placed each shard: on a loaded machine work stealing may rightly move a shard
+    # off a worker starved of CPU afterwards, so a shard that was stolen counts for the worker it was taken from.
+    ran = {t["key"]: t["worker"] for t in stream.data if t["key"].startswith("shard-even-")}
+    placed = dict(ran)
+    for _, key, _, victim, *_ in reversed(steals):  # the earliest steal of a key names where it was placed
+        if key in placed:
+            placed[key] = victim
+    assert sorted(sum(1 for w in placed.values() if w == worker) for worker in workers) == [2, 2], (ran, steals)
 
 
 def test_small_shards_go_in_groups_and_each_settles_with_its_own_record(

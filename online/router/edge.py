@@ -12,10 +12,11 @@ answers the steady path natively, the *fast lane*:
   ``FAST_BODY_BYTES`` (buffered whole, so a failed try can be sent again);
 - sent to the active group's replicas by consistent hashing of the pinned version with bounded
   loads (``hash-balance-factor``: c x 100), retried on another replica after a failed connection,
-  an empty answer or a 502-504, within ``retries``; replicas checked actively (``/v2/health/ready``
-  every ``health_interval_s``, every 250 ms while down) and passively (``observe layer4``: a failed
-  connection marks a replica down until a check passes). With none of the group up, a request goes
-  on to the router as rewritten (it takes its own key), which fails over to the next group.
+  an empty answer or a 502-504, within ``retries`` and the router's retry budget (below); replicas
+  checked actively (``/v2/health/ready`` every ``health_interval_s``, every 250 ms while down) and
+  passively (``observe layer4``: a failed connection marks a replica down until a check passes).
+  With none of the group up, a request goes on to the router as rewritten (it takes its own key),
+  which fails over to the next group.
 
 Everything else goes to the router over its socket as before (``/v1``, streams, rollouts, shadows,
 deadlines and route keys, hedging, fallbacks, the activator, health and metadata). The tenants'
@@ -28,7 +29,13 @@ The router keeps HAProxy true through its runtime API every ``SYNC_S``: the pins
 the active group (failover with its hysteresis stays the router's), each group's replicas in
 server slots (addresses from DNS or the local replicas; a slot in maintenance while the router
 has ejected its replica or opened its breaker), and reads back what the fast lane carries (each
-replica's and model's requests in flight, and requests taken) for its metrics and its scaler.
+replica's and model's requests in flight, requests taken, and each group's requests and retries) for
+its metrics and its scaler. The fast lane's requests and retries count in the router's one retry
+budget; when it has no room left the router tells HAProxy (the ``retries`` map) and the fast lane
+stops retrying answers (``disable-l7-retry``: an empty answer or a 502-504 is passed on as it came)
+until it has room again. A connection that failed is still tried on another replica: that request
+never reached one, so trying it elsewhere adds no load to a failing replica set. The budget is read
+every ``SYNC_S``, so the fast lane may pass it by at most one half second's retries.
 """
 
 from __future__ import annotations
@@ -52,7 +59,6 @@ from shardline.online.tenants import TenantDirectory
 from shardline.storage import rollouts
 
 if TYPE_CHECKING:
-    from shardline.online.router.metrics import RouterMetrics
     from shardline.online.router.router import Router
 
 log = logging.getLogger(__name__)
@@ -132,7 +138,6 @@ def render_config(layout: EdgeLayout) -> str:
     """HAProxy's configuration for the layout (checked by ``haproxy -c`` in the tests)."""
     m = layout.map_file
     fast = "fast"
-    deadline_ms = round(layout.request_timeout_s * 1000)
     lines = [
         "global",
         f"    stats socket {layout.admin_socket} mode 600 level admin",
@@ -189,9 +194,9 @@ def render_config(layout: EdgeLayout) -> str:
         f"    http-request set-path /v2/models/%[var(txn.pin)]/infer if {fast}",
         f"    http-request set-header authorization \"Bearer {_quoted(layout.router_key)}\" if {fast}",
         f"    http-request set-header x-shardline-tenant %[var(txn.tenant)] if {fast}",
-        f"    http-request set-header x-shardline-timeout-ms {deadline_ms} if {fast}",
-        f"    http-request set-header x-request-id %[uuid] if {fast} !{{ req.hdr(x-request-id) -m found }}",
         f"    http-request del-header {GATED_HEADER} if {fast}",
+        # Out of the router's retry budget: answers are passed on as they came (a failed connection is still retried).
+        f"    http-request disable-l7-retry if {fast} {{ str(l7),map({m('retries')}) -m str off }}",
     ]
     for name, _ in layout.groups:
         lines.append(f"    use_backend g_{name} if {fast} {{ var(txn.group) -m str {name} }} {{ nbsrv(g_{name}) gt 0 }}")
@@ -336,6 +341,7 @@ class _Pushed:
     group: str | None = None
     slots: dict[str, tuple[str, int]] = field(default_factory=dict)  # replica url -> (group, slot)
     servers: dict[tuple[str, int], tuple[str, str]] = field(default_factory=dict)  # (group, slot) -> (address, state)
+    retries_off: bool = False  # the fast lane out of the retry budget: answers are not retried
 
 
 class Edge:
@@ -348,6 +354,7 @@ class Edge:
         self.process: subprocess.Popen[bytes] | None = None
         self._pushed = _Pushed()
         self._pinning = asyncio.Lock()
+        self._totals: dict[str, tuple[int, int]] = {}  # group -> its fast lane's (requests, retries), as last read
 
     def write_files(self, pins: dict[str, str] | None = None) -> None:
         """The configuration, the Lua quota check and the maps (pins as given; the router adds them once it knows)."""
@@ -355,7 +362,7 @@ class Edge:
         (folder / "haproxy.cfg").write_text(render_config(self.layout))
         (folder / "quotas.lua").write_text(QUOTA_LUA)
         for name, entries in (("tenants", tenant_entries(self.tenants)), ("quotas", quota_entries(self.tenants)),
-                              ("pins", pins or {}), ("groups", {})):
+                              ("pins", pins or {}), ("groups", {}), ("retries", {})):
             self.layout.map_file(name).write_text("".join(f"{k} {v}\n" for k, v in entries.items()))
         for path in folder.iterdir():
             path.chmod(0o600)
@@ -368,6 +375,7 @@ class Edge:
         """
         self.write_files(self._pushed.pins)
         self._pushed = _Pushed(pins=dict(self._pushed.pins))
+        self._totals = {}  # a new HAProxy counts from zero
         self.layout.admin_socket.unlink(missing_ok=True)  # a dead one's: the new one's tells it is up
         log_file = open(self.layout.folder / "haproxy.log", "ab")  # noqa: SIM115 - the process holds it
         try:
@@ -420,7 +428,8 @@ class Edge:
         await self.sync_pins(router)
         await self._push_group(router.replicas.active_group())
         await self._push_servers(router)
-        await self._read_counts(router.metrics)
+        await self._read_counts(router)
+        await self._push_budget(router)
 
     async def sync_pins(self, router: Router) -> None:
         """Bring the pins up to date (``desired_pins``): also called by the rollout book each time it has read the
@@ -489,9 +498,22 @@ class Edge:
                     await self.command(f"set server {server} state {state}")
                 pushed.servers[(group, slot)] = (address, state)
 
-    async def _read_counts(self, metrics: RouterMetrics) -> None:
+    async def _push_budget(self, router: Router) -> None:
+        """Let the fast lane retry answers while the router's retry budget has room, and stop it when not."""
+        off = not router.budget.has_room(time.monotonic())
+        if off == self._pushed.retries_off:
+            return
+        file = self.layout.map_file("retries")
+        await self.command(f"add map {file} l7 off" if off else f"del map {file} l7")
+        self._pushed.retries_off = off
+        log.warning("fast lane: out of the retry budget, answers are passed on unretried" if off else
+                    "fast lane: within the retry budget again, answers are retried")
+
+    async def _read_counts(self, router: Router) -> None:
         """The fast lane's requests in flight and taken, by pinned model version (name:version), and in flight by
-        replica url, from HAProxy's tables into the router's metrics (``edge_*``)."""
+        replica url, from HAProxy's tables into the router's metrics (``edge_*``); each group's requests and
+        retries since the last read into the router's retry budget."""
+        metrics = router.metrics
         in_flight, requests = {}, {}
         for match in _TABLE_ROW.finditer(await self.command("show table models")):
             model = match.group(1).replace("/versions/", ":")
@@ -499,15 +521,35 @@ class Edge:
             requests[model] = int(match.group(3))
         by_slot = {where: url for url, where in self._pushed.slots.items()}
         replicas: dict[str, int] = {}
+        # Per group: the requests its backend took, the tries its servers took (the router's backup server's
+        # included), and those passed on to the router (which counts them itself). Each try is a session of a
+        # server, so the retries are the tries less the requests (HAProxy 2.6's wretr counts an L7 retry twice).
+        taken: dict[str, list[int]] = {}  # group -> [requests, tries, to the router]
         lines = (await self.command("show stat")).splitlines()
         if lines and lines[0].startswith("# "):
             header = lines[0][2:].split(",")
-            name, server, current = header.index("pxname"), header.index("svname"), header.index("scur")
+            name, server, current, total = (header.index(k) for k in ("pxname", "svname", "scur", "stot"))
             for row in lines[1:]:
                 cells = row.split(",")
-                if len(cells) <= current or not cells[name].startswith("g_") or not cells[server][1:].isdigit():
+                if len(cells) <= max(current, total) or not cells[name].startswith("g_"):
                     continue
-                url = by_slot.get((cells[name][2:], int(cells[server][1:])))
-                if url is not None:
-                    replicas[url] = int(cells[current] or 0)
+                group, server_name, sessions = cells[name][2:], cells[server], int(cells[total] or 0)
+                counts = taken.setdefault(group, [0, 0, 0])
+                if server_name == "BACKEND":
+                    counts[0] += sessions
+                    continue
+                counts[1] += sessions
+                if server_name == "router":
+                    counts[2] += sessions
+                elif server_name[1:].isdigit():
+                    url = by_slot.get((group, int(server_name[1:])))
+                    if url is not None:
+                        replicas[url] = int(cells[current] or 0)
         metrics.edge_in_flight, metrics.edge_requests, metrics.edge_replicas = in_flight, requests, replicas
+        now = time.monotonic()
+        for group, (requested, tries, to_router) in taken.items():
+            now_taken, now_retried = requested - to_router, max(0, tries - requested)
+            before_taken, before_retried = self._totals.get(group, (0, 0))
+            router.budget.record(now, max(0, now_taken - before_taken), max(0, now_retried - before_retried))
+            self._totals[group] = (now_taken, now_retried)
+        metrics.edge_retries = {group: retried for group, (_, retried) in self._totals.items()}

@@ -8,6 +8,7 @@
 - ``RetryBudget``: retries stay a bounded share of the traffic (``ratio`` of the requests of the
   last ``window_s``, plus ``min_per_s`` a second so that a quiet router can still retry), so a
   failing replica set is not hit with a multiple of its load (Finagle's and Envoy's retry budgets).
+  One budget covers both lanes: HAProxy's fast lane's requests and retries are ``record``-ed as read.
 - ``backoff_s``: exponential backoff with full jitter (a uniform draw up to ``base * 2**attempt``,
   capped), so retries of many callers do not arrive together.
 - ``latency_outliers``: which replicas answer so much slower than the others for the same models
@@ -126,14 +127,24 @@ class RetryBudget:
         """Count a request (its first try)."""
         self._bucket(now)[1] += 1
 
-    def try_retry(self, now: float) -> bool:
-        """Take one retry if the budget has one; False when retrying now would pass the budget."""
+    def record(self, now: float, requests: int, retries: int) -> None:
+        """Count requests and retries made elsewhere: what HAProxy's fast lane did since it was last read."""
         bucket = self._bucket(now)
+        bucket[1] += requests
+        bucket[2] += retries
+
+    def has_room(self, now: float) -> bool:
+        """Whether one more retry now stays within the budget."""
+        self._bucket(now)
         requests = sum(b[1] for b in self._requests)
         retries = sum(b[2] for b in self._requests)
-        if retries + 1 > self.ratio * requests + self.min_per_s * self.window_s:
+        return retries + 1 <= self.ratio * requests + self.min_per_s * self.window_s
+
+    def try_retry(self, now: float) -> bool:
+        """Take one retry if the budget has one; False when retrying now would pass the budget."""
+        if not self.has_room(now):
             return False
-        bucket[2] += 1
+        self._requests[-1][2] += 1
         return True
 
 

@@ -15,7 +15,8 @@ Per request, counted as it is answered:
 - ``shardline_router_shadow_rows_total{model, agree}``: rows of shadow answers compared with the
   primary's, by candidate version and whether they agreed (``online/router/compare.py``).
 - ``shardline_router_fast_lane_requests_total{model}``: requests HAProxy in front took without
-  the router (``edge``), read from HAProxy; they are not in the series above.
+  the router (``edge``), read from HAProxy; they are not in the series above;
+  ``shardline_router_fast_lane_retries_total{group}``: its tries on another replica of the group.
 
 Read at each scrape from the router's state (nothing on the request path):
 
@@ -77,10 +78,11 @@ class RouterMetrics:
                                      "first ready answer", buckets=COLD_START_BUCKETS, registry=self.registry)
         self.in_flight: Tally[str] = Tally()
         # What HAProxy's fast lane carries (``edge``), as last read from it: in flight by model and by replica
-        # url, and requests by model since it started.
+        # url, and requests by model and retries by group since it started.
         self.edge_in_flight: dict[str, int] = {}
         self.edge_replicas: dict[str, int] = {}
         self.edge_requests: dict[str, int] = {}
+        self.edge_retries: dict[str, int] = {}
         self.wanted: dict[str, int] = {}  # group -> replicas its scaler wants (local autoscaling)
         self.target_in_flight = target_in_flight
         self.activator: Activator | None = None
@@ -194,4 +196,9 @@ class _StateCollector(Collector):
                                    "itself, by model version (read from it every half second)", labels=["model"])
         for model, count in sorted(self.metrics.edge_requests.items()):
             fast.add_metric([model], count)
-        yield from (requests, seconds, fast)
+        fast_retries = CounterMetricFamily("shardline_router_fast_lane_retries", "Tries of HAProxy in front on "
+                                           "another replica, by group (read from it every half second)",
+                                           labels=["group"])
+        for group, count in sorted(self.metrics.edge_retries.items()):
+            fast_retries.add_metric([group], count)
+        yield from (requests, seconds, fast, fast_retries)

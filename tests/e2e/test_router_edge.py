@@ -5,11 +5,13 @@ under load through the fast lane. The router's own relay is tested in test_route
 
 from __future__ import annotations
 
+import http.server
 import os
 import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,10 +101,15 @@ def _admin(edged: Edged, command: str) -> str:
         return s.makefile().read()
 
 
+def _read_back(metrics: str, name: str, labels: tuple[tuple[str, str], ...]) -> float:
+    """A count the router reads from HAProxy, once it has read it again."""
+    time.sleep(0.6)  # the router reads HAProxy's counts every half second
+    return _scrape(metrics).get((name, labels), 0.0)
+
+
 def _fast_lane(edged: Edged, model: str) -> float:
     """Requests HAProxy answered itself for ``model`` (name:version), as the router last read them."""
-    time.sleep(0.6)  # the router reads HAProxy's counts every half second
-    return _scrape(edged.metrics).get(("shardline_router_fast_lane_requests_total", (("model", model),)), 0.0)
+    return _read_back(edged.metrics, "shardline_router_fast_lane_requests_total", (("model", model),))
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
@@ -254,3 +261,81 @@ def test_a_replica_killed_under_load_loses_no_request_through_haproxy(edged: Edg
     answered = none_lost(outcomes, before, expected)
     assert _fast_lane(edged, f"{MODEL}:1") - before_fast >= len(answered) * 0.9  # HAProxy carried the load
     assert set(servers().values()) == {"2"} and len(servers()) == 3
+
+
+class _Shedding(http.server.BaseHTTPRequestHandler):
+    """A replica that is up (ready) and sheds every inference request, as an overloaded one does (503, Retry-After)."""
+
+    protocol_version = "HTTP/1.1"
+    hits = 0
+    lock = threading.Lock()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self._answer(200 if self.path == "/v2/health/ready" else 404)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        with self.lock:
+            type(self).hits += 1
+        self._answer(503)
+
+    def _answer(self, status: int) -> None:
+        body = b'{"error": "overloaded; retry after the Retry-After seconds"}' if status == 503 else b"{}"
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        if status == 503:
+            self.send_header("retry-after", "1")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, *args: Any) -> None:
+        pass  # HAProxy drops the connection of an answer it retries elsewhere
+
+
+def test_the_fast_lane_retries_within_the_routers_one_retry_budget(home: Path,  # noqa: F811
+                                                                   breast_cancer_model: BuiltModel) -> None:
+    # Every request to a group that sheds all it gets would be tried 1 + 2 times without a budget: the fast lane's
+    # retries count in the router's budget (10% of the requests here, no floor), and the router's own lane finds
+    # it spent.
+    stub = _QuietServer(("127.0.0.1", 0), _Shedding)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    config = home / "router-shedding.yaml"
+    config.write_text(f"groups:\n  - name: shed\n    replicas: [\"http://127.0.0.1:{stub.server_address[1]}\"]\n")
+    port, metrics_port = free_port(), free_port()
+    log = home / "router-budget.log"
+    with open(log, "wb") as sink:
+        router = subprocess.Popen(
+            [*SHARDLINE, "router", "--config", str(config), "--tenants", str(_tenants(home / "tenants-budget.yaml")),
+             "--port", str(port), "--metrics-port", str(metrics_port)],
+            env=_env(home, SHARDLINE_ROUTER_DATA_PLANE="haproxy", SHARDLINE_ROUTER_KEY="router-key-for-the-budget-test",
+                     SHARDLINE_ROUTER_RETRY_BUDGET_RATIO="0.1", SHARDLINE_ROUTER_RETRY_MIN_PER_S="0"),
+            stdout=sink, stderr=subprocess.STDOUT)
+    url, body, rate, n = f"http://127.0.0.1:{port}", _infer_body(breast_cancer_model), 40, 200
+    try:
+        _wait_ready(url, router, log, available=1)
+        _eventually(lambda: f"fast lane: acme/{MODEL} ->" in log.read_text(), 20, "the model was never pinned")
+        start, statuses = time.monotonic(), []
+        with httpx.Client(base_url=url, headers=key(), timeout=10) as client:
+            for i in range(n):  # 40 a second, for 5 s (inside the budget's 10 s window)
+                time.sleep(max(0.0, start + i / rate - time.monotonic()))
+                statuses.append(client.post(f"/v2/models/{MODEL}/infer", content=body).status_code)
+            retries = _Shedding.hits - n
+            counted = _read_back(f"http://127.0.0.1:{metrics_port}/metrics", "shardline_router_fast_lane_retries_total",
+                                 (("group", "shed"),))
+            routed = client.post(f"/v2/models/{MODEL}/infer", content=body, headers={"x-shardline-timeout-ms": "5000"})
+        assert statuses == [503] * n and routed.status_code == 503, routed.text
+        assert counted == retries  # the fast lane's retries, read back into the router's metrics
+        assert 1 <= retries <= 0.1 * n + 2 * rate * 2, retries  # within a tick or two of the budget; without: 400
+        assert _Shedding.hits - n - retries - 1 <= max(0, int(0.1 * (n + 1)) - retries)  # the router's lane: what is left
+        assert "fast lane: out of the retry budget" in log.read_text()
+    finally:
+        _stop(router)
+        stub.shutdown()

@@ -119,6 +119,18 @@ def test_the_retry_budget_is_a_share_of_the_traffic_plus_a_floor() -> None:
     assert budget.try_retry(11.0)  # the window moved on
 
 
+def test_the_fast_lanes_requests_and_retries_count_in_the_same_budget() -> None:
+    budget = RetryBudget(ratio=0.1, min_per_s=0.0, window_s=10)
+    budget.record(0.2, requests=100, retries=9)  # HAProxy's counts, as read
+    assert budget.has_room(0.4) and budget.try_retry(0.4)  # the 10th of 10% of 100
+    assert not budget.has_room(0.5) and not budget.try_retry(0.5)
+    budget.record(0.7, requests=20, retries=0)
+    assert sum(budget.try_retry(0.8) for _ in range(5)) == 2  # 10% of 120 = 12
+    assert not budget.has_room(9.9)
+    budget.record(10.0, requests=10, retries=0)
+    assert budget.try_retry(10.0) and not budget.has_room(10.0)  # the window moved on: 10% of 10
+
+
 def test_backoff_is_full_jitter_and_capped() -> None:
     assert backoff_s(1, 0.5, base_s=0.01, cap_s=1) == pytest.approx(0.005)
     assert backoff_s(4, 0.999, base_s=0.01, cap_s=1) == pytest.approx(0.0799, rel=1e-3)

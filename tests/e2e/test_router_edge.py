@@ -305,6 +305,7 @@ def test_the_fast_lane_retries_within_the_routers_one_retry_budget(home: Path,  
     # Every request to a group that sheds all it gets would be tried 1 + 2 times without a budget: the fast lane's
     # retries count in the router's budget (10% of the requests here, no floor), and the router's own lane finds
     # it spent.
+    _Shedding.hits = 0
     stub = _QuietServer(("127.0.0.1", 0), _Shedding)
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     config = home / "router-shedding.yaml"

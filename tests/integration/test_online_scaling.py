@@ -71,7 +71,7 @@ def test_a_tenant_over_its_rate_or_concurrency_gets_429_with_retry_after(home: P
     with server(home, models=slow) as (url, metrics_url, _):
         with ThreadPoolExecutor(2) as pool:
             held = pool.submit(infer, url, "metered", body(breast_cancer_model, 0))
-            time.sleep(0.15)
+            wait_for(lambda: 'shardline_tenant_in_flight{tenant="metered"} 1.0' in httpx.get(f"{metrics_url}/metrics").text)
             second = infer(url, "metered", body(breast_cancer_model, 1))
             assert held.result().status_code == 200
         assert second.status_code == 429 and second.headers["retry-after"] == "1"

@@ -11,6 +11,8 @@
 - ``runs_inline``: whether a batch is scored on the event loop rather than a thread, and
   ``next_seconds_per_row``: the measured speed that decides it.
 - ``worker_share``: one server process's share of a tenant's quota.
+- ``asked_timeout_s``: the seconds a request's ``X-Shardline-Timeout-Ms`` asks for (the router's
+  deadline, and each replica's: a request whose caller has given up is not scored).
 
 Nothing here reads a clock, a socket or a setting: the caller passes them in (a gate is
 given its clock).
@@ -24,6 +26,8 @@ from typing import Callable, Mapping
 from shardline.errors import RateLimited
 from shardline.online.tenants import Tenant
 from shardline.tenants import Priority
+
+TIMEOUT_HEADER = "x-shardline-timeout-ms"  # what is left of a request's time, in milliseconds
 
 # Share of a model's queue capacity that a request of each class may fill.
 SHED_SHARE: Mapping[Priority, float] = {"high": 1.0, "normal": 0.8, "low": 0.5}
@@ -116,6 +120,18 @@ class TenantGate:
 
     def __exit__(self, *exc: object) -> None:
         self.in_flight -= 1
+
+
+def asked_timeout_s(value: str | None) -> float | None:
+    """The seconds an ``X-Shardline-Timeout-Ms`` value asks for; None for no value, or one that is not a
+    positive, finite number of milliseconds (such a value counts as absent, at the router and the replicas)."""
+    if not value:
+        return None
+    try:
+        asked = float(value) / 1000.0
+    except ValueError:
+        return None
+    return asked if asked > 0 and math.isfinite(asked) else None
 
 
 def queue_limit(capacity: int, priority: Priority) -> int:

@@ -6,8 +6,9 @@ metrics name every tenant, so ``shardline.online.metrics.metrics_app`` serves th
 by default, ``shardline.online.server``).
 ``RequestMiddleware`` (plain ASGI, no per-request task) gives every request an id
 (``X-Request-ID`` from the client, or a new one) that is echoed in the response and
-carried by every log line, writes one JSON access-log line per request and counts it
-in the metrics by protocol, model, version, tenant and status.
+carried by every log line, notes its deadline (``X-Shardline-Timeout-Ms``, which the router
+sends: the data plane does not score a request past it), writes one JSON access-log line per
+request and counts it in the metrics by protocol, model, version, tenant and status.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shardline.online.admission import TIMEOUT_HEADER, asked_timeout_s
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import json_response
 from shardline.online.logs import (
@@ -42,6 +44,7 @@ from shardline.online.protocols.forms import openai_error_body, v2_error_body
 
 access_log = logging.getLogger(ACCESS_LOGGER)
 _REQUEST_ID = b"x-request-id"
+_TIMEOUT = TIMEOUT_HEADER.encode()
 
 
 class RequestMiddleware:
@@ -56,8 +59,14 @@ class RequestMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        header = next((v for k, v in scope["headers"] if k == _REQUEST_ID), None)
-        info = RequestInfo(request_id_from(header.decode("latin-1") if header is not None else None))
+        header = timeout = None
+        for key, value in scope["headers"]:
+            if key == _REQUEST_ID:
+                header = value
+            elif key == _TIMEOUT:
+                timeout = asked_timeout_s(value.decode("latin-1"))
+        info = RequestInfo(request_id_from(header.decode("latin-1") if header is not None else None),
+                           deadline=None if timeout is None else time.monotonic() + timeout)
         token = CURRENT.set(info)
         started = time.perf_counter()
         status = 500

@@ -8,6 +8,12 @@ against the signature, queue them by the tenant's priority in the version's batc
 and score them through the same model cache as the batch tier. Idle versions are
 unloaded (scale to zero) and load again on their next request.
 
+A request with a deadline (``X-Shardline-Timeout-Ms``, as the router sends what is left of
+its own) is not scored once it has passed: one that arrives late is refused at once, and one
+still queued or in a batch when it passes is answered 504 then (``DeadlineExceeded``) and
+dropped from the queue, so a replica under a backlog spends no time on callers that have
+given up.
+
 Everything here runs on the event loop thread except what is sent to the thread
 pools: inference and loading (``shardline-infer``), registry reads
 (``shardline-registry``), and the protocol adapters' work on large bodies (``off_loop``:
@@ -35,17 +41,19 @@ import pyarrow as pa
 
 from shardline.bundle import ModelRef, version_number
 from shardline.errors import (
+    DeadlineExceeded,
     InferenceFailed,
     InvalidInput,
     Overloaded,
     ShardlineError,
 )
-from shardline.online.admission import TenantGate, next_seconds_per_row, runs_inline, should_unload
+from shardline.online.admission import TIMEOUT_HEADER, TenantGate, next_seconds_per_row, runs_inline, should_unload
 from shardline.online.batcher import Batcher
 from shardline.online.capture import OnlineCapture
 from shardline.online.errors import shown
 from shardline.generation import LLM_RUNTIMES
 from shardline.online.generation import Generations
+from shardline.online.logs import current
 from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, batch_limits, missing_for_serving
 from shardline.online.tenants import Tenant, TenantDirectory, not_available
@@ -335,8 +343,18 @@ class DataPlane:
         return answer  # type: ignore[no-any-return]
 
     async def _score_rows(self, tenant: Tenant, served: ServedModel, rows: Rows) -> Any:
-        """At once when the model is fast and idle (``Batcher.try_now``), else through its queue."""
+        """At once when the model is fast and idle (``Batcher.try_now``), else through its queue; never past
+        the request's deadline (``RequestInfo.deadline``).
+
+        Raises:
+            DeadlineExceeded: the deadline passed before the rows were scored (the batcher drops them).
+        """
         served.last_used = self._clock()
+        info = current()
+        deadline = info.deadline if info is not None else None
+        if deadline is not None and deadline <= time.monotonic():
+            raise DeadlineExceeded(f"the request's deadline ({TIMEOUT_HEADER}) had passed when it reached model "
+                                   f"{served.name!r}; send a longer {TIMEOUT_HEADER}")
         answer = served.batcher.try_now(rows)  # a fast, loaded, idle model: scored here, at once
         if answer is None:
             try:
@@ -344,10 +362,14 @@ class DataPlane:
             except Overloaded:
                 self.metrics.shed.labels(served.name, str(served.version), tenant.name, tenant.priority).inc()
                 raise
+            timer = None if deadline is None else asyncio.get_running_loop().call_later(
+                deadline - time.monotonic(), _expire, future, served.name)
             try:
                 answer = await future
             finally:
                 served.last_used = self._clock()
+                if timer is not None:
+                    timer.cancel()
         served.last_used = self._clock()
         return answer
 
@@ -530,6 +552,14 @@ class DataPlane:
             if runtime is not None:
                 stats[(served.name, str(served.version))] = runtime.engine.stats()
         return stats
+
+
+def _expire(future: asyncio.Future[Any], model: str) -> None:
+    """Answer a queued request whose deadline passed (the batcher drops a request whose future is done)."""
+    if not future.done():
+        future.set_exception(DeadlineExceeded(
+            f"the request's deadline ({TIMEOUT_HEADER}) passed while it waited in the queue of model {model!r}; "
+            f"retry, or send a longer {TIMEOUT_HEADER}"))
 
 
 def _version_label(resolved: ResolvedModel) -> str:

@@ -41,7 +41,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (RateLimited, 429),  # over the tenant's rate or concurrency quota; Retry-After
     (NotServed, 501),  # an endpoint not offered yet (the LLM endpoints)
     (Overloaded, 503),  # shed under overload, lowest priority first; the router's ReplicasUnavailable; Retry-After
-    (DeadlineExceeded, 504),  # the router: the request's deadline passed before a replica answered
+    (DeadlineExceeded, 504),  # the request's deadline passed: before a replica answered, or in a replica's queue
     (RuntimeUnavailable, 503),  # the model cannot load on this server
     (RegistryUnreadable, 503),  # the storage refused to read the registry: the client may retry
     (InvalidBundle, 500),  # the registry's bundle is broken (bad manifest, sha256 mismatch)

@@ -31,6 +31,7 @@ class RequestInfo:
     tenant: str = ""
     model: str = ""
     version: str = ""
+    deadline: float | None = None  # time.monotonic() by which it must be answered (X-Shardline-Timeout-Ms)
 
 
 CURRENT: contextvars.ContextVar[RequestInfo | None] = contextvars.ContextVar("shardline_request", default=None)

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Deque, Literal
 
+from shardline.online.admission import asked_timeout_s
+
 BreakerState = Literal["closed", "open", "half_open"]
 
 
@@ -166,14 +168,8 @@ class Deadline:
     def from_header(cls, value: str | None, now: float, default_s: float, max_s: float) -> "Deadline":
         """The deadline a ``X-Shardline-Timeout-Ms`` value asks for (at most ``max_s``), else ``default_s``
         from now; a value that is not a positive number of milliseconds counts as absent."""
-        seconds = default_s
-        if value:
-            try:
-                asked = float(value) / 1000.0
-            except ValueError:
-                asked = 0.0
-            if asked > 0 and math.isfinite(asked):
-                seconds = asked
+        asked = asked_timeout_s(value)
+        seconds = default_s if asked is None else asked
         return cls(now + min(seconds, max_s))
 
     def left(self, now: float) -> float:

@@ -39,7 +39,7 @@ from shardline.errors import (
     ReplicasUnavailable,
     ShardlineError,
 )
-from shardline.online.admission import TenantGate
+from shardline.online.admission import TIMEOUT_HEADER, TenantGate
 from shardline.online.bodies import decode_body
 from shardline.online.errors import error_status, shown
 from shardline.online.generation import LlmGate
@@ -71,7 +71,6 @@ from shardline.storage.rollouts import Rollout
 
 log = logging.getLogger(__name__)
 
-TIMEOUT_HEADER = "x-shardline-timeout-ms"
 ROUTE_KEY_HEADER = "x-shardline-route-key"  # optional: requests with the same key go to the same replica
 FALLBACK_HEADER = "x-shardline-fallback"  # on an answer a fallback variant gave: name:version#variant
 RETRY_STATUSES = frozenset({502, 503, 504})  # the replica could not serve it; another may (inference is idempotent)

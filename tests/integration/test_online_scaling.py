@@ -106,6 +106,35 @@ def test_overload_sheds_low_priority_with_503_while_high_priority_is_served(home
         assert 'shardline_batch_requests_count{model="breast-cancer",version="1"} 1.0' in metrics  # all four in one batch
 
 
+def test_a_request_past_its_deadline_is_answered_504_and_never_scored(home: Path, breast_cancer_model: BuiltModel) -> None:
+    # A lone request waits 500 ms in the queue for companions: longer than the 100 ms the caller gives it.
+    held = {MODEL: ModelServing(max_batch_wait_ms=500, max_batch_size=64)}
+    with server(home, models=held) as (url, metrics_url, _):
+        def timed(timeout: str, start: int) -> httpx.Response:
+            return httpx.post(f"{url}/v2/models/{MODEL}/infer", content=body(breast_cancer_model, start, 3), timeout=30,
+                              headers={"Authorization": f"Bearer {KEYS['gold']}", "X-Shardline-Timeout-Ms": timeout})
+
+        late = timed("100", 0)
+        assert late.status_code == 504, late.text
+        assert late.json()["error"] == ("the request's deadline (x-shardline-timeout-ms) passed while it waited in the "
+                                        "queue of model 'breast-cancer'; retry, or send a longer "
+                                        "x-shardline-timeout-ms")
+        time.sleep(0.6)  # past the batch's wait: the batcher has dropped the request whose caller was answered
+        metrics = httpx.get(f"{metrics_url}/metrics").text
+        assert 'shardline_batch_requests_count{model="breast-cancer",version="1"}' not in metrics  # no batch ran
+        assert [line.rsplit(" ", 1)[1] for line in metrics.splitlines()
+                if line.startswith("shardline_requests_total{") and 'code="504"' in line] == ["1.0"]
+
+        # a deadline it can meet, and a value that is not a number of milliseconds (counted as none), are scored
+        expected = breast_cancer_model.estimator.predict(breast_cancer_model.data.features[:3].astype(np.float32)).tolist()
+        for timeout in ("5000", "soon"):
+            answer = timed(timeout, 0)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["outputs"][0]["data"] == expected
+        metrics = httpx.get(f"{metrics_url}/metrics").text
+        assert 'shardline_batch_requests_sum{model="breast-cancer",version="1"} 2.0' in metrics  # the two, not the late one
+
+
 def wait_for(check: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():

@@ -21,7 +21,7 @@ from shardline.errors import (
     Unauthenticated,
     UnsupportedEncoding,
 )
-from shardline.online.admission import TokenBucket, admits, drain_seconds, retry_after, should_unload
+from shardline.online.admission import TokenBucket, admits, asked_timeout_s, drain_seconds, retry_after, should_unload
 from shardline.online.errors import error_status
 from shardline.online.models import batch_limits, batch_size_from_profile
 from shardline.online.tenants import TenantDirectory, hash_api_key, load_tenants
@@ -204,3 +204,13 @@ def test_each_error_has_one_status(error: BaseException, status: int) -> None:
 def test_quota_and_shedding_answers_carry_retry_after() -> None:
     assert error_status(RateLimited("x", "acme", 0.2)) == (429, {"Retry-After": "1"})
     assert error_status(Overloaded("x", 2.5)) == (503, {"Retry-After": "3"})
+
+
+@pytest.mark.parametrize(("value", "seconds"), [
+    ("250", 0.25), ("1.5", 0.0015), (None, None), ("", None), ("0", None), ("-40", None), ("inf", None),
+    ("nan", None), ("soon", None),
+])
+def test_a_timeout_header_asks_for_positive_finite_milliseconds_or_counts_as_absent(
+    value: str | None, seconds: float | None
+) -> None:
+    assert asked_timeout_s(value) == seconds

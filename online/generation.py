@@ -30,10 +30,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
 
-from shardline.errors import InvalidInput, RateLimited
+from shardline.errors import DeadlineExceeded, InvalidInput, RateLimited
 from shardline.generation import LLM_RUNTIMES
 from shardline.openai_wire import GenerationRequest
-from shardline.online.admission import TokenBucket, retry_after
+from shardline.online.admission import TIMEOUT_HEADER, TokenBucket, retry_after
+from shardline.online.logs import current
 from shardline.online.models import ServedModel
 from shardline.online.tenants import Tenant
 
@@ -132,10 +133,15 @@ class Generations:
             InvalidInput: the model does not generate text, the prompt does not fit, or a parameter is wrong.
             RateLimited: over max_streams or tokens_per_minute.
             RuntimeUnavailable: the runtime cannot load here.
+            DeadlineExceeded: the request's deadline (``RequestInfo.deadline``) had passed.
         """
         from shardline.generation import SamplingParams
 
         plane = self._plane
+        info = current()
+        if info is not None and info.deadline is not None and info.deadline <= time.monotonic():
+            raise DeadlineExceeded(f"the request's deadline ({TIMEOUT_HEADER}) had passed when it reached the server; "
+                                   f"send a longer {TIMEOUT_HEADER}")
         served = await plane.model_for_reference(tenant, request.model)
         if served.resolved.manifest.runtime not in LLM_RUNTIMES:
             raise InvalidInput(f"field 'model': {served.pinned} does not generate text (runtime "

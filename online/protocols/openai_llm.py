@@ -13,12 +13,18 @@ encode what comes back: one JSON answer, or server-sent events as OpenAI sends t
 ``finish_reason`` is ``stop`` (a stop string or the end-of-text token), ``length`` (max_tokens, the
 context, or the tenant's token quota: then ``stop_reason`` says why, as vLLM's servers put it). The
 answer's ``model`` is the version that generated it (``name:version``).
+
+A deadline (``X-Shardline-Timeout-Ms``, as the router sends it) bounds an answer that is not streamed:
+past it the generation is cancelled (the engine frees its slot) and the caller gets 504. A stream
+is refused only when it arrives past its deadline; once started it runs to its end or the client's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from typing import Any, AsyncIterator
+import time
+from typing import Any, AsyncIterator, Awaitable
 
 import orjson
 from starlette.requests import Request
@@ -26,10 +32,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from shardline import openai_wire
-from shardline.errors import InferenceFailed
+from shardline.errors import DeadlineExceeded, InferenceFailed
+from shardline.online.admission import TIMEOUT_HEADER
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import authenticate, endpoint, json_response, note_model, read_body
 from shardline.online.generation import Generation
+from shardline.online.logs import current
 from shardline.online.protocols.forms import openai_error_body
 
 PROTOCOL = "openai"
@@ -118,6 +126,19 @@ async def _answer(encoder: _Encoder, generation: Generation) -> dict[str, Any]:
     return encoder.whole("".join(pieces), finish, why, generation.prompt_tokens, completion)
 
 
+async def _within_deadline(answer: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """The whole answer, or DeadlineExceeded once the request's deadline passes (the generation is cancelled)."""
+    info = current()
+    if info is None or info.deadline is None:
+        return await answer
+    try:
+        async with asyncio.timeout(info.deadline - time.monotonic()):
+            return await answer
+    except TimeoutError:
+        raise DeadlineExceeded(f"the answer was not complete when the request's deadline ({TIMEOUT_HEADER}) passed; "
+                               f"ask for fewer max_tokens, stream it, or send a longer {TIMEOUT_HEADER}") from None
+
+
 class _Stream(StreamingResponse):
     """Server-sent events whose clean-up runs however the response ends: the client gone before the first
     byte (Starlette then never starts the body), mid-stream, or after ``[DONE]``."""
@@ -169,7 +190,7 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
             if parsed.stream:
                 return _Stream(_events(encoder, generation, plane.tenants.routed), cleanup, generation.prompt_tokens)
             try:
-                return json_response(await _answer(encoder, generation))
+                return json_response(await _within_deadline(_answer(encoder, generation)))
             finally:
                 await cleanup()
 

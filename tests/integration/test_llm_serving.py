@@ -190,3 +190,24 @@ def test_streams_beyond_the_tenants_max_streams_are_refused_with_429(served: tup
             stream.__exit__(None, None, None)
         for held in clients:
             held.close()
+
+
+def test_an_answer_past_its_deadline_is_504_and_its_generation_stops(served: tuple[str, DataPlane]) -> None:
+    url, plane = served
+    late = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}", "X-Shardline-Timeout-Ms": "20"},
+                      json={"model": "tiny", "messages": CHAT, "max_tokens": 400, "temperature": 0})
+    assert late.status_code == 504, late.text
+    assert late.json()["error"]["message"] == (
+        "the answer was not complete when the request's deadline (x-shardline-timeout-ms) passed; ask for fewer "
+        "max_tokens, stream it, or send a longer x-shardline-timeout-ms")
+    deadline = time.monotonic() + 5
+    while _slots(plane) != (0, 0):  # the engine's slot and the tenant's are given back
+        assert time.monotonic() < deadline, f"slots still held: {_slots(plane)}"
+        time.sleep(0.02)
+    # a deadline it can meet is answered
+    answer = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                        headers={"Authorization": f"Bearer {KEY}", "X-Shardline-Timeout-Ms": "60000"},
+                        json={"model": "tiny", "messages": CHAT, "max_tokens": 4})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] >= 1

@@ -53,7 +53,7 @@ from shardline.online.capture import OnlineCapture
 from shardline.online.errors import shown
 from shardline.generation import LLM_RUNTIMES
 from shardline.online.generation import Generations
-from shardline.online.logs import current
+from shardline.online.logs import deadline_left
 from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, batch_limits, missing_for_serving
 from shardline.online.tenants import Tenant, TenantDirectory, not_available
@@ -350,9 +350,8 @@ class DataPlane:
             DeadlineExceeded: the deadline passed before the rows were scored (the batcher drops them).
         """
         served.last_used = self._clock()
-        info = current()
-        deadline = info.deadline if info is not None else None
-        if deadline is not None and deadline <= time.monotonic():
+        left = deadline_left()
+        if left is not None and left <= 0:
             raise DeadlineExceeded(f"the request's deadline ({TIMEOUT_HEADER}) had passed when it reached model "
                                    f"{served.name!r}; send a longer {TIMEOUT_HEADER}")
         answer = served.batcher.try_now(rows)  # a fast, loaded, idle model: scored here, at once
@@ -362,8 +361,7 @@ class DataPlane:
             except Overloaded:
                 self.metrics.shed.labels(served.name, str(served.version), tenant.name, tenant.priority).inc()
                 raise
-            timer = None if deadline is None else asyncio.get_running_loop().call_later(
-                deadline - time.monotonic(), _expire, future, served.name)
+            timer = None if left is None else asyncio.get_running_loop().call_later(left, _expire, future, served.name)
             try:
                 answer = await future
             finally:

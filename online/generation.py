@@ -34,7 +34,7 @@ from shardline.errors import DeadlineExceeded, InvalidInput, RateLimited
 from shardline.generation import LLM_RUNTIMES
 from shardline.openai_wire import GenerationRequest
 from shardline.online.admission import TIMEOUT_HEADER, TokenBucket, retry_after
-from shardline.online.logs import current
+from shardline.online.logs import deadline_left
 from shardline.online.models import ServedModel
 from shardline.online.tenants import Tenant
 
@@ -138,8 +138,8 @@ class Generations:
         from shardline.generation import SamplingParams
 
         plane = self._plane
-        info = current()
-        if info is not None and info.deadline is not None and info.deadline <= time.monotonic():
+        left = deadline_left()
+        if left is not None and left <= 0:
             raise DeadlineExceeded(f"the request's deadline ({TIMEOUT_HEADER}) had passed when it reached the server; "
                                    f"send a longer {TIMEOUT_HEADER}")
         served = await plane.model_for_reference(tenant, request.model)

@@ -71,6 +71,13 @@ def current() -> RequestInfo | None:
     return CURRENT.get()
 
 
+def deadline_left() -> float | None:
+    """Seconds left of the current request's deadline (``X-Shardline-Timeout-Ms``; negative once it has passed),
+    or None when it has none."""
+    info = CURRENT.get()
+    return None if info is None or info.deadline is None else info.deadline - time.monotonic()
+
+
 class JsonFormatter(logging.Formatter):
     """Formats a record as one JSON line: time, level, logger, message, request id, fields."""
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from typing import Any, AsyncIterator, Awaitable
 
 import orjson
@@ -37,7 +36,7 @@ from shardline.online.admission import TIMEOUT_HEADER
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import authenticate, endpoint, json_response, note_model, read_body
 from shardline.online.generation import Generation
-from shardline.online.logs import current
+from shardline.online.logs import deadline_left
 from shardline.online.protocols.forms import openai_error_body
 
 PROTOCOL = "openai"
@@ -128,11 +127,11 @@ async def _answer(encoder: _Encoder, generation: Generation) -> dict[str, Any]:
 
 async def _within_deadline(answer: Awaitable[dict[str, Any]]) -> dict[str, Any]:
     """The whole answer, or DeadlineExceeded once the request's deadline passes (the generation is cancelled)."""
-    info = current()
-    if info is None or info.deadline is None:
+    left = deadline_left()
+    if left is None:
         return await answer
     try:
-        async with asyncio.timeout(info.deadline - time.monotonic()):
+        async with asyncio.timeout(left):
             return await answer
     except TimeoutError:
         raise DeadlineExceeded(f"the answer was not complete when the request's deadline ({TIMEOUT_HEADER}) passed; "

@@ -146,7 +146,7 @@ class RetryBudget:
         """Take one retry if the budget has one; False when retrying now would pass the budget."""
         if not self.has_room(now):
             return False
-        self._requests[-1][2] += 1
+        self._bucket(now)[2] += 1
         return True
 
 

@@ -232,13 +232,31 @@ def dispatch_shards(
     return stats
 
 
-def _withdraw_unstarted(client: Any, futures: dict[str, Any]) -> None:
-    """Cancel the shards the cluster has not started; those running finish (they commit as they end)."""
+# The scheduler's states of a task no worker has been handed: withdrawing one of these loses no work.
+UNSTARTED_STATES = frozenset({"released", "waiting", "queued", "no-worker"})
+
+
+def _withdraw_unstarted(client: Any, futures: dict[str, Any]) -> list[str]:
+    """Cancel the tasks the cluster has not started; those running or done finish and settle (they commit as they
+    end). Which is which is decided and acted on in one step of the scheduler's event loop: a snapshot of the
+    tasks processing taken here, then a cancel, would also cancel a task that finished in between, and its
+    committed parts would never settle. A task submitted so lately that the scheduler has not heard of it yet is
+    not withdrawn: it runs and settles. Returns the keys withdrawn."""
+    keys, client_id = list(futures), client.id
+
+    def cancel_unstarted(dask_scheduler: Any) -> list[str]:
+        unstarted = [key for key in keys
+                     if (task := dask_scheduler.tasks.get(key)) is not None and task.state in UNSTARTED_STATES]
+        if unstarted:
+            dask_scheduler.stimulus_cancel(unstarted, client_id, force=False, reason="stop requested",
+                                           msg="the job was stopped before this task started")
+        return unstarted
+
     try:
-        running = {key for keys in client.processing().values() for key in keys}
+        withdrawn: list[str] = client.run_on_scheduler(cancel_unstarted)
     except Exception:  # no answer from the scheduler: withdraw nothing, let every shard in flight finish
-        return
-    client.cancel([future for key, future in futures.items() if key not in running])
+        return []
+    return withdrawn
 
 
 def _on_every_worker(client: Any, shared: Any, stop: threading.Event | None) -> None:

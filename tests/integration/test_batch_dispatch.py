@@ -3,7 +3,9 @@ the clusters this platform starts go without the dashboard's sampling, their wor
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dask.utils import key_split
@@ -69,7 +71,6 @@ def test_a_stop_request_withdraws_unstarted_shards_and_returns_once_the_running_
     breast_cancer_model: BuiltModel, dask_address: str, tmp_path: Path
 ) -> None:
     import threading
-    import time
 
     from distributed import Client
 
@@ -98,6 +99,43 @@ def test_a_stop_request_withdraws_unstarted_shards_and_returns_once_the_running_
     assert committed == set(settled)  # every shard that ran was settled here: none commits behind the job's back
     time.sleep(1.0)
     assert layout.present_parts() == committed
+
+
+def test_a_stop_withdraws_only_tasks_no_worker_was_handed(dask_address: str) -> None:
+    # A task that finished before its result reached the dispatcher has committed its parts: withdrawing it too
+    # (as a snapshot of the tasks processing, then a cancel, did) left those parts committed but never settled.
+    from concurrent.futures import CancelledError
+
+    from distributed import Client, Event, wait
+
+    from shardline.tasks.dispatch import _withdraw_unstarted
+
+    # defined here, so that they travel by value: the workers and the scheduler cannot import this module
+    def hold(event_name: str) -> str:
+        Event(event_name).wait(60)
+        return "ran"
+
+    def task_state(key: str, dask_scheduler: Any) -> str | None:
+        task = dask_scheduler.tasks.get(key)
+        return None if task is None else str(task.state)
+
+    with Client(dask_address) as client:
+        release = Event("release-held", client=client)
+        done = client.submit(str.upper, "done", key="withdraw-done", pure=False)
+        wait([done])
+        running = client.submit(hold, "release-held", key="withdraw-running", pure=False)
+        while client.run_on_scheduler(task_state, "withdraw-running") != "processing":  # on a worker
+            time.sleep(0.02)
+        waiting = client.submit(str.upper, running, key="withdraw-waiting", pure=False)  # waits for `running`
+        while client.run_on_scheduler(task_state, "withdraw-waiting") != "waiting":
+            time.sleep(0.02)
+        futures = {f.key: f for f in (done, running, waiting)}
+
+        assert _withdraw_unstarted(client, futures) == ["withdraw-waiting"]
+        release.set()
+        assert done.result(timeout=30) == "DONE" and running.result(timeout=30) == "ran"
+        with pytest.raises(CancelledError, match="stop requested"):
+            waiting.result(timeout=30)
 
 
 def test_a_local_cluster_started_here_has_its_workers_profiler_off_and_arrows_jemalloc_pool(

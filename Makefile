@@ -43,7 +43,7 @@ bench: setup
 	$(PY) bench/batch_throughput.py
 
 typecheck: setup
-	$(PY) -m mypy shardline storage quality online
+	$(PY) -m mypy shardline storage quality online tasks flows
 
 clean:
 	# the demo's batch runner and local Prefect server first: their state is in shardline-demo/home

@@ -12,7 +12,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from uuid import UUID
 
 import pyarrow as pa
 from prefect import task
@@ -330,7 +331,9 @@ def infer_shards(
     logger = run_logger()
     total = len(plan.todo)
     progress_key = batch_artifact_key("progress", plan.job.model.pinned, plan.job.output_uri, current_deployment())
-    artifact = create_progress_artifact(0.0, key=progress_key, description=f"batch job {plan.job_id}: shards settled")
+    # called from sync code, Prefect's sync-compatible function returns the id itself, not a coroutine
+    artifact = cast(UUID, create_progress_artifact(0.0, key=progress_key,
+                                                   description=f"batch job {plan.job_id}: shards settled"))
     new, failed = list(plan.new), dict(plan.failed)
     counts = {"settled": 0, "rows": 0}
     last_update = [0.0]

@@ -8,7 +8,7 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 from shardline.errors import InvalidSetting, RuntimeUnavailable
 from shardline.settings import DaskSettings
@@ -107,7 +107,8 @@ def quiet_cluster_config() -> dict[str, Any]:
 
     chosen = {}
     for key, value in QUIET_CLUSTER.items():
-        library = [dask.config.get(key, None, config=defaults) for defaults in dask.config.defaults]
+        library = [dask.config.get(key, None, config=cast(dict[str, Any], defaults))
+                   for defaults in dask.config.defaults]
         if dask.config.get(key, None) in [d for d in library if d is not None]:
             chosen[key] = value
     return chosen

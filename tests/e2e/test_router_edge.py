@@ -102,9 +102,17 @@ def _admin(edged: Edged, command: str) -> str:
 
 
 def _read_back(metrics: str, name: str, labels: tuple[tuple[str, str], ...]) -> float:
-    """A count the router reads from HAProxy, once it has read it again."""
-    time.sleep(0.6)  # the router reads HAProxy's counts every half second
-    return _scrape(metrics).get((name, labels), 0.0)
+    """A count the router reads from HAProxy every half second, once it has stopped changing: the same for 1.5 s
+    (three reads; on a loaded machine one read may come late, so a single wait of one period is not enough)."""
+    value, steady_since, deadline = None, time.monotonic(), time.monotonic() + 30
+    while True:
+        now = _scrape(metrics).get((name, labels), 0.0)
+        if now != value:
+            value, steady_since = now, time.monotonic()
+        elif time.monotonic() - steady_since >= 1.5:
+            return value
+        assert time.monotonic() < deadline, f"{name} never settled: last {value}"
+        time.sleep(0.1)
 
 
 def _fast_lane(edged: Edged, model: str) -> float:

@@ -40,7 +40,8 @@ TENANTS = {"tenants": [
     {"name": "gold", "api_keys_sha256": [hash_api_key(KEYS["gold"])], "models": [f"{MODEL}@prod"], "priority": "high"},
     {"name": "bronze", "api_keys_sha256": [hash_api_key(KEYS["bronze"])], "models": [f"{MODEL}@prod"], "priority": "low"},
     {"name": "metered", "api_keys_sha256": [hash_api_key(KEYS["metered"])], "models": [f"{MODEL}@prod"],
-     "rate": {"requests_per_second": 0.5, "burst": 2}, "max_concurrent": 1},
+     # one token per 100 s: the test's requests see the burst only, however slowly the machine runs them
+     "rate": {"requests_per_second": 0.01, "burst": 2}, "max_concurrent": 1},
 ]}
 
 
@@ -67,7 +68,7 @@ def infer(url: str, tenant: str, content: bytes) -> httpx.Response:
 
 
 def test_a_tenant_over_its_rate_or_concurrency_gets_429_with_retry_after(home: Path, breast_cancer_model: BuiltModel) -> None:
-    slow = {MODEL: ModelServing(max_batch_wait_ms=400, max_batch_size=64)}  # a lone request waits 400 ms
+    slow = {MODEL: ModelServing(max_batch_wait_ms=1500, max_batch_size=64)}  # a lone request waits 1.5 s
     with server(home, models=slow) as (url, metrics_url, _):
         with ThreadPoolExecutor(2) as pool:
             held = pool.submit(infer, url, "metered", body(breast_cancer_model, 0))
@@ -80,7 +81,7 @@ def test_a_tenant_over_its_rate_or_concurrency_gets_429_with_retry_after(home: P
         assert infer(url, "metered", body(breast_cancer_model, 2)).status_code == 200
         fourth = infer(url, "metered", body(breast_cancer_model, 3))
         assert fourth.status_code == 429 and int(fourth.headers["retry-after"]) >= 1
-        assert "over its rate of 0.5 requests/s (burst 2); retry after" in fourth.json()["error"]
+        assert "over its rate of 0.01 requests/s (burst 2); retry after" in fourth.json()["error"]
         assert infer(url, "gold", body(breast_cancer_model, 2)).status_code == 200  # other tenants are not held back
         metrics = httpx.get(f"{metrics_url}/metrics").text
         assert 'shardline_rate_limited_total{quota="concurrency",tenant="metered"} 1.0' in metrics
@@ -88,12 +89,12 @@ def test_a_tenant_over_its_rate_or_concurrency_gets_429_with_retry_after(home: P
 
 
 def test_overload_sheds_low_priority_with_503_while_high_priority_is_served(home: Path, breast_cancer_model: BuiltModel) -> None:
-    # A queue of 4: low priority may fill 2 of it, high all 4; requests wait 500 ms to batch.
-    held = {MODEL: ModelServing(max_batch_wait_ms=500, max_batch_size=64, queue_capacity=4)}
+    # A queue of 4: low priority may fill 2 of it, high all 4; a batch runs when 4 requests are queued (or after 10 s).
+    held = {MODEL: ModelServing(max_batch_wait_ms=10_000, max_batch_size=4, queue_capacity=4)}
     with server(home, models=held) as (url, metrics_url, _):
         with ThreadPoolExecutor(8) as pool:
             low = [pool.submit(infer, url, "bronze", body(breast_cancer_model, i)) for i in range(2)]
-            time.sleep(0.2)
+            wait_for(lambda: queued(metrics_url, "low") == 2)
             shed = infer(url, "bronze", body(breast_cancer_model, 3))
             high = [pool.submit(infer, url, "gold", body(breast_cancer_model, 10 + i)) for i in range(2)]
             answers = [f.result() for f in low + high]
@@ -107,19 +108,21 @@ def test_overload_sheds_low_priority_with_503_while_high_priority_is_served(home
 
 
 def test_a_request_past_its_deadline_is_answered_504_and_never_scored(home: Path, breast_cancer_model: BuiltModel) -> None:
-    # A lone request waits 500 ms in the queue for companions: longer than the 100 ms the caller gives it.
-    held = {MODEL: ModelServing(max_batch_wait_ms=500, max_batch_size=64)}
+    # A lone request of 3 rows waits 3 s in the queue for companions: longer than the 1 s the caller gives it.
+    # Two such requests together fill a batch (6 rows), which runs at once.
+    held = {MODEL: ModelServing(max_batch_wait_ms=3000, max_batch_size=6)}
     with server(home, models=held) as (url, metrics_url, _):
         def timed(timeout: str, start: int) -> httpx.Response:
             return httpx.post(f"{url}/v2/models/{MODEL}/infer", content=body(breast_cancer_model, start, 3), timeout=30,
                               headers={"Authorization": f"Bearer {KEYS['gold']}", "X-Shardline-Timeout-Ms": timeout})
 
-        late = timed("100", 0)
+        late = timed("1000", 0)
         assert late.status_code == 504, late.text
         assert late.json()["error"] == ("the request's deadline (x-shardline-timeout-ms) passed while it waited in the "
                                         "queue of model 'breast-cancer'; retry, or send a longer "
                                         "x-shardline-timeout-ms")
-        time.sleep(0.6)  # past the batch's wait: the batcher has dropped the request whose caller was answered
+        # the batcher drops the request whose caller was answered when its batch's wait ends
+        wait_for(lambda: queued(metrics_url, "high") == 0)
         metrics = httpx.get(f"{metrics_url}/metrics").text
         assert 'shardline_batch_requests_count{model="breast-cancer",version="1"}' not in metrics  # no batch ran
         assert [line.rsplit(" ", 1)[1] for line in metrics.splitlines()
@@ -127,12 +130,19 @@ def test_a_request_past_its_deadline_is_answered_504_and_never_scored(home: Path
 
         # a deadline it can meet, and a value that is not a number of milliseconds (counted as none), are scored
         expected = breast_cancer_model.estimator.predict(breast_cancer_model.data.features[:3].astype(np.float32)).tolist()
-        for timeout in ("5000", "soon"):
-            answer = timed(timeout, 0)
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda timeout: timed(timeout, 0), ("60000", "soon")))
+        for answer in answers:
             assert answer.status_code == 200, answer.text
             assert answer.json()["outputs"][0]["data"] == expected
         metrics = httpx.get(f"{metrics_url}/metrics").text
         assert 'shardline_batch_requests_sum{model="breast-cancer",version="1"} 2.0' in metrics  # the two, not the late one
+
+
+def queued(metrics_url: str, priority: str) -> float:
+    """Requests of this priority in the server's queues now (``shardline_queue_depth``)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{metrics_url}/metrics").text.splitlines()
+               if line.startswith("shardline_queue_depth{") and f'priority="{priority}"' in line)
 
 
 def wait_for(check: Any, timeout: float = 10.0) -> None:
@@ -145,7 +155,8 @@ def wait_for(check: Any, timeout: float = 10.0) -> None:
 def test_an_idle_model_scales_to_zero_and_reloads_under_concurrent_requests(
     home: Path, breast_cancer_model: BuiltModel
 ) -> None:
-    with server(home, idle_timeout_s=0.6, reap_interval_s=0.1) as (url, metrics_url, plane):
+    # idle for 3 s, the model is unloaded: long enough for the checks after the second burst on a loaded machine
+    with server(home, idle_timeout_s=3, reap_interval_s=0.1) as (url, metrics_url, plane):
         ready = f"{url}/v2/models/{MODEL}/ready"
         auth = {"Authorization": f"Bearer {KEYS['gold']}"}
         first = infer(url, "gold", body(breast_cancer_model, 0, 8))

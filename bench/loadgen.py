@@ -12,9 +12,10 @@ again. It reports its own CPU time per request and how late it sent (``lag``).
 
     python bench/loadgen.py SPEC.json     # one JSON line per step on stdout
 
-SPEC: {"targets": [{"name", "port", "pid", "requests": [raw HTTP request text, ...]}],
+SPEC: {"targets": [{"name", "port", "pid", "requests": [raw HTTP request text, ...], "backends": [pids]}],
 "ladder": [rates], "warmup", "seconds", "refine", "connections", "drain", "retries", "prewarm"}
-(prewarm: seconds at 4x the lightest rate against each server before the ladder, not counted).
+(prewarm: seconds at 4x the lightest rate against each server before the ladder, not counted; backends,
+optional: the processes a proxy sends its requests on to, whose CPU is that target's work, not noise).
 """
 
 from __future__ import annotations
@@ -235,12 +236,12 @@ class _Schedule:
     """
 
     def __init__(self, pool: _Pool, rate: float, n_warm: int, n_total: int, server_pid: int,
-                 peer_pids: list[int]) -> None:
+                 peer_pids: list[int], backend_pids: list[int]) -> None:
         self.pool, self.rate, self.n_warm, self.n_total, self.server_pid = pool, rate, n_warm, n_total, server_pid
-        self.peer_pids = peer_pids
+        self.peer_pids, self.backend_pids = peer_pids, backend_pids
         self.i, self.t0 = 0, time.perf_counter() + 0.01
         self.cpu0: dict[int, float] = {}
-        self.proc0 = self.machine0 = self.peers0 = 0.0
+        self.proc0 = self.machine0 = self.peers0 = self.backends0 = 0.0
         self.done = asyncio.get_running_loop().create_future()
         self.reader, self.writer = socket.socketpair()
         self.reader.setblocking(False)
@@ -279,6 +280,7 @@ class _Schedule:
             if self.i == self.n_warm:
                 self.cpu0, self.proc0 = _cpu_snapshot(self.server_pid), time.process_time()
                 self.machine0, self.peers0 = _machine_busy(), _tree_cpu(self.peer_pids)
+                self.backends0 = _tree_cpu(self.backend_pids)
             if self.i >= self.n_warm:
                 self.pool.lags.append(-delay)
             self.pool.submit((due, self.i % n_bodies, self.i >= self.n_warm))
@@ -294,11 +296,13 @@ def _tree_cpu(pids: list[int]) -> float:
 
 async def run_step(spec: dict[str, Any], target: dict[str, Any], rate: float, peer_pids: list[int]) -> dict[str, Any]:
     """Send ``rate`` req/s to one server for warm-up + window seconds on schedule; returns the window's figures
-    (``peer_pids``: the other servers under test, idle meanwhile: what they used is noise)."""
+    (``peer_pids``: the other servers under test, idle meanwhile: what they used is noise; the target's
+    ``backends``: what it sends its requests on to, whose CPU is its own work)."""
     pool = _Pool("127.0.0.1", target["port"], target["requests"], spec["connections"])
     await pool.open(min(8, spec["connections"]))
     n_warm, n_total = int(rate * spec["warmup"]), int(rate * (spec["warmup"] + spec["seconds"]))
-    with _Schedule(pool, rate, n_warm, n_total, target["pid"], peer_pids) as schedule:
+    backends = target.get("backends", [])
+    with _Schedule(pool, rate, n_warm, n_total, target["pid"], peer_pids, backends) as schedule:
         pool.window = (schedule.t0 + n_warm / rate, schedule.t0 + n_total / rate)
         schedule.tick()
         await schedule.done
@@ -306,6 +310,7 @@ async def run_step(spec: dict[str, Any], target: dict[str, Any], rate: float, pe
     await asyncio.sleep(max(0.0, pool.window[1] - time.perf_counter()))
     cpu1, proc1, machine1 = _cpu_snapshot(target["pid"]), time.process_time(), _machine_busy()
     peers = _tree_cpu(peer_pids) - schedule.peers0
+    behind = _tree_cpu(backends) - schedule.backends0
     deadline = time.perf_counter() + spec["drain"]
     while pool.outstanding > 0 and time.perf_counter() < deadline:
         await asyncio.sleep(0.005)
@@ -328,7 +333,8 @@ async def run_step(spec: dict[str, Any], target: dict[str, Any], rate: float, pe
         "gen_cpu": (proc1 - proc0) / window,
         "gen_us_per_req": (proc1 - proc0) / max(1, sent) * 1e6,
         "server_cpu": sum(per_proc.values()) / window,
-        "other_cpu": max(0.0, (machine1 - machine0) - (proc1 - proc0) - sum(per_proc.values())) / window,
+        "backends_cpu": max(0.0, behind) / window,
+        "other_cpu": max(0.0, (machine1 - machine0) - (proc1 - proc0) - sum(per_proc.values()) - behind) / window,
         "peers_cpu": max(0.0, peers) / window,
         "server_busiest": max(per_proc.values(), default=0.0) / window,
         "server_top": sorted((v / window for v in per_proc.values()), reverse=True)[:3],
@@ -382,12 +388,16 @@ async def _generate(spec: dict[str, Any]) -> None:
         t["requests"] = [r.encode("latin-1") for r in t["requests"]]
     steps: dict[str, list[dict[str, Any]]] = {t["name"]: [] for t in targets}
 
+    def peers_of(target: dict[str, Any]) -> list[int]:
+        """The other targets' processes, less this one's backends (a proxy's replicas may be another's server)."""
+        return [p for p in pids if p != target["pid"] and p not in target.get("backends", [])]
+
     async def step(target: dict[str, Any], rate: float) -> None:
         """One rate against one server; measured again (best kept) when something else used the CPUs."""
         tries = []
         for _ in range(1 + spec["retries"]):
             await _quiet(pids)
-            tries.append(await run_step(spec, target, rate, [p for p in pids if p != target["pid"]]))
+            tries.append(await run_step(spec, target, rate, peers_of(target)))
             if tries[-1]["other_cpu"] <= NOISY and tries[-1]["peers_cpu"] <= PEERS_NOISY:
                 break
         best = min(tries, key=lambda t: (t["other_cpu"] > NOISY or t["peers_cpu"] > PEERS_NOISY,
@@ -401,7 +411,7 @@ async def _generate(spec: dict[str, Any]) -> None:
         for target in targets:
             await _quiet(pids)
             await run_step({**spec, "warmup": prewarm, "seconds": 0.2}, target, 4 * min(spec["ladder"]),
-                           [p for p in pids if p != target["pid"]])
+                           peers_of(target))
     for rate in spec["ladder"]:
         for target in targets:
             if not any(saturated(s) for s in steps[target["name"]]):

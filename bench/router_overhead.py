@@ -16,11 +16,11 @@ Both request layouts a V2 client sends for this model are measured, one after th
 inputs of shape [1] (one per feature column) and one input of shape [1, 30] (the model packaged
 from its ONNX file alone). Printed, for each layout: each series' steps, the p50 at the lightest rate, the highest rate held at p99 <= 10 ms, and
 the ratios against the targets: the router adds at most 1.5x nginx's p50 (p50 through it less p50
-direct; each series' p50 at the lightest rate is its median over 3 rounds, 5 in full mode), and holds
+direct, paired round by round: the median over 10 rounds, 20 in full mode; see ``light_rounds``), and holds
 at least 0.8x nginx's rate.
 
-    .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~7 min
-    .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~22 min
+    .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~3 min
+    .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~13 min
 
 nginx must be on PATH, and haproxy for the router's default data plane (`apt-get install nginx-light
 haproxy`). Data and logs: bench/.data/router/ (git-ignored).
@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -93,15 +94,19 @@ def requests(target: str, port: int, path: str, bodies: list[str]) -> list[str]:
             f"Content-Length: {len(b)}\r\n\r\n{b}" for b in bodies]
 
 
-def run(targets: list[tuple[str, ol.Server]], path: str, bodies: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def run(targets: list[tuple[str, ol.Server]], replicas: list[int], path: str, bodies: list[str],
+        args: argparse.Namespace) -> dict[str, Any]:
+    """The load generator over the series; a proxy's ``replicas`` (pids) are its backends: their CPU is the
+    series' work, not noise (direct's replica is one of them)."""
     return ol.generate_steps([{"name": name, "port": s.port, "pid": s.proc.pid,  # type: ignore[union-attr]
+                               "backends": replicas if name != "direct" else [],
                                "requests": requests(name, s.port, path, bodies)} for name, s in targets],
                              args, DATA / "generator.json")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 rates, short steps: ~4 minutes")
+    parser.add_argument("--quick", action="store_true", help="3 rates, short steps: ~3 minutes")
     parser.add_argument("--rates", help="the ladder, req/s, comma-separated (default 100..6400 doubling)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
@@ -109,7 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         [100.0, 800.0, 1600.0] if args.quick else [100.0 * 2**k for k in range(7)])
     args.seconds, args.warmup = (2.0, 0.5) if args.quick else (5.0, 1.0)
     args.refine, args.retries, args.prewarm = (1, 1, 1.5) if args.quick else (2, 2, 3.0)
-    args.rounds = 3 if args.quick else 5
+    args.rounds = 10 if args.quick else 20  # the light rate's rounds: the ladder's step, then short windows
+    args.window = (0.5, 1.0) if args.quick else (1.0, 2.0)  # each short window's warm-up and measured seconds
     return args
 
 
@@ -160,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  the router's data plane: {plane}", flush=True)
         layouts = {"scalar": (path, data["v2"]), "nk": (f"/v2/models/{ol.MODEL_NK}/infer", data["nk"])}
         targets = [("direct", servers[0]), ("router", router), ("nginx", proxy)]
+        replicas = [s.proc.pid for s in servers]  # type: ignore[union-attr]
         steps, rounds = {}, {}
         for layout, (layout_path, bodies) in layouts.items():
-            steps[layout] = run(targets, layout_path, bodies, args)
-            rounds[layout] = light_rounds(targets, layout_path, bodies, args, steps[layout])
+            steps[layout] = run(targets, replicas, layout_path, bodies, args)
+            rounds[layout] = light_rounds(targets, replicas, layout_path, bodies, args, steps[layout])
     finally:
         for server in (router, proxy, *servers):
             server.stop()
@@ -173,23 +180,28 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if args.strict and not all(met) else 0
 
 
-def light_rounds(targets: list[tuple[str, ol.Server]], path: str, bodies: list[str], args: argparse.Namespace,
-                 ladder: dict[str, Any]) -> dict[str, list[float]]:
-    """Each series' p50 at the lightest rate in ``args.rounds`` rounds (the ladder's step, then more rounds at
-    that rate alone, the series in turn): a single window's p50 at a light rate moves by a few hundred
-    microseconds with the machine's state, as much as the difference measured."""
+def light_rounds(targets: list[tuple[str, ol.Server]], replicas: list[int], path: str, bodies: list[str],
+                 args: argparse.Namespace, ladder: dict[str, Any]) -> dict[str, list[float]]:
+    """Each series' p50 at the lightest rate in ``args.rounds`` rounds: the ladder's step, then short windows
+    at that rate alone, the series in a new random order each round. A window's p50 at a light rate moves by a
+    few hundred microseconds with the machine's state, as much as the difference measured: many short windows,
+    each round's three close together, let the rounds' median cancel that drift (``report`` pairs them)."""
     light = min(args.ladder)
     found = {name: [s["p50_ms"] for s in series if s["rate"] == light] for name, series in ladder.items()}
-    extra = argparse.Namespace(**{**vars(args), "ladder": [light], "refine": 0})
+    window = argparse.Namespace(**{**vars(args), "ladder": [light], "refine": 0, "prewarm": 0.0,
+                                   "warmup": args.window[0], "seconds": args.window[1]})
+    order = random.Random(0)  # a fixed seed: every run shuffles its rounds alike
     for _ in range(args.rounds - 1):
-        for name, series in run(targets, path, bodies, extra).items():
+        shuffled = order.sample(targets, len(targets))
+        for name, series in run(shuffled, replicas, path, bodies, window).items():
             found[name] += [s["p50_ms"] for s in series]
     return found
 
 
 def report(layout: str, steps: dict[str, Any], rounds: dict[str, list[float]], args: argparse.Namespace) -> bool:
     """Print one request layout's series, summary and ratios against the targets; whether both were met.
-    The p50 at the lightest rate is each series' median over the rounds (``light_rounds``)."""
+    The p50 at the lightest rate is each series' median over the rounds (``light_rounds``); the p50 a proxy adds
+    is the median over the rounds of its p50 less direct's in the same round."""
     light = min(args.ladder)
     print(f"\n=== layout {layout}: {ol.LAYOUTS[layout]} ===")
     for name, series in steps.items():
@@ -202,7 +214,11 @@ def report(layout: str, steps: dict[str, Any], rounds: dict[str, list[float]], a
     print(f"\n{'series':<8}{'p50 ms @ ' + format(light, ',.0f') + '/s':>16}{'held at p99<10ms':>18}  limited by")
     for name, s in summary.items():
         print(f"{name:<8}{ol._fmt(s['p50'], '.2f'):>16}{s['held']:>16,.0f}/s  {s['limit']}")
-    added = {n: summary[n]["p50"] - summary["direct"]["p50"] for n in ("router", "nginx")}
+    by_round = {n: [p - d for p, d in zip(rounds[n], rounds["direct"])] for n in ("router", "nginx")}
+    print(f"\np50 added at {light:,.0f}/s, round by round (us):")
+    for name, values in by_round.items():
+        print(f"  {name:<8}{'  '.join(f'{v * 1000:4.0f}' for v in values)}   median {statistics.median(values) * 1000:.0f}")
+    added = {n: statistics.median(values) for n, values in by_round.items()}
     p50_ratio = added["router"] / added["nginx"] if added["nginx"] > 0 else math.inf
     held_ratio = summary["router"]["held"] / summary["nginx"]["held"] if summary["nginx"]["held"] else math.inf
     p50_met, held_met = p50_ratio <= ADDED_P50_TARGET, held_ratio >= HELD_TARGET

@@ -64,8 +64,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GATED_HEADER = "x-shardline-gated"  # set by HAProxy (a client's is dropped): the tenant whose quotas it held
-BUFSIZE = 131_072  # HAProxy's buffer: a fast-lane request (headers and body) fits in one
-FAST_BODY_BYTES = 112 * 1024  # larger bodies go to the router, which streams them
+# HAProxy's buffer: a fast-lane request (headers and body) fits in one. Not larger: for an L7 retry HAProxy 2.6
+# copies the whole buffer, whatever the request's size, before every fast-lane request is sent (128 KiB cost
+# ~75 us more CPU a request at 100/s than 16 or 32 KiB, which cost alike: bench/README.md).
+BUFSIZE = 32_768
+FAST_BODY_BYTES = 24 * 1024  # larger bodies go to the router, which streams them
 DNS_SLOTS = 32  # server slots of a group found by DNS (addresses past them are served by the router alone)
 SYNC_S = 0.5  # how often the router brings HAProxy up to date and reads its counts
 STOP_GRACE_S = 5.0

@@ -24,7 +24,7 @@ import orjson
 import pytest
 import tritonclient.http as triton
 
-from shardline.online.router.edge import find_haproxy
+from shardline.online.router.edge import FAST_BODY_BYTES, find_haproxy
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.rollouts import Rollout
@@ -127,7 +127,7 @@ def test_tritonclient_is_answered_by_the_fast_lane_like_scikit_learn(
     before = _fast_lane(edged, f"{MODEL}:1")
     client = triton.InferenceServerClient(edged.url.removeprefix("http://"))
     assert client.is_server_live() and client.is_server_ready()
-    rows = breast_cancer_model.data.features[:40]
+    rows = breast_cancer_model.data.features[:16]  # within FAST_BODY_BYTES as JSON too, uncompressed
     outputs = [triton.InferRequestedOutput(n, binary_data=binary) for n in ("label", "probabilities")]
     for compression in ("gzip", None):
         result = client.infer(MODEL, v2_inputs(breast_cancer_model, rows, binary), outputs=outputs, headers=key(),
@@ -142,6 +142,25 @@ def test_tritonclient_is_answered_by_the_fast_lane_like_scikit_learn(
 
 def key() -> dict[str, str]:
     return {"Authorization": f"Bearer {KEY}"}
+
+
+def test_a_body_past_the_fast_lanes_limit_is_answered_by_the_router_behind(edged: Edged,
+                                                                           breast_cancer_model: BuiltModel) -> None:
+    """HAProxy's buffer holds a fast-lane request whole (for a retry); a bigger body streams through the router."""
+    def body(n: int) -> bytes:
+        rows = np.resize(breast_cancer_model.data.features, (n, len(breast_cancer_model.data.names)))
+        return orjson.dumps({"inputs": [{"name": name, "datatype": "FP32", "shape": [n], "data": rows[:, j].tolist()}
+                                        for j, name in enumerate(breast_cancer_model.data.names)]})
+    small, big = body(16), body(400)
+    assert len(small) <= FAST_BODY_BYTES < len(big)
+    before = _fast_lane(edged, f"{MODEL}:1")
+    for payload, n in ((small, 16), (big, 400)):
+        answer = httpx.post(f"{edged.url}/v2/models/{MODEL}/infer", content=payload, headers=key(), timeout=30)
+        assert answer.status_code == 200, answer.text
+        rows = np.resize(breast_cancer_model.data.features, (n, len(breast_cancer_model.data.names)))
+        label = next(o for o in answer.json()["outputs"] if o["name"] == "label")
+        np.testing.assert_array_equal(label["data"], breast_cancer_model.estimator.predict(rows.astype(np.float32)))
+    assert _fast_lane(edged, f"{MODEL}:1") == before + 1  # the small one only
 
 
 def test_the_openai_client_and_a_deadline_go_to_the_router_behind(edged: Edged, breast_cancer_model: BuiltModel) -> None:

@@ -147,17 +147,15 @@ def key() -> dict[str, str]:
 def test_a_body_past_the_fast_lanes_limit_is_answered_by_the_router_behind(edged: Edged,
                                                                            breast_cancer_model: BuiltModel) -> None:
     """HAProxy's buffer holds a fast-lane request whole (for a retry); a bigger body streams through the router."""
-    def body(n: int) -> bytes:
-        rows = np.resize(breast_cancer_model.data.features, (n, len(breast_cancer_model.data.names)))
-        return orjson.dumps({"inputs": [{"name": name, "datatype": "FP32", "shape": [n], "data": rows[:, j].tolist()}
-                                        for j, name in enumerate(breast_cancer_model.data.names)]})
-    small, big = body(16), body(400)
-    assert len(small) <= FAST_BODY_BYTES < len(big)
+    names = breast_cancer_model.data.names
+    small, big = (np.resize(breast_cancer_model.data.features, (n, len(names))) for n in (16, 400))
     before = _fast_lane(edged, f"{MODEL}:1")
-    for payload, n in ((small, 16), (big, 400)):
-        answer = httpx.post(f"{edged.url}/v2/models/{MODEL}/infer", content=payload, headers=key(), timeout=30)
+    for rows in (small, big):
+        body = orjson.dumps({"inputs": [{"name": name, "datatype": "FP32", "shape": [len(rows)],
+                                         "data": rows[:, j].tolist()} for j, name in enumerate(names)]})
+        assert (len(body) <= FAST_BODY_BYTES) == (rows is small)
+        answer = httpx.post(f"{edged.url}/v2/models/{MODEL}/infer", content=body, headers=key(), timeout=30)
         assert answer.status_code == 200, answer.text
-        rows = np.resize(breast_cancer_model.data.features, (n, len(breast_cancer_model.data.names)))
         label = next(o for o in answer.json()["outputs"] if o["name"] == "label")
         np.testing.assert_array_equal(label["data"], breast_cancer_model.estimator.predict(rows.astype(np.float32)))
     assert _fast_lane(edged, f"{MODEL}:1") == before + 1  # the small one only

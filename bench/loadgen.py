@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import signal
 import socket
 import sys
@@ -193,8 +194,26 @@ class _Pool:
             conn.transport.close()  # type: ignore[union-attr]
 
 
+def _on_cpu(pid: int) -> float | None:
+    """Seconds a process's threads have run, from the scheduler's nanosecond count (Linux's
+    /proc/PID/task/*/schedstat); None where there is none. psutil's user+system time comes in 10 ms
+    ticks: at 100 req/s a one-second window's CPU per request would be known to +-100 us."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended in between
+    return total / 1e9
+
+
 def _cpu_snapshot(root_pid: int) -> dict[int, float]:
-    """user+system CPU seconds of a process and its descendants, by pid."""
+    """CPU seconds of a process and its descendants, by pid."""
     import psutil
 
     try:
@@ -205,8 +224,11 @@ def _cpu_snapshot(root_pid: int) -> dict[int, float]:
     found = {}
     for proc in procs:
         try:
-            t = proc.cpu_times()
-            found[proc.pid] = t.user + t.system
+            seconds = _on_cpu(proc.pid)
+            if seconds is None:
+                t = proc.cpu_times()
+                seconds = t.user + t.system
+            found[proc.pid] = seconds
         except psutil.NoSuchProcess:
             continue
     return found

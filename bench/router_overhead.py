@@ -22,8 +22,12 @@ at least 0.8x nginx's rate.
     .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~3 min
     .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~13 min
 
+    .venv/bin/python bench/router_overhead.py --quick --prototype   # and nginx_lua_lane.py's prototype beside
+
 nginx must be on PATH, and haproxy for the router's default data plane (`apt-get install nginx-light
-haproxy`). Data and logs: bench/.data/router/ (git-ignored).
+haproxy`). Data and logs: bench/.data/router/ (git-ignored). ``--prototype`` adds a fourth series, not
+the product: the fast lane's work on nginx with LuaJIT (bench/nginx_lua_lane.py; needs
+`libnginx-mod-http-lua`), to weigh a data plane on nginx (docs/routing.md, "Not built yet").
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import nginx_lua_lane  # noqa: E402
 import online_latency as ol  # noqa: E402
 from loadgen import NOISY  # noqa: E402
 
@@ -52,6 +57,8 @@ ROUTER_KEY = "shardline-bench-router-key"
 TENANT = "bench"
 ADDED_P50_TARGET = 1.5  # the router's added p50 <= 1.5 x nginx's
 HELD_TARGET = 0.8  # the router's highest held rate >= 0.8 x nginx's
+PROTOTYPE = "nginx+lua"  # --prototype's series
+TENANT_KEYED = ("router", PROTOTYPE)  # the series sent the tenant's own key (the rest: the router's and the tenant)
 
 
 def nginx_config(port: int, replicas: list[int], folder: Path) -> Path:
@@ -88,7 +95,7 @@ def nginx_config(port: int, replicas: list[int], folder: Path) -> Path:
 
 def requests(target: str, port: int, path: str, bodies: list[str]) -> list[str]:
     """Raw HTTP requests: the tenant's key to the router, the router's key and the tenant to the rest."""
-    auth = (f"Authorization: Bearer {ol.API_KEY}\r\n" if target == "router"
+    auth = (f"Authorization: Bearer {ol.API_KEY}\r\n" if target in TENANT_KEYED
             else f"Authorization: Bearer {ROUTER_KEY}\r\nX-Shardline-Tenant: {TENANT}\r\n")
     return [f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}Content-Type: application/json\r\n"
             f"Content-Length: {len(b)}\r\n\r\n{b}" for b in bodies]
@@ -109,6 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="3 rates, short steps: ~3 minutes")
     parser.add_argument("--rates", help="the ladder, req/s, comma-separated (default 100..6400 doubling)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--prototype", action="store_true",
+                        help="also measure the fast lane's work on nginx with LuaJIT (nginx_lua_lane.py), not the product")
     args = parser.parse_args(argv)
     args.ladder = [float(r) for r in args.rates.split(",")] if args.rates else (
         [100.0, 800.0, 1600.0] if args.quick else [100.0 * 2**k for k in range(7)])
@@ -124,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
     if nginx is None:
         raise SystemExit("nginx is not installed: apt-get install nginx-light (or nginx), then run this again")
+    if args.prototype and not nginx_lua_lane.available():
+        raise SystemExit("--prototype needs nginx's Lua module: apt-get install libnginx-mod-http-lua, then run this again")
     shutil.rmtree(DATA, ignore_errors=True)
     DATA.mkdir(parents=True)
     ol.DATA.mkdir(parents=True, exist_ok=True)
@@ -145,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
                        dict(env, SHARDLINE_ROUTER_KEY=ROUTER_KEY), router_port, path, "/v2/health/ready")
     proxy = ol.Server("nginx", [nginx, "-c", str(nginx_config(nginx_port, ports, DATA)), "-p", str(DATA)], env,
                       nginx_port, path, "/v2/health/ready")
+    proxies = [("router", router), ("nginx", proxy)]
+    if args.prototype:
+        lua_port = ol.free_port()
+        lua_config = nginx_lua_lane.config(lua_port, ports, DATA, data["tenants"], ROUTER_KEY)
+        proxies.append((PROTOTYPE, ol.Server(PROTOTYPE, [nginx, "-c", str(lua_config), "-p", str(DATA)], env, lua_port,
+                                             path, "/v2/health/ready")))
     print(f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.2f}); ladder "
           f"{', '.join(f'{r:,.0f}' for r in args.ladder)} req/s; one row per request, in both layouts "
           f"({'; '.join(ol.LAYOUTS.values())}); "
@@ -153,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for server in servers:
             server.start(requests("direct", server.port, path, data["v2"][:1])[0])
-        for server in (router, proxy):
+        for _, server in proxies:
             server.start("")
-        ok = {name: ol.http(s.port, path, data["v2"][0], _headers(name)) for name, s in
-              (("direct", servers[0]), ("router", router), ("nginx", proxy))}
+        targets = [("direct", servers[0]), *proxies]
+        ok = {name: ol.http(s.port, path, data["v2"][0], _headers(name)) for name, s in targets}
         for name, (status, answer) in ok.items():
             got = ol.answer_of(answer)
             if status != 200 or got is None or got[0] != data["expected"][0]:
@@ -165,14 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         plane = "haproxy in front" if "haproxy in front" in (DATA / "logs" / "router.log").read_text() else "the router alone"
         print(f"  the router's data plane: {plane}", flush=True)
         layouts = {"scalar": (path, data["v2"]), "nk": (f"/v2/models/{ol.MODEL_NK}/infer", data["nk"])}
-        targets = [("direct", servers[0]), ("router", router), ("nginx", proxy)]
         replicas = [s.proc.pid for s in servers]  # type: ignore[union-attr]
         steps, rounds = {}, {}
         for layout, (layout_path, bodies) in layouts.items():
             steps[layout] = run(targets, replicas, layout_path, bodies, args)
             rounds[layout] = light_rounds(targets, replicas, layout_path, bodies, args, steps[layout])
     finally:
-        for server in (router, proxy, *servers):
+        for server in (*(s for _, s in proxies), *servers):
             server.stop()
     met = [report(layout, series, rounds[layout], args) for layout, series in steps.items()]
     print(f"(rest: cores the rest of the machine used; a figure marked '!' was noisy, over {NOISY:g} core)")
@@ -181,44 +197,56 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def light_rounds(targets: list[tuple[str, ol.Server]], replicas: list[int], path: str, bodies: list[str],
-                 args: argparse.Namespace, ladder: dict[str, Any]) -> dict[str, list[float]]:
-    """Each series' p50 at the lightest rate in ``args.rounds`` rounds: the ladder's step, then short windows
+                 args: argparse.Namespace, ladder: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Each series' steps at the lightest rate in ``args.rounds`` rounds: the ladder's step, then short windows
     at that rate alone, the series in a new random order each round. A window's p50 at a light rate moves by a
     few hundred microseconds with the machine's state, as much as the difference measured: many short windows,
-    each round's three close together, let the rounds' median cancel that drift (``report`` pairs them)."""
+    each round's windows close together, let the rounds' median cancel that drift (``report`` pairs them)."""
     light = min(args.ladder)
-    found = {name: [s["p50_ms"] for s in series if s["rate"] == light] for name, series in ladder.items()}
+    found = {name: [s for s in series if s["rate"] == light] for name, series in ladder.items()}
     window = argparse.Namespace(**{**vars(args), "ladder": [light], "refine": 0, "prewarm": 0.0,
                                    "warmup": args.window[0], "seconds": args.window[1]})
     order = random.Random(0)  # a fixed seed: every run shuffles its rounds alike
     for _ in range(args.rounds - 1):
         shuffled = order.sample(targets, len(targets))
         for name, series in run(shuffled, replicas, path, bodies, window).items():
-            found[name] += [s["p50_ms"] for s in series]
+            found[name] += series
     return found
 
 
-def report(layout: str, steps: dict[str, Any], rounds: dict[str, list[float]], args: argparse.Namespace) -> bool:
+def report(layout: str, steps: dict[str, Any], light_steps: dict[str, list[dict[str, Any]]],
+           args: argparse.Namespace) -> bool:
     """Print one request layout's series, summary and ratios against the targets; whether both were met.
     The p50 at the lightest rate is each series' median over the rounds (``light_rounds``); the p50 a proxy adds
-    is the median over the rounds of its p50 less direct's in the same round."""
+    is the median over the rounds of its p50 less direct's in the same round. Beside it, each proxy's own CPU
+    per request at that rate (median over the rounds): steadier than a p50 that moves with the machine."""
     light = min(args.ladder)
     print(f"\n=== layout {layout}: {ol.LAYOUTS[layout]} ===")
     for name, series in steps.items():
         ol.report_steps(name, series)
     summary = {name: ol.summarize(series, light) for name, series in steps.items()}
+    rounds = {name: [s["p50_ms"] for s in series] for name, series in light_steps.items()}
     print(f"\np50 at {light:,.0f}/s, round by round (ms):")
     for name, p50s in rounds.items():
         summary[name]["p50"] = statistics.median(p50s)
-        print(f"  {name:<8}{'  '.join(f'{p:.2f}' for p in p50s)}   median {summary[name]['p50']:.2f}")
-    print(f"\n{'series':<8}{'p50 ms @ ' + format(light, ',.0f') + '/s':>16}{'held at p99<10ms':>18}  limited by")
+        print(f"  {name:<10}{'  '.join(f'{p:.2f}' for p in p50s)}   median {summary[name]['p50']:.2f}")
+    print(f"\n{'series':<10}{'p50 ms @ ' + format(light, ',.0f') + '/s':>16}{'held at p99<10ms':>18}  limited by")
     for name, s in summary.items():
-        print(f"{name:<8}{ol._fmt(s['p50'], '.2f'):>16}{s['held']:>16,.0f}/s  {s['limit']}")
-    by_round = {n: [p - d for p, d in zip(rounds[n], rounds["direct"])] for n in ("router", "nginx")}
+        print(f"{name:<10}{ol._fmt(s['p50'], '.2f'):>16}{s['held']:>16,.0f}/s  {s['limit']}")
+    proxies = [n for n in rounds if n != "direct"]
+    by_round = {n: [p - d for p, d in zip(rounds[n], rounds["direct"])] for n in proxies}
     print(f"\np50 added at {light:,.0f}/s, round by round (us):")
     for name, values in by_round.items():
-        print(f"  {name:<8}{'  '.join(f'{v * 1000:4.0f}' for v in values)}   median {statistics.median(values) * 1000:.0f}")
+        print(f"  {name:<10}{'  '.join(f'{v * 1000:4.0f}' for v in values)}   median {statistics.median(values) * 1000:.0f}")
     added = {n: statistics.median(values) for n, values in by_round.items()}
+    cpu = {n: statistics.median(s["server_cpu"] / s["achieved"] * 1e6 for s in light_steps[n] if s["achieved"])
+           for n in proxies}
+    print(f"CPU per request at {light:,.0f}/s, the proxy's own (median over the rounds): "
+          + ", ".join(f"{n} {cpu[n]:.0f} us" for n in proxies))
+    if PROTOTYPE in added:
+        print(f"[{layout}] the prototype (not the product) at {light:,.0f}/s: adds {added[PROTOTYPE] * 1000:.0f} us, "
+              f"{added[PROTOTYPE] / added['nginx'] if added['nginx'] > 0 else math.inf:.2f}x nginx's; holds "
+              f"{summary[PROTOTYPE]['held']:,.0f}/s")
     p50_ratio = added["router"] / added["nginx"] if added["nginx"] > 0 else math.inf
     held_ratio = summary["router"]["held"] / summary["nginx"]["held"] if summary["nginx"]["held"] else math.inf
     p50_met, held_met = p50_ratio <= ADDED_P50_TARGET, held_ratio >= HELD_TARGET
@@ -232,7 +260,7 @@ def report(layout: str, steps: dict[str, Any], rounds: dict[str, list[float]], a
 
 
 def _headers(name: str) -> dict[str, str]:
-    if name == "router":
+    if name in TENANT_KEYED:
         return {"Authorization": f"Bearer {ol.API_KEY}"}
     return {"Authorization": f"Bearer {ROUTER_KEY}", "X-Shardline-Tenant": TENANT}
 

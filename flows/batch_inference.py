@@ -75,5 +75,5 @@ def batch_inference(
     with holding_output(plan), track_job(plan, admitted, settings) as tracker:
         plan = validate_shards(plan)
         plan = score_shards(plan, admitted, settings, watchers=[tracker, *watchers])
-        summary = finish_job(plan, admitted)
+        summary = finish_job(plan, admitted, tracker)
     return job_outcome(summary, tracker)

@@ -157,11 +157,16 @@ def score_shards(
     return plan
 
 
-def finish_job(plan: JobPlan, admitted: Admission) -> dict[str, Any]:
-    """Commit the manifest (with the SLA's planned vs actual and the priority) and publish the run's artifacts."""
+def finish_job(plan: JobPlan, admitted: Admission, tracker: SlaTracker | None = None) -> dict[str, Any]:
+    """Commit the manifest (with the SLA's planned vs actual and the priority) and publish the run's artifacts;
+    the tracker's final verdict is taken at the manifest's ``finished``, so the two cannot disagree."""
     rows = sum(r.rows_out for r in plan.new)
-    planned = planned_vs_actual(admitted.sla, datetime.now(timezone.utc), plan.total_shards, rows)
-    return report_job(commit_job(plan, sla=planned, priority=admitted.priority), planned)
+    finished = datetime.now(timezone.utc)
+    planned = planned_vs_actual(admitted.sla, finished, plan.total_shards, rows)
+    summary = commit_job(plan, sla=planned, priority=admitted.priority)
+    if tracker is not None:
+        tracker.settled(finished)
+    return report_job(summary, planned)
 
 
 def job_outcome(summary: dict[str, Any], tracker: SlaTracker) -> State[Any]:

@@ -95,6 +95,7 @@ class SlaTracker:
         self._last_check = 0.0
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._settled_at: datetime | None = None
 
     # -- the watcher -------------------------------------------------------------------------------
     def __call__(self, settled: int, todo: int, rows: int) -> None:
@@ -141,10 +142,18 @@ class SlaTracker:
         if self._ticker is not None:
             self._ticker.join(timeout=10)
 
-    def finish(self, state: JobState, message: str, rows_done: int | None = None) -> Projection:
-        """The final check: record the outcome; emit ``completed`` when every shard settled."""
+    def settled(self, at: datetime) -> None:
+        """The instant the job's output was complete, the ``finished`` of its manifest (``planned_vs_actual``):
+        checks stop, and the final one judges the SLA at it, not later, so the record, the events and the
+        manifest agree."""
+        self._settled_at = at
         self.stop()
-        now = self.clock()
+
+    def finish(self, state: JobState, message: str, rows_done: int | None = None) -> Projection:
+        """The final check, at the instant the job settled (:meth:`settled`) or else now: record the outcome;
+        emit ``completed`` when every shard settled."""
+        self.stop()
+        now = self._settled_at or self.clock()
         with self._lock:
             done = self.total if state in ("completed", "quarantined") else self.trace[-1].shards
             rows = self.trace[-1].rows if rows_done is None else rows_done

@@ -63,8 +63,10 @@ def test_a_late_job_emits_sla_events_and_the_automation_answers(
 ) -> None:
     monkeypatch.setenv("SHARDLINE_BATCH_SLA_CHECK_INTERVAL_S", "0.2")
     out = tmp_path / "out"
+    # each settled shard takes 0.1 s more (a watcher, as the CLI's progress bar is): the job is late on any machine
     state = batch_inference(model="breast-cancer@prod", input_uri=str(input_shards), output_uri=str(out),
-                            tenant="acme", sla="0.3s", return_state=True)
+                            tenant="acme", sla="0.3s", watchers=[lambda settled, todo, rows: time.sleep(0.1)],
+                            return_state=True)
     assert state.is_completed()
     job_id = state.result()["job_id"]
 

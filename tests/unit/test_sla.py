@@ -152,20 +152,43 @@ def test_the_tracker_emits_once_per_status_change_and_keeps_the_record() -> None
     assert (final.state, final.sla_status, final.shards_done, final.finished_at) == ("completed", "breached", 10, at(250))
 
 
-def test_a_late_finish_that_no_check_saw_is_still_reported_breached() -> None:
+def _two_shard_job(job_id: str, now: list[datetime]) -> tuple[Any, Any, list[str]]:
+    """A tracker of a two-shard job due at 1 s, on the clock ``now[0]``: (tracker, records, events sent)."""
     import uuid
 
     from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
     from shardline.tasks.sla_tracking import SlaTracker, TrackedJob
 
-    now = [T0]
     sent: list[str] = []
     records = JobRecords(f"memory://jobs-{uuid.uuid4().hex[:8]}")
-    record = JobRecord(job_id="j2", started_at=T0, deadline=at(1), shards_total=2,
+    record = JobRecord(job_id=job_id, started_at=T0, deadline=at(1), shards_total=2,
                        parameters=JobParameters(model="bc@prod", input_uri="/i", output_uri="/o"))
-    tracker = SlaTracker(TrackedJob("j2", "default", "bc:1", "normal"), sla(1), records, record, interval_s=1000,
+    tracker = SlaTracker(TrackedJob(job_id, "default", "bc:1", "normal"), sla(1), records, record, interval_s=1000,
                          clock=lambda: now[0], emit=lambda **event: sent.append(event["event"]))
     tracker.start()
+    return tracker, records, sent
+
+
+def test_a_late_finish_that_no_check_saw_is_still_reported_breached() -> None:
+    now = [T0]
+    tracker, _, sent = _two_shard_job("j2", now)
     now[0] = at(5)
     tracker.finish("completed", "done")
     assert sent == ["shardline.batch.started", "shardline.batch.sla-breached", "shardline.batch.completed"]
+
+
+def test_the_final_verdict_is_taken_when_the_job_settled_as_its_manifest_says() -> None:
+    """The manifest's ``finished`` came before the deadline; the tracker's final check ran after it: one verdict."""
+    from shardline.tasks.sla_tracking import planned_vs_actual
+
+    now = [T0]
+    tracker, records, sent = _two_shard_job("j3", now)
+    now[0] = at(0.5)
+    tracker(2, 2, 200)
+    manifest = planned_vs_actual(sla(1), at(0.8), 2, 200)
+    tracker.settled(at(0.8))
+    now[0] = at(1.3)  # the artifacts took the job past its deadline
+    tracker.finish("completed", "done")
+    final = records.read("j3")
+    assert (manifest["status"], final.sla_status, final.finished_at) == ("met", "met", at(0.8))
+    assert sent == ["shardline.batch.started", "shardline.batch.completed"]

@@ -96,11 +96,13 @@ def test_a_second_job_on_a_running_jobs_output_is_refused_and_the_folder_stays_o
 ) -> None:
     assert ModelRegistry(str(shardline_home / "registry")).push(logreg_model.bundle_dir).version == 2
     inputs, out = tmp_path / "input", tmp_path / "out"
-    write_shards(inputs, 4, 3_000, row_group_rows=1_500)  # 1,200 batches of 5 rows on one worker: ~10 s of work
+    # 20,000 batches of one row on one worker: ~15 s of work on a quiet 2-core machine, several times what the
+    # second command takes (2,400 batches of 5 rows took 2.9 s once: the first job ended before the second was refused)
+    write_shards(inputs, 4, 5_000, row_group_rows=1_500)
     first_log = (tmp_path / "first.log").open("w")
     first = subprocess.Popen(
         [*SHARDLINE, "batch", "run", "--model", "breast-cancer:1", "--input", str(inputs), "--output", str(out),
-         *SLOW, "--json"],
+         "--batch-rows", "1", "--json"],
         env={**cli_env, "SHARDLINE_DASK_N_WORKERS": "1"}, cwd=tmp_path, stdout=subprocess.PIPE,
         stderr=first_log, text=True,
     )

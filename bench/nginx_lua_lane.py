@@ -2,15 +2,15 @@
 measured beside the rest by ``bench/router_overhead.py --prototype`` (docs/routing.md, "Not built yet").
 
 One ``access_by_lua`` handler does the fast lane's per-request work: the key's sha256 (OpenSSL through
-LuaJIT's FFI, remembered per key: a pure function of it) looked up among the tenants file's digests
-(a revoked digest is refused at once), the tenant's requests in flight against its ``max_concurrent``
-and a token bucket at its rate, the model's version pinned, the model's requests in flight counted;
-then ``hash ... consistent`` over the replicas, upstream keep-alive, retries on another replica after a
-failed connection or a 502-504, and the router's key and the tenant passed on. One worker process: the
-quotas are plain Lua tables, global without a lock (with two workers, shared dictionaries and the
-digest computed every time, it cost 30-60 us more CPU a request at 100/s; one worker relays far more
-than this machine's replicas answer). What it leaves out of the product's fast lane: bounded loads, health checks, the
-control plane's updates and counts, the protocol's error bodies.
+LuaJIT's FFI, remembered per key: a pure function of it, so the digest is still looked up every time)
+looked up among the tenants file's digests, the tenant's requests in flight against its
+``max_concurrent`` and a token bucket at its rate, the model's version pinned, the model's requests in
+flight counted; then ``hash ... consistent`` over the replicas, upstream keep-alive, retries on another
+replica after a failed connection or a 502-504, and the router's key and the tenant passed on. One
+worker process: the quotas are plain Lua tables, global without a lock (with two workers, shared
+dictionaries and the digest computed every time, it cost 30-60 us more CPU a request at 100/s; one
+worker relays far more than this machine's replicas answer). What it leaves out of the product's fast
+lane: bounded loads, health checks, the control plane's updates and counts, the protocol's error bodies.
 
 Needs Debian's ``nginx-light`` and ``libnginx-mod-http-lua`` (with ``lua-resty-core``).
 """

@@ -117,7 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rates", help="the ladder, req/s, comma-separated (default 100..6400 doubling)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     parser.add_argument("--prototype", action="store_true",
-                        help="also measure the fast lane's work on nginx with LuaJIT (nginx_lua_lane.py), not the product")
+                        help="also measure the fast lane's work on nginx with LuaJIT (nginx_lua_lane.py), "
+                             "not the product")
     args = parser.parse_args(argv)
     args.ladder = [float(r) for r in args.rates.split(",")] if args.rates else (
         [100.0, 800.0, 1600.0] if args.quick else [100.0 * 2**k for k in range(7)])
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     if nginx is None:
         raise SystemExit("nginx is not installed: apt-get install nginx-light (or nginx), then run this again")
     if args.prototype and not nginx_lua_lane.available():
-        raise SystemExit("--prototype needs nginx's Lua module: apt-get install libnginx-mod-http-lua, then run this again")
+        raise SystemExit("--prototype needs nginx's Lua module: apt-get install libnginx-mod-http-lua, "
+                         "then run this again")
     shutil.rmtree(DATA, ignore_errors=True)
     DATA.mkdir(parents=True)
     ol.DATA.mkdir(parents=True, exist_ok=True)

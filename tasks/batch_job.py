@@ -157,15 +157,14 @@ def score_shards(
     return plan
 
 
-def finish_job(plan: JobPlan, admitted: Admission, tracker: SlaTracker | None = None) -> dict[str, Any]:
+def finish_job(plan: JobPlan, admitted: Admission, tracker: SlaTracker) -> dict[str, Any]:
     """Commit the manifest (with the SLA's planned vs actual and the priority) and publish the run's artifacts;
     the tracker's final verdict is taken at the manifest's ``finished``, so the two cannot disagree."""
     rows = sum(r.rows_out for r in plan.new)
     finished = datetime.now(timezone.utc)
     planned = planned_vs_actual(admitted.sla, finished, plan.total_shards, rows)
     summary = commit_job(plan, sla=planned, priority=admitted.priority)
-    if tracker is not None:
-        tracker.settled(finished)
+    tracker.settled(finished)
     return report_job(summary, planned)
 
 

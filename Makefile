@@ -9,18 +9,20 @@ export ORT_DISABLE_TELEMETRY := 1
 export GX_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: setup haproxy demo test test-fast bench typecheck clean
+.PHONY: setup dataplane demo test test-fast bench typecheck clean
 
-setup: $(VENV)/.installed haproxy
+setup: $(VENV)/.installed dataplane
 
-# HAProxy in front of `shardline router` (docs/routing.md "The data plane"): Debian's package, installed
-# when missing and this is root with apt; otherwise the router relays every request itself (slower).
-haproxy:
-	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || \
+# The data plane in front of `shardline router` (docs/routing.md "The data plane"): Debian's nginx with its Lua
+# module (the default), and HAProxy (the alternative), installed when missing and this is root with apt; with
+# neither the router relays every request itself (slower).
+DATAPLANE_PACKAGES := nginx-light libnginx-mod-http-lua haproxy
+dataplane:
+	@{ test -f /usr/lib/nginx/modules/ngx_http_lua_module.so && { command -v haproxy >/dev/null || test -x /usr/sbin/haproxy; }; } || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	    { apt-get install -y -qq haproxy >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
-	      apt-get install -y -qq haproxy >/dev/null 2>&1; }; }; } || \
-	  echo "note: haproxy is not installed (apt-get install haproxy): shardline router will relay every request itself"
+	    { apt-get install -y -qq $(DATAPLANE_PACKAGES) >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
+	      apt-get install -y -qq $(DATAPLANE_PACKAGES) >/dev/null 2>&1; }; }; } || \
+	  echo "note: apt-get install $(DATAPLANE_PACKAGES) failed or is not allowed here: shardline router will use what is installed (docs/routing.md)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             if status != 200 or got is None or got[0] != data["expected"][0]:
                 raise SystemExit(f"{name} answered {status} {str(answer)[:300]}")
         print("  every series answers as the model does", flush=True)
-        plane = "haproxy in front" if "haproxy in front" in (DATA / "logs" / "router.log").read_text() else "the router alone"
+        front = re.search(r"\((\w+) in front;", (DATA / "logs" / "router.log").read_text())
+        plane = f"{front.group(1)} in front" if front else "the router alone"
         print(f"  the router's data plane: {plane}", flush=True)
         layouts = {"scalar": (path, data["v2"]), "nk": (f"/v2/models/{ol.MODEL_NK}/infer", data["nk"])}
         replicas = [s.proc.pid for s in servers]  # type: ignore[union-attr]

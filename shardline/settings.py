@@ -585,10 +585,11 @@ class RouterSettings(BaseSettings):
         description="The key the router sends its replicas (they hold its sha256, SHARDLINE_TENANCY_ROUTER_KEY_SHA256). "
         "Unset with --local-replicas: a random one for each start.",
     )
-    data_plane: Literal["auto", "haproxy", "python"] = Field(
+    data_plane: Literal["auto", "nginx", "haproxy", "python"] = Field(
         default="auto",
-        description="What relays requests: haproxy (HAProxy in front answers pinned V2 inference natively, the router "
-        "the rest; docs/routing.md), python (the router alone), auto (haproxy when it is installed).",
+        description="What relays requests: nginx or haproxy (in front, answering pinned V2 inference natively, the "
+        "router the rest; docs/routing.md), python (the router alone), auto (nginx when it and its Lua module are "
+        "installed, else haproxy when it is).",
     )
     balance: float = Field(
         default=1.25, ge=1.0, le=10.0,

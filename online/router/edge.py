@@ -84,22 +84,34 @@ def find_haproxy() -> str | None:
     return found
 
 
-def choose_data_plane(setting: str) -> str | None:
-    """The haproxy executable the router puts in front of itself, or None for the router alone.
+def choose_data_plane(setting: str) -> tuple[str, str] | None:
+    """The data plane the router puts in front of itself, as (kind, executable): ``nginx`` (with its Lua module),
+    else ``haproxy``; None for the router alone.
 
     Raises:
-        InvalidSetting: ``haproxy`` asked for and not installed.
+        InvalidSetting: ``nginx`` or ``haproxy`` asked for and not installed.
     """
+    from shardline.online.router.nginx_edge import find_nginx
+
     if setting == "python":
         return None
-    found = find_haproxy()
-    if found is None and setting == "haproxy":
+    if setting in ("auto", "nginx"):
+        nginx = find_nginx()
+        if nginx is not None:
+            return "nginx", nginx
+        if setting == "nginx":
+            raise InvalidSetting("SHARDLINE_ROUTER_DATA_PLANE=nginx but nginx or its Lua module is not installed: "
+                                 "apt-get install nginx-light libnginx-mod-http-lua (Debian's packages), or set it "
+                                 "to auto, haproxy or python")
+    haproxy = find_haproxy()
+    if haproxy is not None:
+        return "haproxy", haproxy
+    if setting == "haproxy":
         raise InvalidSetting("SHARDLINE_ROUTER_DATA_PLANE=haproxy but haproxy is not installed: apt-get install haproxy "
-                             "(Debian's package), or set it to auto or python")
-    if found is None:
-        log.warning("haproxy is not installed: the router relays every request itself (slower: docs/routing.md); "
-                    "apt-get install haproxy to put it in front")
-    return found
+                             "(Debian's package), or set it to auto, nginx or python")
+    log.warning("neither nginx with its Lua module nor haproxy is installed: the router relays every request itself "
+                "(slower: docs/routing.md); apt-get install nginx-light libnginx-mod-http-lua to put nginx in front")
+    return None
 
 
 @dataclass(frozen=True)

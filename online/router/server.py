@@ -2,9 +2,10 @@
 
 One process, one event loop (the router's work per request is a few header copies and one
 upstream call). With ``--local-replicas N`` it starts N ``shardline serve`` processes first and
-stops them when it stops. With HAProxy installed (``data_plane`` auto or haproxy) the router binds
-its address and hands the socket to HAProxy, which it starts in front of itself (``edge``); uvicorn
-then listens on a unix socket in a private folder, for HAProxy alone.
+stops them when it stops. With nginx and its Lua module installed (``data_plane`` auto or nginx; else
+HAProxy: auto or haproxy) the router binds its address and hands the socket to the data plane, which it
+starts in front of itself (``nginx_edge``, ``edge``); uvicorn then listens on a unix socket in a private
+folder, for that data plane alone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from shardline.online.logs import log_config
 from shardline.online.models import ModelDirectory
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig, load_router_config, local_config
 from shardline.online.router.edge import DNS_SLOTS, Edge, EdgeLayout, choose_data_plane
+from shardline.online.router.nginx_edge import NginxEdge, NginxLayout, listen_address
 from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.local import LocalReplicas
 from shardline.online.router.events import RouterEvents
@@ -122,6 +124,17 @@ def _edge_layout(settings: RouterSettings, config: RouterConfig, key: str, liste
         health_interval_s=settings.health_interval_s)
 
 
+def _nginx_layout(settings: RouterSettings, key: str, listener: socket.socket) -> NginxLayout:
+    """nginx's layout: the router's failure settings; a replica whose connection failed stays out of the fast lane
+    until the router's next health check could have seen it (``health_interval_s``, at least 0.25 s)."""
+    host, port = listener.getsockname()[:2]
+    return NginxLayout(
+        folder=Path(tempfile.mkdtemp(prefix="shardline-edge-")), listen_fd=listener.fileno(),
+        listen=listen_address(host, port), router_key=key, balance=settings.balance, retries=settings.retries,
+        request_timeout_s=settings.request_timeout_s, max_timeout_s=settings.max_timeout_s,
+        hold_s=max(0.25, settings.health_interval_s * 1.5))
+
+
 def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: TenancySettings) -> None:
     """Run the router until it is stopped (SIGINT or SIGTERM), with its local replicas if asked for.
 
@@ -150,7 +163,7 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
         assert settings.config_file
         config = load_router_config(settings.config_file)
     service = build_service(settings, storage, tenancy, config, key, local)
-    haproxy = choose_data_plane(settings.data_plane)
+    plane = choose_data_plane(settings.data_plane)
     online = OnlineSettings()
     limits = resolve_limits(online, open_files_limit())
     metrics = (bind_metrics_listener(settings.metrics_host, settings.metrics_port, settings.port,
@@ -158,14 +171,17 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     apps = {metrics.getsockname()[1]: metrics_app(service.router.metrics.exposition)} if metrics is not None else None
     app = router_app(service, settings.max_body_bytes)
     listener = None
-    if haproxy is not None:
+    if plane is not None:
+        kind, executable = plane
         listener = _listen(settings.host, settings.port)
-        service.edge = Edge(haproxy, _edge_layout(settings, config, key, listener), service.router.tenants)
+        service.edge = (NginxEdge(executable, _nginx_layout(settings, key, listener), service.router.tenants)
+                        if kind == "nginx" else
+                        Edge(executable, _edge_layout(settings, config, key, listener), service.router.tenants))
         service.router.behind_edge = True
         server_config = uvicorn.Config(app, uds=str(service.edge.layout.router_socket), log_config=config_log,
                                        timeout_graceful_shutdown=10, **uvicorn_options(limits, apps))
         host, port = listener.getsockname()[:2]
-        log.info("router on http://%s:%d (haproxy in front; the router behind it on %s)", host, port,
+        log.info("router on http://%s:%d (%s in front; the router behind it on %s)", host, port, kind,
                  service.edge.layout.router_socket)
     else:
         server_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=config_log,

@@ -27,6 +27,7 @@ from shardline.errors import PayloadTooLarge
 from shardline.online.bodies import ClientGone, receive_body
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig
 from shardline.online.router.edge import SYNC_S, Edge
+from shardline.online.router.nginx_edge import NginxEdge
 from shardline.online.router.health import OutlierPolicy
 from shardline.online.router.local import LocalReplicas
 from shardline.online.router.messages import Answer, Incoming, error_answer
@@ -56,7 +57,7 @@ class RouterService:
         self.outliers = OutlierPolicy()
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: dict[str, UpstreamPool] = {}  # a pool of its own per replica: checks never wait behind requests
-        self.edge: Edge | None = None  # HAProxy in front (``edge``), kept true every SYNC_S
+        self.edge: NginxEdge | Edge | None = None  # nginx or HAProxy in front (``nginx_edge``, ``edge``), kept true every SYNC_S
 
     async def start(self) -> None:
         """Open the pools, check every replica once, then keep checking in the background."""

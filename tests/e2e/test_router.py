@@ -29,6 +29,7 @@ import pytest
 import tritonclient.http as triton
 
 from shardline.online.router.edge import find_haproxy
+from shardline.online.router.nginx_edge import find_nginx
 from shardline.online.router.placement import rank
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import AliasMove, ModelRegistry
@@ -321,10 +322,14 @@ def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-# The tests that also run with HAProxy in front: its failover goes through the router (a group with no replica up
-# sends it the request), and scaling from zero leaves every request to the router's activator.
-PLANES = [pytest.param("python"), pytest.param("haproxy", marks=pytest.mark.skipif(
-    find_haproxy() is None, reason="haproxy is not installed (apt-get install haproxy)"))]
+# The tests that also run with a data plane in front (nginx, HAProxy): failover (nginx's fast lane follows the
+# router's active group; HAProxy's passes a request to the router when its group has no replica up), and scaling
+# from zero (every request left to the router's activator).
+PLANES = [pytest.param("python"),
+          pytest.param("nginx", marks=pytest.mark.skipif(find_nginx() is None, reason=(
+              "nginx's Lua module is not installed (apt-get install nginx-light libnginx-mod-http-lua)"))),
+          pytest.param("haproxy", marks=pytest.mark.skipif(
+              find_haproxy() is None, reason="haproxy is not installed (apt-get install haproxy)"))]
 
 
 @pytest.mark.parametrize("plane", PLANES)

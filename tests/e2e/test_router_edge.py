@@ -1,7 +1,8 @@
-"""`shardline router` with HAProxy in front (online/router/edge.py), as a user runs it where haproxy is
-installed: pinned V2 inference answered by HAProxy's fast lane, everything else by the router behind it,
-the tenants' quotas held once for both lanes, the pins following an alias, and a replica SIGKILLed
-under load through the fast lane. The router's own relay is tested in test_router.py."""
+"""`shardline router` with its data plane in front, as a user runs it where nginx's Lua module (the default,
+online/router/nginx_edge.py) or haproxy (online/router/edge.py) is installed, each plane in turn: pinned V2
+inference answered by the fast lane, everything else by the router behind it, the tenants' quotas held once
+for both lanes, the pins following an alias, a replica SIGKILLed under load through the fast lane, and the
+fast lane's retries within the router's retry budget. The router's own relay is tested in test_router.py."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import pytest
 import tritonclient.http as triton
 
 from shardline.online.router.edge import FAST_BODY_BYTES, find_haproxy
+from shardline.online.router.nginx_edge import find_nginx
+from shardline.online.router.placement import rank
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.rollouts import Rollout
@@ -36,9 +39,12 @@ from tests.e2e.test_router import (CHURN, KEY, MODEL, TIGHT_KEY, _env, _eventual
 from tests.e2e.test_router import home  # noqa: F401 - the module's registry (breast-cancer, minilm, churn 1-3)
 from tests.e2e.test_serve import free_port
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(find_haproxy() is None, reason="haproxy is not installed (apt-get install haproxy)")]
+pytestmark = pytest.mark.timeout(300)
 NARROW_KEY = "sk-router-narrow"
+PLANES = [pytest.param("nginx", marks=pytest.mark.skipif(find_nginx() is None, reason=(
+              "nginx's Lua module is not installed (apt-get install nginx-light libnginx-mod-http-lua)"))),
+          pytest.param("haproxy", marks=pytest.mark.skipif(find_haproxy() is None, reason=(
+              "haproxy is not installed (apt-get install haproxy)")))]
 
 
 @dataclass
@@ -47,7 +53,8 @@ class Edged:
     log: Path
     replicas: dict[str, int]  # url -> pid
     metrics: str
-    admin: Path  # HAProxy's runtime API
+    plane: str  # nginx or haproxy
+    folder: Path  # the data plane's files: its control socket (nginx) or runtime API (HAProxy)
 
 
 def _tenants(path: Path) -> Path:
@@ -70,39 +77,55 @@ def _tenants(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def edged(home: Path) -> Iterator[Edged]:  # noqa: F811 - the imported fixture
-    tenants = _tenants(home / "tenants-edge.yaml")
+@pytest.fixture(scope="module", params=PLANES)
+def edged(home: Path, request: pytest.FixtureRequest) -> Iterator[Edged]:  # noqa: F811 - the imported fixture
+    plane = request.param
+    tenants = _tenants(home / f"tenants-edge-{plane}.yaml")
     port, metrics_port = free_port(), free_port()
-    log = home / "router-edge.log"
+    log = home / f"router-edge-{plane}.log"
     with open(log, "wb") as sink:
         router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "3", "--tenants", str(tenants), "--port",
                                    str(port), "--metrics-port", str(metrics_port)],
-                                  env=_env(home, SHARDLINE_ROUTER_DATA_PLANE="haproxy"), stdout=sink,
+                                  env=_env(home, SHARDLINE_ROUTER_DATA_PLANE=plane), stdout=sink,
                                   stderr=subprocess.STDOUT, cwd=home)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, router, log, available=3)
         text = log.read_text()
         replicas = {u: int(p) for p, u in re.findall(r"started replica \d \(pid (\d+)\) on (http://[0-9.:]+)", text)}
-        folder = re.search(r"its files in (/\S+?)\)", text)
+        folder = re.search(rf"{plane} \d+ in front of the router \(its files in (/\S+?)\)", text)
         assert folder is not None and len(replicas) == 3, text[-3000:]
-        yield Edged(url, log, replicas, f"http://127.0.0.1:{metrics_port}/metrics", Path(folder.group(1)) / "admin.sock")
+        yield Edged(url, log, replicas, f"http://127.0.0.1:{metrics_port}/metrics", plane, Path(folder.group(1)))
     finally:
         code = _stop(router)
     assert code in (0, -signal.SIGTERM), log.read_text()[-4000:]
-    assert not Path(folder.group(1), "admin.sock").exists()  # HAProxy stopped with the router
+    control = "control.sock" if plane == "nginx" else "admin.sock"
+    assert not Path(folder.group(1), control).exists()  # the data plane stopped with the router
 
 
-def _admin(edged: Edged, command: str) -> str:
+def _control(edged: Edged, command: str) -> str:
+    """One command to the data plane: HAProxy's runtime API, or a GET of nginx's control socket."""
     with socket.socket(socket.AF_UNIX) as s:
-        s.connect(str(edged.admin))
+        if edged.plane == "nginx":
+            s.connect(str(edged.folder / "control.sock"))
+            s.sendall(f"GET {command} HTTP/1.0\r\nHost: control\r\n\r\n".encode())
+            return s.makefile().read().partition("\n\n")[2]
+        s.connect(str(edged.folder / "admin.sock"))
         s.sendall(command.encode() + b"\n")
         return s.makefile().read()
 
 
+def _up(edged: Edged) -> dict[str, bool]:
+    """host:port -> whether the fast lane sends the replica requests now, for the replicas it knows."""
+    if edged.plane == "nginx":
+        rows = [line.split() for line in _control(edged, "/counts").splitlines() if line.startswith("replica ")]
+        return {r[1].removeprefix("http://"): r[3] == "1" for r in rows}
+    rows = [line.split() for line in _control(edged, "show servers state g_local").splitlines()[2:] if line.strip()]
+    return {f"{r[4]}:{r[18]}": r[5] == "2" for r in rows if r[3][1:].isdigit() and r[18] != "1"}
+
+
 def _read_back(metrics: str, name: str, labels: tuple[tuple[str, str], ...]) -> float:
-    """A count the router reads from HAProxy every half second, once it has stopped changing: the same for 1.5 s
+    """A count the router reads from the data plane every half second, once it has stopped changing: the same for 1.5 s
     (three reads; on a loaded machine one read may come late, so a single wait of one period is not enough)."""
     value, steady_since, deadline = None, time.monotonic(), time.monotonic() + 30
     while True:
@@ -116,7 +139,7 @@ def _read_back(metrics: str, name: str, labels: tuple[tuple[str, str], ...]) -> 
 
 
 def _fast_lane(edged: Edged, model: str) -> float:
-    """Requests HAProxy answered itself for ``model`` (name:version), as the router last read them."""
+    """Requests the fast lane answered for ``model`` (name:version), as the router last read them."""
     return _read_back(edged.metrics, "shardline_router_fast_lane_requests_total", (("model", model),))
 
 
@@ -131,13 +154,31 @@ def test_tritonclient_is_answered_by_the_fast_lane_like_scikit_learn(
     outputs = [triton.InferRequestedOutput(n, binary_data=binary) for n in ("label", "probabilities")]
     for compression in ("gzip", None):
         result = client.infer(MODEL, v2_inputs(breast_cancer_model, rows, binary), outputs=outputs, headers=key(),
-                              request_compression_algorithm=compression, request_id="via-haproxy")
+                              request_compression_algorithm=compression, request_id="via-the-fast-lane")
         np.testing.assert_array_equal(result.as_numpy("label"),
                                       breast_cancer_model.estimator.predict(rows.astype(np.float32)))
-        assert result.get_response()["model_version"] == "1" and result.get_response()["id"] == "via-haproxy"
-    assert _fast_lane(edged, f"{MODEL}:1") == before + 2  # both answered by HAProxy, not the router
+        assert result.get_response()["model_version"] == "1" and result.get_response()["id"] == "via-the-fast-lane"
+    assert _fast_lane(edged, f"{MODEL}:1") == before + 2  # both answered by the fast lane, not the router
     metadata = client.get_model_metadata(MODEL, headers=key())  # the router's lane
     assert metadata["versions"] == ["1"] and [i["name"] for i in metadata["inputs"]] == breast_cancer_model.data.names
+
+
+def test_the_fast_lane_places_a_model_where_the_router_does(edged: Edged, breast_cancer_model: BuiltModel) -> None:
+    """nginx's lane walks the router's own rendezvous order for the pinned version (HAProxy hashes on its ring)."""
+    if edged.plane != "nginx":
+        pytest.skip("HAProxy places by its own consistent-hash ring (docs/routing.md)")
+
+    def sent() -> dict[str, int]:
+        return {r[1]: int(r[4]) for r in (line.split() for line in _control(edged, "/counts").splitlines())
+                if r[0] == "replica"}
+
+    before = sent()
+    for _ in range(6):  # one at a time: the first in the order is never over its bound
+        answer = httpx.post(f"{edged.url}/v2/models/{MODEL}/infer", content=_infer_body(breast_cancer_model),
+                            headers=key())
+        assert answer.status_code == 200 and answer.json()["model_version"] == "1", answer.text
+    moved = {url: n - before.get(url, 0) for url, n in sent().items() if n != before.get(url, 0)}
+    assert moved == {rank(f"{MODEL}:1", list(edged.replicas))[0]: 6}
 
 
 def key() -> dict[str, str]:
@@ -146,7 +187,7 @@ def key() -> dict[str, str]:
 
 def test_a_body_past_the_fast_lanes_limit_is_answered_by_the_router_behind(edged: Edged,
                                                                            breast_cancer_model: BuiltModel) -> None:
-    """HAProxy's buffer holds a fast-lane request whole (for a retry); a bigger body streams through the router."""
+    """The fast lane holds a request whole (for a retry); a bigger body streams through the router."""
     names = breast_cancer_model.data.names
     small, big = (np.resize(breast_cancer_model.data.features, (n, len(names))) for n in (16, 400))
     before = _fast_lane(edged, f"{MODEL}:1")
@@ -163,7 +204,7 @@ def test_a_body_past_the_fast_lanes_limit_is_answered_by_the_router_behind(edged
 
 def test_the_openai_client_and_a_deadline_go_to_the_router_behind(edged: Edged, breast_cancer_model: BuiltModel) -> None:
     client = openai.OpenAI(base_url=f"{edged.url}/v1", api_key=KEY, max_retries=0)
-    assert client.embeddings.create(model="minilm", input="through haproxy").model == "minilm:1"
+    assert client.embeddings.create(model="minilm", input="through the data plane").model == "minilm:1"
     with pytest.raises(openai.AuthenticationError, match="the API key is not valid"):
         openai.OpenAI(base_url=f"{edged.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
     before = _fast_lane(edged, f"{MODEL}:1")
@@ -184,7 +225,7 @@ def test_a_client_cannot_name_a_tenant_or_claim_its_quota_was_held(edged: Edged,
 
 def test_a_tenants_rate_is_held_once_for_both_lanes(edged: Edged, breast_cancer_model: BuiltModel) -> None:
     body = _infer_body(breast_cancer_model)
-    headers = {"Authorization": f"Bearer {TIGHT_KEY}", "X-Shardline-Gated": "tight"}  # a claim HAProxy drops
+    headers = {"Authorization": f"Bearer {TIGHT_KEY}", "X-Shardline-Gated": "tight"}  # a claim the data plane drops
     statuses, refused = [], []
     with httpx.Client(base_url=edged.url, headers=headers) as client:
         for i in range(18):  # fast lane, router lane (metadata) and /v1, in turn
@@ -262,14 +303,10 @@ def test_the_fast_lane_follows_an_alias_and_leaves_a_rollout_to_the_router(edged
     _eventually(lambda: version() == "1", 20, "the fast lane never came back to churn 1")
 
 
-def test_a_replica_killed_under_load_loses_no_request_through_haproxy(edged: Edged,
+def test_a_replica_killed_under_load_loses_no_request_through_the_fast_lane(edged: Edged,
                                                                       breast_cancer_model: BuiltModel) -> None:
     body = _infer_body(breast_cancer_model)
     expected = breast_cancer_model.estimator.predict(breast_cancer_model.data.features[:4].astype(np.float32)).tolist()
-
-    def servers() -> dict[str, str]:  # slot -> operational state (0 down, 2 up) of the slots in use
-        rows = [line.split() for line in _admin(edged, "show servers state g_local").splitlines()[2:] if line.strip()]
-        return {f"{r[4]}:{r[18]}": r[5] for r in rows if r[3][1:].isdigit() and r[18] != "1"}
 
     before_fast = _fast_lane(edged, f"{MODEL}:1")
     with steady_load(edged.url, body) as outcomes:
@@ -279,13 +316,13 @@ def test_a_replica_killed_under_load_loses_no_request_through_haproxy(edged: Edg
         victim = busiest.removeprefix("http://")
         before = len(outcomes)
         os.kill(edged.replicas[busiest], signal.SIGKILL)
-        _eventually(lambda: servers().get(victim) == "0", 20, f"HAProxy never took {victim} out: {servers()}")
+        _eventually(lambda: _up(edged).get(victim) is False, 20, f"the fast lane never took {victim} out: {_up(edged)}")
         _eventually(lambda: re.search(r"replica \d exited with -9", edged.log.read_text()), 20, "no restart")
-        _eventually(lambda: servers().get(victim) == "2", 60, f"HAProxy never put {victim} back: {servers()}")
+        _eventually(lambda: _up(edged).get(victim) is True, 60, f"the fast lane never put {victim} back: {_up(edged)}")
         time.sleep(1.0)
     answered = none_lost(outcomes, before, expected)
-    assert _fast_lane(edged, f"{MODEL}:1") - before_fast >= len(answered) * 0.9  # HAProxy carried the load
-    assert set(servers().values()) == {"2"} and len(servers()) == 3
+    assert _fast_lane(edged, f"{MODEL}:1") - before_fast >= len(answered) * 0.9  # the fast lane carried the load
+    assert set(_up(edged).values()) == {True} and len(_up(edged)) == 3
 
 
 class _Shedding(http.server.BaseHTTPRequestHandler):
@@ -322,11 +359,12 @@ class _QuietServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
     def handle_error(self, *args: Any) -> None:
-        pass  # HAProxy drops the connection of an answer it retries elsewhere
+        pass  # the data plane drops the connection of an answer it retries elsewhere
 
 
+@pytest.mark.parametrize("plane", PLANES)
 def test_the_fast_lane_retries_within_the_routers_one_retry_budget(home: Path,  # noqa: F811
-                                                                   breast_cancer_model: BuiltModel) -> None:
+                                                                   breast_cancer_model: BuiltModel, plane: str) -> None:
     # Every request to a group that sheds all it gets would be tried 1 + 2 times without a budget: the fast lane's
     # retries count in the router's budget (10% of the requests here, no floor), and the router's own lane finds
     # it spent.
@@ -336,12 +374,12 @@ def test_the_fast_lane_retries_within_the_routers_one_retry_budget(home: Path,  
     config = home / "router-shedding.yaml"
     config.write_text(f"groups:\n  - name: shed\n    replicas: [\"http://127.0.0.1:{stub.server_address[1]}\"]\n")
     port, metrics_port = free_port(), free_port()
-    log = home / "router-budget.log"
+    log = home / f"router-budget-{plane}.log"
     with open(log, "wb") as sink:
         router = subprocess.Popen(
             [*SHARDLINE, "router", "--config", str(config), "--tenants", str(_tenants(home / "tenants-budget.yaml")),
              "--port", str(port), "--metrics-port", str(metrics_port)],
-            env=_env(home, SHARDLINE_ROUTER_DATA_PLANE="haproxy", SHARDLINE_ROUTER_KEY="router-key-for-the-budget-test",
+            env=_env(home, SHARDLINE_ROUTER_DATA_PLANE=plane, SHARDLINE_ROUTER_KEY="router-key-for-the-budget-test",
                      SHARDLINE_ROUTER_RETRY_BUDGET_RATIO="0.1", SHARDLINE_ROUTER_RETRY_MIN_PER_S="0"),
             stdout=sink, stderr=subprocess.STDOUT)
     url, body, rate, n = f"http://127.0.0.1:{port}", _infer_body(breast_cancer_model), 40, 200

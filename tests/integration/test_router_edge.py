@@ -10,11 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardline.errors import InvalidSetting
 from shardline.online.router.edge import (
     Edge,
     EdgeLayout,
-    choose_data_plane,
     desired_pins,
     find_haproxy,
     quota_entries,
@@ -90,11 +88,3 @@ def test_pins_follow_the_aliases_and_leave_a_rolling_out_model_to_the_router() -
     assert desired_pins(router) == {}  # type: ignore[arg-type]
     assert desired_pins(_router({("churn", "prod"): _move(2)}, hedge_after_ms=50.0)) == {}  # type: ignore[arg-type]
 
-
-def test_the_data_plane_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert choose_data_plane("python") is None
-    monkeypatch.setenv("PATH", "/nonexistent")
-    monkeypatch.setattr("shardline.online.router.edge.os.access", lambda *_: False)
-    assert choose_data_plane("auto") is None
-    with pytest.raises(InvalidSetting, match="apt-get install haproxy"):
-        choose_data_plane("haproxy")

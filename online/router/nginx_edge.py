@@ -1,0 +1,461 @@
+"""The router's data plane on nginx with LuaJIT: the fast lane of ``edge`` (HAProxy's), in nginx (docs/routing.md).
+
+Where Debian's ``nginx-light`` and ``libnginx-mod-http-lua`` are installed this is the router's default data plane:
+it does the same per request as HAProxy's fast lane for less CPU (bench/README.md). nginx binds nothing: it
+inherits the router's listening socket (nginx's ``NGINX`` variable, as for its binary upgrade), so a restarted
+nginx goes on serving the same endpoint. One worker process runs ``shardline_lane.lua``:
+
+- **every request**: the ``Bearer`` key's sha256 looked up among the tenants file's digests (each header's
+  tenant remembered in the worker: the digest is a pure function of the key), the tenant's ``max_concurrent``
+  and token bucket held (``admission.TokenBucket``'s refill, ``TenantGate``'s messages; 429 in the V2 or OpenAI
+  form by the path), and the admitted tenant named to the router (``GATED_HEADER``); a client's copies of the
+  router's headers are dropped;
+- **the fast lane**: ``POST /v2/models/{name}/infer`` of a pinned tenant/model (``desired_pins``), without a
+  deadline or a route key, with a ``Content-Length`` body of at most ``FAST_BODY_BYTES`` (buffered, so a failed
+  try can be sent again), while the active group has a replica up: the path rewritten to the pinned version, the
+  router's key and the tenant sent, the replica chosen by ``balancer_by_lua`` in the *router's own* rendezvous
+  order for the pinned version (``placement.rank``, pushed by the router) with bounded loads over the lane's
+  requests in flight (``placement.choose``), retried on another replica after a failed connection or a 502-504
+  (``retries``; only failed connections while the router's retry budget has no room), a failed connection
+  keeping the replica out for ``hold`` seconds; everything else goes on to the router over its unix socket,
+  streamed (bodies and answers), as the client sent it.
+
+Health stays the router's: the replicas it pushes as up are those whose checks pass, not ejected for latency,
+breaker not open; nginx adds only the passive mark. The router keeps the lane true every ``SYNC_S`` (a whole new
+state when anything changed, or when the worker's generation is not the one it last pushed: a restarted worker
+starts empty) and reads back the lane's counts (``/counts``) for its metrics, its scaler and its retry budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import ipaddress
+import logging
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from shardline.errors import InvalidSetting
+from shardline.online.router.edge import FAST_BODY_BYTES, STOP_GRACE_S, desired_pins
+from shardline.online.router.local import die_with_parent
+from shardline.online.router.placement import rank
+from shardline.online.tenants import TenantDirectory
+
+if TYPE_CHECKING:
+    from shardline.online.router.router import Router
+
+log = logging.getLogger(__name__)
+
+MODULES = Path("/usr/lib/nginx/modules")
+LUA_MODULES = ("ndk_http_module.so", "ngx_http_lua_module.so")
+RESTY_CORE = Path("/usr/share/lua/5.1/resty/core.lua")  # lua-resty-core, which the Lua module needs
+CONTROL_TIMEOUT_S = 5.0
+
+
+def find_nginx() -> str | None:
+    """The nginx executable, when it and its Lua module (with lua-resty-core) are installed; else None."""
+    found = shutil.which("nginx")
+    if found is None and os.access("/usr/sbin/nginx", os.X_OK):
+        found = "/usr/sbin/nginx"
+    if found is None or not all((MODULES / m).exists() for m in LUA_MODULES) or not RESTY_CORE.exists():
+        return None
+    return found
+
+
+@dataclass(frozen=True)
+class NginxLayout:
+    """What nginx's configuration is made of (``render_config``)."""
+
+    folder: Path  # private (0700): its configuration, Lua, sockets, log, and the router's socket
+    listen_fd: int  # the router's listening socket, bound by the router, inherited by nginx
+    listen: str  # that socket's address as nginx's ``listen`` names it (it matches the inherited one by it)
+    router_key: str
+    balance: float
+    retries: int
+    request_timeout_s: float
+    max_timeout_s: float
+    hold_s: float  # how long a replica whose connection failed is kept out of the fast lane
+
+    @property
+    def router_socket(self) -> Path:
+        return self.folder / "router.sock"
+
+    @property
+    def control_socket(self) -> Path:
+        return self.folder / "control.sock"
+
+
+def listen_address(host: str, port: int) -> str:
+    """``listen``'s form of an address: ``[v6]:port`` or ``v4:port``."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def lua_literal(value: Any) -> str:
+    """``value`` (str, int, float, bool, None, list, dict with str keys) as a Lua expression; every byte of a
+    string outside a plain set is a decimal escape, so no value can end a string or a bracket early."""
+    if value is None:
+        return "nil"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        plain = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ._-/:@+,;()'"
+        return '"' + "".join(chr(b) if b in plain else f"\\{b:03d}" for b in value.encode()) + '"'
+    if isinstance(value, (list, tuple)):
+        return "{" + ", ".join(lua_literal(v) for v in value) + "}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"[{lua_literal(str(k))}] = {lua_literal(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"no Lua form for {type(value).__name__}")
+
+
+def lua_settings(layout: NginxLayout, tenants: TenantDirectory) -> str:
+    """settings.lua: the tenants' key digests and quotas, and the lane's settings (fixed for nginx's life)."""
+    quotas = {}
+    for tenant in tenants.tenants.values():
+        rate = tenant.rate
+        if rate is None and tenant.max_concurrent is None:
+            continue
+        quotas[tenant.name] = {"rate": float(rate.requests_per_second) if rate else 0.0,
+                               "burst": rate.burst if rate else 0, "most": tenant.max_concurrent or 0,
+                               "shown": f"{rate.requests_per_second if rate else 0:g}"}
+    return "return " + lua_literal({
+        "tenants": dict(tenants.digests()), "quotas": quotas, "retries": layout.retries,
+        "balance": layout.balance, "fast_body": FAST_BODY_BYTES, "hold": layout.hold_s}) + "\n"
+
+
+def _v2_error(message: str) -> str:
+    return "'{\"error\": \"" + message + "\"}'"
+
+
+def render_config(layout: NginxLayout) -> str:
+    """nginx's configuration for the layout (checked by ``nginx -t`` in the tests)."""
+    f = layout.folder
+    key = layout.router_key.replace("\\", "\\\\").replace('"', '\\"').replace("$", "${dollar}")
+    request_s, stream_s = f"{layout.request_timeout_s:g}s", f"{layout.max_timeout_s + 10:g}s"
+    fast = f"""
+            proxy_pass http://sl_fast$sl_uri;
+            proxy_set_header Host $host;
+            proxy_set_header Connection "";
+            proxy_set_header Authorization "Bearer {key}";
+            proxy_set_header X-Shardline-Tenant $sl_tenant;
+            proxy_set_header X-Shardline-Gated "";
+            proxy_set_header X-Shardline-Variant "";
+            proxy_next_upstream_timeout {request_s};
+            proxy_read_timeout {request_s};
+            proxy_send_timeout {request_s};
+            log_by_lua_block {{ lane.done() }}"""
+    router = f"""
+            proxy_pass http://sl_router;
+            proxy_set_header Host $host;
+            proxy_set_header Connection "";
+            proxy_set_header X-Shardline-Tenant "";
+            proxy_set_header X-Shardline-Gated $sl_tenant;
+            proxy_set_header X-Shardline-Variant "";
+            proxy_request_buffering off;
+            proxy_buffering off;
+            proxy_next_upstream off;
+            proxy_read_timeout {stream_s};
+            proxy_send_timeout {stream_s};
+            log_by_lua_block {{ lane.done() }}"""
+    # As root nginx would run its worker as nobody, which cannot reach the private folder: the router's user.
+    user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n" if os.geteuid() == 0 else ""
+    errors = {
+        400: ("the request is not valid HTTP/1.1; check the client", False),
+        408: ("the request took too long to arrive; send it again", False),
+        502: ("no replica gave a valid answer; retry after the Retry-After seconds", True),
+        503: ("no replica can take the request now (none is up, or every one tried failed); retry after the "
+              "Retry-After seconds", True),
+        504: ("no replica answered within the deadline; retry, or send a longer x-shardline-timeout-ms", False),
+    }
+    error_pages = "\n".join(f"        error_page {code} @e{code};" for code in errors)
+    error_locations = "\n".join(
+        f"        location @e{code} {{ default_type application/json; "
+        + ("add_header Retry-After 1 always; " if retry else "") + f"return {code} {_v2_error(message)}; }}"
+        for code, (message, retry) in errors.items())
+    return f"""\
+load_module {MODULES / LUA_MODULES[0]};
+load_module {MODULES / LUA_MODULES[1]};
+{user}worker_processes 1;
+daemon off;
+pid {f / 'nginx.pid'};
+error_log {f / 'nginx.log'} warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    server_tokens off;
+    client_body_temp_path {f / 'body'};
+    proxy_temp_path {f / 'proxy'};
+    fastcgi_temp_path {f / 'fastcgi'};
+    uwsgi_temp_path {f / 'uwsgi'};
+    scgi_temp_path {f / 'scgi'};
+    lua_package_path "{f}/?.lua;;";
+    init_by_lua_block {{ lane = require "shardline_lane" }}
+    geo $dollar {{ default "$"; }}
+    keepalive_timeout 75s;
+    keepalive_requests 100000;
+    client_header_timeout 30s;
+    client_body_timeout 30s;
+    send_timeout {stream_s};
+    client_max_body_size 0;
+    client_body_buffer_size 32k;
+    large_client_header_buffers 4 16k;
+    proxy_http_version 1.1;
+    proxy_connect_timeout 2s;
+    proxy_buffer_size 16k;
+    proxy_buffers 16 16k;
+    proxy_max_temp_file_size 0;
+
+    upstream sl_fast {{
+        server 0.0.0.1;
+        balancer_by_lua_block {{ lane.balance() }}
+        keepalive 256;
+    }}
+    upstream sl_router {{
+        server unix:{layout.router_socket};
+        keepalive 256;
+    }}
+    server {{
+        listen {layout.listen};
+        set $sl_tenant "";
+        set $sl_pin "";
+        set $sl_uri "";
+{error_pages}
+        location ~ ^/v2/models/([^/]+)/infer$ {{
+            access_by_lua_block {{ lane.infer() }}
+            proxy_next_upstream error timeout http_502 http_503 http_504 non_idempotent;{fast}
+        }}
+        location @fast_conn {{
+            proxy_next_upstream error timeout non_idempotent;{fast}
+        }}
+        location @router {{{router}
+        }}
+        location / {{
+            access_by_lua_block {{ lane.gate() }}{router}
+        }}
+{error_locations}
+    }}
+    server {{
+        listen unix:{layout.control_socket};
+        client_body_buffer_size 16m;
+        client_max_body_size 16m;
+        location / {{ content_by_lua_block {{ lane.control() }} }}
+    }}
+}}
+"""
+
+
+@dataclass
+class _Pushed:
+    state: str = ""  # the state last pushed (without its generation)
+    generation: int = 0
+
+
+@dataclass
+class _Addresses:
+    """Replica hosts resolved to addresses (nginx's balancer takes an address, not a name)."""
+
+    found: dict[str, str] = field(default_factory=dict)
+
+    async def of(self, host: str) -> str | None:
+        try:
+            ipaddress.ip_address(host)
+            return host
+        except ValueError:
+            pass
+        if host not in self.found:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+            except OSError:
+                return None
+            self.found[host] = str(infos[0][4][0])
+        return self.found[host]
+
+
+class NginxEdge:
+    """nginx in front of the router: its files, its process, and the control socket that keeps it true."""
+
+    kind = "nginx"
+
+    def __init__(self, nginx: str, layout: NginxLayout, tenants: TenantDirectory) -> None:
+        self.nginx = nginx
+        self.layout = layout
+        self.tenants = tenants
+        self.process: subprocess.Popen[bytes] | None = None
+        self._pushed = _Pushed()
+        self._pinning = asyncio.Lock()
+        self._addresses = _Addresses()
+        self._totals: dict[str, tuple[int, int]] = {}  # group -> the lane's (requests, retries), as last read
+        self._pins: dict[str, str] = {}  # as last logged
+        self._budget_off = False  # as last logged
+
+    def write_files(self) -> None:
+        """The configuration, the lane's Lua and its settings."""
+        folder = self.layout.folder
+        (folder / "nginx.conf").write_text(render_config(self.layout))
+        (folder / "shardline_lane.lua").write_text(
+            resources.files("shardline.online.router").joinpath("shardline_lane.lua").read_text())
+        (folder / "shardline_settings.lua").write_text(lua_settings(self.layout, self.tenants))
+        for path in folder.iterdir():
+            if path.is_file():
+                path.chmod(0o600)
+
+    def start(self) -> None:
+        """Write the files and start nginx on the router's listening socket (it stops with the router).
+
+        Raises:
+            InvalidSetting: nginx refused its configuration or did not start.
+        """
+        self.write_files()
+        self._pushed = _Pushed(generation=self._pushed.generation)
+        self._totals = {}  # a new nginx counts from zero
+        self.layout.control_socket.unlink(missing_ok=True)
+        log_file = open(self.layout.folder / "nginx.log", "ab")  # noqa: SIM115 - the process holds it
+        fd = self.layout.listen_fd
+        try:
+            self.process = subprocess.Popen(
+                [self.nginx, "-p", str(self.layout.folder), "-e", str(self.layout.folder / "nginx.log"),
+                 "-c", str(self.layout.folder / "nginx.conf")], stdin=subprocess.DEVNULL, stdout=log_file,
+                stderr=subprocess.STDOUT, pass_fds=(fd,), env={**os.environ, "NGINX": f"{fd};"},
+                start_new_session=True, preexec_fn=die_with_parent)
+        finally:
+            log_file.close()
+        deadline = time.monotonic() + 10
+        while not self.layout.control_socket.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = (self.layout.folder / "nginx.log").read_text(errors="replace")[-2000:]
+                raise InvalidSetting(f"nginx did not start ({tail.strip() or 'no output'}); set "
+                                     "SHARDLINE_ROUTER_DATA_PLANE=python to run the router alone")
+            time.sleep(0.02)
+        log.info("nginx %d in front of the router (its files in %s)", self.process.pid, self.layout.folder)
+
+    def stop(self) -> None:
+        """Stop nginx (SIGQUIT: it finishes the requests it holds; SIGKILL after ``STOP_GRACE_S``)."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGQUIT)
+        try:
+            process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        self.layout.control_socket.unlink(missing_ok=True)
+
+    async def control(self, method: str, path: str, body: bytes = b"") -> str:
+        """One request to the lane's control socket; its answer's body."""
+        reader, writer = await asyncio.open_unix_connection(str(self.layout.control_socket))
+        try:
+            writer.write(f"{method} {path} HTTP/1.0\r\nHost: control\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                         + body)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), CONTROL_TIMEOUT_S)
+        finally:
+            writer.close()
+        head, _, text = answer.partition(b"\r\n\r\n")
+        if not head.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200")):
+            raise RuntimeError(f"nginx's control socket answered {head[:200]!r} {text[:500]!r} to {method} {path}")
+        return text.decode(errors="replace")
+
+    async def sync(self, router: Router) -> None:
+        """Bring nginx up to date with the router and read its counts back; an nginx that exited is started again
+        (it holds the listening socket: the endpoint goes on)."""
+        if self.process is None or self.process.poll() is not None:
+            if self.process is not None:
+                log.error("nginx exited (code %s); starting it again", self.process.returncode)
+            await asyncio.get_running_loop().run_in_executor(None, self.start)
+        generation = await self._read_counts(router)
+        if generation != self._pushed.generation:
+            self._pushed.state = ""  # a new worker starts empty: push it all
+        await self.sync_pins(router)
+
+    async def sync_pins(self, router: Router) -> None:
+        """Push the state when it changed (``desired_pins``, the replicas, the order, the active group, the retry
+        budget): also called by the rollout book each time it has read the aliases, so that a rollout's requests
+        all reach the router before it reports the rollout seen."""
+        if self.process is None:
+            return
+        async with self._pinning:
+            state = await self._state(router)
+            if state == self._pushed.state:
+                return
+            generation = self._pushed.generation + 1
+            await self.control("POST", "/state", f"local s = {state}\ns.generation = {generation}\nreturn s\n".encode())
+            self._pushed = _Pushed(state, generation)
+
+    async def _state(self, router: Router) -> str:
+        now = time.monotonic()
+        pins = desired_pins(router)
+        for key in self._pins.keys() - pins.keys():
+            log.info("fast lane: %s to the router", key)
+        for key, value in pins.items():
+            if self._pins.get(key) != value:
+                log.info("fast lane: %s -> %s", key, value)
+        self._pins = pins
+        replicas: dict[str, dict[str, Any]] = {}
+        members: dict[str, list[str]] = {}
+        for group, urls in router.replicas.groups():
+            members[group] = []
+            for url in urls:
+                replica = router.replicas.replicas.get(url)
+                parts = urlsplit(url)
+                address = await self._addresses.of(parts.hostname or "")
+                if replica is None or address is None:
+                    continue
+                members[group].append(url)
+                replicas[url] = {"group": group, "ip": address, "port": parts.port or 80,
+                                 "up": router.replicas.available(replica, now)}
+        # The router's order (``ReplicaSet.order``): the active group's replicas in the version's rendezvous order,
+        # then the other groups' by priority (a retry goes there once the active group is spent).
+        active = router.replicas.active_group()
+        groups = sorted(members, key=lambda g: g != active)
+        order = {}
+        for pin in sorted(set(pins.values())):
+            name, _, version = pin.partition("/versions/")
+            order[pin] = [url for group in groups for url in rank(f"{name}:{version}", members[group])]
+        return lua_literal({"pins": pins, "replicas": replicas, "order": order, "active": active,
+                            "retries_off": not router.budget.has_room(now)})
+
+    async def _read_counts(self, router: Router) -> int:
+        """The lane's requests in flight and taken by pinned version (name:version), in flight by replica, into the
+        router's metrics (``edge_*``); each group's requests and retries since the last read into its retry budget.
+        Returns the worker's state generation."""
+        generation = -1
+        in_flight, requests, replicas = {}, {}, {}
+        taken: dict[str, tuple[int, int]] = {}
+        for line in (await self.control("GET", "/counts")).splitlines():
+            kind, _, rest = line.partition(" ")
+            cells = rest.split(" ")
+            if kind == "generation":
+                generation = int(cells[0])
+            elif kind == "pin" and len(cells) == 3:
+                model = cells[0].replace("/versions/", ":")
+                in_flight[model], requests[model] = int(cells[1]), int(cells[2])
+            elif kind == "replica" and len(cells) == 4:  # url, in flight, up (1/0), tries sent
+                replicas[cells[0]] = int(cells[1])
+            elif kind == "group" and len(cells) == 3:
+                taken[cells[0]] = (int(cells[1]), int(cells[2]))
+        metrics = router.metrics
+        metrics.edge_in_flight, metrics.edge_requests, metrics.edge_replicas = in_flight, requests, replicas
+        now = time.monotonic()
+        for group, (requested, retried) in taken.items():
+            before_taken, before_retried = self._totals.get(group, (0, 0))
+            router.budget.record(now, max(0, requested - before_taken), max(0, retried - before_retried))
+            self._totals[group] = (requested, retried)
+        metrics.edge_retries = {group: retried for group, (_, retried) in self._totals.items()}
+        budget_off = not router.budget.has_room(now)
+        if budget_off != self._budget_off:
+            self._budget_off = budget_off
+            log.warning("fast lane: out of the retry budget, answers are passed on unretried" if budget_off else
+                        "fast lane: within the retry budget again, answers are retried")
+        return generation

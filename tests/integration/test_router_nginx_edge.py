@@ -1,0 +1,154 @@
+"""nginx in front of the router (online/router/nginx_edge.py): its configuration, checked by nginx itself; the
+settings and state it is given as Lua (key digests and quotas, never keys; strings that cannot break out); and
+the lane's state pushed and its counts read back through the control socket of a real nginx."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from shardline.errors import InvalidSetting
+from shardline.online.router.edge import choose_data_plane
+from shardline.online.router.nginx_edge import NginxEdge, NginxLayout, find_nginx, listen_address, lua_literal, lua_settings
+from shardline.online.tenants import TenantDirectory, hash_api_key
+
+NGINX = find_nginx()
+needs_nginx = pytest.mark.skipif(NGINX is None, reason=(
+    "nginx's Lua module is not installed (apt-get install nginx-light libnginx-mod-http-lua)"))
+
+TENANTS = TenantDirectory.from_config({"tenants": [
+    {"name": "acme", "api_keys_sha256": [hash_api_key("k-acme")], "models": ["churn@prod", "iris:3"],
+     "rate": {"requests_per_second": 2.5, "burst": 5}, "max_concurrent": 4},
+    {"name": "free", "api_keys_sha256": [hash_api_key("k-free-1"), hash_api_key("k-free-2")], "models": ["churn"]},
+]})
+
+
+def _layout(folder: Path, listener: socket.socket, key: str = "router-key-0123456789") -> NginxLayout:
+    host, port = listener.getsockname()[:2]
+    return NginxLayout(folder=folder, listen_fd=listener.fileno(), listen=listen_address(host, port), router_key=key,
+                       balance=1.25, retries=2, request_timeout_s=30.0, max_timeout_s=300.0, hold_s=1.5)
+
+
+def _unescaped(literal: str) -> str:
+    """A Lua string literal as ``lua_literal`` writes it, read back (plain bytes and decimal escapes only)."""
+    assert literal[0] == literal[-1] == '"'
+    body = literal[1:-1]
+    assert re.fullmatch(r'(?:[A-Za-z0-9 ._\-/:@+,;()\']|\\\d{3})*', body), body
+    return re.sub(rb"\\(\d{3})", lambda m: bytes([int(m.group(1))]), body.encode()).decode()
+
+
+@pytest.mark.parametrize("text", ["plain-name_1.2", 'a"quote\\back]]bracket\nline\x00nul', "tenant 'x' ünïcode"])
+def test_a_lua_string_cannot_break_out_of_its_quotes(text: str) -> None:
+    assert _unescaped(lua_literal(text)) == text
+    assert lua_literal({"k": [1, 2.5, True, None]}) == '{["k"] = {1, 2.5, true, nil}}'
+
+
+def test_the_settings_hold_key_digests_and_quotas_never_keys(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        text = lua_settings(_layout(tmp_path, listener), TENANTS)
+    assert "k-acme" not in text and "k-free" not in text
+    for key, tenant in (("k-acme", "acme"), ("k-free-1", "free"), ("k-free-2", "free")):
+        assert f'["{hash_api_key(key)}"] = "{tenant}"' in text
+    assert '["acme"] = {["rate"] = 2.5, ["burst"] = 5, ["most"] = 4, ["shown"] = "2.5"}' in text
+    assert '["free"]' not in text.split('["quotas"]')[1]  # free has no quota: not checked
+
+
+@needs_nginx
+@pytest.mark.parametrize("key", ["router-key-0123456789", 'a"quote\\back$dollar%percent-key'])
+def test_nginx_accepts_the_configuration(tmp_path: Path, key: str) -> None:
+    assert NGINX is not None
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.set_inheritable(True)
+        edge = NginxEdge(NGINX, _layout(tmp_path, listener, key), TENANTS)
+        edge.write_files()
+        checked = subprocess.run([NGINX, "-t", "-p", str(tmp_path), "-e", str(tmp_path / "nginx.log"), "-c",
+                                  str(tmp_path / "nginx.conf")], capture_output=True, text=True,
+                                 pass_fds=(listener.fileno(),), env={**os.environ, "NGINX": f"{listener.fileno()};"})
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    text = (tmp_path / "nginx.conf").read_text()
+    assert "proxy_next_upstream error timeout http_502 http_503 http_504 non_idempotent;" in text
+    assert "proxy_next_upstream error timeout non_idempotent;" in text  # out of the retry budget: connections only
+    assert f"server unix:{tmp_path}/router.sock;" in text and "worker_processes 1;" in text
+    written = ("nginx.conf", "shardline_lane.lua", "shardline_settings.lua")
+    assert {(tmp_path / name).stat().st_mode & 0o777 for name in written} == {0o600}  # the router's key is in it
+
+
+def _router() -> SimpleNamespace:
+    """What the edge reads of a router: two groups of two replicas, churn@prod at version 2."""
+    groups = [("gpu", ["http://127.0.0.1:9101", "http://127.0.0.1:9102"]), ("cpu", ["http://localhost:9201"])]
+    replicas = {url: SimpleNamespace(url=url) for _, urls in groups for url in urls}
+    recorded: list[tuple[int, int]] = []
+    return SimpleNamespace(
+        settings=SimpleNamespace(hedge_after_ms=0.0), activator=None, fallbacks={}, tenants=TENANTS,
+        rollouts=SimpleNamespace(moves={("churn", "prod"): SimpleNamespace(version=2, action="set", rollout=None)}),
+        replicas=SimpleNamespace(groups=lambda: groups, replicas=replicas, active_group=lambda: "gpu",
+                                 available=lambda replica, now: replica.url != "http://127.0.0.1:9102"),
+        budget=SimpleNamespace(has_room=lambda now: True, record=lambda now, n, r: recorded.append((n, r))),
+        metrics=SimpleNamespace(edge_in_flight={}, edge_requests={}, edge_replicas={}, edge_retries={}),
+        recorded=recorded)
+
+
+@needs_nginx
+def test_the_router_pushes_its_state_and_a_restarted_worker_is_pushed_again(tmp_path: Path) -> None:
+    assert NGINX is not None
+    router = _router()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.set_inheritable(True)
+        edge = NginxEdge(NGINX, _layout(tmp_path, listener), TENANTS)
+        edge.start()
+        try:
+            async def run() -> tuple[str, str]:
+                await edge.sync(router)  # type: ignore[arg-type]
+                first = await edge.control("GET", "/counts")
+                worker = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _is_worker(int(p), edge))
+                os.kill(worker, 9)  # nginx's master starts a new one, empty
+                for _ in range(100):
+                    await asyncio.sleep(0.05)
+                    try:
+                        if (await edge.control("GET", "/counts")).startswith("generation 0"):
+                            break
+                    except (OSError, RuntimeError):
+                        continue
+                await edge.sync(router)  # type: ignore[arg-type]
+                return first, await edge.control("GET", "/counts")
+            first, again = asyncio.run(run())
+        finally:
+            edge.stop()
+    assert first.startswith("generation 1\n") and again.startswith("generation 2\n")  # the new worker pushed anew
+    for counts in (first, again):
+        rows = {line.split()[1]: line.split()[2:] for line in counts.splitlines() if line.startswith("replica ")}
+        # up as the router sees them; a host name resolved to an address (nginx's balancer takes addresses)
+        assert rows == {"http://127.0.0.1:9101": ["0", "1", "0"], "http://127.0.0.1:9102": ["0", "0", "0"],
+                        "http://localhost:9201": ["0", "1", "0"]}
+    assert not edge.layout.control_socket.exists()
+
+
+def _is_worker(pid: int, edge: NginxEdge) -> bool:
+    """Whether ``pid`` is the worker of ``edge``'s nginx."""
+    assert edge.process is not None
+    try:
+        return (Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"nginx: worker process")
+                and Path(f"/proc/{pid}/stat").read_text().split()[3] == str(edge.process.pid))
+    except OSError:
+        return False
+
+
+def test_the_data_plane_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert choose_data_plane("python") is None
+    if NGINX is not None:
+        assert choose_data_plane("auto") == ("nginx", NGINX)  # nginx first where its Lua module is installed
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr("shardline.online.router.edge.os.access", lambda *_: False)
+    monkeypatch.setattr("shardline.online.router.nginx_edge.os.access", lambda *_: False)
+    assert choose_data_plane("auto") is None
+    with pytest.raises(InvalidSetting, match="apt-get install nginx-light libnginx-mod-http-lua"):
+        choose_data_plane("nginx")
+    with pytest.raises(InvalidSetting, match="apt-get install haproxy"):
+        choose_data_plane("haproxy")

@@ -7,8 +7,8 @@ loop, latency from each request's intended send time):
 
 - **direct**: one replica, the request carrying the router's key and the tenant (what the router sends);
 - **router**: `shardline router --config router.yaml` over the three, on its defaults, with the tenant's
-  own key (its default data plane: HAProxy in front when haproxy is installed, else the router alone;
-  printed);
+  own key (its default data plane: nginx with its Lua module in front where installed, else HAProxy
+  where installed, else the router alone; printed);
 - **nginx**: Debian's nginx as a plain reverse proxy over the three (`worker_processes auto`, upstream
   keep-alive, no access log), passing the same headers as direct.
 
@@ -22,12 +22,8 @@ at least 0.8x nginx's rate.
     .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~3 min
     .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~13 min
 
-    .venv/bin/python bench/router_overhead.py --quick --prototype   # and nginx_lua_lane.py's prototype beside
-
-nginx must be on PATH, and haproxy for the router's default data plane (`apt-get install nginx-light
-haproxy`). Data and logs: bench/.data/router/ (git-ignored). ``--prototype`` adds a fourth series, not
-the product: the fast lane's work on nginx with LuaJIT (bench/nginx_lua_lane.py; needs
-`libnginx-mod-http-lua`), to weigh a data plane on nginx (docs/routing.md, "Not built yet").
+nginx must be on PATH, and its Lua module for the router's default data plane (`make setup` installs
+`nginx-light libnginx-mod-http-lua` as root). Data and logs: bench/.data/router/ (git-ignored).
 """
 
 from __future__ import annotations
@@ -48,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import nginx_lua_lane  # noqa: E402
 import online_latency as ol  # noqa: E402
 from loadgen import NOISY  # noqa: E402
 
@@ -58,8 +53,7 @@ ROUTER_KEY = "shardline-bench-router-key"
 TENANT = "bench"
 ADDED_P50_TARGET = 1.5  # the router's added p50 <= 1.5 x nginx's
 HELD_TARGET = 0.8  # the router's highest held rate >= 0.8 x nginx's
-PROTOTYPE = "nginx+lua"  # --prototype's series
-TENANT_KEYED = ("router", PROTOTYPE)  # the series sent the tenant's own key (the rest: the router's and the tenant)
+TENANT_KEYED = ("router",)  # the series sent the tenant's own key (the rest: the router's and the tenant)
 
 
 def nginx_config(port: int, replicas: list[int], folder: Path) -> Path:
@@ -117,9 +111,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="3 rates, short steps: ~3 minutes")
     parser.add_argument("--rates", help="the ladder, req/s, comma-separated (default 100..6400 doubling)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    parser.add_argument("--prototype", action="store_true",
-                        help="also measure the fast lane's work on nginx with LuaJIT (nginx_lua_lane.py), "
-                             "not the product")
     args = parser.parse_args(argv)
     args.ladder = [float(r) for r in args.rates.split(",")] if args.rates else (
         [100.0, 800.0, 1600.0] if args.quick else [100.0 * 2**k for k in range(7)])
@@ -135,9 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
     if nginx is None:
         raise SystemExit("nginx is not installed: apt-get install nginx-light (or nginx), then run this again")
-    if args.prototype and not nginx_lua_lane.available():
-        raise SystemExit("--prototype needs nginx's Lua module: apt-get install libnginx-mod-http-lua, "
-                         "then run this again")
     shutil.rmtree(DATA, ignore_errors=True)
     DATA.mkdir(parents=True)
     ol.DATA.mkdir(parents=True, exist_ok=True)
@@ -160,11 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     proxy = ol.Server("nginx", [nginx, "-c", str(nginx_config(nginx_port, ports, DATA)), "-p", str(DATA)], env,
                       nginx_port, path, "/v2/health/ready")
     proxies = [("router", router), ("nginx", proxy)]
-    if args.prototype:
-        lua_port = ol.free_port()
-        lua_config = nginx_lua_lane.config(lua_port, ports, DATA, data["tenants"], ROUTER_KEY)
-        proxies.append((PROTOTYPE, ol.Server(PROTOTYPE, [nginx, "-c", str(lua_config), "-p", str(DATA)], env, lua_port,
-                                             path, "/v2/health/ready")))
     print(f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.2f}); ladder "
           f"{', '.join(f'{r:,.0f}' for r in args.ladder)} req/s; one row per request, in both layouts "
           f"({'; '.join(ol.LAYOUTS.values())}); "
@@ -247,10 +230,6 @@ def report(layout: str, steps: dict[str, Any], light_steps: dict[str, list[dict[
            for n in proxies}
     print(f"CPU per request at {light:,.0f}/s, the proxy's own (median over the rounds): "
           + ", ".join(f"{n} {cpu[n]:.0f} us" for n in proxies))
-    if PROTOTYPE in added:
-        print(f"[{layout}] the prototype (not the product) at {light:,.0f}/s: adds {added[PROTOTYPE] * 1000:.0f} us, "
-              f"{added[PROTOTYPE] / added['nginx'] if added['nginx'] > 0 else math.inf:.2f}x nginx's; holds "
-              f"{summary[PROTOTYPE]['held']:,.0f}/s")
     p50_ratio = added["router"] / added["nginx"] if added["nginx"] > 0 else math.inf
     held_ratio = summary["router"]["held"] / summary["nginx"]["held"] if summary["nginx"]["held"] else math.inf
     p50_met, held_met = p50_ratio <= ADDED_P50_TARGET, held_ratio >= HELD_TARGET

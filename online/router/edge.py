@@ -1,7 +1,8 @@
-"""The router's native data plane: HAProxy in front, this router as its control plane (docs/routing.md).
+"""The router's data plane on HAProxy, where nginx's Lua module (``nginx_edge``, the default) is not installed:
+HAProxy in front, this router as its control plane (docs/routing.md).
 
 A Python process adds ~250 us of CPU and two wake-ups to every request it relays, which is more
-than nginx adds in all (bench/README.md). So when HAProxy is installed, ``shardline router``
+than nginx adds in all (bench/README.md). So when HAProxy is the data plane, ``shardline router``
 starts it on the router's address and listens itself on a private unix socket behind it. HAProxy
 answers the steady path natively, the *fast lane*:
 
@@ -348,6 +349,46 @@ def desired_pins(router: Router) -> dict[str, str]:
     return pins
 
 
+def start_process(name: str, argv: list[str], folder: Path, ready: Path, listen_fd: int,
+                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start a data plane (``name``: haproxy or nginx) on the router's listening socket, its output to
+    ``folder/name.log``; it is up once it has made the socket ``ready``. It dies with the router.
+
+    Raises:
+        InvalidSetting: it exited, or made no ``ready`` socket within 10 s (the log's tail says why).
+    """
+    ready.unlink(missing_ok=True)  # a dead one's: the new one's tells it is up
+    log_file = open(folder / f"{name}.log", "ab")  # noqa: SIM115 - the process holds it
+    try:
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                   pass_fds=(listen_fd,), env=env, start_new_session=True, preexec_fn=die_with_parent)
+    finally:
+        log_file.close()
+    deadline = time.monotonic() + 10
+    while not ready.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_process(process, signal.SIGTERM, ready)
+            tail = (folder / f"{name}.log").read_text(errors="replace")[-2000:]
+            raise InvalidSetting(f"{name} did not start ({tail.strip() or 'no output'}); set "
+                                 "SHARDLINE_ROUTER_DATA_PLANE=python to run the router alone")
+        time.sleep(0.02)
+    log.info("%s %d in front of the router (its files in %s)", name, process.pid, folder)
+    return process
+
+
+def stop_process(process: subprocess.Popen[bytes] | None, graceful: signal.Signals, ready: Path) -> None:
+    """Stop a data plane with its graceful signal (it finishes the requests it holds); SIGKILL after
+    ``STOP_GRACE_S``."""
+    if process is not None and process.poll() is None:
+        process.send_signal(graceful)
+        try:
+            process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    ready.unlink(missing_ok=True)
+
+
 @dataclass
 class _Pushed:
     """What HAProxy holds now, as the router last set it."""
@@ -391,37 +432,14 @@ class Edge:
         self.write_files(self._pushed.pins)
         self._pushed = _Pushed(pins=dict(self._pushed.pins))
         self._totals = {}  # a new HAProxy counts from zero
-        self.layout.admin_socket.unlink(missing_ok=True)  # a dead one's: the new one's tells it is up
-        log_file = open(self.layout.folder / "haproxy.log", "ab")  # noqa: SIM115 - the process holds it
-        try:
-            self.process = subprocess.Popen(
-                [self.haproxy, "-db", "-f", str(self.layout.folder / "haproxy.cfg")], stdin=subprocess.DEVNULL,
-                stdout=log_file, stderr=subprocess.STDOUT, pass_fds=(self.layout.listen_fd,),
-                start_new_session=True, preexec_fn=die_with_parent)
-        finally:
-            log_file.close()
-        deadline = time.monotonic() + 10
-        while not self.layout.admin_socket.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = (self.layout.folder / "haproxy.log").read_text(errors="replace")[-2000:]
-                raise InvalidSetting(f"haproxy did not start ({tail.strip() or 'no output'}); set "
-                                     "SHARDLINE_ROUTER_DATA_PLANE=python to run the router alone")
-            time.sleep(0.02)
-        log.info("haproxy %d in front of the router (its files in %s)", self.process.pid, self.layout.folder)
+        self.process = start_process(
+            "haproxy", [self.haproxy, "-db", "-f", str(self.layout.folder / "haproxy.cfg")], self.layout.folder,
+            self.layout.admin_socket, self.layout.listen_fd)
 
     def stop(self) -> None:
         """Stop HAProxy (SIGUSR1: it finishes the requests it holds; SIGKILL after ``STOP_GRACE_S``)."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGUSR1)
-        try:
-            process.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        self.layout.admin_socket.unlink(missing_ok=True)
+        stop_process(process, signal.SIGUSR1, self.layout.admin_socket)
 
     async def command(self, line: str) -> str:
         """One runtime API command's answer."""

@@ -14,8 +14,8 @@ Per request, counted as it is answered:
   version answered, the arm (``baseline`` or ``candidate``) and whether it was a server error;
 - ``shardline_router_shadow_rows_total{model, agree}``: rows of shadow answers compared with the
   primary's, by candidate version and whether they agreed (``online/router/compare.py``).
-- ``shardline_router_fast_lane_requests_total{model}``: requests HAProxy in front took without
-  the router (``edge``), read from HAProxy; they are not in the series above;
+- ``shardline_router_fast_lane_requests_total{model}``: requests the data plane in front took without
+  the router (``nginx_edge``, ``edge``), read from it; they are not in the series above;
   ``shardline_router_fast_lane_retries_total{group}``: its tries on another replica of the group.
 
 Read at each scrape from the router's state (nothing on the request path):
@@ -77,8 +77,8 @@ class RouterMetrics:
         self.cold_starts = Histogram("shardline_router_cold_start_seconds", "From a local replica's start to its "
                                      "first ready answer", buckets=COLD_START_BUCKETS, registry=self.registry)
         self.in_flight: Tally[str] = Tally()
-        # What HAProxy's fast lane carries (``edge``), as last read from it: in flight by model and by replica
-        # url, and requests by model and retries by group since it started.
+        # What the data plane's fast lane carries (``nginx_edge``, ``edge``), as last read from it: in flight by model
+        # and by replica url, and requests by model and retries by group since it started.
         self.edge_in_flight: dict[str, int] = {}
         self.edge_replicas: dict[str, int] = {}
         self.edge_requests: dict[str, int] = {}

@@ -44,9 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from shardline.errors import InvalidSetting
-from shardline.online.router.edge import FAST_BODY_BYTES, STOP_GRACE_S, desired_pins
-from shardline.online.router.local import die_with_parent
+from shardline.online.router.edge import FAST_BODY_BYTES, desired_pins, start_process, stop_process
 from shardline.online.router.placement import rank
 from shardline.online.tenants import TenantDirectory
 
@@ -168,7 +166,9 @@ def render_config(layout: NginxLayout) -> str:
             proxy_send_timeout {stream_s};
             log_by_lua_block {{ lane.done() }}"""
     # As root nginx would run its worker as nobody, which cannot reach the private folder: the router's user.
-    user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n" if os.geteuid() == 0 else ""
+    user = ""
+    if os.geteuid() == 0:
+        user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
     errors = {
         400: ("the request is not valid HTTP/1.1; check the client", False),
         408: ("the request took too long to arrive; send it again", False),
@@ -318,39 +318,15 @@ class NginxEdge:
         self.write_files()
         self._pushed = _Pushed(generation=self._pushed.generation)
         self._totals = {}  # a new nginx counts from zero
-        self.layout.control_socket.unlink(missing_ok=True)
-        log_file = open(self.layout.folder / "nginx.log", "ab")  # noqa: SIM115 - the process holds it
-        fd = self.layout.listen_fd
-        try:
-            self.process = subprocess.Popen(
-                [self.nginx, "-p", str(self.layout.folder), "-e", str(self.layout.folder / "nginx.log"),
-                 "-c", str(self.layout.folder / "nginx.conf")], stdin=subprocess.DEVNULL, stdout=log_file,
-                stderr=subprocess.STDOUT, pass_fds=(fd,), env={**os.environ, "NGINX": f"{fd};"},
-                start_new_session=True, preexec_fn=die_with_parent)
-        finally:
-            log_file.close()
-        deadline = time.monotonic() + 10
-        while not self.layout.control_socket.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = (self.layout.folder / "nginx.log").read_text(errors="replace")[-2000:]
-                raise InvalidSetting(f"nginx did not start ({tail.strip() or 'no output'}); set "
-                                     "SHARDLINE_ROUTER_DATA_PLANE=python to run the router alone")
-            time.sleep(0.02)
-        log.info("nginx %d in front of the router (its files in %s)", self.process.pid, self.layout.folder)
+        folder, fd = self.layout.folder, self.layout.listen_fd
+        self.process = start_process(
+            "nginx", [self.nginx, "-p", str(folder), "-e", str(folder / "nginx.log"), "-c", str(folder / "nginx.conf")],
+            folder, self.layout.control_socket, fd, env={**os.environ, "NGINX": f"{fd};"})
 
     def stop(self) -> None:
         """Stop nginx (SIGQUIT: it finishes the requests it holds; SIGKILL after ``STOP_GRACE_S``)."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGQUIT)
-        try:
-            process.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        self.layout.control_socket.unlink(missing_ok=True)
+        stop_process(process, signal.SIGQUIT, self.layout.control_socket)
 
     async def control(self, method: str, path: str, body: bytes = b"") -> str:
         """One request to the lane's control socket; its answer's body."""
@@ -448,6 +424,8 @@ class NginxEdge:
         metrics = router.metrics
         metrics.edge_in_flight, metrics.edge_requests, metrics.edge_replicas = in_flight, requests, replicas
         now = time.monotonic()
+        if generation != self._pushed.generation:
+            self._totals = {}  # a worker nginx started anew counts from zero
         for group, (requested, retried) in taken.items():
             before_taken, before_retried = self._totals.get(group, (0, 0))
             router.budget.record(now, max(0, requested - before_taken), max(0, retried - before_retried))

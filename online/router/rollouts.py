@@ -195,8 +195,8 @@ class RolloutBook:
         self.moves: dict[tuple[str, str], AliasMove | None] = {}
         self.windows: dict[str, dict[Arm, Window]] = {}
         self.shadows: dict[str, ShadowWindow] = {}
-        # Called once the aliases are read, before any decision is written: HAProxy in front stops answering an
-        # alias's requests itself before this router reports it has seen the alias's rollout (``edge``).
+        # Called once the aliases are read, before any decision is written: the data plane in front stops answering an
+        # alias's requests itself before this router reports it has seen the alias's rollout (``nginx_edge``, ``edge``).
         self.after_read: Callable[[], Awaitable[None]] | None = None
 
     def route(self, name: str, alias: str, caller: str, draw: float) -> Route | None:

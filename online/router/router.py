@@ -124,7 +124,7 @@ class Router:
         self._mirrors: set[asyncio.Task[None]] = set()
         self._answered: set[tuple[str, str]] = set()  # (replica, model version) pairs that have answered
         self.fallbacks: dict[tuple[str, str], str] = {}  # (model name, group) -> the variant that group answers with
-        self.behind_edge = False  # HAProxy in front (``edge``): it holds the rate and concurrency quotas it marks
+        self.behind_edge = False  # nginx or HAProxy in front: it holds the rate and concurrency quotas it marks
 
     async def start(self) -> None:
         """Ready the connection pools (connections open on first use)."""
@@ -264,7 +264,7 @@ class Router:
                         request_id: str, route: Route | None = None,
                         mirror: tuple[str, bytes, str] | None = None, stream: bool = False) -> Answer:
         # The tenant's rate and concurrency, for every replica together (held while a stream runs), unless
-        # HAProxy in front has held them (it marks the requests it admitted; a client's mark never gets here).
+        # the data plane in front has held them (it marks the requests it admitted; a client's mark never gets here).
         gate = (_ADMITTED if self.behind_edge and request.header(_GATED) == tenant.name else self._gate(tenant))
         gate.__enter__()
         llm = None
@@ -546,7 +546,7 @@ class Router:
 
 
 class _Admitted:
-    """The gate of a request HAProxy has admitted already: nothing to hold."""
+    """The gate of a request the data plane in front has admitted already: nothing to hold."""
 
     def __enter__(self) -> None:
         return None

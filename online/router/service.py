@@ -1,7 +1,7 @@
 """The router as a running service: its background work and its ASGI adapter.
 
-- ``RouterService``: the ``Router`` plus what keeps its view of the replicas true (and HAProxy's, when it is
-  in front: ``edge``): an active health
+- ``RouterService``: the ``Router`` plus what keeps its view of the replicas true (and the data plane's, when
+  nginx or HAProxy is in front: ``nginx_edge``, ``edge``): an active health
   check of every replica (``GET /v2/health/ready``) every ``health_interval_s``, the DNS groups
   resolved every ``refresh_s``, the local replicas watched (``--local-replicas``), and the aliases the
   tenants call read again every ``rollout_refresh_s`` to follow their rollouts (``rollouts``); with a

@@ -1,7 +1,8 @@
 """Text generation through `shardline router --local-replicas 2` as a user runs it, with the official openai
 client: streams pass through as they come, prompts that share a prefix land on one replica, the tenant's
 token quota is held at the router (a stream past it ends cleanly, saying why), and a client that goes away
-mid-stream stops the generation on its replica (the replica's streams gauge is back to 0)."""
+mid-stream stops the generation on its replica (the replica's streams gauge is back to 0). The router runs on
+its default data plane (nginx in front where installed, which passes every /v1 request on to the router)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routed]:
     with open(log, "wb") as sink:
         router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "2", "--tenants", str(tenants), "--port",
                                    str(port), "--metrics-port", str(free_port())],
-                                  env=_env(home), stdout=sink, stderr=subprocess.STDOUT, cwd=home)
+                                  env=_env(home, SHARDLINE_ROUTER_DATA_PLANE="auto"),  # nginx in front, if installed
+                                  stdout=sink, stderr=subprocess.STDOUT, cwd=home)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, router, log, available=2)

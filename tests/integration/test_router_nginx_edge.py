@@ -16,7 +16,14 @@ import pytest
 
 from shardline.errors import InvalidSetting
 from shardline.online.router.edge import choose_data_plane
-from shardline.online.router.nginx_edge import NginxEdge, NginxLayout, find_nginx, listen_address, lua_literal, lua_settings
+from shardline.online.router.nginx_edge import (
+    NginxEdge,
+    NginxLayout,
+    find_nginx,
+    listen_address,
+    lua_literal,
+    lua_settings,
+)
 from shardline.online.tenants import TenantDirectory, hash_api_key
 
 NGINX = find_nginx()

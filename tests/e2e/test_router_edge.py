@@ -125,8 +125,8 @@ def _up(edged: Edged) -> dict[str, bool]:
 
 
 def _read_back(metrics: str, name: str, labels: tuple[tuple[str, str], ...]) -> float:
-    """A count the router reads from the data plane every half second, once it has stopped changing: the same for 1.5 s
-    (three reads; on a loaded machine one read may come late, so a single wait of one period is not enough)."""
+    """A count the router reads from the data plane every half second, once it has stopped changing: the same for
+    1.5 s (three reads; on a loaded machine one read may come late, so a single wait of one period is not enough)."""
     value, steady_since, deadline = None, time.monotonic(), time.monotonic() + 30
     while True:
         now = _scrape(metrics).get((name, labels), 0.0)

@@ -1,6 +1,7 @@
 """nginx in front of the router (online/router/nginx_edge.py): its configuration, checked by nginx itself; the
 settings and state it is given as Lua (key digests and quotas, never keys; strings that cannot break out); and
-the lane's state pushed and its counts read back through the control socket of a real nginx."""
+the lane's state pushed and its counts read back through the control socket of a real nginx; nginx's own
+errors in the V2 form."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from shardline.errors import InvalidSetting
@@ -159,3 +161,23 @@ def test_the_data_plane_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         choose_data_plane("nginx")
     with pytest.raises(InvalidSetting, match="apt-get install haproxy"):
         choose_data_plane("haproxy")
+
+
+@needs_nginx
+def test_nginxs_own_errors_are_json_and_say_when_to_retry(tmp_path: Path) -> None:
+    """With nothing behind it (no router on its socket), a request of either lane gets nginx's 502 in the V2 form."""
+    assert NGINX is not None
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.set_inheritable(True)
+        edge = NginxEdge(NGINX, _layout(tmp_path, listener), TENANTS)
+        edge.start()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        try:
+            answers = [httpx.get(f"{url}/v2/health/ready"),
+                       httpx.post(f"{url}/v2/models/churn/infer", content=b"{}",
+                                  headers={"Authorization": "Bearer k-acme"})]
+        finally:
+            edge.stop()
+    for answer in answers:
+        assert answer.status_code == 502 and answer.headers["retry-after"] == "1"
+        assert answer.json() == {"error": "no replica gave a valid answer; retry after the Retry-After seconds"}

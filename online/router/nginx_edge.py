@@ -17,8 +17,9 @@ nginx goes on serving the same endpoint. One worker process runs ``shardline_lan
   order for the pinned version (``placement.rank``, pushed by the router) with bounded loads over the lane's
   requests in flight (``placement.choose``), retried on another replica after a failed connection or a 502-504
   (``retries``; only failed connections while the router's retry budget has no room), a failed connection
-  keeping the replica out for ``hold`` seconds; everything else goes on to the router over its unix socket,
-  streamed (bodies and answers), as the client sent it.
+  keeping the replica out for ``hold`` seconds, and with no replica left to try, on to the router as rewritten
+  (it takes its own key and the tenant); everything else goes on to the router over its unix socket, streamed
+  (bodies and answers), as the client sent it.
 
 Health stays the router's: the replicas it pushes as up are those whose checks pass, not ejected for latency,
 breaker not open; nginx adds only the passive mark. The router keeps the lane true every ``SYNC_S`` (a whole new
@@ -128,11 +129,13 @@ def lua_settings(layout: NginxLayout, tenants: TenantDirectory) -> str:
                                "shown": f"{rate.requests_per_second if rate else 0:g}"}
     return "return " + lua_literal({
         "tenants": dict(tenants.digests()), "quotas": quotas, "retries": layout.retries,
-        "balance": layout.balance, "fast_body": FAST_BODY_BYTES, "hold": layout.hold_s}) + "\n"
+        "balance": layout.balance, "fast_body": FAST_BODY_BYTES, "hold": layout.hold_s,
+        "router": f"unix:{layout.router_socket}"}) + "\n"
 
 
 def _v2_error(message: str) -> str:
-    return "'{\"error\": \"" + message + "\"}'"
+    """A V2 error body as a single-quoted string of nginx's configuration."""
+    return "'{\"error\": \"" + message.replace("\\", "\\\\").replace("'", "\\'") + "\"}'"
 
 
 def render_config(layout: NginxLayout) -> str:
@@ -172,6 +175,7 @@ def render_config(layout: NginxLayout) -> str:
     errors = {
         400: ("the request is not valid HTTP/1.1; check the client", False),
         408: ("the request took too long to arrive; send it again", False),
+        500: ("the router's data plane could not send the request on; retry after the Retry-After seconds", True),
         502: ("no replica gave a valid answer; retry after the Retry-After seconds", True),
         503: ("no replica can take the request now (none is up, or every one tried failed); retry after the "
               "Retry-After seconds", True),
@@ -389,7 +393,8 @@ class NginxEdge:
                 if replica is None or address is None:
                     continue
                 members[group].append(url)
-                replicas[url] = {"group": group, "ip": address, "port": parts.port or 80,
+                replicas[url] = {"group": group, "ip": f"[{address}]" if ":" in address else address,
+                                 "port": parts.port or 80,
                                  "up": router.replicas.available(replica, now)}
         # The router's order (``ReplicaSet.order``): the active group's replicas in the version's rendezvous order,
         # then the other groups' by priority (a retry goes there once the active group is spent).

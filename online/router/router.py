@@ -196,7 +196,7 @@ class Router:
         return json_answer(404, {"error": f"no route {shown(path)}; the router serves /v2 and /v1 as `shardline serve` does"})
 
     def _edge_tenant(self, request: Incoming) -> Tenant | None:
-        """Behind HAProxy: the tenant of a fast-lane request it could not place (its group had no replica up),
+        """Behind nginx or HAProxy: the tenant of a fast-lane request it could not place (no replica left to try),
         which it passes on as it would to a replica: with the router's key and the tenant it authenticated."""
         sent = request.header(b"authorization")
         if sent is None or not hmac.compare_digest(sent.encode("latin-1"), self._key) or request.header(_TENANT) is None:
@@ -204,7 +204,7 @@ class Router:
         tenant = self.tenants.tenants.get(request.header(_TENANT) or "")
         if tenant is None:
             return None
-        request.headers.append((_GATED, tenant.name.encode()))  # admitted by HAProxy already
+        request.headers.append((_GATED, tenant.name.encode()))  # admitted by the data plane already
         return tenant
 
     async def _version_for(self, tenant: Tenant, request: Incoming, ref: ModelRef) -> Route:

@@ -25,7 +25,7 @@ local HEX = {}
 for i = 0, 255 do HEX[i] = string.format("%02x", i) end
 
 local settings = require "shardline_settings"
-local S = {pins = {}, replicas = {}, order = {}, up = 0, active = nil, retries_off = false, generation = 0}
+local S = {pins = {}, replicas = {}, order = {}, active = nil, retries_off = false, generation = 0}
 
 local known, known_n = {}, 0    -- an Authorization header -> its tenant, or false (a key's digest is a pure function)
 local busy = {}                 -- tenant -> its requests in flight (both lanes)
@@ -117,6 +117,20 @@ function _M.gate()
   end
 end
 
+local function usable(url, t)
+  local r = S.replicas[url]
+  return r and r.up and (failed_until[url] or 0) <= t
+end
+
+local function any_usable(order, t)
+  if order then
+    for i = 1, #order do
+      if usable(order[i], t) then return true end
+    end
+  end
+  return false
+end
+
 -- POST /v2/models/{name}/infer: the fast lane when the tenant's model is pinned and nothing in the request is
 -- the router's to see; else on to the router (quotas held either way).
 function _M.infer()
@@ -130,7 +144,7 @@ function _M.infer()
     return ngx.exec("@router")
   end
   local pin = S.pins[tenant .. "/" .. var[1]]
-  if not pin or S.up == 0 then return ngx.exec("@router") end
+  if not pin or not any_usable(S.order[pin], now()) then return ngx.exec("@router") end
   pin_busy[pin] = (pin_busy[pin] or 0) + 1
   pin_taken[pin] = (pin_taken[pin] or 0) + 1
   var.sl_pin = pin
@@ -139,14 +153,9 @@ function _M.infer()
   if S.retries_off then return ngx.exec("@fast_conn") end
 end
 
-local function usable(url, t)
-  local r = S.replicas[url]
-  return r and r.up and (failed_until[url] or 0) <= t
-end
-
 -- placement.choose: the first of the pin's order (the router's rendezvous order) not yet tried whose requests in
--- flight are under ceil(c * (total + 1) / n) over those eligible; with none eligible, the usable ones tried
--- already, then any.
+-- flight are under ceil(c * (total + 1) / n) over those eligible; with none eligible, a usable one tried already
+-- (a replica that answered 502-504 is tried again); nil when none is usable.
 local function pick(order, tried, t)
   local eligible, total = {}, 0
   for i = 1, #order do
@@ -160,7 +169,7 @@ local function pick(order, tried, t)
     for i = 1, #order do
       if usable(order[i], t) then return order[i] end
     end
-    return order[1]
+    return nil
   end
   local bound = max(1, ceil(settings.balance * (total + 1) / #eligible))
   for i = 1, #eligible do
@@ -177,24 +186,33 @@ function _M.balance()
     balancer.set_more_tries(settings.retries)
     group_taken[ctx.group] = (group_taken[ctx.group] or 0) + 1
   else
-    local last = ctx.replica
-    replica_busy[last] = (replica_busy[last] or 1) - 1
-    ctx.replica = nil
-    if balancer.get_last_failure() == "failed" then failed_until[last] = t + settings.hold end
+    local last = ctx.replica  -- nil: the last try was the router's
+    if last then
+      replica_busy[last] = (replica_busy[last] or 1) - 1
+      ctx.replica = nil
+      if balancer.get_last_failure() == "failed" then failed_until[last] = t + settings.hold end
+    end
     group_retried[ctx.group] = (group_retried[ctx.group] or 0) + 1
   end
-  local order = S.order[var.sl_pin]
-  if not order or #order == 0 then return ngx.exit(503) end
-  local url = pick(order, ctx.tried, t)
-  local replica = S.replicas[url]
-  if not replica then return ngx.exit(503) end
+  local url = pick(S.order[var.sl_pin] or {}, ctx.tried, t)
+  local replica = url and S.replicas[url]
+  if not replica then
+    -- No replica is usable (all failed to connect, or the router has just taken them out): the router, as the
+    -- request was rewritten (its key and the tenant), answers or fails over with its own view.
+    local ok, err = balancer.set_current_peer(settings.router)
+    if not ok then
+      ngx.log(ngx.ERR, "shardline: cannot send to the router: ", err)
+      return ngx.exit(ngx.ERROR)
+    end
+    return
+  end
   ctx.tried[url], ctx.replica = true, url
   replica_busy[url] = (replica_busy[url] or 0) + 1
   replica_taken[url] = (replica_taken[url] or 0) + 1
   local ok, err = balancer.set_current_peer(replica.ip, replica.port)
   if not ok then
     ngx.log(ngx.ERR, "shardline: cannot send to ", url, ": ", err)
-    return ngx.exit(502)
+    return ngx.exit(ngx.ERROR)
   end
 end
 
@@ -208,11 +226,6 @@ function _M.done()
 end
 
 local function apply(new)
-  local up = 0
-  for _, r in pairs(new.replicas) do
-    if r.up then up = up + 1 end
-  end
-  new.up = up
   S = new
 end
 

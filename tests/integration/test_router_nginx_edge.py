@@ -1,17 +1,22 @@
 """nginx in front of the router (online/router/nginx_edge.py): its configuration, checked by nginx itself; the
 settings and state it is given as Lua (key digests and quotas, never keys; strings that cannot break out); and
-the lane's state pushed and its counts read back through the control socket of a real nginx; nginx's own
+the lane's state pushed and its counts read back through the control socket of a real nginx; a pinned request
+sent on as the router sends it (to an IPv6 replica), and to the router once no replica is left to try; nginx's own
 errors in the V2 form."""
 
 from __future__ import annotations
 
 import asyncio
+import http.server
 import os
 import re
 import socket
+import socketserver
 import subprocess
+import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
@@ -181,3 +186,129 @@ def test_nginxs_own_errors_are_json_and_say_when_to_retry(tmp_path: Path) -> Non
     for answer in answers:
         assert answer.status_code == 502 and answer.headers["retry-after"] == "1"
         assert answer.json() == {"error": "no replica gave a valid answer; retry after the Retry-After seconds"}
+
+
+class _Replica(http.server.BaseHTTPRequestHandler):
+    """A replica that answers every inference and records what it was sent."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list[tuple[str, str | None, str | None]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        type(self).seen.append((self.path, self.headers.get("authorization"), self.headers.get("x-shardline-tenant")))
+        body = b'{"model_version": "2"}'
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class _ServerV6(http.server.ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+    daemon_threads = True
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@needs_nginx
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_the_fast_lane_sends_the_pinned_version_with_the_routers_key_to_an_ipv6_replica(tmp_path: Path) -> None:
+    assert NGINX is not None
+    _Replica.seen = []
+    stub = _ServerV6(("::1", 0), _Replica)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    url = f"http://[::1]:{stub.server_address[1]}"
+    router = _router()
+    router.replicas = SimpleNamespace(groups=lambda: [("v6", [url])], replicas={url: SimpleNamespace(url=url)},
+                                      active_group=lambda: "v6", available=lambda replica, now: True)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.set_inheritable(True)
+        edge = NginxEdge(NGINX, _layout(tmp_path, listener), TENANTS)
+        edge.start()
+        try:
+            asyncio.run(edge.sync(router))  # type: ignore[arg-type]
+            answer = httpx.post(f"http://127.0.0.1:{listener.getsockname()[1]}/v2/models/churn/infer", content=b"{}",
+                                headers={"Authorization": "bearer k-acme", "X-Shardline-Tenant": "free"})
+        finally:
+            edge.stop()
+            stub.shutdown()
+    assert answer.status_code == 200 and answer.json() == {"model_version": "2"}, answer.text
+    # the pinned version's path, the router's key, the tenant nginx authenticated (the client's claim dropped)
+    assert _Replica.seen == [("/v2/models/churn/versions/2/infer", "Bearer router-key-0123456789", "acme")]
+
+
+class _RouterStub(http.server.BaseHTTPRequestHandler):
+    """The router behind nginx: records each request's path, key and tenant, and answers 503 as a router with no
+    replica up does."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list[tuple[str, str | None, str | None]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        type(self).seen.append((self.path, self.headers.get("authorization"), self.headers.get("x-shardline-tenant")))
+        body = b'{"error": "no replica can take the request now"}'
+        self.send_response(503)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def address_string(self) -> str:
+        return "router-socket"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+@needs_nginx
+def test_with_no_replica_left_to_try_a_request_goes_to_the_router(tmp_path: Path) -> None:
+    """The router holds both replicas up, but neither listens (stopped a moment ago): the fast lane tries each,
+    then sends the request on to the router as it rewrote it; the next one goes to the router straight away."""
+    assert NGINX is not None
+    _RouterStub.seen = []
+    router = _router()
+    dead = [f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"]
+    router.replicas = SimpleNamespace(groups=lambda: [("gone", dead)], replicas={u: SimpleNamespace(url=u) for u in dead},
+                                      active_group=lambda: "gone", available=lambda replica, now: True)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.set_inheritable(True)
+        edge = NginxEdge(NGINX, _layout(tmp_path, listener), TENANTS)
+        stub = _UnixServer(str(edge.layout.router_socket), _RouterStub)
+        threading.Thread(target=stub.serve_forever, daemon=True).start()
+        edge.start()
+        try:
+            asyncio.run(edge.sync(router))  # type: ignore[arg-type]
+            url = f"http://127.0.0.1:{listener.getsockname()[1]}/v2/models/churn/infer"
+            answers = [httpx.post(url, content=b"{}", headers={"Authorization": "Bearer k-acme"}) for _ in range(2)]
+        finally:
+            edge.stop()
+            stub.shutdown()
+    assert [a.status_code for a in answers] == [503, 503]  # the router's answer, passed on
+    assert answers[0].json() == {"error": "no replica can take the request now"}
+    assert _RouterStub.seen == [
+        ("/v2/models/churn/versions/2/infer", "Bearer router-key-0123456789", "acme"),  # after both replicas failed
+        ("/v2/models/churn/infer", "Bearer k-acme", None),  # straight to the router: both are out for a while
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -2,9 +2,10 @@
 --
 -- One worker process: every table below is that worker's own, so the quotas and counts are global without a
 -- lock. The router keeps the lane true through the control socket: POST /state sends a Lua table literal
--- (pins, replicas, each pin's replica order per group, the active group, whether answers may be retried), GET
--- /counts reads back what the lane carries. Static settings (the tenants' key digests and quotas, the retries,
--- the per-try deadline) come from settings.lua, written at start.
+-- (pins, replicas as it sees them, each pin's replica order with the active group's first, the active group,
+-- whether answers may be retried), GET /counts reads back what the lane carries. Static settings (the tenants'
+-- key digests and quotas, the retries, c, the largest body, how long a failed replica stays out, the router's
+-- socket) come from shardline_settings.lua, written at start.
 local ffi = require "ffi"
 local balancer = require "ngx.balancer"
 

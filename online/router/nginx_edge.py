@@ -118,7 +118,7 @@ def lua_literal(value: Any) -> str:
 
 
 def lua_settings(layout: NginxLayout, tenants: TenantDirectory) -> str:
-    """settings.lua: the tenants' key digests and quotas, and the lane's settings (fixed for nginx's life)."""
+    """shardline_settings.lua: the tenants' key digests and quotas, and the lane's settings (fixed for nginx's life)."""
     quotas = {}
     for tenant in tenants.tenants.values():
         rate = tenant.rate

@@ -188,24 +188,35 @@ def test_nginxs_own_errors_are_json_and_say_when_to_retry(tmp_path: Path) -> Non
         assert answer.json() == {"error": "no replica gave a valid answer; retry after the Retry-After seconds"}
 
 
-class _Replica(http.server.BaseHTTPRequestHandler):
-    """A replica that answers every inference and records what it was sent."""
+class _Recording(http.server.BaseHTTPRequestHandler):
+    """An HTTP server's handler that records each POST's path, key and tenant and answers ``answer``."""
 
     protocol_version = "HTTP/1.1"
     seen: list[tuple[str, str | None, str | None]] = []
+    answer: tuple[int, bytes] = (200, b"{}")
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         self.rfile.read(int(self.headers.get("content-length", 0)))
         type(self).seen.append((self.path, self.headers.get("authorization"), self.headers.get("x-shardline-tenant")))
-        body = b'{"model_version": "2"}'
-        self.send_response(200)
+        status, body = self.answer
+        self.send_response(status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
+    def address_string(self) -> str:
+        return "stub"  # a unix socket's client has no address
+
     def log_message(self, *args: Any) -> None:
         pass
+
+
+class _Replica(_Recording):
+    """A replica that answers every inference."""
+
+    seen: list[tuple[str, str | None, str | None]] = []
+    answer = (200, b'{"model_version": "2"}')
 
 
 class _ServerV6(http.server.ThreadingHTTPServer):
@@ -249,28 +260,11 @@ def test_the_fast_lane_sends_the_pinned_version_with_the_routers_key_to_an_ipv6_
     assert _Replica.seen == [("/v2/models/churn/versions/2/infer", "Bearer router-key-0123456789", "acme")]
 
 
-class _RouterStub(http.server.BaseHTTPRequestHandler):
-    """The router behind nginx: records each request's path, key and tenant, and answers 503 as a router with no
-    replica up does."""
+class _RouterStub(_Recording):
+    """The router behind nginx, answering 503 as a router with no replica up does."""
 
-    protocol_version = "HTTP/1.1"
     seen: list[tuple[str, str | None, str | None]] = []
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        self.rfile.read(int(self.headers.get("content-length", 0)))
-        type(self).seen.append((self.path, self.headers.get("authorization"), self.headers.get("x-shardline-tenant")))
-        body = b'{"error": "no replica can take the request now"}'
-        self.send_response(503)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def address_string(self) -> str:
-        return "router-socket"
-
-    def log_message(self, *args: Any) -> None:
-        pass
+    answer = (503, b'{"error": "no replica can take the request now"}')
 
 
 class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

@@ -53,7 +53,6 @@ ROUTER_KEY = "shardline-bench-router-key"
 TENANT = "bench"
 ADDED_P50_TARGET = 1.5  # the router's added p50 <= 1.5 x nginx's
 HELD_TARGET = 0.8  # the router's highest held rate >= 0.8 x nginx's
-TENANT_KEYED = ("router",)  # the series sent the tenant's own key (the rest: the router's and the tenant)
 
 
 def nginx_config(port: int, replicas: list[int], folder: Path) -> Path:
@@ -90,7 +89,7 @@ def nginx_config(port: int, replicas: list[int], folder: Path) -> Path:
 
 def requests(target: str, port: int, path: str, bodies: list[str]) -> list[str]:
     """Raw HTTP requests: the tenant's key to the router, the router's key and the tenant to the rest."""
-    auth = (f"Authorization: Bearer {ol.API_KEY}\r\n" if target in TENANT_KEYED
+    auth = (f"Authorization: Bearer {ol.API_KEY}\r\n" if target == "router"
             else f"Authorization: Bearer {ROUTER_KEY}\r\nX-Shardline-Tenant: {TENANT}\r\n")
     return [f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}Content-Type: application/json\r\n"
             f"Content-Length: {len(b)}\r\n\r\n{b}" for b in bodies]
@@ -243,7 +242,7 @@ def report(layout: str, steps: dict[str, Any], light_steps: dict[str, list[dict[
 
 
 def _headers(name: str) -> dict[str, str]:
-    if name in TENANT_KEYED:
+    if name == "router":
         return {"Authorization": f"Bearer {ol.API_KEY}"}
     return {"Authorization": f"Bearer {ROUTER_KEY}", "X-Shardline-Tenant": TENANT}
 

@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -54,65 +52,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from shardline.errors import InvalidSetting
-from shardline.online.router.local import die_with_parent
+from shardline.online.router.data_plane import (
+    ERRORS,
+    GATED_HEADER,
+    FAST_BODY_BYTES,
+    desired_pins,
+    start_process,
+    stop_process,
+)
 from shardline.online.tenants import TenantDirectory
-from shardline.storage import rollouts
 
 if TYPE_CHECKING:
     from shardline.online.router.router import Router
 
 log = logging.getLogger(__name__)
 
-GATED_HEADER = "x-shardline-gated"  # set by HAProxy (a client's is dropped): the tenant whose quotas it held
 # HAProxy's buffer: a fast-lane request (headers and body) fits in one. Not larger: for an L7 retry HAProxy 2.6
 # copies the whole buffer, whatever the request's size, before every fast-lane request is sent (128 KiB cost
 # ~75 us more CPU a request at 100/s than 16 or 32 KiB, which cost alike: bench/README.md).
 BUFSIZE = 32_768
-FAST_BODY_BYTES = 24 * 1024  # larger bodies go to the router, which streams them
 DNS_SLOTS = 32  # server slots of a group found by DNS (addresses past them are served by the router alone)
-SYNC_S = 0.5  # how often the router brings HAProxy up to date and reads its counts
-STOP_GRACE_S = 5.0
-_PLAIN_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 _TABLE_ROW = re.compile(r"key=(\S+) use=(\d+).*?http_req_cnt=(\d+)")
-
-
-def find_haproxy() -> str | None:
-    """The haproxy executable on PATH (or Debian's /usr/sbin/haproxy), or None."""
-    found = shutil.which("haproxy")
-    if found is None and os.access("/usr/sbin/haproxy", os.X_OK):
-        found = "/usr/sbin/haproxy"
-    return found
-
-
-def choose_data_plane(setting: str) -> tuple[str, str] | None:
-    """The data plane the router puts in front of itself, as (kind, executable): ``nginx`` (with its Lua module),
-    else ``haproxy``; None for the router alone.
-
-    Raises:
-        InvalidSetting: ``nginx`` or ``haproxy`` asked for and not installed.
-    """
-    from shardline.online.router.nginx_edge import find_nginx
-
-    if setting == "python":
-        return None
-    if setting in ("auto", "nginx"):
-        nginx = find_nginx()
-        if nginx is not None:
-            return "nginx", nginx
-        if setting == "nginx":
-            raise InvalidSetting("SHARDLINE_ROUTER_DATA_PLANE=nginx but nginx or its Lua module is not installed: "
-                                 "apt-get install nginx-light libnginx-mod-http-lua (Debian's packages), or set it "
-                                 "to auto, haproxy or python")
-    haproxy = find_haproxy()
-    if haproxy is not None:
-        return "haproxy", haproxy
-    if setting == "haproxy":
-        raise InvalidSetting("SHARDLINE_ROUTER_DATA_PLANE=haproxy but haproxy is not installed: apt-get install haproxy "
-                             "(Debian's package), or set it to auto, nginx or python")
-    log.warning("neither nginx with its Lua module nor haproxy is installed: the router relays every request itself "
-                "(slower: docs/routing.md); apt-get install nginx-light libnginx-mod-http-lua to put nginx in front")
-    return None
 
 
 @dataclass(frozen=True)
@@ -169,17 +129,8 @@ def render_config(layout: EdgeLayout) -> str:
         f"    timeout server {layout.max_timeout_s + 10:g}s",
         "    timeout queue 2s",
         "    http-reuse always",
-        "    http-error status 400 content-type application/json string '"
-        + _v2_error("the request is not valid HTTP/1.1; check the client") + "'",
-        "    http-error status 408 content-type application/json string '"
-        + _v2_error("the request took too long to arrive; send it again") + "'",
-        "    http-error status 502 content-type application/json string '"
-        + _v2_error("no replica gave a valid answer; retry after the Retry-After seconds") + "' hdr retry-after 1",
-        "    http-error status 503 content-type application/json string '"
-        + _v2_error("no replica can take the request now (none is up, or every one tried failed); retry after the "
-                    "Retry-After seconds") + "' hdr retry-after 1",
-        "    http-error status 504 content-type application/json string '"
-        + _v2_error("no replica answered within the deadline; retry, or send a longer x-shardline-timeout-ms") + "'",
+        *(f"    http-error status {code} content-type application/json string '{_v2_error(message)}'"
+          + (" hdr retry-after 1" if retry else "") for code, (message, retry) in ERRORS.items() if code != 500),
         "",
         "frontend shardline",
         f"    bind fd@{layout.listen_fd}",
@@ -324,69 +275,6 @@ def quota_entries(tenants: TenantDirectory) -> dict[str, str]:
         found[tenant.name] = (f"{rate.requests_per_second if rate else 0!r},{rate.burst if rate else 0},"
                               f"{tenant.max_concurrent or 0},{rate.requests_per_second if rate else 0:g}")
     return found
-
-
-def desired_pins(router: Router) -> dict[str, str]:
-    """``tenant/model`` -> ``model/versions/V`` for each model a tenant calls whose version the router would
-    pin the same for every caller now: none while the router hedges or has the activator (scaled to zero);
-    for an alias, only once read and while no rollout runs on it; none for a model with a fallback variant."""
-    if router.settings.hedge_after_ms > 0 or router.activator is not None:
-        return {}
-    book = router.rollouts
-    fallbacks = {model for model, _ in router.fallbacks}
-    pins = {}
-    for tenant in router.tenants.tenants.values():
-        for name, ref in tenant.models.items():
-            if name in fallbacks or not _PLAIN_NAME.match(name):
-                continue  # a name a path would carry escaped: the router's
-            version = ref.version
-            if version is None:
-                move = book.moves.get((name, ref.alias or "prod")) if book is not None else None
-                if move is None or rollouts.active(move) is not None:
-                    continue
-                version = move.version
-            pins[f"{tenant.name}/{name}"] = f"{name}/versions/{version}"
-    return pins
-
-
-def start_process(name: str, argv: list[str], folder: Path, ready: Path, listen_fd: int,
-                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start a data plane (``name``: haproxy or nginx) on the router's listening socket, its output to
-    ``folder/name.log``; it is up once it has made the socket ``ready``. It dies with the router.
-
-    Raises:
-        InvalidSetting: it exited, or made no ``ready`` socket within 10 s (the log's tail says why).
-    """
-    ready.unlink(missing_ok=True)  # a dead one's: the new one's tells it is up
-    log_file = open(folder / f"{name}.log", "ab")  # noqa: SIM115 - the process holds it
-    try:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                   pass_fds=(listen_fd,), env=env, start_new_session=True, preexec_fn=die_with_parent)
-    finally:
-        log_file.close()
-    deadline = time.monotonic() + 10
-    while not ready.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop_process(process, signal.SIGTERM, ready)
-            tail = (folder / f"{name}.log").read_text(errors="replace")[-2000:]
-            raise InvalidSetting(f"{name} did not start ({tail.strip() or 'no output'}); set "
-                                 "SHARDLINE_ROUTER_DATA_PLANE=python to run the router alone")
-        time.sleep(0.02)
-    log.info("%s %d in front of the router (its files in %s)", name, process.pid, folder)
-    return process
-
-
-def stop_process(process: subprocess.Popen[bytes] | None, graceful: signal.Signals, ready: Path) -> None:
-    """Stop a data plane with its graceful signal (it finishes the requests it holds); SIGKILL after
-    ``STOP_GRACE_S``."""
-    if process is not None and process.poll() is None:
-        process.send_signal(graceful)
-        try:
-            process.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    ready.unlink(missing_ok=True)
 
 
 @dataclass

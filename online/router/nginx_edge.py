@@ -12,7 +12,7 @@ nginx goes on serving the same endpoint. One worker process runs ``shardline_lan
   router's headers are dropped;
 - **the fast lane**: ``POST /v2/models/{name}/infer`` of a pinned tenant/model (``desired_pins``), without a
   deadline or a route key, with a ``Content-Length`` body of at most ``FAST_BODY_BYTES`` (buffered, so a failed
-  try can be sent again), while the active group has a replica up: the path rewritten to the pinned version, the
+  try can be sent again), while a replica in its order is up: the path rewritten to the pinned version, the
   router's key and the tenant sent, the replica chosen by ``balancer_by_lua`` in the *router's own* rendezvous
   order for the pinned version (``placement.rank``, pushed by the router) with bounded loads over the lane's
   requests in flight (``placement.choose``), retried on another replica after a failed connection or a 502-504
@@ -35,7 +35,6 @@ import ipaddress
 import logging
 import os
 import pwd
-import shutil
 import signal
 import subprocess
 import time
@@ -45,7 +44,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from shardline.online.router.edge import FAST_BODY_BYTES, desired_pins, start_process, stop_process
+from shardline.online.router.data_plane import (
+    ERRORS,
+    FAST_BODY_BYTES,
+    LUA_MODULES,
+    MODULES,
+    desired_pins,
+    start_process,
+    stop_process,
+)
 from shardline.online.router.placement import rank
 from shardline.online.tenants import TenantDirectory
 
@@ -54,20 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MODULES = Path("/usr/lib/nginx/modules")
-LUA_MODULES = ("ndk_http_module.so", "ngx_http_lua_module.so")
-RESTY_CORE = Path("/usr/share/lua/5.1/resty/core.lua")  # lua-resty-core, which the Lua module needs
 CONTROL_TIMEOUT_S = 5.0
-
-
-def find_nginx() -> str | None:
-    """The nginx executable, when it and its Lua module (with lua-resty-core) are installed; else None."""
-    found = shutil.which("nginx")
-    if found is None and os.access("/usr/sbin/nginx", os.X_OK):
-        found = "/usr/sbin/nginx"
-    if found is None or not all((MODULES / m).exists() for m in LUA_MODULES) or not RESTY_CORE.exists():
-        return None
-    return found
 
 
 @dataclass(frozen=True)
@@ -172,20 +166,11 @@ def render_config(layout: NginxLayout) -> str:
     user = ""
     if os.geteuid() == 0:
         user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
-    errors = {
-        400: ("the request is not valid HTTP/1.1; check the client", False),
-        408: ("the request took too long to arrive; send it again", False),
-        500: ("the router's data plane could not send the request on; retry after the Retry-After seconds", True),
-        502: ("no replica gave a valid answer; retry after the Retry-After seconds", True),
-        503: ("no replica can take the request now (none is up, or every one tried failed); retry after the "
-              "Retry-After seconds", True),
-        504: ("no replica answered within the deadline; retry, or send a longer x-shardline-timeout-ms", False),
-    }
-    error_pages = "\n".join(f"        error_page {code} @e{code};" for code in errors)
+    error_pages = "\n".join(f"        error_page {code} @e{code};" for code in ERRORS)
     error_locations = "\n".join(
         f"        location @e{code} {{ default_type application/json; "
         + ("add_header Retry-After 1 always; " if retry else "") + f"return {code} {_v2_error(message)}; }}"
-        for code, (message, retry) in errors.items())
+        for code, (message, retry) in ERRORS.items())
     return f"""\
 load_module {MODULES / LUA_MODULES[0]};
 load_module {MODULES / LUA_MODULES[1]};
@@ -287,8 +272,6 @@ class _Addresses:
 
 class NginxEdge:
     """nginx in front of the router: its files, its process, and the control socket that keeps it true."""
-
-    kind = "nginx"
 
     def __init__(self, nginx: str, layout: NginxLayout, tenants: TenantDirectory) -> None:
         self.nginx = nginx

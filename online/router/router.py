@@ -45,7 +45,7 @@ from shardline.online.errors import error_status, shown
 from shardline.online.generation import LlmGate
 from shardline.online.models import VARIANT_HEADER, ModelDirectory
 from shardline.online.router.compare import decode_answer
-from shardline.online.router.edge import GATED_HEADER
+from shardline.online.router.data_plane import GATED_HEADER
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
 from shardline.online.router.messages import (
     REQUEST_ID,

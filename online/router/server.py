@@ -26,7 +26,8 @@ from shardline.errors import InvalidSetting
 from shardline.online.logs import log_config
 from shardline.online.models import ModelDirectory
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig, load_router_config, local_config
-from shardline.online.router.edge import DNS_SLOTS, Edge, EdgeLayout, choose_data_plane
+from shardline.online.router.data_plane import choose_data_plane
+from shardline.online.router.edge import DNS_SLOTS, Edge, EdgeLayout
 from shardline.online.router.nginx_edge import NginxEdge, NginxLayout, listen_address
 from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.local import LocalReplicas

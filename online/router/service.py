@@ -26,7 +26,8 @@ from urllib.parse import urlsplit
 from shardline.errors import PayloadTooLarge
 from shardline.online.bodies import ClientGone, receive_body
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig
-from shardline.online.router.edge import SYNC_S, Edge
+from shardline.online.router.data_plane import SYNC_S
+from shardline.online.router.edge import Edge
 from shardline.online.router.nginx_edge import NginxEdge
 from shardline.online.router.health import OutlierPolicy
 from shardline.online.router.local import LocalReplicas

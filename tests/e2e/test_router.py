@@ -28,8 +28,7 @@ import orjson
 import pytest
 import tritonclient.http as triton
 
-from shardline.online.router.edge import find_haproxy
-from shardline.online.router.nginx_edge import find_nginx
+from shardline.online.router.data_plane import find_haproxy, find_nginx
 from shardline.online.router.placement import rank
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import AliasMove, ModelRegistry

@@ -25,8 +25,7 @@ import orjson
 import pytest
 import tritonclient.http as triton
 
-from shardline.online.router.edge import FAST_BODY_BYTES, find_haproxy
-from shardline.online.router.nginx_edge import find_nginx
+from shardline.online.router.data_plane import FAST_BODY_BYTES, find_haproxy, find_nginx
 from shardline.online.router.placement import rank
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry

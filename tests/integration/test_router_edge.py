@@ -10,15 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardline.online.router.edge import (
-    Edge,
-    EdgeLayout,
-    desired_pins,
-    find_haproxy,
-    quota_entries,
-    render_config,
-    tenant_entries,
-)
+from shardline.online.router.data_plane import desired_pins, find_haproxy
+from shardline.online.router.edge import Edge, EdgeLayout, quota_entries, render_config, tenant_entries
 from shardline.online.tenants import TenantDirectory, hash_api_key
 from shardline.storage.registry import AliasMove
 from shardline.storage.rollouts import Rollout

@@ -22,11 +22,10 @@ import httpx
 import pytest
 
 from shardline.errors import InvalidSetting
-from shardline.online.router.edge import choose_data_plane
+from shardline.online.router.data_plane import choose_data_plane, find_nginx
 from shardline.online.router.nginx_edge import (
     NginxEdge,
     NginxLayout,
-    find_nginx,
     listen_address,
     lua_literal,
     lua_settings,
@@ -159,8 +158,7 @@ def test_the_data_plane_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     if NGINX is not None:
         assert choose_data_plane("auto") == ("nginx", NGINX)  # nginx first where its Lua module is installed
     monkeypatch.setenv("PATH", "/nonexistent")
-    monkeypatch.setattr("shardline.online.router.edge.os.access", lambda *_: False)
-    monkeypatch.setattr("shardline.online.router.nginx_edge.os.access", lambda *_: False)
+    monkeypatch.setattr("shardline.online.router.data_plane.os.access", lambda *_: False)
     assert choose_data_plane("auto") is None
     with pytest.raises(InvalidSetting, match="apt-get install nginx-light libnginx-mod-http-lua"):
         choose_data_plane("nginx")

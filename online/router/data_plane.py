@@ -1,0 +1,155 @@
+"""What the router's two data planes share (docs/routing.md, "The data plane"): which one runs, the requests
+their fast lane takes, the pins the router gives it, their errors, and starting and stopping their process.
+
+nginx with its Lua module (``nginx_edge``) is the default; HAProxy (``edge``) the alternative; with neither the
+router relays every request itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shardline.errors import InvalidSetting
+from shardline.online.router.local import die_with_parent
+from shardline.storage import rollouts
+
+if TYPE_CHECKING:
+    from shardline.online.router.router import Router
+
+log = logging.getLogger(__name__)
+
+GATED_HEADER = "x-shardline-gated"  # set by the data plane (a client's is dropped): the tenant whose quotas it held
+FAST_BODY_BYTES = 24 * 1024  # larger bodies go to the router, which streams them
+SYNC_S = 0.5  # how often the router brings its data plane up to date and reads its counts
+STOP_GRACE_S = 5.0
+PLAIN_NAME = re.compile(r"^[A-Za-z0-9._-]+$")  # a model name the fast lane takes (others a path carries escaped)
+MODULES = Path("/usr/lib/nginx/modules")
+LUA_MODULES = ("ndk_http_module.so", "ngx_http_lua_module.so")
+RESTY_CORE = Path("/usr/share/lua/5.1/resty/core.lua")  # lua-resty-core, which the Lua module needs
+# The data plane's own errors, in the V2 form: status -> (message, whether it says Retry-After: 1).
+ERRORS = {
+    400: ("the request is not valid HTTP/1.1; check the client", False),
+    408: ("the request took too long to arrive; send it again", False),
+    500: ("the router's data plane could not send the request on; retry after the Retry-After seconds", True),
+    502: ("no replica gave a valid answer; retry after the Retry-After seconds", True),
+    503: ("no replica can take the request now (none is up, or every one tried failed); retry after the "
+          "Retry-After seconds", True),
+    504: ("no replica answered within the deadline; retry, or send a longer x-shardline-timeout-ms", False),
+}
+
+
+def find_haproxy() -> str | None:
+    """The haproxy executable on PATH (or Debian's /usr/sbin/haproxy), or None."""
+    found = shutil.which("haproxy")
+    if found is None and os.access("/usr/sbin/haproxy", os.X_OK):
+        found = "/usr/sbin/haproxy"
+    return found
+
+
+def find_nginx() -> str | None:
+    """The nginx executable, when it and its Lua module (with lua-resty-core) are installed; else None."""
+    found = shutil.which("nginx")
+    if found is None and os.access("/usr/sbin/nginx", os.X_OK):
+        found = "/usr/sbin/nginx"
+    if found is None or not all((MODULES / m).exists() for m in LUA_MODULES) or not RESTY_CORE.exists():
+        return None
+    return found
+
+
+def choose_data_plane(setting: str) -> tuple[str, str] | None:
+    """The data plane the router puts in front of itself, as (kind, executable): ``nginx`` (with its Lua module),
+    else ``haproxy``; None for the router alone.
+
+    Raises:
+        InvalidSetting: ``nginx`` or ``haproxy`` asked for and not installed.
+    """
+    if setting == "python":
+        return None
+    if setting in ("auto", "nginx"):
+        nginx = find_nginx()
+        if nginx is not None:
+            return "nginx", nginx
+        if setting == "nginx":
+            raise InvalidSetting("SHARDLINE_ROUTER_DATA_PLANE=nginx but nginx or its Lua module is not installed: "
+                                 "apt-get install nginx-light libnginx-mod-http-lua (Debian's packages), or set it "
+                                 "to auto, haproxy or python")
+    haproxy = find_haproxy()
+    if haproxy is not None:
+        return "haproxy", haproxy
+    if setting == "haproxy":
+        raise InvalidSetting("SHARDLINE_ROUTER_DATA_PLANE=haproxy but haproxy is not installed: apt-get install haproxy "
+                             "(Debian's package), or set it to auto, nginx or python")
+    log.warning("neither nginx with its Lua module nor haproxy is installed: the router relays every request itself "
+                "(slower: docs/routing.md); apt-get install nginx-light libnginx-mod-http-lua to put nginx in front")
+    return None
+
+
+def desired_pins(router: Router) -> dict[str, str]:
+    """``tenant/model`` -> ``model/versions/V`` for each model a tenant calls whose version the router would
+    pin the same for every caller now: none while the router hedges or has the activator (scaled to zero);
+    for an alias, only once read and while no rollout runs on it; none for a model with a fallback variant."""
+    if router.settings.hedge_after_ms > 0 or router.activator is not None:
+        return {}
+    book = router.rollouts
+    fallbacks = {model for model, _ in router.fallbacks}
+    pins = {}
+    for tenant in router.tenants.tenants.values():
+        for name, ref in tenant.models.items():
+            if name in fallbacks or not PLAIN_NAME.match(name):
+                continue  # a name a path would carry escaped: the router's
+            version = ref.version
+            if version is None:
+                move = book.moves.get((name, ref.alias or "prod")) if book is not None else None
+                if move is None or rollouts.active(move) is not None:
+                    continue
+                version = move.version
+            pins[f"{tenant.name}/{name}"] = f"{name}/versions/{version}"
+    return pins
+
+
+def start_process(name: str, argv: list[str], folder: Path, ready: Path, listen_fd: int,
+                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start a data plane (``name``: haproxy or nginx) on the router's listening socket, its output to
+    ``folder/name.log``; it is up once it has made the socket ``ready``. It dies with the router.
+
+    Raises:
+        InvalidSetting: it exited, or made no ``ready`` socket within 10 s (the log's tail says why).
+    """
+    ready.unlink(missing_ok=True)  # a dead one's: the new one's tells it is up
+    log_file = open(folder / f"{name}.log", "ab")  # noqa: SIM115 - the process holds it
+    try:
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                   pass_fds=(listen_fd,), env=env, start_new_session=True, preexec_fn=die_with_parent)
+    finally:
+        log_file.close()
+    deadline = time.monotonic() + 10
+    while not ready.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_process(process, signal.SIGTERM, ready)
+            tail = (folder / f"{name}.log").read_text(errors="replace")[-2000:]
+            raise InvalidSetting(f"{name} did not start ({tail.strip() or 'no output'}); set "
+                                 "SHARDLINE_ROUTER_DATA_PLANE=python to run the router alone")
+        time.sleep(0.02)
+    log.info("%s %d in front of the router (its files in %s)", name, process.pid, folder)
+    return process
+
+
+def stop_process(process: subprocess.Popen[bytes] | None, graceful: signal.Signals, ready: Path) -> None:
+    """Stop a data plane with its graceful signal (it finishes the requests it holds); SIGKILL after
+    ``STOP_GRACE_S``."""
+    if process is not None and process.poll() is None:
+        process.send_signal(graceful)
+        try:
+            process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    ready.unlink(missing_ok=True)

@@ -19,7 +19,7 @@ What each connection is held to (``ConnectionLimits``, from ``OnlineSettings``):
   room; when every connection has a request in progress the new one is answered 503 and closed.
   So half-open connections cannot keep a health check or a real request out.
 - **In-flight cap.** With ``max_in_flight`` requests being answered, another is answered 503 with
-  ``Retry-After`` (``/v2/health/*`` always goes through).
+  ``Retry-After`` (``/v2/health/*`` and ``/health`` always go through).
 
 A refusal is answered, then the write side is shut (FIN) and whatever the client still sends is
 read and dropped for ``LINGER_S`` at most (a "lingering close"): closing with unread data would
@@ -48,7 +48,7 @@ from uvicorn.server import ServerState
 from shardline.errors import InvalidSetting
 from shardline.online.limits import ConnectionLimits
 
-HEALTH_PREFIX = b"/v2/health/"
+HEALTH_PATHS = (b"/v2/health/", b"/health")  # never refused for the in-flight cap (probes)
 LINGER_S = 2.0  # after an answer that closes, how long what the client still sends is read and dropped
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(431, f"the request has over {limits.max_headers} header fields or {limits.max_header_bytes} "
                          "bytes of headers")
             raise _Refused
-        if len(self.tasks) >= limits.max_in_flight and not self.url.startswith(HEALTH_PREFIX):
+        if len(self.tasks) >= limits.max_in_flight and not self.url.startswith(HEALTH_PATHS):
             app, self.app = self.app, self._busy
             try:
                 super().on_headers_complete()

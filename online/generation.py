@@ -130,7 +130,9 @@ class Generations:
 
         Raises:
             ModelNotFound, AccessDenied: as for any model the tenant calls.
-            InvalidInput: the model does not generate text, the prompt does not fit, or a parameter is wrong.
+            ContextLengthExceeded: the prompt is longer than the model's context leaves room for (before any byte
+                of the answer, and before the tenant's quotas are touched).
+            InvalidInput: the model does not generate text, the prompt is empty, or a parameter is wrong.
             RateLimited: over max_streams or tokens_per_minute.
             RuntimeUnavailable: the runtime cannot load here.
             DeadlineExceeded: the request's deadline (``RequestInfo.deadline``) had passed.
@@ -154,8 +156,8 @@ class Generations:
         params = SamplingParams(max_tokens=request.max_tokens or default, temperature=request.temperature,
                                 top_p=request.top_p, seed=request.seed, stop=request.stop)
         prompt = request.prompt if request.messages is None else engine.chat_prompt(request.messages)
-        prompt_ids = await plane.off_loop(lambda: engine.tokenize(prompt or ""))
-        gate = self.gate(tenant)
+        prompt_ids = await plane.off_loop(lambda: engine.check_prompt(engine.tokenize(prompt or "")))
+        gate = self.gate(tenant)  # a prompt refused above took nothing from the tenant's quotas
         gate.open(len(prompt_ids))
         released = False
 

@@ -23,7 +23,12 @@ def shown(value: object) -> str:
 
 
 class ShardlineError(Exception):
-    """Base of every error Shardline raises on purpose."""
+    """Base of every error Shardline raises on purpose.
+
+    ``code``: a short code a wire protocol may carry beside the message (OpenAI's error ``code``); None for most.
+    """
+
+    code: str | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -39,6 +44,17 @@ class InvalidSetting(ShardlineError, ValueError):
 
 class InvalidInput(ShardlineError, ValueError):
     """Data handed to Shardline does not satisfy what it was checked against."""
+
+
+class ContextLengthExceeded(InvalidInput):
+    """A prompt is longer than the model's context leaves room for (OpenAI's ``context_length_exceeded``)."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, message: str, prompt_tokens: int, most: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.most = most
 
 
 class SchemaMismatch(InvalidInput):

@@ -53,7 +53,7 @@ from shardline._generation_requests import (
     TokenEvent,
     held_back,
 )
-from shardline.errors import InferenceFailed, InvalidBundle, InvalidInput, RuntimeUnavailable
+from shardline.errors import ContextLengthExceeded, InferenceFailed, InvalidBundle, InvalidInput, RuntimeUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,28 @@ def _require_packages() -> tuple[Any, Any]:
         raise RuntimeUnavailable(f"generating text needs {e.name!r} (torch, safetensors and tokenizers); "
                                  f"{LLM_EXTRA}") from e
     return torch, Tokenizer
+
+
+def check_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int | None = None) -> list[int]:
+    """A prompt's token ids as ints, checked as every engine checks them before anything is generated or sent:
+    at least one token, at most ``max_context - 1`` (one is left for the completion), and, with ``vocab_size``,
+    every id in the vocabulary. The HTTP tier calls it before a stream's first byte, so a refusal is a 400.
+
+    Raises:
+        ContextLengthExceeded: the prompt is longer than the context leaves room for.
+        InvalidInput: the prompt is empty or holds an id outside the vocabulary.
+    """
+    prompt = [int(i) for i in prompt_ids]
+    most = max_context - 1
+    if not prompt:
+        raise InvalidInput("the prompt has no tokens; send some text")
+    if len(prompt) > most:
+        raise ContextLengthExceeded(f"the prompt is {len(prompt)} tokens; this model takes at most {most} (its context "
+                                    f"of {max_context} less one for the completion); shorten it", len(prompt), most)
+    if vocab_size is not None and any(not 0 <= i < vocab_size for i in prompt):
+        raise InvalidInput(f"the prompt holds token ids outside the vocabulary (0..{vocab_size - 1}); tokenize it "
+                           "with the model's tokenizer")
+    return prompt
 
 
 class GenerationEngine:
@@ -219,7 +241,7 @@ class GenerationEngine:
             RuntimeError: the engine is not started or is closed.
         """
         self._check_running()
-        return self._enqueue([(self._checked_prompt(prompt_ids), on_event)], params)[0]
+        return self._enqueue([(self.check_prompt(prompt_ids), on_event)], params)[0]
 
     def _enqueue(self, requests: list[tuple[list[int], Callable[[TokenEvent], None]]],
                  params: SamplingParams) -> list[Handle]:
@@ -243,7 +265,7 @@ class GenerationEngine:
         if not prompts:
             return []
         self._check_running()
-        checked = [self._checked_prompt(prompt) for prompt in prompts]  # refuse a bad prompt before any is queued
+        checked = [self.check_prompt(prompt) for prompt in prompts]  # refuse a bad prompt before any is queued
         return run_together(len(checked), lambda callbacks: self._enqueue(list(zip(checked, callbacks)), params))
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
@@ -263,18 +285,9 @@ class GenerationEngine:
         if self._thread is None or self._closing:
             raise RuntimeError("submit() before start() or after close()")
 
-    def _checked_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        prompt = [int(i) for i in prompt_ids]
-        if not prompt:
-            raise InvalidInput("the prompt has no tokens; send some text")
-        if len(prompt) > self.max_prompt_tokens:
-            raise InvalidInput(f"the prompt is {len(prompt)} tokens; this model takes at most {self.max_prompt_tokens} "
-                               f"(its context of {self.config.max_context} less one for the completion); shorten it")
-        vocab = self._vocab_size
-        if any(not 0 <= i < vocab for i in prompt):
-            raise InvalidInput(f"the prompt holds token ids outside the vocabulary (0..{vocab - 1}); tokenize it with "
-                               "the model's tokenizer")
-        return prompt
+    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt as ``submit`` takes it, or the error that refuses it (``check_prompt``)."""
+        return check_prompt(prompt_ids, self.config.max_context, self._vocab_size)
 
     def _cancel(self, sequence: _Sequence) -> None:
         with self._wake:

@@ -266,11 +266,12 @@ _OPENAI_TYPES = {
 _OPENAI_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded", 503: "overloaded"}
 
 
-def error_object(message: str, status: int) -> dict[str, Any]:
-    """OpenAI's error form; ``param`` is the request field a 400's message names first (``field 'x'``)."""
+def error_object(message: str, status: int, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error form; ``param`` is the request field a 400's message names first (``field 'x'``), ``code``
+    the error's own (``ShardlineError.code``, e.g. ``context_length_exceeded``), else the status's."""
     named = _FIELD.search(message) if status == 400 else None
     return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
-                      "param": named.group(1) if named else None, "code": _OPENAI_CODES.get(status)}}
+                      "param": named.group(1) if named else None, "code": code or _OPENAI_CODES.get(status)}}
 
 
 __all__ = ["CHAT_COMPLETIONS", "COMPLETIONS", "EMBEDDINGS", "MAX_INPUTS", "MAX_STOP", "CompletionAnswer",

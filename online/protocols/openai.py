@@ -86,7 +86,12 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
         listed = [{"id": name, "object": "model", "created": 0, "owned_by": "shardline"} for name in sorted(tenant.models)]
         return json_response({"object": "list", "data": listed})
 
+    async def health(request: Request) -> Response:
+        """vLLM's ``GET /health`` (LLM load clients and gateways probe it first): 200, no body, while serving."""
+        return Response(status_code=200 if plane.ready else 503)
+
     return [
+        Route("/health", health, methods=["GET"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         *openai_llm.routes(plane),

@@ -34,7 +34,7 @@ from shardline import openai_wire
 from shardline.errors import DeadlineExceeded, InferenceFailed
 from shardline.online.admission import TIMEOUT_HEADER
 from shardline.online.dataplane import DataPlane
-from shardline.online.edge import authenticate, endpoint, json_response, note_model, read_body
+from shardline.online.edge import authenticate, endpoint, error_answer, json_response, note_model, read_body
 from shardline.online.generation import Generation
 from shardline.online.logs import deadline_left
 from shardline.online.protocols.forms import openai_error_body
@@ -82,25 +82,34 @@ class _Encoder:
 
 async def _events(encoder: _Encoder, generation: Generation, metered: bool) -> AsyncIterator[bytes]:
     """The answer's server-sent events; ``metered`` (behind a router, which holds the token quota): each
-    piece's tokens in a comment line before it (``: tokens N``, which clients ignore and the router drops)."""
+    piece's tokens in a comment line before it (``: tokens N``, which clients ignore and the router drops).
+
+    Everything a request can be refused for is checked before the first byte (``Generations.start``); what can
+    only go wrong once the stream runs (the model or its engine failing) ends it with an error event, as OpenAI
+    sends one, and ``[DONE]``: never a cut connection."""
     completion = 0
     try:
         if encoder.chat:
             yield encoder.chunk(None, None, role=True)
-        async for event in generation:
-            completion = event.completion_tokens
-            finish = event.finish_reason
-            out = b": tokens %d\n\n" % len(event.token_ids) if metered and event.token_ids else b""
-            if finish == "error":  # the model failed mid-stream: OpenAI's clients raise on an error event
-                body = openai_error_body(f"the generation failed: {event.error}", 500)
-                yield out + b"data: " + orjson.dumps(body) + b"\n\n"
-                break
-            if event.text or finish is None:
-                out += encoder.chunk(event.text, None)
-            if finish is not None:  # (one write for the piece and its end)
-                yield out + encoder.chunk(None if encoder.chat else "", finish, event.stop_reason)
-                break
-            yield out
+        try:
+            async for event in generation:
+                completion = event.completion_tokens
+                finish = event.finish_reason
+                out = b": tokens %d\n\n" % len(event.token_ids) if metered and event.token_ids else b""
+                if finish == "error":  # the model failed mid-stream: OpenAI's clients raise on an error event
+                    body = openai_error_body(f"the generation failed: {event.error}", 500)
+                    yield out + b"data: " + orjson.dumps(body) + b"\n\n"
+                    break
+                if event.text or finish is None:
+                    out += encoder.chunk(event.text, None)
+                if finish is not None:  # (one write for the piece and its end)
+                    yield out + encoder.chunk(None if encoder.chat else "", finish, event.stop_reason)
+                    break
+                yield out
+        except Exception as e:  # noqa: BLE001 - after the first byte an error can only be an event
+            _, body, _ = error_answer(e, openai_error_body)
+            yield b"data: " + orjson.dumps(body) + b"\n\n" + b"data: [DONE]\n\n"
+            return
         if encoder.include_usage:
             yield encoder.usage_chunk(generation.prompt_tokens, completion)
         yield b"data: [DONE]\n\n"

@@ -70,6 +70,7 @@ class Pinned:
     route: Route | None
     mirror: bytes | None
     stream: bool
+    include_usage: bool = False  # a stream that asked for its usage chunk (stream_options.include_usage)
 
 
 def new_request_id() -> str:
@@ -81,7 +82,7 @@ def new_request_id() -> str:
 def error_answer(error: ShardlineError, openai: bool, request_id: str) -> Answer:
     """The router's own error, in the protocol's form (V2 ``{"error": ...}``, OpenAI's ``{"error": {...}}``)."""
     status, extra = error_status(error)
-    body = (openai_error_body if openai else v2_error_body)(str(error), status)
+    body = (openai_error_body if openai else v2_error_body)(str(error), status, error.code)
     headers = [(b"content-type", b"application/json"), (REQUEST_ID, request_id.encode("latin-1"))]
     headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
     return Answer(status, headers, orjson.dumps(body))

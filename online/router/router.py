@@ -158,6 +158,8 @@ class Router:
 
     async def _route(self, request: Incoming, request_id: str) -> Answer:
         path = request.path
+        if path == "/health":  # vLLM's probe, which LLM load clients and gateways send first: no key, no body
+            return Answer(200)
         if path == "/v2/health/live":
             return json_answer(200, {"live": True})
         if path == "/v2/health/ready":
@@ -190,7 +192,7 @@ class Router:
             mirror = ((path, pinned.mirror, f"{model.split(':')[0]}:{route.shadow}")
                       if pinned.mirror and route and not pinned.stream else None)
             return await self._admitted(tenant, request, path, pinned.body, pinned.key, request_id, route, mirror,
-                                        pinned.stream)
+                                        pinned.stream, pinned.include_usage)
         if path.startswith(("/v2", "/v1/")):
             return await self._admitted(tenant, request, path, request.body, path, request_id)
         return json_answer(404, {"error": f"no route {shown(path)}; the router serves /v2 and /v1 as `shardline serve` does"})
@@ -239,9 +241,11 @@ class Router:
             raise not_available(tenant, name)
         generation = request.path in GENERATION_PATHS
         stream = generation and doc.get("stream") is True
+        options = doc.get("stream_options")
+        usage = stream and isinstance(options, dict) and options.get("include_usage") is True
         near = f"|{affinity(doc, request.header(_ROUTE_KEY))}" if generation else ""
         if version is not None:  # pinned by the client: sent as it came
-            return Pinned(request.body, f"{name}:{version}{near}", None, None, stream)
+            return Pinned(request.body, f"{name}:{version}{near}", None, None, stream, usage)
         ref = ModelRef(name=name, alias=alias) if alias is not None else listed
         route = await self._version_for(tenant, request, ref)
         doc["model"] = f"{name}:{route.version}"
@@ -252,7 +256,7 @@ class Router:
         if route.shadow is not None:
             doc["model"] = f"{name}:{route.shadow}"
             mirror = orjson.dumps(doc)
-        return Pinned(pinned, f"{name}:{route.version}{near}", route, mirror, stream)
+        return Pinned(pinned, f"{name}:{route.version}{near}", route, mirror, stream, usage)
 
     def _gate(self, tenant: Tenant) -> TenantGate:
         gate = self._gates.get(tenant.name)
@@ -262,7 +266,8 @@ class Router:
 
     async def _admitted(self, tenant: Tenant, request: Incoming, path: str, body: bytes, key: str,
                         request_id: str, route: Route | None = None,
-                        mirror: tuple[str, bytes, str] | None = None, stream: bool = False) -> Answer:
+                        mirror: tuple[str, bytes, str] | None = None, stream: bool = False,
+                        include_usage: bool = False) -> Answer:
         # The tenant's rate and concurrency, for every replica together (held while a stream runs), unless
         # the data plane in front has held them (it marks the requests it admitted; a client's mark never gets here).
         gate = (_ADMITTED if self.behind_edge and request.header(_GATED) == tenant.name else self._gate(tenant))
@@ -270,8 +275,9 @@ class Router:
         llm = None
         try:
             if path in GENERATION_PATHS:
-                llm = self._llm_gate(tenant)
-                llm.open(0)  # its generations in flight, and a token quota not spent
+                opened = self._llm_gate(tenant)
+                opened.open(0)  # its generations in flight, and a token quota not spent
+                llm = opened  # given back below only once taken: a refused stream gives back no one else's slot
             answer = await self._measured(tenant, request, path, body, key, request_id, route, mirror, stream)
         except BaseException:
             if llm is not None:
@@ -294,7 +300,7 @@ class Router:
             return answer
         prompt = next((v for k, v in answer.headers if k == PROMPT_TOKENS_HEADER), b"0")
         answer.stream = metered(answer.stream, llm, int(prompt) if prompt.isdigit() else 0,
-                                path.endswith("/chat/completions"), done)
+                                path.endswith("/chat/completions"), done, include_usage)
         return answer
 
     def _llm_gate(self, tenant: Tenant) -> LlmGate:

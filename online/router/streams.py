@@ -6,13 +6,14 @@
   else its ``user`` field (session affinity), else a hash of the prompt's first ``PREFIX_CHARS``
   characters (a shared system prompt or document: prefix affinity). A replica past the bound
   spills to the next in the key's order: the least loaded take over when loads diverge.
-- ``metered``: the replica's server-sent events passed on as they come, with the tenant's token
-  quota held here, for every replica together (a tenant without one: passed on untouched). A replica behind the router says how many tokens
-  each piece took in SSE comment lines (``: tokens N``, which the router drops) and the prompt's
-  size in the ``X-Shardline-Prompt-Tokens`` header; the router takes them from the tenant's token
-  bucket (``online.generation.LlmGate``). A stream that finds it empty is stopped (the replica's
-  connection is closed, so it cancels the generation) and ends cleanly for the client: a last
-  chunk with finish_reason ``length`` and ``stop_reason`` saying why, then ``data: [DONE]``.
+- ``metered``: the replica's server-sent events passed on as they come, without its comment lines, with the
+  tenant's token quota held here, for every replica together. A replica behind the router says how many tokens
+  each piece took in SSE comment lines (``: tokens N``) and the prompt's size in the
+  ``X-Shardline-Prompt-Tokens`` header; the router takes them from the tenant's token bucket
+  (``online.generation.LlmGate``) and drops the lines, so a client reads what ``serve`` itself would send. A
+  stream that finds the bucket empty is stopped (the replica's connection is closed, so it cancels the
+  generation) and ends cleanly for the client: a last chunk with finish_reason ``length`` and ``stop_reason``
+  saying why, the usage chunk when ``stream_options.include_usage`` asked for it, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -68,22 +69,36 @@ def _last_chunk(block: bytes) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) and doc.get("choices") else None
 
 
+def _chunk_base(last: dict[str, Any] | None) -> dict[str, Any]:
+    """The id, object, created and model of the stream's last chunk (what a chunk the router adds carries)."""
+    return {k: last[k] for k in ("id", "object", "created", "model") if last and k in last}
+
+
 def stop_chunk(last: dict[str, Any] | None, chat: bool, why: str) -> bytes:
     """The chunk that ends a stream the router stopped: finish_reason length, stop_reason ``why``."""
-    base = {k: last[k] for k in ("id", "object", "created", "model") if last and k in last}
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length", "stop_reason": why}
     if chat:
         choice["delta"] = {}
     else:
         choice["text"] = ""
-    return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
+    doc = {**_chunk_base(last), "choices": [choice]}
+    if last is not None and "usage" in last:
+        doc["usage"] = None  # as every chunk of a stream that asked for its usage
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+def usage_chunk(last: dict[str, Any] | None, prompt_tokens: int, completion_tokens: int) -> bytes:
+    """The last chunk of a stream that asked for its usage (``stream_options.include_usage``): no choices."""
+    doc = {**_chunk_base(last), "choices": [], "usage": openai_wire.usage(prompt_tokens, completion_tokens)}
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
 
 
 def metered(pieces: AsyncIterator[bytes], gate: LlmGate, prompt_tokens: int, chat: bool,
-            done: Callable[[], None]) -> Relay:
-    """Relay server-sent events, taking their tokens from the tenant's quota (see the module docstring);
-    ``done`` is called once the stream ends, however it ends (the gate's slot given back), and ``pieces`` is
-    closed then (stopped early: the replica's connection closes and it cancels the generation)."""
+            done: Callable[[], None], include_usage: bool = False) -> Relay:
+    """Relay server-sent events without the replica's comment lines, taking their tokens from the tenant's quota
+    (see the module docstring); ``done`` is called once the stream ends, however it ends (the gate's slot given
+    back), and ``pieces`` is closed then (stopped early: the replica's connection closes and it cancels the
+    generation). ``include_usage``: the caller asked for the usage chunk, which a stopped stream ends with too."""
 
     async def finished(_: bool) -> None:
         try:
@@ -93,20 +108,26 @@ def metered(pieces: AsyncIterator[bytes], gate: LlmGate, prompt_tokens: int, cha
         finally:
             done()
 
-    return Relay(_metered(pieces, gate, prompt_tokens, chat), finished)
+    return Relay(_metered(pieces, gate, prompt_tokens, chat, include_usage), finished)
 
 
-async def _metered(pieces: AsyncIterator[bytes], gate: LlmGate, prompt_tokens: int, chat: bool) -> AsyncIterator[bytes]:
+async def _metered(pieces: AsyncIterator[bytes], gate: LlmGate, prompt_tokens: int, chat: bool,
+                   include_usage: bool) -> AsyncIterator[bytes]:
     why = (f"tenant {gate.tenant.name!r} used its {gate.tenant.tokens_per_minute} tokens per minute; the generation "
            "was stopped (ask for a larger quota, or a smaller max_tokens)")
     buffer = b""
     last = b""  # the last data block: the stop chunk takes its id and model
-    if gate.bucket is None:  # no token quota: passed on as it comes (its comment lines are ignored by clients)
-        async for piece in pieces:
-            yield piece
-        return
+    completion = 0
+
+    def stopped() -> bytes:
+        chunk = _last_chunk(last)
+        end = stop_chunk(chunk, chat, why)
+        if include_usage:
+            end += usage_chunk(chunk, prompt_tokens, completion)
+        return end + b"data: [DONE]\n\n"
+
     if prompt_tokens and not gate.spend(prompt_tokens):
-        yield stop_chunk(None, chat, why) + b"data: [DONE]\n\n"
+        yield stopped()
         return
     async for piece in pieces:
         buffer += piece
@@ -117,13 +138,16 @@ async def _metered(pieces: AsyncIterator[bytes], gate: LlmGate, prompt_tokens: i
             if count is None:
                 if block.startswith(b"data: {"):
                     last = block
-                out.append(block + b"\n\n")
-            elif not gate.spend(count):
+                if not block.startswith(b":"):  # any other comment line is the replica's own too
+                    out.append(block + b"\n\n")
+                continue
+            completion += count
+            if not gate.spend(count):
                 if out:
                     yield b"".join(out)
-                yield stop_chunk(_last_chunk(last), chat, why) + b"data: [DONE]\n\n"
+                yield stopped()
                 return
         if out:
             yield b"".join(out)
-    if buffer:
+    if buffer and not buffer.startswith(b":"):
         yield buffer

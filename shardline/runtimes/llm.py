@@ -30,7 +30,7 @@ from typing import Any, overload
 import pyarrow as pa
 
 from shardline.bundle import Manifest
-from shardline.errors import InvalidBundle, InvalidInput, InvalidParameter, RuntimeUnavailable
+from shardline.errors import ContextLengthExceeded, InvalidBundle, InvalidInput, InvalidParameter, RuntimeUnavailable
 from shardline.generation import EngineConfig, GenerationEngine, SamplingParams
 from shardline.rows import Rows, check_rows
 from shardline.runtimes.base import Answer, Runtime, RuntimeOptions
@@ -135,11 +135,13 @@ class LlmModel(Runtime):
         except InvalidInput as e:
             raise InvalidInput(f"row {row} of column {PROMPT_COLUMN!r} is a list of chat messages, but {e}") from e
         ids = engine.tokenize(prompt)
-        if len(ids) > engine.max_prompt_tokens:
-            raise InvalidInput(f"row {row} of column {PROMPT_COLUMN!r} is {len(ids)} tokens; {self.manifest.reference} "
-                               f"takes prompts of at most {engine.max_prompt_tokens} tokens (its context of "
-                               f"{engine.config.max_context} less one for the completion); shorten it")
-        return ids
+        try:
+            return engine.check_prompt(ids)
+        except ContextLengthExceeded as e:
+            raise ContextLengthExceeded(
+                f"row {row} of column {PROMPT_COLUMN!r} is {e.prompt_tokens} tokens; {self.manifest.reference} takes "
+                f"prompts of at most {e.most} tokens (its context of {e.most + 1} less one for the completion); "
+                "shorten it", e.prompt_tokens, e.most) from e
 
     def close(self) -> None:
         """Stop the engine thread and drop the model (twice is harmless)."""

@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import InvalidBundle, InvalidInput, RuntimeUnavailable
+from shardline.errors import InvalidBundle, RuntimeUnavailable
 from shardline.generation import (
     GENERATION_CONFIG_FILE,
     TOKENIZER_FILE,
@@ -49,6 +49,7 @@ from shardline.generation import (
     EngineConfig,
     SamplingParams,
     TokenEvent,
+    check_prompt,
     run_together,
 )
 from shardline.runtimes.llm import LlmModel
@@ -141,6 +142,10 @@ class RemoteEngine:
         """The prompt text for chat messages, through the bundle's chat template."""
         return self.config.chat_template.render(messages)
 
+    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt as ``submit`` takes it, or the error that refuses it (``shardline.generation.check_prompt``)."""
+        return check_prompt(prompt_ids, self.config.max_context)
+
     def stats(self) -> dict[str, int]:
         """Requests in flight (``slots_busy``, as the CPU engine says it), sent so far and tokens generated."""
         with self._lock:
@@ -152,14 +157,9 @@ class RemoteEngine:
         a ``finish_reason`` ("cancelled" after ``cancel()``, "error" when vLLM fails or goes away).
 
         Raises:
-            InvalidInput: the prompt is empty or longer than ``max_prompt_tokens``.
+            InvalidInput: the prompt is empty or longer than ``max_prompt_tokens`` (``check_prompt``).
         """
-        prompt = [int(i) for i in prompt_ids]
-        if not prompt:
-            raise InvalidInput("the prompt has no tokens; send some text")
-        if len(prompt) > self.max_prompt_tokens:
-            raise InvalidInput(f"the prompt is {len(prompt)} tokens; this model takes at most {self.max_prompt_tokens} "
-                               f"(its context of {self.config.max_context} less one for the completion); shorten it")
+        prompt = self.check_prompt(prompt_ids)
         if self._client is None:
             raise RuntimeError("submit() before start()")
         handle = RemoteHandle(self)
@@ -232,11 +232,9 @@ class RemoteEngine:
             InvalidInput: a prompt is refused (nothing is sent then).
             InferenceFailed: vLLM failed on one.
         """
-        for prompt in prompts:
-            if not prompt or len(prompt) > self.max_prompt_tokens:
-                raise InvalidInput(f"a prompt is {len(prompt)} tokens; this model takes 1 to {self.max_prompt_tokens}")
+        checked = [self.check_prompt(prompt) for prompt in prompts]  # refuse a bad prompt before any is sent
         return run_together(len(prompts), lambda callbacks: [self.submit(p, params, on_event)
-                                                             for p, on_event in zip(prompts, callbacks)])
+                                                            for p, on_event in zip(checked, callbacks)])
 
 
 def _free_port() -> int:

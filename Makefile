@@ -14,15 +14,14 @@ export MLFLOW_DISABLE_TELEMETRY := true
 setup: $(VENV)/.installed dataplane
 
 # The data plane in front of `shardline router` (docs/routing.md "The data plane"): Debian's nginx with its Lua
-# module (the default), and HAProxy (the alternative), installed when missing and this is root with apt; with
-# neither the router relays every request itself (slower).
-DATAPLANE_PACKAGES := nginx-light libnginx-mod-http-lua haproxy
+# module, installed when missing and this is root with apt; without it the router relays every request itself (slower).
+DATAPLANE_PACKAGES := nginx-light libnginx-mod-http-lua
 dataplane:
-	@{ test -f /usr/lib/nginx/modules/ngx_http_lua_module.so && { command -v haproxy >/dev/null || test -x /usr/sbin/haproxy; }; } || \
+	@test -f /usr/lib/nginx/modules/ngx_http_lua_module.so || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    { apt-get install -y -qq $(DATAPLANE_PACKAGES) >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
 	      apt-get install -y -qq $(DATAPLANE_PACKAGES) >/dev/null 2>&1; }; }; } || \
-	  echo "note: apt-get install $(DATAPLANE_PACKAGES) failed or is not allowed here: shardline router will use what is installed (docs/routing.md)"
+	  echo "note: apt-get install $(DATAPLANE_PACKAGES) failed or is not allowed here: shardline router will relay every request itself (docs/routing.md)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

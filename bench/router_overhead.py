@@ -7,8 +7,8 @@ loop, latency from each request's intended send time):
 
 - **direct**: one replica, the request carrying the router's key and the tenant (what the router sends);
 - **router**: `shardline router --config router.yaml` over the three, on its defaults, with the tenant's
-  own key (its default data plane: nginx with its Lua module in front where installed, else HAProxy
-  where installed, else the router alone; printed);
+  own key (its default data plane: nginx with its Lua module in front where installed, else the router
+  alone; printed);
 - **nginx**: Debian's nginx as a plain reverse proxy over the three (`worker_processes auto`, upstream
   keep-alive, no access log), passing the same headers as direct.
 

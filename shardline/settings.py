@@ -585,11 +585,10 @@ class RouterSettings(BaseSettings):
         description="The key the router sends its replicas (they hold its sha256, SHARDLINE_TENANCY_ROUTER_KEY_SHA256). "
         "Unset with --local-replicas: a random one for each start.",
     )
-    data_plane: Literal["auto", "nginx", "haproxy", "python"] = Field(
+    data_plane: Literal["auto", "nginx", "python"] = Field(
         default="auto",
-        description="What relays requests: nginx or haproxy (in front, answering pinned V2 inference natively, the "
-        "router the rest; docs/routing.md), python (the router alone), auto (nginx when it and its Lua module are "
-        "installed, else haproxy when it is).",
+        description="What relays requests: nginx (in front, answering pinned V2 inference natively, the router the "
+        "rest; docs/routing.md), python (the router alone), auto (nginx when it and its Lua module are installed).",
     )
     balance: float = Field(
         default=1.25, ge=1.0, le=10.0,
@@ -620,6 +619,13 @@ class RouterSettings(BaseSettings):
     failback_s: float = Field(
         default=10.0, ge=0,
         description="A higher-priority group takes traffic back only after it has been available this long.",
+    )
+    stall_ms: float = Field(
+        default=250.0, ge=0,
+        description="How long a try on a replica may go without an answer before the router checks the replica is "
+        "alive: the router probes its health (no answer within this too: it is hung, taken out until a health check "
+        "passes, and its requests go to another replica); nginx's fast lane gives a try this long, or 8x the "
+        "model's usual answer time when longer, then tries another replica. 0: tries wait for their deadline.",
     )
     hedge_after_ms: float = Field(
         default=0.0, ge=0, description="Send a second copy of a request to the next replica when the first has not "

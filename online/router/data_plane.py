@@ -1,8 +1,8 @@
-"""What the router's two data planes share (docs/routing.md, "The data plane"): which one runs, the requests
-their fast lane takes, the pins the router gives it, their errors, and starting and stopping their process.
+"""The router's data plane (docs/routing.md, "The data plane"): whether nginx runs in front, the requests its
+fast lane takes, the pins the router gives it, its own errors, and starting and stopping its process.
 
-nginx with its Lua module (``nginx_edge``) is the default; HAProxy (``edge``) the alternative; with neither the
-router relays every request itself.
+nginx with its Lua module (``nginx_edge``) runs in front where it is installed; without it the router relays
+every request itself.
 """
 
 from __future__ import annotations
@@ -46,14 +46,6 @@ ERRORS = {
 }
 
 
-def find_haproxy() -> str | None:
-    """The haproxy executable on PATH (or Debian's /usr/sbin/haproxy), or None."""
-    found = shutil.which("haproxy")
-    if found is None and os.access("/usr/sbin/haproxy", os.X_OK):
-        found = "/usr/sbin/haproxy"
-    return found
-
-
 def find_nginx() -> str | None:
     """The nginx executable, when it and its Lua module (with lua-resty-core) are installed; else None."""
     found = shutil.which("nginx")
@@ -64,31 +56,23 @@ def find_nginx() -> str | None:
     return found
 
 
-def choose_data_plane(setting: str) -> tuple[str, str] | None:
-    """The data plane the router puts in front of itself, as (kind, executable): ``nginx`` (with its Lua module),
-    else ``haproxy``; None for the router alone.
+def choose_data_plane(setting: str) -> str | None:
+    """The nginx executable the router puts in front of itself (with its Lua module); None for the router alone.
 
     Raises:
-        InvalidSetting: ``nginx`` or ``haproxy`` asked for and not installed.
+        InvalidSetting: ``nginx`` asked for and not installed.
     """
     if setting == "python":
         return None
-    if setting in ("auto", "nginx"):
-        nginx = find_nginx()
-        if nginx is not None:
-            return "nginx", nginx
-        if setting == "nginx":
-            raise InvalidSetting("SHARDLINE_ROUTER_DATA_PLANE=nginx but nginx or its Lua module is not installed: "
-                                 "apt-get install nginx-light libnginx-mod-http-lua (Debian's packages), or set it "
-                                 "to auto, haproxy or python")
-    haproxy = find_haproxy()
-    if haproxy is not None:
-        return "haproxy", haproxy
-    if setting == "haproxy":
-        raise InvalidSetting("SHARDLINE_ROUTER_DATA_PLANE=haproxy but haproxy is not installed: apt-get install haproxy "
-                             "(Debian's package), or set it to auto, nginx or python")
-    log.warning("neither nginx with its Lua module nor haproxy is installed: the router relays every request itself "
-                "(slower: docs/routing.md); apt-get install nginx-light libnginx-mod-http-lua to put nginx in front")
+    nginx = find_nginx()
+    if nginx is not None:
+        return nginx
+    if setting == "nginx":
+        raise InvalidSetting("SHARDLINE_ROUTER_DATA_PLANE=nginx but nginx or its Lua module is not installed: "
+                             "apt-get install nginx-light libnginx-mod-http-lua (Debian's packages), or set it "
+                             "to auto or python")
+    log.warning("nginx with its Lua module is not installed: the router relays every request itself (slower: "
+                "docs/routing.md); apt-get install nginx-light libnginx-mod-http-lua to put nginx in front")
     return None
 
 
@@ -117,7 +101,7 @@ def desired_pins(router: Router) -> dict[str, str]:
 
 def start_process(name: str, argv: list[str], folder: Path, ready: Path, listen_fd: int,
                   env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start a data plane (``name``: haproxy or nginx) on the router's listening socket, its output to
+    """Start the data plane (``name``: nginx) on the router's listening socket, its output to
     ``folder/name.log``; it is up once it has made the socket ``ready``. It dies with the router.
 
     Raises:

@@ -8,11 +8,13 @@
 - ``RetryBudget``: retries stay a bounded share of the traffic (``ratio`` of the requests of the
   last ``window_s``, plus ``min_per_s`` a second so that a quiet router can still retry), so a
   failing replica set is not hit with a multiple of its load (Finagle's and Envoy's retry budgets).
-  One budget covers both lanes: HAProxy's fast lane's requests and retries are ``record``-ed as read.
+  One budget covers both lanes: nginx's fast lane's requests and retries are ``record``-ed as read.
 - ``backoff_s``: exponential backoff with full jitter (a uniform draw up to ``base * 2**attempt``,
   capped), so retries of many callers do not arrive together.
 - ``latency_outliers``: which replicas answer so much slower than the others for the same models
   that they should rest (ejected for a while, as Envoy's outlier detection does for errors).
+- ``stalled``: whether a replica's oldest try has waited past the stall time with nothing heard from the
+  replica since it was sent (then its health is probed: a replica that does not answer is hung).
 - ``Deadline``: what is left of a request's time (``X-Shardline-Timeout-Ms``, else the router's
   default); no retry starts past it, and what is left is passed on to the replica.
 """
@@ -130,7 +132,7 @@ class RetryBudget:
         self._bucket(now)[1] += 1
 
     def record(self, now: float, requests: int, retries: int) -> None:
-        """Count requests and retries made elsewhere: what HAProxy's fast lane did since it was last read."""
+        """Count requests and retries made elsewhere: what nginx's fast lane did since it was last read."""
         bucket = self._bucket(now)
         bucket[1] += requests
         bucket[2] += retries
@@ -156,6 +158,16 @@ def backoff_s(attempt: int, draw: float, base_s: float = 0.005, cap_s: float = 0
     if attempt < 1:
         raise ValueError(f"retry attempts count from 1, got {attempt}")
     return draw * min(cap_s, base_s * math.pow(2, attempt - 1))
+
+
+def stalled(oldest_sent: float | None, heard: float, probed: float, now: float, stall_s: float) -> bool:
+    """Whether a replica should have its health probed now: a try sent at ``oldest_sent`` (the oldest still
+    waiting for its answer; None: none waits) has waited past ``stall_s``, the replica has answered nothing since
+    it was sent (``heard``: its last answer), and it was not probed within ``stall_s`` (``probed``). A replica
+    that answers others meanwhile is slow for that request, not hung."""
+    if oldest_sent is None or stall_s <= 0 or now - oldest_sent < stall_s:
+        return False
+    return heard <= oldest_sent and now - probed >= stall_s
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ Per request, counted as it is answered:
 - ``shardline_router_fallbacks_total{model, variant}``: answers a model's fallback variant gave;
 - ``shardline_router_hedges_total{winner}``: hedged requests (a second copy sent), by whose answer was used;
 - ``shardline_router_ejections_total{group, replica}``: replicas ejected for latency;
+- ``shardline_router_hung_total{group, replica}``: replicas taken out because a stalled try's health probe went
+  unanswered (``RouterService``'s stall watch), each with its waiting tries moved to other replicas;
 - ``shardline_router_rollout_answers_total{model, arm, error}``: answers during a rollout, by the
   version answered, the arm (``baseline`` or ``candidate``) and whether it was a server error;
 - ``shardline_router_shadow_rows_total{model, agree}``: rows of shadow answers compared with the
@@ -74,10 +76,13 @@ class RouterMetrics:
                               "copy's answer was used", ["winner"], registry=self.registry)
         self.ejections = Counter("shardline_router_ejections_total", "Replicas ejected for latency", ["group", "replica"],
                                  registry=self.registry)
+        self.hung = Counter("shardline_router_hung_total", "Replicas taken out because a stalled try's health probe "
+                            "went unanswered (their waiting tries moved to other replicas)", ["group", "replica"],
+                            registry=self.registry)
         self.cold_starts = Histogram("shardline_router_cold_start_seconds", "From a local replica's start to its "
                                      "first ready answer", buckets=COLD_START_BUCKETS, registry=self.registry)
         self.in_flight: Tally[str] = Tally()
-        # What the data plane's fast lane carries (``nginx_edge``, ``edge``), as last read from it: in flight by model
+        # What the data plane's fast lane carries (``nginx_edge``), as last read from it: in flight by model
         # and by replica url, and requests by model and retries by group since it started.
         self.edge_in_flight: dict[str, int] = {}
         self.edge_replicas: dict[str, int] = {}
@@ -192,11 +197,11 @@ class _StateCollector(Collector):
         for model, counts in sorted(self.metrics.latency.items()):
             cumulative = list(itertools.accumulate(counts[:-1]))
             seconds.add_metric([model], list(zip(bounds, cumulative)), counts[-1])
-        fast = CounterMetricFamily("shardline_router_fast_lane_requests", "Requests HAProxy in front took "
+        fast = CounterMetricFamily("shardline_router_fast_lane_requests", "Requests nginx in front took "
                                    "itself, by model version (read from it every half second)", labels=["model"])
         for model, count in sorted(self.metrics.edge_requests.items()):
             fast.add_metric([model], count)
-        fast_retries = CounterMetricFamily("shardline_router_fast_lane_retries", "Tries of HAProxy in front on "
+        fast_retries = CounterMetricFamily("shardline_router_fast_lane_retries", "Tries of nginx in front on "
                                            "another replica, by group (read from it every half second)",
                                            labels=["group"])
         for group, count in sorted(self.metrics.edge_retries.items()):

@@ -1,7 +1,7 @@
-"""The router's data plane on nginx with LuaJIT: the fast lane of ``edge`` (HAProxy's), in nginx (docs/routing.md).
+"""The router's data plane on nginx with LuaJIT: its fast lane in front of the router (docs/routing.md).
 
-Where Debian's ``nginx-light`` and ``libnginx-mod-http-lua`` are installed this is the router's default data plane:
-it does the same per request as HAProxy's fast lane for less CPU (bench/README.md). nginx binds nothing: it
+Where Debian's ``nginx-light`` and ``libnginx-mod-http-lua`` are installed this is the router's data plane (it
+replaced an HAProxy lane that did the same for more CPU: bench/README.md). nginx binds nothing: it
 inherits the router's listening socket (nginx's ``NGINX`` variable, as for its binary upgrade), so a restarted
 nginx goes on serving the same endpoint. One worker process runs ``shardline_lane.lua``:
 
@@ -76,7 +76,8 @@ class NginxLayout:
     retries: int
     request_timeout_s: float
     max_timeout_s: float
-    hold_s: float  # how long a replica whose connection failed is kept out of the fast lane
+    hold_s: float  # how long a replica whose connection failed (or whose try stalled) is kept out of the fast lane
+    stall_s: float = 0.0  # a try's bound (all but the last), at least: ``RouterSettings.stall_ms``
 
     @property
     def router_socket(self) -> Path:
@@ -124,6 +125,7 @@ def lua_settings(layout: NginxLayout, tenants: TenantDirectory) -> str:
     return "return " + lua_literal({
         "tenants": dict(tenants.digests()), "quotas": quotas, "retries": layout.retries,
         "balance": layout.balance, "fast_body": FAST_BODY_BYTES, "hold": layout.hold_s,
+        "stall": layout.stall_s, "request_timeout": layout.request_timeout_s,
         "router": f"unix:{layout.router_socket}"}) + "\n"
 
 

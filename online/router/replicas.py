@@ -40,6 +40,10 @@ class Replica:
     latency: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (EWMA ms, answers)
     ejected_until: float = 0.0  # ejected for latency until then
     ejections: int = 0
+    waiting: dict[object, float] = field(default_factory=dict)  # tries sent, answer not yet begun -> when sent
+    heard: float = 0.0  # when it last answered (or a stream's piece came)
+    probed: float = 0.0  # when its health was last probed for a stalled try
+    hung_at: float = -1.0  # when a probe found it hung (it is out until a health check passes)
 
     def answered(self, model: str, ms: float) -> None:
         """A good answer for ``model`` took ``ms``: into the model's moving average (weight ``EWMA_WEIGHT``)."""

@@ -123,8 +123,9 @@ class Router:
         self.metrics.activator = activator
         self._mirrors: set[asyncio.Task[None]] = set()
         self._answered: set[tuple[str, str]] = set()  # (replica, model version) pairs that have answered
+        self._abandoned: set[asyncio.Task[object]] = set()  # tries given up on a hung replica (``abandon``)
         self.fallbacks: dict[tuple[str, str], str] = {}  # (model name, group) -> the variant that group answers with
-        self.behind_edge = False  # nginx or HAProxy in front: it holds the rate and concurrency quotas it marks
+        self.behind_edge = False  # nginx in front: it holds the rate and concurrency quotas it marks
 
     async def start(self) -> None:
         """Ready the connection pools (connections open on first use)."""
@@ -198,7 +199,7 @@ class Router:
         return json_answer(404, {"error": f"no route {shown(path)}; the router serves /v2 and /v1 as `shardline serve` does"})
 
     def _edge_tenant(self, request: Incoming) -> Tenant | None:
-        """Behind nginx or HAProxy: the tenant of a fast-lane request it could not place (no replica left to try),
+        """Behind nginx: the tenant of a fast-lane request it could not place (no replica left to try),
         which it passes on as it would to a replica: with the router's key and the tenant it authenticated."""
         sent = request.header(b"authorization")
         if sent is None or not hmac.compare_digest(sent.encode("latin-1"), self._key) or request.header(_TENANT) is None:
@@ -412,6 +413,7 @@ class Router:
             tried.add(replica.url)
             if tries is not None:
                 tries.count += 1
+            sent = self._clock()
             if hedge > 0:
                 answer, replica = await self._hedged(send, replica, key, tried, tries, hedge)
             else:
@@ -433,6 +435,8 @@ class Router:
             attempt += 1
             if not retry or attempt > self.settings.retries:
                 break
+            if answer is None and replica.hung_at >= sent:
+                continue  # its replica hung: the try was given up, not failed; the request moves on at once
             if not self.budget.try_retry(now):
                 break
             await asyncio.sleep(min(backoff_s(attempt, self._draw()), max(0.0, deadline.left(now))))
@@ -442,6 +446,21 @@ class Router:
             "no replica can take the request now (none is up, or every one tried failed); retry after the "
             "Retry-After seconds", 1.0,
         )
+
+    def abandon(self, replica: Replica, now: float) -> int:
+        """``replica`` is hung (a stalled try's health probe went unanswered): take it out until a health check
+        passes, and give up the tries waiting on it, so that each request moves to another replica at once (a
+        move, not a retry: the given-up copy costs the replicas nothing more). Returns how many were moved."""
+        replica.healthy = False
+        replica.hung_at = now
+        waiting = [task for task in replica.waiting if isinstance(task, asyncio.Task) and not task.done()]
+        for task in waiting:
+            self._abandoned.add(task)
+            task.cancel()
+        self.metrics.hung.labels(replica.group, replica.url).inc()
+        log.warning("replica %s is hung: no answer to a health probe after a try stalled; taken out until a health "
+                    "check passes, %d waiting requests moved to other replicas", replica.url, len(waiting))
+        return len(waiting)
 
     def _pick(self, key: str, tried: set[str]) -> Replica | None:
         now = self._clock()
@@ -517,6 +536,8 @@ class Router:
             sent += b"%s: %s\r\n" % (_VARIANT, variant.encode())
         replica.in_flight += 1
         ok, cancelled, streaming = False, False, False
+        task = asyncio.current_task()
+        replica.waiting[task] = now  # watched for a stall until its answer begins (``RouterService``)
         try:
             pool = self._pool(replica.url)
             pieces = None
@@ -529,6 +550,8 @@ class Router:
                     pieces = None
             else:
                 status, raw, payload = await pool.request(method, target, sent, body, max(0.001, deadline.left(now)))
+            replica.waiting.pop(task, None)
+            replica.heard = self._clock()
             answer = Answer(status, [(k, v) for k, v in raw if k not in _NOT_ANSWERED], b"" if streaming else payload)
             if pieces is not None:
                 answer.stream = _busy_until_done(pieces, replica)
@@ -540,9 +563,15 @@ class Router:
             log.info("replica %s failed: %s", replica.url, e)
             return None
         except asyncio.CancelledError:
+            if task in self._abandoned:  # its replica hung (a health probe went unanswered): given up, moved on
+                self._abandoned.discard(task)
+                assert task is not None
+                task.uncancel()
+                return None
             cancelled = True  # a hedge's loser, or the client went: no fault of the replica
             raise
         finally:
+            replica.waiting.pop(task, None)
             if not streaming:
                 replica.in_flight -= 1  # a stream's ends with it (_busy_until_done)
             if not cancelled:

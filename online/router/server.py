@@ -2,10 +2,10 @@
 
 One process, one event loop (the router's work per request is a few header copies and one
 upstream call). With ``--local-replicas N`` it starts N ``shardline serve`` processes first and
-stops them when it stops. With nginx and its Lua module installed (``data_plane`` auto or nginx; else
-HAProxy: auto or haproxy) the router binds its address and hands the socket to the data plane, which it
-starts in front of itself (``nginx_edge``, ``edge``); uvicorn then listens on a unix socket in a private
-folder, for that data plane alone.
+stops them when it stops. With nginx and its Lua module installed (``data_plane`` auto or nginx) the router
+binds its address and hands the socket to nginx, which it starts in front of itself (``nginx_edge``); uvicorn
+then listens on a unix socket in a private folder, for nginx alone. The private folders (nginx's, the local
+replicas' logs) are removed when the router stops.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import logging
 import logging.config
 import os
 import secrets
+import shutil
 import socket
 import tempfile
 import time
@@ -25,9 +26,8 @@ from typing import Any
 from shardline.errors import InvalidSetting
 from shardline.online.logs import log_config
 from shardline.online.models import ModelDirectory
-from shardline.online.router.config import LOCAL_GROUP, RouterConfig, load_router_config, local_config
+from shardline.online.router.config import RouterConfig, load_router_config, local_config
 from shardline.online.router.data_plane import choose_data_plane
-from shardline.online.router.edge import DNS_SLOTS, Edge, EdgeLayout
 from shardline.online.router.nginx_edge import NginxEdge, NginxLayout, listen_address
 from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.local import LocalReplicas
@@ -96,7 +96,7 @@ def build_service(settings: RouterSettings, storage: StorageSettings, tenancy: T
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """The router's listening socket, for HAProxy to inherit.
+    """The router's listening socket, for nginx to inherit.
 
     Raises:
         InvalidSetting: the address cannot be listened on.
@@ -111,20 +111,6 @@ def _listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def _edge_layout(settings: RouterSettings, config: RouterConfig, key: str, listener: socket.socket) -> EdgeLayout:
-    """HAProxy's layout: a slot per configured replica (``DNS_SLOTS`` for a DNS group, the most local replicas for
-    the local group), the router's failure settings."""
-    groups = tuple(
-        (g.name, settings.local_replicas if g.name == LOCAL_GROUP and settings.local_replicas
-         else len(g.replicas) or DNS_SLOTS)
-        for g in sorted(config.groups, key=lambda g: (g.priority, g.name)))
-    return EdgeLayout(
-        folder=Path(tempfile.mkdtemp(prefix="shardline-edge-")), listen_fd=listener.fileno(), groups=groups,
-        router_key=key, balance=settings.balance, retries=settings.retries,
-        request_timeout_s=settings.request_timeout_s, max_timeout_s=settings.max_timeout_s,
-        health_interval_s=settings.health_interval_s)
-
-
 def _nginx_layout(settings: RouterSettings, key: str, listener: socket.socket) -> NginxLayout:
     """nginx's layout: the router's failure settings; a replica whose connection failed stays out of the fast lane
     until the router's next health check could have seen it (``health_interval_s``, at least 0.25 s)."""
@@ -133,7 +119,7 @@ def _nginx_layout(settings: RouterSettings, key: str, listener: socket.socket) -
         folder=Path(tempfile.mkdtemp(prefix="shardline-edge-")), listen_fd=listener.fileno(),
         listen=listen_address(host, port), router_key=key, balance=settings.balance, retries=settings.retries,
         request_timeout_s=settings.request_timeout_s, max_timeout_s=settings.max_timeout_s,
-        hold_s=max(0.25, settings.health_interval_s * 1.5))
+        hold_s=max(0.25, settings.health_interval_s * 1.5), stall_s=settings.stall_ms / 1000)
 
 
 def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: TenancySettings) -> None:
@@ -173,16 +159,13 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     app = router_app(service, settings.max_body_bytes)
     listener = None
     if plane is not None:
-        kind, executable = plane
         listener = _listen(settings.host, settings.port)
-        service.edge = (NginxEdge(executable, _nginx_layout(settings, key, listener), service.router.tenants)
-                        if kind == "nginx" else
-                        Edge(executable, _edge_layout(settings, config, key, listener), service.router.tenants))
+        service.edge = NginxEdge(plane, _nginx_layout(settings, key, listener), service.router.tenants)
         service.router.behind_edge = True
         server_config = uvicorn.Config(app, uds=str(service.edge.layout.router_socket), log_config=config_log,
                                        timeout_graceful_shutdown=10, **uvicorn_options(limits, apps))
         host, port = listener.getsockname()[:2]
-        log.info("router on http://%s:%d (%s in front; the router behind it on %s)", host, port, kind,
+        log.info("router on http://%s:%d (nginx in front; the router behind it on %s)", host, port,
                  service.edge.layout.router_socket)
     else:
         server_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=config_log,
@@ -197,8 +180,10 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     finally:
         if service.edge is not None:
             service.edge.stop()
+            shutil.rmtree(service.edge.layout.folder, ignore_errors=True)
         if local is not None:
             local.stop()
+            shutil.rmtree(local.log_dir, ignore_errors=True)
         if metrics is not None:
             metrics.close()
         if listener is not None:

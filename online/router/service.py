@@ -1,9 +1,10 @@
 """The router as a running service: its background work and its ASGI adapter.
 
 - ``RouterService``: the ``Router`` plus what keeps its view of the replicas true (and the data plane's, when
-  nginx or HAProxy is in front: ``nginx_edge``, ``edge``): an active health
+  nginx is in front: ``nginx_edge``): an active health
   check of every replica (``GET /v2/health/ready``) every ``health_interval_s``, the DNS groups
-  resolved every ``refresh_s``, the local replicas watched (``--local-replicas``), and the aliases the
+  resolved every ``refresh_s``, the local replicas watched (``--local-replicas``), the replicas whose tries
+  stalled probed every half ``stall_ms`` (one that does not answer is hung: ``Router.abandon``), and the aliases the
   tenants call read again every ``rollout_refresh_s`` to follow their rollouts (``rollouts``); with a
   scaler, the local replicas scaled to demand every half second (``scaling``), the ones starting
   checked every ``STARTING_CHECK_S`` (requests held by the activator go on once one is ready).
@@ -18,6 +19,7 @@ import contextlib
 import functools
 import gc
 import logging
+import shutil
 import socket
 import time
 from typing import Any, Awaitable, Callable
@@ -27,9 +29,8 @@ from shardline.errors import PayloadTooLarge
 from shardline.online.bodies import ClientGone, receive_body
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig
 from shardline.online.router.data_plane import SYNC_S
-from shardline.online.router.edge import Edge
 from shardline.online.router.nginx_edge import NginxEdge
-from shardline.online.router.health import OutlierPolicy
+from shardline.online.router.health import OutlierPolicy, stalled
 from shardline.online.router.local import LocalReplicas
 from shardline.online.router.messages import Answer, Incoming, error_answer
 from shardline.online.router.router import Router
@@ -58,7 +59,7 @@ class RouterService:
         self.outliers = OutlierPolicy()
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: dict[str, UpstreamPool] = {}  # a pool of its own per replica: checks never wait behind requests
-        self.edge: NginxEdge | Edge | None = None  # nginx or HAProxy in front (``nginx_edge``, ``edge``), kept true every SYNC_S
+        self.edge: NginxEdge | None = None  # nginx in front (``nginx_edge``), kept true every SYNC_S
 
     async def start(self) -> None:
         """Open the pools, check every replica once, then keep checking in the background."""
@@ -70,6 +71,9 @@ class RouterService:
                 self._tasks.append(loop.create_task(self._every(group.dns.refresh_s, functools.partial(self._resolve, group.name))))
         await self.check_all()
         self._tasks.append(loop.create_task(self._every(self.router.settings.health_interval_s, self._check_round)))
+        stall_s = self.router.settings.stall_ms / 1000
+        if stall_s > 0:
+            self._tasks.append(loop.create_task(self._every(stall_s / 2, self._watch_stalls)))
         book = self.router.rollouts
         if book is not None and self.edge is not None:
             book.after_read = functools.partial(self.edge.sync_pins, self.router)
@@ -87,8 +91,8 @@ class RouterService:
             self._starting.update({url: now for url in self.local.urls if not self.router.replicas.replicas[url].healthy})
 
     async def stop(self) -> None:
-        """Stop the background tasks, close the pools, and stop the local replicas (uvicorn ends the process
-        by re-raising the signal that stopped it, so nothing after its run would)."""
+        """Stop the background tasks, close the pools, stop nginx and the local replicas and remove their temporary
+        folders (uvicorn ends the process by re-raising the signal that stopped it, so nothing after its run would)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -97,10 +101,13 @@ class RouterService:
             pool.close()
         self._checks.clear()
         await self.router.stop()
+        loop = asyncio.get_running_loop()
         if self.edge is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.edge.stop)
+            await loop.run_in_executor(None, self.edge.stop)
+            shutil.rmtree(self.edge.layout.folder, ignore_errors=True)  # its configuration, sockets and log
         if self.local is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.local.stop)
+            await loop.run_in_executor(None, self.local.stop)
+            shutil.rmtree(self.local.log_dir, ignore_errors=True)
 
     async def _every(self, seconds: float, work: Callable[[], Awaitable[None]]) -> None:
         while True:
@@ -143,16 +150,36 @@ class RouterService:
         if self._starting:
             await self.check_all(list(self._starting))
 
+    async def _watch_stalls(self) -> None:
+        """Every half stall time: probe the health of each replica whose oldest waiting try has stalled
+        (``health.stalled``); one that gives no answer within the stall time is hung (``Router.abandon``)."""
+        now = time.monotonic()
+        stall_s = self.router.settings.stall_ms / 1000
+        suspects = [r for r in self.router.replicas.replicas.values()
+                    if r.healthy and stalled(min(r.waiting.values(), default=None), r.heard, r.probed, now, stall_s)]
+        if not suspects:
+            return
+        for replica in suspects:
+            replica.probed = now
+        answers = await asyncio.gather(*(self._health(r.url, stall_s) for r in suspects))
+        for replica, status in zip(suspects, answers):
+            if status is None and replica.healthy and replica.url in self.router.replicas.replicas:
+                self.router.abandon(replica, time.monotonic())
+
     async def _ready(self, url: str) -> bool:
+        return await self._health(url, HEALTH_TIMEOUT_S) == 200
+
+    async def _health(self, url: str, timeout_s: float) -> int | None:
+        """The status of the replica's ``GET /v2/health/ready`` (None: no answer within ``timeout_s``)."""
         pool = self._checks.get(url)
         if pool is None:
             parts = urlsplit(url)
             pool = self._checks[url] = UpstreamPool(parts.hostname or "127.0.0.1", parts.port or 80)
         try:
-            status, _, _ = await pool.request("GET", "/v2/health/ready", b"", b"", HEALTH_TIMEOUT_S)
+            status, _, _ = await pool.request("GET", "/v2/health/ready", b"", b"", timeout_s)
         except UpstreamFailed:
-            return False
-        return status == 200
+            return None
+        return status
 
     async def _resolve(self, group: str) -> None:
         spec = next(g for g in self.config.groups if g.name == group).dns

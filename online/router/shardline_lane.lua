@@ -4,8 +4,13 @@
 -- lock. The router keeps the lane true through the control socket: POST /state sends a Lua table literal
 -- (pins, replicas as it sees them, each pin's replica order with the active group's first, the active group,
 -- whether answers may be retried), GET /counts reads back what the lane carries. Static settings (the tenants'
--- key digests and quotas, the retries, c, the largest body, how long a failed replica stays out, the router's
--- socket) come from shardline_settings.lua, written at start.
+-- key digests and quotas, the retries, c, the largest body, how long a failed replica stays out, the stall time,
+-- the request time-out, the router's socket) come from shardline_settings.lua, written at start.
+--
+-- A try is bounded (every one but the last the lane may make): it gets the stall time, or STALL_FACTOR times the
+-- pin's usual answer time when that is longer, to answer; past it the replica is held out like one whose
+-- connection failed and the request goes to the next replica. So a hung replica (stopped, or its loop blocked)
+-- costs a request one bound, not its deadline. A pin not answered yet (its model may be loading) is not bounded.
 local ffi = require "ffi"
 local balancer = require "ngx.balancer"
 
@@ -35,6 +40,8 @@ local pin_busy, pin_taken = {}, {}
 local replica_busy, replica_taken = {}, {}  -- replica url -> fast-lane requests in flight, tries sent
 local group_taken, group_retried = {}, {}
 local failed_until = {}         -- replica url -> until when a failed connection keeps it out
+local pin_ms = {}               -- pin -> its answers' moving average, ms (each answer weighs EWMA)
+local STALL_FACTOR, EWMA = 8, 0.1
 
 local _M = {}
 
@@ -179,11 +186,18 @@ local function pick(order, tried, t)
   return eligible[1]
 end
 
+-- The time a try may take to answer: bounded for all but the last try (see the top).
+local function read_timeout(pin, tries)
+  local usual = pin_ms[pin]
+  if tries > settings.retries or settings.stall <= 0 or usual == nil then return settings.request_timeout end
+  return max(settings.stall, STALL_FACTOR * usual / 1000)
+end
+
 function _M.balance()
   local ctx = ngx.ctx
   local t = now()
   if ctx.tried == nil then
-    ctx.tried, ctx.group = {}, S.active or "none"
+    ctx.tried, ctx.group, ctx.tries = {}, S.active or "none", 0
     balancer.set_more_tries(settings.retries)
     group_taken[ctx.group] = (group_taken[ctx.group] or 0) + 1
   else
@@ -195,8 +209,11 @@ function _M.balance()
     end
     group_retried[ctx.group] = (group_retried[ctx.group] or 0) + 1
   end
-  local url = pick(S.order[var.sl_pin] or {}, ctx.tried, t)
+  local pin = var.sl_pin
+  local url = pick(S.order[pin] or {}, ctx.tried, t)
   local replica = url and S.replicas[url]
+  ctx.tries = ctx.tries + 1
+  balancer.set_timeouts(nil, nil, replica and read_timeout(pin, ctx.tries) or settings.request_timeout)
   if not replica then
     -- No replica is usable (all failed to connect, or the router has just taken them out): the router, as the
     -- request was rewritten (its key and the tenant), answers or fails over with its own view.
@@ -221,7 +238,16 @@ function _M.done()
   local tenant = var.sl_tenant
   if tenant ~= "" then busy[tenant] = (busy[tenant] or 1) - 1 end
   local pin = var.sl_pin
-  if pin ~= "" then pin_busy[pin] = (pin_busy[pin] or 1) - 1 end
+  if pin ~= "" then
+    pin_busy[pin] = (pin_busy[pin] or 1) - 1
+    if ngx.status == 200 then  -- the last try's time: what the replicas take to answer the pin
+      local took = tonumber((var.upstream_response_time or ""):match("([%d.]+)$"))
+      if took then
+        local usual = pin_ms[pin]
+        pin_ms[pin] = usual and usual + EWMA * (took * 1000 - usual) or took * 1000
+      end
+    end
+  end
   local url = ngx.ctx.replica
   if url then replica_busy[url] = (replica_busy[url] or 1) - 1 end
 end

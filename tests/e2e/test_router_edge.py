@@ -1,6 +1,5 @@
-"""`shardline router` with its data plane in front, as a user runs it where nginx's Lua module (the default,
-online/router/nginx_edge.py) or haproxy (online/router/edge.py) is installed, each plane in turn: pinned V2
-inference answered by the fast lane, everything else by the router behind it, the tenants' quotas held once
+"""`shardline router` with its data plane in front, as a user runs it where nginx's Lua module is installed
+(online/router/nginx_edge.py): pinned V2 inference answered by the fast lane, everything else by the router behind it, the tenants' quotas held once
 for both lanes, the pins following an alias, a replica SIGKILLed under load through the fast lane, and the
 fast lane's retries within the router's retry budget. The router's own relay is tested in test_router.py."""
 
@@ -25,7 +24,7 @@ import orjson
 import pytest
 import tritonclient.http as triton
 
-from shardline.online.router.data_plane import FAST_BODY_BYTES, find_haproxy, find_nginx
+from shardline.online.router.data_plane import FAST_BODY_BYTES, find_nginx
 from shardline.online.router.placement import rank
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
@@ -41,9 +40,7 @@ from tests.e2e.test_serve import free_port
 pytestmark = pytest.mark.timeout(300)
 NARROW_KEY = "sk-router-narrow"
 PLANES = [pytest.param("nginx", marks=pytest.mark.skipif(find_nginx() is None, reason=(
-              "nginx's Lua module is not installed (apt-get install nginx-light libnginx-mod-http-lua)"))),
-          pytest.param("haproxy", marks=pytest.mark.skipif(find_haproxy() is None, reason=(
-              "haproxy is not installed (apt-get install haproxy)")))]
+              "nginx's Lua module is not installed (apt-get install nginx-light libnginx-mod-http-lua)")))]
 
 
 @dataclass
@@ -52,8 +49,8 @@ class Edged:
     log: Path
     replicas: dict[str, int]  # url -> pid
     metrics: str
-    plane: str  # nginx or haproxy
-    folder: Path  # the data plane's files: its control socket (nginx) or runtime API (HAProxy)
+    plane: str  # nginx
+    folder: Path  # the data plane's files: its control socket
 
 
 def _tenants(path: Path) -> Path:
@@ -93,34 +90,28 @@ def edged(home: Path, request: pytest.FixtureRequest) -> Iterator[Edged]:  # noq
         text = log.read_text()
         replicas = {u: int(p) for p, u in re.findall(r"started replica \d \(pid (\d+)\) on (http://[0-9.:]+)", text)}
         folder = re.search(rf"{plane} \d+ in front of the router \(its files in (/\S+?)\)", text)
-        assert folder is not None and len(replicas) == 3, text[-3000:]
+        logs = re.search(r"local replicas: .* \(logs in (/\S+?)\)", text)
+        assert folder is not None and logs is not None and len(replicas) == 3, text[-3000:]
         yield Edged(url, log, replicas, f"http://127.0.0.1:{metrics_port}/metrics", plane, Path(folder.group(1)))
     finally:
         code = _stop(router)
     assert code in (0, -signal.SIGTERM), log.read_text()[-4000:]
-    control = "control.sock" if plane == "nginx" else "admin.sock"
-    assert not Path(folder.group(1), control).exists()  # the data plane stopped with the router
+    assert not Path(folder.group(1)).exists()  # the data plane stopped with the router, its folder removed
+    assert not Path(logs.group(1)).exists()  # and the local replicas' (no shardline-* folder left in the temp dir)
 
 
 def _control(edged: Edged, command: str) -> str:
-    """One command to the data plane: HAProxy's runtime API, or a GET of nginx's control socket."""
+    """One GET of nginx's control socket."""
     with socket.socket(socket.AF_UNIX) as s:
-        if edged.plane == "nginx":
-            s.connect(str(edged.folder / "control.sock"))
-            s.sendall(f"GET {command} HTTP/1.0\r\nHost: control\r\n\r\n".encode())
-            return s.makefile().read().partition("\n\n")[2]
-        s.connect(str(edged.folder / "admin.sock"))
-        s.sendall(command.encode() + b"\n")
-        return s.makefile().read()
+        s.connect(str(edged.folder / "control.sock"))
+        s.sendall(f"GET {command} HTTP/1.0\r\nHost: control\r\n\r\n".encode())
+        return s.makefile().read().partition("\n\n")[2]
 
 
 def _up(edged: Edged) -> dict[str, bool]:
     """host:port -> whether the fast lane sends the replica requests now, for the replicas it knows."""
-    if edged.plane == "nginx":
-        rows = [line.split() for line in _control(edged, "/counts").splitlines() if line.startswith("replica ")]
-        return {r[1].removeprefix("http://"): r[3] == "1" for r in rows}
-    rows = [line.split() for line in _control(edged, "show servers state g_local").splitlines()[2:] if line.strip()]
-    return {f"{r[4]}:{r[18]}": r[5] == "2" for r in rows if r[3][1:].isdigit() and r[18] != "1"}
+    rows = [line.split() for line in _control(edged, "/counts").splitlines() if line.startswith("replica ")]
+    return {r[1].removeprefix("http://"): r[3] == "1" for r in rows}
 
 
 def _read_back(metrics: str, name: str, labels: tuple[tuple[str, str], ...]) -> float:
@@ -163,9 +154,7 @@ def test_tritonclient_is_answered_by_the_fast_lane_like_scikit_learn(
 
 
 def test_the_fast_lane_places_a_model_where_the_router_does(edged: Edged, breast_cancer_model: BuiltModel) -> None:
-    """nginx's lane walks the router's own rendezvous order for the pinned version (HAProxy hashes on its ring)."""
-    if edged.plane != "nginx":
-        pytest.skip("HAProxy places by its own consistent-hash ring (docs/routing.md)")
+    """nginx's lane walks the router's own rendezvous order for the pinned version."""
 
     def sent() -> dict[str, int]:
         return {r[1]: int(r[4]) for r in (line.split() for line in _control(edged, "/counts").splitlines())

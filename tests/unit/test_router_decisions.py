@@ -8,7 +8,7 @@ import random
 import pytest
 
 from shardline.online.router.config import ReplicaGroup, RouterConfig, parse_router_config
-from shardline.online.router.health import Breaker, BreakerPolicy, Deadline, RetryBudget, backoff_s
+from shardline.online.router.health import Breaker, BreakerPolicy, Deadline, RetryBudget, backoff_s, stalled
 from shardline.online.router.placement import choose, load_bound, rank
 from shardline.online.router.replicas import ReplicaSet
 from shardline.errors import InvalidSetting
@@ -121,7 +121,7 @@ def test_the_retry_budget_is_a_share_of_the_traffic_plus_a_floor() -> None:
 
 def test_the_fast_lanes_requests_and_retries_count_in_the_same_budget() -> None:
     budget = RetryBudget(ratio=0.1, min_per_s=0.0, window_s=10)
-    budget.record(0.2, requests=100, retries=9)  # HAProxy's counts, as read
+    budget.record(0.2, requests=100, retries=9)  # the fast lane's counts, as read
     assert budget.has_room(0.4) and budget.try_retry(0.4)  # the 10th of 10% of 100
     assert not budget.has_room(0.5) and not budget.try_retry(0.5)
     budget.record(0.7, requests=20, retries=0)
@@ -232,3 +232,14 @@ def test_a_replica_much_slower_than_the_others_for_the_same_models_is_ejected_fo
     now[0] += policy.eject_s
     assert replicas.eject_outliers(now[0], policy) == []  # back, with its figures started afresh
     assert replicas.available(replicas.replicas[urls[2]], now[0]) and replicas.replicas[urls[2]].latency == {}
+
+
+def test_a_replica_is_probed_when_its_oldest_try_stalled_and_it_answered_nothing_since() -> None:
+    stall = 0.25
+    assert not stalled(None, 0.0, 0.0, 10.0, stall)  # nothing waits
+    assert not stalled(9.9, 0.0, 0.0, 10.0, stall)  # waited 100 ms: not yet
+    assert stalled(9.7, 9.0, 0.0, 10.0, stall)  # waited 300 ms, nothing heard since it was sent
+    assert not stalled(9.7, 9.8, 0.0, 10.0, stall)  # it answered another meanwhile: slow for this one, not hung
+    assert not stalled(9.7, 9.0, 9.9, 10.0, stall)  # probed 100 ms ago: not again yet
+    assert stalled(9.7, 9.0, 9.7, 10.0, stall)  # probed a stall time ago (and it answered): again
+    assert not stalled(9.0, 0.0, 0.0, 10.0, 0.0)  # stall 0: off

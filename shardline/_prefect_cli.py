@@ -41,7 +41,9 @@ def use_prefect_api() -> None:
 @prefect_app.command("status")
 def prefect_status(json_out: bool = typer.Option(False, "--json", help="Print pid, API and UI URLs as JSON.")) -> None:
     """Whether this home's local Prefect server runs, where its API and UI are, and its warm batch runner.
-    Exit code 1: the server does not run."""
+
+    Exit code 1: the server does not run.
+    """
     from shardline import _batch_runner
     from shardline._prefect_server import find, server_dir
 

@@ -16,10 +16,12 @@ from shardline.errors import ShardlineError
 
 from shardline._batch_jobs import JobOutcome, JobRequest, present
 from shardline._cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, OFF_THE_NETWORK, open_registry
+from shardline._cli_help import ParagraphHelp
 from shardline._model_cli import model_app
 from shardline import _mlflow_cli  # noqa: E402,F401 - adds model import and model watch-mlflow to model_app
 
-app = typer.Typer(help="Shardline: batch-first ML inference on Prefect and Dask.", no_args_is_help=True)
+app = typer.Typer(cls=ParagraphHelp, help="Shardline: batch-first ML inference on Prefect and Dask.",
+                  no_args_is_help=True)
 batch_app = typer.Typer(help="Batch inference over Parquet shards.", no_args_is_help=True)
 app.add_typer(batch_app, name="batch")
 app.add_typer(model_app, name="model")

@@ -27,8 +27,6 @@ from shardline.errors import RateLimited
 from shardline.online.tenants import Tenant
 from shardline.tenants import Priority
 
-TIMEOUT_HEADER = "x-shardline-timeout-ms"  # what is left of a request's time, in milliseconds
-
 # Share of a model's queue capacity that a request of each class may fill.
 SHED_SHARE: Mapping[Priority, float] = {"high": 1.0, "normal": 0.8, "low": 0.5}
 

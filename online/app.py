@@ -27,9 +27,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shardline.online.admission import TIMEOUT_HEADER, asked_timeout_s
+from shardline.online.admission import asked_timeout_s
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import json_response
+from shardline.online.headers import TIMEOUT_HEADER
 from shardline.online.logs import (
     ACCESS_LOGGER,
     CURRENT,

@@ -47,23 +47,24 @@ from shardline.errors import (
     Overloaded,
     ShardlineError,
 )
-from shardline.online.admission import TIMEOUT_HEADER, TenantGate, next_seconds_per_row, runs_inline, should_unload
+from shardline.generation import LLM_RUNTIMES
+from shardline.online.admission import TenantGate, next_seconds_per_row, runs_inline, should_unload
 from shardline.online.batcher import Batcher
 from shardline.online.capture import OnlineCapture
 from shardline.online.errors import shown
-from shardline.generation import LLM_RUNTIMES
 from shardline.online.generation import Generations
+from shardline.online.headers import TIMEOUT_HEADER
 from shardline.online.logs import deadline_left
 from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, batch_limits, missing_for_serving
 from shardline.online.tenants import Tenant, TenantDirectory, not_available
+from shardline.rows import Rows, check_rows
 from shardline.runtimes import RuntimeOptions
 from shardline.runtimes.base import concat_answers, out_of_memory
 from shardline.settings import OnlineSettings
-from shardline.rows import Rows, check_rows
 from shardline.storage.model_cache import ModelCache
-from shardline.tenants import check_custom_code
 from shardline.storage.registry import ModelRegistry, ResolvedModel, check_alias
+from shardline.tenants import check_custom_code
 
 log = logging.getLogger("shardline.online")
 T = TypeVar("T")

@@ -27,9 +27,10 @@ from shardline.errors import ShardlineError
 from shardline.online.bodies import ClientGone, decode_body, receive_body
 from shardline.online.dataplane import DataPlane
 from shardline.online.errors import error_status
+from shardline.online.headers import TENANT_HEADER
 from shardline.online.logs import current
 from shardline.online.models import ServedModel
-from shardline.online.tenants import TENANT_HEADER, Tenant
+from shardline.online.tenants import Tenant
 
 log = logging.getLogger("shardline.online")
 Handler = Callable[[Request], Awaitable[Response]]

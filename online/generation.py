@@ -32,11 +32,12 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
 
 from shardline.errors import DeadlineExceeded, InvalidInput, RateLimited
 from shardline.generation import LLM_RUNTIMES
-from shardline.openai_wire import GenerationRequest
-from shardline.online.admission import TIMEOUT_HEADER, TokenBucket, retry_after
+from shardline.online.admission import TokenBucket, retry_after
+from shardline.online.headers import TIMEOUT_HEADER
 from shardline.online.logs import deadline_left
 from shardline.online.models import ServedModel
 from shardline.online.tenants import Tenant
+from shardline.openai_wire import GenerationRequest
 
 if TYPE_CHECKING:
     from shardline.online.dataplane import DataPlane

@@ -151,7 +151,6 @@ def missing_for_serving(resolved: ResolvedModel, registry: ModelRegistry, local_
 
 
 MAX_MISSING = 1024  # references remembered as missing (past it, the memory starts afresh)
-VARIANT_HEADER = "x-shardline-variant"  # a request for a version's precision variant (a router's fallback)
 
 
 @dataclass

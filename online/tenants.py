@@ -30,9 +30,7 @@ from shardline.errors import ModelNotFound, Unauthenticated
 from shardline.online.errors import shown
 from shardline.tenants import Priority, RateQuota, TenantsFile, load_tenants_file, parse_tenants_file
 
-
 # The header in which a router names the tenant it has authenticated (see ``TenantDirectory``).
-TENANT_HEADER = "x-shardline-tenant"
 
 
 def hash_api_key(key: str) -> str:

@@ -26,7 +26,6 @@ from shardline.errors import InvalidInput, shown
 from shardline.generation import MAX_STOP_STRINGS
 from shardline.signature import Signature
 
-PROMPT_TOKENS_HEADER = "x-shardline-prompt-tokens"  # on a streamed answer: the prompt's size (a router meters it)
 CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 MAX_STOP = MAX_STOP_STRINGS  # OpenAI's limit on stop strings (the engine's too)
 MAX_INPUTS = 2048  # texts in one embeddings request

@@ -47,8 +47,8 @@ from shardline.online.edge import (
     read_body,
 )
 from shardline.online.errors import shown
+from shardline.online.headers import TENANT_HEADER, VARIANT_HEADER
 from shardline.online.logs import current
-from shardline.online.models import VARIANT_HEADER
 from shardline.online.protocols.forms import v2_error_body
 from shardline.online.protocols.v2_fast import fast_rows
 from shardline.online.protocols.v2_tensors import (
@@ -59,7 +59,6 @@ from shardline.online.protocols.v2_tensors import (
     tensor_to_column,
     to_binary,
 )
-from shardline.online.tenants import TENANT_HEADER
 from shardline.rows import Rows, check_rows, float_rows
 from shardline.signature import Signature
 

@@ -32,10 +32,10 @@ from starlette.routing import BaseRoute, Route
 
 from shardline import openai_wire
 from shardline.errors import DeadlineExceeded, InferenceFailed
-from shardline.online.admission import TIMEOUT_HEADER
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import authenticate, endpoint, error_answer, json_response, note_model, read_body
 from shardline.online.generation import Generation
+from shardline.online.headers import PROMPT_TOKENS_HEADER, TIMEOUT_HEADER
 from shardline.online.logs import deadline_left
 from shardline.online.protocols.forms import openai_error_body
 
@@ -153,7 +153,7 @@ class _Stream(StreamingResponse):
 
     def __init__(self, content: AsyncIterator[bytes], cleanup: Any, prompt_tokens: int) -> None:
         super().__init__(content, media_type="text/event-stream", headers={
-            "cache-control": "no-cache", "x-accel-buffering": "no", openai_wire.PROMPT_TOKENS_HEADER: str(prompt_tokens)})
+            "cache-control": "no-cache", "x-accel-buffering": "no", PROMPT_TOKENS_HEADER: str(prompt_tokens)})
         self._cleanup = cleanup
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GATED_HEADER = "x-shardline-gated"  # set by the data plane (a client's is dropped): the tenant whose quotas it held
 FAST_BODY_BYTES = 24 * 1024  # larger bodies go to the router, which streams them
 SYNC_S = 0.5  # how often the router brings its data plane up to date and reads its counts
 STOP_GRACE_S = 5.0

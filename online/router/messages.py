@@ -14,10 +14,10 @@ import orjson
 
 from shardline.errors import ShardlineError
 from shardline.online.errors import error_status
+from shardline.online.headers import REQUEST_ID_HEADER
 from shardline.online.protocols.forms import openai_error_body, v2_error_body
 from shardline.online.router.rollouts import Route
 
-REQUEST_ID_HEADER = "x-request-id"
 REQUEST_ID = REQUEST_ID_HEADER.encode()
 # new_request_id: a random half per process, then a count from a random start
 _ID_PREFIX = secrets.token_hex(8)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from shardline.online.headers import GATED_HEADER, TENANT_HEADER, VARIANT_HEADER
 from shardline.online.router.data_plane import (
     ERRORS,
     FAST_BODY_BYTES,
@@ -144,9 +145,9 @@ def render_config(layout: NginxLayout) -> str:
             proxy_set_header Host $host;
             proxy_set_header Connection "";
             proxy_set_header Authorization "Bearer {key}";
-            proxy_set_header X-Shardline-Tenant $sl_tenant;
-            proxy_set_header X-Shardline-Gated "";
-            proxy_set_header X-Shardline-Variant "";
+            proxy_set_header {TENANT_HEADER} $sl_tenant;
+            proxy_set_header {GATED_HEADER} "";
+            proxy_set_header {VARIANT_HEADER} "";
             proxy_next_upstream_timeout {request_s};
             proxy_read_timeout {request_s};
             proxy_send_timeout {request_s};
@@ -155,9 +156,9 @@ def render_config(layout: NginxLayout) -> str:
             proxy_pass http://sl_router;
             proxy_set_header Host $host;
             proxy_set_header Connection "";
-            proxy_set_header X-Shardline-Tenant "";
-            proxy_set_header X-Shardline-Gated $sl_tenant;
-            proxy_set_header X-Shardline-Variant "";
+            proxy_set_header {TENANT_HEADER} "";
+            proxy_set_header {GATED_HEADER} $sl_tenant;
+            proxy_set_header {VARIANT_HEADER} "";
             proxy_request_buffering off;
             proxy_buffering off;
             proxy_next_upstream off;

@@ -39,17 +39,24 @@ from shardline.errors import (
     ReplicasUnavailable,
     ShardlineError,
 )
-from shardline.online.admission import TIMEOUT_HEADER, TenantGate
+from shardline.online.admission import TenantGate
 from shardline.online.bodies import decode_body
 from shardline.online.errors import error_status, shown
 from shardline.online.generation import LlmGate
-from shardline.online.models import VARIANT_HEADER, ModelDirectory
+from shardline.online.headers import (
+    FALLBACK_HEADER,
+    GATED_HEADER,
+    REQUEST_ID_HEADER,
+    ROUTE_KEY_HEADER,
+    TENANT_HEADER,
+    TIMEOUT_HEADER,
+    VARIANT_HEADER,
+)
+from shardline.online.models import ModelDirectory
 from shardline.online.router.compare import decode_answer
-from shardline.online.router.data_plane import GATED_HEADER
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
 from shardline.online.router.messages import (
     REQUEST_ID,
-    REQUEST_ID_HEADER,
     Answer,
     Incoming,
     Pinned,
@@ -61,18 +68,16 @@ from shardline.online.router.messages import (
 from shardline.online.router.metrics import RouterMetrics
 from shardline.online.router.placement import choose
 from shardline.online.router.replicas import Replica, ReplicaSet
-from shardline.online.router.rollouts import Route, RolloutBook
+from shardline.online.router.rollouts import RolloutBook, Route
 from shardline.online.router.scaling import Activator
 from shardline.online.router.streams import GENERATION_PATHS, PROMPT_TOKENS_HEADER, affinity, metered
 from shardline.online.router.upstream import Relay, UpstreamFailed, UpstreamPool, header_lines
-from shardline.online.tenants import TENANT_HEADER, Tenant, TenantDirectory, not_available
+from shardline.online.tenants import Tenant, TenantDirectory, not_available
 from shardline.settings import RouterSettings
 from shardline.storage.rollouts import Rollout
 
 log = logging.getLogger(__name__)
 
-ROUTE_KEY_HEADER = "x-shardline-route-key"  # optional: requests with the same key go to the same replica
-FALLBACK_HEADER = "x-shardline-fallback"  # on an answer a fallback variant gave: name:version#variant
 RETRY_STATUSES = frozenset({502, 503, 504})  # the replica could not serve it; another may (inference is idempotent)
 # Not passed on, either way: hop-by-hop headers (RFC 9110 7.6.1), and what the router sets itself.
 _HOP = frozenset({

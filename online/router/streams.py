@@ -24,11 +24,12 @@ from typing import Any, AsyncIterator, Callable
 import orjson
 
 from shardline import openai_wire
+from shardline.online import headers
 from shardline.online.generation import LlmGate
 from shardline.online.router.upstream import Relay
 
 PREFIX_CHARS = 512  # how much of a prompt decides its replica: a system prompt's worth
-PROMPT_TOKENS_HEADER = openai_wire.PROMPT_TOKENS_HEADER.encode()
+PROMPT_TOKENS_HEADER = headers.PROMPT_TOKENS_HEADER.encode()
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _TOKENS = b": tokens "
 

@@ -10,15 +10,15 @@ a time window (lazily, see ``shardline.storage.capture``) and computes the repor
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from shardline import durations
 from shardline.bundle import DriftPolicy, ModelRef
-from shardline.errors import EmptyInput, InvalidBundle, InvalidSetting
+from shardline.errors import EmptyInput, InvalidBundle
 from shardline.quality.drift import DriftReport, drift_report
 from shardline.settings import DriftSettings, StorageSettings
 from shardline.storage.capture import CAPTURE_META, capture_root, scan_capture
@@ -28,23 +28,15 @@ from shardline.storage.registry import ModelRegistry, ResolvedModel
 if TYPE_CHECKING:
     import polars as pl
 
-_WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
 def parse_window(text: str) -> timedelta:
-    """``90s``, ``30m``, ``24h``, ``7d`` or ``2w`` as a timedelta.
+    """A drift window (``90s``, ``30m``, ``24h``, ``7d``, ``2w``, ``1d12h``: ``shardline.durations``) as a timedelta.
 
     Raises:
         InvalidSetting: anything else, or a zero window.
     """
-    match = _WINDOW.match(text or "")
-    if match is None:
-        raise InvalidSetting(f"window {text!r} is not a duration; write it as a number and a unit: 90s, 30m, 24h, 7d, 2w")
-    window = timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
-    if window <= timedelta(0):
-        raise InvalidSetting(f"window {text!r} is empty; give a positive duration such as 24h")
-    return window
+    return durations.parse_duration(text, "window")
 
 
 @dataclass(frozen=True)

@@ -12,35 +12,22 @@ projection move out even while no shard settles.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Literal, Sequence
 
+from shardline import durations
 from shardline.errors import InvalidSetting
 
 SlaStatus = Literal["on-track", "at-risk", "breached", "met"]
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s)")
-_UNITS = {"d": 86_400.0, "h": 3_600.0, "m": 60.0, "s": 1.0}
-
-
 def parse_duration(text: str) -> timedelta:
-    """'2h', '90m', '1h30m', '45s', '1d' -> a timedelta.
+    """An SLA's duration ('2h', '90m', '1h30m', '45s', '1d', '2w': ``shardline.durations``) -> a timedelta.
 
     Raises:
         InvalidSetting: the text is not such a duration or is not positive.
     """
-    cleaned = text.strip().lower().replace(" ", "")
-    parts = _DURATION.findall(cleaned)
-    if not cleaned or "".join(f"{n}{u}" for n, u in parts) != cleaned:
-        raise InvalidSetting(
-            f"SLA {text!r} is not a duration; write it as a number and a unit (d, h, m, s), e.g. '2h', '90m' or '1h30m'"
-        )
-    seconds = sum(float(n) * _UNITS[u] for n, u in parts)
-    if seconds <= 0:
-        raise InvalidSetting(f"SLA {text!r} is not positive; give the time the job may take, e.g. '2h'")
-    return timedelta(seconds=seconds)
+    return durations.parse_duration(text, "SLA")
 
 
 def parse_deadline(text: str) -> datetime:

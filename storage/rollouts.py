@@ -15,21 +15,19 @@ One rollout per model at a time: a start is refused while any alias of the model
 
 from __future__ import annotations
 
-import re
 import uuid
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
+from shardline import durations
 from shardline.errors import InvalidSetting, ModelNotFound, RolloutConflict
 
 if TYPE_CHECKING:
     from shardline.storage.registry import AliasMove, ModelRegistry
 
 Mode = Literal["canary", "shadow"]
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
 class RollbackCriteria(BaseModel):
@@ -92,15 +90,12 @@ def active(move: AliasMove | None) -> Rollout | None:
 
 
 def parse_duration(text: str) -> float:
-    """``90``, ``30s``, ``10m``, ``1h``, ``500ms`` -> seconds.
+    """``90``, ``30s``, ``10m``, ``1h30m``, ``500ms`` -> seconds (``shardline.durations``: a bare number is seconds).
 
     Raises:
         InvalidSetting: not a positive duration.
     """
-    matched = _DURATION.match(text)
-    if matched is None or float(matched.group(1)) <= 0:
-        raise InvalidSetting(f"{text!r} is not a duration; write e.g. 30s, 10m or 1h")
-    return float(matched.group(1)) * _UNIT_S[matched.group(2)]
+    return durations.parse_duration(text, bare_seconds=True).total_seconds()
 
 
 def parse_share(text: str) -> float:

@@ -192,3 +192,12 @@ def test_the_final_verdict_is_taken_when_the_job_settled_as_its_manifest_says() 
     final = records.read("j3")
     assert (manifest["status"], final.sla_status, final.finished_at) == ("met", "met", at(0.8))
     assert sent == ["shardline.batch.started", "shardline.batch.completed"]
+
+
+@pytest.mark.parametrize("text", ["2w", "1h30m", "500ms", "1d12h"])
+def test_every_duration_option_reads_the_same_grammar(text: str) -> None:
+    """--sla, rollout start --interval and drift check --window read one grammar (shardline.durations)."""
+    from shardline.quality.drift_checks import parse_window
+    from shardline.storage.rollouts import parse_duration as rollout_seconds
+
+    assert parse_duration(text) == parse_window(text) == timedelta(seconds=rollout_seconds(text))

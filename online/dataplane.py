@@ -39,32 +39,29 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 import pyarrow as pa
 
-from shardline.bundle import ModelRef, version_number
 from shardline.errors import (
     DeadlineExceeded,
     InferenceFailed,
     InvalidInput,
     Overloaded,
-    ShardlineError,
 )
 from shardline.generation import LLM_RUNTIMES
-from shardline.online.admission import TenantGate, next_seconds_per_row, runs_inline, should_unload
+from shardline.online.admission import TenantGate, next_seconds_per_row, runs_inline
 from shardline.online.batcher import Batcher
 from shardline.online.capture import OnlineCapture
-from shardline.online.errors import shown
 from shardline.online.generation import Generations
 from shardline.online.headers import TIMEOUT_HEADER
 from shardline.online.logs import deadline_left
 from shardline.online.metrics import Metrics, ModelState, Snapshot
-from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, batch_limits, missing_for_serving
-from shardline.online.tenants import Tenant, TenantDirectory, not_available
+from shardline.online.models import ModelDirectory, ModelStatus, ServedModel
+from shardline.online.served import ServedModels
+from shardline.online.tenants import Tenant, TenantDirectory
 from shardline.rows import Rows, check_rows
 from shardline.runtimes import RuntimeOptions
 from shardline.runtimes.base import concat_answers, out_of_memory
 from shardline.settings import OnlineSettings
 from shardline.storage.model_cache import ModelCache
-from shardline.storage.registry import ModelRegistry, ResolvedModel, check_alias
-from shardline.tenants import check_custom_code
+from shardline.storage.registry import ModelRegistry, ResolvedModel
 
 log = logging.getLogger("shardline.online")
 T = TypeVar("T")
@@ -98,12 +95,13 @@ class DataPlane:
         self._io_pool: ThreadPoolExecutor | None = None
         self._codec_pool: ThreadPoolExecutor | None = None
         self.directory = ModelDirectory(registry, self._blocking_io, settings.alias_refresh_s, clock)
-        self._served: dict[tuple[str, int, str], ServedModel] = {}  # (name, version, variant or "")
         self._gates: dict[str, TenantGate] = {}
         self._tokenizers: dict[str, Any] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._workers = settings.resolved_workers()  # each of N server processes holds 1/N of every quota
         self.capture = OnlineCapture(capture_root, settings.capture_rate, self.metrics, storage_options)
+        self.models = ServedModels(settings, self.directory, cache, runtime, self.capture, clock, self._blocking_io)
+        self.models.batcher_for = self._batcher_for
         self.started = False
         self.stopping = False
         self.metrics.watch(self.snapshot)
@@ -131,7 +129,7 @@ class DataPlane:
         if self._reaper is not None:
             self._reaper.cancel()
         await self.directory.close()
-        for served in list(self._served.values()):
+        for served in self.models.values():
             await served.batcher.close(Overloaded("the server is shutting down; retry on another replica", 1))
         await self.capture.close(self._blocking_io)  # writes what is pending
         for pool in (self._infer_pool, self._io_pool, self._codec_pool):
@@ -185,101 +183,25 @@ class DataPlane:
     def _count_refusal(self, tenant: str, quota: str) -> None:
         self.metrics.rate_limited.labels(tenant, quota).inc()
 
-    # -- models -------------------------------------------------------------------------
+    # -- models (``online/served.py``) --------------------------------------------------
     async def model(
         self, tenant: Tenant, name: str, version: str | int | None = None, alias: str | None = None,
         variant: str | None = None,
     ) -> ServedModel:
-        """The version of a model that a request means: ``version``, ``alias``, or the tenant's reference;
-        with ``variant``, that version's precision variant (a router's fallback asks for one).
-
-        Raises:
-            ModelNotFound: the tenant may not call the model, or the version, alias or variant does not exist.
-            InvalidInput: the version is not a number or the alias is malformed.
-            AccessDenied: the version carries its own Python code and the tenant may not run it.
-        """
-        listed = tenant.reference_for(name)
-        if listed is None:
-            raise not_available(tenant, name)
-        if version is not None:
-            text = str(version).strip()
-            number = version_number(text)
-            if number is None:
-                raise InvalidInput(f"version {shown(text)} of model {name!r} is not a version number; send 1, 2, ... "
-                                   "(1-9 ASCII digits) or leave the version out")
-            ref = ModelRef(name=name, version=number)
-        elif alias is not None:
-            try:
-                ref = ModelRef(name=name, alias=check_alias(alias))
-            except ShardlineError as e:
-                raise InvalidInput(str(e)) from e
-        else:
-            ref = listed
-        resolved = await self.directory.resolve(ref)
-        check_custom_code(resolved.manifest.runtime, resolved.pinned, tenant.name, tenant.custom_code)
-        return await self._served_for(resolved.variant(variant) if variant else resolved)
+        """The version of a model that a request means (``ServedModels.model``)."""
+        return await self.models.model(tenant, name, version, alias, variant)
 
     async def model_for_reference(self, tenant: Tenant, reference: str) -> ServedModel:
         """Like ``model`` for a reference string: ``name``, ``name@alias`` or ``name:version``."""
-        name, alias, version = ModelRef.split(reference)
-        if tenant.reference_for(name) is None:
-            raise not_available(tenant, name)
-        return await self.model(tenant, name, version=version, alias=alias)
+        return await self.models.model_for_reference(tenant, reference)
 
     async def versions(self, tenant: Tenant, name: str) -> list[int]:
         """The registry versions of a model the tenant may call."""
-        if tenant.reference_for(name) is None:
-            raise not_available(tenant, name)
-        return await self.directory.versions(name)
-
-    async def _served_for(self, resolved: ResolvedModel) -> ServedModel:
-        variant = resolved.variant_name
-        key = (resolved.name, resolved.version, variant)
-        served = self._served.get(key)
-        if served is not None:
-            return served
-        profile = None
-        override = self.settings.models.get(resolved.name)
-        if override is None or override.max_batch_size is None:
-            try:
-                profile = await self.directory.profile(resolved, self._machine())
-            except Exception as e:  # noqa: BLE001 - a profile only tunes defaults
-                log.warning("could not read the model's profile", extra={"fields": {
-                    "model": resolved.pinned, "error": f"{type(e).__name__}: {e}"}})
-        await self.capture.open(resolved.name, resolved.version, self._blocking_io)
-        served = self._served.get(key)
-        if served is not None:
-            return served
-        limits, idle = batch_limits(resolved.name, self.settings, profile)
-        version = _version_label(resolved)
-
-        def observe(rows: int, requests: int, seconds: float) -> None:
-            self.metrics.observe_batch(resolved.name, version, rows, requests, seconds)
-
-        async def predict(table: pa.Table) -> pa.RecordBatch:
-            return await self._predict(key, table)
-
-        def inline(table: pa.Table) -> pa.RecordBatch | None:
-            return self._predict_inline(key, table)
-
-        batcher = Batcher(resolved.pinned, limits, predict, clock=self._clock, observe=observe, inline=inline)
-
-        served = ServedModel(resolved, batcher, idle, self._clock())
-        self._served[key] = served
-        log.info("serving a model version", extra={"fields": {
-            "model": resolved.pinned, "max_batch_size": limits.max_batch_size,
-            "max_wait_ms": limits.max_wait_s * 1000, "queue_capacity": limits.queue_capacity,
-            "idle_timeout_s": idle, "batch_size_from": "profile" if profile else "settings"}})
-        return served
-
-    def _machine(self) -> str:
-        from shardline.profiling import machine_kind, profile_key
-
-        return profile_key(machine_kind("cuda" if self.runtime.device == "cuda" else "cpu"))
+        return await self.models.versions(tenant, name)
 
     def is_loaded(self, served: ServedModel) -> bool:
         """Whether the version is loaded now (not scaled to zero)."""
-        return served.content_digest in self.cache.loaded()
+        return self.models.is_loaded(served)
 
     async def model_status(self, tenant: Tenant, name: str, version: str | int | None = None) -> ModelStatus:
         """Whether a request for the model would be served now, and whether it is loaded; loads nothing.
@@ -291,18 +213,22 @@ class DataPlane:
         Raises:
             ModelNotFound, InvalidInput: as ``model``.
         """
-        served = await self.model(tenant, name, version)
-        if self.is_loaded(served):
-            return ModelStatus(served, True, None if self.ready else "the server is shutting down")
-        if not self.ready:
-            return ModelStatus(served, False, "the server is shutting down")
-        if not served.servable:
-            problem = await self._blocking_io(lambda: missing_for_serving(
-                served.resolved, self.directory.registry, self.cache.local_dir(served.resolved)))
-            if problem is not None:
-                return ModelStatus(served, False, problem)
-            served.servable = True
-        return ModelStatus(served, False)
+        return await self.models.status(await self.model(tenant, name, version), self.ready)
+
+    def _batcher_for(self, resolved: ResolvedModel, key: tuple[str, int, str], limits: Any) -> Batcher:
+        """A served version's batcher: its batches scored by this plane (inline when fast, else on the pool)."""
+        version = _version_label(resolved)
+
+        def observe(rows: int, requests: int, seconds: float) -> None:
+            self.metrics.observe_batch(resolved.name, version, rows, requests, seconds)
+
+        async def predict(table: pa.Table) -> pa.RecordBatch:
+            return await self._predict(key, table)
+
+        def inline(table: pa.Table) -> pa.RecordBatch | None:
+            return self._predict_inline(key, table)
+
+        return Batcher(resolved.pinned, limits, predict, clock=self._clock, observe=observe, inline=inline)
 
     # -- inference ----------------------------------------------------------------------
     async def infer(
@@ -373,7 +299,7 @@ class DataPlane:
         return answer
 
     async def _predict(self, key: tuple[str, int, str], inputs: Rows) -> Any:
-        served = self._served[key]
+        served = self.models[key]
         while served.unloading is not None:  # an unload in progress ends before the model is used again
             await asyncio.shield(served.unloading)
         if self._infer_pool is None:
@@ -385,7 +311,7 @@ class DataPlane:
 
     def _predict_inline(self, key: tuple[str, int, str], inputs: Rows) -> Any:
         """Score on the event loop when the model is loaded and fast enough (see ``runs_inline``), else None."""
-        served = self._served[key]
+        served = self.models[key]
         if served.unloading is not None or not runs_inline(
                 inputs.num_rows, served.seconds_per_row, self.settings.inline_max_ms / 1000.0):
             return None
@@ -507,27 +433,8 @@ class DataPlane:
 
     async def reap_idle(self) -> list[str]:
         """Unload every version idle past its time-out; returns the ones unloaded (``name:version``)."""
-        loaded = set(self.cache.loaded())
-        now = self._clock()
-        unloaded = []
-        for served in list(self._served.values()):
-            idle = now - served.last_used
-            if served.unloading is None and should_unload(idle, served.idle_timeout_s, served.batcher.busy,
-                                                          served.content_digest in loaded):
-                await self._unload(served, idle)
-                unloaded.append(served.pinned)
-        return unloaded
-
-    async def _unload(self, served: ServedModel, idle: float) -> None:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        served.unloading = done
-        try:
-            await self._blocking_io(lambda: self.cache.evict(served.content_digest))
-        finally:
-            served.unloading = None
-            done.set_result(None)
-        self.metrics.unloads.labels(served.name, str(served.version)).inc()
-        log.info("model unloaded after idling", extra={"fields": {"model": served.pinned, "idle_s": round(idle, 1)}})
+        return await self.models.reap_idle(
+            lambda served: self.metrics.unloads.labels(served.name, str(served.version)).inc())
 
     # -- what the metrics read ----------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -537,14 +444,14 @@ class DataPlane:
         models = [
             ModelState(s.name, str(s.version), s.content_digest in loaded, dict(s.batcher.depths()), s.batcher.in_flight,
                        max(0.0, now - s.last_used))
-            for s in self._served.values()
+            for s in self.models.values()
         ]
         return Snapshot(models, {name: gate.in_flight for name, gate in self._gates.items()}, self._engine_stats())
 
     def _engine_stats(self) -> dict[tuple[str, str], dict[str, int]]:
         """(model, version) -> its generation engine's stats (waiting, slots busy, decode steps), for loaded LLMs."""
         stats = {}
-        for served in self._served.values():
+        for served in self.models.values():
             if served.resolved.manifest.runtime not in LLM_RUNTIMES:
                 continue
             runtime = self.cache.held(served.content_digest, self.runtime)

@@ -133,7 +133,7 @@ def test_errors_come_in_openais_shapes(served: tuple[str, DataPlane], client: op
 
 def _slots(plane: DataPlane) -> tuple[int, int]:
     """(sequences in the engine, the tenant acme's generations in flight)."""
-    served = next(iter(plane._served.values()))
+    served = next(iter(plane.models.values()))
     runtime = plane.cache.held(served.content_digest, plane.runtime)
     assert runtime is not None
     return runtime.engine.stats()["slots_busy"], plane.llm.gate(plane.tenants.tenants["acme"]).streams
@@ -248,7 +248,7 @@ def test_a_failure_after_the_stream_started_ends_it_with_an_error_event_and_done
     url, plane = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     client.completions.create(model="tiny", prompt="warm", max_tokens=1)  # loaded
-    served_model = next(iter(plane._served.values()))
+    served_model = next(iter(plane.models.values()))
     runtime = plane.cache.held(served_model.content_digest, plane.runtime)
     assert runtime is not None
     engine = runtime.engine

@@ -63,7 +63,7 @@ def test_a_batch_out_of_device_memory_is_split_and_every_row_answered(
     answer = _infer(url, breast_cancer_model, rows)
     assert answer.status_code == 200, answer.text
     assert answer.json()["outputs"][0]["data"] == breast_cancer_model.estimator.predict(rows).tolist()
-    model = plane._served[(MODEL, 1, "")]
+    model = plane.models[(MODEL, 1, "")]
     assert model.batcher.limits.max_batch_size <= 8  # lowered to what fit: later batches are cut before they are tried
     assert plane.metrics.oom_splits.labels(MODEL, "1")._value.get() >= 3  # 50 -> 25 -> 12 -> 6
 

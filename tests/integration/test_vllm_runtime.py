@@ -114,7 +114,7 @@ def test_a_stream_through_serve_and_a_client_gone_aborts_it_in_vllm(bundles: tup
                           timeout=120) as answer:
             lines = answer.iter_lines()
             assert sum(1 for _ in range(4) if next(lines).startswith("data: ")) >= 2
-        served = next(iter(plane._served.values()))
+        served = next(iter(plane.models.values()))
         engine = plane.cache.held(served.content_digest, plane.runtime).engine  # type: ignore[union-attr]
         deadline = time.monotonic() + 10
         while engine.stats()["slots_busy"]:

@@ -44,7 +44,7 @@ bench: setup
 	$(PY) bench/batch_throughput.py
 
 typecheck: setup
-	$(PY) -m mypy shardline storage quality online tasks flows
+	$(PY) -m mypy shardline build cli storage quality online tasks flows
 
 clean:
 	# the demo's batch runner and local Prefect server first: their state is in shardline-demo/home

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardline._cli_common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
+from shardline.cli.common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
 
 for _key, _value in OFF_THE_NETWORK.items():
     os.environ.setdefault(_key, _value)
@@ -56,7 +56,7 @@ MEMORY_CHECKPOINT_BYTES = 8 * MiB
 
 def prepare_registry() -> Path:
     """A fresh Shardline home with breast-cancer@prod; returns the home."""
-    from shardline.examples import package_breast_cancer
+    from shardline.build.examples import package_breast_cancer
     from shardline.storage.registry import ModelRegistry
 
     home, bundle = DATA / "home", DATA / "bundle"
@@ -74,7 +74,7 @@ def tiny_shards(n: int) -> Path:
     """``n`` shards of 20 rows each (written once)."""
     import pyarrow.parquet as pq
 
-    from shardline.examples import breast_cancer, shard_table
+    from shardline.build.examples import breast_cancer, shard_table
 
     folder = DATA / f"tiny-{n}"
     if (folder / "_complete").exists():
@@ -91,7 +91,7 @@ def tiny_shards(n: int) -> Path:
 
 def big_shard(rows: int) -> Path:
     """One shard of ``rows`` rows in row groups of 65,536 (written once)."""
-    from shardline.examples import write_shards
+    from shardline.build.examples import write_shards
 
     folder = DATA / f"big-{rows}"
     if not (folder / "_complete").exists():

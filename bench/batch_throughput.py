@@ -21,7 +21,7 @@ one Parquet file per shard (or partition) with the model's outputs:
 Cells: shards of about 50k, 200k and 1M rows (about the same rows per run, so runs
 take comparable time), each with the breast-cancer logistic regression (I/O-bound:
 the model is a few multiply-adds a row) and the 100-tree GBT (compute-bound) of
-``shardline.examples``. Each contender runs in its own process, sampled with psutil
+``shardline.build.examples``. Each contender runs in its own process, sampled with psutil
 for the memory of its whole process tree. Printed per cell: rows/s end to end
 (process start to exit, start-ups included) and in steady state (first shard started
 to last part written), peak tree memory, the platform's seconds outside the steady
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from shardline._cli_common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
+from shardline.cli.common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
 
 for _key, _value in OFF_THE_NETWORK.items():
     os.environ.setdefault(_key, _value)
@@ -191,7 +191,7 @@ def dask_script(bundle: Path, input_dir: Path, output_dir: Path) -> dict[str, An
 
 def prepare_models() -> dict[str, Path]:
     """Bundles of both models and a registry holding them at @prod, made anew; returns kind -> bundle."""
-    from shardline.examples import package_breast_cancer
+    from shardline.build.examples import package_breast_cancer
     from shardline.storage.registry import ModelRegistry
 
     home = DATA / "home"
@@ -211,7 +211,7 @@ def prepare_models() -> dict[str, Path]:
 
 def prepare_shards(shards: int, rows_per_shard: int) -> Path:
     """``shards`` shards of ``rows_per_shard`` rows under bench/.data/batch, written once."""
-    from shardline.examples import write_shards
+    from shardline.build.examples import write_shards
 
     folder = DATA / f"shards-{shards}x{rows_per_shard}"
     if not (folder / "_complete").exists():
@@ -285,7 +285,7 @@ def _cpu_of(pid: int | None) -> dict[int, float]:
 
 def _runner_pid() -> int | None:
     """The pid of the bench home's warm batch runner, when one runs."""
-    from shardline._batch_runner import find
+    from shardline.cli.batch_runner import find
 
     record = find(DATA / "home")
     return record.pid if record is not None else None

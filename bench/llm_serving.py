@@ -2,7 +2,7 @@
 straight to `shardline serve` and through `shardline router`, on defaults, with what a user would write
 instead beside them.
 
-The model is the tiny Llama built here (`shardline.llm_build.package_tiny_llm`: 2 layers, random weights,
+The model is the tiny Llama built here (`shardline.build.llm_build.package_tiny_llm`: 2 layers, random weights,
 the MiniLM tokenizer; nothing downloaded). Series:
 
 - **direct**: `shardline serve --tenants ...` on its defaults;
@@ -54,7 +54,7 @@ TTFT_ADDED_TARGET_MS = 2.0
 
 def prepare() -> dict[str, Any]:
     """The tiny bundle pushed as tiny@prod in a fresh home, and a tenants file allowing it."""
-    from shardline.llm_build import package_tiny_llm
+    from shardline.build.llm_build import package_tiny_llm
     from shardline.online.tenants import hash_api_key
     from shardline.storage.registry import ModelRegistry
 

@@ -1,7 +1,7 @@
 """Online latency: `shardline serve` against a bare Starlette floor and LitServe, open loop.
 
 All three serve the same small classifier (the breast-cancer classifier of
-``shardline.examples``, gradient-boosted trees by default, ``--model logreg`` for the
+``shardline.build.examples``, gradient-boosted trees by default, ``--model logreg`` for the
 logistic regression; one ``model.onnx``), one row per request, onnxruntime on the CPU,
 each in its own process(es), in the two request layouts a V2 client sends:
 
@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import NOISY, PEERS_NOISY, P99_TARGET_MS, held  # noqa: E402
 from online_peers import MODEL, MODEL_NK, open_session  # noqa: E402
 
-from shardline._cli_common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
+from shardline.cli.common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
 
 for _key, _value in OFF_THE_NETWORK.items():
     os.environ.setdefault(_key, _value)
@@ -94,8 +94,8 @@ def prepare(kind: str = "gbt") -> dict[str, Any]:
     import numpy as np
     import yaml
 
-    from shardline.examples import breast_cancer, package_breast_cancer
-    from shardline.packaging import package_onnx
+    from shardline.build.examples import breast_cancer, package_breast_cancer
+    from shardline.build.packaging import package_onnx
     from shardline.storage.registry import ModelRegistry
 
     bundle, home = DATA / "bundle", DATA / "home"

@@ -7,13 +7,13 @@ loaded through the model cache, as the batch workers and the HTTP tier load them
 - classifier: an MLP (two hidden layers, 128 and 64) on scikit-learn's breast-cancer
   data, trained on 80% of the rows, the other 20% its golden set (accuracy); scored
   on ``--rows`` noisy rows drawn from the data set.
-- embedding: all-MiniLM-L6-v2 (``shardline.embedding.package_minilm``), its golden
+- embedding: all-MiniLM-L6-v2 (``shardline.build.embedding.package_minilm``), its golden
   set the fp32 embeddings of 256 sentences (cosine_min); scored on ``--texts``
   sentences taken from the docstrings of Python's standard library (real English,
   no download). Skipped with a note when the package or its build extras are missing.
 
 Printed per model: rows/s of fp32 and int8 over the whole input in batches (best of
-``--repeats``), p50/p99 per call at batch sizes 1/64/4096 (``shardline.profiling``),
+``--repeats``), p50/p99 per call at batch sizes 1/64/4096 (``shardline.build.profiling``),
 the int8/fp32 ratios, and what int8 costs in accuracy: the golden-set delta recorded
 on the variant, label agreement (classifier), min/mean cosine similarity between the
 fp32 and int8 embeddings (embedding).
@@ -46,10 +46,11 @@ import pyarrow as pa  # noqa: E402
 
 from shardline.bundle import read_manifest  # noqa: E402
 from shardline.errors import GateFailed, ShardlineError  # noqa: E402
-from shardline.examples import breast_cancer, golden_table, shard_table, split  # noqa: E402
+from shardline.build.examples import breast_cancer, golden_table, shard_table, split  # noqa: E402
 from shardline.quality.variants import make_variant  # noqa: E402
-from shardline.packaging import GoldenSet, finish_bundle, package_sklearn  # noqa: E402
-from shardline.profiling import machine_kind, profile_model, usable_cores  # noqa: E402
+from shardline.build.packaging import GoldenSet, finish_bundle, package_sklearn  # noqa: E402
+from shardline.build.profiling import profile_model  # noqa: E402
+from shardline.machines import machine_kind, usable_cores  # noqa: E402
 from shardline.runtimes import Runtime, RuntimeOptions  # noqa: E402
 from shardline.storage.model_cache import ModelCache  # noqa: E402
 from shardline.storage.registry import ModelRegistry, Variant  # noqa: E402
@@ -149,9 +150,9 @@ def stdlib_sentences(count: int) -> list[str]:
 def minilm_bundle(registry: ModelRegistry, texts: list[str]) -> bool:
     """Package all-MiniLM-L6-v2 once (reused), with the fp32 embeddings of 256 sentences as its golden set."""
     try:
-        from shardline.embedding import package_minilm
+        from shardline.build.embedding import package_minilm
     except ImportError as e:
-        print(f"\nembedding: skipped, shardline.embedding.package_minilm is not there ({e})")
+        print(f"\nembedding: skipped, shardline.build.embedding.package_minilm is not there ({e})")
         return False
     folder = DATA / "minilm"
     if not (folder / "manifest.json").is_file():

@@ -8,8 +8,8 @@ from prefect import flow
 from prefect.settings import get_current_settings
 from prefect.states import Completed, Failed, State
 
-from shardline.mlflow_import import shown_uri
-from shardline.mlflow_watch import GoldenRows, WatchOutcome, WatchSummary, watch_targets
+from shardline.build.mlflow_import import shown_uri
+from shardline.build.mlflow_watch import GoldenRows, WatchOutcome, WatchSummary, watch_targets
 from shardline.settings import StorageSettings
 from shardline.tasks.mlflow_watch import (
     import_version_task,

@@ -133,7 +133,7 @@ class ServedModels:
 
     def machine(self) -> str:
         """This machine's kind, as the stored profiles are keyed."""
-        from shardline.profiling import machine_kind, profile_key
+        from shardline.machines import machine_kind, profile_key
 
         return profile_key(machine_kind("cuda" if self.runtime.device == "cuda" else "cpu"))
 

@@ -30,8 +30,6 @@ from shardline.errors import ModelNotFound, Unauthenticated
 from shardline.online.errors import shown
 from shardline.tenants import Priority, RateQuota, TenantsFile, load_tenants_file, parse_tenants_file
 
-# The header in which a router names the tenant it has authenticated (see ``TenantDirectory``).
-
 
 def hash_api_key(key: str) -> str:
     """The hex sha256 of an API key: what the tenants file stores."""

@@ -2,10 +2,10 @@
 
 ``evaluate`` runs the model over the golden table and computes the declared metric
 (accuracy, rmse or cosine_min); it touches nothing but ``model.predict``. The
-promotion gates and the precision-variant check (``shardline.optimize``) both call
+promotion gates and the precision-variant check (``shardline.build.optimize``) both call
 it, so a version and its variants are scored the same way. ``read_golden`` is the
 one function here that reads a file (bundles get their golden set from
-``shardline.packaging``).
+``shardline.build.packaging``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ import pyarrow as pa
 
 from shardline.bundle import Manifest
 from shardline.errors import InvalidSetting
-from shardline.profiling import DEFAULT_BATCH_SIZES, profile_key, profile_model
+from shardline.build.profiling import DEFAULT_BATCH_SIZES, profile_model
+from shardline.machines import profile_key
 from shardline.quality.evaluation import read_golden
 from shardline.runtimes.base import RuntimeOptions
 from shardline.storage.model_cache import ModelCache

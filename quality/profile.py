@@ -187,7 +187,7 @@ def attach_reference_profile(bundle_dir: str | Path, data: pa.Table) -> Manifest
 
     Replaces the bundle's profile artifact, if it had one, and rewrites its manifest.
     """
-    from shardline.packaging import set_reference_profile
+    from shardline.build.packaging import set_reference_profile
 
     profile = reference_profile(bundle_dir, data)
     return set_reference_profile(Path(bundle_dir), read_manifest(bundle_dir), profile)

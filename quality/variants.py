@@ -1,7 +1,7 @@
 """Precision variants of a registered version: build, score against fp32, record.
 
 ``make_variant`` resolves a reference, builds the variant from the fetched bundle
-(``shardline.optimize``), scores fp32 and the variant on the bundle's golden set,
+(``shardline.build.optimize``), scores fp32 and the variant on the bundle's golden set,
 refuses a variant whose score moves more than the manifest's ``max_variant_delta``
 (gate 'variant-accuracy'), and records it in the registry.
 """
@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from shardline.bundle import Artifact, Evaluation, Manifest
 from shardline.errors import GateFailed, InvalidSetting, RuntimeUnavailable
-from shardline.optimize import BUILDERS, VARIANT_KINDS, Precision
+from shardline.build.optimize import BUILDERS, VARIANT_KINDS, Precision
 from shardline.quality.evaluation import evaluate, read_golden, variant_delta_allowed
 from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
 from shardline.storage.model_cache import ModelCache

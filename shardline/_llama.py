@@ -70,7 +70,7 @@ class LlamaConfig:
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidBundle(f"{CONFIG_FILE} at {path} is not a readable Llama config ({type(e).__name__}: {e}); "
-                                "re-package the model (shardline.llm_build.package_tiny_llm writes one)") from e
+                                "re-package the model (shardline.build.llm_build.package_tiny_llm writes one)") from e
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         if (min(config.vocab_size, config.hidden_size, config.num_hidden_layers, heads, kv_heads,
                 config.intermediate_size, config.max_position_embeddings, config.head_dim) < 1

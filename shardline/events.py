@@ -1,7 +1,7 @@
 """Prefect events posted over plain HTTP, for the automations in ``prefect.yaml``.
 
 Which Prefect API: ``PREFECT_API_URL`` (the environment, else the active profile of Prefect's
-profiles file), else the home's local Prefect server when one runs (``shardline/_prefect_server.py``;
+profiles file), else the home's local Prefect server when one runs (``shardline.local_prefect``;
 nothing here starts one). With none, an event is only logged.
 
 An event is posted to the API's ``POST /events`` (the batch endpoint Prefect's server offers beside
@@ -46,7 +46,7 @@ def prefect_api_url(home: str) -> str | None:
     url = parsed.get("profiles", {}).get(active, {}).get("PREFECT_API_URL") if active else None
     if url:
         return str(url)
-    from shardline._prefect_server import find
+    from shardline.local_prefect import find
 
     server = find(home)
     return server.api_url if server is not None else None

@@ -15,7 +15,7 @@ policy, with its table of cases, is written up in ``docs/placement.md``:
   measured on the slice) or a share of a GPU (time-slicing/MPS, in
   ``gpu_share_steps`` steps, assumed ``shared_latency_factor`` slower at p99).
 
-``candidates_from_profiles`` turns the profiles that ``shardline.profiling`` stores
+``candidates_from_profiles`` turns the profiles that ``shardline.build.profiling`` stores
 in the registry into candidates, pricing each machine kind from a ``CostTable``.
 """
 

@@ -30,7 +30,7 @@ from shardline.tasks.logs import run_logger
 from shardline.errors import CorruptShard, InvalidSetting, JobFailed, OutputInUse
 from shardline.runtimes import RuntimeOptions
 from shardline.placement import BatchWorkload, CostTable, candidates_from_profiles, choose_placement
-from shardline.profiling import machine_kind
+from shardline.machines import machine_kind
 from shardline.settings import BatchSettings, DaskSettings, PlacementSettings, RuntimeSettings, StorageSettings
 from shardline.signature import schema_problems
 from shardline.storage.job_identity import JobSummary, foreign_parts, job_id, job_key, summarize, up_to_date

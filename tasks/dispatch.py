@@ -41,7 +41,7 @@ MAX_GROUP = 8
 Settled = Callable[[ShardInfo, PartRecord | None, BaseException | None], None]
 
 # A request to stop the job this context runs: set by whoever runs the flow (the warm batch runner,
-# shardline/_batch_runner.py, when the command that sent the job is interrupted or killed). The
+# cli/batch_runner.py, when the command that sent the job is interrupted or killed). The
 # dispatcher then hands out no more shards, withdraws the tasks the cluster has not started, lets the
 # running ones finish (a worker commits each part and ledger record, so the lease is held until
 # then; a group scores the rest of its shards, 64 MiB at most) and raises JobStopped; a re-run

@@ -1,7 +1,7 @@
 """Prefect tasks of the mlflow-watch flow: open the store, plan a model, import a version, record aliases, publish.
 
-Thin wrappers over ``shardline.mlflow_import`` (MLflow's own client), ``shardline.mlflow_watch`` (the pure
-decisions), ``shardline.storage.mlflow_watch_state`` (what was seen) and the registry; an imported version is
+Thin wrappers over ``shardline.build.mlflow_import`` (MLflow's own client), ``shardline.build.mlflow_watch`` (the pure
+decisions), ``shardline.tasks.mlflow_watch_state`` (what was seen) and the registry; an imported version is
 announced as ``shardline.model.pushed``, which prefect.yaml's ``promote-on-push`` automation answers.
 """
 
@@ -18,8 +18,8 @@ from prefect.cache_policies import NO_CACHE
 
 from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound, RuntimeUnavailable, ShardlineError
 from shardline.events import MODEL_PUSHED, announce_push
-from shardline.mlflow_import import list_registered_versions, mlflow_tracking_uri, shown_uri
-from shardline.mlflow_watch import (
+from shardline.build.mlflow_import import list_registered_versions, mlflow_tracking_uri, shown_uri
+from shardline.build.mlflow_watch import (
     GoldenRows,
     SeenVersion,
     WatchOutcome,
@@ -31,7 +31,7 @@ from shardline.mlflow_watch import (
     tracking_key,
 )
 from shardline.settings import StorageSettings
-from shardline.storage.mlflow_watch_state import WatchStates
+from shardline.tasks.mlflow_watch_state import WatchStates
 from shardline.storage.registry import ModelRegistry
 from shardline.tasks.logs import run_logger
 
@@ -75,7 +75,7 @@ def import_version_task(target: WatchTarget, version: str, tracking_uri: str, st
     announce it when it is a new version there; record it as seen. A refused import (a pickle, a flavor that
     does not map, no rows to check it on) is recorded with its reason and not retried; any other error (a golden
     set that does not fit included) is reported and left for the next run."""
-    from shardline.mlflow_import import import_mlflow_model
+    from shardline.build.mlflow_import import import_mlflow_model
     from shardline.quality.profile import attach_reference_profile
 
     uri, logger = target.uri(version), run_logger()
@@ -137,7 +137,7 @@ def read_sample(url: str, storage: StorageSettings, what: str = "sample rows",
 
 def _golden_set(spec: GoldenRows, storage: StorageSettings) -> Any:
     """A target's golden set, its rows read (InvalidSetting when they cannot be)."""
-    from shardline.packaging import GoldenSet
+    from shardline.build.packaging import GoldenSet
 
     table = read_sample(spec.rows, storage, "golden rows",
                         "a Parquet file of the model's inputs and the expected answers in golden")

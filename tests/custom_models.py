@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from shardline.bundle import Manifest
-from shardline.code_bundles import package_python
-from shardline.examples import breast_cancer
+from shardline.build.code_bundles import package_python
+from shardline.build.examples import breast_cancer
 
 MODEL_CODE = '''
 """Diagnosis from the breast-cancer features: log-scaled, a logistic regression, named labels."""

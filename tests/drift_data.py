@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardline.bundle import Manifest
-from shardline.examples import breast_cancer, golden_table, shard_table, split
+from shardline.build.examples import breast_cancer, golden_table, shard_table, split
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.storage.capture import write_capture
 

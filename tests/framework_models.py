@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from shardline.examples import breast_cancer
+from shardline.build.examples import breast_cancer
 
 
 def training_rows() -> tuple[np.ndarray, np.ndarray, list[str], pa.Table]:

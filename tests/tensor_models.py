@@ -107,8 +107,8 @@ def breast_cancer_bundle(folder: Path, name: str, kind: str, fails_from: float |
     import onnx
     from onnx import TensorProto, helper
 
-    from shardline.examples import breast_cancer, golden_table, package_breast_cancer, split
-    from shardline.packaging import GoldenSet, package_onnx
+    from shardline.build.examples import breast_cancer, golden_table, package_breast_cancer, split
+    from shardline.build.packaging import GoldenSet, package_onnx
     from shardline.quality.profile import profile_table
 
     train, held_out = split(breast_cancer())
@@ -150,8 +150,8 @@ def mlp_bundle(folder: Path, name: str = "mlp") -> tuple[Path, Any]:
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
-    from shardline.examples import breast_cancer, golden_table
-    from shardline.packaging import GoldenSet, package_sklearn
+    from shardline.build.examples import breast_cancer, golden_table
+    from shardline.build.packaging import GoldenSet, package_sklearn
 
     data = breast_cancer()
     estimator = make_pipeline(StandardScaler(), MLPClassifier((32,), max_iter=1000, random_state=0))

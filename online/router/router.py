@@ -542,7 +542,8 @@ class Router:
         replica.in_flight += 1
         ok, cancelled, streaming = False, False, False
         task = asyncio.current_task()
-        replica.waiting[task] = now  # watched for a stall until its answer begins (``RouterService``)
+        if (replica.url, model) in self._answered:  # a first answer may be a model loading (holding the GIL): unwatched
+            replica.waiting[task] = now  # watched for a stall until its answer begins (``RouterService``)
         try:
             pool = self._pool(replica.url)
             pieces = None

@@ -152,7 +152,8 @@ class RouterService:
 
     async def _watch_stalls(self) -> None:
         """Every half stall time: probe the health of each replica whose oldest waiting try has stalled
-        (``health.stalled``); one that gives no answer within the stall time is hung (``Router.abandon``)."""
+        (``health.stalled``); one that gives no answer within twice the stall time is hung (``Router.abandon``). A
+        try on a replica that has not answered its model yet (loading it) is not watched (``Router._send``)."""
         now = time.monotonic()
         stall_s = self.router.settings.stall_ms / 1000
         suspects = [r for r in self.router.replicas.replicas.values()
@@ -161,7 +162,7 @@ class RouterService:
             return
         for replica in suspects:
             replica.probed = now
-        answers = await asyncio.gather(*(self._health(r.url, stall_s) for r in suspects))
+        answers = await asyncio.gather(*(self._health(r.url, 2 * stall_s) for r in suspects))
         for replica, status in zip(suspects, answers):
             if status is None and replica.healthy and replica.url in self.router.replicas.replicas:
                 self.router.abandon(replica, time.monotonic())

@@ -1,6 +1,6 @@
 """The ``llm`` runtime: a causal LM on CPU, for development, tests and batch generation of small models.
 
-It runs a bundle as ``shardline.llm_build.package_tiny_llm`` writes it (a Hugging Face Llama checkpoint,
+It runs a bundle as ``shardline.build.llm_build.package_tiny_llm`` writes it (a Hugging Face Llama checkpoint,
 ``tokenizer.json``, ``generation_config.json``) through one ``shardline.generation.GenerationEngine``:
 continuous batching over a static slot cache, in a thread of its own.
 

@@ -13,7 +13,7 @@ own process, from its own environment or image. This runtime either
   replica (PR_SET_PDEATHSIG on Linux).
 
 The bundle is a Hugging Face checkpoint as vLLM reads it (``config.json``, safetensors weights,
-``tokenizer.json`` and ``tokenizer_config.json``, ``generation_config.json``; ``shardline.llm_build``
+``tokenizer.json`` and ``tokenizer_config.json``, ``generation_config.json``; ``shardline.build.llm_build``
 packages one), with the signature of every ``llm`` bundle: ``prompt`` in; ``completion``,
 ``prompt_tokens``, ``completion_tokens`` out.
 

@@ -2,12 +2,12 @@
 
 The session's commands talk to one real `prefect server` (``PREFECT_API_URL``), as a user
 who follows the README's Prefect section does. Without one, a user's `batch run` finds or
-starts the local Prefect server of its Shardline home (shardline/_prefect_server.py): a test
+starts the local Prefect server of its Shardline home (cli/prefect_server.py): a test
 that drops the URL sets ``SHARDLINE_PREFECT_SERVER=temporary`` too (Prefect's temporary server
 per run, nothing left behind), and the tests of the local server (test_prefect_server.py) stop
 what they start.
 
-`batch run` hands its job to the home's warm batch runner (shardline/_batch_runner.py), as a
+`batch run` hands its job to the home's warm batch runner (cli/batch_runner.py), as a
 user's does: the first run of a test starts one for the test's home, and
 ``no_batch_runner_outlives_the_test`` (tests/conftest.py) kills it when the test ends. A test of the cold path
 (a run in its own supervised process) sets ``SHARDLINE_BATCH_RUNNER_IDLE_S=0``.

@@ -22,7 +22,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from shardline.examples import breast_cancer, package_breast_cancer, write_shards
+from shardline.build.examples import breast_cancer, package_breast_cancer, write_shards
 from shardline.storage.registry import ModelRegistry
 
 from tests.conftest import BuiltModel

@@ -1,4 +1,4 @@
-"""The warm batch runner (shardline/_batch_runner.py): `batch run` on the default settings hands its job to
+"""The warm batch runner (cli/batch_runner.py): `batch run` on the default settings hands its job to
 a long-lived runner per home that keeps the imports and a Dask cluster warm.
 
 These runs keep the session's PREFECT_API_URL (the runner's jobs go to the session's Prefect server, as a
@@ -19,8 +19,8 @@ import psutil
 import pyarrow.dataset as ds
 import pytest
 
-from shardline._batch_runner import find, runner_dir
-from shardline.examples import write_shards
+from shardline.cli.batch_runner import find, runner_dir
+from shardline.build.examples import write_shards
 from shardline.storage.job_records import JobRecords
 
 from tests.conftest import BuiltModel

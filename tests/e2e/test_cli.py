@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from shardline.examples import write_shards
+from shardline.build.examples import write_shards
 
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 import typer.main
 
-from shardline.cli import app
+from shardline.cli.commands import app
 from tests.e2e.conftest import SHARDLINE
 
 SENTENCE_ENDS = (".", ":", ";", "!", "?")

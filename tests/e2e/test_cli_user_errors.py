@@ -16,7 +16,7 @@ from typing import Callable
 import fsspec
 import pytest
 
-from shardline.examples import write_shards
+from shardline.build.examples import write_shards
 from shardline.storage.lease import LeaseTerms, OutputLease
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]

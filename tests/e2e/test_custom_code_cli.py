@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardline.examples import breast_cancer
+from shardline.build.examples import breast_cancer
 from shardline.signature import Signature
 
 from tests.custom_models import build_custom_model, write_code

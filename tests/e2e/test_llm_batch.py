@@ -19,7 +19,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from shardline.bundle import read_manifest
-from shardline.llm_build import package_tiny_llm
+from shardline.build.llm_build import package_tiny_llm
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.storage.registry import ModelRegistry
 

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from shardline.llm_build import package_tiny_llm
+from shardline.build.llm_build import package_tiny_llm
 from shardline.online.router.data_plane import find_nginx
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry

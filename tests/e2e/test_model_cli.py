@@ -9,7 +9,7 @@ from typing import Callable
 
 import pyarrow.parquet as pq
 
-from shardline.examples import breast_cancer, golden_table, split
+from shardline.build.examples import breast_cancer, golden_table, split
 
 from tests.conftest import BuiltModel
 
@@ -84,7 +84,7 @@ def test_optimize_profile_and_place(shardline: Shardline, tmp_path: Path) -> Non
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
-    from shardline.packaging import GoldenSet, package_sklearn
+    from shardline.build.packaging import GoldenSet, package_sklearn
 
     data = breast_cancer()
     mlp = make_pipeline(StandardScaler(), MLPClassifier((32,), max_iter=1000, random_state=0)).fit(data.features, data.labels)

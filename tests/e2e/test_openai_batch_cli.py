@@ -16,7 +16,7 @@ from typing import Any, Callable
 import psutil
 import pytest
 
-from shardline.llm_build import package_tiny_llm
+from shardline.build.llm_build import package_tiny_llm
 from shardline.storage.registry import ModelRegistry
 
 from tests.e2e.conftest import SHARDLINE

@@ -29,7 +29,7 @@ import pyarrow.dataset as ds
 import pytest
 import yaml
 
-from shardline.examples import write_shards
+from shardline.build.examples import write_shards
 from shardline.storage.registry import ModelRegistry
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]

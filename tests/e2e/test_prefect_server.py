@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 import pytest
 
-from shardline._batch_runner import find as find_runner
-from shardline._batch_runner import stop as stop_runner
-from shardline._prefect_server import healthy, server_dir, stop
-
+from shardline.cli.batch_runner import find as find_runner
+from shardline.cli.batch_runner import stop as stop_runner
+from shardline.cli.prefect_server import stop
+from shardline.local_prefect import healthy, server_dir
 from tests.e2e.conftest import SHARDLINE
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]

@@ -18,7 +18,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from shardline.examples import write_shards
+from shardline.build.examples import write_shards
 from shardline.storage.output import OutputLayout
 
 SHARDS, ROWS = 40, 4_000

@@ -15,7 +15,7 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
-from shardline.examples import write_shards
+from shardline.build.examples import write_shards
 from shardline.runtimes import RuntimeOptions
 from shardline.storage import scoring
 from shardline.storage.checkpoint import CHECKPOINTS

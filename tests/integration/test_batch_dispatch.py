@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from dask.utils import key_split
 
-from shardline.examples import write_shards
+from shardline.build.examples import write_shards
 from shardline.runtimes import RuntimeOptions
 from shardline.storage.job_identity import job_key
 from shardline.storage.output import OutputLayout, PartRecord

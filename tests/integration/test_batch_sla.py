@@ -111,7 +111,7 @@ def test_a_late_job_emits_sla_events_and_the_automation_answers(
 def test_status_and_resume_from_the_cli(
     input_shards: Path, tmp_path: Path, shardline_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardline.cli import app
+    from shardline.cli.commands import app
 
     monkeypatch.setenv("SHARDLINE_BATCH_RUNNER_IDLE_S", "0")  # in this process, on the harness (the runner: e2e)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardline.examples import breast_cancer, golden_table, shard_table, shifted_table, split
+from shardline.build.examples import breast_cancer, golden_table, shard_table, shifted_table, split
 from shardline.quality.contracts import ShardContract
 from shardline.quality.profile import profile_table
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from shardline.errors import AccessDenied
-from shardline.examples import breast_cancer, shard_table
+from shardline.build.examples import breast_cancer, shard_table
 from shardline.flows.batch_inference import batch_inference
 from shardline.online.app import create_app
 from shardline.online.server import build_plane

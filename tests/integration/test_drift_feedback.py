@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from shardline.examples import breast_cancer, golden_table, package_breast_cancer, split
+from shardline.build.examples import breast_cancer, golden_table, package_breast_cancer, split
 from shardline.settings import StorageSettings
 from shardline.storage.capture import capture_root
 from shardline.storage.registry import ModelRegistry
@@ -152,7 +152,7 @@ def test_rescore_scores_a_finished_jobs_input_again_with_another_version(
 
     import pyarrow.dataset as ds
 
-    from shardline.examples import write_shards
+    from shardline.build.examples import write_shards
     from shardline.flows.batch_inference import batch_inference
     from shardline.flows.remediation import rescore_output
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.examples import breast_cancer, shard_table, shifted_table, with_site
+from shardline.build.examples import breast_cancer, shard_table, shifted_table, with_site
 from shardline.quality.drift import drift_report
 from shardline.quality.profile import profile_table
 from shardline.quality.report import render_html

@@ -1,6 +1,6 @@
 """XGBoost, LightGBM and PyTorch models, fitted here, packaged by their builders, pushed, and scored in both
 tiers: the batch flow on a real Dask cluster and `serve` over real HTTP answer as the framework itself does
-(within the converter's tolerance, ``shardline.frameworks``)."""
+(within the converter's tolerance, ``shardline.build.frameworks``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from shardline.flows.batch_inference import batch_inference
-from shardline.frameworks import ATOL, RTOL, package_lightgbm, package_torch, package_xgboost
+from shardline.build.frameworks import ATOL, RTOL, package_lightgbm, package_torch, package_xgboost
 from shardline.online.app import create_app
 from shardline.online.server import build_plane
 from shardline.online.tenants import TenantDirectory, hash_api_key
@@ -61,7 +61,7 @@ def test_the_batch_flow_scores_like_the_framework(kind: str, models: tuple[Path,
                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     home, built = models
     monkeypatch.setenv("SHARDLINE_STORAGE_HOME", str(home))
-    from shardline.examples import write_shards
+    from shardline.build.examples import write_shards
 
     write_shards(tmp_path / "input", 2, 600)
     state = batch_inference(model=f"{kind}@prod", input_uri=str(tmp_path / "input"), output_uri=str(tmp_path / "out"),

@@ -16,7 +16,7 @@ import openai
 import orjson
 import pytest
 
-from shardline.llm_build import package_tiny_llm
+from shardline.build.llm_build import package_tiny_llm
 from shardline.online.app import create_app
 from shardline.online.dataplane import DataPlane
 from shardline.online.server import build_plane

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pytest
 
 from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound
-from shardline.frameworks import ATOL, RTOL
-from shardline.mlflow_import import ImportedModel, import_mlflow_model, parse_model_uri, shardline_name
+from shardline.build.frameworks import ATOL, RTOL
+from shardline.build.mlflow_import import ImportedModel, import_mlflow_model, parse_model_uri, shardline_name
 from shardline.runtimes import RuntimeOptions, create_runtime
 
 from tests.framework_models import training_rows

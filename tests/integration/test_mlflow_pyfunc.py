@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from shardline.errors import AccessDenied, InvalidInput, RuntimeUnavailable
-from shardline.examples import breast_cancer, shard_table
-from shardline.mlflow_import import ImportedModel, import_mlflow_model
+from shardline.build.examples import breast_cancer, shard_table
+from shardline.build.mlflow_import import ImportedModel, import_mlflow_model
 from shardline.runtimes import RuntimeOptions, create_runtime
 
 from tests.conftest import write_shards

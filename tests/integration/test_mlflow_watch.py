@@ -130,7 +130,7 @@ def test_watch_mlflow_runs_the_flow_once_from_the_cli_and_refuses_a_wrong_reques
         shardline_home: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from shardline.cli import app
+    from shardline.cli.commands import app
 
     logged = log_models(tmp_path / "mlflow", ("onnx",))
     run = CliRunner().invoke

@@ -22,7 +22,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from shardline.examples import package_breast_cancer
+from shardline.build.examples import package_breast_cancer
 from shardline.online.app import create_app
 from shardline.online.metrics import metrics_app
 from shardline.online.server import build_plane

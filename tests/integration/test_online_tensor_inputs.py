@@ -27,7 +27,7 @@ from shardline.online.app import create_app
 from shardline.online.server import build_plane
 from shardline.online.tenants import TenantDirectory, hash_api_key
 from shardline.online.testing import serve_listeners_in_thread
-from shardline.packaging import package_onnx
+from shardline.build.packaging import package_onnx
 from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
 from shardline.storage.registry import ModelRegistry
 

@@ -19,7 +19,7 @@ import pytest
 from shardline.bundle import Manifest, read_manifest
 from shardline.errors import InvalidInput, OutputInUse
 from shardline.generation import EngineConfig, GenerationEngine, SamplingParams
-from shardline.llm_build import package_tiny_llm
+from shardline.build.llm_build import package_tiny_llm
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.storage.registry import ModelRegistry
 

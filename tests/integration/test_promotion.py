@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shardline.errors import AliasConflict, GateFailed
-from shardline.examples import golden_table, package_breast_cancer, split, breast_cancer
+from shardline.build.examples import golden_table, package_breast_cancer, split, breast_cancer
 from shardline.flows.promotion import promote_model
 from shardline.quality.profile import profile_table
 from shardline.storage.registry import ModelRegistry
@@ -72,7 +72,7 @@ def test_a_version_below_its_threshold_is_refused(registry: ModelRegistry, tmp_p
 def test_a_breaking_signature_is_refused_unless_allowed(registry: ModelRegistry, tmp_path: Path) -> None:
     from sklearn.linear_model import Ridge
 
-    from shardline.packaging import GoldenSet, package_sklearn
+    from shardline.build.packaging import GoldenSet, package_sklearn
 
     train, held_out = split(breast_cancer())
     regressor = Ridge().fit(train.features, train.labels)
@@ -159,7 +159,7 @@ def test_a_pushed_version_is_announced_and_prefect_yamls_automation_promotes_it_
     from prefect.settings import PREFECT_API_URL
     from typer.testing import CliRunner
 
-    from shardline.cli import app
+    from shardline.cli.commands import app
     from tests.integration.automations import deploy_with_triggers, run_flow_run_here, wait_for_flow_run
 
     api_url = str(PREFECT_API_URL.value())

@@ -26,7 +26,7 @@ RACERS = 6
 
 def _first_set(url: str, options: dict[str, Any], alias: str, by: str) -> str:
     """What `shardline model alias MODEL ALIAS 1` does, from its own registry client: 'won' or the error."""
-    from shardline._model_cli import _set_alias
+    from shardline.cli.model_commands import _set_alias
 
     registry = ModelRegistry(url, options)
     try:
@@ -179,7 +179,7 @@ def test_an_unreadable_alias_record_answers_without_the_registry_location(
 def test_promotion_goes_on_past_a_dead_writers_record(
     shardline_home: Path, breast_cancer_model: BuiltModel, tmp_path: Path
 ) -> None:
-    from shardline.examples import breast_cancer, golden_table, package_breast_cancer, split
+    from shardline.build.examples import breast_cancer, golden_table, package_breast_cancer, split
     from shardline.flows.promotion import promote_model
     from shardline.quality.profile import profile_table
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from shardline.errors import GateFailed, RolloutConflict
-from shardline.examples import breast_cancer
+from shardline.build.examples import breast_cancer
 from shardline.flows.rollout import end_rollout, start_rollout
 from shardline.storage.capture import write_capture
 from shardline.storage.registry import ModelRegistry

@@ -20,7 +20,7 @@ import pytest
 
 from shardline.bundle import MANIFEST, verify_artifacts
 from shardline.errors import IntegrityError, ModelNotFound
-from shardline.examples import package_breast_cancer
+from shardline.build.examples import package_breast_cancer
 from shardline.flows.batch_inference import batch_inference
 from shardline.settings import StorageSettings
 from shardline.storage.model_cache import ModelCache

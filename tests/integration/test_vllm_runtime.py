@@ -22,7 +22,7 @@ import pytest
 
 from shardline.bundle import Manifest, read_manifest
 from shardline.generation import SamplingParams
-from shardline.llm_build import package_tiny_llm
+from shardline.build.llm_build import package_tiny_llm
 from shardline.online.app import create_app
 from shardline.online.server import build_plane
 from shardline.online.tenants import TenantDirectory, hash_api_key

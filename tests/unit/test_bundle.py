@@ -94,7 +94,7 @@ def test_a_sample_with_nan_makes_its_float_column_declare_non_finite(breast_canc
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shardline.packaging import infer_onnx_signature
+    from shardline.build.packaging import infer_onnx_signature
 
     sample = pq.read_table(breast_cancer_model.bundle_dir / "golden.parquet")
     radius = sample.column("mean radius").to_pylist()

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
-from shardline.cli import app
+from shardline.cli.commands import app
 
 WORKFLOW = Path(__file__).resolve().parents[2] / "deploy" / "ci" / "release-model.yml"
 
@@ -38,7 +38,7 @@ def test_every_shardline_command_and_option_the_workflow_runs_exists() -> None:
 
 
 def test_the_push_step_reads_the_version_from_what_model_push_prints(shardline_home: Path, tmp_path: Path) -> None:
-    from shardline.examples import package_breast_cancer
+    from shardline.build.examples import package_breast_cancer
 
     package_breast_cancer(tmp_path / "churn-bundle", name="churn", kind="logreg")
     pushed = CliRunner().invoke(app, ["model", "push", str(tmp_path / "churn-bundle")],

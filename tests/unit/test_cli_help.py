@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardline._cli_help import as_paragraphs
+from shardline.cli.help_text import as_paragraphs
 
 
 def test_the_lines_of_a_paragraph_are_joined_and_paragraph_breaks_kept() -> None:

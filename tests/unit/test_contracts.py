@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from shardline.bundle import Manifest
-from shardline.examples import breast_cancer, golden_table, shard_table, shifted_table, split, with_site
+from shardline.build.examples import breast_cancer, golden_table, shard_table, shifted_table, split, with_site
 from shardline.quality import contracts
 from shardline.quality.contracts import ContractRules, ShardContract, expectation_suite
 from shardline.quality.profile import profile_table

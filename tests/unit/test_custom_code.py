@@ -14,9 +14,9 @@ import pyarrow as pa
 import pytest
 
 from shardline.bundle import Manifest
-from shardline.code_bundles import package_python
+from shardline.build.code_bundles import package_python
 from shardline.errors import AccessDenied, InferenceFailed, InvalidBundle, InvalidInput, InvalidSetting, RuntimeUnavailable
-from shardline.examples import breast_cancer, shard_table
+from shardline.build.examples import breast_cancer, shard_table
 from shardline.runtimes import create_runtime
 from shardline.tenants import check_custom_code, parse_tenants_file
 

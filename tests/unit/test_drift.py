@@ -14,7 +14,7 @@ import pytest
 
 from shardline.bundle import ColumnDriftThresholds, DriftPolicy, Manifest
 from shardline.errors import InvalidInput
-from shardline.examples import breast_cancer, golden_table, shard_table, shifted_table, split, with_site
+from shardline.build.examples import breast_cancer, golden_table, shard_table, shifted_table, split, with_site
 from shardline.quality import drift as drift_module
 from shardline.quality.drift import drift_report, js_divergence, ks_critical, ks_pvalue, psi
 from shardline.quality.profile import profile_table, reference_profile

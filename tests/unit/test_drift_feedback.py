@@ -12,7 +12,7 @@ import pytest
 
 from shardline.bundle import read_manifest, write_manifest
 from shardline.errors import EmptyInput, InvalidBundle, InvalidInput, InvalidSetting, ModelNotFound
-from shardline.examples import breast_cancer, golden_table, split
+from shardline.build.examples import breast_cancer, golden_table, split
 from shardline.quality.drift import ColumnDrift, DriftReport
 from shardline.quality.drift_checks import (
     check_drift,

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 import pyarrow as pa
 import pytest
 
-from shardline.examples import breast_cancer, shard_table, shifted_table, with_site
+from shardline.build.examples import breast_cancer, shard_table, shifted_table, with_site
 from shardline.quality.drift import DriftReport, drift_report
 from shardline.quality.profile import profile_table
 from shardline.quality.report import render_html, time_axis_limits

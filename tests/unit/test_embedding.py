@@ -18,7 +18,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 
 from shardline.bundle import Manifest, read_manifest, sha256_file  # noqa: E402
-from shardline.embedding import package_minilm  # noqa: E402
+from shardline.build.embedding import package_minilm  # noqa: E402
 from shardline.errors import IntegrityError, InvalidBundle, InvalidInput, InvalidSetting  # noqa: E402
 from shardline.runtimes import Runtime, RuntimeOptions  # noqa: E402
 from shardline.storage.job_identity import job_key  # noqa: E402

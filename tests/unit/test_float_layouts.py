@@ -14,7 +14,7 @@ import pytest
 
 from shardline.errors import InvalidInput
 from shardline.online.protocols.kserve_v2 import decode_infer_request
-from shardline.packaging import package_onnx
+from shardline.build.packaging import package_onnx
 from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
 
 from tests.tensor_models import two_tensor_model

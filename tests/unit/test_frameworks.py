@@ -9,7 +9,7 @@ import pytest
 
 from shardline.bundle import read_manifest
 from shardline.errors import InvalidInput
-from shardline.frameworks import (
+from shardline.build.frameworks import (
     load_model_file,
     package_lightgbm,
     package_torch,

@@ -27,7 +27,7 @@ from shardline.generation import (  # noqa: E402
     TokenEvent,
     held_back,
 )
-from shardline.llm_build import package_tiny_llm  # noqa: E402
+from shardline.build.llm_build import package_tiny_llm  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 PROMPT = "The quarterly report says revenue grew"

@@ -1,4 +1,4 @@
-"""The adapter a pyfunc logged from code runs behind (``shardline.mlflow_pyfunc``): how it takes a pyfunc's
+"""The adapter a pyfunc logged from code runs behind (``shardline.build.mlflow_pyfunc``): how it takes a pyfunc's
 answer, which MLmodel sections it accepts as logged from code, and when the flavor maps at all. The adapter
 loading real MLflow models is tested in tests/integration/test_mlflow_pyfunc.py."""
 
@@ -12,8 +12,8 @@ import pyarrow as pa
 import pytest
 
 from shardline.errors import InvalidInput
-from shardline.mlflow_flavors import choose_flavor
-from shardline.mlflow_pyfunc import CODE_LOADER, from_code_refusal, pyfunc_answer
+from shardline.build.mlflow_flavors import choose_flavor
+from shardline.build.mlflow_pyfunc import CODE_LOADER, from_code_refusal, pyfunc_answer
 from shardline.runtimes.custom import answer_columns
 
 FROM_CODE = {"loader_module": CODE_LOADER, "model_code_path": "/home/me/model.py", "cloudpickle_version": "3.1"}

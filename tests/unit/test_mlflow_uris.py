@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from shardline.errors import InvalidInput, InvalidSetting
-from shardline.mlflow_flavors import choose_flavor
-from shardline.mlflow_import import MlflowModelUri, parse_model_uri, shardline_name
+from shardline.build.mlflow_flavors import choose_flavor
+from shardline.build.mlflow_import import MlflowModelUri, parse_model_uri, shardline_name
 
 
 @pytest.mark.parametrize(("text", "want"), [

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from shardline.errors import InvalidSetting
-from shardline.mlflow_import import RegisteredVersions
-from shardline.mlflow_watch import (
+from shardline.build.mlflow_import import RegisteredVersions
+from shardline.build.mlflow_watch import (
     AliasMove,
     SeenVersion,
     WatchOutcome,
@@ -26,7 +26,7 @@ from shardline.mlflow_watch import (
     tracking_key,
     watch_targets,
 )
-from shardline.storage.mlflow_watch_state import WatchStates
+from shardline.tasks.mlflow_watch_state import WatchStates
 from shardline.tasks.mlflow_watch import render_watch_markdown
 
 REPO = Path(__file__).resolve().parents[2]

@@ -236,7 +236,7 @@ def test_a_known_alias_is_read_again_in_the_background_while_requests_keep_its_v
     local_registry: ModelRegistry, tmp_path: Path
 ) -> None:
     from shardline.bundle import ModelRef
-    from shardline.examples import package_breast_cancer
+    from shardline.build.examples import package_breast_cancer
     from shardline.online.models import ModelDirectory
 
     package_breast_cancer(tmp_path / "logreg", name="breast-cancer", kind="logreg")

@@ -17,8 +17,8 @@ import pyarrow as pa
 import pytest
 
 from shardline.bundle import Manifest, read_manifest
-from shardline.examples import breast_cancer
-from shardline.packaging import package_onnx
+from shardline.build.examples import breast_cancer
+from shardline.build.packaging import package_onnx
 
 from tests.conftest import BuiltModel
 from tests.runtime_conformance import RuntimeConformance

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from shardline.errors import InvalidInput
-from shardline.llm_build import llm_signature
+from shardline.build.llm_build import llm_signature
 from shardline.openai_batch import (
     BatchCounts,
     BatchJobRecord,

@@ -19,12 +19,13 @@ import pytest
 
 from shardline.bundle import Evaluation, Manifest
 from shardline.errors import GateFailed, InvalidBundle, InvalidSetting, ModelNotFound
-from shardline.examples import Dataset, breast_cancer
-from shardline.optimize import convert_fp16, quantize_int8
+from shardline.build.examples import Dataset, breast_cancer
+from shardline.build.optimize import convert_fp16, quantize_int8
 from shardline.quality.variants import make_variant
-from shardline.packaging import GoldenSet, package_sklearn
+from shardline.build.packaging import GoldenSet, package_sklearn
 from shardline.placement import CostTable, OnlineWorkload, candidates_from_profiles, choose_placement
-from shardline.profiling import machine_kind, profile_model
+from shardline.build.profiling import profile_model
+from shardline.machines import machine_kind
 from shardline.quality.model_profiles import profile_version
 from shardline.quality.evaluation import evaluate, metric_value, read_golden
 from shardline.runtimes import RuntimeOptions, create_runtime
@@ -163,7 +164,7 @@ def test_precision_brings_nothing_for_tree_ensembles(
 
 
 def test_int8_brings_nothing_for_a_linear_model(tmp_path: Path) -> None:
-    from shardline.examples import package_breast_cancer
+    from shardline.build.examples import package_breast_cancer
 
     manifest, _ = package_breast_cancer(tmp_path / "logreg", kind="logreg")
     with pytest.raises(InvalidBundle, match="int8 brings nothing .*LinearClassifier x1.*serve this model in fp32"):

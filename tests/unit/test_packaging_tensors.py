@@ -15,7 +15,7 @@ import tritonclient.http as triton
 
 from shardline.errors import InvalidBundle, InvalidInput
 from shardline.online.protocols.kserve_v2 import decode_infer_request, model_metadata
-from shardline.packaging import package_onnx
+from shardline.build.packaging import package_onnx
 from shardline.rows import float_rows
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.signature import ColumnSpec, Signature

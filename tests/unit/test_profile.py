@@ -13,7 +13,7 @@ import pytest
 
 from shardline.bundle import read_manifest, sha256_file
 from shardline.errors import InvalidInput
-from shardline.examples import breast_cancer, golden_table, split, with_site
+from shardline.build.examples import breast_cancer, golden_table, split, with_site
 from shardline.quality.gates import evaluation_gate, reference_profile_gate
 from shardline.quality.profile import (
     attach_reference_profile,

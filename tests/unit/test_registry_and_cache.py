@@ -38,7 +38,7 @@ def test_push_numbers_versions_and_same_bytes_return_the_same_version(
 def test_aliases_resolve_and_pin_a_version(memory_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
     memory_registry.push(breast_cancer_model.bundle_dir)
     other = tmp_path / "v2"
-    from shardline.examples import package_breast_cancer
+    from shardline.build.examples import package_breast_cancer
 
     package_breast_cancer(other, kind="logreg")
     v2 = memory_registry.push(other)
@@ -89,7 +89,7 @@ def test_missing_names_say_what_exists_and_what_to_do(memory_registry: ModelRegi
 def test_versions_are_immutable(memory_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
     from shardline.bundle import read_manifest, write_manifest
     from shardline.errors import ImmutableVersion
-    from shardline.examples import package_breast_cancer
+    from shardline.build.examples import package_breast_cancer
 
     memory_registry.push(breast_cancer_model.bundle_dir)
     other = tmp_path / "other"
@@ -105,7 +105,7 @@ def test_versions_are_immutable(memory_registry: ModelRegistry, breast_cancer_mo
 def test_alias_moves_are_audited_and_rollback_goes_back(
     memory_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path
 ) -> None:
-    from shardline.examples import package_breast_cancer
+    from shardline.build.examples import package_breast_cancer
 
     memory_registry.push(breast_cancer_model.bundle_dir)
     package_breast_cancer(tmp_path / "v2", kind="logreg")
@@ -144,7 +144,7 @@ def test_a_stale_move_loses_the_compare_and_swap(memory_registry: ModelRegistry,
 
 def test_racing_promotions_leave_one_consistent_history(breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
     from shardline.errors import AliasConflict
-    from shardline.examples import package_breast_cancer
+    from shardline.build.examples import package_breast_cancer
 
     url = str(tmp_path / "registry")
     ModelRegistry(url).push(breast_cancer_model.bundle_dir)
@@ -184,7 +184,7 @@ def test_racing_promotions_leave_one_consistent_history(breast_cancer_model: Bui
 
 
 def test_search_by_name_alias_and_tag(memory_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
-    from shardline.examples import package_breast_cancer
+    from shardline.build.examples import package_breast_cancer
 
     memory_registry.push(breast_cancer_model.bundle_dir)
     package_breast_cancer(tmp_path / "v2", kind="logreg")
@@ -222,7 +222,7 @@ def test_cache_loads_once_and_scores_like_sklearn(
     assert cache.get(resolved, RuntimeOptions("cpu", 1)) is models[0]
     model = models[0]
     assert model.device == "cpu"
-    from shardline.examples import shard_table
+    from shardline.build.examples import shard_table
 
     table = shard_table(breast_cancer_model.data, 300, 0, seed=3)
     out = model.predict(table)
@@ -292,7 +292,7 @@ def test_one_cache_per_process_and_folder(tmp_path: Path) -> None:
 def test_an_evicted_model_still_serves_whoever_holds_it(
     memory_registry: ModelRegistry, breast_cancer_model: BuiltModel, tmp_path: Path
 ) -> None:
-    from shardline.examples import shard_table
+    from shardline.build.examples import shard_table
 
     memory_registry.push(breast_cancer_model.bundle_dir)
     resolved = memory_registry.resolve("breast-cancer:1")

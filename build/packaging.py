@@ -1,5 +1,5 @@
 """Build bundles from trained models: an ONNX file, or a scikit-learn estimator (XGBoost, LightGBM and
-PyTorch models: ``shardline.frameworks``).
+PyTorch models: ``shardline.build.frameworks``).
 
 A bundle carries the model, its signature (checked against sample data), the
 environment that made it, lineage, and optionally a golden data set with the score

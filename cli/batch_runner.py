@@ -6,7 +6,7 @@ started and closed (1-5 s), and each worker's first load of the model. So the fi
 `batch run` of a home starts this runner, detached (a session of its own, like the local
 Prefect server), and hands it the job; later runs hand theirs to it too. It keeps the imports,
 the Prefect API and one LocalCluster warm (its workers keep the models they loaded), runs each
-job in a thread of its own with the same functions as a cold run (``shardline._batch_jobs``),
+job in a thread of its own with the same functions as a cold run (``shardline.cli.batch_jobs``),
 and sends the command the job's log lines, progress and outcome, so the command prints what a
 cold run prints and exits with the same code. The command itself imports next to nothing.
 
@@ -107,9 +107,9 @@ def _read_record(folder: Path) -> RunnerRecord | None:
 
 
 def _alive(pid: int) -> bool:
-    from shardline._prefect_server import is_live_process
+    from shardline.local_prefect import is_live_process
 
-    return is_live_process(pid, b"shardline._batch_runner")
+    return is_live_process(pid, b"shardline.cli.batch_runner")
 
 
 def find(home: str | os.PathLike[str]) -> RunnerRecord | None:
@@ -219,7 +219,7 @@ def ensure(home: str | os.PathLike[str], say: Callable[[str], None], timeout_s: 
     record = find(home)
     if record is not None and record.fingerprint == mine:
         return record
-    from shardline._prefect_server import _locked
+    from shardline.cli.prefect_server import _locked
 
     with _locked(folder, LOCK):
         record = find(home)
@@ -234,7 +234,7 @@ def ensure(home: str | os.PathLike[str], say: Callable[[str], None], timeout_s: 
         if record is None:
             record = _start(folder, timeout_s)
             if record.started_server is not None:
-                from shardline._prefect_server import started_line
+                from shardline.cli.prefect_server import started_line
 
                 say(started_line(record.started_server))
             say(f"started the batch runner of this home (pid {record.pid}): later runs start at once on its "
@@ -250,7 +250,7 @@ def _start(folder: Path, timeout_s: float) -> RunnerRecord:
         if (folder / LOG).stat().st_size > _LOG_BYTES:
             os.replace(folder / LOG, folder / f"{LOG}.1")
     with open(folder / LOG, "ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "shardline._batch_runner", str(folder)],
+        process = subprocess.Popen([sys.executable, "-m", "shardline.cli.batch_runner", str(folder)],
                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     deadline = time.monotonic() + timeout_s
@@ -353,12 +353,11 @@ class _Runner:
     # -- start and stop
 
     def run(self) -> None:
-        from shardline._prefect_server import api_url_for_run
+        import shardline.cli.batch_jobs  # noqa: F401  (everything a job imports, before the first job)
+        import shardline.flows.batch_inference  # noqa: F401
+        from shardline.cli.prefect_server import api_url_for_run
         from shardline.settings import DaskSettings, PrefectServerSettings, StorageSettings
         from shardline.tasks.cluster import warm_cluster
-
-        import shardline._batch_jobs  # noqa: F401  (everything a job imports, before the first job)
-        import shardline.flows.batch_inference  # noqa: F401
 
         server = PrefectServerSettings()
         self.api_url, started = api_url_for_run(server.server, StorageSettings().home, server.start_timeout_s)
@@ -414,7 +413,7 @@ class _Runner:
     def _watch(self) -> None:
         """Stop when idle too long, when the record is gone or names another runner (the home was deleted, or
         this runner replaced), or when the Prefect server its jobs use stopped."""
-        from shardline._prefect_server import healthy
+        from shardline.local_prefect import healthy
 
         checked = time.monotonic()
         while not self.stopping.wait(1.0):
@@ -456,8 +455,8 @@ class _Runner:
             connection.close()
 
     def _run_job(self, connection: _Connection, request: dict[str, Any]) -> None:
-        from shardline._batch_jobs import JobOutcome, JobRequest, check_request, execute, outcome_of, refused
-        from shardline._cli_common import EXIT_FAILED
+        from shardline.cli.batch_jobs import JobOutcome, JobRequest, check_request, execute, outcome_of, refused
+        from shardline.cli.common import EXIT_FAILED
         from shardline.errors import ShardlineError
         from shardline.flows.batch_inference import batch_inference
         from shardline.tasks.dispatch import STOP_REQUEST
@@ -574,13 +573,14 @@ def _warm_workers(address: str) -> None:
 
 
 def _import_scoring() -> None:
-    import shardline.storage.scoring  # noqa: F401
     import onnxruntime  # noqa: F401
+
+    import shardline.storage.scoring  # noqa: F401
 
 
 def main(argv: list[str]) -> None:
-    """``python -m shardline._batch_runner <runner folder>``: run the runner until it is idle or stopped."""
-    from shardline._cli_common import OFF_THE_NETWORK
+    """``python -m shardline.cli.batch_runner <runner folder>``: run the runner until it is idle or stopped."""
+    from shardline.cli.common import OFF_THE_NETWORK
     from shardline.settings import BatchSettings
 
     for key, value in OFF_THE_NETWORK.items():
@@ -597,7 +597,7 @@ def main(argv: list[str]) -> None:
         traceback.print_exc()
     finally:
         runner._forget()
-        from shardline._supervise import exit_without_teardown
+        from shardline.cli.supervise import exit_without_teardown
 
         exit_without_teardown(code)  # atexit runs (Prefect sends the logs it holds), the heap's teardown does not
 

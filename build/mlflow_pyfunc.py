@@ -2,7 +2,7 @@
 ``shardline.runtimes.custom``) that loads the MLflow model folder its bundle carries with MLflow's own
 ``mlflow.pyfunc.load_model`` and answers in Shardline's columns.
 
-``shardline model import`` (``shardline.mlflow_flavors``) copies this file as it is into the bundle's
+``shardline model import`` (``shardline.build.mlflow_flavors``) copies this file as it is into the bundle's
 ``code/`` folder (entry ``mlflow_pyfunc:Model``) and the MLflow model's folder (its ``MLmodel``, the code
 file, the ``artifacts`` it was logged with) under ``MODEL_FOLDER``. A copy, not a reference to the installed
 module: the bundle holds what decides its answers (the outputs digest covers this file), and the runtime

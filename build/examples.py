@@ -77,7 +77,7 @@ def package_breast_cancer(
     """Train the breast-cancer classifier on 80% of the rows and bundle it with the other 20%
     as its golden set; returns the manifest and the estimator.
     """
-    from shardline.packaging import GoldenSet, package_sklearn
+    from shardline.build.packaging import GoldenSet, package_sklearn
 
     train, held_out = split(breast_cancer())
     estimator = train_classifier(train, kind)

@@ -40,9 +40,9 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from shardline.build.packaging import GoldenSet, package_onnx
 from shardline.bundle import Lineage, Manifest, write_manifest
 from shardline.errors import InvalidInput, RuntimeUnavailable
-from shardline.packaging import GoldenSet, package_onnx
 
 CHECK_ROWS = 2_048  # sample rows the bundle's answers are compared with the framework's on
 ATOL, RTOL = 1e-4, 1e-3  # the float32 conversion's tolerance

@@ -4,7 +4,7 @@
 alias, a logged model, a run's model) with ``mlflow.MlflowClient`` against one tracking URI, downloads
 its folder with ``mlflow.artifacts.download_artifacts``, reads its ``MLmodel`` file (YAML, with
 ``mlflow.models.Model.load``) and builds the bundle from the first flavor that maps
-(``shardline.mlflow_flavors``: onnx, xgboost, lightgbm, sklearn saved by skops, and a pyfunc logged from
+(``shardline.build.mlflow_flavors``: onnx, xgboost, lightgbm, sklearn saved by skops, and a pyfunc logged from
 code, which becomes a custom-code bundle that runs the model's own code). Nothing is ever unpickled: a
 pickled model, a pickled pyfunc and other flavors are refused, naming the flavor, and a refused import
 leaves nothing behind (no bundle folder; a local tracking store that is not there is refused rather than
@@ -21,7 +21,7 @@ manifest's tags carry ``mlflow.source`` (the URI as given), ``mlflow.model_versi
 ``mlflow.run_id``, ``mlflow.experiment_id``, ``mlflow.model_id`` and ``mlflow.flavor``.
 
 ``list_registered_versions`` lists a registered model's versions and aliases with the same client: what the
-``mlflow-watch`` flow compares with what it has seen (``shardline.mlflow_watch``).
+``mlflow-watch`` flow compares with what it has seen (``shardline.build.mlflow_watch``).
 
 MLflow (``mlflow-skinny``) and skops are imported inside the functions: ``pip install
 'shardline[mlflow]'``. MLflow sends usage telemetry unless ``MLFLOW_DISABLE_TELEMETRY=true`` is set
@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import pyarrow as pa
 
+from shardline.build.mlflow_flavors import FLAVORS, MLFLOW_EXTRA, ImportRequest, choose_flavor
 from shardline.bundle import Lineage, Manifest, check_model_name, write_manifest
 from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound, RuntimeUnavailable
-from shardline.mlflow_flavors import FLAVORS, MLFLOW_EXTRA, ImportRequest, choose_flavor
 
 if TYPE_CHECKING:
-    from shardline.packaging import GoldenSet
+    from shardline.build.packaging import GoldenSet
 
 _MLFLOW_TYPES = {"double": pa.float64(), "float": pa.float32(), "long": pa.int64(), "integer": pa.int32(),
                  "boolean": pa.bool_(), "string": pa.string()}
@@ -194,7 +194,7 @@ def import_mlflow_model(uri: str, out_dir: str | Path | None = None, *, name: st
             manifest = FLAVORS[flavor](request)
             manifest = manifest.model_copy(update={"tags": {**manifest.tags, **tags}})
             if golden is not None:
-                from shardline.packaging import finish_bundle
+                from shardline.build.packaging import finish_bundle
 
                 try:
                     manifest = finish_bundle(out, manifest, golden)  # checked against the outputs; writes the manifest

@@ -1,6 +1,6 @@
 """What the mlflow-watch flow has seen: one small JSON file per MLflow tracking store and registered model.
 
-``<home>/mlflow-watch/<tracking key>/<name>.json`` (``shardline.mlflow_watch``: the key is 16 hex digits of the
+``<home>/mlflow-watch/<tracking key>/<name>.json`` (``shardline.build.mlflow_watch``: the key is 16 hex digits of the
 tracking URI's sha256, the name percent-encoded) holds a ``WatchState``: the versions imported or refused, the
 watched aliases' last positions. Each write replaces the whole file atomically (storage/fs.py), so a reader
 never sees half a state and a run that dies leaves the last good one. One run at a time writes a model's file
@@ -15,8 +15,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from shardline.errors import InvalidSetting
-from shardline.mlflow_import import shown_uri
-from shardline.mlflow_watch import WatchState, state_file_name, tracking_key
+from shardline.build.mlflow_import import shown_uri
+from shardline.build.mlflow_watch import WatchState, state_file_name, tracking_key
 from shardline.storage.fs import atomic_write_bytes, join, open_fs
 
 

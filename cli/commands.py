@@ -12,24 +12,26 @@ from typing import Any, Optional
 import typer
 from typer.core import TyperCommand
 
+from shardline.cli import mlflow_commands  # noqa: E402,F401 - adds model import and model watch-mlflow to model_app
+from shardline.cli.batch_jobs import JobOutcome, JobRequest, present
+from shardline.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, OFF_THE_NETWORK, open_registry
+from shardline.cli.help_text import ParagraphHelp
+from shardline.cli.model_commands import model_app
 from shardline.errors import ShardlineError
-
-from shardline._batch_jobs import JobOutcome, JobRequest, present
-from shardline._cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, OFF_THE_NETWORK, open_registry
-from shardline._cli_help import ParagraphHelp
-from shardline._model_cli import model_app
-from shardline import _mlflow_cli  # noqa: E402,F401 - adds model import and model watch-mlflow to model_app
 
 app = typer.Typer(cls=ParagraphHelp, help="Shardline: batch-first ML inference on Prefect and Dask.",
                   no_args_is_help=True)
 batch_app = typer.Typer(help="Batch inference over Parquet shards.", no_args_is_help=True)
 app.add_typer(batch_app, name="batch")
 app.add_typer(model_app, name="model")
-from shardline._drift_cli import drift_app  # noqa: E402
+from shardline.cli.drift_commands import drift_app  # noqa: E402
+
 app.add_typer(drift_app, name="drift")
-from shardline._prefect_cli import prefect_app, use_prefect_api  # noqa: E402
+from shardline.cli.prefect_commands import prefect_app, use_prefect_api  # noqa: E402
+
 app.add_typer(prefect_app, name="prefect")
-from shardline._rollout_cli import rollout_app  # noqa: E402
+from shardline.cli.rollout_commands import rollout_app  # noqa: E402
+
 app.add_typer(rollout_app, name="rollout")
 
 
@@ -39,7 +41,7 @@ _PROCESS = {"supervised_child": False, "supervise_fallback": False}
 
 
 def runner_applies() -> bool:
-    """Whether batch jobs go to the home's warm runner (shardline/_batch_runner.py): POSIX, not a supervised
+    """Whether batch jobs go to the home's warm runner (cli/batch_runner.py): POSIX, not a supervised
     child, ``SHARDLINE_PREFECT_SERVER=local`` and ``SHARDLINE_BATCH_RUNNER_IDLE_S`` above 0."""
     if _PROCESS["supervised_child"] or not hasattr(os, "fork"):
         return False
@@ -65,14 +67,14 @@ def run_batch_job(request: JobRequest, progress: bool = True, check: bool = Fals
         if outcome is not None:
             return outcome
         if _PROCESS["supervise_fallback"]:
-            from shardline._supervise import run_supervised
+            from shardline.cli.supervise import run_supervised
 
             raise typer.Exit(run_supervised(sys.argv[1:]))
     return _run_here(request, progress, check)
 
 
 def _run_here(request: JobRequest, progress: bool, check: bool) -> JobOutcome:
-    from shardline._batch_jobs import check_request, execute, progress_bar, refused
+    from shardline.cli.batch_jobs import check_request, execute, progress_bar, refused
     from shardline.errors import PrefectServerUnavailable
 
     if check:
@@ -91,8 +93,8 @@ def _run_here(request: JobRequest, progress: bool, check: bool) -> JobOutcome:
 
 def _run_on_runner(request: JobRequest, progress: bool, check: bool) -> JobOutcome | None:
     """The job run by the home's warm runner; None when it cannot take it (the caller runs it cold)."""
-    from shardline import _batch_runner as runner
-    from shardline._batch_jobs import progress_bar
+    from shardline.cli import batch_runner as runner
+    from shardline.cli.batch_jobs import progress_bar
     from shardline.settings import StorageSettings
 
     def say(text: str) -> None:
@@ -100,7 +102,7 @@ def _run_on_runner(request: JobRequest, progress: bool, check: bool) -> JobOutco
 
     home = StorageSettings().home
     if check and runner.find(home) is None:  # a bad request starts nothing, not even the runner
-        from shardline._batch_jobs import check_request, refused
+        from shardline.cli.batch_jobs import check_request, refused
 
         try:
             check_request(request)
@@ -288,7 +290,7 @@ def batch_openai(
     2 the file or request was refused (a custom_id twice, two models, a model that does not fit the endpoint,
     an output holding another job).
     """
-    from shardline._openai_batch_cli import run_openai_batch
+    from shardline.cli.openai_batch_commands import run_openai_batch
 
     raise typer.Exit(run_openai_batch(input, output, lines_per_part, tenant, json_out))
 
@@ -303,13 +305,13 @@ def demo(
     import numpy as np
     import pyarrow.dataset as ds
 
-    from shardline.examples import breast_cancer, golden_table, package_breast_cancer, split, write_shards
+    from shardline.build.examples import breast_cancer, golden_table, package_breast_cancer, split, write_shards
     from shardline.quality.profile import attach_reference_profile
 
     workdir = workdir.resolve()
     if workdir.exists():
-        from shardline._batch_runner import stop as stop_runner
-        from shardline._prefect_server import stop
+        from shardline.cli.batch_runner import stop as stop_runner
+        from shardline.cli.prefect_server import stop
 
         stop_runner(workdir / "home")  # a former demo's batch runner and local Prefect server: their home is
         stop(workdir / "home")  # about to be deleted
@@ -350,7 +352,7 @@ def demo(
         f"{agree:.2%} of rows. Output: {workdir / 'output'}",
         fg="green",
     )
-    from shardline._prefect_server import find
+    from shardline.local_prefect import find
 
     server = find(workdir / "home")
     if server is not None:
@@ -447,7 +449,7 @@ def serve(
     """
     from pydantic import ValidationError
 
-    from shardline._cli_common import fail
+    from shardline.cli.common import fail
     from shardline.online.server import serve as run_server
     from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings, TenancySettings
 
@@ -492,7 +494,7 @@ def router(
     """
     from pydantic import ValidationError
 
-    from shardline._cli_common import fail
+    from shardline.cli.common import fail
     from shardline.online.router.server import run_router
     from shardline.settings import RouterSettings, StorageSettings, TenancySettings
 
@@ -510,15 +512,15 @@ def main() -> None:
     """Entry point: keep every library off the network, then run the command.
 
     `batch run` and `batch resume` hand their job to the home's warm batch runner
-    (shardline/_batch_runner.py), which stops the job when the command ends, however it
+    (cli/batch_runner.py), which stops the job when the command ends, however it
     ends. Where the runner does not apply (or cannot take the job), they run it cold in a
-    supervised child (shardline/_supervise.py), so that nothing they start (Prefect's
+    supervised child (cli/supervise.py), so that nothing they start (Prefect's
     temporary server, Dask workers) outlives the command, even when it is killed with
     SIGKILL. `batch openai` always runs cold in such a child. Detached on purpose, for later
     runs to reuse: the runner, and the local Prefect server a first run starts
-    (shardline/_prefect_server.py).
+    (cli/prefect_server.py).
     """
-    from shardline._supervise import CHILD_FLAG, run_supervised, run_supervised_child, wants_supervision
+    from shardline.cli.supervise import CHILD_FLAG, run_supervised, run_supervised_child, wants_supervision
 
     for key, value in OFF_THE_NETWORK.items():
         os.environ.setdefault(key, value)

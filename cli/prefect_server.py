@@ -37,90 +37,31 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from shardline.errors import PrefectServerUnavailable
+from shardline.local_prefect import (
+    HEALTH_TIMEOUT_S,
+    RECORD,
+    LocalServer,
+    find,
+    healthy,
+    is_prefect_process,
+    read_record,
+    server_dir,
+)
 
-RECORD, PREFECT_PID_FILE, LOG, LOCK = "server.json", "server.pid", "server.log", "server.lock"
-_HEALTH_TIMEOUT_S = 2.0
+PREFECT_PID_FILE, LOG, LOCK = "server.pid", "server.log", "server.lock"
 # What the server's environment must not inherit from the command that starts it: where another server
 # is (the client side), and which Prefect home and profile to read (it has its own).
 _NOT_INHERITED = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_HOME", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH",
                   "PREFECT_UI_API_URL", "PREFECT_UI_URL")
 
 
-@dataclass(frozen=True)
-class LocalServer:
-    """A running local Prefect server: its process and where it answers."""
-
-    pid: int
-    api_url: str  # http://127.0.0.1:PORT/api
-
-    @property
-    def ui_url(self) -> str:
-        """Where the Prefect UI is (the API URL without its /api)."""
-        return self.api_url.removesuffix("/api")
-
-
 def started_line(ui_url: str) -> str:
     """What a command says when it (or the batch runner it started) started the local server."""
     return f"started the local Prefect server: its UI is {ui_url}; later runs reuse it (`shardline prefect stop` stops it)"
-
-
-def server_dir(home: str | os.PathLike[str]) -> Path:
-    """The folder of a Shardline home's local Prefect server: its Prefect home, record, log and lock."""
-    return Path(home) / "prefect"
-
-
-def healthy(api_url: str, timeout: float = _HEALTH_TIMEOUT_S) -> bool:
-    """Whether a Prefect API answers ``GET /health`` with ``true`` at ``api_url``."""
-    import httpx
-
-    try:
-        return httpx.get(f"{api_url}/health", timeout=timeout).json() is True
-    except (httpx.HTTPError, ValueError):
-        return False
-
-
-def _is_prefect_process(pid: int) -> bool:
-    """Whether ``pid`` is a live process and, where /proc tells, a Prefect server (not a reused pid)."""
-    return is_live_process(pid, b"prefect")
-
-
-def is_live_process(pid: int, marker: bytes) -> bool:
-    """Whether ``pid`` is a live process of this user whose command line, where /proc tells, holds ``marker``
-    (so that a pid reused by another program does not count)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, but another user's: not ours
-        return False
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    try:
-        return marker in cmdline.read_bytes()
-    except FileNotFoundError:  # no /proc here (macOS): the live pid is all we can check
-        return not Path("/proc/self").exists()
-    except OSError:
-        return False
-
-
-def _read_record(folder: Path) -> LocalServer | None:
-    try:
-        data = json.loads((folder / RECORD).read_text())
-        return LocalServer(pid=int(data["pid"]), api_url=str(data["api_url"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def find(home: str | os.PathLike[str], timeout: float = _HEALTH_TIMEOUT_S) -> LocalServer | None:
-    """The home's local server when its record names a live Prefect process that answers health checks."""
-    recorded = _read_record(server_dir(home))
-    if recorded is None or not _is_prefect_process(recorded.pid) or not healthy(recorded.api_url, timeout):
-        return None
-    return recorded
 
 
 @contextlib.contextmanager
@@ -149,7 +90,7 @@ def _free_port() -> int:
 
 def server_environment(folder: Path, port: int) -> dict[str, str]:
     """The started server's environment: its own Prefect home, off the network, its UI pointed at its API."""
-    from shardline._cli_common import OFF_THE_NETWORK
+    from shardline.cli.common import OFF_THE_NETWORK
 
     env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
     api_url = f"http://127.0.0.1:{port}/api"
@@ -243,8 +184,8 @@ def ensure(home: str | os.PathLike[str], timeout_s: float = 120.0) -> tuple[Loca
         return found, False
     folder = server_dir(home)
     with _locked(folder):
-        recorded = _read_record(folder)
-        if recorded is not None and _is_prefect_process(recorded.pid):
+        recorded = read_record(folder)
+        if recorded is not None and is_prefect_process(recorded.pid):
             # Started by another command (which may since have ended), or busy: it is given the time a start
             # may take before it counts as stale, since replacing it would cut off the runs that use it.
             if _wait_healthy(recorded, timeout_s):
@@ -257,8 +198,8 @@ def ensure(home: str | os.PathLike[str], timeout_s: float = 120.0) -> tuple[Loca
 def _wait_healthy(server: LocalServer, timeout_s: float) -> bool:
     """Whether the server answers its health check within ``timeout_s`` while its process lives."""
     deadline = time.monotonic() + timeout_s
-    while _is_prefect_process(server.pid):
-        if healthy(server.api_url, timeout=_HEALTH_TIMEOUT_S):
+    while is_prefect_process(server.pid):
+        if healthy(server.api_url, timeout=HEALTH_TIMEOUT_S):
             return True
         if time.monotonic() > deadline:
             return False
@@ -274,7 +215,7 @@ def _stop_process(pid: int, timeout_s: float) -> None:
     while True:
         with contextlib.suppress(ChildProcessError):  # this process's own child (it started it): reap it
             os.waitpid(pid, os.WNOHANG)
-        if not _is_prefect_process(pid):
+        if not is_prefect_process(pid):
             return
         if time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -289,8 +230,8 @@ def stop(home: str | os.PathLike[str], timeout_s: float = 20.0) -> LocalServer |
     if not folder.exists():
         return None
     with _locked(folder):
-        recorded = _read_record(folder)
-        running = recorded is not None and _is_prefect_process(recorded.pid)
+        recorded = read_record(folder)
+        running = recorded is not None and is_prefect_process(recorded.pid)
         if running and recorded is not None:
             _stop_process(recorded.pid, timeout_s)
         _forget(folder)

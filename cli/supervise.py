@@ -8,7 +8,7 @@ watchdog (forked by the child before anything else starts) that holds the read e
 pipe whose write end only the parent holds. When the parent ends, however it ends, the
 pipe reads end-of-file and the watchdog kills the whole group: the child, Prefect's
 temporary server, the Dask workers, anything they started that stayed in the group, and
-itself. (The local Prefect server, shardline/_prefect_server.py, leads a session of its
+itself. (The local Prefect server, cli/prefect_server.py, leads a session of its
 own on purpose: later runs reuse it.) Ctrl-C, SIGTERM and SIGHUP sent to the parent are
 passed on to the child, so a stop is graceful when it can be; the parent exits with the
 child's exit code.

@@ -1,5 +1,5 @@
 """How each MLflow flavor becomes a bundle: ``FLAVORS``, a table from flavor name to builder, in the order
-flavors are preferred when a model has several (``shardline.mlflow_import`` resolves, downloads and reads the
+flavors are preferred when a model has several (``shardline.build.mlflow_import`` resolves, downloads and reads the
 model, then hands it to one of these as an ``ImportRequest``).
 
 - ``onnx``: the ``.onnx`` file (``data``), packaged as any ONNX file is (``package_onnx``);
@@ -11,7 +11,7 @@ model, then hands it to one of these as an ``ImportRequest``).
   own classes only, converted by skl2onnx (``package_sklearn``) and checked on the sample rows;
 - ``python_function`` logged from code (``mlflow.pyfunc.log_model(python_model="model.py", artifacts=...)``:
   its MLmodel section names the code file in ``model_code_path``): a custom-code bundle (runtime ``python``,
-  ``package_python``) whose class is Shardline's adapter (``shardline.mlflow_pyfunc``), carrying the MLflow
+  ``package_python``) whose class is Shardline's adapter (``shardline.build.mlflow_pyfunc``), carrying the MLflow
   model's folder whole and loading it with ``mlflow.pyfunc.load_model``; its outputs are learnt by running it
   on the sample rows. Importing runs the model's code here, and only tenants with ``custom_code: true`` may
   call the bundle. It comes after the framework flavors: the pyfunc MLflow writes beside an sklearn or
@@ -102,7 +102,7 @@ class ImportRequest:
 def _features(request: ImportRequest, model: Any, sample: pa.Table) -> list[str]:
     """The feature columns in the model's order: the names the model keeps (its file's, or scikit-learn's
     ``feature_names_in_``), else the MLmodel signature's, else the sample's columns less ``exclude``."""
-    from shardline.frameworks import saved_feature_names
+    from shardline.build.frameworks import saved_feature_names
 
     kept = getattr(model, "feature_names_in_", None)
     saved = saved_feature_names(model) if hasattr(model, "get_booster") or hasattr(model, "booster") else None
@@ -116,14 +116,14 @@ def _features(request: ImportRequest, model: Any, sample: pa.Table) -> list[str]
 
 
 def _from_onnx(request: ImportRequest) -> Manifest:
-    from shardline.packaging import package_onnx
+    from shardline.build.packaging import package_onnx
 
     return package_onnx(request.file("data"), request.out_dir, name=request.name, sample=request.sample,
                         exclude=request.exclude, lineage=request.lineage)
 
 
 def _from_xgboost(request: ImportRequest) -> Manifest:
-    from shardline.frameworks import load_model_file, package_xgboost
+    from shardline.build.frameworks import load_model_file, package_xgboost
 
     path = request.file("data")
     model_format = str(request.conf.get("model_format") or path.suffix.lstrip("."))
@@ -139,7 +139,7 @@ def _from_xgboost(request: ImportRequest) -> Manifest:
 
 
 def _from_lightgbm(request: ImportRequest) -> Manifest:
-    from shardline.frameworks import load_model_file, package_lightgbm
+    from shardline.build.frameworks import load_model_file, package_lightgbm
 
     model_class = str(request.conf.get("model_class") or "lightgbm.basic.Booster")
     if model_class == "lightgbm.basic.Booster":
@@ -167,7 +167,7 @@ def _converted(request: ImportRequest, build: Callable[[], Manifest]) -> Manifes
 
 
 def _from_sklearn(request: ImportRequest) -> Manifest:
-    from shardline.packaging import package_sklearn
+    from shardline.build.packaging import package_sklearn
 
     estimator = _skops_model(request, "pickled_model", frozenset(), "a scikit-learn model", _LOG_INSTEAD)
     if request.sample is not None:
@@ -195,7 +195,8 @@ def _check_sklearn(request: ImportRequest, manifest: Manifest, estimator: Any, f
 
     import numpy as np
 
-    from shardline.frameworks import CHECK_ROWS, _check, _features as sample_features, _matrix, _tie_rows
+    from shardline.build.frameworks import CHECK_ROWS, _check, _matrix, _tie_rows
+    from shardline.build.frameworks import _features as sample_features
 
     sample = request.needs_sample("checking the conversion")
     sample_features(None, sample, features)  # every feature is there, or InvalidInput naming the missing ones
@@ -216,8 +217,8 @@ def _from_pyfunc(request: ImportRequest) -> Manifest:
     """A pyfunc logged from code: Shardline's adapter as the bundle's code, the MLflow model's folder whole."""
     import tempfile
 
-    from shardline import mlflow_pyfunc
-    from shardline.code_bundles import is_pickle, package_python
+    from shardline.build import mlflow_pyfunc
+    from shardline.build.code_bundles import is_pickle, package_python
 
     refused = mlflow_pyfunc.from_code_refusal(request.conf)
     if refused is not None:

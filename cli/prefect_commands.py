@@ -1,4 +1,4 @@
-"""`shardline prefect ...`: the local Prefect server that batch runs share (see ``shardline._prefect_server``).
+"""`shardline prefect ...`: the local Prefect server that batch runs share (see ``shardline.cli.prefect_server``).
 
 Also what `batch run`, `batch resume` and `demo` call before their flow starts (``use_prefect_api``).
 """
@@ -9,7 +9,7 @@ import json
 
 import typer
 
-from shardline._cli_common import EXIT_FAILED, fail
+from shardline.cli.common import EXIT_FAILED, fail
 
 prefect_app = typer.Typer(
     help="The local Prefect server batch runs share (started by the first run; its UI shows every run).",
@@ -29,7 +29,8 @@ def use_prefect_api() -> None:
     The user's PREFECT_API_URL wins; else SHARDLINE_PREFECT_SERVER=local (default) finds or starts the
     home's local server, and ``temporary`` leaves Prefect to start one inside the run.
     """
-    from shardline._prefect_server import LocalServer, api_url_for_run, started_line
+    from shardline.cli.prefect_server import api_url_for_run, started_line
+    from shardline.local_prefect import LocalServer
     from shardline.settings import PrefectServerSettings
 
     settings = PrefectServerSettings()
@@ -44,11 +45,11 @@ def prefect_status(json_out: bool = typer.Option(False, "--json", help="Print pi
 
     Exit code 1: the server does not run.
     """
-    from shardline import _batch_runner
-    from shardline._prefect_server import find, server_dir
+    from shardline.cli import batch_runner
+    from shardline.local_prefect import find, server_dir
 
     home = _home()
-    server, runner = find(home), _batch_runner.find(home)
+    server, runner = find(home), batch_runner.find(home)
     if json_out:
         typer.echo(json.dumps(None if server is None else
                               {"pid": server.pid, "api_url": server.api_url, "ui_url": server.ui_url,
@@ -59,7 +60,7 @@ def prefect_status(json_out: bool = typer.Option(False, "--json", help="Print pi
         typer.echo(f"running  pid {server.pid}\n     UI  {server.ui_url}\n    API  {server.api_url}\n"
                    f"  files  {server_dir(home)}")
     if not json_out:
-        typer.echo(f" runner  pid {runner.pid} ({_batch_runner.runner_dir(home)})" if runner is not None else
+        typer.echo(f" runner  pid {runner.pid} ({batch_runner.runner_dir(home)})" if runner is not None else
                    " runner  none (the next `shardline batch run` starts it)")
     raise typer.Exit(0 if server is not None else EXIT_FAILED)
 
@@ -67,7 +68,7 @@ def prefect_status(json_out: bool = typer.Option(False, "--json", help="Print pi
 @prefect_app.command("start")
 def prefect_start() -> None:
     """Start this home's local Prefect server now (batch runs start it when they need it); no-op when it runs."""
-    from shardline._prefect_server import ensure
+    from shardline.cli.prefect_server import ensure
     from shardline.errors import PrefectServerUnavailable
     from shardline.settings import PrefectServerSettings
 
@@ -82,10 +83,10 @@ def prefect_start() -> None:
 def prefect_stop() -> None:
     """Stop this home's warm batch runner and local Prefect server (the next batch run starts them again; the
     run history is kept). Jobs running on the runner stop as an interrupted command's would: re-run to resume."""
-    from shardline import _batch_runner
-    from shardline._prefect_server import stop
+    from shardline.cli import batch_runner
+    from shardline.cli.prefect_server import stop
 
-    runner = _batch_runner.stop(_home())
+    runner = batch_runner.stop(_home())
     if runner is not None:
         typer.echo(f"stopped the batch runner (pid {runner.pid})")
     stopped = stop(_home())

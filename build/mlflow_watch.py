@@ -3,7 +3,7 @@
 The ``mlflow-watch`` flow (``flows/mlflow_watch.py``) lists, each run, the versions of the registered models
 it watches (``NAME``: every version; ``NAME@ALIAS``: the one the alias points at) with MLflow's own client,
 and compares them with a small state it keeps per tracking URI and model (``WatchState``, in
-``<home>/mlflow-watch/<tracking key>/<name>.json``, ``storage/mlflow_watch_state.py``). A version seen before,
+``<home>/mlflow-watch/<tracking key>/<name>.json``, ``tasks/mlflow_watch_state.py``). A version seen before,
 imported or refused, is never imported again: a refused one (a pickle, an unmapped flavor) keeps its reason
 and is not retried every run; one MLflow is still registering is left for a later run. A first run of a
 ``NAME`` watch imports every version MLflow holds, oldest first. Everything here is state in, decision out:
@@ -21,9 +21,9 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shardline.build.mlflow_import import RegisteredVersions, shardline_name
 from shardline.bundle import GoldenMetric, check_model_name
 from shardline.errors import InvalidSetting
-from shardline.mlflow_import import RegisteredVersions, shardline_name
 
 READY = "READY"  # MLflow's ModelVersionStatus of a version whose files are in place
 _ALIAS = re.compile(r"[\w-]+")  # what MLflow allows in an alias name

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from shardline._cli_common import EXIT_OK, fail
+from shardline.cli.common import EXIT_OK, fail
 from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 ``package_python`` copies the code (one ``.py`` file, or a folder of them) under ``code/`` and the
 model's files (weights as files: ``.onnx``, ``.npz``, ``.json``...; never a pickle) beside it, a
-folder of them whole under its own name (an MLflow model's folder, for ``shardline.mlflow_pyfunc``),
+folder of them whole under its own name (an MLflow model's folder, for ``shardline.build.mlflow_pyfunc``),
 infers the signature from sample rows (each sample column less ``exclude`` is an input, of its
 Arrow type; the outputs are what the class answers on the sample's first rows), then loads the
 bundle with the runtime both tiers use (``shardline.runtimes.custom``) and checks that it
@@ -18,9 +18,9 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
+from shardline.build.packaging import GoldenSet, current_environment, finish_bundle, new_bundle_dir
 from shardline.bundle import Lineage, Manifest, describe_artifact
 from shardline.errors import InvalidBundle, InvalidInput, InvalidSetting, ShardlineError
-from shardline.packaging import GoldenSet, current_environment, finish_bundle, new_bundle_dir
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.runtimes.custom import CODE_DIR, answer_columns, import_entry
 from shardline.signature import ColumnSpec, Signature, non_finite_counts, parse_type, type_name

@@ -11,12 +11,12 @@ from typing import Any
 
 import typer
 
-from shardline._cli_common import EXIT_FAILED, EXIT_OK, EXIT_QUARANTINED, error_line, exit_code, one_line_user_errors
+from shardline.cli.common import EXIT_FAILED, EXIT_OK, EXIT_QUARANTINED, error_line, exit_code, one_line_user_errors
 
 
 def run_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenant: str, json_out: bool) -> int:
     """Run the flow on the Prefect API the settings choose; print the counts and files; returns the exit code."""
-    from shardline._prefect_cli import use_prefect_api
+    from shardline.cli.prefect_commands import use_prefect_api
     from shardline.errors import PrefectServerUnavailable
 
     try:

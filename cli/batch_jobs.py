@@ -1,7 +1,7 @@
 """One `batch run` or `batch resume` job as the CLI runs it: the request, its early checks, the flow, the outcome.
 
 The command runs the job in a process of its own (the cold path: imports, a Dask cluster started
-and closed) or hands it to its home's warm batch runner (``shardline._batch_runner``), which runs
+and closed) or hands it to its home's warm batch runner (``shardline.cli.batch_runner``), which runs
 the same ``check_request`` and ``execute`` on a cluster it keeps; the user sees the same lines, the
 same progress bar and the same exit code either way (``present``).
 """
@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import typer
 from pydantic import ConfigDict
 
-from shardline._cli_common import (
+from shardline.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_QUARANTINED,

@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from shardline._cli_common import EXIT_FAILED, EXIT_USAGE, fail, open_registry
-from shardline._model_cli import (
+from shardline.cli.common import EXIT_FAILED, EXIT_USAGE, fail, open_registry
+from shardline.cli.model_commands import (
     _GOLDEN_HELP,
     _LABEL,
     _METRIC,
@@ -24,7 +24,6 @@ from shardline._model_cli import (
     push_version,
 )
 from shardline.errors import ShardlineError
-
 
 _IMPORT_NO_PROFILE = (
     "  no reference profile: drift checks and the promotion gate 'reference-profile' need one; import again with "
@@ -65,8 +64,8 @@ def model_import(
 
     import pyarrow.parquet as pq
 
+    from shardline.build.mlflow_import import import_mlflow_model
     from shardline.bundle import Lineage
-    from shardline.mlflow_import import import_mlflow_model
     from shardline.quality.profile import attach_reference_profile
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one error line, no progress bars
@@ -135,10 +134,10 @@ def model_watch_mlflow(
     when a model or version could not be done (the next run retries it), 2 for a wrong request."""
     import os
 
-    from shardline._cli_common import exit_code, one_line_user_errors
-    from shardline._prefect_cli import use_prefect_api
-    from shardline.mlflow_import import mlflow_tracking_uri
-    from shardline.mlflow_watch import GoldenRows, watch_targets
+    from shardline.build.mlflow_import import mlflow_tracking_uri
+    from shardline.build.mlflow_watch import GoldenRows, watch_targets
+    from shardline.cli.common import exit_code, one_line_user_errors
+    from shardline.cli.prefect_commands import use_prefect_api
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one error line, no progress bars
     try:

@@ -1,0 +1,5 @@
+"""``python -m shardline.cli``: the ``shardline`` command."""
+
+from shardline.cli.commands import main
+
+main()

@@ -18,7 +18,8 @@ import pytest
 
 from shardline.bundle import Manifest, read_manifest
 from shardline.errors import InvalidInput, OutputInUse
-from shardline.generation import EngineConfig, GenerationEngine, SamplingParams
+from shardline.runtimes.generation import EngineConfig, SamplingParams
+from shardline.runtimes.generation.engine import GenerationEngine
 from shardline.llm_build import package_tiny_llm
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.storage.registry import ModelRegistry

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pytest
 
 from shardline.bundle import Manifest, read_manifest
-from shardline.generation import SamplingParams
+from shardline.runtimes.generation import SamplingParams
 from shardline.llm_build import package_tiny_llm
 from shardline.online.app import create_app
 from shardline.online.server import build_plane

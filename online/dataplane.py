@@ -45,7 +45,6 @@ from shardline.errors import (
     InvalidInput,
     Overloaded,
 )
-from shardline.generation import LLM_RUNTIMES
 from shardline.online.admission import TenantGate, next_seconds_per_row, runs_inline
 from shardline.online.batcher import Batcher
 from shardline.online.capture import OnlineCapture
@@ -57,7 +56,7 @@ from shardline.online.models import ModelDirectory, ModelStatus, ServedModel
 from shardline.online.served import ServedModels
 from shardline.online.tenants import Tenant, TenantDirectory
 from shardline.rows import Rows, check_rows
-from shardline.runtimes import RuntimeOptions
+from shardline.runtimes import RuntimeOptions, generates
 from shardline.runtimes.base import concat_answers, out_of_memory
 from shardline.settings import OnlineSettings
 from shardline.storage.model_cache import ModelCache
@@ -452,7 +451,7 @@ class DataPlane:
         """(model, version) -> its generation engine's stats (waiting, slots busy, decode steps), for loaded LLMs."""
         stats = {}
         for served in self.models.values():
-            if served.resolved.manifest.runtime not in LLM_RUNTIMES:
+            if not generates(served.resolved.manifest.runtime):
                 continue
             runtime = self.cache.held(served.content_digest, self.runtime)
             if runtime is not None:

@@ -4,8 +4,9 @@
 the model the tenant may call (``DataPlane.model_for_reference``: the same 404s, the custom-code and
 alias rules), checks that it generates text, takes the tenant's stream slot and the prompt's tokens
 from its token quota (``LlmGate``), loads the runtime through the model cache, and submits the prompt
-to the runtime's engine (``shardline.generation``). What it returns is a ``Generation``: an async
-iterator of ``TokenEvent`` that the adapter encodes as server-sent events or one JSON answer.
+to the runtime's engine (an ``Engine``: ``shardline.runtimes.generation``). What it returns is a
+``Generation``: an async iterator of ``TokenEvent`` that the adapter encodes as server-sent events or
+one JSON answer.
 
 - **Quotas** (the tenants file's ``tokens_per_minute`` and ``max_streams``): a stream over the
   tenant's streams in flight, or a prompt the token bucket cannot cover now, is refused before it
@@ -31,16 +32,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
 
 from shardline.errors import DeadlineExceeded, InvalidInput, RateLimited
-from shardline.generation import LLM_RUNTIMES
 from shardline.online.admission import TokenBucket, retry_after
 from shardline.online.headers import TIMEOUT_HEADER
 from shardline.online.logs import deadline_left
 from shardline.online.models import ServedModel
 from shardline.online.tenants import Tenant
 from shardline.openai_wire import GenerationRequest
+from shardline.runtimes import generates
 
 if TYPE_CHECKING:
     from shardline.online.dataplane import DataPlane
+    from shardline.runtimes.generation import Engine, SamplingParams
 
 class LlmGate:
     """One tenant's LLM quotas in this server: streams in flight and tokens per minute (a token bucket
@@ -138,7 +140,7 @@ class Generations:
             RuntimeUnavailable: the runtime cannot load here.
             DeadlineExceeded: the request's deadline (``RequestInfo.deadline``) had passed.
         """
-        from shardline.generation import SamplingParams
+        from shardline.runtimes.generation import SamplingParams
 
         plane = self._plane
         left = deadline_left()
@@ -146,7 +148,7 @@ class Generations:
             raise DeadlineExceeded(f"the request's deadline ({TIMEOUT_HEADER}) had passed when it reached the server; "
                                    f"send a longer {TIMEOUT_HEADER}")
         served = await plane.model_for_reference(tenant, request.model)
-        if served.resolved.manifest.runtime not in LLM_RUNTIMES:
+        if not generates(served.resolved.manifest.runtime):
             raise InvalidInput(f"field 'model': {served.pinned} does not generate text (runtime "
                                f"{served.resolved.manifest.runtime!r}); call a text-generation model, or "
                                f"/v2/models/{served.name}/infer for this one")
@@ -171,8 +173,8 @@ class Generations:
         return Generation(served, len(prompt_ids), self._events(tenant, served, engine, prompt_ids, params, gate,
                                                                 release), release)
 
-    async def _events(self, tenant: Tenant, served: ServedModel, engine: Any, prompt_ids: list[int], params: Any,
-                      gate: LlmGate, release: Callable[[], None]) -> AsyncGenerator[Any, None]:
+    async def _events(self, tenant: Tenant, served: ServedModel, engine: Engine, prompt_ids: list[int],
+                      params: SamplingParams, gate: LlmGate, release: Callable[[], None]) -> AsyncGenerator[Any, None]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
 

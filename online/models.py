@@ -136,11 +136,11 @@ def missing_for_serving(resolved: ResolvedModel, registry: ModelRegistry, local_
     runtime = resolved.manifest.runtime
     if runtime not in KNOWN_RUNTIMES:
         return f"{resolved.pinned} asks for runtime {runtime!r}, which this server does not know ({sorted(KNOWN_RUNTIMES)})"
-    module, _, extra = KNOWN_RUNTIMES[runtime]
+    entry = KNOWN_RUNTIMES[runtime]
     try:
-        importlib.import_module(module)
+        importlib.import_module(entry.module)
     except ImportError as e:
-        return f"runtime {runtime!r} of {resolved.pinned} needs a package that is not installed here ({e.name}); {extra}"
+        return f"runtime {runtime!r} of {resolved.pinned} needs a package that is not installed here ({e.name}); {entry.extra}"
     if (local_dir / MANIFEST).is_file():
         return None
     missing = [a.path for a in resolved.manifest.artifacts

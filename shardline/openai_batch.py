@@ -43,7 +43,7 @@ from shardline.openai_wire import (
     parse_generation_request,
     shown,
 )
-from shardline.generation import LLM_RUNTIMES
+from shardline.runtimes import generates
 from shardline.signature import Signature
 
 ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS)
@@ -172,7 +172,7 @@ def endpoint_problem(endpoints: Sequence[str], pinned: str, runtime: str, signat
     """Why the model cannot answer the file's endpoints (the message), or None when it can: text generation
     needs the ``llm`` runtime, embeddings one string input and one ``fixed_size_list<float>`` output."""
     for url in endpoints:
-        if url in GENERATION_ENDPOINTS and runtime not in LLM_RUNTIMES:
+        if url in GENERATION_ENDPOINTS and not generates(runtime):
             return (f"the batch file's lines call {url}, but {pinned} does not generate text (runtime {runtime!r}); "
                     "name a text-generation model (runtime 'llm') in the file")
         if url == EMBEDDINGS and embedding_io(signature) is None:

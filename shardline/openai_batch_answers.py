@@ -24,7 +24,6 @@ import pyarrow as pa
 
 from shardline.bundle import Manifest
 from shardline.errors import InferenceFailed, InvalidInput
-from shardline.generation import GenerationEngine, Handle, SamplingParams, TokenEvent
 from shardline.openai_batch import BatchLine, answer_id, answer_record, error_record
 from shardline.openai_wire import (
     CompletionAnswer,
@@ -35,6 +34,7 @@ from shardline.openai_wire import (
     embedding_io,
 )
 from shardline.runtimes.base import Runtime
+from shardline.runtimes.generation import Engine, RequestHandle, SamplingParams, TokenEvent
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat may fill the context (as the HTTP tier)
 
@@ -62,7 +62,7 @@ class _Collector:
                                 last.completion_tokens)
 
 
-def sampling_for(engine: GenerationEngine, request: GenerationRequest) -> tuple[list[int], SamplingParams]:
+def sampling_for(engine: Engine, request: GenerationRequest) -> tuple[list[int], SamplingParams]:
     """A request's prompt tokens and sampling parameters, as the HTTP tier makes them.
 
     Raises:
@@ -75,7 +75,7 @@ def sampling_for(engine: GenerationEngine, request: GenerationRequest) -> tuple[
     return engine.tokenize(prompt or ""), params
 
 
-def answer_generation_part(engine: GenerationEngine, lines: Sequence[BatchLine], job_id: str, model: str,
+def answer_generation_part(engine: Engine, lines: Sequence[BatchLine], job_id: str, model: str,
                            clock: Clock = time.time) -> list[dict[str, Any]]:
     """The records of a part's chat and completions lines, in their order (see the module docstring).
 
@@ -84,7 +84,7 @@ def answer_generation_part(engine: GenerationEngine, lines: Sequence[BatchLine],
     """
     records: list[dict[str, Any] | None] = [None] * len(lines)
     running: list[tuple[int, _Collector]] = []
-    handles: list[Handle] = []
+    handles: list[RequestHandle] = []
     try:
         for i, line in enumerate(lines):
             assert isinstance(line.request, GenerationRequest)

@@ -23,7 +23,7 @@ import numpy as np
 import orjson
 
 from shardline.errors import InvalidInput, shown
-from shardline.generation import MAX_STOP_STRINGS
+from shardline.runtimes.generation.requests import MAX_STOP_STRINGS
 from shardline.signature import Signature
 
 CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"

@@ -35,7 +35,7 @@ from shardline.openai_batch import (
     plan_parts,
 )
 from shardline.runtimes import Runtime, RuntimeOptions
-from shardline.runtimes.llm import LlmModel
+from shardline.runtimes.generation.runtime import GeneratingRuntime
 from shardline.settings import BatchSettings, RuntimeSettings, StorageSettings, TenancySettings
 from shardline.storage.fs import resolve_location
 from shardline.storage.lease import LeaseTerms, OutputLease
@@ -187,7 +187,7 @@ def answer_part(runtime: Runtime, plan: OpenAIBatchPlan, part: PartSpec) -> list
     generations = [line for line in lines if line.url != EMBEDDINGS]
     answered: dict[int, dict[str, Any]] = {}
     if generations:
-        if not isinstance(runtime, LlmModel):  # plan checked that the model fits the endpoints
+        if not isinstance(runtime, GeneratingRuntime):  # plan checked that the model fits the endpoints
             raise InvalidInput(f"{pinned} does not generate text; name a model of runtime 'llm' in the file")
         records = answer_generation_part(runtime.engine, generations, job_id, pinned)
         answered.update((line.number, record) for line, record in zip(generations, records))

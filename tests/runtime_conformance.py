@@ -80,9 +80,9 @@ class RuntimeConformance:
     # -- loading -------------------------------------------------------------------------------
 
     def test_the_registry_finds_the_runtime_by_the_manifests_name(self, bundle: tuple[Path, Manifest]) -> None:
-        module, cls, _ = KNOWN_RUNTIMES[bundle[1].runtime]
+        entry = KNOWN_RUNTIMES[bundle[1].runtime]
         runtime = create_runtime(bundle[0], bundle[1], self.options)
-        assert (type(runtime).__module__, type(runtime).__name__) == (module, cls)
+        assert (type(runtime).__module__, type(runtime).__name__) == (entry.module, entry.class_name)
 
     def test_init_only_stores_its_arguments_and_load_does_the_work(self, bundle: tuple[Path, Manifest],
                                                                   tmp_path: Path) -> None:
@@ -118,14 +118,14 @@ class RuntimeConformance:
 
     def test_a_missing_package_names_the_extra_to_install(self, bundle: tuple[Path, Manifest],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-        module, _, extra = KNOWN_RUNTIMES[bundle[1].runtime]
+        entry = KNOWN_RUNTIMES[bundle[1].runtime]
         assert self.required_packages, "a runtime names the packages it needs"
         for package in self.required_packages:
             monkeypatch.setitem(sys.modules, package, None)  # `import package` now fails as if not installed
-        monkeypatch.delitem(sys.modules, module, raising=False)  # so a module-level import fails too
+        monkeypatch.delitem(sys.modules, entry.module, raising=False)  # so a module-level import fails too
         with pytest.raises(RuntimeUnavailable) as caught:
             create_runtime(bundle[0], bundle[1], self.options).load()
-        assert extra in str(caught.value)
+        assert entry.extra in str(caught.value)
 
     def test_an_unknown_runtime_is_an_invalid_bundle_naming_the_known_ones(self, bundle: tuple[Path, Manifest]) -> None:
         manifest = bundle[1].model_copy(update={"runtime": "no-such-runtime"})

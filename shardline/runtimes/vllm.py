@@ -18,13 +18,15 @@ packages one), with the signature of every ``llm`` bundle: ``prompt`` in; ``comp
 ``prompt_tokens``, ``completion_tokens`` out.
 
 What Shardline adds in front: the replica's tenants, quotas (``max_streams``, ``tokens_per_minute``),
-metering and metrics, the router's placement, and the same engine interface as the CPU runtime
-(``RemoteEngine``: ``tokenize``, ``chat_prompt``, ``submit`` with ``SamplingParams`` and token events,
-``generate_many``), so the HTTP tier and batch generation (``predict``, inherited from ``LlmModel``)
-work unchanged. The prompt is tokenized here with the bundle's tokenizer and sent to vLLM as token
-ids (so a tenant's prompt tokens are counted before anything is sent); vLLM streams back text with
-its token ids (``return_token_ids``) and running usage (``continuous_usage_stats``), and closing the
-stream cancels the request in vLLM.
+metering and metrics, the router's placement, and the same ``Engine`` as the CPU runtime
+(``RemoteEngine``, on the engines' base: ``tokenize``, ``chat_prompt``, the one prompt check, ``submit``
+with ``SamplingParams`` and token events, ``generate_many``), so the HTTP tier and batch generation
+(``predict``: ``VllmModel`` is a ``GeneratingRuntime``) work unchanged. The prompt is tokenized here with
+the bundle's tokenizer, checked, and sent to vLLM as token ids (so a tenant's prompt tokens are counted
+before anything is sent); vLLM streams back text with its token ids (``return_token_ids``) and running
+usage (``continuous_usage_stats``), and closing the stream aborts the request in vLLM.
+``tests/support/vllm_server.py`` answers as vLLM does, so this path runs in every test run
+(``tests/integration/test_vllm_openai.py``).
 """
 
 from __future__ import annotations
@@ -37,29 +39,23 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import InvalidBundle, RuntimeUnavailable
-from shardline.generation import (
-    GENERATION_CONFIG_FILE,
-    TOKENIZER_FILE,
-    Completion,
-    EngineConfig,
-    SamplingParams,
-    TokenEvent,
-    check_prompt,
-    run_together,
-)
-from shardline.runtimes.llm import LlmModel
+from shardline.bundle import Manifest
+from shardline.errors import RuntimeUnavailable
+from shardline.runtimes.base import RuntimeOptions
+from shardline.runtimes.generation import EngineConfig, SamplingParams, TokenEvent
+from shardline.runtimes.generation.base import LLM_EXTRA, EngineBase, Request
+from shardline.runtimes.generation.runtime import GeneratingRuntime
 
 log = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.5
 
 
 class RemoteHandle:
-    """A request sent to vLLM: ``cancel()`` closes its stream, which makes vLLM abort it."""
+    """A request sent to vLLM (a ``RequestHandle``): ``cancel()`` closes its stream, which makes vLLM abort it."""
 
     def __init__(self, engine: RemoteEngine) -> None:
         self._engine = engine
@@ -77,23 +73,19 @@ class RemoteHandle:
             response.close()
 
 
-class RemoteEngine:
-    """The CPU engine's interface (``shardline.generation.GenerationEngine``) over a vLLM OpenAI server."""
+class RemoteEngine(EngineBase):
+    """An ``Engine`` over a vLLM OpenAI server: the bundle's text side here, the tokens from vLLM."""
 
     def __init__(self, model_dir: Path, config: EngineConfig, base_url: str, served_name: str,
                  api_key: str | None = None) -> None:
-        self.model_dir = Path(model_dir)
-        self.config = config
+        super().__init__(model_dir, config)
         self.base_url = base_url.rstrip("/")
         self.served_name = served_name
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._tokenizer: Any = None
         self._client: Any = None
         self._lock = threading.Lock()
         self._active: set[RemoteHandle] = set()
         self._counts = {"requests": 0, "tokens_generated": 0}
-        self.bos_token_id: int | None = None
-        self.generation_defaults: dict[str, Any] = {}
 
     def start(self) -> None:
         """Read the tokenizer and generation config; open the HTTP client.
@@ -106,77 +98,53 @@ class RemoteEngine:
             import httpx
             from tokenizers import Tokenizer
         except ImportError as e:
-            raise RuntimeUnavailable(f"the vllm runtime needs {e.name}; pip install 'shardline[llm]'") from e
-        from shardline.generation import read_generation_config, read_tokenizer
-
-        self._tokenizer = read_tokenizer(Tokenizer, self.model_dir / TOKENIZER_FILE)
-        self.generation_defaults = read_generation_config(self.model_dir / GENERATION_CONFIG_FILE)
-        try:
-            raw = json.loads((self.model_dir / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise InvalidBundle(f"config.json in {self.model_dir} is not readable JSON ({e}); re-package it") from e
-        bos = self.generation_defaults.get("bos_token_id", raw.get("bos_token_id"))
-        self.bos_token_id = bos[0] if isinstance(bos, list) and bos else bos if isinstance(bos, int) else None
+            raise RuntimeUnavailable(f"the vllm runtime needs {e.name}; {LLM_EXTRA}") from e
+        self.read_bundle_text(Tokenizer)
         self._client = httpx.Client(timeout=httpx.Timeout(30.0, read=None))
 
     def close(self) -> None:
         """Cancel what runs and close the client. Twice is harmless."""
         with self._lock:
             active = list(self._active)
+            client, self._client = self._client, None
         for handle in active:
             handle.cancel()
-        if self._client is not None:
-            self._client.close()
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        """The longest prompt accepted: the context less one token for the completion."""
-        return self.config.max_context - 1
-
-    def tokenize(self, text: str) -> list[int]:
-        """A prompt's token ids, as the CPU engine makes them (the beginning-of-sequence token first)."""
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return ids if self.bos_token_id is None else [self.bos_token_id, *ids]
-
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The prompt text for chat messages, through the bundle's chat template."""
-        return self.config.chat_template.render(messages)
-
-    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        """The prompt as ``submit`` takes it, or the error that refuses it (``shardline.generation.check_prompt``)."""
-        return check_prompt(prompt_ids, self.config.max_context)
+        if client is not None:
+            client.close()
 
     def stats(self) -> dict[str, int]:
         """Requests in flight (``slots_busy``, as the CPU engine says it), sent so far and tokens generated."""
         with self._lock:
             return {"slots_busy": len(self._active), **self._counts}
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
-               on_event: Callable[[TokenEvent], None]) -> RemoteHandle:
-        """Send a request to vLLM; ``on_event`` is called from a thread of its own for each piece and once with
-        a ``finish_reason`` ("cancelled" after ``cancel()``, "error" when vLLM fails or goes away).
-
-        Raises:
-            InvalidInput: the prompt is empty or longer than ``max_prompt_tokens`` (``check_prompt``).
-        """
-        prompt = self.check_prompt(prompt_ids)
+    def _check_running(self) -> None:
         if self._client is None:
-            raise RuntimeError("submit() before start()")
-        handle = RemoteHandle(self)
-        with self._lock:
-            self._active.add(handle)
-            self._counts["requests"] += 1
-        threading.Thread(target=self._stream, args=(handle, prompt, params, on_event), daemon=True,
-                         name="vllm-request").start()
-        return handle
+            raise RuntimeError("submit() before start() or after close()")
 
-    def _stream(self, handle: RemoteHandle, prompt: list[int], params: SamplingParams,
+    def _enqueue(self, requests: list[Request], params: SamplingParams) -> list[RemoteHandle]:
+        """Send each checked prompt to vLLM on a thread of its own, which calls its ``on_event`` for each piece and
+        once with a ``finish_reason`` ("cancelled" after ``cancel()``, "error" when vLLM fails or goes away)."""
+        handles = []
+        for prompt, on_event in requests:
+            handle = RemoteHandle(self)
+            with self._lock:
+                client = self._client
+                self._active.add(handle)
+                self._counts["requests"] += 1
+            threading.Thread(target=self._stream, args=(client, handle, prompt, params, on_event), daemon=True,
+                             name="vllm-request").start()
+            handles.append(handle)
+        return handles
+
+    def _stream(self, client: Any, handle: RemoteHandle, prompt: list[int], params: SamplingParams,
                 on_event: Callable[[TokenEvent], None]) -> None:
+        # vLLM takes top_p in (0, 1] only, greedy or not; top_p 0 keeps the most likely token: greedy, as on the CPU
+        greedy = params.temperature == 0 or params.top_p == 0
         body: dict[str, Any] = {
             "model": self.served_name, "prompt": prompt, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "max_tokens": min(params.max_tokens, self.config.max_context - len(prompt)),
-            "temperature": params.temperature, "top_p": params.top_p,
+            "temperature": 0.0 if greedy else params.temperature, "top_p": 1.0 if greedy else params.top_p,
         }
         if params.seed is not None:
             body["seed"] = params.seed
@@ -184,11 +152,10 @@ class RemoteEngine:
             body["stop"] = list(params.stop)
         completion, finish, error = 0, None, None
         try:
-            with self._client.stream("POST", f"{self.base_url}/v1/completions", json=body,
-                                     headers=self._headers) as response:
+            with client.stream("POST", f"{self.base_url}/v1/completions", json=body, headers=self._headers) as response:
                 handle.response = response
                 if response.status_code != 200:
-                    error = f"vLLM answered {response.status_code}: {response.read()[:300]!r}"
+                    error = f"vLLM answered {response.status_code}: {_error_message(response.read())}"
                 else:
                     for line in response.iter_lines():
                         if handle.cancelled:
@@ -196,15 +163,21 @@ class RemoteEngine:
                         if not line.startswith("data: {"):
                             continue
                         chunk = json.loads(line[6:])
-                        completion = int((chunk.get("usage") or {}).get("completion_tokens") or completion)
+                        if "error" in chunk:  # vLLM failed mid-stream: its error object, then [DONE]
+                            error = f"vLLM failed: {_error_message(line[6:].encode())}"
+                            break
                         choices = chunk.get("choices") or []
                         if not choices:
                             continue
                         choice = choices[0]
                         finish = choice.get("finish_reason")
                         tokens = tuple(choice.get("token_ids") or ())
+                        usage = chunk.get("usage") or {}
+                        completion = int(usage.get("completion_tokens") or completion + len(tokens))
                         with self._lock:
                             self._counts["tokens_generated"] += len(tokens)
+                        if finish is not None:
+                            self._release(handle)  # free before its last event, as the CPU engine's slot is
                         on_event(TokenEvent(choice.get("text") or "", tokens, finish, len(prompt), completion))
                         if finish is not None:
                             break
@@ -212,29 +185,28 @@ class RemoteEngine:
             if not handle.cancelled:
                 error = f"{type(e).__name__}: {e}"
         finally:
-            handle.done = True
-            with self._lock:
-                self._active.discard(handle)
+            self._release(handle)
+        if finish is not None:
+            return  # its last event went out (a cancel() that came after it changes nothing)
         if handle.cancelled:
             on_event(TokenEvent("", (), "cancelled", len(prompt), completion))
-        elif error is not None or finish is None:
+        else:
             on_event(TokenEvent("", (), "error", len(prompt), completion,
                                 error or "vLLM ended the stream without a finish_reason"))
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
-        """Generate one completion and wait for it."""
-        return self.generate_many([prompt_ids], params)[0]
+    def _release(self, handle: RemoteHandle) -> None:
+        """The request is over: no longer in flight, and ``cancel()`` is a no-op from now on."""
+        handle.done = True
+        with self._lock:
+            self._active.discard(handle)
 
-    def generate_many(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-        """Send every prompt at once (vLLM batches them) and wait for all their completions.
 
-        Raises:
-            InvalidInput: a prompt is refused (nothing is sent then).
-            InferenceFailed: vLLM failed on one.
-        """
-        checked = [self.check_prompt(prompt) for prompt in prompts]  # refuse a bad prompt before any is sent
-        return run_together(len(prompts), lambda callbacks: [self.submit(p, params, on_event)
-                                                            for p, on_event in zip(checked, callbacks)])
+def _error_message(body: bytes) -> str:
+    """The message of vLLM's error object (``{"error": {"message": ...}}``), else the body's start."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return repr(body[:300])
 
 
 def _free_port() -> int:
@@ -345,8 +317,13 @@ class VllmServer:
             process.wait()
 
 
-class VllmModel(LlmModel):
-    """An ``llm`` bundle served by vLLM (see the module docstring); ``predict`` and ``engine`` as ``LlmModel``'s."""
+class VllmModel(GeneratingRuntime):
+    """An ``llm`` bundle served by vLLM (see the module docstring); ``predict`` and ``engine`` as every
+    ``GeneratingRuntime``'s."""
+
+    def __init__(self, bundle_dir: Path, manifest: Manifest, options: RuntimeOptions) -> None:
+        super().__init__(bundle_dir, manifest, options)
+        self._server: VllmServer | None = None
 
     def load(self) -> None:
         """Find or start vLLM, then read the tokenizer and the generation defaults.
@@ -373,14 +350,16 @@ class VllmModel(LlmModel):
                                      "to the Python of an environment where vLLM is installed")
         engine = RemoteEngine(self.bundle_dir, config, url, self.manifest.name, settings.api_key)
         try:
-            engine.start()
-            self._params = self._default_params(engine)  # type: ignore[arg-type]
+            try:
+                engine.start()
+            except BaseException:
+                engine.close()
+                raise
+            self._use(engine)
         except BaseException:
-            engine.close()
             if server is not None:
                 server.stop()
             raise
-        self._engine = engine  # type: ignore[assignment]
         self._server = server
 
     @property
@@ -395,7 +374,7 @@ class VllmModel(LlmModel):
     def close(self) -> None:
         """Close the client and stop the vLLM server this runtime started (one it found is left running)."""
         super().close()
-        server, self._server = getattr(self, "_server", None), None
+        server, self._server = self._server, None
         if server is not None:
             server.stop()
 

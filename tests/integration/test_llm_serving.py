@@ -17,13 +17,10 @@ import orjson
 import pytest
 
 from shardline.build.llm_build import package_tiny_llm
-from shardline.online.app import create_app
 from shardline.online.dataplane import DataPlane
-from shardline.online.server import build_plane
 from shardline.online.tenants import TenantDirectory, hash_api_key
-from shardline.online.testing import serve_listeners_in_thread
-from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
 from shardline.storage.registry import ModelRegistry
+from tests.support.serving import serve_home
 
 KEY, SMALL, OTHER = "sk-llm-main", "sk-llm-small-quota", "sk-llm-other"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "name three rivers"}]
@@ -41,10 +38,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Data
          "tokens_per_minute": 60},
         {"name": "other", "api_keys_sha256": [hash_api_key(OTHER)], "models": ["tiny@prod"]},
     ]})
-    plane = build_plane(OnlineSettings(), StorageSettings(home=str(home)),
-                        RuntimeSettings(device="cpu", intra_op_threads=1), tenants)
-    with serve_listeners_in_thread(create_app(plane)) as listening:
-        yield listening.url, plane
+    with serve_home(home, tenants) as served:
+        yield served
 
 
 @pytest.fixture

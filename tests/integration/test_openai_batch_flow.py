@@ -16,13 +16,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from shardline.build.llm_build import package_tiny_llm
 from shardline.bundle import Manifest, read_manifest
 from shardline.errors import InvalidInput, OutputInUse
-from shardline.generation import EngineConfig, GenerationEngine, SamplingParams
-from shardline.build.llm_build import package_tiny_llm
 from shardline.runtimes import RuntimeOptions, create_runtime
+from shardline.runtimes.generation import EngineConfig, SamplingParams
+from shardline.runtimes.generation.engine import GenerationEngine
 from shardline.storage.registry import ModelRegistry
-
 from tests.integration.conftest import S3Server
 
 CHAT, TEXT, EMBED = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"

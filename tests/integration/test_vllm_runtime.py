@@ -20,14 +20,14 @@ import openai
 import pyarrow as pa
 import pytest
 
-from shardline.bundle import Manifest, read_manifest
-from shardline.generation import SamplingParams
 from shardline.build.llm_build import package_tiny_llm
+from shardline.bundle import Manifest, read_manifest
 from shardline.online.app import create_app
 from shardline.online.server import build_plane
 from shardline.online.tenants import TenantDirectory, hash_api_key
 from shardline.online.testing import serve_listeners_in_thread
 from shardline.runtimes import RuntimeOptions, create_runtime
+from shardline.runtimes.generation import SamplingParams
 from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
 from shardline.storage.registry import ModelRegistry
 

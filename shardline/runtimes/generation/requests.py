@@ -1,17 +1,20 @@
-"""What a generation request is made of and what it gives back: sampling parameters, token events,
-completions, the chat template, the engine's shape, and how much of a streamed text may be sent.
+"""What a generation request is made of and what it gives back, the same for every engine: sampling
+parameters, token events, completions, the chat template, the engine's shape, the one prompt check
+(``check_prompt``), how much of a streamed text may be sent (``held_back``), and how a batch of requests
+is run and waited for (``run_together``).
 
-``shardline.generation`` re-exports every public name here; import them from there.
+The package's face (``shardline.runtimes.generation``) re-exports what its callers need.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from shardline.errors import InvalidBundle, InvalidParameter
+from shardline.errors import ContextLengthExceeded, InferenceFailed, InvalidBundle, InvalidInput, InvalidParameter
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP_STRINGS = 4
@@ -190,3 +193,69 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
                 end = min(end, len(text) - k)
                 break
     return end
+
+
+def check_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int | None = None) -> list[int]:
+    """A prompt's token ids as ints, checked as every engine checks them before anything is generated or sent:
+    at least one token, at most ``max_context - 1`` (one is left for the completion), and, with ``vocab_size``,
+    every id in the vocabulary. The HTTP tier calls it before a stream's first byte, so a refusal is a 400.
+
+    Raises:
+        ContextLengthExceeded: the prompt is longer than the context leaves room for.
+        InvalidInput: the prompt is empty or holds an id outside the vocabulary.
+    """
+    prompt = [int(i) for i in prompt_ids]
+    most = max_context - 1
+    if not prompt:
+        raise InvalidInput("the prompt has no tokens; send some text")
+    if len(prompt) > most:
+        raise ContextLengthExceeded(f"the prompt is {len(prompt)} tokens; this model takes at most {most} (its context "
+                                    f"of {max_context} less one for the completion); shorten it", len(prompt), most)
+    if vocab_size is not None and any(not 0 <= i < vocab_size for i in prompt):
+        raise InvalidInput(f"the prompt holds token ids outside the vocabulary (0..{vocab_size - 1}); tokenize it "
+                           "with the model's tokenizer")
+    return prompt
+
+
+def run_together(count: int, start: Callable[[list[Callable[[TokenEvent], None]]], Sequence[Any]]) -> list[Completion]:
+    """Run ``count`` requests at once and wait for all of them: ``start`` gets one ``on_event`` callback per
+    request (callable from any thread) and submits them, returning their handles; whatever is still running
+    when this returns or fails is cancelled. The engines' ``generate_many``.
+
+    Raises:
+        InferenceFailed: a request ended on an error.
+    """
+    if count == 0:
+        return []
+    results: list[list[TokenEvent]] = [[] for _ in range(count)]
+    remaining = [count]
+    finished = threading.Event()
+    guard = threading.Lock()
+
+    def collect(index: int) -> Callable[[TokenEvent], None]:
+        def on_event(event: TokenEvent) -> None:
+            results[index].append(event)
+            if event.finish_reason is not None:
+                with guard:
+                    remaining[0] -= 1
+                    if remaining[0] == 0:
+                        finished.set()
+        return on_event
+
+    handles: Sequence[Any] = []
+    try:
+        handles = start([collect(i) for i in range(count)])
+        finished.wait()
+    finally:
+        for handle in handles:
+            handle.cancel()  # a no-op for those that finished
+    return [_completion(events) for events in results]
+
+
+def _completion(events: list[TokenEvent]) -> Completion:
+    last = events[-1]
+    if last.finish_reason == "error":
+        raise InferenceFailed(f"generation failed: {last.error}; reload the model")
+    assert last.finish_reason is not None
+    return Completion("".join(e.text for e in events), tuple(t for e in events for t in e.token_ids),
+                      last.finish_reason, last.prompt_tokens, last.completion_tokens)

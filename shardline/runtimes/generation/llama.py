@@ -1,4 +1,4 @@
-"""A Llama forward pass in plain torch over a static slot cache: what ``shardline.generation`` runs.
+"""A Llama forward pass in plain torch over a static slot cache: what the CPU engine (``engine.py``) runs.
 
 It reads a Hugging Face Llama checkpoint (``config.json`` and ``model.safetensors``, the parameter
 names of ``LlamaForCausalLM``) and computes what transformers computes for it: RMSNorm, rotary
@@ -24,8 +24,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from shardline.errors import InvalidBundle
+from shardline.runtimes.generation.base import CONFIG_FILE
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 

@@ -20,6 +20,10 @@ Text is streamed by decoding the whole completion after each token and sending w
 back the last word (a WordPiece ``##`` piece or a tokenizer's clean-up may still change it) and any
 tail that could begin a stop string. The pieces of a sequence's events add up to its completion.
 
+The bundle's text side (tokenizer, special tokens, chat template, the one prompt check) and the flow of
+``submit`` and ``generate_many`` are every engine's, from ``EngineBase`` (``base.py``); this module adds
+the slots, the queue, the engine thread and sampling.
+
 Threads: ``threads`` is torch's intra-op thread count for the engine's forward passes (0 leaves
 torch's default, every core). ``torch.set_num_threads`` is not per process: with torch's OpenMP
 backend it sets the calling thread's pool at once and the default that threads adopt when they
@@ -33,34 +37,19 @@ importing this module costs nothing.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardline._generation_requests import (
-    CHAT_ROLES,
-    MAX_STOP_STRINGS,
-    ChatTemplate,
-    Completion,
-    EngineConfig,
-    FinishReason,
-    SamplingParams,
-    TokenEvent,
-    held_back,
-)
-from shardline.errors import ContextLengthExceeded, InferenceFailed, InvalidBundle, InvalidInput, RuntimeUnavailable
+from shardline.errors import InferenceFailed, InvalidBundle, RuntimeUnavailable
+from shardline.runtimes.generation.base import LLM_EXTRA, TOKENIZER_FILE, EngineBase, Request
+from shardline.runtimes.generation.requests import EngineConfig, FinishReason, SamplingParams, TokenEvent, held_back
 
 log = logging.getLogger(__name__)
-
-LLM_EXTRA = "pip install 'shardline[llm]'"
-LLM_RUNTIMES = frozenset({"llm", "vllm"})  # the runtimes whose models generate text (they have an ``engine``)
-TOKENIZER_FILE = "tokenizer.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class _Sequence:
@@ -85,7 +74,7 @@ class _Sequence:
 
 
 class Handle:
-    """A submitted request: ``cancel()`` it to stop it and free its slot at once."""
+    """A submitted request (a ``RequestHandle``): ``cancel()`` it to stop it and free its slot at once."""
 
     def __init__(self, engine: GenerationEngine, sequence: _Sequence) -> None:
         self._engine = engine
@@ -109,30 +98,8 @@ def _require_packages() -> tuple[Any, Any]:
     return torch, Tokenizer
 
 
-def check_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int | None = None) -> list[int]:
-    """A prompt's token ids as ints, checked as every engine checks them before anything is generated or sent:
-    at least one token, at most ``max_context - 1`` (one is left for the completion), and, with ``vocab_size``,
-    every id in the vocabulary. The HTTP tier calls it before a stream's first byte, so a refusal is a 400.
-
-    Raises:
-        ContextLengthExceeded: the prompt is longer than the context leaves room for.
-        InvalidInput: the prompt is empty or holds an id outside the vocabulary.
-    """
-    prompt = [int(i) for i in prompt_ids]
-    most = max_context - 1
-    if not prompt:
-        raise InvalidInput("the prompt has no tokens; send some text")
-    if len(prompt) > most:
-        raise ContextLengthExceeded(f"the prompt is {len(prompt)} tokens; this model takes at most {most} (its context "
-                                    f"of {max_context} less one for the completion); shorten it", len(prompt), most)
-    if vocab_size is not None and any(not 0 <= i < vocab_size for i in prompt):
-        raise InvalidInput(f"the prompt holds token ids outside the vocabulary (0..{vocab_size - 1}); tokenize it "
-                           "with the model's tokenizer")
-    return prompt
-
-
-class GenerationEngine:
-    """Generates text for many requests at once from one thread (see the module docstring).
+class GenerationEngine(EngineBase):
+    """Generates text for many requests at once from one thread (see the module docstring); an ``Engine``.
 
     Args:
         model_dir: the bundle folder (``config.json``, ``model.safetensors``, ``tokenizer.json``).
@@ -141,8 +108,7 @@ class GenerationEngine:
     """
 
     def __init__(self, model_dir: Path, config: EngineConfig, threads: int = 1) -> None:
-        self.model_dir = Path(model_dir)
-        self.config = config
+        super().__init__(model_dir, config)
         self.threads = threads
         self._wake = threading.Condition()
         self._slots: list[_Sequence | None] = [None] * config.max_batch
@@ -153,12 +119,7 @@ class GenerationEngine:
         self._thread: threading.Thread | None = None
         self._counts = {"decode_steps": 0, "prefills": 0, "tokens_generated": 0}
         self._model: Any = None
-        self._tokenizer: Any = None
         self._torch: Any = None
-        self._vocab_size = 0
-        self.eos_token_ids: frozenset[int] = frozenset()
-        self.bos_token_id: int | None = None
-        self.generation_defaults: dict[str, Any] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -173,10 +134,10 @@ class GenerationEngine:
         if self._thread is not None:
             raise RuntimeError("the generation engine is already started")
         torch, tokenizer_class = _require_packages()
-        from shardline._llama import LlamaConfig, LlamaModel
+        from shardline.runtimes.generation.llama import LlamaConfig, LlamaModel
 
         self._torch = torch
-        self._tokenizer = read_tokenizer(tokenizer_class, self.model_dir / TOKENIZER_FILE)
+        self.read_bundle_text(tokenizer_class)
         model_config = LlamaConfig.read(self.model_dir)
         if self.config.max_context > model_config.max_position_embeddings:
             raise InvalidBundle(f"max_context {self.config.max_context} is beyond the "
@@ -185,14 +146,8 @@ class GenerationEngine:
         if self._tokenizer.get_vocab_size() > model_config.vocab_size:
             raise InvalidBundle(f"{TOKENIZER_FILE} has {self._tokenizer.get_vocab_size()} tokens, the model in "
                                 f"{self.model_dir} only {model_config.vocab_size}; package the matching tokenizer")
-        raw = json.loads((self.model_dir / "config.json").read_text())
-        self.generation_defaults = read_generation_config(self.model_dir / GENERATION_CONFIG_FILE)
-        eos = self.generation_defaults.get("eos_token_id", raw.get("eos_token_id"))
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
-        bos = self.generation_defaults.get("bos_token_id", raw.get("bos_token_id"))
-        self.bos_token_id = bos[0] if isinstance(bos, list) and bos else bos if isinstance(bos, int) else None
         self._model = LlamaModel.load(self.model_dir, self.config.max_batch, self.config.max_context)
-        self._vocab_size = model_config.vocab_size
+        self.vocab_size = model_config.vocab_size
         self._thread = threading.Thread(target=self._run, name=f"generation-{self.model_dir.name}", daemon=True)
         self._thread.start()
 
@@ -205,46 +160,9 @@ class GenerationEngine:
             self._thread.join()
         self._model = None
 
-    # -- text ---------------------------------------------------------------------------------------
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        """The longest prompt accepted: the context less one token for the completion."""
-        return self.config.max_context - 1
-
-    def tokenize(self, text: str) -> list[int]:
-        """A prompt's token ids: the beginning-of-sequence token, then the text's tokens."""
-        if self._tokenizer is None:
-            raise RuntimeError("tokenize() before start()")
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return ids if self.bos_token_id is None else [self.bos_token_id, *ids]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """The text of token ids, special tokens left out."""
-        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
-
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The prompt text for chat messages, through the bundle's chat template (``ChatTemplate.render``)."""
-        return self.config.chat_template.render(messages)
-
     # -- requests -----------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
-               on_event: Callable[[TokenEvent], None]) -> Handle:
-        """Queue a request; ``on_event`` is then called from the engine thread for each token and once
-        with a ``finish_reason`` (keep it cheap; it may call ``Handle.cancel``).
-
-        Raises:
-            InvalidInput: the prompt is empty, longer than ``max_prompt_tokens`` (the message says both),
-                or holds an id outside the vocabulary.
-            InferenceFailed: the engine stopped on an error.
-            RuntimeError: the engine is not started or is closed.
-        """
-        self._check_running()
-        return self._enqueue([(self.check_prompt(prompt_ids), on_event)], params)[0]
-
-    def _enqueue(self, requests: list[tuple[list[int], Callable[[TokenEvent], None]]],
-                 params: SamplingParams) -> list[Handle]:
+    def _enqueue(self, requests: list[Request], params: SamplingParams) -> list[Handle]:
         """Queue checked prompts together: the engine admits them in one step (as far as slots allow)."""
         sequences = [_Sequence(prompt, params, on_event, min(params.max_tokens, self.config.max_context - len(prompt)))
                      for prompt, on_event in requests]
@@ -253,24 +171,6 @@ class GenerationEngine:
             self._waiting.extend(sequences)
             self._wake.notify_all()
         return [Handle(self, sequence) for sequence in sequences]
-
-    def generate_many(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-        """Queue every prompt at once (the engine admits them in one step, so they share every decode step
-        that slots allow) and wait for all their completions.
-
-        Raises:
-            InvalidInput: a prompt is refused (nothing is generated then).
-            InferenceFailed: the engine failed while generating.
-        """
-        if not prompts:
-            return []
-        self._check_running()
-        checked = [self.check_prompt(prompt) for prompt in prompts]  # refuse a bad prompt before any is queued
-        return run_together(len(checked), lambda callbacks: self._enqueue(list(zip(checked, callbacks)), params))
-
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
-        """Generate one completion and wait for it (``submit`` with the events joined)."""
-        return self.generate_many([prompt_ids], params)[0]
 
     def stats(self) -> dict[str, int]:
         """For metrics: slots (all, busy), requests waiting, decode steps, prefills and tokens generated so far."""
@@ -284,10 +184,6 @@ class GenerationEngine:
                                   f"({self._failure!r}); reload the model") from self._failure
         if self._thread is None or self._closing:
             raise RuntimeError("submit() before start() or after close()")
-
-    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        """The prompt as ``submit`` takes it, or the error that refuses it (``check_prompt``)."""
-        return check_prompt(prompt_ids, self.config.max_context, self._vocab_size)
 
     def _cancel(self, sequence: _Sequence) -> None:
         with self._wake:
@@ -443,76 +339,4 @@ def _pin_threads(torch: Any, threads: int) -> None:
     restore.join()
 
 
-def run_together(count: int, start: Callable[[list[Callable[[TokenEvent], None]]], Sequence[Any]]) -> list[Completion]:
-    """Run ``count`` requests at once and wait for all of them: ``start`` gets one ``on_event`` callback per
-    request (callable from any thread) and submits them, returning their handles; whatever is still running
-    when this returns or fails is cancelled. The engines' ``generate_many``.
-
-    Raises:
-        InferenceFailed: a request ended on an error.
-    """
-    if count == 0:
-        return []
-    results: list[list[TokenEvent]] = [[] for _ in range(count)]
-    remaining = [count]
-    finished = threading.Event()
-    guard = threading.Lock()
-
-    def collect(index: int) -> Callable[[TokenEvent], None]:
-        def on_event(event: TokenEvent) -> None:
-            results[index].append(event)
-            if event.finish_reason is not None:
-                with guard:
-                    remaining[0] -= 1
-                    if remaining[0] == 0:
-                        finished.set()
-        return on_event
-
-    handles: Sequence[Any] = []
-    try:
-        handles = start([collect(i) for i in range(count)])
-        finished.wait()
-    finally:
-        for handle in handles:
-            handle.cancel()  # a no-op for those that finished
-    return [_completion(events) for events in results]
-
-
-def _completion(events: list[TokenEvent]) -> Completion:
-    last = events[-1]
-    if last.finish_reason == "error":
-        raise InferenceFailed(f"generation failed: {last.error}; reload the model")
-    assert last.finish_reason is not None
-    return Completion("".join(e.text for e in events), tuple(t for e in events for t in e.token_ids),
-                      last.finish_reason, last.prompt_tokens, last.completion_tokens)
-
-
-def read_tokenizer(tokenizer_class: Any, path: Path) -> Any:
-    """A bundle's ``tokenizer.json`` (``tokenizers.Tokenizer``), without padding or truncation; InvalidBundle if unreadable."""
-    try:
-        tokenizer = tokenizer_class.from_file(str(path))
-    except Exception as e:  # tokenizers raises its own Exception subclass
-        raise InvalidBundle(f"{TOKENIZER_FILE} at {path} is not a readable tokenizer ({e}); re-fetch the bundle "
-                            "or package it again") from e
-    tokenizer.no_padding()
-    tokenizer.no_truncation()
-    return tokenizer
-
-
-def read_generation_config(path: Path) -> dict[str, Any]:
-    """A bundle's ``generation_config.json`` ({} when there is none); InvalidBundle if it is not a JSON object."""
-    if not path.exists():
-        return {}
-    try:
-        values = json.loads(path.read_text())
-        if not isinstance(values, dict):
-            raise ValueError("not an object")
-        return values
-    except (OSError, ValueError) as e:
-        raise InvalidBundle(f"{GENERATION_CONFIG_FILE} at {path} is not a JSON object ({e}); "
-                            "re-package the model") from e
-
-
-__all__ = ["CHAT_ROLES", "GENERATION_CONFIG_FILE", "LLM_EXTRA", "MAX_STOP_STRINGS", "TOKENIZER_FILE", "ChatTemplate",
-           "Completion", "EngineConfig", "FinishReason", "GenerationEngine", "Handle", "SamplingParams", "TokenEvent",
-           "held_back"]
+__all__ = ["GenerationEngine", "Handle"]

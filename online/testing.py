@@ -6,13 +6,13 @@ of ``OnlineSettings()`` unless given), and can serve a second app (the metrics) 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from shardline.local_ports import listener
 from shardline.online.limits import ConnectionLimits
 
 
@@ -22,13 +22,6 @@ class Served:
 
     url: str
     metrics_url: str | None = None
-
-
-def _free_socket(host: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    return sock
 
 
 @contextmanager
@@ -45,7 +38,7 @@ def serve_listeners_in_thread(app: Any, host: str = "127.0.0.1", startup_timeout
     from shardline.settings import OnlineSettings
 
     limits = limits or resolve_limits(OnlineSettings(), open_files_limit())
-    sockets = [_free_socket(host)] + ([_free_socket(host)] if metrics_app is not None else [])
+    sockets = [listener(host)] + ([listener(host)] if metrics_app is not None else [])
     ports = [s.getsockname()[1] for s in sockets]
     apps = {ports[1]: metrics_app} if metrics_app is not None else None
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=5,

@@ -125,7 +125,7 @@ def test_a_dns_group_is_the_addresses_its_name_resolves_to() -> None:
     from shardline.online.tenants import TenantDirectory
     from shardline.settings import RouterSettings
 
-    from tests.integration.conftest import free_port
+    from shardline.local_ports import reserve_port as free_port
 
     port = free_port()  # nothing listens on it
     config = RouterConfig(groups=(ReplicaGroup(name="svc", dns=DnsReplicas(name="localhost", port=port)),))

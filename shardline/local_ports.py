@@ -6,8 +6,8 @@ in this process or another, may be handed the same port before the child it was 
 Here a port stays reserved until the child holds it, in one of two ways, by what the child can do:
 
 - ``listener()``: a socket bound and listening here, handed to the child (``Popen(pass_fds=...)``), which
-  serves on it (``shardline serve --fd``; nginx through its ``NGINX`` variable); ``inherited()`` is the
-  child's side. The port is this process's from the bind and the child's from its start, so nothing can
+  serves on it (``shardline serve --fd``, as nginx does with its ``NGINX`` variable); ``inherited()`` is
+  the child's side. The port is this process's from the bind and the child's from its start, so nothing can
   take it in between: the way wherever the child can serve an inherited socket. (Listening, so that no
   other bind succeeds on it; a connection made before the child serves waits in the backlog.)
 - ``reserve_port()``: a port number, for a child that binds it itself (vLLM's server, Prefect's, the

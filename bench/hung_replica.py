@@ -43,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import online_latency as ol  # noqa: E402
 from router_overhead import ROUTER_KEY, TENANT  # noqa: E402
 
+from shardline.local_ports import reserve_port  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 DATA = HERE / ".data" / "hung"
 RATE, SECONDS, STOP_AT, STOP_FOR = 200, 8.0, 1.0, 5.0
@@ -154,7 +156,7 @@ def main() -> int:
     digest = hashlib.sha256(ROUTER_KEY.encode()).hexdigest()
     env = ol.user_environment(data["home"])
     path, body = f"/v2/models/{ol.MODEL}/infer", data["v2"][0]
-    ports = [ol.free_port() for _ in range(3)]
+    ports = [reserve_port() for _ in range(3)]
     replicas = [ol.Server(f"replica-{i}", [sys.executable, "-m", "shardline.cli", "serve", "--port", str(p),
                                            "--tenants", data["tenants"], "--metrics-port", "off"],
                           dict(env, SHARDLINE_TENANCY_ROUTER_KEY_SHA256=digest), p, path, "/v2/health/ready")
@@ -166,12 +168,12 @@ def main() -> int:
     routed = {"Authorization": f"Bearer {ROUTER_KEY}", "X-Shardline-Tenant": TENANT}
 
     def router(name: str, **extra: str) -> ol.Server:
-        port = ol.free_port()
+        port = reserve_port()
         return ol.Server(name, [sys.executable, "-m", "shardline.cli", "router", "--config", str(config), "--tenants",
                                 data["tenants"], "--port", str(port), "--metrics-port", "off"],
                          dict(env, SHARDLINE_ROUTER_KEY=ROUTER_KEY, **extra), port, path, "/v2/health/ready")
 
-    nginx_port = ol.free_port()
+    nginx_port = reserve_port()
     series = [("router", router("router"), tenant_key),
               ("router alone", router("router-alone", SHARDLINE_ROUTER_DATA_PLANE="python"), tenant_key),
               ("router, stall off", router("router-stall-off", SHARDLINE_ROUTER_STALL_MS="0"), tenant_key),

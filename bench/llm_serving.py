@@ -44,6 +44,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import online_latency as ol  # noqa: E402
 
+from shardline.local_ports import reserve_port  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 DATA = HERE / ".data" / "llm"
 KEY = "sk-bench-llm"
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare()
     ol.DATA = DATA
     env = ol.user_environment(data["home"])
-    direct_port, router_port = ol.free_port(), ol.free_port()
+    direct_port, router_port = reserve_port(), reserve_port()
     direct = ol.Server("direct", [sys.executable, "-m", "shardline.cli", "serve", "--port", str(direct_port), "--tenants",
                                   data["tenants"], "--metrics-port", "off"], env, direct_port, "/v1/models",
                        "/v2/health/ready")

@@ -52,7 +52,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -62,10 +61,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import NOISY, PEERS_NOISY, P99_TARGET_MS, held  # noqa: E402
+from loadgen import NOISY, P99_TARGET_MS, PEERS_NOISY, held  # noqa: E402
 from online_peers import MODEL, MODEL_NK, open_session  # noqa: E402
 
 from shardline.cli.common import OFF_THE_NETWORK  # noqa: E402 (the CLI's own list)
+from shardline.local_ports import reserve_port  # noqa: E402
 
 for _key, _value in OFF_THE_NETWORK.items():
     os.environ.setdefault(_key, _value)
@@ -162,12 +162,6 @@ def platform_help() -> str | None:
     if done.returncode != 0:
         return "`shardline serve --help` failed: " + (done.stderr or done.stdout)[-300:]
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http(port: int, path: str, body: str | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
@@ -276,10 +270,10 @@ def make_servers(names: list[str], data: dict[str, Any], args: argparse.Namespac
     peers, servers, targets = str(HERE / "online_peers.py"), [], []
     scalar, nk = f"/v2/models/{MODEL}/infer", f"/v2/models/{MODEL_NK}/infer"
     for name in names:
-        port = free_port()
+        port = reserve_port()
         if name in ("platform", "capture"):
             command = [sys.executable, "-m", "shardline.cli", "serve", "--port", str(port), "--tenants", data["tenants"],
-                       "--metrics-port", str(free_port())]  # metrics on, on a listener of their own
+                       "--metrics-port", str(reserve_port())]  # metrics on, on a listener of their own
             server_env = dict(env, SHARDLINE_ONLINE_CAPTURE_RATE=str(args.capture_rate)) if name == "capture" else env
             server = Server(name, command, server_env, port, scalar, "/v2/health/ready")
             targets.append(Target(f"{name}", server, "scalar", scalar, data["v2"]))

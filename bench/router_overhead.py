@@ -47,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import online_latency as ol  # noqa: E402
 from loadgen import NOISY  # noqa: E402
 
+from shardline.local_ports import reserve_port  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 DATA = HERE / ".data" / "router"
 ROUTER_KEY = "shardline-bench-router-key"
@@ -133,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     digest = hashlib.sha256(ROUTER_KEY.encode()).hexdigest()
     env = ol.user_environment(data["home"])
     path = f"/v2/models/{ol.MODEL}/infer"
-    ports = [ol.free_port() for _ in range(3)]
+    ports = [reserve_port() for _ in range(3)]
     servers = [ol.Server(f"replica-{i}", [sys.executable, "-m", "shardline.cli", "serve", "--port", str(p), "--tenants",
                                           data["tenants"], "--metrics-port", "off"],
                          dict(env, SHARDLINE_TENANCY_ROUTER_KEY_SHA256=digest), p, path, "/v2/health/ready")
                for i, p in enumerate(ports)]
     config = DATA / "router.yaml"
     config.write_text("groups:\n  - name: bench\n    replicas: [" + ", ".join(f'"http://127.0.0.1:{p}"' for p in ports) + "]\n")
-    router_port, nginx_port = ol.free_port(), ol.free_port()
+    router_port, nginx_port = reserve_port(), reserve_port()
     router = ol.Server("router", [sys.executable, "-m", "shardline.cli", "router", "--config", str(config), "--tenants",
                                   data["tenants"], "--port", str(router_port)],
                        dict(env, SHARDLINE_ROUTER_KEY=ROUTER_KEY), router_port, path, "/v2/health/ready")

@@ -439,6 +439,11 @@ def serve(
     body_timeout: Optional[float] = typer.Option(
         None, help="Seconds a request's whole body has to arrive, else 408 and closed \\[default: {body_timeout_s:g}; "
         "SHARDLINE_ONLINE_BODY_TIMEOUT_S]."),
+    fd: Optional[int] = typer.Option(
+        None, min=0, help="Serve on this inherited socket (a file descriptor) instead of --host/--port: for a "
+        "supervisor that binds the port itself, as the router does for its replicas \\[SHARDLINE_ONLINE_FD]."),
+    metrics_fd: Optional[int] = typer.Option(
+        None, min=0, help="The same for the /metrics listener \\[SHARDLINE_ONLINE_METRICS_FD]."),
 ) -> None:
     """Serve the tenants' models over HTTP: Open Inference Protocol (/v2) and OpenAI-style /v1/embeddings.
 
@@ -456,7 +461,7 @@ def serve(
     given: dict[str, Any] = {"host": host, "port": port, "workers": workers, "metrics_host": metrics_host, "metrics_port": metrics_port,
                              "max_connections": max_connections, "max_in_flight": max_in_flight,
                              "max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout,
-                             "body_timeout_s": body_timeout}
+                             "body_timeout_s": body_timeout, "fd": fd, "metrics_fd": metrics_fd}
     try:
         online = OnlineSettings.model_validate({k: v for k, v in given.items() if v is not None})
         tenancy = TenancySettings(tenants_file=str(tenants)) if tenants is not None else TenancySettings()

@@ -33,7 +33,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Iterator
 
 from shardline.errors import PrefectServerUnavailable
+from shardline.local_ports import reserve_port
 from shardline.local_prefect import (
     HEALTH_TIMEOUT_S,
     RECORD,
@@ -53,6 +53,7 @@ from shardline.local_prefect import (
 )
 
 PREFECT_PID_FILE, LOG, LOCK = "server.pid", "server.log", "server.lock"
+_PORT_MOVES = 3  # starts on a new port, at most, when another process took the last one
 # What the server's environment must not inherit from the command that starts it: where another server
 # is (the client side), and which Prefect home and profile to read (it has its own).
 _NOT_INHERITED = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_HOME", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH",
@@ -82,12 +83,6 @@ def _locked(folder: Path, name: str = LOCK) -> Iterator[None]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_environment(folder: Path, port: int) -> dict[str, str]:
     """The started server's environment: its own Prefect home, off the network, its UI pointed at its API."""
     from shardline.cli.common import OFF_THE_NETWORK
@@ -101,33 +96,50 @@ def server_environment(folder: Path, port: int) -> dict[str, str]:
 
 
 def _start(folder: Path, timeout_s: float) -> LocalServer:
-    """Start ``prefect server start`` detached (own session, so no process group kill reaches it); wait until healthy."""
-    port = _free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
+    """Start ``prefect server start`` detached (own session, so no process group kill reaches it); wait until healthy.
+
+    Its port is reserved (``shardline.local_ports.reserve_port``: the server binds it itself); a server that exits
+    because another process took the port first is started again on a new one.
+    """
+    port = reserve_port()
+    deadline = time.monotonic() + timeout_s
+    moves = 0
+    while True:
+        process, server_command = _spawn(folder, port)
+        server = LocalServer(pid=process.pid, api_url=f"http://127.0.0.1:{port}/api")
+        _write_record(folder, server)
+        while process.poll() is None and time.monotonic() <= deadline:
+            if healthy(server.api_url, timeout=1.0) and process.poll() is None:
+                # Nobody waits for the detached server: once this command ends, init reaps it. Marking the Popen
+                # object done keeps its __del__ from warning (ResourceWarning) that the process "is still running".
+                process.returncode = 0
+                return server
+            time.sleep(0.2)
+        if process.returncode is not None and moves < _PORT_MOVES:
+            moved = reserve_port(prefer=port)
+            if moved != port:  # it exited because another process took its port
+                moves, port = moves + 1, moved
+                continue
+        why = (f"exited with code {process.returncode}" if process.returncode is not None
+               else f"did not answer {server.api_url}/health within {timeout_s:.0f} s")
+        _stop_process(process.pid, 10.0)
+        _forget(folder)
+        raise PrefectServerUnavailable(
+            f"the local Prefect server ({' '.join(server_command[2:])}) {why}; see {folder / LOG}. Set "
+            "SHARDLINE_PREFECT_SERVER=temporary to use a temporary server per run, or PREFECT_API_URL to use "
+            "your own server"
+        )
+
+
+def _spawn(folder: Path, port: int) -> tuple[subprocess.Popen[bytes], list[str]]:
+    """Start the keeper and its ``prefect server start`` on ``port``, in a session of their own; the process and
+    the server's command."""
     server_command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     command = [sys.executable, "-c", _KEEPER, str(folder), *server_command]
     with open(folder / LOG, "ab") as log:
         process = subprocess.Popen(command, env=server_environment(folder, port), cwd=folder, stdin=subprocess.DEVNULL,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = LocalServer(pid=process.pid, api_url=api_url)
-    _write_record(folder, server)
-    deadline = time.monotonic() + timeout_s
-    while not healthy(api_url, timeout=1.0):
-        if process.poll() is not None or time.monotonic() > deadline:
-            why = (f"exited with code {process.returncode}" if process.returncode is not None
-                   else f"did not answer {api_url}/health within {timeout_s:.0f} s")
-            _stop_process(process.pid, 10.0)
-            _forget(folder)
-            raise PrefectServerUnavailable(
-                f"the local Prefect server ({' '.join(server_command[2:])}) {why}; see {folder / LOG}. Set "
-                "SHARDLINE_PREFECT_SERVER=temporary to use a temporary server per run, or PREFECT_API_URL to use "
-                "your own server"
-            )
-        time.sleep(0.2)
-    # Nobody waits for the detached server: once this command ends, init reaps it. Marking the Popen
-    # object done keeps its __del__ from warning (ResourceWarning) that the process "is still running".
-    process.returncode = 0
-    return server
+    return process, server_command
 
 
 # The server's keeper: the process the record names, leader of the server's session, stdlib only (it

@@ -1,7 +1,10 @@
 """``shardline serve``: build the data plane from settings and run it under uvicorn.
 
 Everything is checked before the port is bound: the tenants file (a bad one stops the
-start, naming the field), the registry URL and the settings.
+start, naming the field), the registry URL and the settings. With ``fd`` (``--fd``; ``metrics_fd``
+for the metrics listener) it serves on a socket it inherited instead, bound by the process that
+started it (``shardline.local_ports.listener``: the router's replicas), so that no other process can
+take the port between the two.
 
 With ``workers`` > 1, uvicorn's supervisor binds the port once and starts that many
 worker processes that accept on it; each builds its own data plane (``worker_app``) from
@@ -38,6 +41,7 @@ from typing import Any, Callable
 from starlette.types import ASGIApp
 
 from shardline.errors import InvalidSetting
+from shardline.local_ports import inherited
 from shardline.online.app import create_app
 from shardline.online.connection import bind_metrics_listener, uvicorn_options
 from shardline.online.dataplane import DataPlane
@@ -123,16 +127,35 @@ def _check_address(host: str, port: int, what: str) -> None:
         raise InvalidSetting(f"{what} {host!r} is not an address this machine can listen on ({e})") from e
 
 
-def bind_metrics_socket(online: OnlineSettings) -> socket.socket | None:
-    """The metrics listener's socket, bound (None when ``metrics_port`` is 0: no metrics listener).
+def inherited_socket(fd: int, option: str) -> socket.socket:
+    """The bound socket this process was handed as ``fd`` (``--fd``, ``--metrics-fd``), owned from now on.
 
     Raises:
-        InvalidSetting: the address is not one to listen on, the port is the main port or is taken.
+        InvalidSetting: ``fd`` is not a bound TCP socket.
     """
+    try:
+        return inherited(fd)
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise InvalidSetting(f"{option} is {fd}, which is not a socket to serve on ({why}); give the file descriptor "
+                             "of a bound TCP socket this process inherited, or leave it out to listen on a port") from e
+
+
+def bind_metrics_socket(online: OnlineSettings) -> socket.socket | None:
+    """The metrics listener's socket, bound (the inherited one with ``metrics_fd``; None when ``metrics_port`` is 0:
+    no metrics listener).
+
+    Raises:
+        InvalidSetting: the address is not one to listen on, the port is the main port or is taken, or
+            ``metrics_fd`` is not a socket.
+    """
+    if online.metrics_fd is not None:
+        return inherited_socket(online.metrics_fd, "--metrics-fd")
     if not online.metrics_port:
         return None
     _check_address(online.metrics_host, online.metrics_port, "SHARDLINE_ONLINE_METRICS_HOST")
-    return bind_metrics_listener(online.metrics_host, online.metrics_port, online.port, "SHARDLINE_ONLINE_METRICS_PORT")
+    main_port = -1 if online.fd is not None else online.port  # an inherited main socket is on a port of its own
+    return bind_metrics_listener(online.metrics_host, online.metrics_port, main_port, "SHARDLINE_ONLINE_METRICS_PORT")
 
 
 def serve(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings, tenancy: TenancySettings) -> None:
@@ -147,29 +170,33 @@ def serve(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSett
     config = log_config(online.log_level)
     logging.config.dictConfig(config)
     limits = resolve_limits(online, open_files_limit())
-    _check_address(online.host, online.port, "--host")
+    if online.fd is None:
+        _check_address(online.host, online.port, "--host")
+    main_sock = inherited_socket(online.fd, "--fd") if online.fd is not None else None
     workers = online.resolved_workers()
     tenants = tenant_directory(tenancy)
     log.info("serving settings", extra={"fields": serving_settings(online, runtime)})
     if workers == 1:
         plane = build_plane(online, storage, runtime, tenants)
         app = create_app(plane, log_requests=online.access_log)
-        _serve_one(online, limits, config, app, plane.metrics.exposition)
+        _serve_one(online, limits, config, app, plane.metrics.exposition, main_sock)
     else:
         build_plane(online, storage, runtime, tenants)  # checked; each worker builds its own
-        _serve_workers(online, tenancy, limits, config, workers)
+        _serve_workers(online, tenancy, limits, config, workers, main_sock)
 
 
 def _serve_one(online: OnlineSettings, limits: ConnectionLimits, config: dict[str, Any], app: ASGIApp,
-               exposition: Callable[[], tuple[bytes, str]]) -> None:
+               exposition: Callable[[], tuple[bytes, str]], main_sock: socket.socket | None) -> None:
     import uvicorn
 
     metrics_sock = bind_metrics_socket(online)
     apps = {metrics_sock.getsockname()[1]: metrics_app(exposition)} if metrics_sock is not None else None
     server_config = uvicorn.Config(app, host=online.host, port=online.port, log_config=config,
                                    timeout_graceful_shutdown=10, **uvicorn_options(limits, apps))
+    if main_sock is not None:
+        log.info("serving on http://%s:%d (inherited socket %d)", *main_sock.getsockname()[:2], online.fd)
     try:
-        sockets = [server_config.bind_socket()] + ([metrics_sock] if metrics_sock is not None else [])
+        sockets = [main_sock or server_config.bind_socket()] + ([metrics_sock] if metrics_sock is not None else [])
         server = uvicorn.Server(server_config)
         gc.freeze()  # what is loaded by now lives as long as the server: keep it out of every collection
         server.run(sockets=sockets)
@@ -181,7 +208,7 @@ def _serve_one(online: OnlineSettings, limits: ConnectionLimits, config: dict[st
 
 
 def _serve_workers(online: OnlineSettings, tenancy: TenancySettings, limits: ConnectionLimits, config: dict[str, Any],
-                   workers: int) -> None:
+                   workers: int, main_sock: socket.socket | None) -> None:
     import uvicorn
 
     metrics_dir = tempfile.mkdtemp(prefix="shardline-metrics-")
@@ -194,7 +221,8 @@ def _serve_workers(online: OnlineSettings, tenancy: TenancySettings, limits: Con
         if metrics_sock is not None:
             metrics = _start_in_thread(metrics_app(lambda: multiprocess_exposition(metrics_dir)), metrics_sock, limits)
         uvicorn.run("shardline.online.server:worker_app", factory=True, workers=workers, host=online.host,  # type: ignore[arg-type]
-                    port=online.port, log_config=config, timeout_graceful_shutdown=10, **uvicorn_options(limits))
+                    port=online.port, fd=main_sock.fileno() if main_sock is not None else None, log_config=config,
+                    timeout_graceful_shutdown=10, **uvicorn_options(limits))
     finally:
         if metrics is not None:
             metrics[0].should_exit = True

@@ -6,13 +6,13 @@ of ``OnlineSettings()`` unless given), and can serve a second app (the metrics) 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from shardline.local_ports import listener
 from shardline.online.limits import ConnectionLimits
 
 
@@ -24,13 +24,6 @@ class Served:
     metrics_url: str | None = None
 
 
-def _free_socket(host: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    return sock
-
-
 @contextmanager
 def serve_listeners_in_thread(app: Any, host: str = "127.0.0.1", startup_timeout: float = 30.0, *,
                               metrics_app: Any = None, limits: ConnectionLimits | None = None) -> Iterator[Served]:
@@ -40,12 +33,12 @@ def serve_listeners_in_thread(app: Any, host: str = "127.0.0.1", startup_timeout
     """
     import uvicorn
 
-    from shardline.online.limits import open_files_limit, resolve_limits
     from shardline.online.connection import uvicorn_options
+    from shardline.online.limits import open_files_limit, resolve_limits
     from shardline.settings import OnlineSettings
 
     limits = limits or resolve_limits(OnlineSettings(), open_files_limit())
-    sockets = [_free_socket(host)] + ([_free_socket(host)] if metrics_app is not None else [])
+    sockets = [listener(host)] + ([listener(host)] if metrics_app is not None else [])
     ports = [s.getsockname()[1] for s in sockets]
     apps = {ports[1]: metrics_app} if metrics_app is not None else None
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=5,

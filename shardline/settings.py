@@ -396,6 +396,12 @@ class OnlineSettings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65_535, description="TCP port to listen on (0 picks a free one).")
+    fd: int | None = Field(
+        default=None, ge=0,
+        description="A bound TCP socket this process inherited (its file descriptor), served instead of host and "
+        "port: how a supervisor that binds the port itself hands it over (`shardline router --local-replicas` "
+        "does, so that no other process can take the port first). Unset: bind host:port.",
+    )
     max_batch_size: int = Field(
         default=64, ge=1, description="Rows per batch at most, for models without a profile or an override."
     )
@@ -520,6 +526,11 @@ class OnlineSettings(BaseSettings):
     metrics_port: int = Field(
         default=8002, ge=0, le=65_535,
         description="Port of the /metrics listener (8002, as Triton's); 0 or 'off': no metrics listener.",
+    )
+    metrics_fd: int | None = Field(
+        default=None, ge=0,
+        description="A bound TCP socket this process inherited, served as the /metrics listener instead of "
+        "metrics_host and metrics_port (as fd is for the main listener).",
     )
 
     @field_validator("metrics_port", mode="before")

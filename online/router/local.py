@@ -1,12 +1,15 @@
 """``shardline router --local-replicas N``: N ``shardline serve`` processes on loopback, started and
 kept running by the router.
 
-Each replica listens on a free loopback port (its metrics on another), reads the same tenants
+Each replica serves on a free loopback port (its metrics on another), reads the same tenants
 file and registry as the router, and takes requests only from this router: it is given the
-sha256 of the router's key (``SHARDLINE_TENANCY_ROUTER_KEY_SHA256``). A replica that exits is
-started again on the same port after a back-off (1 s, doubling to 30 s; reset once it has run a
-minute); the router's health checks take it out of rotation meanwhile. Stopping the router stops
-them (SIGTERM, then SIGKILL after 10 s).
+sha256 of the router's key (``SHARDLINE_TENANCY_ROUTER_KEY_SHA256``). The router binds both ports
+itself (``shardline.local_ports.listener``) and hands the sockets to the replica (``serve --fd
+--metrics-fd``), so no other pick, here or in another process, can be given them before the replica
+serves on them. A replica that exits is started again after a back-off (1 s, doubling to 30 s; reset
+once it has run a minute), on the same ports while nothing else holds them, else on new ones (then
+``watch`` returns its new address, which the router's members follow); the router's health checks
+take it out of rotation meanwhile. Stopping the router stops them (SIGTERM, then SIGKILL after 10 s).
 
 With autoscaling (``--min-replicas`` under ``--local-replicas``) the N are slots: ``scale_to(n)``
 starts the next stopped slots or stops the highest running ones (SIGTERM: a replica finishes
@@ -28,19 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
+from shardline.local_ports import listener
+
 log = logging.getLogger(__name__)
 
 RESTART_FIRST_S = 1.0
 RESTART_MAX_S = 30.0
 HEALTHY_RUN_S = 60.0  # a replica that ran this long starts its back-off afresh
 STOP_GRACE_S = 10.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def restart_delay(previous: float, ran_s: float) -> float:
@@ -66,8 +64,9 @@ class LocalReplica:
     """One ``shardline serve`` process the router runs."""
 
     index: int
-    port: int
-    metrics_port: int
+    port: int = 0
+    metrics_port: int = 0
+    sockets: tuple[socket.socket, socket.socket] | None = None  # both ports', bound here until the replica starts
     process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     delay: float = 0.0
@@ -80,6 +79,24 @@ class LocalReplica:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def bind(self, same_ports: bool) -> None:
+        """Bind its two ports (``shardline.local_ports.listener``): the ones it had while nothing else holds them
+        (``same_ports``), else new ones."""
+        main = listener(prefer=self.port if same_ports else 0)
+        try:
+            metrics = listener(prefer=self.metrics_port if same_ports else 0)
+        except OSError:
+            main.close()
+            raise
+        self.sockets = (main, metrics)
+        self.port, self.metrics_port = int(main.getsockname()[1]), int(metrics.getsockname()[1])
+
+    def close_sockets(self) -> None:
+        """Close this process's copies of its sockets (the replica holds them once started)."""
+        for sock in self.sockets or ():
+            sock.close()
+        self.sockets = None
+
 
 class LocalReplicas:
     """Start, watch and stop the replicas (the router calls ``watch`` every half second)."""
@@ -90,13 +107,16 @@ class LocalReplicas:
         self.key_sha256 = router_key_sha256
         self.log_dir = log_dir
         self._clock = clock
-        self.replicas = [LocalReplica(i, free_port(), free_port()) for i in range(count)]
         self.initial = count if initial is None else initial
+        self.replicas = [LocalReplica(i) for i in range(count)]
+        for replica in self.replicas[:self.initial]:  # their addresses are the router's first members
+            replica.bind(same_ports=False)
         self._stopping: list[subprocess.Popen[bytes]] = []
 
     @property
     def urls(self) -> list[str]:
-        """The running slots' addresses (a slot keeps its port while it runs, restarts included)."""
+        """The running slots' addresses (a slot keeps its port while it runs, restarts included, unless another
+        process took it while the replica was down)."""
         return [r.url for r in self.replicas if r.running]
 
     @property
@@ -118,6 +138,8 @@ class LocalReplicas:
                 break
             if not replica.running:
                 replica.running, replica.delay = True, 0.0
+                if replica.sockets is None:
+                    replica.bind(same_ports=False)
                 self._spawn(replica)
                 started.append(replica.url)
         for replica in reversed(self.replicas):
@@ -129,29 +151,38 @@ class LocalReplicas:
                     replica.process.send_signal(signal.SIGTERM)
                     self._stopping.append(replica.process)
                     log.info("stopping replica %d (pid %d) on %s", replica.index, replica.process.pid, replica.url)
-                replica.process = None
-                replica.port, replica.metrics_port = free_port(), free_port()  # the old one may hold them a while
+                replica.process = None  # started again, it gets new ports: the stopping one may hold these a while
         return started
 
     def _spawn(self, replica: LocalReplica) -> None:
+        """Start ``replica`` on its bound sockets (handed over: this process closes its copies)."""
+        assert replica.sockets is not None
         env = dict(os.environ)
         env["SHARDLINE_TENANCY_ROUTER_KEY_SHA256"] = self.key_sha256
-        for name in ("SHARDLINE_ONLINE_HOST", "SHARDLINE_ONLINE_PORT", "SHARDLINE_ONLINE_METRICS_PORT"):
+        for name in ("SHARDLINE_ONLINE_HOST", "SHARDLINE_ONLINE_PORT", "SHARDLINE_ONLINE_METRICS_PORT",
+                     "SHARDLINE_ONLINE_FD", "SHARDLINE_ONLINE_METRICS_FD"):
             env.pop(name, None)
         if replica.log is None:
             replica.log = open(self.log_dir / f"replica-{replica.index}.log", "ab")
+        main, metrics = (s.fileno() for s in replica.sockets)
         command = [
-            sys.executable, "-m", "shardline.cli", "serve", "--host", "127.0.0.1", "--port", str(replica.port),
-            "--metrics-port", str(replica.metrics_port), "--tenants", self.tenants_file,
+            sys.executable, "-m", "shardline.cli", "serve", "--fd", str(main), "--metrics-fd", str(metrics),
+            "--tenants", self.tenants_file,
         ]
-        replica.process = subprocess.Popen(command, env=env, stdout=replica.log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        try:
+            replica.process = subprocess.Popen(command, env=env, stdout=replica.log, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, pass_fds=(main, metrics),
+                                               preexec_fn=die_with_parent)
+        finally:
+            replica.close_sockets()
         replica.started_at, replica.restart_at = self._clock(), None
         log.info("started replica %d (pid %d) on %s (metrics on port %d)", replica.index, replica.process.pid,
                  replica.url, replica.metrics_port)
 
-    def watch(self) -> None:
-        """Start again each running replica that exited, after its back-off; reap the stopped ones."""
+    def watch(self) -> list[str]:
+        """Start again each running replica that exited, after its back-off; reap the stopped ones. Returns the
+        addresses of the replicas started again on a new port (another process took the old one meanwhile)."""
+        moved = []
         now = self._clock()
         self._stopping = [p for p in self._stopping if p.poll() is None]
         for replica in self.replicas:
@@ -168,7 +199,14 @@ class LocalReplicas:
                 replica.process = None
             if replica.process is None and replica.restart_at is not None and now >= replica.restart_at:
                 replica.restarts += 1
+                old = replica.url
+                replica.bind(same_ports=True)
+                if replica.url != old:
+                    log.warning("replica %d: another process took its port meanwhile; it moves from %s to %s",
+                                replica.index, old, replica.url)
+                    moved.append(replica.url)
                 self._spawn(replica)
+        return moved
 
     def stop(self) -> None:
         """SIGTERM every replica, SIGKILL those still running after the grace period."""
@@ -186,6 +224,7 @@ class LocalReplicas:
                 process.wait()
         for replica in self.replicas:
             replica.process, replica.running = None, False
+            replica.close_sockets()
             if replica.log is not None:
                 replica.log.close()
                 replica.log = None

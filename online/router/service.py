@@ -29,10 +29,10 @@ from shardline.errors import PayloadTooLarge
 from shardline.online.bodies import ClientGone, receive_body
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig
 from shardline.online.router.data_plane import SYNC_S
-from shardline.online.router.nginx_edge import NginxEdge
 from shardline.online.router.health import OutlierPolicy, stalled
 from shardline.online.router.local import LocalReplicas
 from shardline.online.router.messages import Answer, Incoming, error_answer
+from shardline.online.router.nginx_edge import NginxEdge
 from shardline.online.router.router import Router
 from shardline.online.router.scaling import Scaler
 from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
@@ -195,13 +195,18 @@ class RouterService:
         self.router.replicas.set_members(group, urls)
 
     async def _watch_local(self) -> None:
-        """Restart replicas that exited; with a scaler, run as many as demand wants."""
+        """Restart replicas that exited (following those that moved to a new port); with a scaler, run as many as
+        demand wants."""
         assert self.local is not None
-        self.local.watch()
-        if self.scaler is None:
-            return
+        moved = self.local.watch()
         now = time.monotonic()
         replicas = self.router.replicas
+        if moved:  # started again on a new port: a new member, checked as one being started
+            replicas.set_members(LOCAL_GROUP, self.local.urls)
+            self._starting.update(dict.fromkeys(moved, now))
+            self._starting = {u: t for u, t in self._starting.items() if u in replicas.replicas}
+        if self.scaler is None:
+            return
         activator = self.router.activator
         demand = (sum(r.in_flight for r in replicas.replicas.values()) + sum(self.router.metrics.edge_replicas.values())
                   + (activator.total if activator else 0))

@@ -10,7 +10,9 @@ own process, from its own environment or image. This runtime either
   --served-model-name <name> --host 127.0.0.1 --port <free>``, plus ``SHARDLINE_VLLM_ARGS``
   (``--gpu-memory-utilization 0.9``, ``--tensor-parallel-size 2``...); ready when its ``/health``
   answers, started again if it exits (with back-off), stopped with the model. It dies with its
-  replica (PR_SET_PDEATHSIG on Linux).
+  replica (PR_SET_PDEATHSIG on Linux). Its port is reserved (``shardline.local_ports.reserve_port``:
+  vLLM binds it itself); one that exits because another process took the port is started again on
+  a new one, and requests follow it there.
 
 The bundle is a Hugging Face checkpoint as vLLM reads it (``config.json``, safetensors weights,
 ``tokenizer.json`` and ``tokenizer_config.json``, ``generation_config.json``; ``shardline.build.llm_build``
@@ -31,11 +33,11 @@ usage (``continuous_usage_stats``), and closing the stream aborts the request in
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -45,6 +47,7 @@ from typing import Any
 
 from shardline.bundle import Manifest
 from shardline.errors import RuntimeUnavailable
+from shardline.local_ports import release, reserve_port
 from shardline.runtimes.base import RuntimeOptions
 from shardline.runtimes.generation import EngineConfig, SamplingParams, TokenEvent
 from shardline.runtimes.generation.base import LLM_EXTRA, EngineBase, Request
@@ -52,6 +55,7 @@ from shardline.runtimes.generation.runtime import GeneratingRuntime
 
 log = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.5
+PORT_MOVES = 3  # starts on a new port, at most, when another process took the last one
 
 
 class RemoteHandle:
@@ -209,12 +213,6 @@ def _error_message(body: bytes) -> str:
         return repr(body[:300])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     try:
         import ctypes
@@ -232,7 +230,8 @@ class VllmServer:
                  start_timeout_s: float, log_file: Path) -> None:
         self.python, self.bundle_dir, self.served_name = python, bundle_dir, served_name
         self.args, self.max_context, self.start_timeout_s, self.log_file = list(args), max_context, start_timeout_s, log_file
-        self.port = _free_port()
+        self.port = reserve_port()
+        self.on_moved: Callable[[str], None] | None = None  # told the new URL when it starts on another port
         self.process: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -264,6 +263,19 @@ class VllmServer:
         self._watcher = threading.Thread(target=self._watch, name=f"vllm-{self.served_name}", daemon=True)
         self._watcher.start()
 
+    def _claim_port(self) -> bool:
+        """Reserve its port again before a start: the same one while nothing else holds it, else a new one (vLLM
+        binds the port itself, and exits when another process took it first); returns whether it moved."""
+        port = reserve_port(prefer=self.port)
+        if port == self.port:
+            return False
+        log.warning("vLLM for %s: another process holds port %d; it moves to port %d", self.served_name, self.port,
+                    port)
+        self.port = port
+        if self.on_moved is not None:
+            self.on_moved(self.url)
+        return True
+
     def _spawn(self) -> None:
         env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -276,9 +288,14 @@ class VllmServer:
         import httpx
 
         deadline = time.monotonic() + self.start_timeout_s
+        moves = 0
         while time.monotonic() < deadline:
             assert self.process is not None
             if self.process.poll() is not None:
+                if moves < PORT_MOVES and self._claim_port():  # it exited because another process took its port
+                    moves += 1
+                    self._spawn()
+                    continue
                 raise RuntimeUnavailable(f"vLLM for {self.served_name} exited with {self.process.returncode} while "
                                          f"starting; its log: {self.log_file}")
             try:
@@ -301,20 +318,21 @@ class VllmServer:
                     return
                 self.restarts += 1
                 delay = min(delay * 2, 60.0)
+                self._claim_port()
                 self._spawn()
 
     def stop(self) -> None:
         """SIGTERM it, SIGKILL it after 30 s. Twice is harmless."""
         self._stopping.set()
         process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        release(self.port)
 
 
 class VllmModel(GeneratingRuntime):
@@ -349,6 +367,8 @@ class VllmModel(GeneratingRuntime):
                                      "set SHARDLINE_VLLM_URL to a running vLLM OpenAI server, or SHARDLINE_VLLM_PYTHON "
                                      "to the Python of an environment where vLLM is installed")
         engine = RemoteEngine(self.bundle_dir, config, url, self.manifest.name, settings.api_key)
+        if server is not None:  # started again on another port: requests follow it there
+            server.on_moved = functools.partial(setattr, engine, "base_url")
         try:
             try:
                 engine.start()

@@ -16,7 +16,6 @@ user's does: the first run of a test starts one for the test's home, and
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from typing import Callable, Iterator
 
 import httpx
 import pytest
+
+from shardline.local_ports import reserve_port
 
 SHARDLINE = [sys.executable, "-m", "shardline.cli"]
 
@@ -38,9 +39,7 @@ def prefect_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def prefect_api(prefect_home: Path) -> Iterator[str]:
     """`prefect server start` on a free loopback port for the session; its API URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserve_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
     env.update(PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false",
                DO_NOT_TRACK="1")

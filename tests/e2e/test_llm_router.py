@@ -19,13 +19,12 @@ import openai
 import pytest
 
 from shardline.build.llm_build import package_tiny_llm
+from shardline.local_ports import reserve_port as free_port
 from shardline.online.router.data_plane import find_nginx
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
-
 from tests.e2e.conftest import SHARDLINE
 from tests.e2e.test_router import _env, _stop, _wait_ready
-from tests.e2e.test_serve import free_port
 
 KEY, SMALL = "sk-llm-router", "sk-llm-router-small"
 pytestmark = pytest.mark.timeout(300)

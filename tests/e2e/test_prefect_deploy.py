@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import pytest
 import yaml
 
 from shardline.build.examples import write_shards
+from shardline.local_ports import reserve_port
 from shardline.storage.registry import ModelRegistry
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
@@ -41,12 +41,6 @@ DEPLOYMENT = "batch-inference/nightly"
 FLOW_RUN_ID = re.compile(r"UUID: ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
 README_PORT = "4200"
 DECLARED = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stop(process: subprocess.Popen[Any], grace: float = 15) -> None:
@@ -140,7 +134,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory, breast_cancer_model
     """The README's first block: `prefect server start` on a free loopback port, a fresh Prefect home."""
     root = tmp_path_factory.mktemp("prefect-readme")
     checkout = _checkout(root, breast_cancer_model.bundle_dir)
-    port = _free_port()
+    port = reserve_port()
     api_url = f"http://127.0.0.1:{port}/api"
     server_block, user_block = readme_blocks(port)
     venv_bin = str(Path(sys.executable).parent)

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from shardline.cli.batch_runner import find as find_runner
 from shardline.cli.batch_runner import stop as stop_runner
 from shardline.cli.prefect_server import stop
+from shardline.local_ports import reserve_port
 from shardline.local_prefect import healthy, server_dir
 from tests.e2e.conftest import SHARDLINE
 
@@ -88,9 +88,7 @@ def test_a_stale_record_is_replaced_two_first_commands_start_one_server_and_it_s
     home = tmp_path / "home"
     folder = server_dir(home)
     folder.mkdir(parents=True)
-    with socket.socket() as s:  # a port nothing listens on once closed
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]
+    dead_port = reserve_port()  # a port nothing listens on
     bystander = subprocess.Popen(["sleep", "300"])  # the recorded pid is alive, but no Prefect server
     (folder / "server.json").write_text(json.dumps({"pid": bystander.pid, "api_url": f"http://127.0.0.1:{dead_port}/api"}))
     env = {k: v for k, v in cli_env.items() if k not in EMBEDDED_DEFAULT}

@@ -28,14 +28,13 @@ import orjson
 import pytest
 import tritonclient.http as triton
 
+from shardline.local_ports import reserve_port as free_port
 from shardline.online.router.data_plane import find_nginx
 from shardline.online.router.placement import rank
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import AliasMove, ModelRegistry
-
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
-from tests.e2e.test_serve import free_port
 from tests.tensor_models import breast_cancer_bundle, mlp_bundle
 
 KEY = "sk-router-e2e"

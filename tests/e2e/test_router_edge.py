@@ -24,18 +24,30 @@ import orjson
 import pytest
 import tritonclient.http as triton
 
+from shardline.local_ports import reserve_port as free_port
 from shardline.online.router.data_plane import FAST_BODY_BYTES, find_nginx
 from shardline.online.router.placement import rank
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.rollouts import Rollout
-
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
-from tests.e2e.test_router import (CHURN, KEY, MODEL, TIGHT_KEY, _env, _eventually, _infer_body, _scrape, _stop,
-                                   _wait_ready, none_lost, steady_load, v2_inputs)
-from tests.e2e.test_router import home  # noqa: F401 - the module's registry (breast-cancer, minilm, churn 1-3)
-from tests.e2e.test_serve import free_port
+from tests.e2e.test_router import (
+    CHURN,
+    KEY,
+    MODEL,
+    TIGHT_KEY,
+    _env,
+    _eventually,
+    _infer_body,
+    _scrape,
+    _stop,
+    _wait_ready,
+    home,  # noqa: F401 - the module's registry (breast-cancer, minilm, churn 1-3)
+    none_lost,
+    steady_load,
+    v2_inputs,
+)
 
 pytestmark = pytest.mark.timeout(300)
 NARROW_KEY = "sk-router-narrow"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,21 +14,15 @@ import httpx
 import orjson
 import pytest
 
+from shardline.local_ports import reserve_port as free_port
 from shardline.online.server import serving_settings
 from shardline.online.tenants import hash_api_key
 from shardline.settings import OnlineSettings, RuntimeSettings
 from shardline.storage.registry import ModelRegistry
-
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
 
 KEY = "sk-e2e-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_tenants(path: Path, priority: str = "normal") -> Path:
@@ -149,6 +142,15 @@ def test_serve_refuses_to_start_with_a_bad_tenants_file(
     done = shardline(*args, timeout=60)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
+
+
+def test_serve_refuses_an_inherited_socket_that_is_not_one(
+    shardline: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    done = shardline("serve", "--fd", "999", "--tenants", str(write_tenants(tmp_path / "tenants.yaml")), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "--fd is 999, which is not a socket to serve on (Bad file descriptor)" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_serve_with_two_workers_answers_on_one_port_and_sums_their_metrics_on_the_metrics_port(

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import pytest
 
-
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from shardline.local_ports import reserve_port as free_port
 
 
 @pytest.fixture(scope="session")

@@ -141,10 +141,8 @@ def test_azure_preempt_event_for_this_vm(azure: tuple[str, Imds]) -> None:
 
 
 def test_no_metadata_service_is_no_notice() -> None:
-    import socket
+    from shardline.local_ports import reserve_port
 
-    with socket.socket() as s:  # a loopback port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserve_port()  # a loopback port nobody listens on
     sources = NoticeSources.parse((f"aws:http://127.0.0.1:{port}", f"azure:http://127.0.0.1:{port}"))
     assert sources.polled_notice(timeout=0.5) is None

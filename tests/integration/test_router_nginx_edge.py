@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from shardline.errors import InvalidSetting
+from shardline.local_ports import reserve_port
 from shardline.online.router.data_plane import choose_data_plane, find_nginx
 from shardline.online.router.nginx_edge import (
     NginxEdge,
@@ -274,7 +275,7 @@ def test_with_no_replica_left_to_try_a_request_goes_to_the_router(tmp_path: Path
     assert NGINX is not None
     _RouterStub.seen = []
     router = _router()
-    dead = [f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"]
+    dead = [f"http://127.0.0.1:{reserve_port()}", f"http://127.0.0.1:{reserve_port()}"]
     router.replicas = SimpleNamespace(groups=lambda: [("gone", dead)], replicas={u: SimpleNamespace(url=u) for u in dead},
                                       active_group=lambda: "gone", available=lambda replica, now: True)
     with socket.create_server(("127.0.0.1", 0)) as listener:
@@ -296,9 +297,3 @@ def test_with_no_replica_left_to_try_a_request_goes_to_the_router(tmp_path: Path
         ("/v2/models/churn/versions/2/infer", "Bearer router-key-0123456789", "acme"),  # after both replicas failed
         ("/v2/models/churn/infer", "Bearer k-acme", None),  # straight to the router: both are out for a while
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -116,6 +116,7 @@ def test_no_answer_is_an_upstream_failure(behaviour: str) -> None:
 
 
 def test_a_dns_group_is_the_addresses_its_name_resolves_to() -> None:
+    from shardline.local_ports import reserve_port as free_port
     from shardline.online.models import ModelDirectory
     from shardline.online.router.config import DnsReplicas, ReplicaGroup, RouterConfig
     from shardline.online.router.health import BreakerPolicy
@@ -124,8 +125,6 @@ def test_a_dns_group_is_the_addresses_its_name_resolves_to() -> None:
     from shardline.online.router.service import RouterService
     from shardline.online.tenants import TenantDirectory
     from shardline.settings import RouterSettings
-
-    from tests.integration.conftest import free_port
 
     port = free_port()  # nothing listens on it
     config = RouterConfig(groups=(ReplicaGroup(name="svc", dns=DnsReplicas(name="localhost", port=port)),))
@@ -187,8 +186,8 @@ def _router(urls: list[str], models: tuple[str, ...] = ("m@prod",), **settings: 
 
 @pytest.mark.parametrize("hedge_ms", [0, 40])
 def test_a_hedged_request_is_answered_by_the_faster_copy_and_the_slow_one_is_cancelled(hedge_ms: int) -> None:
-    from shardline.online.router.placement import rank
     from shardline.online.router.messages import Incoming
+    from shardline.online.router.placement import rank
 
     seen: list[str] = []
 
@@ -229,8 +228,8 @@ def test_an_openai_body_is_pinned_to_the_callers_canary_version_and_mirrored_in_
     weight, the baseline for the rest; in shadow every caller gets the baseline and a copy goes to the candidate."""
     import json
 
-    from shardline.online.router.rollouts import RolloutBook, bucket
     from shardline.online.router.messages import Incoming
+    from shardline.online.router.rollouts import RolloutBook, bucket
     from shardline.storage.registry import AliasMove
     from shardline.storage.rollouts import Rollout
 

@@ -1,14 +1,20 @@
 """Bundles from XGBoost, LightGBM and PyTorch models: converted to ONNX, then checked against the
 framework's own predictions before the bundle is written.
 
-Each builder takes the fitted model and sample rows (a table holding the feature columns, such as
-the training data) and:
+Each builder takes the fitted model and sample rows holding the feature columns, such as the
+training data, as users hold them: a pandas DataFrame, a pyarrow Table or a Parquet file's path
+(``packaging.sample_table``). The features are the sample's columns ``feature_names`` names, in
+the model's order; by default the names the model keeps (``saved_feature_names``: those of the
+DataFrame it was fitted on, or of its file), else every sample column; ``feature_names`` that put
+the model's own names in another order are refused. Each builder then:
 
 1. converts the model to ONNX with one float32 input ``X`` of shape ``[N, k]``: XGBoost and
-   LightGBM through onnxmltools, a PyTorch module through ``torch.onnx.export``;
+   LightGBM through onnxmltools (an XGBoost model's feature names are left out of the copy it
+   converts: its converter reads only ``f0``, ``f1``, ...), a PyTorch module through
+   ``torch.onnx.export``;
 2. packages it as any ONNX bundle is packaged from sample rows (``package_onnx``): the feature
-   columns are stacked into ``X``, so each tier reads them as plain columns, and the signature
-   is checked on the sample;
+   columns, under the sample's names, are stacked into ``X``, so each tier reads them as plain
+   columns, and the signature is checked on the sample;
 3. loads the bundle with the runtime both tiers use and scores the sample's first
    ``CHECK_ROWS`` rows, then compares every output with the framework's predictions on them:
    within ``atol + rtol * |expected|`` (float32 conversion: ``ATOL`` 1e-4, ``RTOL`` 1e-3), and a
@@ -31,6 +37,7 @@ XGBoost, LightGBM and onnxmltools; torch is the ``embedding-build`` extra's).
 
 from __future__ import annotations
 
+import copy
 import shutil
 import tempfile
 import warnings
@@ -40,9 +47,9 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from shardline.build.packaging import GoldenSet, package_onnx
+from shardline.build.packaging import GoldenSet, SampleRows, package_onnx, sample_table
 from shardline.bundle import Lineage, Manifest, write_manifest
-from shardline.errors import InvalidInput, RuntimeUnavailable
+from shardline.errors import InvalidInput, RuntimeUnavailable, first_line
 
 CHECK_ROWS = 2_048  # sample rows the bundle's answers are compared with the framework's on
 ATOL, RTOL = 1e-4, 1e-3  # the float32 conversion's tolerance
@@ -51,47 +58,56 @@ TORCH_OPSET = 18
 FRAMEWORKS_EXTRA = "pip install 'shardline[frameworks]'"
 
 
-def package_xgboost(model: Any, out_dir: str | Path, *, name: str, sample: pa.Table,
+def package_xgboost(model: Any, out_dir: str | Path, *, name: str, sample: SampleRows,
                     feature_names: Sequence[str] | None = None, lineage: Lineage | None = None,
                     golden: GoldenSet | None = None, reference_profile: dict[str, Any] | None = None,
                     image: str | None = None) -> Manifest:
     """Bundle a fitted ``xgboost.XGBClassifier`` or ``XGBRegressor`` (see the module docstring).
 
-    ``feature_names``: the sample's columns the model reads, in its order (default: the model's
-    ``feature_names_in_``, else every sample column).
+    ``sample``: a pandas DataFrame, a pyarrow Table or a Parquet file's path. ``feature_names``: the
+    sample's columns the model reads, in its order (default: the names the model keeps, else every
+    sample column).
 
     Raises:
-        InvalidInput: the sample lacks a feature, or the conversion does not match XGBoost's predictions.
+        InvalidInput: the sample is none of those, lacks a feature, or the conversion does not match
+            XGBoost's predictions.
         RuntimeUnavailable: xgboost or onnxmltools is not installed.
     """
-    return _package_trees("xgboost", model, out_dir, name, sample, _features(model, sample, feature_names), lineage,
+    rows = sample_table(sample)
+    return _package_trees("xgboost", model, out_dir, name, rows, _features(model, rows, feature_names), lineage,
                           golden, reference_profile, image)
 
 
-def package_lightgbm(model: Any, out_dir: str | Path, *, name: str, sample: pa.Table,
+def package_lightgbm(model: Any, out_dir: str | Path, *, name: str, sample: SampleRows,
                      feature_names: Sequence[str] | None = None, lineage: Lineage | None = None,
                      golden: GoldenSet | None = None, reference_profile: dict[str, Any] | None = None,
                      image: str | None = None) -> Manifest:
-    """Bundle a fitted ``lightgbm.LGBMClassifier`` or ``LGBMRegressor`` (see the module docstring).
+    """Bundle a fitted ``lightgbm.LGBMClassifier`` or ``LGBMRegressor`` (see the module docstring and
+    ``package_xgboost``; LightGBM keeps a name with spaces as ``_``: its column is found all the same).
 
     Raises:
-        InvalidInput: the sample lacks a feature, or the conversion does not match LightGBM's predictions.
+        InvalidInput: the sample is not rows, lacks a feature, or the conversion does not match LightGBM's
+            predictions.
         RuntimeUnavailable: lightgbm or onnxmltools is not installed.
     """
-    return _package_trees("lightgbm", model, out_dir, name, sample, _features(model, sample, feature_names), lineage,
+    rows = sample_table(sample)
+    return _package_trees("lightgbm", model, out_dir, name, rows, _features(model, rows, feature_names), lineage,
                           golden, reference_profile, image)
 
 
-def package_torch(module: Any, out_dir: str | Path, *, name: str, sample: pa.Table, feature_names: Sequence[str],
-                  output_names: Sequence[str] = ("output",), lineage: Lineage | None = None,
-                  golden: GoldenSet | None = None, reference_profile: dict[str, Any] | None = None,
-                  image: str | None = None) -> Manifest:
+def package_torch(module: Any, out_dir: str | Path, *, name: str, sample: SampleRows,
+                  feature_names: Sequence[str] | None = None, output_names: Sequence[str] = ("output",),
+                  lineage: Lineage | None = None, golden: GoldenSet | None = None,
+                  reference_profile: dict[str, Any] | None = None, image: str | None = None) -> Manifest:
     """Bundle a PyTorch module that maps a float32 ``[N, k]`` tensor of the features to one tensor per
     name of ``output_names`` (see the module docstring). It is exported in eval mode.
 
+    ``sample``: a pandas DataFrame, a pyarrow Table or a Parquet file's path. ``feature_names``: the
+    sample's columns the module reads, in its order (default: every sample column).
+
     Raises:
-        InvalidInput: the sample lacks a feature, the module does not export, or the ONNX model does not
-            match the module's outputs.
+        InvalidInput: the sample is none of those, lacks a feature, the module does not export, or the ONNX
+            model does not match the module's outputs.
         RuntimeUnavailable: torch is not installed.
     """
     try:
@@ -99,10 +115,11 @@ def package_torch(module: Any, out_dir: str | Path, *, name: str, sample: pa.Tab
     except ImportError as e:
         raise RuntimeUnavailable("packaging a PyTorch module needs torch; pip install 'shardline[embedding-build]' "
                                  "(torch==2.13.0, the CPU build)") from e
-    features = _features(None, sample, feature_names)
+    table = sample_table(sample)
+    features = _features(None, table, feature_names)
     outputs = list(output_names)
     module = module.eval()
-    rows = _matrix(sample, features, CHECK_ROWS)
+    rows = _matrix(table, features, CHECK_ROWS)
     with torch.no_grad():
         got = module(torch.from_numpy(rows))
     expected_list = [got] if isinstance(got, torch.Tensor) else list(got)
@@ -119,11 +136,11 @@ def package_torch(module: Any, out_dir: str | Path, *, name: str, sample: pa.Tab
                 torch.onnx.export(module, (torch.from_numpy(rows[:2]),), str(exported), input_names=["X"],
                                   output_names=outputs, dynamic_axes=axes, opset_version=TORCH_OPSET, dynamo=False)
         except Exception as e:  # noqa: BLE001 - the exporter's errors are many; the user gets its message in one line
-            raise InvalidInput(f"the module does not export to ONNX ({type(e).__name__}: {_first_line(e)}); "
+            raise InvalidInput(f"the module does not export to ONNX ({type(e).__name__}: {first_line(e)}); "
                                "it must take one float32 [N, k] tensor and return tensors") from e
         onnx_bytes = exported.read_bytes()
     tags = {"framework": "pytorch", "module": type(module).__name__, "torch": torch.__version__}
-    return _package_checked(onnx_bytes, out_dir, name, sample, features, expected, None, tags, lineage, golden,
+    return _package_checked(onnx_bytes, out_dir, name, table, features, expected, None, tags, lineage, golden,
                             reference_profile, image)
 
 
@@ -155,7 +172,7 @@ def load_model_file(path: str | Path, framework: str) -> Any:
             booster = module.Booster(model_file=str(path))
             objective = json.loads(booster.save_config())["learner"]["objective"]["name"]
     except Exception as e:  # noqa: BLE001 - each framework raises its own error for a file it cannot read
-        raise InvalidInput(f"{path} is not a {framework} model file ({type(e).__name__}: {_first_line(e)}); "
+        raise InvalidInput(f"{path} is not a {framework} model file ({type(e).__name__}: {first_line(e)}); "
                            f"give the file {framework}'s save_model wrote") from e
     kind = _objective_kind(framework, objective)
     if framework == "lightgbm":
@@ -166,12 +183,36 @@ def load_model_file(path: str | Path, framework: str) -> Any:
 
 
 def saved_feature_names(model: Any) -> list[str] | None:
-    """The feature names a model file keeps (None: it keeps none, or only LightGBM's ``Column_i``)."""
-    if isinstance(model, _LightgbmBooster):
-        names = [str(n) for n in model.booster.feature_name()]
-        return None if all(n == f"Column_{i}" for i, n in enumerate(names)) else names
-    kept = getattr(model.get_booster(), "feature_names", None) if hasattr(model, "get_booster") else None
-    return [str(n) for n in kept] if kept else None
+    """The feature names a fitted model keeps, in its order: ``feature_names_in_`` (a scikit-learn-API model
+    fitted on a DataFrame), else its booster's (a model read from its file); None where it keeps none
+    (fitted on a matrix: XGBoost keeps none, LightGBM only ``Column_i``)."""
+    kept = getattr(model, "feature_names_in_", None)
+    if kept is None and isinstance(model, _LightgbmBooster):
+        kept = model.booster.feature_name()
+    elif kept is None and hasattr(model, "get_booster"):
+        kept = model.get_booster().feature_names
+    names = [str(n) for n in kept] if kept is not None else []
+    return None if not names or all(n == f"Column_{i}" for i, n in enumerate(names)) else names
+
+
+def model_columns(model: Any, sample: pa.Table) -> list[str] | None:
+    """The sample's columns that the names the model keeps (``saved_feature_names``) name, in the model's
+    order; None where it keeps none, or the sample lacks one of them."""
+    kept = saved_feature_names(model)
+    if kept is None:
+        return None
+    found = _columns_named(kept, sample.column_names)
+    return None if any(c is None for c in found) else [str(c) for c in found]
+
+
+def _columns_named(names: Sequence[str], columns: Sequence[str]) -> list[str | None]:
+    """Per name a model keeps, the column of that name, else the one LightGBM renamed to it (it keeps a
+    feature name's spaces as ``_``: the DataFrame's ``mean radius`` is its ``mean_radius``); None: neither."""
+    exact = set(columns)
+    renamed: dict[str, str] = {}
+    for column in columns:
+        renamed.setdefault(column.replace(" ", "_"), column)
+    return [n if n in exact else renamed.get(n) for n in names]
 
 
 def _objective_kind(framework: str, objective: str) -> str:
@@ -206,21 +247,35 @@ class _LightgbmBooster:
         return np.asarray(self.booster.predict(rows))
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
 def _features(model: Any, sample: pa.Table, feature_names: Sequence[str] | None) -> list[str]:
-    names = list(feature_names) if feature_names is not None else None
-    if names is None and model is not None and getattr(model, "feature_names_in_", None) is not None:
-        names = [str(n) for n in model.feature_names_in_]
-    names = names if names is not None else list(sample.column_names)
+    """The sample's feature columns in the model's order: ``feature_names``, else the names the model keeps
+    (``model`` None: it keeps none), else every sample column.
+
+    Raises:
+        InvalidInput: the sample lacks one of them, or ``feature_names`` orders the model's own names otherwise.
+    """
+    kept = saved_feature_names(model) if model is not None else None
+    own = _columns_named(kept, sample.column_names) if kept is not None else None
+    if feature_names is not None:
+        names = [str(n) for n in feature_names]
+        if own is not None and None not in own and names != own:
+            raise InvalidInput(f"feature_names {_listed(names)} are not the features the model was fitted on, in its "
+                               f"order ({_listed([str(c) for c in own])}); leave feature_names out to read the "
+                               "model's own, or give them in that order")
+    elif own is not None:
+        names = [c if c is not None else n for c, n in zip(own, kept or [])]
+    else:
+        names = list(sample.column_names)
     missing = [n for n in names if n not in sample.column_names]
     if missing:
-        shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise InvalidInput(f"the sample has no column {shown}; give rows that hold every feature the model reads "
-                           f"({len(names)} of them), or name the sample's columns it reads, in order, with feature_names")
+        raise InvalidInput(f"the sample has no column {_listed(missing)}; give rows that hold every feature the model "
+                           f"reads ({len(names)} of them), or name the sample's columns it reads, in order, with "
+                           "feature_names")
     return names
+
+
+def _listed(names: Sequence[str]) -> str:
+    return ", ".join(repr(m) for m in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _matrix(sample: pa.Table, features: Sequence[str], rows: int) -> np.ndarray:
@@ -245,7 +300,7 @@ def _package_trees(framework: str, model: Any, out_dir: str | Path, name: str, s
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if framework == "xgboost":
-            onx = onnxmltools.convert_xgboost(model, initial_types=initial, target_opset=ONNX_OPSET)
+            onx = onnxmltools.convert_xgboost(_unnamed(model), initial_types=initial, target_opset=ONNX_OPSET)
         else:  # a Booster read from its file converts as itself
             onx = onnxmltools.convert_lightgbm(getattr(model, "booster", model), initial_types=initial,
                                                target_opset=ONNX_OPSET, zipmap=False)
@@ -269,6 +324,17 @@ def _package_trees(framework: str, model: Any, out_dir: str | Path, name: str, s
                                                       booster).__name__}
     return _package_checked(onx.SerializeToString(), out_dir, name, sample, features, expected, tie, tags, lineage,
                             golden, reference_profile, image)
+
+
+def _unnamed(model: Any) -> Any:
+    """An XGBoost model whose booster keeps no feature names (a copy, where it keeps some): onnxmltools reads
+    each split's feature by the name XGBoost dumps and takes only ``f0``, ``f1``, ... (the i-th feature,
+    as without names). The bundle's signature names the columns."""
+    if not getattr(model.get_booster(), "feature_names", None):
+        return model
+    unnamed = copy.deepcopy(model)
+    unnamed.get_booster().feature_names = None
+    return unnamed
 
 
 def _rename_output(onx: Any, old: str, new: str) -> None:
@@ -309,14 +375,7 @@ def _package_checked(onnx_bytes: bytes, out_dir: str | Path, name: str, sample: 
 def _check(folder: Path, manifest: Manifest, rows: pa.Table, expected: dict[str, np.ndarray], tie: np.ndarray | None,
            framework: str) -> None:
     """Score ``rows`` with the bundle as both tiers load it; refuse answers that differ from ``expected``."""
-    from shardline.runtimes import RuntimeOptions, create_runtime
-
-    runtime = create_runtime(folder, manifest, RuntimeOptions("cpu", 1))
-    runtime.load()
-    try:
-        answer = runtime.predict(rows)
-    finally:
-        runtime.close()
+    answer = score_bundle(folder, manifest, rows)
     for output, want in expected.items():
         got = _values(answer.column(output))
         want = want.reshape(got.shape) if want.size == got.size else want
@@ -334,6 +393,18 @@ def _check(folder: Path, manifest: Manifest, rows: pa.Table, expected: dict[str,
             worst = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
             rows_off = int(off.reshape(len(off), -1).any(axis=1).sum())
             raise InvalidInput(_mismatch(framework, output, rows_off, len(got), f"off by up to {worst:.3g}"))
+
+
+def score_bundle(folder: Path, manifest: Manifest, rows: pa.Table) -> pa.RecordBatch:
+    """``rows`` scored by a bundle folder loaded with the runtime both tiers use (on CPU, one thread), then closed."""
+    from shardline.runtimes import RuntimeOptions, create_runtime
+
+    runtime = create_runtime(folder, manifest, RuntimeOptions("cpu", 1))
+    runtime.load()
+    try:
+        return runtime.predict(rows)
+    finally:
+        runtime.close()
 
 
 def _values(column: Any) -> np.ndarray:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import pyarrow as pa
 
 from shardline.bundle import Lineage, Manifest
-from shardline.errors import InvalidInput, RuntimeUnavailable, ShardlineError
+from shardline.errors import InvalidInput, RuntimeUnavailable, ShardlineError, first_line
 
 MLFLOW_EXTRA = "pip install 'shardline[mlflow]'"
 _LOG_INSTEAD = ("log it with mlflow.onnx (convert it with skl2onnx or onnxmltools first), or with "
@@ -100,15 +100,14 @@ class ImportRequest:
 
 
 def _features(request: ImportRequest, model: Any, sample: pa.Table) -> list[str]:
-    """The feature columns in the model's order: the names the model keeps (its file's, or scikit-learn's
-    ``feature_names_in_``), else the MLmodel signature's, else the sample's columns less ``exclude``."""
-    from shardline.build.frameworks import saved_feature_names
+    """The feature columns in the model's order: the sample's columns the model's own names name (its file's,
+    or scikit-learn's ``feature_names_in_``: ``frameworks.model_columns``), else the MLmodel signature's, else
+    the sample's columns less ``exclude``."""
+    from shardline.build.frameworks import model_columns
 
-    kept = getattr(model, "feature_names_in_", None)
-    saved = saved_feature_names(model) if hasattr(model, "get_booster") or hasattr(model, "booster") else None
-    saved = saved if saved is not None else ([str(n) for n in kept] if kept is not None else None)
-    if saved is not None and set(saved) <= set(sample.column_names):
-        return saved
+    kept = model_columns(model, sample)
+    if kept is not None:
+        return kept
     named = request.signature_names()
     if named is not None:
         return named
@@ -133,7 +132,6 @@ def _from_xgboost(request: ImportRequest) -> Manifest:
     sample = request.needs_sample("converting an XGBoost model (checked against XGBoost's predictions)")
     model = load_model_file(path, "xgboost")
     features = _features(request, model, sample)
-    model.get_booster().feature_names = None  # onnxmltools reads features as f0, f1, ... only; the bundle names them
     return _converted(request, lambda: package_xgboost(model, request.out_dir, name=request.name, sample=sample,
                                                        feature_names=features, lineage=request.lineage))
 
@@ -161,9 +159,8 @@ def _converted(request: ImportRequest, build: Callable[[], Manifest]) -> Manifes
     except ShardlineError:
         raise
     except Exception as e:  # noqa: BLE001 - the converters raise RuntimeError, ValueError, KeyError, ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise request.refuse("", f"its model does not convert to ONNX ({type(e).__name__}: {first}); export it to "
-                             "ONNX yourself and log it with mlflow.onnx") from e
+        raise request.refuse("", f"its model does not convert to ONNX ({type(e).__name__}: {first_line(e)}); export "
+                             "it to ONNX yourself and log it with mlflow.onnx") from e
 
 
 def _from_sklearn(request: ImportRequest) -> Manifest:

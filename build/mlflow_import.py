@@ -47,7 +47,7 @@ from shardline.bundle import Lineage, Manifest, check_model_name, write_manifest
 from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound, RuntimeUnavailable
 
 if TYPE_CHECKING:
-    from shardline.build.packaging import GoldenSet
+    from shardline.build.packaging import GoldenSet, SampleRows
 
 _MLFLOW_TYPES = {"double": pa.float64(), "float": pa.float32(), "long": pa.int64(), "integer": pa.int32(),
                  "boolean": pa.bool_(), "string": pa.string()}
@@ -143,7 +143,7 @@ class _Resolved:
 
 
 def import_mlflow_model(uri: str, out_dir: str | Path | None = None, *, name: str | None = None,
-                        tracking_uri: str | None = None, sample: pa.Table | None = None, exclude: Sequence[str] = (),
+                        tracking_uri: str | None = None, sample: SampleRows | None = None, exclude: Sequence[str] = (),
                         lineage: Lineage | None = None, golden: GoldenSet | None = None) -> ImportedModel:
     """Build a bundle from a model kept in MLflow (see the module docstring).
 
@@ -153,7 +153,8 @@ def import_mlflow_model(uri: str, out_dir: str | Path | None = None, *, name: st
         out_dir: the bundle folder, new or empty (default ``./<name>-bundle``).
         name: the Shardline model name (default: the MLflow name, made valid by ``shardline_name``).
         tracking_uri: MLflow's tracking URI (default: MLflow's own, ``MLFLOW_TRACKING_URI`` or its default).
-        sample: rows the model reads (e.g. its training data); default: the input example logged with it.
+        sample: rows the model reads (e.g. its training data): a pandas DataFrame, a pyarrow Table or a Parquet
+            file's path; default: the input example logged with it.
         exclude: columns of ``sample`` that are not features (a label, an id).
         lineage: lineage to start from (training data); the run's metrics, commit and the URI are added.
         golden: rows with known answers and the score promotion demands on them (the gate ``evaluation``
@@ -167,7 +168,10 @@ def import_mlflow_model(uri: str, out_dir: str | Path | None = None, *, name: st
         InvalidInput: the model cannot be mapped (its flavor, a pickle, no sample rows) or does not convert.
         RuntimeUnavailable: mlflow (or skops, or a framework) is not installed.
     """
+    from shardline.build.packaging import sample_table
+
     parsed = parse_model_uri(uri)
+    rows = sample_table(sample) if sample is not None else None
     mlflow = _mlflow()
     tracking = tracking_uri or str(mlflow.get_tracking_uri())
     _check_local_store(tracking)
@@ -184,11 +188,11 @@ def import_mlflow_model(uri: str, out_dir: str | Path | None = None, *, name: st
         flavor = choose_flavor(parsed.given, dict(mlmodel.flavors))
         run_id = found.run_id or getattr(mlmodel, "run_id", None)
         run = _mlflow_call(lambda: client.get_run(run_id), parsed, tracking, "read the run") if run_id else None
-        example = _input_example(model_dir, mlmodel) if sample is None else None
+        example = _input_example(model_dir, mlmodel) if rows is None else None
         request = ImportRequest(
             source=parsed.given, model_dir=model_dir, mlmodel=mlmodel, flavor=flavor, out_dir=out, name=chosen,
-            sample=sample if sample is not None else example, sample_is_example=example is not None,
-            exclude=tuple(exclude) if sample is not None else (), lineage=_lineage(lineage, found, run))
+            sample=rows if rows is not None else example, sample_is_example=example is not None,
+            exclude=tuple(exclude) if rows is not None else (), lineage=_lineage(lineage, found, run))
         tags = _tags(parsed, found, run, flavor, getattr(mlmodel, "model_id", None))
         try:
             manifest = FLAVORS[flavor](request)

@@ -5,6 +5,9 @@ A bundle carries the model, its signature (checked against sample data), the
 environment that made it, lineage, and optionally a golden data set with the score
 promotion demands and a reference data profile for drift checks. Bundles never hold
 pickles. onnx, onnxruntime and skl2onnx are imported inside the builders.
+
+Sample rows are taken as users hold them (``SampleRows``): a pyarrow Table, a pandas DataFrame or a
+Parquet file's path; ``sample_table`` makes a Table of each (pandas is never imported here).
 """
 
 from __future__ import annotations
@@ -12,17 +15,18 @@ from __future__ import annotations
 import json
 import platform
 import shutil
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, TypeAlias
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardline.bundle import Evaluation, Lineage, Manifest, describe_artifact, write_manifest
-from shardline.errors import InvalidInput, InvalidSetting, RuntimeUnavailable
+from shardline.errors import InvalidInput, InvalidSetting, RuntimeUnavailable, first_line
 from shardline.signature import (
     ColumnSpec,
     Signature,
@@ -33,6 +37,11 @@ from shardline.signature import (
     tensor_type_name,
     type_name,
 )
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+SampleRows: TypeAlias = "pa.Table | pd.DataFrame | str | Path"  # rows as users hold them: see sample_table
 
 _RECORDED_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnx", "scikit-learn", "skl2onnx", "pyarrow", "tokenizers",
                       "xgboost", "xgboost-cpu", "lightgbm", "onnxmltools", "torch")
@@ -50,6 +59,44 @@ class GoldenSet:
     prediction_column: str
     threshold: float
     max_variant_delta: float = 0.01
+
+
+def sample_table(rows: SampleRows, what: str = "the sample") -> pa.Table:
+    """Rows as a pyarrow Table, from what users hold: a pyarrow Table (as it is), a pandas DataFrame (its
+    columns, not its index) or the path of a Parquet file (str or Path).
+
+    Args:
+        rows: the rows.
+        what: how an error names them (``the sample``, ``--signature-from``).
+
+    Raises:
+        InvalidInput: anything else (naming the type got), a file Parquet cannot read, or a DataFrame
+            column Arrow cannot hold.
+    """
+    if isinstance(rows, pa.Table):
+        return rows
+    if isinstance(rows, (str, Path)):
+        try:
+            return pq.read_table(rows)
+        except FileNotFoundError as e:
+            raise InvalidInput(f"{what}: there is no file {rows}; give the path of a Parquet file of the rows") from e
+        except (OSError, ValueError) as e:  # pyarrow's errors are OSErrors or ValueErrors (ArrowInvalid: not Parquet)
+            raise InvalidInput(f"{what} {rows} cannot be read as Parquet ({first_line(e)}); give the path of a "
+                               "Parquet file of the rows") from e
+    pandas = sys.modules.get("pandas")  # a DataFrame exists only once pandas is imported: never import it here
+    if pandas is not None and isinstance(rows, pandas.DataFrame):
+        try:
+            return pa.Table.from_pandas(rows, preserve_index=False)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            why = "; ".join(str(a) for a in e.args)  # pyarrow adds the column's name as a second argument
+            raise InvalidInput(f"{what}, a pandas DataFrame, has a column Arrow cannot hold ({why}); give each "
+                               "column one type: numbers or strings") from e
+    got = type(rows)
+    shown_type = got.__qualname__ if got.__module__ == "builtins" else f"{got.__module__}.{got.__qualname__}"
+    hint = (" (a numpy array has no column names: give pandas.DataFrame(X, columns=names))"
+            if got.__module__ == "numpy" else "")
+    raise InvalidInput(f"{what} is a {shown_type}; give a pandas DataFrame, a pyarrow Table or the path of a "
+                       f"Parquet file (str or pathlib.Path){hint}")
 
 
 def current_environment(image: str | None = None, packages: Sequence[str] = ()) -> dict[str, str]:
@@ -345,7 +392,7 @@ def package_onnx(
     *,
     name: str,
     signature: Signature | None = None,
-    sample: pa.Table | None = None,
+    sample: SampleRows | None = None,
     exclude: Sequence[str] = (),
     runtime_config: dict[str, Any] | None = None,
     lineage: Lineage | None = None,
@@ -356,13 +403,14 @@ def package_onnx(
     """Copy an ONNX file into a new bundle folder with its manifest.
 
     Give ``signature`` (and ``runtime_config``), or ``sample`` data to infer and check them
-    from, or neither: the signature is then the model's own (``onnx_signature``).
+    from (a pyarrow Table, a pandas DataFrame or a Parquet file's path: ``sample_table``), or
+    neither: the signature is then the model's own (``onnx_signature``).
     """
     if signature is None:
         if sample is None:
             signature = onnx_signature(onnx_file)
         else:
-            signature, inferred = infer_onnx_signature(onnx_file, sample, exclude)
+            signature, inferred = infer_onnx_signature(onnx_file, sample_table(sample), exclude)
             runtime_config = {**inferred, **(runtime_config or {})}
     out = new_bundle_dir(out_dir)
     shutil.copyfile(onnx_file, out / "model.onnx")

@@ -62,9 +62,8 @@ def model_import(
     import os
     import tempfile
 
-    import pyarrow.parquet as pq
-
     from shardline.build.mlflow_import import import_mlflow_model
+    from shardline.build.packaging import sample_table
     from shardline.bundle import Lineage
     from shardline.quality.profile import attach_reference_profile
 
@@ -72,7 +71,7 @@ def model_import(
     try:
         if exclude and signature_from is None:
             raise ShardlineError("--exclude names columns of the sample data; give the sample with --signature-from")
-        sample = pq.read_table(signature_from) if signature_from is not None else None
+        sample = sample_table(signature_from, "--signature-from") if signature_from is not None else None
         lineage = Lineage(
             training_data=str(signature_from.resolve()) if signature_from is not None else None,
             training_data_digest=hashlib.sha256(signature_from.read_bytes()).hexdigest() if signature_from else None,

@@ -104,9 +104,7 @@ def model_package(
 ) -> None:
     """Make a bundle from an ONNX model (an XGBoost or LightGBM model file, or custom model code): signature,
     checksums, environment, lineage, golden set, profile."""
-    import pyarrow.parquet as pq
-
-    from shardline.build.packaging import package_onnx
+    from shardline.build.packaging import package_onnx, sample_table
     from shardline.bundle import Lineage, write_manifest
     from shardline.quality.profile import attach_reference_profile
 
@@ -114,7 +112,7 @@ def model_package(
         if exclude and signature_from is None:
             raise ShardlineError("--exclude names columns of the sample data; give the sample with --signature-from, "
                                  "or leave out --exclude to package from the ONNX file alone")
-        sample = pq.read_table(signature_from) if signature_from is not None else None
+        sample = sample_table(signature_from, "--signature-from") if signature_from is not None else None
         lineage = Lineage(
             training_data=str(signature_from.resolve()) if signature_from is not None else None,
             training_data_digest=hashlib.sha256(signature_from.read_bytes()).hexdigest() if signature_from else None,
@@ -161,13 +159,7 @@ def model_package(
 
 def _package_framework(source: Path, framework: str, folder: Path, name: str, sample: Any, exclude: list[str],
                        lineage: Any, golden: Any, image: str | None) -> Any:
-    from shardline.build.frameworks import (
-        FRAMEWORKS,
-        load_model_file,
-        package_lightgbm,
-        package_xgboost,
-        saved_feature_names,
-    )
+    from shardline.build.frameworks import FRAMEWORKS, load_model_file, model_columns, package_lightgbm, package_xgboost
 
     if framework not in FRAMEWORKS:
         raise ShardlineError(f"--framework {framework!r} is not one of onnx, {', '.join(FRAMEWORKS)}, python")
@@ -175,10 +167,8 @@ def _package_framework(source: Path, framework: str, folder: Path, name: str, sa
         raise ShardlineError(f"--framework {framework} needs --signature-from ROWS.parquet: the rows the model was "
                              "fitted on (its feature columns, in order), which the converted model is checked on")
     model = load_model_file(source, framework)
-    features = [c for c in sample.column_names if c not in set(exclude)]
-    saved = saved_feature_names(model)
-    if saved is not None and set(saved) <= set(sample.column_names):
-        features = saved  # the order the model was fitted in
+    # the order the model was fitted in, where its file keeps the names
+    features = model_columns(model, sample) or [c for c in sample.column_names if c not in set(exclude)]
     builder = package_xgboost if framework == "xgboost" else package_lightgbm
     return builder(model, folder, name=name, sample=sample, feature_names=features,
                    lineage=lineage, golden=golden, image=image)

@@ -6,7 +6,8 @@ inherits the builtin exception it resembles, so callers that catch ``ValueError`
 
 ``shown`` is how a message quotes a value a client sent: its repr, cut short (a client
 chooses the value, and a 16 MB string or a list nested 1,000 deep must not become a
-16 MB message or a RecursionError).
+16 MB message or a RecursionError). ``first_line`` is how a message quotes another library's
+error: its first line, so that the message stays one line.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ _SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdi
 def shown(value: object) -> str:
     """A client's value as a message quotes it: its repr, at most ~80 characters and 3 levels deep."""
     return _SHOWN.repr(value)
+
+
+def first_line(error: BaseException) -> str:
+    """Another library's error as a one-line message quotes it: its first line (its type's name if empty)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 class ShardlineError(Exception):

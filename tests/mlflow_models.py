@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 
-from tests.framework_models import fitted, training_rows
+from tests.framework_models import fitted, training_frame, training_rows
 
 KINDS = ("xgboost", "xgboost-bare", "onnx", "sklearn-skops", "sklearn-pickle", "lightgbm-booster", "lightgbm-sklearn",
          "pyfunc")
@@ -108,10 +108,7 @@ def log_xgboost_version(logged: LoggedModels, n_estimators: int = 20) -> str:
 
 def frame(rows: int | None = None) -> Any:
     """The training rows as a pandas DataFrame (float32 features named as scikit-learn names them)."""
-    features, _, names, _ = training_rows()
-    import pandas as pd
-
-    return pd.DataFrame(features[:rows], columns=names)
+    return training_frame(rows, np.float32)
 
 
 def _log(kind: str) -> Any:

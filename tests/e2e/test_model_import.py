@@ -12,12 +12,15 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from shardline.build.frameworks import ATOL, RTOL
+from shardline.bundle import read_manifest
 from tests.e2e.conftest import SHARDLINE
-from tests.framework_models import training_rows
+from tests.framework_models import bundle_answers, training_frame, training_rows
 from tests.mlflow_models import REGISTERED, LoggedModels, log_models
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
@@ -68,6 +71,25 @@ def test_an_mlflow_model_is_imported_and_pushed(shardline_cli: Run, logged: Logg
     assert "breastcancer-xgb:2" not in shardline_cli("model", "list").stdout
 
 
+def test_a_model_fitted_on_a_dataframe_is_imported_with_its_columns_from_its_training_parquet(
+        shardline_cli: Run, logged: LoggedModels, tmp_path: Path) -> None:
+    frame = training_frame()  # the DataFrame the model was fitted on, as a user keeps it: float64, named columns
+    model = logged.models["xgboost"]  # XGBClassifier fitted on that DataFrame: its file keeps the names
+    train = frame[list(reversed(frame.columns))].assign(target=training_rows()[1])  # the label, columns shuffled
+    train.to_parquet(tmp_path / "train.parquet")
+
+    imported = shardline_cli("model", "import", f"models:/{REGISTERED['xgboost']}/1", "--signature-from",
+                             "train.parquet", "--no-push", "--out", "bundle", "--tracking-uri", logged.tracking_uri)
+
+    assert imported.returncode == 0, imported.stderr
+    assert "in: mean radius:float32, mean texture:float32" in imported.stdout  # the DataFrame's names, its order
+    manifest = read_manifest(tmp_path / "bundle")
+    assert manifest.signature.input_names == list(frame.columns)  # the model's features: no --exclude needed
+    got = bundle_answers(tmp_path / "bundle", manifest, pa.Table.from_pandas(train))
+    assert np.array_equal(got["label"], model.predict(frame))
+    assert np.allclose(got["probabilities"], model.predict_proba(frame), atol=ATOL, rtol=RTOL)
+
+
 def test_a_refused_import_prints_one_line_and_exits_2(shardline_cli: Run, logged: LoggedModels,
                                                       tmp_path: Path) -> None:
     pickled = shardline_cli("model", "import", f"models:/{REGISTERED['sklearn-pickle']}/1", "--no-push",
@@ -76,11 +98,14 @@ def test_a_refused_import_prints_one_line_and_exits_2(shardline_cli: Run, logged
     (tmp_path / "golden.parquet").write_text("id,target\n1,0\n")  # a CSV named .parquet
     not_parquet = shardline_cli("model", "import", f"models:/{REGISTERED['xgboost']}/1", "--golden", "golden.parquet",
                                 "--tracking-uri", logged.tracking_uri)
+    not_rows = shardline_cli("model", "import", f"models:/{REGISTERED['xgboost']}/1", "--signature-from",
+                             "golden.parquet", "--tracking-uri", logged.tracking_uri)
 
     for refused, says in ((pickled, "(flavor sklearn, serialization_format cloudpickle) is a scikit-learn model "
                                     "saved as a pickle, which Shardline never loads"),
                           (no_store, f"there is no MLflow tracking store at sqlite:///{tmp_path / 'mlflow.db'}"),
-                          (not_parquet, "--golden golden.parquet cannot be read as Parquet")):
+                          (not_parquet, "--golden golden.parquet cannot be read as Parquet"),
+                          (not_rows, "--signature-from golden.parquet cannot be read as Parquet")):
         assert refused.returncode == 2, refused.stderr
         assert "Traceback" not in refused.stderr
         assert refused.stderr.strip().splitlines() == [refused.stderr.strip()] and refused.stderr.startswith("error: ")

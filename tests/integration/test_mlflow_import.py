@@ -14,12 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound
 from shardline.build.frameworks import ATOL, RTOL
 from shardline.build.mlflow_import import ImportedModel, import_mlflow_model, parse_model_uri, shardline_name
-from shardline.runtimes import RuntimeOptions, create_runtime
-
-from tests.framework_models import training_rows
+from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound
+from tests.framework_models import bundle_answers, training_frame, training_rows
 from tests.mlflow_models import ALIAS, COMMIT, REGISTERED, LoggedModels, feature_table, log_models
 from tests.tensor_models import feature_column
 
@@ -32,13 +30,7 @@ def logged(tmp_path_factory: pytest.TempPathFactory) -> LoggedModels:
 
 
 def _answers(imported: ImportedModel, rows: pa.Table) -> dict[str, np.ndarray]:
-    runtime = create_runtime(imported.folder, imported.manifest, RuntimeOptions("cpu", 1))
-    runtime.load()
-    try:
-        answer = runtime.predict(rows)
-    finally:
-        runtime.close()
-    return {name: np.asarray(answer.column(name).to_pylist()) for name in answer.column_names}
+    return bundle_answers(imported.folder, imported.manifest, rows)
 
 
 def _expected(kind: str, model: Any, features: np.ndarray) -> dict[str, np.ndarray]:
@@ -99,6 +91,22 @@ def test_a_tree_model_logged_without_an_example_needs_sample_rows(logged: Logged
     imported = import_mlflow_model(logged.uri("xgboost-bare"), tmp_path / "bare", tracking_uri=logged.tracking_uri,
                                    sample=sample, exclude=["target"])
     assert imported.manifest.signature.input_names == training_rows()[2] and not imported.sample_from_example
+
+
+def test_a_model_fitted_on_a_dataframe_is_imported_with_that_dataframe_as_its_sample(logged: LoggedModels,
+                                                                                   tmp_path: Path) -> None:
+    frame = training_frame()  # what the XGBoost model was fitted on (its file keeps the column names)
+    sample = frame[list(reversed(frame.columns))].assign(target=training_rows()[1])  # the label, columns shuffled
+    model = logged.models["xgboost"]
+
+    imported = import_mlflow_model(logged.uri("xgboost"), tmp_path / "bundle", tracking_uri=logged.tracking_uri,
+                                   sample=sample)
+
+    assert imported.manifest.signature.input_names == list(frame.columns)  # the model's features, in its order
+    assert not imported.sample_from_example
+    got = _answers(imported, pa.Table.from_pandas(sample))
+    assert np.array_equal(got["label"], model.predict(frame))
+    assert np.allclose(got["probabilities"], model.predict_proba(frame), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize(("kind", "says"), [

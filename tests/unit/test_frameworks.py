@@ -1,23 +1,31 @@
 """The XGBoost, LightGBM and PyTorch builders: outputs named as scikit-learn's builder names them, the
-bundle's answers checked against the framework's before anything is written, and the refusals."""
+bundle's answers checked against the framework's before anything is written, the samples users hold (a
+pandas DataFrame, a pyarrow Table, a Parquet file), and the refusals."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
-from shardline.bundle import read_manifest
-from shardline.errors import InvalidInput
 from shardline.build.frameworks import (
+    ATOL,
+    RTOL,
     load_model_file,
     package_lightgbm,
     package_torch,
     package_xgboost,
     saved_feature_names,
 )
+from shardline.bundle import read_manifest
+from shardline.errors import InvalidInput
+from tests.framework_models import bundle_answers, fitted, predictions, training_frame, training_rows
 
-from tests.framework_models import fitted, training_rows
+BUILDERS: dict[str, Callable[..., Any]] = {"xgboost": package_xgboost, "lightgbm": package_lightgbm,
+                                           "torch": package_torch}
 
 
 @pytest.mark.parametrize("kind", ["xgboost-regressor", "lightgbm-regressor", "lightgbm-classifier"])
@@ -97,3 +105,85 @@ def test_a_ranking_model_is_refused_naming_its_objective(tmp_path: Path) -> None
     xgboost.XGBRanker(n_estimators=2).fit(features, labels, qid=[0] * len(labels)).save_model(tmp_path / "rank.json")
     with pytest.raises(InvalidInput, match="objective is 'rank:ndcg': only classifiers and regressors are packaged"):
         load_model_file(tmp_path / "rank.json", "xgboost")
+
+
+def _assert_answers_like(kind: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    for output, expected in want.items():
+        values = got[output].reshape(np.shape(expected))
+        if output == "label":
+            assert np.array_equal(values, expected), f"{kind}: labels differ from the framework's"
+        else:
+            assert np.allclose(values, expected, atol=ATOL, rtol=RTOL), f"{kind}: {output} differs"
+
+
+@pytest.mark.parametrize("kind", ["xgboost-classifier", "xgboost-regressor", "lightgbm-classifier", "torch-mlp"])
+def test_a_model_fitted_on_a_dataframe_is_bundled_from_it_under_its_column_names(kind: str, tmp_path: Path) -> None:
+    frame = training_frame()  # float64, columns named as scikit-learn names them ('mean radius', ...)
+    model = fitted(kind, on_frame=True)
+    extra = {"output_names": ["probabilities"]} if kind == "torch-mlp" else {}
+
+    # no feature_names: the trees read the names they keep, the module every column
+    manifest = BUILDERS[kind.split("-")[0]](model, tmp_path / "bundle", name="m", sample=frame, **extra)
+
+    assert manifest.signature.input_names == list(frame.columns)
+    if kind.startswith("lightgbm"):  # LightGBM keeps 'mean_radius': its column is the DataFrame's all the same
+        assert list(model.feature_names_in_)[:1] == ["mean_radius"]
+    got = bundle_answers(tmp_path / "bundle", manifest, pa.Table.from_pandas(frame))
+    _assert_answers_like(kind, got, predictions(kind, model, frame))  # the framework on the DataFrame itself
+
+
+@pytest.mark.parametrize(("kind", "as_path"), [("xgboost-classifier", str), ("lightgbm-regressor", Path)])
+def test_a_parquet_file_is_a_sample_and_the_model_picks_its_features_from_it(
+        kind: str, as_path: Callable[[Path], Any], tmp_path: Path) -> None:
+    frame = training_frame()
+    reordered = frame[list(reversed(frame.columns))].assign(target=training_rows()[1])  # a label, columns shuffled
+    reordered.to_parquet(tmp_path / "train.parquet")
+    model = fitted(kind, on_frame=True)
+
+    manifest = BUILDERS[kind.split("-")[0]](model, tmp_path / "bundle", name="m",
+                                            sample=as_path(tmp_path / "train.parquet"))
+
+    assert manifest.signature.input_names == list(frame.columns)  # the model's order, without the label
+    got = bundle_answers(tmp_path / "bundle", manifest, pa.Table.from_pandas(reordered))
+    _assert_answers_like(kind, got, predictions(kind, model, frame))
+
+
+@pytest.mark.parametrize("framework", ["xgboost", "lightgbm", "torch"])
+@pytest.mark.parametrize(("sample", "named"), [
+    pytest.param(np.zeros((4, 30), dtype=np.float32), "numpy.ndarray; give a pandas DataFrame, a pyarrow Table or the "
+                 "path of a Parquet file (str or pathlib.Path) (a numpy array has no column names: give "
+                 "pandas.DataFrame(X, columns=names))", id="numpy"),
+    pytest.param([[0.0] * 30], "list; give a pandas DataFrame, a pyarrow Table or the path of a Parquet file",
+                 id="list"),
+])
+def test_a_sample_of_another_type_is_refused_in_one_line_naming_what_was_got(
+        framework: str, sample: Any, named: str, tmp_path: Path) -> None:
+    model = fitted("torch-mlp") if framework == "torch" else fitted(f"{framework}-classifier")
+
+    with pytest.raises(InvalidInput) as refused:
+        BUILDERS[framework](model, tmp_path / "bundle", name="m", sample=sample)
+
+    assert str(refused.value).startswith(f"the sample is a {named}")
+    assert "\n" not in str(refused.value) and not (tmp_path / "bundle").exists()
+
+
+def test_a_sample_path_that_is_not_parquet_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "train.csv").write_text("mean radius,target\n1.0,0\n")
+    for path, says in ((tmp_path / "train.csv", f"the sample {tmp_path / 'train.csv'} cannot be read as Parquet ("),
+                       (str(tmp_path / "none.parquet"), f"the sample: there is no file {tmp_path / 'none.parquet'}; ")):
+        with pytest.raises(InvalidInput) as refused:
+            package_xgboost(fitted("xgboost-classifier"), tmp_path / "bundle", name="m", sample=path)
+        assert str(refused.value).startswith(says) and "give the path of a Parquet file" in str(refused.value)
+        assert "\n" not in str(refused.value) and not (tmp_path / "bundle").exists()
+
+
+def test_feature_names_out_of_the_order_the_model_was_fitted_in_are_refused(tmp_path: Path) -> None:
+    frame = training_frame()
+    names = list(frame.columns)
+
+    with pytest.raises(InvalidInput, match=r"^feature_names 'worst fractal dimension', .* and 25 more are not the "
+                                           r"features the model was fitted on, in its order \('mean radius', .*; leave "
+                                           "feature_names out"):
+        package_xgboost(fitted("xgboost-classifier", on_frame=True), tmp_path / "bundle", name="m", sample=frame,
+                        feature_names=names[::-1])
+    assert not (tmp_path / "bundle").exists()

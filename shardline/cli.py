@@ -31,6 +31,8 @@ from shardline._prefect_cli import prefect_app, use_prefect_api  # noqa: E402
 app.add_typer(prefect_app, name="prefect")
 from shardline._rollout_cli import rollout_app  # noqa: E402
 app.add_typer(rollout_app, name="rollout")
+from shardline._tenant_cli import tenant_app  # noqa: E402
+app.add_typer(tenant_app, name="tenant")
 
 
 # How this process runs batch jobs, as ``main`` decided: a supervised child always runs them here (cold);

@@ -368,17 +368,21 @@ def model_release(
     """Release a pushed version (the release-model flow): staging through the gates, a canary on prod that the
     routers step, judge and promote, and their verdict (exit 1 when it is rolled back). CI runs this after push."""
     from shardline._prefect_cli import use_prefect_api
-    from shardline._rollout_cli import rollback_criteria
+    from shardline._rollout_cli import rollback_criteria, warn_unreachable_steps
     from shardline.storage.rollouts import parse_duration, parse_steps
 
     try:
         if not candidate.partition(":")[2].isdigit():
             raise ShardlineError(f"the candidate {candidate!r} is not name:version; give the version `shardline model "
                                  "push` printed, e.g. churn:4")
-        open_registry().resolve(candidate)  # a missing version is one line here, not a failed flow's traceback
+        registry = open_registry()
+        registry.resolve(candidate)  # a missing version is one line here, not a failed flow's traceback
         parameters = {"candidate": candidate, "steps": list(parse_steps(steps)), "interval_s": parse_duration(interval),
                       "wait_s": parse_duration(wait), "reason": reason,
                       "criteria": rollback_criteria(window, min_requests, max_error_increase, max_p99_ratio, None)}
+        name = candidate.partition(":")[0]
+        if registry.current_move(name, "prod") is not None:  # a first version goes to prod without a canary
+            warn_unreachable_steps(registry, name, "prod", parameters["steps"], parameters["criteria"])
         use_prefect_api()
     except ShardlineError as e:
         raise fail(e) from e

@@ -92,6 +92,10 @@ def model_package(
         "k feature columns) and checked by running the model; its profile becomes the reference profile. Left out: "
         "the signature is the ONNX file's own inputs and outputs, and the bundle has no reference profile."),
     exclude: Optional[list[str]] = typer.Option(None, help="Sample column that is not a feature (label, id); repeat."),
+    input_layout: str = typer.Option("columns", help="For a model of one [N, k] input packaged from k feature "
+                                     "columns: what V2 clients (tritonclient, curl) send, one [N] input per column "
+                                     "('columns') or the model's own [N, k] input ('tensor', as Triton shows the "
+                                     "ONNX file). Batch jobs read the k columns either way."),
     golden: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, help=_GOLDEN_HELP + "."),
     label: str = _LABEL,
     metric: str = _METRIC,
@@ -126,6 +130,9 @@ def model_package(
             raise ShardlineError("--entry, --file and --requirement are for custom model code (--framework python)")
         if framework != "python" and source.is_dir():
             raise ShardlineError(f"{source} is a folder; --framework {framework} packages a model file")
+        if input_layout != "columns" and framework != "onnx":
+            raise ShardlineError(f"--input-layout {input_layout} is for ONNX models packaged from feature columns "
+                                 f"(--framework onnx); leave it out for --framework {framework}")
         if framework == "python":
             from shardline.code_bundles import package_python
 
@@ -138,7 +145,7 @@ def model_package(
         elif framework == "onnx":
             manifest = package_onnx(
                 source, folder, name=name, sample=sample, exclude=exclude or [], lineage=lineage,
-                golden=golden_set, image=image,
+                golden=golden_set, image=image, input_layout=input_layout,  # type: ignore[arg-type]
             )
         else:
             manifest = _package_framework(source, framework, folder, name, sample, exclude or [], lineage, golden_set,
@@ -154,6 +161,13 @@ def model_package(
     outputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.outputs)
     typer.echo(f"packaged {name} in {folder} (digest {manifest.outputs_digest[:12]})\n  in: {inputs}"
                f"{' ...' if len(manifest.signature.inputs) > 4 else ''}\n  out: {outputs}")
+    view = manifest.signature.plan.tensor_view
+    if view is not None:
+        from shardline.online.protocols.v2_tensors import describe
+
+        tensor = describe(view.inputs[0])
+        typer.echo(f"  V2 input: {tensor['name']} {tensor['datatype']} {tensor['shape']} (the "
+                   f"{len(manifest.signature.inputs)} columns stacked; batch jobs read the columns)")
     if sample is None:
         typer.echo("  signature: the ONNX file's own input and output types and shapes (no sample data)")
         typer.echo(_NO_PROFILE)

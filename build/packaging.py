@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, Sequence, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -320,20 +320,30 @@ def _run_outputs(session: Any, feeds: dict[str, np.ndarray], where: str) -> list
     return [ColumnSpec(name=o.name, type=_output_type(o.name, r)) for o, r in zip(session.get_outputs(), results)]
 
 
+InputLayout = Literal["columns", "tensor"]
+"""How V2 clients send a model of one ``[N, k]`` input packaged from k feature columns: one ``[N]`` tensor per
+column (``columns``, the default), or the model's own ``[N, k]`` tensor (``tensor``, as Triton shows the ONNX
+file). Either way the bundle's rows are the k columns: batch shards, capture and profiles hold those."""
+INPUT_LAYOUTS: tuple[InputLayout, ...] = ("columns", "tensor")
+
+
 def infer_onnx_signature(
-    onnx_file: str | Path, sample: pa.Table, exclude: Sequence[str] = ()
+    onnx_file: str | Path, sample: pa.Table, exclude: Sequence[str] = (), input_layout: InputLayout = "columns"
 ) -> tuple[Signature, dict[str, Any]]:
     """Work out an ONNX model's signature and tensor bindings from sample data, and check them.
 
     Each ONNX input is fed from the sample's column of the same name (a
     ``fixed_size_list<T>[k]`` column for an input ``[N, k]``, nested for more
     dimensions); or, for one 2-D input that no column is named after, from every sample
-    column not in ``exclude``, stacked in order. The model is then run on the first rows;
-    their outputs give the output columns.
+    column not in ``exclude``, stacked in order (with ``input_layout="tensor"``, V2 clients
+    then send that input itself, ``[N, k]``: the signature's ``input_tensor``). The model
+    is then run on the first rows; their outputs give the output columns.
 
     Raises:
         InvalidInput: the sample cannot feed the model (saying how to make it), or an output is not a tensor.
+        InvalidSetting: ``input_layout`` is not one of ``INPUT_LAYOUTS``, or "tensor" for features not all floats.
     """
+    check_input_layout(input_layout)
     session = _session(onnx_file)
     onnx_inputs = session.get_inputs()
     columns = [c for c in sample.column_names if c not in set(exclude)]
@@ -362,7 +372,32 @@ def infer_onnx_signature(
     for info, spec in zip(onnx_inputs, inputs) if not feeds else []:
         feeds[info.name] = column_tensor(head.column(spec.name), _numpy_type(spec), len(info.shape or []))
     outputs = _run_outputs(session, feeds, f"the sample's first {head.num_rows} rows")
-    return Signature(inputs=tuple(inputs), outputs=tuple(outputs)), config
+    stacked = config.get("tensor_inputs", [{}])[0].get("name") if input_layout == "tensor" else None
+    return _signature(inputs, outputs, stacked), config
+
+
+def check_input_layout(layout: str) -> None:
+    """Raises InvalidSetting unless ``layout`` is one of ``INPUT_LAYOUTS``."""
+    if layout not in INPUT_LAYOUTS:
+        raise InvalidSetting(f"input layout {layout!r} is not one of {', '.join(INPUT_LAYOUTS)}: 'columns' (one V2 "
+                             "input per feature column) or 'tensor' (the model's own [N, k] input)")
+
+
+def _signature(inputs: Sequence[ColumnSpec], outputs: Sequence[ColumnSpec], input_tensor: str | None) -> Signature:
+    """The signature; with ``input_tensor``, the stacked inputs taken as that one tensor (refused unless floats).
+
+    Raises:
+        InvalidSetting: the signature's own check refused ``input_tensor``, with its message.
+    """
+    from pydantic import ValidationError
+
+    if input_tensor is None:
+        return Signature(inputs=tuple(inputs), outputs=tuple(outputs))
+    try:
+        return Signature(inputs=tuple(inputs), outputs=tuple(outputs), input_tensor=input_tensor)
+    except ValidationError as e:
+        why = "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in e.errors())
+        raise InvalidSetting(f"the input layout 'tensor' does not apply: {why}; leave the layout at 'columns'") from e
 
 
 def onnx_signature(onnx_file: str | Path) -> Signature:
@@ -399,18 +434,22 @@ def package_onnx(
     golden: GoldenSet | None = None,
     reference_profile: dict[str, Any] | None = None,
     image: str | None = None,
+    input_layout: InputLayout = "columns",
 ) -> Manifest:
     """Copy an ONNX file into a new bundle folder with its manifest.
 
     Give ``signature`` (and ``runtime_config``), or ``sample`` data to infer and check them
     from (a pyarrow Table, a pandas DataFrame or a Parquet file's path: ``sample_table``), or
-    neither: the signature is then the model's own (``onnx_signature``).
+    neither: the signature is then the model's own (``onnx_signature``, whose inputs V2 clients send as
+    the model's own tensors). ``input_layout`` applies to a signature inferred from feature columns
+    (``infer_onnx_signature``).
     """
+    check_input_layout(input_layout)
     if signature is None:
         if sample is None:
             signature = onnx_signature(onnx_file)
         else:
-            signature, inferred = infer_onnx_signature(onnx_file, sample_table(sample), exclude)
+            signature, inferred = infer_onnx_signature(onnx_file, sample_table(sample), exclude, input_layout)
             runtime_config = {**inferred, **(runtime_config or {})}
     out = new_bundle_dir(out_dir)
     shutil.copyfile(onnx_file, out / "model.onnx")
@@ -436,12 +475,15 @@ def package_sklearn(
     golden: GoldenSet | None = None,
     reference_profile: dict[str, Any] | None = None,
     image: str | None = None,
+    input_layout: InputLayout = "columns",
 ) -> Manifest:
     """Convert a fitted scikit-learn classifier or regressor to ONNX and bundle it.
 
     Classifiers yield ``label`` (int64) and ``probabilities`` (one float32 per class);
-    regressors yield ``prediction`` (float32). Features are float32 columns.
+    regressors yield ``prediction`` (float32). Features are float32 columns; with
+    ``input_layout="tensor"`` V2 clients send them as the model's one input ``X``, ``[N, k]``.
     """
+    check_input_layout(input_layout)
     try:
         from skl2onnx import to_onnx
         from skl2onnx.common.data_types import FloatTensorType
@@ -473,7 +515,7 @@ def package_sklearn(
         name=name,
         runtime="onnx",
         artifacts=[describe_artifact(out, "model.onnx")],
-        signature=Signature(inputs=tuple(inputs), outputs=tuple(outputs)),
+        signature=_signature(inputs, outputs, "X" if input_layout == "tensor" else None),
         runtime_config={
             "tensor_inputs": [{"name": "X", "columns": features, "dtype": "float32"}],
             "tensor_outputs": rename,

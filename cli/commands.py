@@ -33,6 +33,9 @@ app.add_typer(prefect_app, name="prefect")
 from shardline.cli.rollout_commands import rollout_app  # noqa: E402
 
 app.add_typer(rollout_app, name="rollout")
+from shardline.cli.tenant_commands import tenant_app  # noqa: E402
+
+app.add_typer(tenant_app, name="tenant")
 
 
 # How this process runs batch jobs, as ``main`` decided: a supervised child always runs them here (cold);

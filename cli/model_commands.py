@@ -92,6 +92,10 @@ def model_package(
         "k feature columns) and checked by running the model; its profile becomes the reference profile. Left out: "
         "the signature is the ONNX file's own inputs and outputs, and the bundle has no reference profile."),
     exclude: Optional[list[str]] = typer.Option(None, help="Sample column that is not a feature (label, id); repeat."),
+    input_layout: str = typer.Option("columns", help="For a model of one [N, k] input packaged from k feature "
+                                     "columns: what V2 clients (tritonclient, curl) send, one [N] input per column "
+                                     "('columns') or the model's own [N, k] input ('tensor', as Triton shows the "
+                                     "ONNX file). Batch jobs read the k columns either way."),
     golden: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, help=_GOLDEN_HELP + "."),
     label: str = _LABEL,
     metric: str = _METRIC,
@@ -124,6 +128,9 @@ def model_package(
             raise ShardlineError("--entry, --file and --requirement are for custom model code (--framework python)")
         if framework != "python" and source.is_dir():
             raise ShardlineError(f"{source} is a folder; --framework {framework} packages a model file")
+        if input_layout != "columns" and framework != "onnx":
+            raise ShardlineError(f"--input-layout {input_layout} is for ONNX models packaged from feature columns "
+                                 f"(--framework onnx); leave it out for --framework {framework}")
         if framework == "python":
             from shardline.build.code_bundles import package_python
 
@@ -136,7 +143,7 @@ def model_package(
         elif framework == "onnx":
             manifest = package_onnx(
                 source, folder, name=name, sample=sample, exclude=exclude or [], lineage=lineage,
-                golden=golden_set, image=image,
+                golden=golden_set, image=image, input_layout=input_layout,  # type: ignore[arg-type]
             )
         else:
             manifest = _package_framework(source, framework, folder, name, sample, exclude or [], lineage, golden_set,
@@ -152,6 +159,13 @@ def model_package(
     outputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.outputs)
     typer.echo(f"packaged {name} in {folder} (digest {manifest.outputs_digest[:12]})\n  in: {inputs}"
                f"{' ...' if len(manifest.signature.inputs) > 4 else ''}\n  out: {outputs}")
+    view = manifest.signature.plan.tensor_view
+    if view is not None:
+        from shardline.online.protocols.v2_tensors import describe
+
+        tensor = describe(view.inputs[0])
+        typer.echo(f"  V2 input: {tensor['name']} {tensor['datatype']} {tensor['shape']} (the "
+                   f"{len(manifest.signature.inputs)} columns stacked; batch jobs read the columns)")
     if sample is None:
         typer.echo("  signature: the ONNX file's own input and output types and shapes (no sample data)")
         typer.echo(_NO_PROFILE)
@@ -364,17 +378,21 @@ def model_release(
     """Release a pushed version (the release-model flow): staging through the gates, a canary on prod that the
     routers step, judge and promote, and their verdict (exit 1 when it is rolled back). CI runs this after push."""
     from shardline.cli.prefect_commands import use_prefect_api
-    from shardline.cli.rollout_commands import rollback_criteria
+    from shardline.cli.rollout_commands import rollback_criteria, warn_unreachable_steps
     from shardline.storage.rollouts import parse_duration, parse_steps
 
     try:
         if not candidate.partition(":")[2].isdigit():
             raise ShardlineError(f"the candidate {candidate!r} is not name:version; give the version `shardline model "
                                  "push` printed, e.g. churn:4")
-        open_registry().resolve(candidate)  # a missing version is one line here, not a failed flow's traceback
+        registry = open_registry()
+        registry.resolve(candidate)  # a missing version is one line here, not a failed flow's traceback
         parameters = {"candidate": candidate, "steps": list(parse_steps(steps)), "interval_s": parse_duration(interval),
                       "wait_s": parse_duration(wait), "reason": reason,
                       "criteria": rollback_criteria(window, min_requests, max_error_increase, max_p99_ratio, None)}
+        name = candidate.partition(":")[0]
+        if registry.current_move(name, "prod") is not None:  # a first version goes to prod without a canary
+            warn_unreachable_steps(registry, name, "prod", parameters["steps"], parameters["criteria"])
         use_prefect_api()
     except ShardlineError as e:
         raise fail(e) from e

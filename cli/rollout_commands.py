@@ -29,6 +29,17 @@ def rollback_criteria(window: str | None, min_requests: int | None, max_error_in
     return {k: v for k, v in given.items() if v is not None}
 
 
+def warn_unreachable_steps(registry: Any, name: str, alias: str, steps: list[float], criteria: dict[str, Any]) -> None:
+    """One warning line (stderr) when a canary's steps cannot reach their minimum answers at the traffic the
+    routers last saw on the alias, or the rule when they saw none (``storage.rollouts.reach_warning``)."""
+    from shardline.storage.rollouts import RollbackCriteria, observed_traffic, reach_warning
+
+    warning = reach_warning(f"{name}@{alias}", tuple(steps), RollbackCriteria(**criteria),
+                            observed_traffic(registry, name, alias))
+    if warning is not None:
+        typer.secho(f"warning: {warning}", fg="yellow", err=True)
+
+
 @rollout_app.command("start")
 def rollout_start(
     name: str = typer.Argument(..., help="Model name."),
@@ -62,13 +73,17 @@ def rollout_start(
         version = reference.split(":", 1)[1]
         if reference.split(":")[0] != name or not version.isdigit():
             raise InvalidSetting(f"the candidate {candidate!r} is not a version of {name!r}; write {name}:VERSION")
+        canary = list(parse_steps(steps)) if steps else None
+        criteria = rollback_criteria(window, min_requests, max_error_increase, max_p99_ratio, max_disagreement)
         parameters = {
             "candidate": reference, "alias": alias, "mode": "shadow" if shadow else "canary",
-            "steps": list(parse_steps(steps)) if steps else None, "shadow": parse_share(shadow) if shadow else 0.0,
-            "interval_s": parse_duration(interval) if interval else None, "reason": reason,
-            "criteria": rollback_criteria(window, min_requests, max_error_increase, max_p99_ratio, max_disagreement),
+            "steps": canary, "shadow": parse_share(shadow) if shadow else 0.0,
+            "interval_s": parse_duration(interval) if interval else None, "reason": reason, "criteria": criteria,
         }
-        check_start(open_registry(), name, alias, int(version))  # said before the gates run (the flow checks again)
+        registry = open_registry()
+        check_start(registry, name, alias, int(version))  # said before the gates run (the flow checks again)
+        if canary:
+            warn_unreachable_steps(registry, name, alias, canary, criteria)
         use_prefect_api()
     except ShardlineError as e:
         raise fail(e) from e

@@ -28,12 +28,14 @@ from typing import Any
 from shardline.bundle import ModelRef
 from shardline.errors import ModelNotFound, Unauthenticated
 from shardline.online.errors import shown
-from shardline.tenants import Priority, RateQuota, TenantsFile, load_tenants_file, parse_tenants_file
-
-
-def hash_api_key(key: str) -> str:
-    """The hex sha256 of an API key: what the tenants file stores."""
-    return hashlib.sha256(key.encode()).hexdigest()
+from shardline.tenants import (  # noqa: F401 - hash_api_key: the online tier's name for it too
+    Priority,
+    RateQuota,
+    TenantsFile,
+    hash_api_key,
+    load_tenants_file,
+    parse_tenants_file,
+)
 
 
 @dataclass(frozen=True)

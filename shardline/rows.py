@@ -2,9 +2,10 @@
 
 ``SignaturePlan`` is everything that reading rows for one signature needs, worked out once
 (``Signature.plan``, a cached property of the immutable signature): the input and output Arrow
-schemas, one ``ColumnPlan`` per input (its type, value type, row shape, whether it takes NaN), and,
+schemas, one ``ColumnPlan`` per input (its type, value type, row shape, whether it takes NaN),
 for a signature whose inputs are all floats, its ``FloatLayout``: how those rows are held as numpy
-arrays, without Arrow.
+arrays, without Arrow, and for one with ``input_tensor``, its ``tensor_view``: the signature with the
+columns as the one ``[N, k]`` input tensor protocols take (whose rows are the columns' stacked matrix).
 
 ``check_rows`` is the one row check: the batch tier calls it on each batch of a shard (a refusal
 quarantines the shard with its message) and the online tier on each request's rows (a refusal is a
@@ -85,6 +86,7 @@ class SignaturePlan:
         self.every_output: dict[bool, dict[str, bool]] = {  # all outputs, each binary or not (V2's default)
             flag: {n: flag for n in self.output_names} for flag in (False, True)}
         self.layout = _float_layout(self.columns)
+        self.tensor_view: Signature | None = _tensor_view(signature)  # what tensor protocols show (input_tensor)
         self._stacked = _StackedTables(self.input_schema, self.layout.dtypes[0]) if self.layout and self.layout.stacked else None
 
     def table_of(self, arrays: Sequence[np.ndarray]) -> pa.Table:
@@ -122,6 +124,20 @@ class SignaturePlan:
                 array = pa.array(values)
                 arrays.append(array if array.type == field.type else array.cast(field.type))
         return pa.RecordBatch.from_arrays(arrays, schema=self.output_schema)
+
+
+def _tensor_view(signature: Signature) -> Signature | None:
+    """With ``input_tensor``: the signature as tensor protocols show it, its inputs one ``fixed_size_list<T>[k]``
+    column of that name; its rows (one ``(N, k)`` array) are the stacked matrix of the columns' own layout. NaN and
+    infinity pass the view: the columns' own check (``float_rows``) refuses them, naming the columns."""
+    if signature.input_tensor is None:
+        return None
+    from shardline.signature import ColumnSpec, Signature
+
+    k = len(signature.inputs)
+    tensor = ColumnSpec(name=signature.input_tensor, type=f"fixed_size_list<{signature.inputs[0].type}>[{k}]",
+                        non_finite=True)
+    return Signature(inputs=(tensor,), outputs=signature.outputs)
 
 
 def _column_plan(spec: ColumnSpec) -> ColumnPlan:

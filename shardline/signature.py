@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from shardline.errors import InvalidBundle
 
@@ -141,6 +149,13 @@ class Signature(BaseModel):
 
     inputs: tuple[ColumnSpec, ...] = Field(min_length=1)
     outputs: tuple[ColumnSpec, ...] = Field(min_length=1)
+    input_tensor: str | None = Field(
+        default=None, min_length=1,
+        description="Tensor protocols (Open Inference Protocol V2) take the inputs as one [N, k] tensor of this name, "
+        "the k input columns stacked in order (the model's own input, as Triton shows it), instead of one [N] tensor "
+        "per column. Only for inputs that are all float32 (or all float64) columns. The rows stay columns: batch "
+        "shards, capture and profiles hold the k columns. None: one tensor per column.",
+    )
 
     @field_validator("inputs", "outputs")
     @classmethod
@@ -150,6 +165,23 @@ class Signature(BaseModel):
         if dupes:
             raise ValueError(f"column names repeat: {dupes}")
         return value
+
+    @model_validator(mode="after")
+    def _stackable(self) -> "Signature":
+        if self.input_tensor is not None:
+            types = sorted({c.type for c in self.inputs})
+            if len(types) != 1 or parse_type(types[0]) not in (pa.float32(), pa.float64()):
+                raise ValueError(f"input_tensor {self.input_tensor!r}: inputs are taken as one tensor only when they "
+                                 f"are all float32 (or all float64) columns; they are {types}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_input_tensor(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # input_tensor is written only when set, so every bundle made before it keeps its manifest and digests.
+        data: dict[str, Any] = handler(self)
+        if self.input_tensor is None:
+            data.pop("input_tensor", None)
+        return data
 
     @property
     def input_names(self) -> list[str]:

@@ -33,6 +33,7 @@ what the file system will open (``admit_locations``).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -42,13 +43,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shardline.bundle import ModelRef
-
 from shardline.errors import AccessDenied, InvalidSetting, ShardlineError
 from shardline.locations import check_separate, is_within
 
 Priority = Literal["high", "normal", "low"]
 """A priority class, the same in both tiers: batch jobs' share of the cluster, online requests' shedding."""
 PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")  # highest first: the order work is taken in
+
+
+def hash_api_key(key: str) -> str:
+    """The hex sha256 of an API key: what the tenants file stores (the servers compare keys against it)."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 class BatchPolicy(BaseModel):
@@ -130,8 +135,9 @@ class TenantConfig(BaseModel):
         for i, digest in enumerate(digests):
             if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
                 raise ValueError(
-                    f"entry {i} is not a hex sha256 digest (64 hex characters); store the key's digest, "
-                    "e.g. `printf %s \"$KEY\" | sha256sum`, never the key itself"
+                    f"entry {i} is not a hex sha256 digest (64 hex characters); store the key's digest "
+                    "(`shardline tenant add` and `rotate-key` write it), e.g. `printf %s \"$KEY\" | sha256sum`, "
+                    "never the key itself"
                 )
         return digests
 

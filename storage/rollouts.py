@@ -264,3 +264,76 @@ def _end(registry: ModelRegistry, name: str, alias: str, action: Literal["promot
         expected_seq=expected_seq if expected_seq is not None else move.seq, by=by, rollout=ended,
         reason=reason(rollout),
     )
+
+
+# -- whether a canary's steps can reach their minimum answers (``shardline rollout start`` warns) -------------
+
+
+class ObservedTraffic(BaseModel):
+    """An alias's request rate as the routers last reported it: during its newest rollout that has reports."""
+
+    requests_per_s: float = Field(ge=0, description="Requests to the alias per second, all routers together.")
+    rollout_id: str
+    at: datetime | None = Field(default=None, description="When the newest report was written.")
+
+
+def observed_traffic(registry: ModelRegistry, name: str, alias: str) -> ObservedTraffic | None:
+    """The requests per second the routers saw on ``name@alias``, from the reports they wrote during its newest
+    rollout that has any (``<name>/rollouts/<id>/<router>.json``: each router's answers over the window, both
+    arms; a shadow's mirrored requests not counted twice). None when no router has reported on the alias.
+
+    Nothing else a command can read without a running router records an alias's traffic: capture holds a
+    sample of rows, not requests, and the routers' request counters live in their /metrics."""
+    seen: set[str] = set()
+    for move in reversed(registry.alias_history(name, alias)):
+        rollout = move.rollout
+        if rollout is None or rollout.id in seen:
+            continue
+        seen.add(rollout.id)
+        reports = registry.rollout_reports(name, rollout.id).values()
+        rates, times = [], []
+        for report in reports:
+            window = float(report.get("window_s") or rollout.criteria.window_s)
+            counted = report.get("baseline", {}).get("requests", 0)
+            if rollout.mode == "canary":
+                counted += report.get("candidate", {}).get("requests", 0)
+            rates.append(counted / window)
+            with_time = report.get("at")
+            if with_time:
+                times.append(datetime.fromisoformat(str(with_time)))
+        if rates:
+            return ObservedTraffic(requests_per_s=sum(rates), rollout_id=rollout.id, at=max(times, default=None))
+    return None
+
+
+def needed_rate(step: float, criteria: RollbackCriteria) -> float:
+    """Requests per second to an alias that give a step of ``step`` percent ``min_requests`` candidate answers
+    in the window (on average: callers, not requests, are split)."""
+    return criteria.min_requests / criteria.window_s * 100 / step
+
+
+def _rate(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+
+def reach_warning(reference: str, steps: tuple[float, ...], criteria: RollbackCriteria,
+                  traffic: ObservedTraffic | None) -> str | None:
+    """One line for a canary whose steps cannot reach ``min_requests`` candidate answers in the window at the
+    alias's observed traffic (such a step holds: no step, no automatic rollback), or, with no traffic known,
+    the rule for its first step; None when every step reaches it."""
+    first = steps[0]
+    if traffic is None:
+        return (f"no traffic of {reference} is recorded (routers report it during rollouts); step {first:g}% needs "
+                f"{criteria.min_requests} candidate answers in {criteria.window_s:g} s, i.e. about "
+                f"{_rate(needed_rate(first, criteria))} requests/s to the alias; at lower traffic use larger steps or "
+                "--min-requests")
+    short = [s for s in steps if needed_rate(s, criteria) > traffic.requests_per_s]
+    if not short:
+        return None
+    when = f", {traffic.at:%Y-%m-%d %H:%M} UTC" if traffic.at is not None else ""
+    listed = ", ".join(f"{s:g}%" for s in short)
+    return (f"the routers last saw about {_rate(traffic.requests_per_s)} requests/s on {reference} (rollout "
+            f"{traffic.rollout_id}{when}); step{'s' if len(short) > 1 else ''} {listed} cannot reach "
+            f"{criteria.min_requests} candidate answers in {criteria.window_s:g} s at that rate, so the rollout would "
+            f"hold there (no step, no automatic rollback): step {first:g}% needs about "
+            f"{_rate(needed_rate(first, criteria))} requests/s; use larger steps or a lower --min-requests")

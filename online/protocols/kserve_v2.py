@@ -11,7 +11,9 @@ for the model, e.g. ``name@prod``, picks the version):
 
 A request carries one input per signature input column, of exactly the datatype and
 rank the model metadata advertises for it (a ``fixed_size_list<float32>[k]`` column is
-one FP32 input of shape ``[N, k]``, as Triton takes a model's ``[-1, k]`` input); the binary tensor data
+one FP32 input of shape ``[N, k]``, as Triton takes a model's ``[-1, k]`` input), or, for a
+signature with ``input_tensor``, that one ``[N, k]`` input, the columns stacked
+(``SignaturePlan.tensor_view``); the binary tensor data
 extension is read when ``Inference-Header-Content-Length`` splits the body into the
 JSON header and the tensors, and outputs are sent binary when the request asks
 (``parameters.binary_data_output`` or an output's ``parameters.binary_data``).
@@ -136,11 +138,22 @@ def _tensor_fields(tensor: Any, i: int) -> tuple[str, str, list[int], dict[str, 
 
 
 def decode_infer_request(body: bytes, header_length: str | None, signature: Signature, model: str) -> InferRequest:
-    """Turn a V2 inference request into rows for the model, checking every input against its signature.
+    """Turn a V2 inference request into rows for the model, checking every input against its signature (for a
+    signature with ``input_tensor``: its one ``[N, k]`` input, whose array is the columns' stacked matrix).
 
     Raises:
         InvalidInput: naming the field or input that is wrong.
     """
+    view = signature.plan.tensor_view
+    if view is None:
+        return _decode(body, header_length, signature, model)
+    decoded = _decode(body, header_length, view, model)
+    assert decoded.rows.arrays is not None  # the view is a float signature: its rows are arrays
+    decoded.rows = float_rows(signature.plan, decoded.rows.arrays, model)  # the columns' own finite check
+    return decoded
+
+
+def _decode(body: bytes, header_length: str | None, signature: Signature, model: str) -> InferRequest:
     if header_length is None:
         fast = _fast_request(body, signature, model)
         if fast is not None:
@@ -285,7 +298,7 @@ def model_metadata(name: str, versions: list[int], runtime: str, signature: Sign
         "name": name,
         "versions": [str(v) for v in versions],
         "platform": "onnxruntime_onnx" if runtime == "onnx" else runtime,
-        "inputs": [describe(c) for c in signature.inputs],
+        "inputs": [describe(c) for c in (signature.plan.tensor_view or signature).inputs],
         "outputs": [describe(c) for c in signature.outputs],
     }
 

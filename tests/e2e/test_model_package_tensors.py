@@ -1,5 +1,6 @@
 """`shardline model package` for a model of one [-1, k] input: from a Parquet list column, from the ONNX file
-alone (and what it then says is missing), and its refusals, one line each."""
+alone (and what it then says is missing), from feature columns with the tensor layout (served to tritonclient
+as one [N, 30] input, scored in batch from the columns), and its refusals, one line each."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+import pytest
+import tritonclient.http as triton
+from sklearn.datasets import load_breast_cancer
 
+from tests.e2e.test_serve import serving
 from tests.tensor_models import feature_column, list_classifier
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
@@ -71,3 +78,50 @@ def test_an_xgboost_model_file_is_packaged_checked_and_refusals_are_one_line(
                           (wrong, "is not a xgboost model file")):
         assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
         assert says in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_the_tensor_layout_takes_one_n_by_30_input_online_and_feature_columns_in_batch(
+    shardline: Shardline, shardline_home: Path, tmp_path: Path
+) -> None:
+    onnx_file, estimator, features = list_classifier(tmp_path / "model")
+    names = [str(n) for n in load_breast_cancer().feature_names]
+    columns = {n: features[:, j] for j, n in enumerate(names)}
+    pq.write_table(pa.table({**columns, "target": estimator.predict(features)}), tmp_path / "train.parquet")
+
+    packaged = shardline("model", "package", str(onnx_file), "--name", "bc", "--signature-from",
+                         str(tmp_path / "train.parquet"), "--exclude", "target", "--input-layout", "tensor",
+                         "--out", str(tmp_path / "bundle"))
+    assert packaged.returncode == 0, packaged.stderr
+    assert "in: mean radius:float32" in packaged.stdout  # the rows stay columns
+    assert "V2 input: input FP32 [-1, 30] (the 30 columns stacked; batch jobs read the columns)" in packaged.stdout
+    pushed = shardline("model", "push", str(tmp_path / "bundle"), "--alias", "prod")
+    assert pushed.returncode == 0, pushed.stderr
+    added = shardline("tenant", "add", "acme", "--models", "bc@prod", "--file", str(tmp_path / "tenants.yaml"))
+    assert added.returncode == 0, added.stderr
+    key = added.stdout.strip()
+
+    expected = estimator.predict(features).tolist()
+    with serving(shardline_home, tmp_path / "tenants.yaml", tmp_path / "serve.log") as url:
+        client = triton.InferenceServerClient(url.removeprefix("http://"))
+        metadata = client.get_model_metadata("bc", headers={"Authorization": f"Bearer {key}"})
+        assert metadata["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 30]}]
+        for binary in (True, False):
+            tensor = triton.InferInput("input", list(features.shape), "FP32")
+            tensor.set_data_from_numpy(features, binary_data=binary)
+            answer = client.infer("bc", [tensor], headers={"Authorization": f"Bearer {key}"})
+            assert answer.as_numpy("label").tolist() == expected
+        nan = features[:2].copy()
+        nan[1, 3] = np.nan
+        tensor = triton.InferInput("input", [2, 30], "FP32")
+        tensor.set_data_from_numpy(nan, binary_data=True)
+        with pytest.raises(triton.InferenceServerException, match=r"columns \['mean area'\] hold NaN"):
+            client.infer("bc", [tensor], headers={"Authorization": f"Bearer {key}"})
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for part, rows in enumerate(np.array_split(np.arange(len(features)), 3)):
+        pq.write_table(pa.table({"id": rows, **{n: v[rows] for n, v in columns.items()}}), shards / f"part-{part}.parquet")
+    scored = shardline("batch", "run", "--model", "bc@prod", "--input", str(shards), "--output", str(tmp_path / "out"))
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    out = ds.dataset(tmp_path / "out").to_table().sort_by("id")
+    assert out.column("id").to_pylist() == list(range(len(features))) and out.column("label").to_pylist() == expected

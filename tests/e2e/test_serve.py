@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import httpx
 import orjson
@@ -38,6 +39,42 @@ def write_tenants(path: Path, priority: str = "normal") -> Path:
     return path
 
 
+def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
+    """Return once ``url``'s /v2/health/ready answers 200; fail the test (with the log) if the server exits first
+    or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, log.read_text()
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/v2/health/ready").status_code == 200:
+                return
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def serving(home: Path, tenants: Path, log: Path) -> Iterator[str]:
+    """`shardline serve --tenants TENANTS` on a free loopback port over the registry of ``home``, as a user
+    starts it (telemetry off, no Prefect); its URL once ready. Stopped with SIGTERM at the end."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
+    env.update(SHARDLINE_STORAGE_HOME=str(home), DO_NOT_TRACK="1", ORT_DISABLE_TELEMETRY="1", PYTHONUNBUFFERED="1")
+    port = free_port()
+    with open(log, "wb") as sink:
+        server = subprocess.Popen([*SHARDLINE, "serve", "--port", str(port), "--metrics-port", "off", "--tenants",
+                                   str(tenants)], cwd=log.parent, stdout=sink, stderr=sink, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, server, log)
+        yield url
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 def test_serve_answers_logs_json_with_request_ids_and_stops_on_sigterm(
     local_registry: ModelRegistry, breast_cancer_model: BuiltModel, cli_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -50,16 +87,7 @@ def test_serve_answers_logs_json_with_request_ids_and_stops_on_sigterm(
                                   env={**cli_env, "SHARDLINE_ONLINE_TENANTS_FILE": str(tenants)})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/v2/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_ready(url, server, log)
         rows = breast_cancer_model.data.features[:2]
         body = {"inputs": [{"name": n, "datatype": "FP32", "shape": [2], "data": rows[:, j].tolist()}
                            for j, n in enumerate(breast_cancer_model.data.names)]}
@@ -169,16 +197,7 @@ def test_serve_with_two_workers_answers_on_one_port_and_sums_their_metrics_on_th
                                     for j, n in enumerate(breast_cancer_model.data.names)]})
     expected = breast_cancer_model.estimator.predict(rows.astype("float32")).tolist()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/v2/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_ready(url, server, log)
         for _ in range(12):  # a new connection each: the kernel hands them to either worker
             answer = httpx.post(f"{url}/v2/models/breast-cancer/infer", content=body,
                                 headers={"Authorization": f"Bearer {KEY}"})

@@ -17,11 +17,10 @@ import orjson
 import psutil
 import pytest
 
-from shardline.local_ports import reserve_port as free_port
 from shardline.storage.registry import ModelRegistry
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
-from tests.e2e.test_serve import KEY, write_tenants
+from tests.e2e.test_serve import KEY, free_port, wait_ready, write_tenants
 
 MAX_CONNECTIONS = 32
 MAX_IN_FLIGHT = 8
@@ -65,16 +64,7 @@ def start(home: Path, name: str, **settings: str) -> Iterator[Server]:
                                    env=env)
     server = Server(process, port, metrics_port, log)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{server.url}/v2/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_ready(server.url, process, log)
         yield server
     finally:
         process.send_signal(signal.SIGTERM)

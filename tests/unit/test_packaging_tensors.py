@@ -13,13 +13,12 @@ import pyarrow as pa
 import pytest
 import tritonclient.http as triton
 
+from shardline.build.packaging import package_onnx
 from shardline.errors import InvalidBundle, InvalidInput
 from shardline.online.protocols.kserve_v2 import decode_infer_request, model_metadata
-from shardline.build.packaging import package_onnx
 from shardline.rows import float_rows
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.signature import ColumnSpec, Signature
-
 from tests.tensor_models import cube_model, feature_column, fixed_batch_model, list_classifier, two_tensor_model
 
 
@@ -213,3 +212,65 @@ def test_the_declared_datatype_and_rank_are_required_with_what_to_send(
 def test_json_numbers_without_a_fraction_are_fp32_values() -> None:
     decoded = decode_infer_request(body({**X, "data": [1, 2]}, N), None, COLUMNS, "m:1")
     assert decoded.table.column("x").to_pylist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_the_tensor_layout_shows_the_stacked_columns_as_the_models_own_input(tmp_path: Path, binary: bool) -> None:
+    from sklearn.datasets import load_breast_cancer
+
+    onnx_file, estimator, features = list_classifier(tmp_path / "model")
+    names = [str(n) for n in load_breast_cancer().feature_names]
+    sample = pa.table({n: features[:, j] for j, n in enumerate(names)})
+    columns = package_onnx(onnx_file, tmp_path / "columns", name="vec", sample=sample)
+    tensor = package_onnx(onnx_file, tmp_path / "tensor", name="vec", sample=sample, input_layout="tensor")
+
+    assert tensor.signature.input_names == columns.signature.input_names == names  # the rows stay columns
+    assert "input_tensor" not in orjson.loads((tmp_path / "columns" / "manifest.json").read_bytes())["signature"]
+    assert orjson.loads((tmp_path / "tensor" / "manifest.json").read_bytes())["signature"]["input_tensor"] == "input"
+    assert model_metadata("vec", [1], "onnx", columns.signature)["inputs"][0] == {
+        "name": "mean radius", "datatype": "FP32", "shape": [-1]}
+    assert model_metadata("vec", [1], "onnx", tensor.signature)["inputs"] == [
+        {"name": "input", "datatype": "FP32", "shape": [-1, 30]}]
+
+    one = triton.InferInput("input", [5, 30], "FP32")
+    one.set_data_from_numpy(features[:5], binary_data=binary)
+    body, header = triton.InferenceServerClient.generate_request_body([one])
+    rows = decode_infer_request(body, str(header) if header else None, tensor.signature, "vec:1").rows
+    assert rows.plan is tensor.signature.plan and np.array_equal(rows.arrays[0], features[:5])  # type: ignore[index]
+    assert scored(tmp_path / "tensor", rows.table()).column("label").to_pylist() == estimator.predict(features[:5]).tolist()
+    with pytest.raises(InvalidInput, match=r"input 'mean radius' is not an input of the model 'vec:1'; it takes \['input'\]"):
+        decode_infer_request(orjson.dumps({"inputs": [{"name": "mean radius", "datatype": "FP32", "shape": [1],
+                                                       "data": [1.0]}]}), None, tensor.signature, "vec:1")
+
+
+def test_the_tensor_layout_is_for_float_columns_and_a_known_layout() -> None:
+    from shardline.build.packaging import check_input_layout
+    from shardline.errors import InvalidSetting
+
+    out = (ColumnSpec(name="y", type="float32"),)
+    with pytest.raises(ValueError, match=r"input_tensor 'x': inputs are taken as one tensor only when they are all "
+                                         r"float32 \(or all float64\) columns; they are \['float32', 'int64'\]"):
+        Signature(inputs=(ColumnSpec(name="a", type="int64"), ColumnSpec(name="b", type="float32")), outputs=out,
+                  input_tensor="x")
+    with pytest.raises(InvalidSetting, match="input layout 'matrix' is not one of columns, tensor"):
+        check_input_layout("matrix")
+    from shardline.build.packaging import _signature
+
+    with pytest.raises(InvalidSetting, match=r"the input layout 'tensor' does not apply: input_tensor 'X': inputs are "
+                                             r"taken as one tensor only when .* they are \['int64'\]; leave the layout"):
+        _signature([ColumnSpec(name="a", type="int64"), ColumnSpec(name="b", type="int64")], out, "X")
+
+
+def test_a_scikit_learn_model_packaged_with_the_tensor_layout_takes_x(tmp_path: Path) -> None:
+    from shardline.build.packaging import package_sklearn
+
+    _, estimator, features = list_classifier(tmp_path / "model")
+    manifest = package_sklearn(estimator, tmp_path / "bundle", name="bc", feature_names=[f"f{i}" for i in range(30)],
+                               input_layout="tensor")
+    assert model_metadata("bc", [1], "onnx", manifest.signature)["inputs"] == [
+        {"name": "X", "datatype": "FP32", "shape": [-1, 30]}]
+    body = orjson.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [3, 30],
+                                     "data": features[:3].tolist()}]})
+    rows = decode_infer_request(body, None, manifest.signature, "bc:1").rows
+    assert scored(tmp_path / "bundle", rows.table()).column("label").to_pylist() == \
+        estimator.predict(features[:3]).tolist()

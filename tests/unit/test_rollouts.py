@@ -12,9 +12,9 @@ import numpy as np
 import orjson
 import pytest
 
-from shardline.errors import AliasConflict, InvalidSetting, RolloutConflict
-from shardline.build.examples import package_breast_cancer
 from shardline.agreement import compare
+from shardline.build.examples import package_breast_cancer
+from shardline.errors import AliasConflict, InvalidSetting, RolloutConflict
 from shardline.online.router.compare import decode_answer
 from shardline.online.router.rollouts import RolloutBook, Route, Window, bucket, pick, verdict
 from shardline.storage import rollouts
@@ -220,3 +220,37 @@ def test_a_report_per_router_is_kept_with_the_rollout(fresh: ModelRegistry) -> N
     fresh.put_rollout_report(MODEL, "abc", "router-a", {"verdict": "rollback"})
     assert fresh.rollout_reports(MODEL, "abc") == {"router-a": {"verdict": "rollback"}, "router-b": {"verdict": "advance"}}
     assert datetime.now(timezone.utc) - fresh.alias_history(MODEL, "prod")[-1].at < timedelta(minutes=5)
+
+
+def test_a_canary_too_fine_for_the_traffic_the_routers_saw_is_warned_of(fresh: ModelRegistry) -> None:
+    defaults = RollbackCriteria()
+    assert rollouts.observed_traffic(fresh, MODEL, "prod") is None
+    assert rollouts.reach_warning(f"{MODEL}@prod", (1, 5, 25, 100), defaults, None) == (
+        "no traffic of breast-cancer@prod is recorded (routers report it during rollouts); step 1% needs 50 "
+        "candidate answers in 60 s, i.e. about 83 requests/s to the alias; at lower traffic use larger steps or "
+        "--min-requests")
+    started = rollouts.start(fresh, MODEL, "prod", 2, mode="canary", steps=(10, 100))
+    assert started.rollout is not None
+    for source, answers in (("router-a", 420), ("router-b", 180)):  # 600 answers in the 60 s window: 10/s
+        now = [0.0]
+        book = RolloutBook(fresh, set(), lambda f: f(), lambda: now[0], lambda *a: None, source)
+        for i in range(answers):
+            arm = "candidate" if i % 10 == 0 else "baseline"
+            book.record(Route(2 if arm == "candidate" else 1, arm, started.rollout), 200, 0.002)
+            now[0] += 59 / answers
+        report = {"router": source, "at": "2026-12-01T10:00:00+00:00", **book.observed(started.rollout)}
+        fresh.put_rollout_report(MODEL, started.rollout.id, source, report)  # as the router's refresh writes it
+    rollouts.roll_back(fresh, MODEL, "prod", reason="aborted by hand")
+
+    seen = rollouts.observed_traffic(fresh, MODEL, "prod")
+    assert seen is not None and seen.rollout_id == started.rollout.id and seen.requests_per_s == pytest.approx(10.0)
+    warning = rollouts.reach_warning(f"{MODEL}@prod", (1, 5, 25, 100), defaults, seen)
+    assert warning == (
+        f"the routers last saw about 10 requests/s on breast-cancer@prod (rollout {started.rollout.id}, 2026-12-01 "
+        "10:00 UTC); steps 1%, 5% cannot reach 50 candidate answers in 60 s at that rate, so the rollout would hold "
+        "there (no step, no automatic rollback): step 1% needs about 83 requests/s; use larger steps or a lower "
+        "--min-requests")
+    assert rollouts.reach_warning(f"{MODEL}@prod", (10, 50, 100), defaults, seen) is None  # 10% needs 8.3/s
+    fewer = RollbackCriteria(min_requests=5)
+    assert rollouts.reach_warning(f"{MODEL}@prod", (1, 5, 25, 100), fewer, seen) is None  # 1% needs 8.3/s
+    assert rollouts.needed_rate(1, defaults) == pytest.approx(83.33, abs=0.01)

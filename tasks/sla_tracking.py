@@ -88,8 +88,7 @@ class SlaTracker:
         self.interval, self.window, self.clock = interval_s, timedelta(seconds=window_s), clock
         self._send = emit
         self.total = record.shards_total
-        self.baseline = record.shards_done
-        self.trace: list[ProgressPoint] = [ProgressPoint(clock(), self.baseline, 0)]
+        self.trace: list[ProgressPoint] = [ProgressPoint(clock(), record.shards_done, 0)]
         self.status = "on-track"
         self.emitted: list[str] = []
         self._lock = threading.Lock()
@@ -99,12 +98,13 @@ class SlaTracker:
         self._settled_at: datetime | None = None
 
     # -- the watcher -------------------------------------------------------------------------------
-    def __call__(self, settled: int, todo: int, rows: int) -> None:
-        """Record progress (shards settled this run of ``todo``, rows); check at most every interval."""
+    def __call__(self, settled: int, total: int, rows: int) -> None:
+        """Record progress (the job's shards settled of ``total``, rows scored this run); check at most every
+        interval, and when the last shard settles."""
         now = self.clock()
         with self._lock:
-            self.trace.append(ProgressPoint(now, self.baseline + settled, rows))
-            due = now.timestamp() - self._last_check >= self.interval or settled == todo
+            self.trace.append(ProgressPoint(now, settled, rows))
+            due = now.timestamp() - self._last_check >= self.interval or settled == total
         if due:
             self.check()
 

@@ -16,18 +16,18 @@ import typer
 from pydantic import ConfigDict
 
 from shardline.cli.common import (
+    EXIT_ALL_QUARANTINED,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_QUARANTINED,
-    EXIT_USAGE,
     error_line,
     exit_code,
     one_line_user_errors,
+    settings_error,
 )
-from shardline.errors import ShardlineError
 from shardline.storage.job_records import JobParameters
 
-Watcher = Callable[[int, int, int], None]  # (shards settled, shards to do, rows): tasks.batch.ProgressWatcher
+Watcher = Callable[[int, int, int], None]  # (shards settled, shards in the job, rows): tasks.batch.ProgressWatcher
 
 
 class JobRequest(JobParameters):
@@ -37,6 +37,7 @@ class JobRequest(JobParameters):
 
     sla: str | None = None
     deadline: str | None = None
+    resume: bool = False  # `batch resume`: the recorded deadline is kept even when it has passed
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump()
@@ -64,23 +65,23 @@ class JobOutcome:
 
 
 def check_request(request: JobRequest) -> None:
-    """The checks `batch run` makes before anything starts: the SLA, the tenant, the locations.
+    """The checks `batch run` and `batch resume` make before a flow run starts: every check the flow makes
+    before it writes (``tasks.batch_job.check_job``: the settings, SLA, priority, tenant, locations, GPU quota,
+    model, input and output), so a wrong request starts no flow run. A resume keeps its recorded deadline,
+    past or not.
 
     Raises:
         ShardlineError: what is wrong (the flow checks the same again when it starts).
     """
-    from datetime import datetime, timezone
-    from functools import partial
+    from pydantic import ValidationError
 
-    from shardline.settings import BatchSettings, StorageSettings, TenancySettings
-    from shardline.sla_projection import make_sla
-    from shardline.storage.fs import resolve_location
-    from shardline.tenants import admit_locations, batch_tenant
+    from shardline.tasks.batch_job import BatchJobSettings, check_job
 
-    make_sla(datetime.now(timezone.utc), request.sla, request.deadline, BatchSettings().default_sla)
-    allowed = batch_tenant(TenancySettings().tenants_file, request.tenant)
-    resolve = partial(resolve_location, storage_options=StorageSettings().storage_options)
-    admit_locations(allowed, request.input_uri, request.output_uri, resolve)
+    try:
+        settings = BatchJobSettings.read(request.batch_rows)
+    except ValidationError as e:
+        raise settings_error(e) from e
+    check_job(request, request.sla, request.deadline, settings, allow_past=request.resume)
 
 
 def execute(request: JobRequest, watchers: Sequence[Watcher] = (), flow: Any = None) -> JobOutcome:
@@ -106,16 +107,23 @@ def outcome_of(state: Any) -> JobOutcome:
     if isinstance(result, BaseException):
         return JobOutcome(exit_code(result), error=error_line(result))
     summary: dict[str, Any] = result
-    if state.is_failed():
+    if summary["shards_quarantined"] and not summary["shards_committed"]:
+        code = EXIT_ALL_QUARANTINED  # the data, not the run: running again cannot help
+    elif state.is_failed():
         code = EXIT_FAILED
     else:
         code = EXIT_QUARANTINED if summary["shards_quarantined"] else EXIT_OK
     return JobOutcome(code, summary, message=state.message or "")
 
 
-def refused(error: ShardlineError) -> JobOutcome:
-    """The outcome of a request an early check refused: its one line, exit code 2."""
-    return JobOutcome(EXIT_USAGE, error=str(error))
+def refused(request: JobRequest) -> JobOutcome | None:
+    """The outcome of a request that ``check_request`` refuses (its one line; exit code 2 for a wrong request,
+    1 for a fault a re-run may not meet, such as storage down past the retries); None when it passes."""
+    try:
+        check_request(request)
+    except Exception as e:
+        return JobOutcome(exit_code(e), error=error_line(e))
+    return None
 
 
 def progress_bar(enabled: bool) -> tuple[Any, Watcher]:
@@ -148,15 +156,19 @@ def present(outcome: JobOutcome, json_out: bool) -> int:
 
 
 def _print_summary(summary: dict[str, Any], message: str) -> None:
+    from shardline.figures import rate, rows_quarantined, span
+
+    scored, seconds = summary["rows_scored"], summary["steady_seconds"]
     lines = [
         ("job", summary["job_id"]),
         ("model", summary["model"]),
-        ("shards", f"{summary['shards']} ({summary['shards_committed']} committed, "
-                   f"{summary['shards_skipped']} already done, {summary['shards_quarantined']} quarantined)"),
+        ("shards", f"{summary['shards']:,} ({summary['shards_committed']:,} committed, "
+                   f"{summary['shards_skipped']:,} already done, {summary['shards_quarantined']:,} quarantined)"),
         ("rows in", f"{summary['rows_in']:,}"),
         ("rows out", f"{summary['rows_out']:,}"),
-        ("rows quarantined", f"{summary['rows_quarantined']:,}"),
-        ("throughput", f"{summary['steady_rows_per_second']:,.0f} rows/s over {summary['steady_seconds']:.1f} s"),
+        ("rows quarantined", rows_quarantined(summary["rows_quarantined"], summary.get("shards_unreadable", 0))),
+        ("throughput", f"{rate(scored, seconds, 'rows')} over {span(seconds)}" if scored else "nothing scored in "
+                       "this run"),
         ("output", summary["output"]),
         ("manifest", summary["manifest"]),
     ]

@@ -455,9 +455,8 @@ class _Runner:
             connection.close()
 
     def _run_job(self, connection: _Connection, request: dict[str, Any]) -> None:
-        from shardline.cli.batch_jobs import JobOutcome, JobRequest, check_request, execute, outcome_of, refused
+        from shardline.cli.batch_jobs import JobOutcome, JobRequest, execute, outcome_of, refused
         from shardline.cli.common import EXIT_FAILED
-        from shardline.errors import ShardlineError
         from shardline.flows.batch_inference import batch_inference
         from shardline.tasks.dispatch import STOP_REQUEST
 
@@ -496,11 +495,9 @@ class _Runner:
         token = STOP_REQUEST.set(stop_request)
         try:
             job = JobRequest.from_json(request["request"])
-            try:
-                if request.get("check"):
-                    check_request(job)
-            except ShardlineError as e:
-                outcome = refused(e)
+            refusal = refused(job) if request.get("check") else None
+            if refusal is not None:
+                outcome = refusal
             else:
                 try:
                     outcome = execute(job, watchers=[forward.progress], flow=flow)

@@ -61,9 +61,9 @@ def runner_applies() -> bool:
 def run_batch_job(request: JobRequest, progress: bool = True, check: bool = False) -> JobOutcome:
     """Run a batch job: on the home's warm runner when it applies, else in this process (cold).
 
-    ``check``: the early checks of `batch run` (SLA, tenant, locations) first. A command that
-    ``main`` left unsupervised for the runner runs its job in a supervised child when the runner
-    cannot take it (busy with other settings, or it did not start).
+    ``check``: the checks the flow makes before it writes, first (``check_request``): a wrong request starts
+    no flow run. A command that ``main`` left unsupervised for the runner runs its job in a supervised
+    child when the runner cannot take it (busy with other settings, or it did not start).
     """
     if runner_applies():
         outcome = _run_on_runner(request, progress, check)
@@ -77,14 +77,13 @@ def run_batch_job(request: JobRequest, progress: bool = True, check: bool = Fals
 
 
 def _run_here(request: JobRequest, progress: bool, check: bool) -> JobOutcome:
-    from shardline.cli.batch_jobs import check_request, execute, progress_bar, refused
+    from shardline.cli.batch_jobs import execute, progress_bar, refused
     from shardline.errors import PrefectServerUnavailable
 
     if check:
-        try:
-            check_request(request)  # a bad request fails before Prefect starts (the flow checks it again)
-        except ShardlineError as e:
-            return refused(e)
+        refusal = refused(request)  # a wrong request fails before Prefect starts (the flow checks it again)
+        if refusal is not None:
+            return refusal
     try:
         use_prefect_api()  # the local Prefect server, unless PREFECT_API_URL or SHARDLINE_PREFECT_SERVER say otherwise
     except PrefectServerUnavailable as e:
@@ -104,13 +103,15 @@ def _run_on_runner(request: JobRequest, progress: bool, check: bool) -> JobOutco
         typer.secho(text, fg="cyan", err=True)
 
     home = StorageSettings().home
-    if check and runner.find(home) is None:  # a bad request starts nothing, not even the runner
-        from shardline.cli.batch_jobs import check_request, refused
+    found = runner.find(home)
+    # A wrong request starts nothing, not even a runner, nor replaces one with other settings: it is checked
+    # here unless a runner that would take it runs (which then checks it, warm).
+    if check and (found is None or found.fingerprint != runner.fingerprint()):
+        from shardline.cli.batch_jobs import refused
 
-        try:
-            check_request(request)
-        except ShardlineError as e:
-            return refused(e)
+        refusal = refused(request)
+        if refusal is not None:
+            return refusal
     bar, listen = progress_bar(progress)
     entered = [False]
     with contextlib.ExitStack() as shown:
@@ -170,9 +171,10 @@ def batch_run(
     """Score every row of the input shards and write Parquet parts to the output.
 
     Exit codes: 0 all scored (or already scored: a finished job writes nothing), 3 some
-    shards quarantined, 1 failed (re-run to resume), 2 the request was wrong (model, URL,
-    input, SLA, tenant, prefixes, quota; an output that is a file, read-only, in use by
-    another running job, or holding another model's parts).
+    shards quarantined, 5 every shard quarantined (the data is wrong: running again will not
+    help), 1 failed (re-run to resume), 2 the request was wrong (model, URL, input, SLA,
+    tenant, prefixes, quota, a setting; an output that is a file, read-only, in use by
+    another running job, or holding another model's parts): checked before any flow run.
     """
     request = JobRequest(model=model, input_uri=input, output_uri=output, tenant=tenant, passthrough=passthrough,
                          batch_rows=batch_rows, variant=variant, sla=sla, deadline=deadline, priority=priority)
@@ -187,45 +189,37 @@ def _job_records() -> Any:
     return JobRecords(storage.home, storage.storage_options)
 
 
-def _span(seconds: float) -> str:
-    """12 s, 41m05s, 2h03m: a duration for people."""
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds} s"
-    minutes, secs = divmod(seconds, 60)
-    return f"{minutes}m{secs:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
-
-
 def _job_lines(record: Any) -> list[tuple[str, str]]:
     """The `batch status` view of a job record."""
     from datetime import datetime, timezone
 
+    from shardline.figures import rate, span
     from shardline.settings import BatchSettings
 
     now = datetime.now(timezone.utc)
     state = record.state
     stale = (now - record.updated_at).total_seconds()
     if state == "running" and stale > max(60.0, 6 * BatchSettings().sla_check_interval_s):
-        state = f"running? (no update for {_span(stale)}: the flow may have stopped; `shardline batch resume {record.job_id}`)"
+        state = f"running? (no update for {span(stale)}: the flow may have stopped; `shardline batch resume {record.job_id}`)"
     done, total = record.shards_done, record.shards_total
     pct = f" ({100 * done / total:.0f}%)" if total else ""
     if record.finished_at is not None:
         eta = f"finished {record.finished_at.isoformat(timespec='seconds')}"
     elif record.projected_finish is not None:
         left = (record.projected_finish - now).total_seconds()
-        eta = f"{record.projected_finish.isoformat(timespec='seconds')} (in {_span(max(left, 0))})"
+        eta = f"{record.projected_finish.isoformat(timespec='seconds')} (in {span(max(left, 0))})"
     else:
         eta = "unknown (no throughput measured yet)"
     to_deadline = (record.deadline - now).total_seconds()
     deadline = record.deadline.isoformat(timespec="seconds")
     if record.finished_at is None:
-        deadline += f" (in {_span(to_deadline)})" if to_deadline >= 0 else f" ({_span(-to_deadline)} ago)"
+        deadline += f" (in {span(to_deadline)})" if to_deadline >= 0 else f" ({span(-to_deadline)} ago)"
     params = record.parameters
     return [
         ("job", record.job_id), ("state", state), ("tenant", params.tenant),
         ("model", f"{params.model} -> {record.model_pinned}"), ("input", params.input_uri), ("output", params.output_uri),
         ("progress", f"{done}/{total} shards{pct}, {record.rows_done:,} rows this run"),
-        ("throughput", f"{record.rows_per_second:,.0f} rows/s, {record.shards_per_second:.3f} shards/s"),
+        ("throughput", f"{rate(record.rows_per_second, 1, 'rows')}, {rate(record.shards_per_second, 1, 'shards')}"),
         ("started", record.started_at.isoformat(timespec="seconds")), ("deadline", deadline), ("ETA", eta),
         ("SLA", record.sla_status), ("runs", str(record.runs)), ("message", record.message or "-"),
     ]
@@ -272,8 +266,8 @@ def batch_resume(
     typer.echo(f"resuming job {record.job_id} ({record.state}, {record.shards_done}/{record.shards_total} shards settled)")
     # the pinned version, not the alias: were the alias moved since, the parts already made would not count
     request = JobRequest(**{**p.model_dump(), "model": record.model_pinned or p.model},
-                         deadline=record.deadline.isoformat())
-    raise typer.Exit(present(run_batch_job(request, progress=not json_out), json_out))
+                         deadline=record.deadline.isoformat(), resume=True)
+    raise typer.Exit(present(run_batch_job(request, progress=not json_out, check=True), json_out))
 
 
 @batch_app.command("openai")

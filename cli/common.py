@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING, Iterator
 
 import typer
 
-from shardline.errors import JobFailed, PrefectServerUnavailable, ShardlineError
+from shardline.errors import InvalidSetting, JobFailed, PrefectServerUnavailable, ShardlineError
 
 if TYPE_CHECKING:
+    from pydantic import ValidationError
+
     from shardline.storage.registry import ModelRegistry
 
 OFF_THE_NETWORK = {
@@ -21,7 +23,10 @@ OFF_THE_NETWORK = {
     "MLFLOW_DISABLE_TELEMETRY": "true",  # MLflow reads DO_NOT_TRACK only as "true", not "1"
 }
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_QUARANTINED = 0, 1, 2, 3
+# `batch run` and `batch resume`: every shard scored; failed (run it again to resume); the request was wrong;
+# some shards quarantined, the rest scored; every shard quarantined (the data is wrong: running again cannot help).
+# 4 is `drift check`'s "drift found" (cli/drift_commands.py); 130 a run stopped by Ctrl-C.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_QUARANTINED, EXIT_ALL_QUARANTINED = 0, 1, 2, 3, 5
 
 
 def fail(error: BaseException | str, code: int = EXIT_USAGE) -> typer.Exit:
@@ -37,6 +42,21 @@ def open_registry(url: str | None = None) -> "ModelRegistry":
 
     storage = StorageSettings()
     return ModelRegistry(url or storage.registry, storage.storage_options)
+
+
+def settings_error(error: "ValidationError") -> InvalidSetting:
+    """A settings class's refusal of the environment as one line: each variable, what is wrong, what it got."""
+    from pydantic_settings import BaseSettings
+
+    from shardline import settings
+
+    area = getattr(settings, error.title, None)
+    prefix = str(area.model_config.get("env_prefix", "")) if isinstance(area, type) and issubclass(
+        area, BaseSettings) else ""
+    problems = "; ".join(
+        f"{prefix}{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
+        + (f" (got {e['input']!r})" if e["type"] != "missing" else "") for e in error.errors())
+    return InvalidSetting(f"a setting is not valid: {problems}; fix or unset the variable (README.md, Settings)")
 
 
 def exit_code(error: BaseException) -> int:

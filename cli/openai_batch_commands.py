@@ -11,14 +11,35 @@ from typing import Any
 
 import typer
 
-from shardline.cli.common import EXIT_FAILED, EXIT_OK, EXIT_QUARANTINED, error_line, exit_code, one_line_user_errors
+from shardline.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_QUARANTINED,
+    error_line,
+    exit_code,
+    one_line_user_errors,
+    settings_error,
+)
 
 
 def run_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenant: str, json_out: bool) -> int:
-    """Run the flow on the Prefect API the settings choose; print the counts and files; returns the exit code."""
+    """Check the request as the flow would before it writes (a wrong one starts no flow run: one line, exit 2),
+    then run the flow on the Prefect API the settings choose; print the counts and files; returns the exit code."""
+    from pydantic import ValidationError
+
     from shardline.cli.prefect_commands import use_prefect_api
     from shardline.errors import PrefectServerUnavailable
+    from shardline.tasks.openai_batch import OpenAIBatchSettings, check_openai_batch
 
+    try:
+        try:
+            settings = OpenAIBatchSettings.read()
+        except ValidationError as e:
+            raise settings_error(e) from e
+        check_openai_batch(input_uri, output_uri, lines_per_part, tenant, settings)
+    except Exception as e:
+        typer.secho(f"error: {error_line(e)}", fg="red", err=True)
+        return exit_code(e)
     try:
         use_prefect_api()
     except PrefectServerUnavailable as e:

@@ -58,7 +58,8 @@ def batch_inference(
         deadline: when it must be done (ISO 8601, '2026-12-01T06:00Z'); instead of ``sla``.
         priority: high, normal or low (backfills); default the tenant's.
         watchers: for a run in this process only (the CLI's progress bar, a test): called
-            as ``(shards settled, shards to do, rows)`` each time a shard settles.
+            as ``(shards of the job settled, shards in the job, rows scored this run)`` each
+            time a shard settles (quarantined shards and those of earlier runs count as settled).
 
     Returns:
         Completed with the summary; a Completed state named "Quarantined" when some

@@ -144,6 +144,15 @@ def time_axis_limits(when: Sequence[datetime]) -> tuple[datetime, datetime]:
     return first - pad, last + pad
 
 
+def score_axis_limits(values: Sequence[float]) -> tuple[float, float]:
+    """The drift-over-time plot's y span (score / threshold): from 0, to past the threshold (1) and every point.
+
+    Left to matplotlib, one report at 0.5 drew an axis from 0.45: a reader takes the point for the floor.
+    """
+    finite = [v for v in values if np.isfinite(v)]
+    return 0.0, max([1.25, *(1.1 * v for v in finite)])
+
+
 def _history_plot(report: DriftReport, history: Sequence[DriftReport]) -> str | None:
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
@@ -152,19 +161,27 @@ def _history_plot(report: DriftReport, history: Sequence[DriftReport]) -> str | 
     moments = [_moment(r) for r in reports]
     when = mdates.date2num(moments)
     figure, ax = plt.subplots(figsize=(9, 2.8))
-    ax.plot(when, [r.score for r in reports], marker="o", color="#333", label="report (worst column)")
+    scores = [r.score for r in reports]
+    ax.plot(when, scores, marker="o", color="#333", label="report (worst column)")
     worst = sorted({c for r in reports for c in r.drifted_columns},
                    key=lambda name: -max((_ratio(c) for r in reports for c in r.columns if c.column == name), default=0))[:5]
+    plotted = list(scores)
     for name in worst:
         series = [next((_ratio(c) for c in r.columns if c.column == name), np.nan) for r in reports]
         ax.plot(when, series, marker=".", linewidth=1, label=name)
+        plotted += series
     ax.axhline(1.0, color=NEW_COLOR, linestyle="--", linewidth=1, label="threshold")
-    ax.set_xlim(*(float(mdates.date2num(t)) for t in time_axis_limits(moments)))
+    ax.set_ylim(*score_axis_limits(plotted))
+    span = time_axis_limits(moments)
+    ax.set_xlim(*(float(mdates.date2num(t)) for t in span))
     locator = mdates.AutoDateLocator(minticks=3, maxticks=8)
     ax.xaxis.set_major_locator(locator)
-    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+    # no offset text (the year or day matplotlib writes under the axis's right end, easily read as a stray
+    # label): the x label says the year instead
+    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, offset_formats=[""] * 6))
     ax.set_ylabel("score / threshold", fontsize=8)
-    ax.set_xlabel("end of the report's window (UTC)", fontsize=8)
+    years = sorted({span[0].year, span[1].year})
+    ax.set_xlabel(f"end of the report's window (UTC), {'-'.join(str(y) for y in years)}", fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(labelsize=7)
     return _svg(figure)

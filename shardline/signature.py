@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -256,23 +256,66 @@ def is_compatible(got: pa.DataType, expected: pa.DataType) -> bool:
     return False
 
 
+NAMED_COLUMNS = 5  # columns a schema problem names before '...': a message stays one readable line
+
+
+def named_columns(names: Sequence[str], most: int = NAMED_COLUMNS) -> str:
+    """``'a', 'b', 'c', ...``: the first ``most`` names quoted, then '...' when there are more."""
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (", ..." if len(names) > most else "")
+
+
 def schema_problems(schema: pa.Schema, inputs: Iterable[ColumnSpec], model: str) -> list[str]:
-    """List every way ``schema`` fails to feed the inputs; empty when it fits."""
-    problems = []
-    for spec in inputs:
+    """Every way ``schema`` fails to feed the inputs, one line per kind (missing, mistyped); empty when it fits.
+
+    One missing (or mistyped) column gets its own sentence; several are collapsed into one
+    line that counts them and names the first few (``NAMED_COLUMNS``), so a shard of the
+    wrong data set reads "30 of 30 columns ... are missing: 'a', 'b', ...; the data has 2
+    columns: 'id', 'foo'" instead of 30 sentences. The batch quarantine reasons, the CLI and
+    the online tier's 400 all carry this one message.
+    """
+    specs = list(inputs)
+    missing: list[ColumnSpec] = []
+    mistyped: list[tuple[ColumnSpec, pa.DataType]] = []
+    for spec in specs:
         index = schema.get_field_index(spec.name)
         if index < 0:
-            problems.append(
-                f"column {spec.name!r} is missing; the model {model!r} needs it "
-                f"({spec.type}); add it or pick the model this data was made for"
-            )
-            continue
-        got = schema.field(index).type
-        if not is_compatible(got, spec.arrow_type):
-            problems.append(
-                f"column {spec.name!r} is {type_name(got)}, the model {model!r} expects "
-                f"{spec.type}; cast it to {spec.type} before scoring"
-            )
+            missing.append(spec)
+        elif not is_compatible(schema.field(index).type, spec.arrow_type):
+            mistyped.append((spec, schema.field(index).type))
+    problems = []
+    if len(mistyped) == 1:
+        spec, got = mistyped[0]
+        problems.append(
+            f"column {spec.name!r} is {type_name(got)}, the model {model!r} expects "
+            f"{spec.type}; cast it to {spec.type} before scoring"
+        )
+    elif mistyped:
+        groups: dict[tuple[str, str], list[str]] = {}  # (type got, type expected) -> the columns
+        for spec, got in mistyped:
+            groups.setdefault((type_name(got), spec.type), []).append(spec.name)
+        shown = [f"{named_columns(names)} {'is' if len(names) == 1 else 'are'} {got}, expected {expected}"
+                 for (got, expected), names in groups.items()]
+        problems.append(
+            f"{len(mistyped)} columns have types the model {model!r} cannot read: "
+            f"{'; '.join(shown[:NAMED_COLUMNS])}{'; ...' if len(shown) > NAMED_COLUMNS else ''}; cast them to "
+            "the types expected before scoring"
+        )
+    if len(missing) == 1:
+        problems.append(
+            f"column {missing[0].name!r} is missing; the model {model!r} needs it "
+            f"({missing[0].type}); add it or pick the model this data was made for"
+        )
+    elif missing:
+        types = sorted({spec.type for spec in missing})
+        kinds = f" (all {types[0]})" if len(types) == 1 else ""
+        problems.append(
+            f"{len(missing)} of {len(specs)} columns the model {model!r} needs are missing: "
+            f"{named_columns([spec.name for spec in missing])}{kinds}; the data has {len(schema.names)} "
+            f"column{'s' if len(schema.names) != 1 else ''}"
+            f"{': ' + named_columns(schema.names) if schema.names else ''}; add them or pick the model this "
+            "data was made for"
+        )
     return problems
 
 

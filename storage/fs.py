@@ -1,10 +1,11 @@
 """fsspec file systems: open any URL, write a file so it appears whole or not at all.
 
 Nothing here branches on the URL scheme: ``fsspec.url_to_fs`` picks the file system
-and the rest is the same for local disk, memory and S3. Four functions know local
+and the rest is the same for local disk, memory and S3. Five functions know local
 storage: ``resolve_location``, ``inside`` and ``links_out`` follow symbolic links there,
-since the OS will, and ``create_exclusive`` links a fully written file into place, since
-an O_EXCL create is visible (empty) before its write lands.
+since the OS will, ``create_exclusive`` links a fully written file into place, since
+an O_EXCL create is visible (empty) before its write lands, and ``write_refusal`` asks the
+OS whether a folder could be written without writing (object stores cannot be asked).
 """
 
 from __future__ import annotations
@@ -283,3 +284,27 @@ def links_out(fs: AbstractFileSystem, root: str) -> list[tuple[str, str]]:
             if os.path.islink(path) and not is_within(os.path.realpath(path), base):
                 found.append((path, os.path.realpath(path)))
     return found
+
+
+def write_refusal(fs: AbstractFileSystem, path: str) -> OSError | None:
+    """Why a write into the folder ``path`` (made if missing) would be refused, found without writing; None when
+    nothing says so.
+
+    On local disk: a file where the folder (or the nearest of its parents that exists) should be, or a
+    folder this user may not write (modes, a read-only mount), as the error the write would raise.
+    Elsewhere None: an object store answers only the write itself.
+    """
+    if not isinstance(fs, LocalFileSystem):
+        return None
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return None
+        probe = parent
+    if not os.path.isdir(probe):
+        return NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), probe)
+    if os.access(probe, os.W_OK | os.X_OK):
+        return None
+    code = errno.EROFS if os.statvfs(probe).f_flag & os.ST_RDONLY else errno.EACCES
+    return OSError(code, os.strerror(code), probe)  # EACCES makes a PermissionError, as the write would raise

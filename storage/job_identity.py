@@ -36,7 +36,11 @@ def job_id(key: str, shards: Iterable[ShardInfo], output: str | None = None) -> 
 class JobSummary(BaseModel):
     """Totals of a settled job: shards, rows, time, and what was quarantined.
 
-    ``as_dict()`` is what the flow returns and ``shardline batch run --json`` prints.
+    A shard that could not be read at all (not Parquet: its footer is unreadable) has no
+    known row count: it is counted in ``shards_quarantined`` and ``shards_unreadable``, and
+    its rows in none of the row totals, so ``rows_in == rows_out + rows_quarantined`` holds
+    over the rows that could be read. ``as_dict()`` is what the flow returns and
+    ``shardline batch run --json`` prints.
     """
 
     job_id: str
@@ -47,6 +51,7 @@ class JobSummary(BaseModel):
     shards_committed: int
     shards_skipped: int
     shards_quarantined: int
+    shards_unreadable: int = 0  # quarantined shards whose rows are unknown (counted in no row total)
     rows_in: int
     rows_out: int
     rows_quarantined: int
@@ -92,6 +97,7 @@ def summarize(
         shards_committed=sum(r.status == "committed" for r in records),
         shards_skipped=len(skipped),
         shards_quarantined=len(quarantined),
+        shards_unreadable=sum(r.status == "quarantined" and r.rows_in is None for r in records),
         rows_in=sum(r.rows_in or 0 for r in records),
         rows_out=sum(r.rows_out for r in records),
         rows_quarantined=sum(r.rows_quarantined for r in records),

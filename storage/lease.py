@@ -35,7 +35,7 @@ from fsspec import AbstractFileSystem
 from pydantic import BaseModel, ValidationError
 
 from shardline.errors import OutputInUse, OutputNotWritable
-from shardline.storage.fs import atomic_write_bytes, create_exclusive, inside, join
+from shardline.storage.fs import atomic_write_bytes, create_exclusive, inside, join, write_refusal
 
 LEASE_DIR = "_lease"
 _GENERATION = re.compile(r"^(\d{10})\.json$")
@@ -238,6 +238,28 @@ class OutputLease:
             f"the output {output} is being taken by other jobs at this very moment; wait a minute and run the "
             "same command again, or choose another --output", output, None,
         )
+
+    @classmethod
+    def check_free(
+        cls, fs: AbstractFileSystem, root: str, output: str, job_id: str, *, clock: Clock = utc_now,
+        here: ThisProcess | None = None, alive: Callable[[int], bool] = pid_alive,
+    ) -> None:
+        """What :meth:`acquire` would refuse now, found without writing (a request's check before it starts).
+
+        Raises:
+            OutputNotWritable: the output is a file, or (on local disk) cannot be written.
+            OutputInUse: another process holds a live lease (the message names its job).
+        """
+        folder = join(root, LEASE_DIR)
+        refusal = write_refusal(fs, folder)
+        if refusal is not None:
+            raise _not_writable(output, refusal)
+        try:
+            _, holder = cls.current(fs, inside(fs, root, folder))
+        except (NotADirectoryError, FileExistsError) as e:
+            raise _not_writable(output, e) from e
+        if holder is not None and lease_is_live(holder, clock(), here or ThisProcess.here(), alive):
+            raise cls._busy(output, job_id, holder)
 
     @staticmethod
     def _recently_written(fs: AbstractFileSystem, folder: str, generation: int, now: datetime, terms: LeaseTerms) -> bool:

@@ -53,7 +53,8 @@ class ManifestPart(BaseModel):
 
 
 class ManifestQuarantine(BaseModel):
-    """A quarantined shard in the manifest, with why."""
+    """A quarantined shard in the manifest, with why; ``rows`` is null for a shard that could not be read at all
+    (its row count is unknown: the totals count it in ``shards_unreadable`` and its rows nowhere)."""
 
     shard: str
     rows: int | None
@@ -61,7 +62,8 @@ class ManifestQuarantine(BaseModel):
 
 
 class JobManifest(BaseModel):
-    """``_manifest.json``: every part with its row counts, written last (input rows = output + quarantined).
+    """``_manifest.json``: every part with its row counts, written last (input rows = output + quarantined, over
+    the rows that could be read; an unreadable shard's unknown rows count in neither).
 
     ``sla`` (planned vs actual) and ``priority`` are written by the flow; they are left
     out of the file when not given.

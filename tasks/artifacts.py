@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from datetime import datetime
 from typing import Any
 
 from shardline.bundle import ModelRef
+from shardline.figures import moment, rate, rows_quarantined, span
 from shardline.storage.job_identity import JobSummary
 
 MAX_NAME = 60  # characters of the job name in a key; the rest of a long name is cut
@@ -63,26 +63,19 @@ def batch_artifact_key(kind: str, model: str, output: str, deployment: str | Non
 def _throughput(summary: JobSummary, planned: dict[str, Any] | None) -> str:
     if not summary.rows_scored:
         return "nothing scored in this run (every shard was settled before, or quarantined)"
-    line = (f"{summary.steady_rows_per_second:,.0f} rows/s scoring ({summary.rows_scored:,} rows "
-            f"in {summary.steady_seconds:,.1f} s)")
-    if planned and planned.get("actual_shards_per_second") is not None:
-        line += f"; {planned['actual_shards_per_second']:g} shards/s over the whole run"
+    line = (f"{rate(summary.rows_scored, summary.steady_seconds, 'rows')} scoring ({summary.rows_scored:,} rows "
+            f"in {span(summary.steady_seconds)})")
+    if planned and planned.get("actual_seconds"):
+        line += f"; {rate(planned['shards'], planned['actual_seconds'], 'shards')} over the whole run"
     return line
-
-
-def _moment(iso: str) -> str:
-    try:
-        return datetime.fromisoformat(iso).strftime("%Y-%m-%d %H:%M:%S %Z").strip()
-    except ValueError:
-        return iso
 
 
 def _sla_line(planned: dict[str, Any] | None) -> str:
     if not planned:
         return "not tracked"
     verdict = "**met**" if planned["status"] == "met" else "**breached**"
-    return (f"{verdict}: finished {_moment(planned['finished'])} for a deadline of {_moment(planned['deadline'])} "
-            f"({planned['actual_seconds']:,} s of {planned['budget_seconds']:,} s)")
+    return (f"{verdict}: finished {moment(planned['finished'])} for a deadline of {moment(planned['deadline'])} "
+            f"({span(planned['actual_seconds'])} of the {span(planned['budget_seconds'])} allowed)")
 
 
 def summary_markdown(summary: JobSummary, planned: dict[str, Any] | None = None) -> str:
@@ -92,7 +85,7 @@ def summary_markdown(summary: JobSummary, planned: dict[str, Any] | None = None)
     elif summary.rows_out == 0:
         outcome = "every shard was quarantined"
     else:
-        outcome = f"{summary.shards_quarantined} of {summary.shards} shards quarantined"
+        outcome = f"{summary.shards_quarantined:,} of {summary.shards:,} shards quarantined"
     lines = [
         f"## Batch job `{summary.job_id[:12]}`: {outcome}",
         "",
@@ -102,7 +95,7 @@ def summary_markdown(summary: JobSummary, planned: dict[str, Any] | None = None)
         "|---|---:|",
         f"| rows in | {summary.rows_in:,} |",
         f"| rows out | {summary.rows_out:,} |",
-        f"| rows quarantined | {summary.rows_quarantined:,} |",
+        f"| rows quarantined | {rows_quarantined(summary.rows_quarantined, summary.shards_unreadable)} |",
         f"| shards | {summary.shards:,} ({summary.shards_committed:,} committed, {summary.shards_quarantined:,} "
         f"quarantined; {summary.shards_skipped:,} of them settled by an earlier run) |",
         "",
@@ -120,3 +113,25 @@ def summary_markdown(summary: JobSummary, planned: dict[str, Any] | None = None)
         if more > 0:
             lines.append(f"- and {more} more: every one is in the manifest")
     return "\n".join(lines) + "\n"
+
+
+def totals_table(summary: JobSummary) -> list[dict[str, str]]:
+    """The ``totals`` table artifact: every figure of the summary, named and written for a person to read."""
+    figures = [
+        ("job", summary.job_id), ("model", summary.model), ("tenant", summary.tenant),
+        ("shards", f"{summary.shards:,}"), ("shards committed", f"{summary.shards_committed:,}"),
+        ("shards quarantined", f"{summary.shards_quarantined:,}"),
+        ("shards unreadable (rows unknown)", f"{summary.shards_unreadable:,}"),
+        ("shards settled by an earlier run", f"{summary.shards_skipped:,}"),
+        ("rows in", f"{summary.rows_in:,}"), ("rows out", f"{summary.rows_out:,}"),
+        ("rows quarantined", rows_quarantined(summary.rows_quarantined, summary.shards_unreadable)),
+        ("rows scored in this run", f"{summary.rows_scored:,}"),
+        ("scoring time", span(summary.steady_seconds) if summary.rows_scored else "-"),
+        ("scoring throughput",
+         rate(summary.rows_scored, summary.steady_seconds, "rows") if summary.rows_scored else "-"),
+        ("output", summary.output), ("manifest", summary.manifest or "-"),
+    ]
+    rows = [{"measure": measure, "value": value} for measure, value in figures]
+    rows += [{"measure": f"quarantined {shard}", "value": reason or "no reason recorded"}
+             for shard, reason in sorted(summary.quarantined.items())]
+    return rows

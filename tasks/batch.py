@@ -25,15 +25,12 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 
-from shardline.tasks.logs import run_logger
-
-from shardline.errors import CorruptShard, InvalidSetting, JobFailed, OutputInUse
+from shardline.errors import CorruptShard, JobFailed
 from shardline.runtimes import RuntimeOptions
-from shardline.placement import BatchWorkload, CostTable, candidates_from_profiles, choose_placement
-from shardline.machines import machine_kind
 from shardline.settings import BatchSettings, DaskSettings, PlacementSettings, RuntimeSettings, StorageSettings
 from shardline.signature import schema_problems
-from shardline.storage.job_identity import JobSummary, foreign_parts, job_id, job_key, summarize, up_to_date
+from shardline.storage.capture import capture_root
+from shardline.storage.job_identity import JobSummary, summarize
 from shardline.storage.lease import LeaseTerms, OutputLease
 from shardline.storage.output import (
     JobManifest,
@@ -42,25 +39,25 @@ from shardline.storage.output import (
     ManifestQuarantine,
     OutputLayout,
     PartRecord,
-    check_part_names,
     split_done,
 )
 from shardline.storage.registry import ModelRegistry, ResolvedModel
-from shardline.storage.retry import RetryPolicy, call_with_retries
-from shardline.storage.capture import capture_root
+from shardline.storage.retry import call_with_retries
 from shardline.storage.scoring import ScoringJob, ShardCapture
-from shardline.storage.shards import ShardInfo, list_shards, read_footer
-from shardline.tasks.artifacts import batch_artifact_key, current_deployment, summary_markdown
+from shardline.storage.shards import ShardInfo, read_footer
+from shardline.tasks.artifacts import batch_artifact_key, current_deployment, summary_markdown, totals_table
+from shardline.tasks.batch_survey import JobSurvey, refuse_foreign, survey_job
 from shardline.tasks.cluster import threads_per_call
 from shardline.tasks.dispatch import dispatch_shards
+from shardline.tasks.logs import run_logger
 from shardline.tasks.sla_tracking import publish_sla_table
-from shardline.tenants import check_custom_code
 
 if TYPE_CHECKING:
     from shardline.tasks.preemption import PreemptionPlugin
 
-# Called in the flow's process as shards settle: (shards settled, shards to do, rows). The flow's
-# ``watchers`` (the CLI's progress bar, a test) and the SLA tracker are handed to ``infer_shards``.
+# Called in the flow's process as shards settle: (shards of the job settled, shards in the job, rows scored
+# this run). Settled counts every shard with its outcome: committed or quarantined, by this run or an earlier
+# one. The flow's ``watchers`` (the CLI's progress bar, a test) and the SLA tracker are handed to ``infer_shards``.
 ProgressWatcher = Callable[[int, int, int], None]
 # Jobs with more pending shards than this skip the footer check in the flow's process.
 FLOW_FOOTER_CHECK_MAX = 256
@@ -85,44 +82,23 @@ class JobPlan:
     finished: bool = False  # the output already holds this job's finished manifest: nothing is written
 
 
-def _take_output(
-    layout: OutputLayout, this_job: str, model: str, key: str, shards: list[ShardInfo], retry: RetryPolicy,
-    terms: LeaseTerms,
-) -> tuple[OutputLease | None, list[ShardInfo], list[PartRecord]]:
-    """Own the output (its lease) unless it is already finished for this job; the shards left and those settled.
+def _take_output(survey: JobSurvey, terms: LeaseTerms) -> tuple[OutputLease, list[ShardInfo], list[PartRecord]]:
+    """Own the output (its lease): the shards left and those settled.
 
-    A finished job's output is only read (a read-only archive re-run writes nothing).
-    Otherwise the lease is taken first (it is also the probe that the output can be
-    written), then the ledger is read and checked: an output holding another model's
-    parts is refused.
+    The lease is taken first (it is also the probe that the output can be written),
+    then the ledger is read and checked again under it: an output holding another
+    model's parts is refused.
 
     Raises:
         OutputInUse: another job holds the output, or the output holds another job's parts.
         OutputNotWritable: the output is a file, read-only, or not permitted.
-        InvalidSetting: a symbolic link below the output leads out of it.
     """
-    def refuse_foreign(manifest: dict[str, Any] | None, ledger: dict[str, PartRecord]) -> None:
-        foreign = foreign_parts(manifest, ledger, key)
-        if foreign is not None:
-            raise OutputInUse(
-                f"the output {layout.uri} holds {foreign}; this job runs {model}, and mixing two models' parts "
-                "in one folder would corrupt it: choose another --output, or delete the folder to score it anew",
-                layout.uri, manifest.get("job_id") if manifest else None,
-            )
-
-    layout.refuse_links_out()  # a link below the output would carry the job's writes out of the folder admitted
-    manifest = layout.finished_manifest()
-    if manifest is not None and manifest.get("job_id") == this_job:
-        ledger = call_with_retries(layout.read_ledger, retry, what="reading the job's ledger")
-        todo, done = split_done(shards, ledger, key, layout.present_parts())
-        if not todo and up_to_date(manifest, this_job, done):
-            return None, todo, done
-    refuse_foreign(layout.any_manifest(), {})  # before taking anything: a refused job writes nothing
-    lease = OutputLease.acquire(layout.fs, layout.root, layout.uri, this_job, model, terms)
+    layout, model = survey.layout, survey.model.pinned
+    lease = OutputLease.acquire(layout.fs, layout.root, layout.uri, survey.job_id, model, terms)
     try:
-        ledger = call_with_retries(layout.read_ledger, retry, what="reading the job's ledger")
-        refuse_foreign(layout.any_manifest(), ledger)
-        todo, done = split_done(shards, ledger, key, layout.present_parts())
+        ledger = call_with_retries(layout.read_ledger, survey.retry, what="reading the job's ledger")
+        refuse_foreign(layout, model, survey.key, layout.any_manifest(), ledger)
+        todo, done = split_done(survey.shards, ledger, survey.key, layout.present_parts())
         if todo:
             layout.clear_success()
     except BaseException:
@@ -130,32 +106,6 @@ def _take_output(
         raise
     lease.start_heartbeat()
     return lease, todo, done
-
-
-def choose_variant(
-    registry: ModelRegistry, model: ResolvedModel, variant: str | None, local: bool, costs: CostTable
-) -> ResolvedModel:
-    """The model a job runs: fp32 unless a variant is named; 'auto' lets placement choose.
-
-    'auto' weighs the version's profiles (measured on this machine kind when the
-    cluster is local, on every kind otherwise) by rows/s per cost (``costs``) and takes the best
-    variant. A variant changes the numbers (within the golden-set delta its gate
-    allowed), so a job only runs one when asked to.
-    """
-    if variant is None:
-        return model
-    if variant != "auto":
-        return model.variant(variant)
-    here = machine_kind()
-    profiles = {k: p for k, p in registry.profiles(model.name, model.version).items() if not local or p.get("machine") == here}
-    candidates = candidates_from_profiles(profiles, costs)
-    known = [c for c in candidates if c.variant == "fp32" or c.variant in model.variants]
-    if not known:
-        run_logger().info("variant auto: %s has no profile on %s; running fp32", model.pinned, here)
-        return model
-    chosen = choose_placement(BatchWorkload(), known)
-    run_logger().info("variant auto: %s", chosen.reason)
-    return model if chosen.candidate.variant == "fp32" else model.variant(chosen.candidate.variant)
 
 
 @task(name="plan", cache_policy=NO_CACHE)
@@ -182,27 +132,20 @@ def plan_batch_job(
     tenants file's ``custom_code``; True in single-tenant mode).
 
     Raises:
-        InvalidSetting: ``variant='auto'`` without ``placement``.
-        AccessDenied: the model carries its own code and the tenant may not run it (before any shard is read).
+        ShardlineError: what :func:`survey_job` refuses (model, input, output), or what taking the output
+            refuses (:func:`_take_output`: another job holds it, it cannot be written).
     """
-    registry = ModelRegistry.from_settings(storage)
-    if variant == "auto" and placement is None:
-        raise InvalidSetting("variant 'auto' weighs profiles by price: pass the placement settings")
-    costs = CostTable(per_hour=placement.costs_per_hour if placement is not None else {})
-    resolved = choose_variant(registry, registry.resolve(model), variant, dask.cluster == "local", costs)
-    check_custom_code(resolved.manifest.runtime, resolved.pinned, tenant, custom_code)
-    retry = RetryPolicy(batch.retry_attempts, batch.retry_base_s, max(batch.retry_cap_s, batch.retry_base_s))
-    shards = call_with_retries(
-        lambda: list_shards(input_uri, storage.storage_options, batch.shard_suffixes, link_roots), retry,
-        what="listing the input",
-    )
-    check_part_names(shards)
-    key = job_key(resolved.outputs_digest, passthrough)
-    this_job = job_id(key, shards, output_uri)
-    layout = OutputLayout(output_uri, storage.storage_options, this_job)
-    lease, todo, done = _take_output(
-        layout, this_job, resolved.pinned, key, shards, retry, LeaseTerms(batch.lease_ttl_s, batch.lease_renew_s)
-    )
+    survey = survey_job(model, input_uri, output_uri, tenant, passthrough, storage, batch, dask, variant,
+                        link_roots, placement, custom_code)
+    if survey.variant_note is not None:
+        run_logger().info("%s", survey.variant_note)
+    resolved, this_job, key = survey.model, survey.job_id, survey.key
+    shards, retry = survey.shards, survey.retry
+    lease: OutputLease | None = None
+    todo: list[ShardInfo] = []
+    done = survey.settled
+    if done is None:
+        lease, todo, done = _take_output(survey, LeaseTerms(batch.lease_ttl_s, batch.lease_renew_s))
     options = RuntimeOptions(runtime.device, runtime.intra_op_threads or threads_per_call(dask), runtime.spinning)
     capture = (
         ShardCapture(capture_root(storage), batch.capture_rows_per_shard, tenant, this_job)
@@ -220,7 +163,7 @@ def plan_batch_job(
         storage_options=storage.storage_options,
         checkpoint_bytes=batch.checkpoint_bytes,
         retry=retry,
-        sample_check=shard_contract(registry, resolved) if batch.contract_sample_rows and todo else None,
+        sample_check=shard_contract(survey.registry, resolved) if batch.contract_sample_rows and todo else None,
         contract_sample_rows=batch.contract_sample_rows,
         capture=capture,
         job_id=this_job,
@@ -304,8 +247,24 @@ def validate_shards(plan: JobPlan) -> JobPlan:
         )
         layout.record(record)
         rejected.append(record)
-        run_logger().warning("quarantined %s: %s", shard.relative, problem)
+        log_quarantined(record)
     return replace(plan, todo=keep, new=[*plan.new, *rejected])
+
+
+def log_quarantined(record: PartRecord) -> None:
+    """The run's log line for a quarantined shard: its name and the kind of problem. The reason itself is told
+    once, where a person reads the outcome (the command's summary, the summary artifact, the manifest)."""
+    kind = (record.reason or "").split(":", 1)[0] or "no reason recorded"
+    run_logger().warning("quarantined %s (%s): the summary and the manifest say why", record.relative, kind)
+
+
+def tell_watchers(watchers: Sequence[ProgressWatcher], settled: int, total: int, rows: int) -> None:
+    """Call each progress watcher; one that raises (an event not sent) is logged: it must not stop the shards."""
+    for watcher in watchers:
+        try:
+            watcher(settled, total, rows)
+        except Exception:
+            run_logger().exception("progress watcher %r failed", watcher)
 
 
 @task(name="infer-shards", cache_policy=NO_CACHE)
@@ -320,8 +279,9 @@ def infer_shards(
     Args:
         plan: the validated plan; its ``todo`` shards are scored.
         scheduler_address: the Dask scheduler to submit to.
-        watchers: called in this process as ``(shards settled, shards to do, rows)``
-            each time a shard settles (the SLA tracker, the flow's own watchers).
+        watchers: called in this process as ``(shards of the job settled, shards in the job, rows
+            scored this run)`` each time a shard settles (the SLA tracker, the flow's own watchers);
+            the shards settled before (by earlier runs, or quarantined by ``validate``) count.
         max_in_flight: shards submitted to the cluster at once at most; None takes
             the plan's (``SHARDLINE_BATCH_MAX_IN_FLIGHT``), else 4 per worker thread
             (at least 8), re-sized as the cluster scales.
@@ -329,13 +289,13 @@ def infer_shards(
     from distributed import Client
 
     logger = run_logger()
-    total = len(plan.todo)
+    total = plan.total_shards
+    counts = {"settled": len(plan.done) + len(plan.new), "rows": 0}  # the job's shards settled already
     progress_key = batch_artifact_key("progress", plan.job.model.pinned, plan.job.output_uri, current_deployment())
     # called from sync code, Prefect's sync-compatible function returns the id itself, not a coroutine
-    artifact = cast(UUID, create_progress_artifact(0.0, key=progress_key,
+    artifact = cast(UUID, create_progress_artifact(100.0 * counts["settled"] / total, key=progress_key,
                                                    description=f"batch job {plan.job_id}: shards settled"))
     new, failed = list(plan.new), dict(plan.failed)
-    counts = {"settled": 0, "rows": 0}
     last_update = [0.0]
 
     def settled(shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:
@@ -348,13 +308,9 @@ def infer_shards(
             new.append(record)
             counts["rows"] += record.rows_out
             if record.status == "quarantined":
-                logger.warning("quarantined %s: %s", record.relative, record.reason)
+                log_quarantined(record)
         counts["settled"] += 1
-        for watcher in watchers:
-            try:
-                watcher(counts["settled"], total, counts["rows"])
-            except Exception:  # a watcher's trouble (an event not sent) must not stop the shards
-                logger.exception("progress watcher %r failed", watcher)
+        tell_watchers(watchers, counts["settled"], total, counts["rows"])
         now = time.monotonic()
         if now - last_update[0] > 1.0 or counts["settled"] == total:
             update_progress_artifact(artifact, 100.0 * counts["settled"] / total)
@@ -367,7 +323,7 @@ def infer_shards(
         stats = dispatch_shards(client, plan.job, plan.todo, settled, bound, key_prefix=f"shard-{plan.job_id}")
     logger.info(
         "job %s: %d shards on the cluster in %.1f s (at most %d in flight, %d handed out again after lost workers)",
-        plan.job_id, total, stats.seconds, stats.peak_in_flight, stats.resubmitted,
+        plan.job_id, len(plan.todo), stats.seconds, stats.peak_in_flight, stats.resubmitted,
     )
     return replace(plan, todo=[], new=new, failed=failed)
 
@@ -434,9 +390,7 @@ def report_job(summary: JobSummary, planned: dict[str, Any] | None = None) -> di
     data = summary.as_dict()
     create_markdown_artifact(summary_markdown(summary, planned), key=key("summary"),
                              description=f"batch job {summary.job_id}: summary")
-    rows = [{"measure": k, "value": str(v)} for k, v in data.items() if k != "quarantined"]
-    rows += [{"measure": f"quarantined {k}", "value": v} for k, v in summary.quarantined.items()]
-    create_table_artifact(rows, key=key("totals"), description=f"batch job {summary.job_id}")
+    create_table_artifact(totals_table(summary), key=key("totals"), description=f"batch job {summary.job_id}")
     if planned is not None:
         publish_sla_table(summary.job_id, planned, key=key("sla"))
     return data

@@ -17,6 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed, State
 
+from shardline.figures import rows_quarantined
 from shardline.settings import (
     BatchSettings,
     DaskSettings,
@@ -27,10 +28,11 @@ from shardline.settings import (
 )
 from shardline.sla_projection import Sla, make_sla
 from shardline.storage.fs import resolve_location
-from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
 from shardline.storage.job_identity import JobSummary
+from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
 from shardline.storage.metering import DeviceKind, MeteringLedger
-from shardline.tasks.batch import JobPlan, ProgressWatcher, commit_job, infer_shards, report_job
+from shardline.tasks.batch import JobPlan, ProgressWatcher, commit_job, infer_shards, report_job, tell_watchers
+from shardline.tasks.batch_survey import check_output_free, survey_job
 from shardline.tasks.cluster import dask_scheduler
 from shardline.tasks.fairness import check_gpu_quota, device_kind, fair_share, meter_run, priority_of
 from shardline.tasks.sla_tracking import SlaTracker, TrackedJob, planned_vs_actual
@@ -68,11 +70,12 @@ class Admission:
     link_roots: list[str] | None  # where links in the input may lead (the tenant's resolved prefixes); None: anywhere
 
 
-@task(name="admit", cache_policy=NO_CACHE)
-def admit_job(
-    request: JobParameters, sla: str | None, deadline: str | None, settings: BatchJobSettings
+def admit(
+    request: JobParameters, sla: str | None, deadline: str | None, settings: BatchJobSettings, allow_past: bool = True
 ) -> Admission:
     """Admit a job before anything is read or written: its SLA, tenant, locations, priority and GPU quota.
+
+    ``allow_past``: a deadline already past is kept (a resumed job's); `batch run` refuses one.
 
     Raises:
         InvalidSetting: a bad SLA or priority, an unknown tenant, locations outside its prefixes.
@@ -80,7 +83,7 @@ def admit_job(
     """
     started = datetime.now(timezone.utc)
     batch, storage = settings.batch, settings.storage
-    promise = make_sla(started, sla, deadline, batch.default_sla, batch.sla_margin, allow_past=True)
+    promise = make_sla(started, sla, deadline, batch.default_sla, batch.sla_margin, allow_past=allow_past)
     allowed = batch_tenant(settings.tenancy.tenants_file, request.tenant)
     resolve = partial(resolve_location, storage_options=storage.storage_options)
     input_uri, output_uri = admit_locations(allowed, request.input_uri, request.output_uri, resolve)
@@ -93,6 +96,39 @@ def admit_job(
         tenant=allowed, priority=priority, device=device, sla=promise, started=started,
         link_roots=resolved_prefixes(allowed, resolve) if allowed is not None else None,
     )
+
+
+@task(name="admit", cache_policy=NO_CACHE)
+def admit_job(
+    request: JobParameters, sla: str | None, deadline: str | None, settings: BatchJobSettings
+) -> Admission:
+    """The flow's admission (:func:`admit`); a deadline already past is kept (a resumed job's).
+
+    Raises:
+        InvalidSetting, AccessDenied, QuotaExceeded: as :func:`admit`.
+    """
+    return admit(request, sla, deadline, settings)
+
+
+def check_job(
+    request: JobParameters, sla: str | None, deadline: str | None, settings: BatchJobSettings, allow_past: bool = False
+) -> None:
+    """Every check the flow makes before it writes, made here without Prefect and without writing: admission,
+    the model, the input, the output (`batch run` and `batch resume` call it before they start a flow run, so a
+    wrong request makes none; the flow checks again, for deployments and for what changed in between).
+
+    Raises:
+        ShardlineError: what is wrong (the exit code 2 errors: see :func:`admit`, and ``survey_job`` and
+            ``check_output_free`` in ``tasks/batch_survey.py``).
+    """
+    admitted = admit(request, sla, deadline, settings, allow_past)
+    job = admitted.request
+    survey = survey_job(
+        job.model, job.input_uri, job.output_uri, job.tenant, job.passthrough, settings.storage, settings.batch,
+        settings.dask, job.variant, admitted.link_roots, settings.placement,
+        admitted.tenant is None or admitted.tenant.custom_code,
+    )
+    check_output_free(survey)
 
 
 def _run_context() -> tuple[str | None, str | None]:
@@ -145,8 +181,12 @@ def track_job(plan: JobPlan, admitted: Admission, settings: BatchJobSettings) ->
 def score_shards(
     plan: JobPlan, admitted: Admission, settings: BatchJobSettings, watchers: Sequence[ProgressWatcher] = ()
 ) -> JobPlan:
-    """Score the pending shards within the tenant's fair share on the job's Dask cluster; meter what they took."""
+    """Score the pending shards within the tenant's fair share on the job's Dask cluster; meter what they took.
+
+    With none pending (all settled before, or quarantined by ``validate``) the watchers hear once that every
+    shard of the job is settled."""
     if not plan.todo:
+        tell_watchers(watchers, plan.total_shards, plan.total_shards, 0)
         return plan
     with fair_share(admitted.tenant, admitted.priority, len(plan.todo), settings.tenancy) as max_in_flight:
         scored = len(plan.new)
@@ -169,17 +209,19 @@ def finish_job(plan: JobPlan, admitted: Admission, tracker: SlaTracker) -> dict[
 
 
 def job_outcome(summary: dict[str, Any], tracker: SlaTracker) -> State[Any]:
-    """The flow's final state (and the job record's): Completed, Completed "Quarantined", or Failed (all quarantined)."""
+    """The flow's final state (and the job record's): Completed, Completed "Quarantined", or Failed (every shard
+    quarantined: nothing was scored)."""
     done = JobSummary.model_validate(summary)
     if done.shards_quarantined == 0:
-        tracker.finish("completed", f"{done.rows_out} rows scored", done.rows_scored)
-        return Completed(message=f"{done.rows_out} rows scored", data=summary)
-    message = (
-        f"{done.shards_quarantined} of {done.shards} shards quarantined "
-        f"({done.rows_quarantined} rows); reasons in {done.manifest}"
-    )
-    if done.rows_out == 0:
+        tracker.finish("completed", f"{done.rows_out:,} rows scored", done.rows_scored)
+        return Completed(message=f"{done.rows_out:,} rows scored", data=summary)
+    rows = rows_quarantined(done.rows_quarantined, done.shards_unreadable)
+    message = f"{done.shards_quarantined:,} of {done.shards:,} shards quarantined ({rows})"
+    if done.shards_committed == 0:
+        message = (f"every shard was quarantined: {message}; the data cannot be scored as it is (running again "
+                   f"will not help): the reasons are in {done.manifest}")
         tracker.finish("failed", message)
-        return Failed(message=f"every shard was quarantined: {message}", data=summary)
+        return Failed(message=message, data=summary)
+    message += f"; reasons in {done.manifest}"
     tracker.finish("quarantined", message, done.rows_scored)
     return Completed(name="Quarantined", message=message, data=summary)

@@ -75,6 +75,7 @@ class OpenAIBatchPlan:
     parts: tuple[PartSpec, ...]
     pending: tuple[PartSpec, ...]
     tenant: str | None
+    recorded: bool = False  # the folder held this job's record already (an earlier run's)
     lease: OutputLease | None = None
     finished: dict[str, Any] | None = None  # the folder's batch object when the job is already finished
     answered: list[str] = field(default_factory=list)  # the parts this run committed
@@ -105,21 +106,20 @@ def _checked_model(registry: ModelRegistry, reference: str, checked: BatchFile,
     return model
 
 
-@task(name="plan-openai-batch", cache_policy=NO_CACHE)
-def plan_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenant: str,
-                      settings: OpenAIBatchSettings) -> OpenAIBatchPlan:
-    """Admit, read and check the file, pin its model, and own the output folder: the parts left to answer.
+def survey_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenant: str,
+                        settings: OpenAIBatchSettings) -> OpenAIBatchPlan:
+    """Every check of planning that reads and never writes: admission, the file, its model, what the output holds.
 
-    Nothing is written when the file or the request is refused. A job run again keeps the version its first
-    run pinned, even when the file's alias has moved since.
+    The plan it returns holds no lease yet (``lease`` None; ``pending`` every part unless the folder holds this
+    very job finished). `batch openai` calls it before any flow run (with :func:`check_openai_batch`); the plan
+    task calls it again.
 
     Raises:
         InvalidInput: the file is refused (a custom_id twice, two models, no request), its model does not
             fit its endpoints, or ``lines_per_part`` is below 1.
         InvalidSetting, AccessDenied: the tenant or a location is refused; the input is missing.
         ModelNotFound: the model the file names is not registered.
-        OutputInUse: another job runs on the folder, or it holds another job (another input or model).
-        OutputNotWritable: the folder cannot be written.
+        OutputInUse: the folder holds another job (another input, model or part size).
     """
     storage = settings.storage
     allowed = batch_tenant(settings.tenancy.tenants_file, tenant)
@@ -139,23 +139,57 @@ def plan_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tena
         model_reference=checked.model, model=model.pinned, model_digest=model.content_digest,
         lines_per_part=lines_per_part, entries=len(checked.entries), parts=len(parts),
         created_at=datetime.now(timezone.utc))
-    plan = OpenAIBatchPlan(job, checked, model, output, parts, parts, allowed.name if allowed else None)
+    plan = OpenAIBatchPlan(job, checked, model, output, parts, parts, allowed.name if allowed else None,
+                           recorded=recorded is not None)
     finished = output.read_batch()
     if recorded is not None and finished is not None and finished.get("id") == f"batch_{job.job_id}":
         return replace(plan, pending=(), finished=finished)  # a finished job run again: read, nothing written
+    return plan
+
+
+def check_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenant: str,
+                       settings: OpenAIBatchSettings) -> None:
+    """What the plan task would refuse, found without writing (`batch openai`'s check before a flow run).
+
+    Raises:
+        ShardlineError: as :func:`survey_openai_batch`; also OutputInUse (another job runs on the folder) and
+            OutputNotWritable (a file, or a folder that cannot be written: on local disk).
+    """
+    plan = survey_openai_batch(input_uri, output_uri, lines_per_part, tenant, settings)
+    if plan.finished is None:
+        output = plan.output
+        OutputLease.check_free(output.fs, output.root, output.uri, plan.job.job_id)
+
+
+@task(name="plan-openai-batch", cache_policy=NO_CACHE)
+def plan_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenant: str,
+                      settings: OpenAIBatchSettings) -> OpenAIBatchPlan:
+    """Admit, read and check the file, pin its model, and own the output folder: the parts left to answer.
+
+    Nothing is written when the file or the request is refused. A job run again keeps the version its first
+    run pinned, even when the file's alias has moved since.
+
+    Raises:
+        ShardlineError: as :func:`survey_openai_batch`; also OutputInUse (another job runs on the folder) and
+            OutputNotWritable (the folder cannot be written).
+    """
+    plan = survey_openai_batch(input_uri, output_uri, lines_per_part, tenant, settings)
+    if plan.finished is not None:
+        return plan
+    output, job, model = plan.output, plan.job, plan.model
     terms = LeaseTerms(settings.batch.lease_ttl_s, settings.batch.lease_renew_s)
-    lease = OutputLease.acquire(output.fs, output.root, output_uri, job.job_id, model.pinned, terms)
+    lease = OutputLease.acquire(output.fs, output.root, output.uri, job.job_id, model.pinned, terms)
     try:
-        if recorded is None:
-            _refuse_another_job(output, output.create_job(job), sha256, checked.model, lines_per_part)  # a race lost
-        plan.pending = pending_parts(parts, output.committed_parts())
+        if not plan.recorded:  # a race lost: another run recorded another job meanwhile
+            _refuse_another_job(output, output.create_job(job), job.input_sha256, plan.file.model, job.lines_per_part)
+        plan.pending = pending_parts(plan.parts, output.committed_parts())
     except BaseException:
         lease.release()
         raise
     lease.start_heartbeat()
     plan.lease = lease
     run_logger().info("OpenAI batch job %s: %d lines, model %s, %d of %d parts to answer", job.job_id,
-                      len(checked.entries), model.pinned, len(plan.pending), len(parts))
+                      len(plan.file.entries), model.pinned, len(plan.pending), len(plan.parts))
     return plan
 
 

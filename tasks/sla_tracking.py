@@ -26,6 +26,7 @@ from typing import Any, Callable
 from prefect.artifacts import create_table_artifact
 from prefect.events import emit_event
 
+from shardline.figures import moment, rate, span
 from shardline.sla_projection import ProgressPoint, Projection, Sla, project
 from shardline.storage.job_records import JobRecord, JobRecords, JobState
 from shardline.tasks.logs import run_logger
@@ -87,8 +88,7 @@ class SlaTracker:
         self.interval, self.window, self.clock = interval_s, timedelta(seconds=window_s), clock
         self._send = emit
         self.total = record.shards_total
-        self.baseline = record.shards_done
-        self.trace: list[ProgressPoint] = [ProgressPoint(clock(), self.baseline, 0)]
+        self.trace: list[ProgressPoint] = [ProgressPoint(clock(), record.shards_done, 0)]
         self.status = "on-track"
         self.emitted: list[str] = []
         self._lock = threading.Lock()
@@ -98,12 +98,13 @@ class SlaTracker:
         self._settled_at: datetime | None = None
 
     # -- the watcher -------------------------------------------------------------------------------
-    def __call__(self, settled: int, todo: int, rows: int) -> None:
-        """Record progress (shards settled this run of ``todo``, rows); check at most every interval."""
+    def __call__(self, settled: int, total: int, rows: int) -> None:
+        """Record progress (the job's shards settled of ``total``, rows scored this run); check at most every
+        interval, and when the last shard settles."""
         now = self.clock()
         with self._lock:
-            self.trace.append(ProgressPoint(now, self.baseline + settled, rows))
-            due = now.timestamp() - self._last_check >= self.interval or settled == todo
+            self.trace.append(ProgressPoint(now, settled, rows))
+            due = now.timestamp() - self._last_check >= self.interval or settled == total
         if due:
             self.check()
 
@@ -214,18 +215,27 @@ def planned_vs_actual(sla: Sla, finished: datetime, shards: int, rows: int) -> d
         "status": "met" if finished <= sla.deadline else "breached",
         "shards": shards,
         "rows": rows,
-        "planned_shards_per_second": round(shards / budget, 4) if budget > 0 else None,
-        "actual_shards_per_second": round(shards / taken, 4) if taken > 0 else None,
+        "planned_shards_per_second": float(f"{shards / budget:.4g}") if budget > 0 else None,
+        "actual_shards_per_second": float(f"{shards / taken:.4g}") if taken > 0 else None,
     }
 
 
-def publish_sla_table(job_id: str, planned: dict[str, Any], key: str) -> None:
-    """A Prefect table artifact: planned vs actual, one row per measure, under ``key`` (the job's, not the run's)."""
-    pairs = [
-        ("finish", planned["deadline"], planned["finished"]),
-        ("seconds", planned["budget_seconds"], planned["actual_seconds"]),
-        ("shards per second", planned["planned_shards_per_second"], planned["actual_shards_per_second"]),
-        ("SLA", "met", planned["status"]),
+def sla_table(planned: dict[str, Any]) -> list[dict[str, str]]:
+    """The SLA table's rows (measure, planned, actual) from the manifest's ``sla`` section, for a person: times,
+    durations and rates in their units; the last row says whether the promise was kept, and by how much."""
+    budget, taken = planned["budget_seconds"], planned["actual_seconds"]
+    shards, rows = planned["shards"], planned["rows"]
+    spare = budget - taken  # the deadline less the finish
+    return [
+        {"measure": "finish", "planned": f"by {moment(planned['deadline'])}", "actual": moment(planned["finished"])},
+        {"measure": "time taken", "planned": f"at most {span(budget)}", "actual": span(taken)},
+        {"measure": "throughput", "planned": f"at least {rate(shards, budget, 'shards')} ({shards:,} shards)",
+         "actual": f"{rate(shards, taken, 'shards')}, {rate(rows, taken, 'rows')}"},
+        {"measure": "SLA", "planned": "met: finished by the deadline",
+         "actual": f"met, {span(spare)} to spare" if planned["status"] == "met" else f"breached, {span(-spare)} late"},
     ]
-    rows = [{"measure": m, "planned": str(p), "actual": str(a)} for m, p, a in pairs]
-    create_table_artifact(rows, key=key, description=f"batch job {job_id}: SLA planned vs actual")
+
+
+def publish_sla_table(job_id: str, planned: dict[str, Any], key: str) -> None:
+    """A Prefect table artifact: planned vs actual (:func:`sla_table`), under ``key`` (the job's, not the run's)."""
+    create_table_artifact(sla_table(planned), key=key, description=f"batch job {job_id}: SLA planned vs actual")

@@ -10,9 +10,7 @@ from typing import Callable
 import pytest
 
 from shardline.build.examples import write_shards
-
 from tests.conftest import BuiltModel
-from tests.e2e.conftest import SHARDLINE
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -52,6 +50,30 @@ def test_batch_run_prints_a_summary_and_exit_codes_tell_the_outcome(
     summary = json.loads(partial.stdout.strip().splitlines()[-1])
     assert summary["shards_skipped"] == 6 and summary["shards_quarantined"] == 1
     assert "broken.parquet" in summary["quarantined"]
+    assert summary["shards_unreadable"] == 1 and summary["rows_in"] == summary["rows_out"] == 12_000
+
+    # the progress bar counts the job's shards, the quarantined one too: 7/7, not 6/6
+    fresh = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards),
+                      "--output", str(tmp_path / "fresh"))
+    assert fresh.returncode == 3, fresh.stderr[-2000:]
+    assert " 7/7 12,000 rows " in fresh.stdout, fresh.stdout
+    assert "rows quarantined  0 rows + 1 unreadable shard, rows unknown" in fresh.stdout
+    reasons = [line for line in (fresh.stdout + fresh.stderr).splitlines() if "not a readable Parquet file" in line]
+    assert reasons == [line for line in fresh.stdout.splitlines() if line.startswith("quarantined broken.parquet: ")]
+    assert "quarantined broken.parquet (CorruptShard)" in fresh.stderr  # the log line names it, once without why
+
+    # every shard quarantined: its own exit code (running again cannot fix the data), not 1 ("failed: resume")
+    bad = tmp_path / "bad"
+    write_shards(bad, 2, 10)
+    for shard in bad.glob("*.parquet"):
+        shard.write_bytes(b"PAR1 nope")
+    none_scored = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(bad),
+                            "--output", str(tmp_path / "bad-out"))
+    assert none_scored.returncode == 5, none_scored.stderr[-2000:]
+    assert " 2/2 0 rows " in none_scored.stdout and "shards  2 (0 committed, 0 already done, 2 quarantined)" in (
+        none_scored.stdout)
+    assert "every shard was quarantined" in none_scored.stdout and "running again will not help" in none_scored.stdout
+    assert "error:" not in none_scored.stderr and "| ERROR" not in none_scored.stderr
 
     missing = shardline("batch", "run", "--model", "churn@prod", "--input", str(input_shards),
                         "--output", str(tmp_path / "out2"))

@@ -1,25 +1,38 @@
-"""A user error in `shardline batch run` ends with one `error:` line and exit 2: no traceback, no repeats.
+"""A wrong request to `shardline batch run`, `batch resume` or `batch openai` is refused before any flow run:
+one `error:` line on stderr (no INFO line, no progress bar, no traceback), nothing on stdout, exit code 2, and
+no flow run in the session's Prefect API (the UI does not fill with Failed runs). The checks run in the
+command when no warm batch runner runs yet, in the runner when one does, and in the command on the cold path.
 
-Prefect logs a failed task and flow run at ERROR with their tracebacks and repeats the error in its
-"Finished in state Failed" lines; for an error the user must fix, the CLI's one line says it all,
-and the rest goes to DEBUG (shown with PREFECT_LOGGING_LEVEL=DEBUG). Each run goes through the
-flow (these errors are found inside it, not by the checks before Prefect starts).
+The flow checks the same again when it runs (a deployment's run, or what changed in between): its user
+errors are one line too (tests/integration/test_batch_bad_input.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import fsspec
+import httpx
 import pytest
 
 from shardline.build.examples import write_shards
+from shardline.cli.batch_runner import find
 from shardline.storage.lease import LeaseTerms, OutputLease
+from tests.e2e.test_batch_output import read_only
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
+RUN = ("batch", "run", "--model")
+
+
+def flow_runs(prefect_api: str) -> int:
+    """How many flow runs the session's Prefect API holds."""
+    answer = httpx.post(f"{prefect_api}/flow_runs/count", json={}, timeout=30)
+    answer.raise_for_status()
+    return int(answer.json())
 
 
 def assert_one_error_line(run: subprocess.CompletedProcess[str], message: str) -> None:
@@ -31,35 +44,160 @@ def assert_one_error_line(run: subprocess.CompletedProcess[str], message: str) -
     assert not [line for line in lines if "| ERROR" in line], run.stderr
 
 
-@pytest.mark.usefixtures("local_registry")
-def test_user_errors_inside_the_flow_print_one_line_and_exit_2(shardline: Shardline, tmp_path: Path) -> None:
-    empty = tmp_path / "empty"
-    empty.mkdir()
+def assert_refused(run: subprocess.CompletedProcess[str], message: str, stdout: str = "") -> None:
+    """Exit 2, and stderr exactly one `error:` line holding ``message`` (nothing before it: no INFO line, no
+    progress bar); stdout ``stdout`` (nothing, for `batch run`)."""
+    assert run.returncode == 2, run.stderr[-3000:]
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], run.stderr[-3000:]
+    assert run.stdout == stdout, run.stdout[-3000:]
+
+
+def refused_before_any_flow_run(shardline: Shardline, prefect_api: str,
+                                cases: list[tuple[tuple[str, ...], dict[str, str], str]]) -> None:
+    """Run each (args, environment, message) case: one error line each, and no flow run made by any."""
+    before = flow_runs(prefect_api)
+    for args, env, message in cases:
+        assert_refused(shardline(*args, **env), message)
+    assert flow_runs(prefect_api) == before
+
+
+@pytest.fixture
+def wrong_requests(tmp_path: Path) -> list[tuple[tuple[str, ...], dict[str, str], str]]:
+    """Every kind of wrong `batch run` request (README.md's exit code 2 list), with what its line must say."""
     shards = tmp_path / "input"
     write_shards(shards, 1, 100)
+    empty, a_file, in_use, other_model = (tmp_path / name for name in ("empty", "scores.parquet", "busy", "other"))
+    empty.mkdir()
+    a_file.write_bytes(b"not a folder")
+    other_model.mkdir()
+    (other_model / "_manifest.json").write_text(json.dumps(
+        {"job_id": "0123abcd", "job_key": "another-model", "model": {"pinned": "churn:2", "digest": "d"}}))
+    twins = tmp_path / "twins"
+    write_shards(twins, 1, 10)
+    (twins / "part-00000.pq").write_bytes((twins / "part-00000.parquet").read_bytes())
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(f"tenants:\n  - name: acme\n    batch: {{storage_prefixes: ['{tmp_path / 'acme'}']}}\n")
+    out = str(tmp_path / "out")
+    bc = ("breast-cancer@prod", "--input", str(shards))
+    return [
+        ((*RUN, "churn@prod", "--input", str(shards), "--output", out), {}, "model 'churn' is not in the registry"),
+        ((*RUN, "breast-cancer@canary", "--input", str(shards), "--output", out), {}, "has no alias 'canary'"),
+        ((*RUN, "breast-cancer:7", "--input", str(shards), "--output", out), {}, "has no version 7"),
+        ((*RUN, *bc, "--output", out, "--variant", "int8"), {}, "breast-cancer:1 has no variant 'int8'"),
+        ((*RUN, "breast-cancer@prod", "--input", str(tmp_path / "nowhere"), "--output", out), {}, "does not exist"),
+        ((*RUN, "breast-cancer@prod", "--input", str(empty), "--output", out), {},
+         f"the input '{empty}' holds no shard"),
+        ((*RUN, "breast-cancer@prod", "--input", f"{shards}?v=2", "--output", out), {}, "holds '?' or '#'"),
+        ((*RUN, "breast-cancer@prod", "--input", str(twins), "--output", out), {}, "would both write"),
+        ((*RUN, *bc, "--output", str(a_file)), {}, f"the output {a_file} is a file, not a folder"),
+        ((*RUN, *bc, "--output", str(shards / "scored")), {}, "lies inside the input"),
+        ((*RUN, *bc, "--output", str(in_use)), {}, f"the output {in_use} is in use by job job-elsewhere"),
+        ((*RUN, *bc, "--output", str(other_model)), {}, "holds the parts of job 0123abcd (model churn:2"),
+        ((*RUN, *bc, "--output", out, "--sla", "2x"), {}, "SLA '2x' is not a duration"),
+        ((*RUN, *bc, "--output", out, "--deadline", "2020-01-01T00:00Z"), {}, "is already past"),
+        ((*RUN, *bc, "--output", out, "--priority", "urgent"), {}, "priority 'urgent' is not one of high"),
+        ((*RUN, *bc, "--output", out, "--tenant", "initech"), {"SHARDLINE_TENANTS_FILE": str(tenants)},
+         "tenant 'initech' is not in the tenants file"),
+        ((*RUN, *bc, "--output", out, "--tenant", "acme"), {"SHARDLINE_TENANTS_FILE": str(tenants)},
+         "tenant 'acme' may not use"),
+        ((*RUN, *bc, "--output", out), {"SHARDLINE_BATCH_BATCH_ROWS": "many"},
+         "a setting is not valid: SHARDLINE_BATCH_BATCH_ROWS"),
+    ]
+
+
+@pytest.fixture
+def busy_output(tmp_path: Path) -> Iterator[Path]:
+    """``busy``, held by a live job's lease (this test process)."""
     busy = tmp_path / "busy"
-    fs = fsspec.filesystem("file")
-    lease = OutputLease.acquire(fs, str(busy), str(busy), "job-elsewhere", "breast-cancer:1", LeaseTerms())  # a live job
-    run = ("batch", "run", "--model")
+    lease = OutputLease.acquire(fsspec.filesystem("file"), str(busy), str(busy), "job-elsewhere", "breast-cancer:1",
+                                LeaseTerms())
     try:
-        cases = [
-            (shardline(*run, "breast-cancer@prod", "--input", str(empty), "--output", str(tmp_path / "out")),
-             f"the input '{empty}' holds no shard"),
-            (shardline(*run, "churn@prod", "--input", str(shards), "--output", str(tmp_path / "out")),
-             "model 'churn' is not in the registry"),
-            (shardline(*run, "breast-cancer@prod", "--input", str(shards), "--output", str(busy)),
-             f"the output {busy} is in use by job job-elsewhere"),
-        ]
+        yield busy
     finally:
         lease.release()
-    for finished, message in cases:
-        assert_one_error_line(finished, message)
+
+
+@pytest.mark.usefixtures("local_registry", "busy_output")
+def test_wrong_requests_are_refused_before_any_flow_run_with_one_line(
+    shardline: Shardline, prefect_api: str, wrong_requests: list[tuple[tuple[str, ...], dict[str, str], str]],
+    tmp_path: Path, shardline_home: Path,
+) -> None:
+    """Checked in the command: no batch runner runs yet, and a wrong request does not start one."""
+    refused_before_any_flow_run(shardline, prefect_api, wrong_requests)
+    assert not (tmp_path / "out").exists() and not (shardline_home / "runner" / "runner.json").exists()
+
+
+@pytest.mark.usefixtures("local_registry", "busy_output")
+def test_wrong_requests_are_refused_by_a_warm_runner_and_on_the_cold_path_alike(
+    shardline: Shardline, prefect_api: str, wrong_requests: list[tuple[tuple[str, ...], dict[str, str], str]],
+    tmp_path: Path, shardline_home: Path,
+) -> None:
+    warm_up = tmp_path / "warm-up"
+    write_shards(warm_up, 1, 10)
+    started = shardline(*RUN, "breast-cancer@prod", "--input", str(warm_up), "--output", str(tmp_path / "warm-out"))
+    assert started.returncode == 0, started.stderr[-3000:]
+    runner = find(shardline_home)
+    assert runner is not None  # the next requests are checked in the runner (those with other settings: here)
+
+    refused_before_any_flow_run(shardline, prefect_api, wrong_requests)
+    again = find(shardline_home)
+    assert again is not None and again.pid == runner.pid  # not replaced by a request with another setting
+    cold = {"SHARDLINE_BATCH_RUNNER_IDLE_S": "0"}  # each run in a supervised child of its own
+    refused_before_any_flow_run(shardline, prefect_api, [(args, {**env, **cold}, message)
+                                                         for args, env, message in wrong_requests[::3]])
     assert not (tmp_path / "out").exists()
 
-    debug = shardline(*run, "churn@prod", "--input", str(shards), "--output", str(tmp_path / "out"),
-                      PREFECT_LOGGING_LEVEL="DEBUG")
-    assert debug.returncode == 2 and debug.stderr.count("Traceback") == 2  # the task's and the flow's, at DEBUG
-    assert "DEBUG   | Flow run" in debug.stderr and "Encountered exception during execution: ModelNotFound" in debug.stderr
+
+@pytest.mark.usefixtures("local_registry")
+def test_an_output_that_cannot_be_written_is_refused_before_any_flow_run(
+    shardline: Shardline, prefect_api: str, tmp_path: Path
+) -> None:
+    shards, archive = tmp_path / "input", tmp_path / "archive"
+    write_shards(shards, 1, 100)
+    archive.mkdir()
+    with read_only(archive):
+        refused_before_any_flow_run(shardline, prefect_api, [
+            ((*RUN, "breast-cancer@prod", "--input", str(shards), "--output", str(archive)), {},
+             f"the output {archive} cannot be written"),
+        ])
+
+
+@pytest.mark.usefixtures("local_registry")
+def test_a_resume_whose_request_went_wrong_since_is_refused_before_any_flow_run(
+    shardline: Shardline, prefect_api: str, tmp_path: Path
+) -> None:
+    shards = tmp_path / "input"
+    write_shards(shards, 2, 50)
+    first = shardline(*RUN, "breast-cancer@prod", "--input", str(shards), "--output", str(tmp_path / "out"), "--json")
+    assert first.returncode == 0, first.stderr[-3000:]
+    job = json.loads(first.stdout.strip().splitlines()[-1])["job_id"]
+    for shard in shards.iterdir():
+        shard.unlink()
+
+    before = flow_runs(prefect_api)
+    resumed = shardline("batch", "resume", job)
+    assert_refused(resumed, f"the input '{shards}' holds no shard",
+                          stdout=f"resuming job {job} (completed, 2/2 shards settled)\n")
+    assert flow_runs(prefect_api) == before
+
+
+@pytest.mark.usefixtures("local_registry")
+def test_a_wrong_openai_batch_file_is_refused_before_any_flow_run(
+    shardline: Shardline, prefect_api: str, tmp_path: Path
+) -> None:
+    line = {"method": "POST", "url": "/v1/completions", "body": {"model": "tiny@prod", "prompt": "x"}}
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("".join(json.dumps({**line, "custom_id": "a"}) + "\n" for _ in range(2)))
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text(json.dumps({**line, "custom_id": "a"}) + "\n")
+    out = str(tmp_path / "answers")
+    refused_before_any_flow_run(shardline, prefect_api, [
+        (("batch", "openai", str(twice), "--output", out), {}, "custom_id 'a'"),
+        (("batch", "openai", str(unknown), "--output", out), {}, "model 'tiny' is not in the registry"),
+        (("batch", "openai", str(tmp_path / "none.jsonl"), "--output", out), {}, "does not exist"),
+    ])
+    assert not (tmp_path / "answers").exists()
 
 
 @pytest.mark.usefixtures("local_registry")

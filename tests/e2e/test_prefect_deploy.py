@@ -220,7 +220,7 @@ def test_the_readme_commands_deploy_everything_and_run_nightly(
     # the nightly run went through the worker, on the demo's data, and completed
     [nightly] = [d for d in deployments if d["name"] == "nightly"]
     [run] = prefect_server.post("/flow_runs/filter", {"deployments": {"id": {"any_": [nightly["id"]]}}})
-    assert run["state"]["type"] == "COMPLETED" and run["state"]["message"] == "3000 rows scored", run["state"]
+    assert run["state"]["type"] == "COMPLETED" and run["state"]["message"] == "3,000 rows scored", run["state"]
     assert run["work_pool_name"] == POOL
     output = prefect_server.checkout / "shardline-demo" / "nightly"
     assert ds.dataset(output, format="parquet").to_table().num_rows == 3_000 and (output / "_SUCCESS").exists()
@@ -306,7 +306,7 @@ def test_worker_runs_the_deployment_and_scores_every_row(
 
     state = prefect_server.get(f"/flow_runs/{flow_run_id}")["state"]
     assert state["type"] == "COMPLETED" and state["name"] == "Completed", f"{state}\n{_tail(log)}"
-    assert state["message"] == "12000 rows scored"
+    assert state["message"] == "12,000 rows scored"
     assert worker.returncode == 0, _tail(log)
 
     inputs = ds.dataset(input_shards, format="parquet").to_table()

@@ -86,3 +86,38 @@ def test_wrong_requests_fail_fast_and_write_nothing(
     raised = state.result(raise_on_failure=False)
     assert isinstance(raised, error) and message in str(raised)
     assert not out.exists()
+
+
+def test_a_user_error_the_flow_itself_finds_is_one_line_with_its_records_at_debug(
+    input_shards: Path, tmp_path: Path
+) -> None:
+    """`batch run` checks a request before it starts a flow run; the flow checks again (a deployment's run, or
+    what changed in between). What it finds then reaches the command as one line, exit 2: Prefect's ERROR
+    records of the failed task and flow run (tracebacks) go to DEBUG (``_cli_common.one_line_user_errors``)."""
+    import logging
+
+    from shardline.cli.batch_jobs import JobRequest, execute
+
+    class Seen(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.DEBUG)
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    seen = Seen()
+    loggers = [logging.getLogger(name) for name in ("prefect.task_runs", "prefect.flow_runs")]
+    for logger in loggers:
+        logger.addHandler(seen)
+    try:
+        outcome = execute(JobRequest(model="churn@prod", input_uri=str(input_shards), output_uri=str(tmp_path / "o")))
+    finally:
+        for logger in loggers:
+            logger.removeHandler(seen)
+
+    assert outcome.code == 2 and outcome.summary is None
+    assert outcome.error is not None and outcome.error.startswith("model 'churn' is not in the registry")
+    assert any("Beginning flow run" in r.getMessage() for r in seen.records)  # the handler hears the run's lines
+    assert not [r for r in seen.records if r.levelno >= logging.ERROR], [r.getMessage() for r in seen.records]
+    assert not (tmp_path / "o").exists()

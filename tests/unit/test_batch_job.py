@@ -9,9 +9,16 @@ from pathlib import Path
 import pytest
 
 from shardline.errors import InvalidSetting
+from shardline.storage.job_identity import JobSummary, summarize
 from shardline.storage.job_records import JobParameters
-from shardline.storage.job_identity import JobSummary
-from shardline.storage.output import JobManifest, ManifestModel, ManifestPart, ManifestQuarantine, OutputLayout
+from shardline.storage.output import (
+    JobManifest,
+    ManifestModel,
+    ManifestPart,
+    ManifestQuarantine,
+    OutputLayout,
+    PartRecord,
+)
 from shardline.tasks import batch as batch_tasks
 from shardline.tasks.batch_job import BatchJobSettings, admit_job
 
@@ -50,14 +57,29 @@ def test_the_summary_is_typed_and_its_plain_data_is_what_batch_run_json_prints()
                          rows_scored=20, steady_seconds=3.0, quarantined={"c.parquet": "CorruptShard: x"})
     data = summary.as_dict()
     assert list(data) == ["job_id", "model", "tenant", "output", "shards", "shards_committed", "shards_skipped",
-                          "shards_quarantined", "rows_in", "rows_out", "rows_quarantined", "rows_scored",
-                          "steady_seconds", "quarantined", "manifest", "steady_rows_per_second"]
+                          "shards_quarantined", "shards_unreadable", "rows_in", "rows_out", "rows_quarantined",
+                          "rows_scored", "steady_seconds", "quarantined", "manifest", "steady_rows_per_second"]
     assert data["steady_rows_per_second"] == 6.7 and json.loads(json.dumps(data))["quarantined"] == {
         "c.parquet": "CorruptShard: x"}
     assert summary.totals() == {"shards": 3, "shards_committed": 2, "shards_skipped": 1, "shards_quarantined": 1,
-                                "rows_in": 30, "rows_out": 20, "rows_quarantined": 10, "rows_scored": 20}
+                                "shards_unreadable": 0, "rows_in": 30, "rows_out": 20, "rows_quarantined": 10,
+                                "rows_scored": 20}
     with pytest.raises(ValueError):
         JobSummary.model_validate({**data, "rows_in": "many"})
+
+
+def test_an_unreadable_shard_counts_as_unreadable_and_its_unknown_rows_in_no_row_total() -> None:
+    def record(relative: str, status: str, rows_in: int | None, rows_out: int = 0) -> PartRecord:
+        return PartRecord(shard=f"/in/{relative}", relative=relative, fingerprint="f", job_key="k",
+                          status=status, rows_in=rows_in, rows_out=rows_out,  # type: ignore[arg-type]
+                          rows_quarantined=(rows_in or 0) if status == "quarantined" else 0)
+
+    new = [record("a.parquet", "committed", 10, 10), record("corrupt.parquet", "quarantined", None),
+           record("wrong.parquet", "quarantined", 5)]
+    summary = summarize(job_id="j", model="m:1", tenant="t", output="/o", total_shards=3, new=new, skipped=[])
+    assert (summary.shards_quarantined, summary.shards_unreadable) == (2, 1)
+    assert (summary.rows_in, summary.rows_out, summary.rows_quarantined) == (15, 10, 5)
+    assert summary.rows_in == summary.rows_out + summary.rows_quarantined  # over the rows that could be read
 
 
 def test_admission_returns_the_resolved_locations_the_job_then_uses(tmp_path: Path) -> None:

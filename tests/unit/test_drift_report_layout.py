@@ -16,7 +16,7 @@ import pytest
 from shardline.build.examples import breast_cancer, shard_table, shifted_table, with_site
 from shardline.quality.drift import DriftReport, drift_report
 from shardline.quality.profile import profile_table
-from shardline.quality.report import render_html, time_axis_limits
+from shardline.quality.report import render_html, score_axis_limits, time_axis_limits
 
 SVG_TAG = re.compile(r"<svg\b[^>]*>")
 TREND = re.compile(r"<figure class=trend>(.*?)</figure>", re.S)
@@ -82,3 +82,27 @@ def test_the_time_axis_spans_the_reports_with_a_margin(reference: dict) -> None:
     assert close[1] - close[0] >= timedelta(hours=1)
     page = render_html(reports[-1], reference, history=reports[:-1])
     assert _trend_years(page) <= {"2027"}
+
+
+def _trend_texts(page: str) -> list[str]:
+    [trend] = TREND.findall(page)
+    return [t.strip() for t in re.findall(r"<text\b[^>]*>(.*?)</text>", trend, re.S)]
+
+
+def test_the_score_axis_starts_at_zero_and_no_stray_date_sits_under_the_time_axis(reference: dict) -> None:
+    """One report under its threshold (score 0.5) drew an axis from 0.45, its point on the floor, and the
+    time axis's offset ('2027-Mar-05') under its right end: the axis now starts at 0, reaches past the
+    threshold, and the year is in the axis's label."""
+    until = datetime(2027, 3, 4, 5, 0, tzinfo=timezone.utc)
+    rows = with_site(shard_table(breast_cancer(), 2_000, 0, 8), seed=9)
+    calm = drift_report(reference, rows, model="breast-cancer:1", since=until - timedelta(hours=24), until=until)
+    assert not calm.drifted and 0 < calm.score < 1
+
+    texts = _trend_texts(render_html(calm, reference, history=[calm]))
+
+    ticks = [float(t) for t in texts if re.fullmatch(r"\d+\.\d", t)]
+    assert ticks[0] == 0.0 and ticks[-1] >= 1.0, ticks  # from 0, past the threshold line at 1
+    assert "end of the report's window (UTC), 2027" in texts
+    assert not [t for t in texts if re.search(r"20\d\d-", t)], texts  # no offset label such as '2027-Mar-05'
+    assert score_axis_limits([0.5]) == (0.0, 1.25)
+    assert score_axis_limits([4.0, float("nan")]) == (0.0, pytest.approx(4.4))

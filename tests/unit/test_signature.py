@@ -72,6 +72,39 @@ def test_schema_problems_say_what_got_and_do() -> None:
     assert schema_problems(pa.schema([("age", pa.float64()), ("city", pa.string())]), inputs, "m") == []
 
 
+def test_many_missing_or_mistyped_columns_are_one_line_each_not_one_sentence_per_column() -> None:
+    """A shard of the wrong data set: 30 columns missing read as one line (the batch quarantine reason, the CLI
+    and the online tier's 400 all carry it), naming the first five and what the data has."""
+    from shardline.build.examples import breast_cancer
+    from shardline.errors import SchemaMismatch
+    from shardline.rows import check_rows
+
+    names = breast_cancer().names
+    signature = Signature(inputs=[ColumnSpec(name=n, type="float32") for n in names],
+                          outputs=[ColumnSpec(name="label", type="int64")])
+    wrong = pa.table({"id": [1, 2], "foo": ["a", "b"]})
+
+    problems = schema_problems(wrong.schema, signature.inputs, "breast-cancer:1")
+
+    assert problems == [
+        "30 of 30 columns the model 'breast-cancer:1' needs are missing: 'mean radius', 'mean texture', "
+        "'mean perimeter', 'mean area', 'mean smoothness', ... (all float32); the data has 2 columns: 'id', 'foo'; "
+        "add them or pick the model this data was made for"
+    ]
+    with pytest.raises(SchemaMismatch) as refused:  # the one row check both tiers call: the same one line
+        check_rows(wrong, signature, "breast-cancer:1")
+    assert str(refused.value) == problems[0] and refused.value.problems == problems
+
+    strings = pa.table({n: pa.array(["1.0"]) for n in names[:7]} | {names[7]: pa.array([True])}
+                       | {n: pa.array([1.0]) for n in names[8:]})
+    [mistyped] = schema_problems(strings.schema, signature.inputs, "breast-cancer:1")
+    assert mistyped == (
+        "8 columns have types the model 'breast-cancer:1' cannot read: 'mean radius', 'mean texture', "
+        "'mean perimeter', 'mean area', 'mean smoothness', ... are string, expected float32; 'mean concave points' "
+        "is bool, expected float32; cast them to the types expected before scoring"
+    )
+
+
 def test_signature_refuses_repeated_columns() -> None:
     with pytest.raises(ValueError, match="column names repeat: \\['a'\\]"):
         Signature(inputs=[ColumnSpec(name="a", type="float32")] * 2, outputs=[ColumnSpec(name="y", type="int64")])

@@ -1,0 +1,68 @@
+"""Figures as a person reads them in a report, an artifact or the command's summary: counts, rates, durations.
+
+One place for them, so the CLI, the Prefect artifacts and the job's messages say ``200,000 rows``,
+``14.6 shards/min`` and ``2h03m`` alike, not ``200000``, ``0.2433 shards/s`` and ``7380.0``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+_PER = (("s", 1.0), ("min", 60.0), ("h", 3600.0))
+
+
+def amount(value: float) -> str:
+    """A quantity to read: thousands separated from 100 up, one decimal from 10, two significant digits below.
+
+    ``4,878``; ``14.6``; ``0.42``; ``0``.
+    """
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2g}" if value else "0"
+
+
+def rate(count: float, seconds: float, unit: str) -> str:
+    """``count`` per ``seconds`` in the first of per second, per minute, per hour that makes it at least 1:
+    ``4,878 rows/s``, ``14.6 shards/min``, ``0.42 shards/h``; ``unknown`` when no time passed."""
+    if seconds <= 0:
+        return "unknown"
+    if count <= 0:
+        return f"0 {unit}/s"
+    per_second = count / seconds
+    for name, scale in _PER:
+        if per_second * scale >= 1 or name == _PER[-1][0]:
+            return f"{amount(per_second * scale)} {unit}/{name}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def span(seconds: float) -> str:
+    """A duration: ``0.4 s``, ``12 s``, ``41m05s``, ``2h03m``, ``3d04h``."""
+    if seconds < 10:
+        return f"{max(seconds, 0):.1f} s"
+    whole = int(round(seconds))
+    if whole < 60:
+        return f"{whole} s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours < 48 else f"{hours // 24}d{hours % 24:02d}h"
+
+
+def rows_quarantined(rows: int, unreadable_shards: int = 0) -> str:
+    """The quarantined rows as a report says them: ``5,000 rows``; with shards that could not be read at all
+    (their rows are unknown, and counted nowhere), ``5,000 rows + 1 unreadable shard (rows unknown)``."""
+    text = f"{rows:,} row{'s' if rows != 1 else ''}"
+    if unreadable_shards:
+        text += f" + {unreadable_shards:,} unreadable shard{'s' if unreadable_shards != 1 else ''}, rows unknown"
+    return text
+
+
+def moment(iso: str) -> str:
+    """An ISO 8601 time as ``2026-12-01 06:00:00 UTC``; the text as it is when it does not parse."""
+    try:
+        return datetime.fromisoformat(iso).strftime("%Y-%m-%d %H:%M:%S %Z").strip()
+    except ValueError:
+        return iso

@@ -1,0 +1,144 @@
+"""What planning a batch job finds before it writes anything: the model, the input, what the output holds.
+
+Plain functions (no Prefect task): the plan task (``tasks/batch.py``, ``plan_batch_job``) calls
+:func:`survey_job` and then takes the output; `batch run` and `batch resume` call it, with
+:func:`check_output_free`, before they start a flow run (``tasks/batch_job.py``, ``check_job``), so
+a wrong request is refused without a flow run and without a write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardline.errors import InvalidSetting, OutputInUse
+from shardline.machines import machine_kind
+from shardline.placement import BatchWorkload, CostTable, candidates_from_profiles, choose_placement
+from shardline.settings import BatchSettings, DaskSettings, PlacementSettings, StorageSettings
+from shardline.storage.job_identity import foreign_parts, job_id, job_key, up_to_date
+from shardline.storage.lease import OutputLease
+from shardline.storage.output import OutputLayout, PartRecord, check_part_names, split_done
+from shardline.storage.registry import ModelRegistry, ResolvedModel
+from shardline.storage.retry import RetryPolicy, call_with_retries
+from shardline.storage.shards import ShardInfo, list_shards
+from shardline.tenants import check_custom_code
+
+
+@dataclass(frozen=True)
+class JobSurvey:
+    """What planning finds before it writes anything: the pinned model, the shards, the job's identity, and
+    whether the output already holds this very job finished (``settled``: its records; nothing to write)."""
+
+    registry: ModelRegistry
+    model: ResolvedModel
+    variant_note: str | None  # why ``variant='auto'`` chose what it chose, for the run's log
+    shards: list[ShardInfo]
+    key: str
+    job_id: str
+    layout: OutputLayout
+    retry: RetryPolicy
+    settled: list[PartRecord] | None
+
+
+def refuse_foreign(layout: OutputLayout, model: str, key: str, manifest: dict[str, Any] | None,
+                    ledger: dict[str, PartRecord]) -> None:
+    """Refuse an output holding another job's parts (another model or passthrough): mixing them would corrupt it.
+
+    Raises:
+        OutputInUse: naming the job and model the folder holds.
+    """
+    foreign = foreign_parts(manifest, ledger, key)
+    if foreign is not None:
+        raise OutputInUse(
+            f"the output {layout.uri} holds {foreign}; this job runs {model}, and mixing two models' parts "
+            "in one folder would corrupt it: choose another --output, or delete the folder to score it anew",
+            layout.uri, manifest.get("job_id") if manifest else None,
+        )
+
+
+def survey_job(
+    model: str, input_uri: str, output_uri: str, tenant: str, passthrough: list[str] | None,
+    storage: StorageSettings, batch: BatchSettings, dask: DaskSettings, variant: str | None = None,
+    link_roots: list[str] | None = None, placement: PlacementSettings | None = None, custom_code: bool = True,
+) -> JobSurvey:
+    """Every check of planning that reads and never writes: the model (alias, version, variant, custom code),
+    the input's listing, the part names, and what the output holds (links out of it, another model's parts,
+    this job already finished). `batch run` calls it before any flow run; the plan task calls it again.
+
+    Raises:
+        ModelNotFound: the model, alias, version or variant is not in the registry.
+        InvalidSetting: ``variant='auto'`` without ``placement``; the input is missing; a link leads out of
+            the input's allowed places or out of the output.
+        EmptyInput: the input holds no shard.
+        InvalidInput: two shards would write one part.
+        AccessDenied: the model carries its own code and the tenant may not run it.
+        OutputInUse: the output holds another model's (or passthrough's) parts.
+    """
+    registry = ModelRegistry.from_settings(storage)
+    if variant == "auto" and placement is None:
+        raise InvalidSetting("variant 'auto' weighs profiles by price: pass the placement settings")
+    costs = CostTable(per_hour=placement.costs_per_hour if placement is not None else {})
+    resolved, note = choose_variant(registry, registry.resolve(model), variant, dask.cluster == "local", costs)
+    check_custom_code(resolved.manifest.runtime, resolved.pinned, tenant, custom_code)
+    retry = RetryPolicy(batch.retry_attempts, batch.retry_base_s, max(batch.retry_cap_s, batch.retry_base_s))
+    shards = call_with_retries(
+        lambda: list_shards(input_uri, storage.storage_options, batch.shard_suffixes, link_roots), retry,
+        what="listing the input",
+    )
+    check_part_names(shards)
+    key = job_key(resolved.outputs_digest, passthrough)
+    this_job = job_id(key, shards, output_uri)
+    layout = OutputLayout(output_uri, storage.storage_options, this_job)
+    layout.refuse_links_out()  # a link below the output would carry the job's writes out of the folder admitted
+    settled = None
+    manifest = layout.finished_manifest()
+    if manifest is not None and manifest.get("job_id") == this_job:
+        ledger = call_with_retries(layout.read_ledger, retry, what="reading the job's ledger")
+        todo, done = split_done(shards, ledger, key, layout.present_parts())
+        if not todo and up_to_date(manifest, this_job, done):
+            settled = done  # a finished job's output is only read (a read-only archive re-run writes nothing)
+    if settled is None:
+        refuse_foreign(layout, resolved.pinned, key, layout.any_manifest(), {})
+    return JobSurvey(registry, resolved, note, shards, key, this_job, layout, retry, settled)
+
+
+def check_output_free(survey: JobSurvey) -> None:
+    """What taking the output would refuse, found without writing (``batch run``'s check before a flow run):
+    another job holds it, it holds another model's settled parts, or it cannot be written.
+
+    Raises:
+        OutputInUse: another job runs on it, or its ledger holds another model's parts.
+        OutputNotWritable: the output is a file or cannot be written (on local disk; elsewhere the flow's
+            first write, the lease, finds it).
+    """
+    if survey.settled is not None:
+        return  # a finished job writes nothing: a read-only archive is fine
+    layout = survey.layout
+    OutputLease.check_free(layout.fs, layout.root, layout.uri, survey.job_id)
+    ledger = call_with_retries(layout.read_ledger, survey.retry, what="reading the job's ledger")
+    refuse_foreign(layout, survey.model.pinned, survey.key, None, ledger)
+
+
+def choose_variant(
+    registry: ModelRegistry, model: ResolvedModel, variant: str | None, local: bool, costs: CostTable
+) -> tuple[ResolvedModel, str | None]:
+    """The model a job runs, and for 'auto' why (for the run's log): fp32 unless a variant is named.
+
+    'auto' weighs the version's profiles (measured on this machine kind when the
+    cluster is local, on every kind otherwise) by rows/s per cost (``costs``) and takes the best
+    variant. A variant changes the numbers (within the golden-set delta its gate
+    allowed), so a job only runs one when asked to.
+    """
+    if variant is None:
+        return model, None
+    if variant != "auto":
+        return model.variant(variant), None
+    here = machine_kind()
+    profiles = {k: p for k, p in registry.profiles(model.name, model.version).items() if not local or p.get("machine") == here}
+    candidates = candidates_from_profiles(profiles, costs)
+    known = [c for c in candidates if c.variant == "fp32" or c.variant in model.variants]
+    if not known:
+        return model, f"variant auto: {model.pinned} has no profile on {here}; running fp32"
+    chosen = choose_placement(BatchWorkload(), known)
+    note = f"variant auto: {chosen.reason}"
+    return (model if chosen.candidate.variant == "fp32" else model.variant(chosen.candidate.variant)), note

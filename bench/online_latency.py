@@ -23,6 +23,9 @@ The servers:
   a feature, not a tuning knob; ``--capture-rate``, 1.0 by default: every request's rows
   and answer go to Parquet, the harshest case), scalar layout only; its ratio to the
   platform is printed. Not in ``--quick`` unless named in ``--servers``.
+- traced: the same platform with OpenTelemetry tracing on (``OTEL_TRACES_EXPORTER=otlp`` to a sink on
+  loopback in this process, ``parentbased_traceidratio`` at ``--trace-ratio``, 1% by default), scalar
+  layout only; its ratio to the platform (tracing off, the default) is printed.
 - floor, litserve: see bench/online_peers.py (the floor: one bare Starlette worker that
   decodes the same body as the platform gets, in each layout, and calls the session on
   the event loop, one intra-op thread; LitServe with its defaults, in its own virtual
@@ -54,6 +57,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -77,7 +81,8 @@ API_KEY = "shardline-bench-key"
 P50_RATIO_TARGET = 1.3  # platform p50 at the light rate <= 1.3 x the floor's
 FLOOR_RATIO_TARGET = 0.6  # platform's highest held rate >= 0.6 x the floor's
 PEER_RATIO_TARGET = 4.0  # ... and >= 4 x LitServe's
-SERVERS = ("platform", "capture", "floor", "litserve")
+SERVERS = ("platform", "capture", "traced", "floor", "litserve")
+PLATFORMS = ("platform", "capture", "traced")  # `shardline serve`, on its defaults but for the one feature named
 QUICK_SERVERS = ("platform", "floor", "litserve")
 LAYOUTS = {"scalar": "30 inputs of shape [1]", "nk": "one input of shape [1, 30]"}
 FLOOR_THREADS = 1  # the floor's and LitServe's intra-op threads: the fastest for one row of this model
@@ -271,10 +276,16 @@ def make_servers(names: list[str], data: dict[str, Any], args: argparse.Namespac
     scalar, nk = f"/v2/models/{MODEL}/infer", f"/v2/models/{MODEL_NK}/infer"
     for name in names:
         port = reserve_port()
-        if name in ("platform", "capture"):
+        if name in PLATFORMS:
             command = [sys.executable, "-m", "shardline.cli", "serve", "--port", str(port), "--tenants", data["tenants"],
                        "--metrics-port", str(reserve_port())]  # metrics on, on a listener of their own
-            server_env = dict(env, SHARDLINE_ONLINE_CAPTURE_RATE=str(args.capture_rate)) if name == "capture" else env
+            server_env = env
+            if name == "capture":
+                server_env = dict(env, SHARDLINE_ONLINE_CAPTURE_RATE=str(args.capture_rate))
+            elif name == "traced":
+                server_env = dict(env, OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=args.otlp_endpoint,
+                                  OTEL_TRACES_SAMPLER="parentbased_traceidratio",
+                                  OTEL_TRACES_SAMPLER_ARG=str(args.trace_ratio))
             server = Server(name, command, server_env, port, scalar, "/v2/health/ready")
             targets.append(Target(f"{name}", server, "scalar", scalar, data["v2"]))
             if name == "platform":
@@ -395,6 +406,7 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, l
     labels = {"platform": f"platform (shardline serve on its defaults), {LAYOUTS['scalar']}",
               "platform-nk": f"platform (shardline serve on its defaults), {LAYOUTS['nk']}",
               "capture": f"platform with capture (capture_rate {args.capture_rate:g}), {LAYOUTS['scalar']}",
+              "traced": f"platform with tracing (OTLP, sampled at {args.trace_ratio:g}), {LAYOUTS['scalar']}",
               "floor": f"floor (bare Starlette, 1 uvicorn worker), {LAYOUTS['scalar']}",
               "floor-nk": f"floor (bare Starlette, 1 uvicorn worker), {LAYOUTS['nk']}",
               "litserve": f"LitServe (1 API server + 1 inference worker, max_batch_size {args.litserve_batch}), "
@@ -455,22 +467,23 @@ def ratios(summary: dict[str, dict[str, Any]], light: float) -> bool:
     return ok
 
 
-def capture_ratios(results: dict[str, list[dict[str, Any]]], summary: dict[str, dict[str, Any]], light: float,
-                   rate: float) -> None:
-    """Print what capture changes: p50 at each rate both held, and the highest rate held (no target: report)."""
-    if "capture" not in summary or "platform" not in summary:
-        return
-    on, off = summary["capture"], summary["platform"]
+def feature_ratios(results: dict[str, list[dict[str, Any]]], summary: dict[str, dict[str, Any]], light: float,
+                   name: str, label: str) -> bool:
+    """Print what a feature (capture, tracing) changes against the same platform without it: p50 at each rate
+    both held, and the highest rate held (no target: a report). False when the series did not run."""
+    if name not in summary or "platform" not in summary:
+        return False
+    on, off = summary[name], summary["platform"]
     by_rate = {s["rate"]: s for s in results["platform"] if held(s)}
-    pairs = [(s["p50_ms"], by_rate[s["rate"]]["p50_ms"], s["rate"]) for s in results["capture"]
+    pairs = [(s["p50_ms"], by_rate[s["rate"]]["p50_ms"], s["rate"]) for s in results[name]
              if held(s) and s["rate"] in by_rate]
-    print(f"\ncapture (capture_rate {rate:g}) on / off, same platform:")
+    print(f"\n{label} on / off, same platform:")
     print(f"  p50 at {light:,.0f}/s: {on['p50'] / off['p50']:.2f}x ({_fmt(on['p50'], '.2f')} vs {_fmt(off['p50'], '.2f')} ms)")
     for p_on, p_off, r in sorted(pairs, key=lambda p: p[2])[1:]:
         print(f"  p50 at {r:,.0f}/s: {p_on / p_off:.2f}x ({p_on:.2f} vs {p_off:.2f} ms)")
     held_ratio = on["held"] / off["held"] if off["held"] else math.nan
     print(f"  rate held at p99<{P99_TARGET_MS:.0f}ms: {held_ratio:.2f}x ({on['held']:,.0f} vs {off['held']:,.0f}/s)")
-    print(f"  rows captured to Parquet: {captured_rows():,}")
+    return True
 
 
 def captured_rows() -> int:
@@ -483,6 +496,38 @@ def captured_rows() -> int:
                for _, path in capture_files(str(DATA / "home" / "capture"), MODEL, tier="online"))
 
 
+class SpanSink:
+    """An OTLP/HTTP endpoint on loopback that takes the traced server's spans and counts them (a collector's
+    cost is not the server's)."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        sink = self
+        self.posts = self.spans_bytes = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                size = int(self.headers.get("content-length", 0))
+                self.rfile.read(size)
+                sink.posts += 1
+                sink.spans_bytes += size
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -490,7 +535,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line, with the defaults of full and quick runs filled in."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 rates, short steps, one refinement, no capture: ~2 minutes")
-    parser.add_argument("--servers", help="comma-separated subset of platform,capture,floor,litserve (default: all; "
+    parser.add_argument("--servers", help="comma-separated subset of platform,capture,traced,floor,litserve (default: all; "
                         "quick: platform,floor,litserve); platform and floor are measured in both layouts")
     parser.add_argument("--rates",
                         help="the ladder, req/s, comma-separated (default 100..25600 doubling; quick 100,1600,3200)")
@@ -512,6 +557,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--litserve-batch-timeout", type=float, default=0.0, help="LitServe batch_timeout, seconds")
     parser.add_argument("--capture-rate", type=float, default=1.0,
                         help="capture_rate of the 'capture' server (default 1.0: every request, the harshest case)")
+    parser.add_argument("--trace-ratio", type=float, default=0.01,
+                        help="the 'traced' server's sampling ratio (parentbased_traceidratio; default 0.01)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
     args.ladder = [float(r) for r in args.rates.split(",")] if args.rates else (
@@ -534,11 +581,11 @@ def main(argv: list[str] | None = None) -> int:
     """Prepare the model, start the servers, run the ladder against them in turn, print the tables and ratios."""
     args = parse_args(argv)
     names = args.names
-    if {"platform", "capture"} & set(names):
+    if set(PLATFORMS) & set(names):
         missing = platform_help()
         if missing:
             print(f"note: skipping the platform: {missing}", flush=True)
-            names = args.names = [n for n in names if n not in ("platform", "capture")]
+            names = args.names = [n for n in names if n not in PLATFORMS]
     if "litserve" in names:
         args.peer_python = ensure_peer_env()
 
@@ -557,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     if load > 0.5:
         print("  warning: something else is using the CPUs; the figures will be noisy", flush=True)
 
+    sink = SpanSink()
+    args.otlp_endpoint = sink.endpoint
     servers, targets = make_servers(names, data, args)
     try:
         for server in servers:  # all up at once (idle, each uses ~0% CPU); the rates alternate between them
@@ -564,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             for target in (t for t in targets if t.server is server):
                 check_answer(target, data["expected"])
             print(f"  {server.name}: ready in {ready:.1f} s, answers as the model does", flush=True)
-            if server.name in ("platform", "capture"):
+            if server.name in PLATFORMS:
                 settings = effective_settings(server)
                 shown = ", ".join(f"{k} {v}" for k, v in settings.items()) if settings else "(no 'serving settings' line)"
                 print(f"    effective settings, from its start-up log: {shown}", flush=True)
@@ -572,10 +621,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server in servers:
             server.stop()
+        sink.close()
     summary = report(results, args, light)
     (DATA / "last-run.json").write_text(json.dumps({"steps": results, "summary": summary}, indent=1))
     met = ratios(summary, light)
-    capture_ratios(results, summary, light, args.capture_rate)
+    if feature_ratios(results, summary, light, "capture", f"capture (capture_rate {args.capture_rate:g})"):
+        print(f"  rows captured to Parquet: {captured_rows():,}")
+    if feature_ratios(results, summary, light, "traced", f"tracing (sampled at {args.trace_ratio:g}, OTLP to loopback)"):
+        print(f"  spans exported: {sink.spans_bytes:,} bytes in {sink.posts:,} posts")
     return 1 if args.strict and not met else 0
 
 

@@ -18,6 +18,8 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind, set_span_in_context
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -27,6 +29,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shardline.observability import tracing
 from shardline.online.admission import asked_timeout_s
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import json_response
@@ -46,6 +49,7 @@ from shardline.online.protocols.forms import openai_error_body, v2_error_body
 access_log = logging.getLogger(ACCESS_LOGGER)
 _REQUEST_ID = b"x-request-id"
 _TIMEOUT = TIMEOUT_HEADER.encode()
+_TRACEPARENT = tracing.TRACEPARENT.encode()
 
 
 class RequestMiddleware:
@@ -60,14 +64,51 @@ class RequestMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        header = timeout = None
+        header = timeout = traceparent = None
         for key, value in scope["headers"]:
             if key == _REQUEST_ID:
                 header = value
             elif key == _TIMEOUT:
                 timeout = asked_timeout_s(value.decode("latin-1"))
+            elif key == _TRACEPARENT:
+                traceparent = value
         info = RequestInfo(request_id_from(header.decode("latin-1") if header is not None else None),
                            deadline=None if timeout is None else time.monotonic() + timeout)
+        if tracing.ENABLED:
+            await self._traced(scope, receive, send, info, traceparent)
+            return
+        if traceparent is not None:
+            info.trace_id = tracing.trace_id_of(traceparent)
+        await self._handled(scope, receive, send, info)
+
+    async def _traced(self, scope: Scope, receive: Receive, send: Send, info: RequestInfo,
+                      traceparent: bytes | None) -> None:
+        """The request under a server span (the caller's ``traceparent`` its parent) that ends when the last
+        byte of the answer is sent: for a stream, its last token."""
+        span = tracing.start(f"{scope['method']} {scope['path']}", kind=SpanKind.SERVER,
+                             parent=tracing.parent_from(traceparent),
+                             attributes={"http.request.method": scope["method"], "url.path": scope["path"],
+                                         "shardline.request_id": info.request_id})
+        info.trace_id = tracing.hex_trace_id(span)
+        if not span.is_recording():  # sampled out: nothing below it records either
+            await self._handled(scope, receive, send, info)
+            span.end()
+            return
+        token = otel_context.attach(set_span_in_context(span))
+        try:
+            status = await self._handled(scope, receive, send, info)
+        except BaseException as e:
+            tracing.end(span, error=e)
+            raise
+        finally:
+            otel_context.detach(token)
+        for name, value in (("shardline.model", info.model), ("shardline.version", info.version),
+                            ("shardline.tenant", info.tenant)):
+            if value:
+                span.set_attribute(name, value)
+        tracing.end(span, status)
+
+    async def _handled(self, scope: Scope, receive: Receive, send: Send, info: RequestInfo) -> int:
         token = CURRENT.set(info)
         started = time.perf_counter()
         status = 500
@@ -99,6 +140,7 @@ class RequestMiddleware:
                     access_log.handle(access_log.makeRecord(
                         access_log.name, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields}))
             CURRENT.reset(token)
+        return status
 
 
 class InferFirst:
@@ -153,6 +195,7 @@ def create_app(plane: DataPlane, *, log_requests: bool = True) -> ASGIApp:
         finally:
             await plane.stop()
             flush_access_log()
+            tracing.shutdown()
 
     v2_routes = kserve_v2.routes(plane)
     routes: list[Any] = [

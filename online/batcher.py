@@ -45,8 +45,10 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, TypeAlias
 
 import numpy as np
 import pyarrow as pa
+from opentelemetry.trace import Link, Span
 
 from shardline.errors import InferenceFailed, InvalidBundle, Overloaded, RuntimeUnavailable
+from shardline.observability import tracing
 from shardline.online.admission import SHED_SHARE, admits, drain_seconds, retry_after
 from shardline.rows import Rows
 from shardline.tenants import PRIORITIES, Priority
@@ -99,6 +101,7 @@ class Pending:
     enqueued: float
     future: asyncio.Future[Answer] = field(repr=False)
     nbytes: int = 0  # of the rows, as ``rows_nbytes`` counts them
+    span: Span | None = field(default=None, repr=False)  # its time in the batcher, when tracing is on
 
     @property
     def rows(self) -> int:
@@ -225,7 +228,10 @@ class Batcher:
                 retry_after(wait),
             )
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        self._queues[priority].append(Pending(inputs, priority, self._clock(), future, nbytes))
+        pending = Pending(inputs, priority, self._clock(), future, nbytes)
+        if tracing.ENABLED and tracing.recording():
+            pending.span = _queued_span(self.model, inputs.num_rows, priority, future)
+        self._queues[priority].append(pending)
         self._queued_rows += inputs.num_rows
         self._queued_bytes += nbytes
         self._dispatch()
@@ -248,13 +254,20 @@ class Batcher:
         started = self._clock()
         self._running_batches += 1
         self._running_requests += 1
+        began = time.time_ns() if tracing.ENABLED and tracing.recording() else 0
         try:
             output = inline(inputs)
+        except BaseException as e:
+            if began:
+                tracing.end(self._inline_span(rows, began), error=e)
+            raise
         finally:
             self._running_batches -= 1
             self._running_requests -= 1
         if output is None:
             return None
+        if began:
+            self._inline_span(rows, began).end()
         got = _rows_of(output, rows)
         if got != rows:
             raise self._wrong_rows(got, rows)
@@ -327,15 +340,20 @@ class Batcher:
         """Score requests of one kind (all tables or all float arrays) in one call and answer each."""
         rows = total_rows(batch)
         inputs = batch[0].inputs if len(batch) == 1 else Rows.concat([p.inputs for p in batch])
+        span = self._predict_span(batch, rows) if tracing.ENABLED and any(p.span for p in batch) else None
         try:
             output = await self._score(inputs)
         except Exception as e:  # noqa: BLE001 - each request gets the outcome that is its own
+            if span is not None:
+                tracing.end(span, error=e)
             if len(batch) == 1 or isinstance(e, _MODEL_WIDE):
                 for pending in batch:
                     _fail(pending, e)
             else:
                 await self._one_by_one(batch)
             return
+        if span is not None:
+            span.end()
         got = _rows_of(output, rows)
         if got != rows:
             error = self._wrong_rows(got, rows)
@@ -346,6 +364,20 @@ class Batcher:
         for pending in batch:
             _answer(pending, _part(output, offset, pending.rows))
             offset += pending.rows
+
+    def _inline_span(self, rows: int, began_ns: int) -> Span:
+        """The runtime's call for rows scored inline (made once it took them: a declined call leaves no span)."""
+        return tracing.start("shardline.runtime.predict", start_time=began_ns, attributes={
+            "shardline.model": self.model, "shardline.batch.rows": rows, "shardline.batch.requests": 1})
+
+    def _predict_span(self, batch: list[Pending], rows: int) -> Span:
+        """The runtime's call for a batch: a child of its first request's time in the batcher, linked to every
+        request's (one batch serves several traces)."""
+        first = next((p.span for p in batch if p.span is not None), None)
+        parent = None if first is None else tracing.context_of(first)
+        return tracing.start("shardline.runtime.predict", parent=parent, attributes={
+            "shardline.model": self.model, "shardline.batch.rows": rows, "shardline.batch.requests": len(batch),
+        }, links=[Link(p.span.get_span_context()) for p in batch if p.span is not None])
 
     async def _one_by_one(self, batch: list[Pending]) -> None:
         for pending in batch:
@@ -395,6 +427,19 @@ def _answer(pending: Pending, answer: Answer) -> None:
 def _fail(pending: Pending, error: BaseException) -> None:
     if not pending.future.done():
         pending.future.set_exception(error)
+
+
+def _queued_span(model: str, rows: int, priority: Priority, future: asyncio.Future[Answer]) -> Span:
+    """A request's time in the batcher, from its arrival to its answer (a child of the request's span)."""
+    span = tracing.start("shardline.batcher", attributes={
+        "shardline.model": model, "shardline.rows": rows, "shardline.priority": str(priority)})
+
+    def done(future: asyncio.Future[Answer]) -> None:
+        error = None if future.cancelled() else future.exception()
+        tracing.end(span, error=error)
+
+    future.add_done_callback(done)
+    return span
 
 
 def total_rows(batch: Iterable[Pending]) -> int:

@@ -31,7 +31,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
 
+from opentelemetry.trace import Span, SpanKind
+
 from shardline.errors import DeadlineExceeded, InvalidInput, RateLimited
+from shardline.observability import tracing
 from shardline.online.admission import TokenBucket, retry_after
 from shardline.online.headers import TIMEOUT_HEADER
 from shardline.online.logs import deadline_left
@@ -170,11 +173,13 @@ class Generations:
                 released = True
                 gate.close()
 
+        operation = "text_completion" if request.messages is None else "chat"
         return Generation(served, len(prompt_ids), self._events(tenant, served, engine, prompt_ids, params, gate,
-                                                                release), release)
+                                                                release, operation), release)
 
     async def _events(self, tenant: Tenant, served: ServedModel, engine: Engine, prompt_ids: list[int],
-                      params: SamplingParams, gate: LlmGate, release: Callable[[], None]) -> AsyncGenerator[Any, None]:
+                      params: SamplingParams, gate: LlmGate, release: Callable[[], None],
+                      operation: str = "text_completion") -> AsyncGenerator[Any, None]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -188,10 +193,12 @@ class Generations:
         metrics = plane.metrics
         model, version = served.name, str(served.version)
         metrics.llm_streams.labels(model).inc()
-        started = last = time.perf_counter()
+        span = _generation_span(operation, model, version, len(prompt_ids), params) if tracing.ENABLED and tracing.recording() else None
+        started = last = first = time.perf_counter()
         handle = engine.submit(prompt_ids, params, on_event)
         finished = False
         completion = 0
+        reason = None
         try:
             while True:
                 event = await queue.get()
@@ -199,6 +206,7 @@ class Generations:
                 served.last_used = plane.clock()  # a stream keeps its model loaded
                 if event.token_ids:
                     if completion == 0:
+                        first = now
                         metrics.llm_first_token(model, version, tenant.name, now - started)
                     else:
                         metrics.llm_between_tokens(model, version, now - last)
@@ -206,11 +214,11 @@ class Generations:
                     completion += len(event.token_ids)
                     if not gate.spend(len(event.token_ids)) and event.finish_reason is None:
                         handle.cancel()
-                        finished = True
+                        finished, reason = True, "length"
                         yield _ran_out(event, tenant)
                         return
                 if event.finish_reason is not None:
-                    finished = True
+                    finished, reason = True, event.finish_reason
                 yield event
                 if finished:
                     return
@@ -220,6 +228,29 @@ class Generations:
             release()
             metrics.llm_streams.labels(model).dec()
             metrics.llm_tokens(model, version, tenant.name, len(prompt_ids), completion)
+            if completion > 1:
+                metrics.llm_per_output_token(model, version, tenant.name, (last - first) / (completion - 1))
+            if span is not None:
+                span.set_attributes({"gen_ai.usage.input_tokens": len(prompt_ids),
+                                     "gen_ai.usage.output_tokens": completion,
+                                     "gen_ai.response.finish_reasons": [reason or "cancelled"]})
+                if completion:
+                    span.set_attribute("shardline.time_to_first_token_s", first - started)
+                span.end()
+
+
+def _generation_span(operation: str, model: str, version: str, prompt_tokens: int, params: Any) -> Span:
+    """A generation's span with the OpenTelemetry GenAI attributes; it ends with the last token."""
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": operation, "gen_ai.provider.name": "shardline", "gen_ai.request.model": model,
+        "gen_ai.response.model": f"{model}:{version}", "gen_ai.request.max_tokens": params.max_tokens,
+        "gen_ai.usage.input_tokens": prompt_tokens,
+    }
+    for name, value in (("gen_ai.request.temperature", params.temperature), ("gen_ai.request.top_p", params.top_p),
+                        ("gen_ai.request.seed", params.seed)):
+        if value is not None:
+            attributes[name] = value
+    return tracing.start(f"{operation} {model}", kind=SpanKind.INTERNAL, attributes=attributes)
 
 
 def _ran_out(event: Any, tenant: Tenant) -> Any:

@@ -1,4 +1,4 @@
-"""Structured logs: one JSON object per line, each with the id of the request it belongs to.
+"""Structured logs: one JSON object per line, each with the id of the request (and trace) it belongs to.
 
 The HTTP edge opens a ``RequestInfo`` per request (``X-Request-ID`` from the client, or
 a new one) and keeps it in a context variable, so every log line written while the
@@ -32,6 +32,7 @@ class RequestInfo:
     model: str = ""
     version: str = ""
     deadline: float | None = None  # time.monotonic() by which it must be answered (X-Shardline-Timeout-Ms)
+    trace_id: str = ""  # the W3C trace it belongs to (its traceparent's, or the server span's), "" when none
 
 
 CURRENT: contextvars.ContextVar[RequestInfo | None] = contextvars.ContextVar("shardline_request", default=None)
@@ -91,6 +92,8 @@ class JsonFormatter(logging.Formatter):
         info = CURRENT.get()
         if info is not None:
             line["request_id"] = info.request_id
+            if info.trace_id:
+                line["trace_id"] = info.trace_id
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             line.update(fields)
@@ -149,6 +152,8 @@ class BufferedLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         info = CURRENT.get()
         if info is not None:
             line["request_id"] = info.request_id
+            if info.trace_id:
+                line["trace_id"] = info.trace_id
         line.update(fields)
         self._append(orjson.dumps(line, default=str).decode() + self.terminator)
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator
 
 import orjson
-
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -33,6 +32,9 @@ from prometheus_client.registry import Collector
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MAX_CACHED = 4096  # label sets kept (a bound, should labels ever grow)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# The OpenTelemetry GenAI conventions' buckets for gen_ai.server.time_to_first_token and time_per_output_token.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 
@@ -236,7 +238,10 @@ class Metrics:
                                 "the capture store fell behind.", ["model", "version", "outcome"], registry=r)
         # LLM generation: time to first token, time between tokens, tokens per tenant, streams in flight.
         self.llm_ttft = Histogram("shardline_llm_time_to_first_token_seconds", "From a generation's start to its "
-                                  "first token.", ["model", "version", "tenant"], buckets=TOKEN_BUCKETS, registry=r)
+                                  "first token.", ["model", "version", "tenant"], buckets=TTFT_BUCKETS, registry=r)
+        self.llm_tpot = Histogram("shardline_llm_time_per_output_token_seconds", "A generation's time per output "
+                                  "token after its first (its decode time over its tokens less one).",
+                                  ["model", "version", "tenant"], buckets=TPOT_BUCKETS, registry=r)
         self.llm_itl = Histogram("shardline_llm_inter_token_seconds", "Between two tokens of one stream.",
                                  ["model", "version"], buckets=TOKEN_BUCKETS, registry=r)
         self.llm_token_count = Counter("shardline_llm_tokens", "Tokens metered: kind prompt or completion (their "
@@ -316,6 +321,10 @@ class Metrics:
     def llm_between_tokens(self, model: str, version: str, seconds: float) -> None:
         """The time between two tokens of a stream."""
         self.llm_itl.labels(model, version).observe(seconds)
+
+    def llm_per_output_token(self, model: str, version: str, tenant: str, seconds: float) -> None:
+        """A finished generation's time per output token after the first."""
+        self.llm_tpot.labels(model, version, tenant).observe(seconds)
 
     def llm_tokens(self, model: str, version: str, tenant: str, prompt: int, completion: int) -> None:
         """Meter one generation's tokens for its tenant."""

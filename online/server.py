@@ -42,6 +42,7 @@ from starlette.types import ASGIApp
 
 from shardline.errors import InvalidSetting
 from shardline.local_ports import inherited
+from shardline.observability import tracing
 from shardline.online.app import create_app
 from shardline.online.connection import bind_metrics_listener, uvicorn_options
 from shardline.online.dataplane import DataPlane
@@ -115,6 +116,7 @@ def worker_app() -> ASGIApp:
     given = json.loads(os.environ[SERVE_SETTINGS_ENV])
     online = OnlineSettings.model_validate(given["online"])
     logging.config.dictConfig(log_config(online.log_level))
+    tracing.configure("shardline-serve")
     app = build_app(online, StorageSettings(), RuntimeSettings(), TenancySettings.model_validate(given["tenancy"]))
     gc.freeze()  # what is loaded by now lives as long as the server: keep it out of every collection
     return app
@@ -174,6 +176,8 @@ def serve(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSett
         _check_address(online.host, online.port, "--host")
     main_sock = inherited_socket(online.fd, "--fd") if online.fd is not None else None
     workers = online.resolved_workers()
+    if workers == 1:
+        tracing.configure("shardline-serve")  # with workers, each worker process turns it on for itself
     tenants = tenant_directory(tenancy)
     log.info("serving settings", extra={"fields": serving_settings(online, runtime)})
     if workers == 1:

@@ -28,14 +28,14 @@ from shardline.online.logs import log_config
 from shardline.online.models import ModelDirectory
 from shardline.online.router.config import RouterConfig, load_router_config, local_config
 from shardline.online.router.data_plane import choose_data_plane
-from shardline.online.router.nginx_edge import NginxEdge, NginxLayout, listen_address
+from shardline.online.router.events import RouterEvents
 from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.local import LocalReplicas
-from shardline.online.router.events import RouterEvents
+from shardline.online.router.nginx_edge import NginxEdge, NginxLayout, listen_address
 from shardline.online.router.replicas import ReplicaSet
 from shardline.online.router.rollouts import RolloutBook
-from shardline.online.router.scaling import Activator, Scaler, ScalePolicy
 from shardline.online.router.router import Router
+from shardline.online.router.scaling import Activator, ScalePolicy, Scaler
 from shardline.online.router.service import RouterService, router_app
 from shardline.online.tenants import load_tenants
 from shardline.settings import OnlineSettings, RouterSettings, StorageSettings, TenancySettings
@@ -130,12 +130,14 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     """
     import uvicorn
 
+    from shardline.observability import tracing
     from shardline.online.connection import bind_metrics_listener, uvicorn_options
     from shardline.online.limits import open_files_limit, resolve_limits
     from shardline.online.metrics import metrics_app
 
     config_log = log_config(settings.log_level)
     logging.config.dictConfig(config_log)
+    tracing.configure("shardline-router")
     check_settings(settings, tenancy)
     assert tenancy.tenants_file
     load_tenants(tenancy.tenants_file)  # checked before any replica starts

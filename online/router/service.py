@@ -25,7 +25,10 @@ import time
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
+from opentelemetry.trace import SpanKind
+
 from shardline.errors import PayloadTooLarge
+from shardline.observability import tracing
 from shardline.online.bodies import ClientGone, receive_body
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig
 from shardline.online.router.data_plane import SYNC_S
@@ -44,6 +47,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 HEALTH_TIMEOUT_S = 1.0
 STARTING_CHECK_S = 0.1  # how often a replica being started is checked
+_TRACEPARENT = tracing.TRACEPARENT.encode()
 
 
 class RouterService:
@@ -240,6 +244,9 @@ def router_app(service: RouterService, max_body_bytes: int) -> Callable[[Scope, 
         except ClientGone:
             return
         else:
+            if tracing.ENABLED:
+                await _traced(router, scope, receive, send, headers, body)
+                return
             answer = await router.handle(Incoming(scope["method"], scope["path"], scope["query_string"], headers, body))
         if answer.stream is not None:
             await _write_stream(send, receive, answer)
@@ -247,6 +254,28 @@ def router_app(service: RouterService, max_body_bytes: int) -> Callable[[Scope, 
             await _write(send, answer)
 
     return app
+
+
+async def _traced(router: Router, scope: Scope, receive: Receive, send: Send, headers: list[tuple[bytes, bytes]],
+                  body: bytes) -> None:
+    """A request under the router's server span (the caller's ``traceparent`` its parent; the replica's span
+    its child), ended when the answer's last byte is written: a stream's last token."""
+    span = tracing.start(f"{scope['method']} {scope['path']}", kind=SpanKind.SERVER,
+                         parent=tracing.parent_from(next((v for k, v in headers if k == _TRACEPARENT), None)),
+                         attributes={"http.request.method": scope["method"], "url.path": scope["path"]})
+    headers = [(k, v) for k, v in headers if k != _TRACEPARENT] + [(_TRACEPARENT, tracing.traceparent_of(span).encode())]
+    status = 500
+    try:
+        answer = await router.handle(Incoming(scope["method"], scope["path"], scope["query_string"], headers, body))
+        status = answer.status
+        if answer.stream is not None:
+            await _write_stream(send, receive, answer)
+        else:
+            await _write(send, answer)
+    except BaseException as e:
+        tracing.end(span, error=e)
+        raise
+    tracing.end(span, status)
 
 
 async def _write(send: Send, answer: Answer) -> None:
@@ -301,6 +330,7 @@ async def _lifespan(service: RouterService, receive: Receive, send: Send) -> Non
         elif message["type"] == "lifespan.shutdown":
             with contextlib.suppress(Exception):
                 await service.stop()
+            tracing.shutdown()
             await send({"type": "lifespan.shutdown.complete"})
             return
 

@@ -1,0 +1,1 @@
+"""How the platform is watched: traces, SLOs, rules and dashboards (imports the kernel only)."""

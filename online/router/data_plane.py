@@ -1,5 +1,5 @@
 """The router's data plane (docs/routing.md, "The data plane"): whether nginx runs in front, the requests its
-fast lane takes, the pins the router gives it, its own errors, and starting and stopping its process.
+fast lane takes, the pins the router gives it, and its own errors.
 
 nginx with its Lua module (``nginx_edge``) runs in front where it is installed; without it the router relays
 every request itself.
@@ -11,14 +11,10 @@ import logging
 import os
 import re
 import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.errors import InvalidSetting
-from shardline.online.router.local import die_with_parent
 from shardline.storage import rollouts
 
 if TYPE_CHECKING:
@@ -28,7 +24,6 @@ log = logging.getLogger(__name__)
 
 FAST_BODY_BYTES = 24 * 1024  # larger bodies go to the router, which streams them
 SYNC_S = 0.5  # how often the router brings its data plane up to date and reads its counts
-STOP_GRACE_S = 5.0
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9._-]+$")  # a model name the fast lane takes (others a path carries escaped)
 MODULES = Path("/usr/lib/nginx/modules")
 LUA_MODULES = ("ndk_http_module.so", "ngx_http_lua_module.so")
@@ -96,43 +91,3 @@ def desired_pins(router: Router) -> dict[str, str]:
                 version = move.version
             pins[f"{tenant.name}/{name}"] = f"{name}/versions/{version}"
     return pins
-
-
-def start_process(name: str, argv: list[str], folder: Path, ready: Path, listen_fd: int,
-                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start the data plane (``name``: nginx) on the router's listening socket, its output to
-    ``folder/name.log``; it is up once it has made the socket ``ready``. It dies with the router.
-
-    Raises:
-        InvalidSetting: it exited, or made no ``ready`` socket within 10 s (the log's tail says why).
-    """
-    ready.unlink(missing_ok=True)  # a dead one's: the new one's tells it is up
-    log_file = open(folder / f"{name}.log", "ab")  # noqa: SIM115 - the process holds it
-    try:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                   pass_fds=(listen_fd,), env=env, start_new_session=True, preexec_fn=die_with_parent)
-    finally:
-        log_file.close()
-    deadline = time.monotonic() + 10
-    while not ready.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop_process(process, signal.SIGTERM, ready)
-            tail = (folder / f"{name}.log").read_text(errors="replace")[-2000:]
-            raise InvalidSetting(f"{name} did not start ({tail.strip() or 'no output'}); set "
-                                 "SHARDLINE_ROUTER_DATA_PLANE=python to run the router alone")
-        time.sleep(0.02)
-    log.info("%s %d in front of the router (its files in %s)", name, process.pid, folder)
-    return process
-
-
-def stop_process(process: subprocess.Popen[bytes] | None, graceful: signal.Signals, ready: Path) -> None:
-    """Stop a data plane with its graceful signal (it finishes the requests it holds); SIGKILL after
-    ``STOP_GRACE_S``."""
-    if process is not None and process.poll() is None:
-        process.send_signal(graceful)
-        try:
-            process.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    ready.unlink(missing_ok=True)

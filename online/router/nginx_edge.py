@@ -36,7 +36,6 @@ import logging
 import os
 import pwd
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from shardline.errors import ChildNotReady, InvalidSetting
 from shardline.online.headers import GATED_HEADER, TENANT_HEADER, VARIANT_HEADER
 from shardline.online.router.data_plane import (
     ERRORS,
@@ -51,11 +51,10 @@ from shardline.online.router.data_plane import (
     LUA_MODULES,
     MODULES,
     desired_pins,
-    start_process,
-    stop_process,
 )
 from shardline.online.router.placement import rank
 from shardline.online.tenants import TenantDirectory
+from shardline.processes import Child, spawn
 
 if TYPE_CHECKING:
     from shardline.online.router.router import Router
@@ -63,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 5.0
+START_TIMEOUT_S = 10.0  # for nginx to make its control socket
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,7 @@ class NginxEdge:
         self.nginx = nginx
         self.layout = layout
         self.tenants = tenants
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: Child | None = None
         self._pushed = _Pushed()
         self._pinning = asyncio.Lock()
         self._addresses = _Addresses()
@@ -308,15 +308,25 @@ class NginxEdge:
         self.write_files()
         self._pushed = _Pushed(generation=self._pushed.generation)
         self._totals = {}  # a new nginx counts from zero
-        folder, fd = self.layout.folder, self.layout.listen_fd
-        self.process = start_process(
-            "nginx", [self.nginx, "-p", str(folder), "-e", str(folder / "nginx.log"), "-c", str(folder / "nginx.conf")],
-            folder, self.layout.control_socket, fd, env={**os.environ, "NGINX": f"{fd};"})
+        folder, fd, ready = self.layout.folder, self.layout.listen_fd, self.layout.control_socket
+        ready.unlink(missing_ok=True)  # a dead one's: the new one's tells it is up
+        # Its own session: a terminal's Ctrl-C reaches the router, which stops it gracefully.
+        self.process = spawn("nginx", [self.nginx, "-p", str(folder), "-e", str(folder / "nginx.log"), "-c",
+                                       str(folder / "nginx.conf")], folder / "nginx.log",
+                             env={**os.environ, "NGINX": f"{fd};"}, pass_fds=(fd,), own_session=True)
+        try:
+            self.process.wait_ready(ready.exists, START_TIMEOUT_S)
+        except ChildNotReady as e:
+            self.process = None
+            raise InvalidSetting(f"{e}; set SHARDLINE_ROUTER_DATA_PLANE=python to run the router alone") from e
+        log.info("nginx %d in front of the router (its files in %s)", self.process.pid, folder)
 
     def stop(self) -> None:
-        """Stop nginx (SIGQUIT: it finishes the requests it holds; SIGKILL after ``STOP_GRACE_S``)."""
+        """Stop nginx (SIGQUIT: it finishes the requests it holds; SIGKILL past ``processes.GRACE_S``)."""
         process, self.process = self.process, None
-        stop_process(process, signal.SIGQUIT, self.layout.control_socket)
+        if process is not None:
+            process.stop(signum=signal.SIGQUIT)
+        self.layout.control_socket.unlink(missing_ok=True)
 
     async def control(self, method: str, path: str, body: bytes = b"") -> str:
         """One request to the lane's control socket; its answer's body."""

@@ -1,34 +1,25 @@
-"""The router's data plane (docs/routing.md, "The data plane"): whether nginx runs in front, the requests its
-fast lane takes, the pins the router gives it, and its own errors.
+"""The proxy in front of the router (docs/routing.md, "The data plane"): what every front does (``Front``: start,
+stop, sync), the requests its fast lane takes, the pins the router gives it, and its own errors.
 
-nginx with its Lua module (``nginx_edge``) runs in front where it is installed; without it the router relays
+nginx with its Lua module (``nginx_front``) is the one front, where it is installed; without it the router relays
 every request itself.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import re
-import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from shardline.errors import InvalidSetting
 from shardline.storage import rollouts
 
 if TYPE_CHECKING:
     from shardline.online.router.router import Router
 
-log = logging.getLogger(__name__)
-
 FAST_BODY_BYTES = 24 * 1024  # larger bodies go to the router, which streams them
-SYNC_S = 0.5  # how often the router brings its data plane up to date and reads its counts
+SYNC_S = 0.5  # how often the router brings its front up to date and reads its counts
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9._-]+$")  # a model name the fast lane takes (others a path carries escaped)
-MODULES = Path("/usr/lib/nginx/modules")
-LUA_MODULES = ("ndk_http_module.so", "ngx_http_lua_module.so")
-RESTY_CORE = Path("/usr/share/lua/5.1/resty/core.lua")  # lua-resty-core, which the Lua module needs
-# The data plane's own errors, in the V2 form: status -> (message, whether it says Retry-After: 1).
+# The front's own errors, in the V2 form: status -> (message, whether it says Retry-After: 1).
 ERRORS = {
     400: ("the request is not valid HTTP/1.1; check the client", False),
     408: ("the request took too long to arrive; send it again", False),
@@ -40,34 +31,34 @@ ERRORS = {
 }
 
 
-def find_nginx() -> str | None:
-    """The nginx executable, when it and its Lua module (with lua-resty-core) are installed; else None."""
-    found = shutil.which("nginx")
-    if found is None and os.access("/usr/sbin/nginx", os.X_OK):
-        found = "/usr/sbin/nginx"
-    if found is None or not all((MODULES / m).exists() for m in LUA_MODULES) or not RESTY_CORE.exists():
-        return None
-    return found
+class Front(Protocol):
+    """A proxy the router starts in front of itself on its listening socket: it takes the fast lane's requests and
+    passes the rest to the router on ``router_socket``; the router keeps it true (``sync`` every ``SYNC_S``,
+    ``sync_pins`` whenever the rollouts were read) and stops it when it stops."""
 
+    @property
+    def folder(self) -> Path:
+        """Its private folder (configuration, sockets, log), removed once it has stopped."""
 
-def choose_data_plane(setting: str) -> str | None:
-    """The nginx executable the router puts in front of itself (with its Lua module); None for the router alone.
+    @property
+    def router_socket(self) -> Path:
+        """The unix socket the router serves on behind it."""
 
-    Raises:
-        InvalidSetting: ``nginx`` asked for and not installed.
-    """
-    if setting == "python":
-        return None
-    nginx = find_nginx()
-    if nginx is not None:
-        return nginx
-    if setting == "nginx":
-        raise InvalidSetting("SHARDLINE_ROUTER_DATA_PLANE=nginx but nginx or its Lua module is not installed: "
-                             "apt-get install nginx-light libnginx-mod-http-lua (Debian's packages), or set it "
-                             "to auto or python")
-    log.warning("nginx with its Lua module is not installed: the router relays every request itself (slower: "
-                "docs/routing.md); apt-get install nginx-light libnginx-mod-http-lua to put nginx in front")
-    return None
+    def start(self) -> None:
+        """Start it on the router's listening socket.
+
+        Raises:
+            InvalidSetting: it refused its configuration or did not start.
+        """
+
+    def stop(self) -> None:
+        """Stop it, letting it finish the requests it holds. Twice is harmless."""
+
+    async def sync(self, router: Router) -> None:
+        """Bring it up to date with the router and read its counts back (one that exited is started again)."""
+
+    async def sync_pins(self, router: Router) -> None:
+        """Push the pins and the replicas' state now, when they changed."""
 
 
 def desired_pins(router: Router) -> dict[str, str]:

@@ -44,7 +44,6 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -52,7 +51,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping
 
+from shardline.errors import ChildNotReady
+from shardline.processes import alive, spawn, stop_pid
+
 RECORD, LOG, LOCK = "runner.json", "runner.log", "runner.lock"
+_MARKER = b"shardline.cli.batch_runner"  # in its command line (``shardline.processes.alive``)
 _CONNECT_TIMEOUT_S = 2.0
 # The variables whose values a job's behaviour depends on: Shardline's settings, Prefect's, Dask's, the
 # object stores' credentials and endpoints, the native libraries' threads, proxies and certificates.
@@ -107,9 +110,7 @@ def _read_record(folder: Path) -> RunnerRecord | None:
 
 
 def _alive(pid: int) -> bool:
-    from shardline.local_prefect import is_live_process
-
-    return is_live_process(pid, b"shardline.cli.batch_runner")
+    return alive(pid, _MARKER)
 
 
 def find(home: str | os.PathLike[str]) -> RunnerRecord | None:
@@ -188,18 +189,10 @@ def stop(home: str | os.PathLike[str], only_if_idle: bool = False, timeout_s: fl
     answer = ask(record, "stop", only_if_idle=only_if_idle)
     if answer is not None and not answer.get("stopping"):
         return None  # busy, and asked to stop only when idle
-    if answer is None:  # it does not answer: it is not taking jobs either
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(record.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while _alive(record.pid):
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(record.pid, signal.SIGKILL)  # it leads its session: its workers go too
-            break
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(record.pid, os.WNOHANG)
-        time.sleep(0.05)
+    # Asked, it stops (its running jobs' shards finish and commit: hence the longer grace); one that does not answer
+    # is not taking jobs either: SIGTERM. SIGKILL reaches its session: its workers go too.
+    stop_pid(record.pid, marker=_MARKER, grace_s=timeout_s, signum=signal.SIGTERM if answer is None else None,
+             group=True)
     if _read_record(folder) == record:
         (folder / RECORD).unlink(missing_ok=True)
     return record
@@ -249,24 +242,22 @@ def _start(folder: Path, timeout_s: float) -> RunnerRecord:
     with contextlib.suppress(OSError):  # one earlier log is kept: runner.log.1
         if (folder / LOG).stat().st_size > _LOG_BYTES:
             os.replace(folder / LOG, folder / f"{LOG}.1")
-    with open(folder / LOG, "ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "shardline.cli.batch_runner", str(folder)],
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while True:
+    child = spawn("the batch runner", [sys.executable, "-m", _MARKER.decode(), str(folder)], folder / LOG,
+                  detached=True)
+
+    written: list[RunnerRecord] = []
+
+    def ready() -> bool:  # it takes jobs once it has written its record
         record = _read_record(folder)
-        if record is not None and record.pid == process.pid:
-            process.returncode = 0  # nobody waits for it: init reaps it (and Popen's __del__ must not warn)
-            return record
-        if process.poll() is not None or time.monotonic() > deadline:
-            why = (f"exited with code {process.returncode}" if process.returncode is not None
-                   else f"was not ready within {timeout_s:.0f} s")
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(process.pid, signal.SIGKILL)
-            raise RunnerGone(f"the batch runner {why}; see {folder / LOG}")
-        time.sleep(0.05)
+        written[:] = [record] if record is not None and record.pid == child.pid else []
+        return bool(written)
+
+    try:
+        child.wait_ready(ready, timeout_s)
+    except ChildNotReady as e:
+        raise RunnerGone(str(e)) from e
+    child.disown()  # nobody waits for it: init reaps it
+    return written[0]
 
 
 def submit(record: RunnerRecord, request: dict[str, Any], check: bool, on_line: Callable[[str, bool], None],

@@ -32,17 +32,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
-from shardline.errors import PrefectServerUnavailable
+from shardline.errors import ChildNotReady, PrefectServerUnavailable
 from shardline.local_ports import reserve_port
 from shardline.local_prefect import (
     HEALTH_TIMEOUT_S,
+    PREFECT_MARKER,
     RECORD,
     LocalServer,
     find,
@@ -51,9 +50,9 @@ from shardline.local_prefect import (
     read_record,
     server_dir,
 )
+from shardline.processes import GRACE_S, Child, spawn, start_on_port, stop_pid
 
 PREFECT_PID_FILE, LOG, LOCK = "server.pid", "server.log", "server.lock"
-_PORT_MOVES = 3  # starts on a new port, at most, when another process took the last one
 # What the server's environment must not inherit from the command that starts it: where another server
 # is (the client side), and which Prefect home and profile to read (it has its own).
 _NOT_INHERITED = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_HOME", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH",
@@ -99,47 +98,36 @@ def _start(folder: Path, timeout_s: float) -> LocalServer:
     """Start ``prefect server start`` detached (own session, so no process group kill reaches it); wait until healthy.
 
     Its port is reserved (``shardline.local_ports.reserve_port``: the server binds it itself); a server that exits
-    because another process took the port first is started again on a new one.
+    because another process took the port first is started again on a new one (``processes.start_on_port``).
     """
-    port = reserve_port()
-    deadline = time.monotonic() + timeout_s
-    moves = 0
-    while True:
-        process, server_command = _spawn(folder, port)
-        server = LocalServer(pid=process.pid, api_url=f"http://127.0.0.1:{port}/api")
-        _write_record(folder, server)
-        while process.poll() is None and time.monotonic() <= deadline:
-            if healthy(server.api_url, timeout=1.0) and process.poll() is None:
-                # Nobody waits for the detached server: once this command ends, init reaps it. Marking the Popen
-                # object done keeps its __del__ from warning (ResourceWarning) that the process "is still running".
-                process.returncode = 0
-                return server
-            time.sleep(0.2)
-        if process.returncode is not None and moves < _PORT_MOVES:
-            moved = reserve_port(prefer=port)
-            if moved != port:  # it exited because another process took its port
-                moves, port = moves + 1, moved
-                continue
-        why = (f"exited with code {process.returncode}" if process.returncode is not None
-               else f"did not answer {server.api_url}/health within {timeout_s:.0f} s")
-        _stop_process(process.pid, 10.0)
+
+    def start(port: int) -> Child:
+        child = _spawn(folder, port)
+        _write_record(folder, LocalServer(pid=child.pid, api_url=_api_url(port)))
+        return child
+
+    try:
+        child, port = start_on_port(start, lambda port: healthy(_api_url(port), timeout=1.0), reserve_port(), timeout_s)
+    except ChildNotReady as e:
         _forget(folder)
         raise PrefectServerUnavailable(
-            f"the local Prefect server ({' '.join(server_command[2:])}) {why}; see {folder / LOG}. Set "
-            "SHARDLINE_PREFECT_SERVER=temporary to use a temporary server per run, or PREFECT_API_URL to use "
-            "your own server"
-        )
+            f"{e}. Set SHARDLINE_PREFECT_SERVER=temporary to use a temporary server per run, or PREFECT_API_URL to "
+            "use your own server"
+        ) from e
+    child.disown()  # nobody waits for the detached server: once this command ends, init reaps it
+    return LocalServer(pid=child.pid, api_url=_api_url(port))
 
 
-def _spawn(folder: Path, port: int) -> tuple[subprocess.Popen[bytes], list[str]]:
-    """Start the keeper and its ``prefect server start`` on ``port``, in a session of their own; the process and
-    the server's command."""
+def _api_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}/api"
+
+
+def _spawn(folder: Path, port: int) -> Child:
+    """Start the keeper and its ``prefect server start`` on ``port``, detached (a session of their own)."""
     server_command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    command = [sys.executable, "-c", _KEEPER, str(folder), *server_command]
-    with open(folder / LOG, "ab") as log:
-        process = subprocess.Popen(command, env=server_environment(folder, port), cwd=folder, stdin=subprocess.DEVNULL,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return process, server_command
+    return spawn(f"the local Prefect server ({' '.join(server_command[2:])})",
+                 [sys.executable, "-c", _KEEPER, str(folder), *server_command], folder / LOG,
+                 env=server_environment(folder, port), cwd=folder, detached=True)
 
 
 # The server's keeper: the process the record names, leader of the server's session, stdlib only (it
@@ -202,7 +190,7 @@ def ensure(home: str | os.PathLike[str], timeout_s: float = 120.0) -> tuple[Loca
             # may take before it counts as stale, since replacing it would cut off the runs that use it.
             if _wait_healthy(recorded, timeout_s):
                 return recorded, False
-            _stop_process(recorded.pid, 10.0)
+            _stop_process(recorded.pid)
         _forget(folder)
         return _start(folder, timeout_s), True
 
@@ -219,21 +207,10 @@ def _wait_healthy(server: LocalServer, timeout_s: float) -> bool:
     return False
 
 
-def _stop_process(pid: int, timeout_s: float) -> None:
-    """SIGTERM the keeper (it passes it on to the server), SIGKILL its process group after ``timeout_s``."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(ChildProcessError):  # this process's own child (it started it): reap it
-            os.waitpid(pid, os.WNOHANG)
-        if not is_prefect_process(pid):
-            return
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)  # the keeper leads the server's session: both go
-            deadline = time.monotonic() + timeout_s
-        time.sleep(0.1)
+def _stop_process(pid: int, grace_s: float = GRACE_S) -> None:
+    """SIGTERM the keeper (it passes it on to the server), SIGKILL its session after ``grace_s``: the keeper leads
+    the server's session, both go."""
+    stop_pid(pid, marker=PREFECT_MARKER, grace_s=grace_s, group=True)
 
 
 def stop(home: str | os.PathLike[str], timeout_s: float = 20.0) -> LocalServer | None:

@@ -13,6 +13,7 @@ error: its first line, so that the message stays one line.
 from __future__ import annotations
 
 import reprlib
+from pathlib import Path
 
 _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 3, 60, 60, 8, 4
@@ -276,3 +277,13 @@ class OutputNotWritable(ShardlineError, PermissionError):
 
 class PrefectServerUnavailable(ShardlineError, RuntimeError):
     """The local Prefect server batch runs share could not be started; the message names its log."""
+
+
+class ChildNotReady(ShardlineError, RuntimeError):
+    """A process Shardline started exited, or was not ready in time (``shardline.processes``); the message names it
+    and quotes its log's last lines. ``returncode``: how it exited (None: it was not ready in time, and stopped)."""
+
+    def __init__(self, message: str, returncode: int | None, log_path: Path | None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.log_path = log_path

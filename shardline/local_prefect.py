@@ -13,8 +13,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardline.processes import alive
+
 RECORD = "server.json"
 HEALTH_TIMEOUT_S = 2.0
+PREFECT_MARKER = b"prefect"  # in the command line of the server's keeper (``shardline.processes.alive``)
 
 
 @dataclass(frozen=True)
@@ -46,26 +49,8 @@ def healthy(api_url: str, timeout: float = HEALTH_TIMEOUT_S) -> bool:
 
 
 def is_prefect_process(pid: int) -> bool:
-    """Whether ``pid`` is a live process and, where /proc tells, a Prefect server (not a reused pid)."""
-    return is_live_process(pid, b"prefect")
-
-
-def is_live_process(pid: int, marker: bytes) -> bool:
-    """Whether ``pid`` is a live process of this user whose command line, where /proc tells, holds ``marker``
-    (so that a pid reused by another program does not count)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, but another user's: not ours
-        return False
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    try:
-        return marker in cmdline.read_bytes()
-    except FileNotFoundError:  # no /proc here (macOS): the live pid is all we can check
-        return not Path("/proc/self").exists()
-    except OSError:
-        return False
+    """Whether ``pid`` is a live process of this user and, where /proc tells, a Prefect server (not a reused pid)."""
+    return alive(pid, PREFECT_MARKER)
 
 
 def read_record(folder: Path) -> LocalServer | None:

@@ -34,6 +34,7 @@ from typing import Any, Callable
 from fsspec import AbstractFileSystem
 from pydantic import BaseModel, ValidationError
 
+from shardline import processes
 from shardline.errors import OutputInUse, OutputNotWritable
 from shardline.storage.fs import atomic_write_bytes, create_exclusive, inside, join, write_refusal
 
@@ -90,22 +91,6 @@ class ThisProcess:
         except OSError:
             namespace = ""
         return cls(socket.gethostname(), os.getpid(), namespace)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this pid namespace runs ``pid`` (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[-1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
 
 
 def lease_is_live(record: LeaseRecord, now: datetime, here: ThisProcess, alive: Callable[[int], bool]) -> bool:
@@ -197,7 +182,7 @@ class OutputLease:
     @classmethod
     def acquire(
         cls, fs: AbstractFileSystem, root: str, output: str, job_id: str, model: str, terms: LeaseTerms,
-        *, clock: Clock = utc_now, here: ThisProcess | None = None, alive: Callable[[int], bool] = pid_alive,
+        *, clock: Clock = utc_now, here: ThisProcess | None = None, alive: Callable[[int], bool] = processes.alive,
     ) -> OutputLease:
         """Take the folder's lease for ``job_id``; the first write of a job, so it also probes that the output is writable.
 
@@ -242,7 +227,7 @@ class OutputLease:
     @classmethod
     def check_free(
         cls, fs: AbstractFileSystem, root: str, output: str, job_id: str, *, clock: Clock = utc_now,
-        here: ThisProcess | None = None, alive: Callable[[int], bool] = pid_alive,
+        here: ThisProcess | None = None, alive: Callable[[int], bool] = processes.alive,
     ) -> None:
         """What :meth:`acquire` would refuse now, found without writing (a request's check before it starts).
 

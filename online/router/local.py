@@ -6,10 +6,12 @@ file and registry as the router, and takes requests only from this router: it is
 sha256 of the router's key (``SHARDLINE_TENANCY_ROUTER_KEY_SHA256``). The router binds both ports
 itself (``shardline.local_ports.listener``) and hands the sockets to the replica (``serve --fd
 --metrics-fd``), so no other pick, here or in another process, can be given them before the replica
-serves on them. A replica that exits is started again after a back-off (1 s, doubling to 30 s; reset
+serves on them. The processes are ``shardline.processes``' children: a replica dies with the router, however the
+router dies; one that exits is started again after a back-off (``restart_delay``: 1 s, doubling to 30 s; reset
 once it has run a minute), on the same ports while nothing else holds them, else on new ones (then
 ``watch`` returns its new address, which the router's members follow); the router's health checks
-take it out of rotation meanwhile. Stopping the router stops them (SIGTERM, then SIGKILL after 10 s).
+take it out of rotation meanwhile. Stopping the router stops them (``stop_all``: SIGTERM, then SIGKILL past
+``GRACE_S``).
 
 With autoscaling (``--min-replicas`` under ``--local-replicas``) the N are slots: ``scale_to(n)``
 starts the next stopped slots or stops the highest running ones (SIGTERM: a replica finishes
@@ -24,39 +26,16 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable
+from typing import Callable
 
 from shardline.local_ports import listener
+from shardline.processes import Child, restart_delay, spawn, stop_all
 
 log = logging.getLogger(__name__)
-
-RESTART_FIRST_S = 1.0
-RESTART_MAX_S = 30.0
-HEALTHY_RUN_S = 60.0  # a replica that ran this long starts its back-off afresh
-STOP_GRACE_S = 10.0
-
-
-def restart_delay(previous: float, ran_s: float) -> float:
-    """The back-off before a replica that exited after ``ran_s`` seconds is started again (pure)."""
-    if ran_s >= HEALTHY_RUN_S or previous <= 0:
-        return RESTART_FIRST_S
-    return min(RESTART_MAX_S, previous * 2)
-
-
-def die_with_parent() -> None:
-    """In the replica, before it runs: on Linux, be sent SIGTERM when the router dies, however it dies
-    (a SIGKILLed router leaves no replica behind); elsewhere nothing."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -67,13 +46,12 @@ class LocalReplica:
     port: int = 0
     metrics_port: int = 0
     sockets: tuple[socket.socket, socket.socket] | None = None  # both ports', bound here until the replica starts
-    process: subprocess.Popen[bytes] | None = None
+    process: Child | None = None
     started_at: float = 0.0
     delay: float = 0.0
     restart_at: float | None = None
     restarts: int = 0
     running: bool = False  # a slot in use (started, or waiting to be started again after an exit)
-    log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -111,7 +89,7 @@ class LocalReplicas:
         self.replicas = [LocalReplica(i) for i in range(count)]
         for replica in self.replicas[:self.initial]:  # their addresses are the router's first members
             replica.bind(same_ports=False)
-        self._stopping: list[subprocess.Popen[bytes]] = []
+        self._stopping: list[Child] = []
 
     @property
     def urls(self) -> list[str]:
@@ -162,17 +140,14 @@ class LocalReplicas:
         for name in ("SHARDLINE_ONLINE_HOST", "SHARDLINE_ONLINE_PORT", "SHARDLINE_ONLINE_METRICS_PORT",
                      "SHARDLINE_ONLINE_FD", "SHARDLINE_ONLINE_METRICS_FD"):
             env.pop(name, None)
-        if replica.log is None:
-            replica.log = open(self.log_dir / f"replica-{replica.index}.log", "ab")
         main, metrics = (s.fileno() for s in replica.sockets)
         command = [
             sys.executable, "-m", "shardline.cli", "serve", "--fd", str(main), "--metrics-fd", str(metrics),
             "--tenants", self.tenants_file,
         ]
         try:
-            replica.process = subprocess.Popen(command, env=env, stdout=replica.log, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL, pass_fds=(main, metrics),
-                                               preexec_fn=die_with_parent)
+            replica.process = spawn(f"replica {replica.index}", command, self._log(replica), env=env,
+                                    pass_fds=(main, metrics))
         finally:
             replica.close_sockets()
         replica.started_at, replica.restart_at = self._clock(), None
@@ -194,8 +169,7 @@ class LocalReplicas:
                 replica.delay = restart_delay(replica.delay, ran)
                 replica.restart_at = now + replica.delay
                 log.warning("replica %d exited with %s after %.1f s; starting it again in %.0f s (its log: %s)",
-                            replica.index, process.returncode, ran, replica.delay,
-                            self.log_dir / f"replica-{replica.index}.log")
+                            replica.index, process.returncode, ran, replica.delay, process.log_path)
                 replica.process = None
             if replica.process is None and replica.restart_at is not None and now >= replica.restart_at:
                 replica.restarts += 1
@@ -208,23 +182,13 @@ class LocalReplicas:
                 self._spawn(replica)
         return moved
 
+    def _log(self, replica: LocalReplica) -> Path:
+        return self.log_dir / f"replica-{replica.index}.log"
+
     def stop(self) -> None:
-        """SIGTERM every replica, SIGKILL those still running after the grace period."""
-        running = [r.process for r in self.replicas if r.process is not None and r.process.poll() is None]
-        running += [p for p in self._stopping if p.poll() is None]
+        """Stop every replica side by side (``stop_all``: SIGTERM, then SIGKILL past the grace period)."""
+        stop_all([*(r.process for r in self.replicas if r.process is not None), *self._stopping])
         self._stopping = []
-        for process in running:
-            process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for process in running:
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
         for replica in self.replicas:
             replica.process, replica.running = None, False
             replica.close_sockets()
-            if replica.log is not None:
-                replica.log.close()
-                replica.log = None

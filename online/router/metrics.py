@@ -17,7 +17,7 @@ Per request, counted as it is answered:
 - ``shardline_router_shadow_rows_total{model, agree}``: rows of shadow answers compared with the
   primary's, by candidate version and whether they agreed (``online/router/compare.py``).
 - ``shardline_router_fast_lane_requests_total{model}``: requests the data plane in front took without
-  the router (``nginx_edge``, ``edge``), read from it; they are not in the series above;
+  the router (``nginx_front``), read from it; they are not in the series above;
   ``shardline_router_fast_lane_retries_total{group}``: its tries on another replica of the group.
 
 Read at each scrape from the router's state (nothing on the request path):
@@ -82,12 +82,12 @@ class RouterMetrics:
         self.cold_starts = Histogram("shardline_router_cold_start_seconds", "From a local replica's start to its "
                                      "first ready answer", buckets=COLD_START_BUCKETS, registry=self.registry)
         self.in_flight: Tally[str] = Tally()
-        # What the data plane's fast lane carries (``nginx_edge``), as last read from it: in flight by model
+        # What the data plane's fast lane carries (``nginx_front``), as last read from it: in flight by model
         # and by replica url, and requests by model and retries by group since it started.
-        self.edge_in_flight: dict[str, int] = {}
-        self.edge_replicas: dict[str, int] = {}
-        self.edge_requests: dict[str, int] = {}
-        self.edge_retries: dict[str, int] = {}
+        self.front_in_flight: dict[str, int] = {}
+        self.front_replicas: dict[str, int] = {}
+        self.front_requests: dict[str, int] = {}
+        self.front_retries: dict[str, int] = {}
         self.wanted: dict[str, int] = {}  # group -> replicas its scaler wants (local autoscaling)
         self.target_in_flight = target_in_flight
         self.activator: Activator | None = None
@@ -146,7 +146,7 @@ class _StateCollector(Collector):
         now = self.clock()
         demand = GaugeMetricFamily("shardline_router_in_flight", "Requests being answered, by model", labels=["model"])
         models = Tally(self.metrics.in_flight)
-        models.update(self.metrics.edge_in_flight)
+        models.update(self.metrics.front_in_flight)
         for model, count in sorted(models.items()):
             demand.add_metric([model], count)
         in_flight = GaugeMetricFamily("shardline_router_replica_in_flight", "Requests at a replica now",
@@ -158,10 +158,10 @@ class _StateCollector(Collector):
                                     labels=["group", "replica"])
         group_demand: Tally[str] = Tally()
         members: Tally[str] = Tally()
-        edge = self.metrics.edge_replicas
+        front = self.metrics.front_replicas
         for replica in list(self.replicas.replicas.values()):
             labels = [replica.group, replica.url]
-            busy = replica.in_flight + edge.get(replica.url, 0)
+            busy = replica.in_flight + front.get(replica.url, 0)
             in_flight.add_metric(labels, busy)
             available.add_metric(labels, 1 if self.replicas.available(replica, now) else 0)
             breaker.add_metric(labels, BREAKER_STATES[replica.breaker.state])
@@ -199,11 +199,11 @@ class _StateCollector(Collector):
             seconds.add_metric([model], list(zip(bounds, cumulative)), counts[-1])
         fast = CounterMetricFamily("shardline_router_fast_lane_requests", "Requests nginx in front took "
                                    "itself, by model version (read from it every half second)", labels=["model"])
-        for model, count in sorted(self.metrics.edge_requests.items()):
+        for model, count in sorted(self.metrics.front_requests.items()):
             fast.add_metric([model], count)
         fast_retries = CounterMetricFamily("shardline_router_fast_lane_retries", "Tries of nginx in front on "
                                            "another replica, by group (read from it every half second)",
                                            labels=["group"])
-        for group, count in sorted(self.metrics.edge_retries.items()):
+        for group, count in sorted(self.metrics.front_retries.items()):
             fast_retries.add_metric([group], count)
         yield from (requests, seconds, fast, fast_retries)

@@ -196,7 +196,7 @@ class RolloutBook:
         self.windows: dict[str, dict[Arm, Window]] = {}
         self.shadows: dict[str, ShadowWindow] = {}
         # Called once the aliases are read, before any decision is written: the data plane in front stops answering an
-        # alias's requests itself before this router reports it has seen the alias's rollout (``nginx_edge``, ``edge``).
+        # alias's requests itself before this router reports it has seen the alias's rollout (``nginx_front``, ``front``).
         self.after_read: Callable[[], Awaitable[None]] | None = None
 
     def route(self, name: str, alias: str, caller: str, draw: float) -> Route | None:

@@ -3,7 +3,7 @@
 One process, one event loop (the router's work per request is a few header copies and one
 upstream call). With ``--local-replicas N`` it starts N ``shardline serve`` processes first and
 stops them when it stops. With nginx and its Lua module installed (``data_plane`` auto or nginx) the router
-binds its address and hands the socket to nginx, which it starts in front of itself (``nginx_edge``); uvicorn
+binds its address and hands the socket to nginx, which it starts in front of itself (``nginx_front``); uvicorn
 then listens on a unix socket in a private folder, for nginx alone. The private folders (nginx's, the local
 replicas' logs) are removed when the router stops.
 """
@@ -27,11 +27,10 @@ from shardline.errors import InvalidSetting
 from shardline.online.logs import log_config
 from shardline.online.models import ModelDirectory
 from shardline.online.router.config import RouterConfig, load_router_config, local_config
-from shardline.online.router.data_plane import choose_data_plane
 from shardline.online.router.events import RouterEvents
 from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.local import LocalReplicas
-from shardline.online.router.nginx_edge import NginxEdge, NginxLayout, listen_address
+from shardline.online.router.nginx_front import NginxFront, NginxLayout, choose_front, listen_address
 from shardline.online.router.replicas import ReplicaSet
 from shardline.online.router.rollouts import RolloutBook
 from shardline.online.router.router import Router
@@ -116,7 +115,7 @@ def _nginx_layout(settings: RouterSettings, key: str, listener: socket.socket) -
     until the router's next health check could have seen it (``health_interval_s``, at least 0.25 s)."""
     host, port = listener.getsockname()[:2]
     return NginxLayout(
-        folder=Path(tempfile.mkdtemp(prefix="shardline-edge-")), listen_fd=listener.fileno(),
+        folder=Path(tempfile.mkdtemp(prefix="shardline-front-")), listen_fd=listener.fileno(),
         listen=listen_address(host, port), router_key=key, balance=settings.balance, retries=settings.retries,
         request_timeout_s=settings.request_timeout_s, max_timeout_s=settings.max_timeout_s,
         hold_s=max(0.25, settings.health_interval_s * 1.5), stall_s=settings.stall_ms / 1000)
@@ -152,7 +151,7 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
         assert settings.config_file
         config = load_router_config(settings.config_file)
     service = build_service(settings, storage, tenancy, config, key, local)
-    plane = choose_data_plane(settings.data_plane)
+    plane = choose_front(settings.data_plane)
     online = OnlineSettings()
     limits = resolve_limits(online, open_files_limit())
     metrics = (bind_metrics_listener(settings.metrics_host, settings.metrics_port, settings.port,
@@ -162,13 +161,13 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     listener = None
     if plane is not None:
         listener = _listen(settings.host, settings.port)
-        service.edge = NginxEdge(plane, _nginx_layout(settings, key, listener), service.router.tenants)
+        service.front = NginxFront(plane, _nginx_layout(settings, key, listener), service.router.tenants)
         service.router.behind_edge = True
-        server_config = uvicorn.Config(app, uds=str(service.edge.layout.router_socket), log_config=config_log,
+        server_config = uvicorn.Config(app, uds=str(service.front.router_socket), log_config=config_log,
                                        timeout_graceful_shutdown=10, **uvicorn_options(limits, apps))
         host, port = listener.getsockname()[:2]
         log.info("router on http://%s:%d (nginx in front; the router behind it on %s)", host, port,
-                 service.edge.layout.router_socket)
+                 service.front.router_socket)
     else:
         server_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=config_log,
                                        timeout_graceful_shutdown=10, **uvicorn_options(limits, apps))
@@ -180,9 +179,9 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
         server = uvicorn.Server(server_config)
         server.run(sockets=[server_config.bind_socket(), *([metrics] if metrics is not None else [])])
     finally:
-        if service.edge is not None:
-            service.edge.stop()
-            shutil.rmtree(service.edge.layout.folder, ignore_errors=True)
+        if service.front is not None:
+            service.front.stop()
+            shutil.rmtree(service.front.folder, ignore_errors=True)
         if local is not None:
             local.stop()
             shutil.rmtree(local.log_dir, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The router as a running service: its background work and its ASGI adapter.
 
 - ``RouterService``: the ``Router`` plus what keeps its view of the replicas true (and the data plane's, when
-  nginx is in front: ``nginx_edge``): an active health
+  nginx is in front: ``nginx_front``): an active health
   check of every replica (``GET /v2/health/ready``) every ``health_interval_s``, the DNS groups
   resolved every ``refresh_s``, the local replicas watched (``--local-replicas``), the replicas whose tries
   stalled probed every half ``stall_ms`` (one that does not answer is hung: ``Router.abandon``), and the aliases the
@@ -31,11 +31,10 @@ from shardline.errors import PayloadTooLarge
 from shardline.observability import tracing
 from shardline.online.bodies import ClientGone, receive_body
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig
-from shardline.online.router.data_plane import SYNC_S
+from shardline.online.router.front import SYNC_S, Front
 from shardline.online.router.health import OutlierPolicy, stalled
 from shardline.online.router.local import LocalReplicas
 from shardline.online.router.messages import Answer, Incoming, error_answer
-from shardline.online.router.nginx_edge import NginxEdge
 from shardline.online.router.router import Router
 from shardline.online.router.scaling import Scaler
 from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
@@ -63,7 +62,7 @@ class RouterService:
         self.outliers = OutlierPolicy()
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: dict[str, UpstreamPool] = {}  # a pool of its own per replica: checks never wait behind requests
-        self.edge: NginxEdge | None = None  # nginx in front (``nginx_edge``), kept true every SYNC_S
+        self.front: Front | None = None  # the proxy in front (nginx: ``nginx_front``), kept true every SYNC_S
 
     async def start(self) -> None:
         """Open the pools, check every replica once, then keep checking in the background."""
@@ -79,15 +78,15 @@ class RouterService:
         if stall_s > 0:
             self._tasks.append(loop.create_task(self._every(stall_s / 2, self._watch_stalls)))
         book = self.router.rollouts
-        if book is not None and self.edge is not None:
-            book.after_read = functools.partial(self.edge.sync_pins, self.router)
+        if book is not None and self.front is not None:
+            book.after_read = functools.partial(self.front.sync_pins, self.router)
         if book is not None:
             await book.refresh()  # the aliases' versions and rollouts known before the first request
             self._tasks.append(loop.create_task(self._every(self.router.settings.rollout_refresh_s, book.refresh)))
-        if self.edge is not None:
-            await loop.run_in_executor(None, self.edge.start)
-            await self.edge.sync(self.router)
-            self._tasks.append(loop.create_task(self._every(SYNC_S, functools.partial(self.edge.sync, self.router))))
+        if self.front is not None:
+            await loop.run_in_executor(None, self.front.start)
+            await self.front.sync(self.router)
+            self._tasks.append(loop.create_task(self._every(SYNC_S, functools.partial(self.front.sync, self.router))))
         if self.local is not None:
             self._tasks.append(loop.create_task(self._every(0.5, self._watch_local)))
             self._tasks.append(loop.create_task(self._every(STARTING_CHECK_S, self._check_starting)))
@@ -106,9 +105,9 @@ class RouterService:
         self._checks.clear()
         await self.router.stop()
         loop = asyncio.get_running_loop()
-        if self.edge is not None:
-            await loop.run_in_executor(None, self.edge.stop)
-            shutil.rmtree(self.edge.layout.folder, ignore_errors=True)  # its configuration, sockets and log
+        if self.front is not None:
+            await loop.run_in_executor(None, self.front.stop)
+            shutil.rmtree(self.front.folder, ignore_errors=True)  # its configuration, sockets and log
         if self.local is not None:
             await loop.run_in_executor(None, self.local.stop)
             shutil.rmtree(self.local.log_dir, ignore_errors=True)
@@ -212,7 +211,7 @@ class RouterService:
         if self.scaler is None:
             return
         activator = self.router.activator
-        demand = (sum(r.in_flight for r in replicas.replicas.values()) + sum(self.router.metrics.edge_replicas.values())
+        demand = (sum(r.in_flight for r in replicas.replicas.values()) + sum(self.router.metrics.front_replicas.values())
                   + (activator.total if activator else 0))
         self.router.metrics.wanted[LOCAL_GROUP] = self.scaler.observe(now, demand)
         target = self.scaler.decide(now, self.local.running)

@@ -9,10 +9,10 @@ own process, from its own environment or image. This runtime either
   environment): ``python -m vllm.entrypoints.openai.api_server --model <bundle folder>
   --served-model-name <name> --host 127.0.0.1 --port <free>``, plus ``SHARDLINE_VLLM_ARGS``
   (``--gpu-memory-utilization 0.9``, ``--tensor-parallel-size 2``...); ready when its ``/health``
-  answers, started again if it exits (with back-off), stopped with the model. It dies with its
-  replica (PR_SET_PDEATHSIG on Linux). Its port is reserved (``shardline.local_ports.reserve_port``:
-  vLLM binds it itself); one that exits because another process took the port is started again on
-  a new one, and requests follow it there.
+  answers, started again if it exits (``shardline.processes.restart_delay``'s back-off), stopped with the
+  model. It dies with its replica (``shardline.processes``: PR_SET_PDEATHSIG on Linux). Its port is
+  reserved (``shardline.local_ports.reserve_port``: vLLM binds it itself); one that exits because another
+  process took the port is started again on a new one, and requests follow it there.
 
 The bundle is a Hugging Face checkpoint as vLLM reads it (``config.json``, safetensors weights,
 ``tokenizer.json`` and ``tokenizer_config.json``, ``generation_config.json``; ``shardline.build.llm_build``
@@ -33,12 +33,11 @@ usage (``continuous_usage_stats``), and closing the stream aborts the request in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,16 +45,16 @@ from pathlib import Path
 from typing import Any
 
 from shardline.bundle import Manifest
-from shardline.errors import RuntimeUnavailable
+from shardline.errors import ChildNotReady, RuntimeUnavailable
 from shardline.local_ports import release, reserve_port
+from shardline.processes import Child, restart_delay, spawn, start_on_port
 from shardline.runtimes.base import RuntimeOptions
 from shardline.runtimes.generation import EngineConfig, SamplingParams, TokenEvent
 from shardline.runtimes.generation.base import LLM_EXTRA, EngineBase, Request
 from shardline.runtimes.generation.runtime import GeneratingRuntime
 
 log = logging.getLogger(__name__)
-HEALTH_POLL_S = 0.5
-PORT_MOVES = 3  # starts on a new port, at most, when another process took the last one
+STOP_GRACE_S = 30.0  # longer than processes.GRACE_S: vLLM shuts its engine's workers down and frees the GPU first
 
 
 class RemoteHandle:
@@ -213,18 +212,10 @@ def _error_message(body: bytes) -> str:
         return repr(body[:300])
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class VllmServer:
     """vLLM's OpenAI server for one bundle, started from vLLM's own Python and kept running (see the module
-    docstring)."""
+    docstring): a ``shardline.processes`` child in a session of its own, so that stopping it (or SIGKILL after
+    ``STOP_GRACE_S``) reaches its engine's worker processes too."""
 
     def __init__(self, python: str, bundle_dir: Path, served_name: str, args: Sequence[str], max_context: int,
                  start_timeout_s: float, log_file: Path) -> None:
@@ -232,7 +223,9 @@ class VllmServer:
         self.args, self.max_context, self.start_timeout_s, self.log_file = list(args), max_context, start_timeout_s, log_file
         self.port = reserve_port()
         self.on_moved: Callable[[str], None] | None = None  # told the new URL when it starts on another port
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: Child | None = None
+        self._started_at = 0.0
+        self._lock = threading.Lock()  # no start after stop() has begun
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self.restarts = 0
@@ -249,90 +242,83 @@ class VllmServer:
                 "--max-model-len", str(self.max_context), *self.args]
 
     def start(self) -> None:
-        """Start it and wait until ``/health`` answers 200.
+        """Start it and wait until ``/health`` answers 200 (``processes.start_on_port``: started again on a new port
+        when another process took its port first).
 
         Raises:
             RuntimeUnavailable: the Python is not there, vLLM exits, or it is not healthy within the time-out
-                (the message names its log).
+                (the message quotes its log).
         """
         if not Path(self.python).exists():
             raise RuntimeUnavailable(f"SHARDLINE_VLLM_PYTHON is {self.python!r}, which does not exist; give the Python "
                                      "of an environment where vLLM is installed, or SHARDLINE_VLLM_URL of a running server")
-        self._spawn()
-        self._wait_healthy()
+        try:
+            start_on_port(self._spawn, _healthy, self.port, self.start_timeout_s, self._move)
+        except ChildNotReady as e:
+            self.stop()
+            raise RuntimeUnavailable(f"{e}; check SHARDLINE_VLLM_PYTHON and SHARDLINE_VLLM_ARGS (or give it longer: "
+                                     "SHARDLINE_VLLM_START_TIMEOUT_S)") from e
         self._watcher = threading.Thread(target=self._watch, name=f"vllm-{self.served_name}", daemon=True)
         self._watcher.start()
 
-    def _claim_port(self) -> bool:
-        """Reserve its port again before a start: the same one while nothing else holds it, else a new one (vLLM
-        binds the port itself, and exits when another process took it first); returns whether it moved."""
-        port = reserve_port(prefer=self.port)
-        if port == self.port:
-            return False
+    def _move(self, port: int) -> None:
+        """Another process holds its port: from now on it is on ``port`` (and requests follow it there)."""
         log.warning("vLLM for %s: another process holds port %d; it moves to port %d", self.served_name, self.port,
                     port)
         self.port = port
         if self.on_moved is not None:
             self.on_moved(self.url)
-        return True
 
-    def _spawn(self) -> None:
+    def _spawn(self, port: int) -> Child:
         env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_file, "ab") as sink:
-            self.process = subprocess.Popen(self.command(), env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        with self._lock:
+            if self._stopping.is_set():
+                raise RuntimeUnavailable(f"vLLM for {self.served_name} is stopping; it is not started again")
+            self.port = port
+            self.process = spawn(f"vLLM for {self.served_name}", self.command(), self.log_file, env=env,
+                                 own_session=True)
+            self._started_at = time.monotonic()
         log.info("started vLLM for %s (pid %d) on %s", self.served_name, self.process.pid, self.url)
-
-    def _wait_healthy(self) -> None:
-        import httpx
-
-        deadline = time.monotonic() + self.start_timeout_s
-        moves = 0
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                if moves < PORT_MOVES and self._claim_port():  # it exited because another process took its port
-                    moves += 1
-                    self._spawn()
-                    continue
-                raise RuntimeUnavailable(f"vLLM for {self.served_name} exited with {self.process.returncode} while "
-                                         f"starting; its log: {self.log_file}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(HEALTH_POLL_S)
-        self.stop()
-        raise RuntimeUnavailable(f"vLLM for {self.served_name} was not healthy within {self.start_timeout_s:.0f} s; "
-                                 f"its log: {self.log_file}")
+        return self.process
 
     def _watch(self) -> None:
-        delay = 1.0
+        """Start it again after each exit, after ``processes.restart_delay``'s back-off, on its port while nothing
+        else holds it, else on a new one."""
+        delay = 0.0
         while not self._stopping.wait(1.0):
-            if self.process is not None and self.process.poll() is not None:
-                log.warning("vLLM for %s exited with %s; starting it again in %.0f s", self.served_name,
-                            self.process.returncode, delay)
-                if self._stopping.wait(delay):
-                    return
-                self.restarts += 1
-                delay = min(delay * 2, 60.0)
-                self._claim_port()
-                self._spawn()
+            process = self.process
+            if process is None or process.poll() is None:
+                continue
+            delay = restart_delay(delay, time.monotonic() - self._started_at)
+            log.warning("vLLM for %s exited with %s; starting it again in %.0f s", self.served_name,
+                        process.returncode, delay)
+            if self._stopping.wait(delay):
+                return
+            port = reserve_port(prefer=self.port)
+            if port != self.port:
+                self._move(port)
+            self.restarts += 1
+            with contextlib.suppress(RuntimeUnavailable):  # stopping meanwhile
+                self._spawn(port)
 
     def stop(self) -> None:
-        """SIGTERM it, SIGKILL it after 30 s. Twice is harmless."""
-        self._stopping.set()
-        process = self.process
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """SIGTERM it, SIGKILL its session after ``STOP_GRACE_S``. Twice is harmless."""
+        with self._lock:
+            self._stopping.set()
+            process = self.process
+        if process is not None:
+            process.stop(STOP_GRACE_S)
         release(self.port)
+
+
+def _healthy(port: int) -> bool:
+    """Whether vLLM's server on ``port`` answers ``GET /health`` with 200."""
+    import httpx
+
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 class VllmModel(GeneratingRuntime):

@@ -4,7 +4,7 @@ openai client and plain HTTP; a replica SIGKILLed under load; rollouts started a
 `shardline rollout`, stepped, promoted and rolled back by the router itself.
 
 The router relays every request itself here (SHARDLINE_ROUTER_DATA_PLANE=python: what runs where
-nginx's Lua module is not installed, and what answers every request nginx passes on); test_router_edge.py
+nginx's Lua module is not installed, and what answers every request nginx passes on); test_router_front.py
 runs it with nginx in front."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pytest
 import tritonclient.http as triton
 
 from shardline.local_ports import reserve_port as free_port
-from shardline.online.router.data_plane import find_nginx
+from shardline.online.router.nginx_front import find_nginx
 from shardline.online.router.placement import rank
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import AliasMove, ModelRegistry

@@ -21,7 +21,7 @@ import pytest
 from shardline.build.examples import breast_cancer
 from shardline.build.llm_build import package_tiny_llm
 from shardline.local_ports import reserve_port as free_port
-from shardline.online.router.data_plane import find_nginx
+from shardline.online.router.nginx_front import find_nginx
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
 from tests.e2e.conftest import SHARDLINE

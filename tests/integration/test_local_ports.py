@@ -181,7 +181,7 @@ def test_vllm_that_exits_for_another_reason_is_not_moved(vllm_server: VllmServer
     (tmp_path / "python").write_text("#!/bin/sh\nexit 7\n")
     (tmp_path / "python").chmod(0o755)
     port = vllm_server.port
-    with pytest.raises(RuntimeUnavailable, match="exited with 7 while starting"):
+    with pytest.raises(RuntimeUnavailable, match="exited with code 7 while starting"):
         vllm_server.start()
     assert vllm_server.port == port
 

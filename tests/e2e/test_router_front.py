@@ -1,5 +1,5 @@
 """`shardline router` with its data plane in front, as a user runs it where nginx's Lua module is installed
-(online/router/nginx_edge.py): pinned V2 inference answered by the fast lane, everything else by the router behind it, the tenants' quotas held once
+(online/router/nginx_front.py): pinned V2 inference answered by the fast lane, everything else by the router behind it, the tenants' quotas held once
 for both lanes, the pins following an alias, a replica SIGKILLed under load through the fast lane, and the
 fast lane's retries within the router's retry budget. The router's own relay is tested in test_router.py."""
 
@@ -25,7 +25,8 @@ import pytest
 import tritonclient.http as triton
 
 from shardline.local_ports import reserve_port as free_port
-from shardline.online.router.data_plane import FAST_BODY_BYTES, find_nginx
+from shardline.online.router.front import FAST_BODY_BYTES
+from shardline.online.router.nginx_front import find_nginx
 from shardline.online.router.placement import rank
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry

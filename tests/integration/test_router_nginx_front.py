@@ -1,4 +1,4 @@
-"""nginx in front of the router (online/router/nginx_edge.py): its configuration, checked by nginx itself; the
+"""nginx in front of the router (online/router/nginx_front.py): its configuration, checked by nginx itself; the
 settings and state it is given as Lua (key digests and quotas, never keys; strings that cannot break out); and
 the lane's state pushed and its counts read back through the control socket of a real nginx; a pinned request
 sent on as the router sends it (to an IPv6 replica), and to the router once no replica is left to try; nginx's own
@@ -23,13 +23,16 @@ import pytest
 
 from shardline.errors import InvalidSetting
 from shardline.local_ports import reserve_port
-from shardline.online.router.data_plane import choose_data_plane, find_nginx
-from shardline.online.router.nginx_edge import (
-    NginxEdge,
+from shardline.online.router.nginx_front import (
+    NginxFront,
+    CONFIG_FILES,
     NginxLayout,
+    choose_front,
+    find_nginx,
     listen_address,
     lua_literal,
     lua_settings,
+    render_config,
 )
 from shardline.online.tenants import TenantDirectory, hash_api_key
 
@@ -74,13 +77,22 @@ def test_the_settings_hold_key_digests_and_quotas_never_keys(tmp_path: Path) -> 
     assert '["free"]' not in text.split('["quotas"]')[1]  # free has no quota: not checked
 
 
+def test_the_templates_and_their_renderer_are_in_step(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # a KeyError here: a template names an unknown value
+        files = render_config(_layout(tmp_path, listener, "k{{ listen }}$x"))
+    assert set(files) == set(CONFIG_FILES) == {"nginx.conf", "fast.conf", "router.conf"}
+    assert not any("{{ " in text.replace("k{{ listen }}", "") for text in files.values())  # each one filled in
+    assert 'Authorization "Bearer k{{ listen }}${dollar}x";' in files["fast.conf"]  # a value is not rendered again
+    assert "Authorization" not in files["nginx.conf"] + files["router.conf"]
+
+
 @needs_nginx
 @pytest.mark.parametrize("key", ["router-key-0123456789", 'a"quote\\back$dollar%percent-key'])
 def test_nginx_accepts_the_configuration(tmp_path: Path, key: str) -> None:
     assert NGINX is not None
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.set_inheritable(True)
-        edge = NginxEdge(NGINX, _layout(tmp_path, listener, key), TENANTS)
+        edge = NginxFront(NGINX, _layout(tmp_path, listener, key), TENANTS)
         edge.write_files()
         checked = subprocess.run([NGINX, "-t", "-p", str(tmp_path), "-e", str(tmp_path / "nginx.log"), "-c",
                                   str(tmp_path / "nginx.conf")], capture_output=True, text=True,
@@ -90,8 +102,11 @@ def test_nginx_accepts_the_configuration(tmp_path: Path, key: str) -> None:
     assert "proxy_next_upstream error timeout http_502 http_503 http_504 non_idempotent;" in text
     assert "proxy_next_upstream error timeout non_idempotent;" in text  # out of the retry budget: connections only
     assert f"server unix:{tmp_path}/router.sock;" in text and "worker_processes 1;" in text
-    written = ("nginx.conf", "shardline_lane.lua", "shardline_settings.lua")
+    assert f"include {tmp_path}/fast.conf;" in text and f"include {tmp_path}/router.conf;" in text
+    written = ("nginx.conf", "fast.conf", "router.conf", "front_lane.lua", "front_settings.lua")
     assert {(tmp_path / name).stat().st_mode & 0o777 for name in written} == {0o600}  # the router's key is in it
+    assert not any("{{" in (tmp_path / name).read_text() for name in written)  # every placeholder filled in
+    assert "proxy_set_header Authorization" in (tmp_path / "fast.conf").read_text()
 
 
 def _router() -> SimpleNamespace:
@@ -105,7 +120,7 @@ def _router() -> SimpleNamespace:
         replicas=SimpleNamespace(groups=lambda: groups, replicas=replicas, active_group=lambda: "gpu",
                                  available=lambda replica, now: replica.url != "http://127.0.0.1:9102"),
         budget=SimpleNamespace(has_room=lambda now: True, record=lambda now, n, r: recorded.append((n, r))),
-        metrics=SimpleNamespace(edge_in_flight={}, edge_requests={}, edge_replicas={}, edge_retries={}),
+        metrics=SimpleNamespace(front_in_flight={}, front_requests={}, front_replicas={}, front_retries={}),
         recorded=recorded)
 
 
@@ -115,7 +130,7 @@ def test_the_router_pushes_its_state_and_a_restarted_worker_is_pushed_again(tmp_
     router = _router()
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.set_inheritable(True)
-        edge = NginxEdge(NGINX, _layout(tmp_path, listener), TENANTS)
+        edge = NginxFront(NGINX, _layout(tmp_path, listener), TENANTS)
         edge.start()
         try:
             async def run() -> tuple[str, str]:
@@ -144,7 +159,7 @@ def test_the_router_pushes_its_state_and_a_restarted_worker_is_pushed_again(tmp_
     assert not edge.layout.control_socket.exists()
 
 
-def _is_worker(pid: int, edge: NginxEdge) -> bool:
+def _is_worker(pid: int, edge: NginxFront) -> bool:
     """Whether ``pid`` is the worker of ``edge``'s nginx."""
     assert edge.process is not None
     try:
@@ -155,14 +170,14 @@ def _is_worker(pid: int, edge: NginxEdge) -> bool:
 
 
 def test_the_data_plane_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert choose_data_plane("python") is None
+    assert choose_front("python") is None
     if NGINX is not None:
-        assert choose_data_plane("auto") == NGINX  # nginx in front where its Lua module is installed
+        assert choose_front("auto") == NGINX  # nginx in front where its Lua module is installed
     monkeypatch.setenv("PATH", "/nonexistent")
-    monkeypatch.setattr("shardline.online.router.data_plane.os.access", lambda *_: False)
-    assert choose_data_plane("auto") is None
+    monkeypatch.setattr("shardline.online.router.nginx_front.os.access", lambda *_: False)
+    assert choose_front("auto") is None
     with pytest.raises(InvalidSetting, match="apt-get install nginx-light libnginx-mod-http-lua"):
-        choose_data_plane("nginx")
+        choose_front("nginx")
 
 
 @needs_nginx
@@ -171,7 +186,7 @@ def test_nginxs_own_errors_are_json_and_say_when_to_retry(tmp_path: Path) -> Non
     assert NGINX is not None
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.set_inheritable(True)
-        edge = NginxEdge(NGINX, _layout(tmp_path, listener), TENANTS)
+        edge = NginxFront(NGINX, _layout(tmp_path, listener), TENANTS)
         edge.start()
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         try:
@@ -243,7 +258,7 @@ def test_the_fast_lane_sends_the_pinned_version_with_the_routers_key_to_an_ipv6_
                                       active_group=lambda: "v6", available=lambda replica, now: True)
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.set_inheritable(True)
-        edge = NginxEdge(NGINX, _layout(tmp_path, listener), TENANTS)
+        edge = NginxFront(NGINX, _layout(tmp_path, listener), TENANTS)
         edge.start()
         try:
             asyncio.run(edge.sync(router))  # type: ignore[arg-type]
@@ -280,7 +295,7 @@ def test_with_no_replica_left_to_try_a_request_goes_to_the_router(tmp_path: Path
                                       active_group=lambda: "gone", available=lambda replica, now: True)
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.set_inheritable(True)
-        edge = NginxEdge(NGINX, _layout(tmp_path, listener), TENANTS)
+        edge = NginxFront(NGINX, _layout(tmp_path, listener), TENANTS)
         stub = _UnixServer(str(edge.layout.router_socket), _RouterStub)
         threading.Thread(target=stub.serve_forever, daemon=True).start()
         edge.start()

@@ -1,11 +1,11 @@
--- The router's fast lane in nginx (online/router/nginx_edge.py renders the configuration that loads it).
+-- The router's fast lane in nginx (online/router/nginx_front.py renders the configuration that loads it).
 --
 -- One worker process: every table below is that worker's own, so the quotas and counts are global without a
 -- lock. The router keeps the lane true through the control socket: POST /state sends a Lua table literal
 -- (pins, replicas as it sees them, each pin's replica order with the active group's first, the active group,
 -- whether answers may be retried), GET /counts reads back what the lane carries. Static settings (the tenants'
 -- key digests and quotas, the retries, c, the largest body, how long a failed replica stays out, the stall time,
--- the request time-out, the router's socket) come from shardline_settings.lua, written at start.
+-- the request time-out, the router's socket) come from front_settings.lua, written at start.
 --
 -- A try is bounded (every one but the last the lane may make): it gets the stall time, or STALL_FACTOR times the
 -- pin's usual answer time when that is longer, to answer; past it the replica is held out like one whose
@@ -30,7 +30,7 @@ local digest = ffi.new("unsigned char[32]")
 local HEX = {}
 for i = 0, 255 do HEX[i] = string.format("%02x", i) end
 
-local settings = require "shardline_settings"
+local settings = require "front_settings"
 local S = {pins = {}, replicas = {}, order = {}, active = nil, retries_off = false, generation = 0}
 
 local known, known_n = {}, 0    -- an Authorization header -> its tenant, or false (a key's digest is a pure function)

@@ -1,9 +1,11 @@
-"""The router's data plane on nginx with LuaJIT: its fast lane in front of the router (docs/routing.md).
+"""nginx with LuaJIT in front of the router: the router's ``Front``, its fast lane (docs/routing.md).
 
-Where Debian's ``nginx-light`` and ``libnginx-mod-http-lua`` are installed this is the router's data plane (it
-replaced an HAProxy lane that did the same for more CPU: bench/README.md). nginx binds nothing: it
-inherits the router's listening socket (nginx's ``NGINX`` variable, as for its binary upgrade), so a restarted
-nginx goes on serving the same endpoint. One worker process runs ``shardline_lane.lua``:
+Where Debian's ``nginx-light`` and ``libnginx-mod-http-lua`` are installed this is the router's front (it
+replaced an HAProxy lane that did the same for more CPU: bench/README.md). Its configuration is rendered from the
+templates beside this module (``nginx_front.conf``, with the two lanes' proxying in ``nginx_front_fast.conf`` and
+``nginx_front_router.conf``). nginx binds nothing: it inherits the router's listening socket (nginx's ``NGINX``
+variable, as for its binary upgrade), so a restarted nginx goes on serving the same endpoint. One worker process
+runs ``front_lane.lua``:
 
 - **every request**: the ``Bearer`` key's sha256 looked up among the tenants file's digests (each header's
   tenant remembered in the worker: the digest is a pure function of the key), the tenant's ``max_concurrent``
@@ -35,8 +37,9 @@ import ipaddress
 import logging
 import os
 import pwd
+import re
+import shutil
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -44,18 +47,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from shardline.errors import ChildNotReady, InvalidSetting
 from shardline.online.headers import GATED_HEADER, TENANT_HEADER, VARIANT_HEADER
-from shardline.online.router.data_plane import (
-    ERRORS,
-    FAST_BODY_BYTES,
-    LUA_MODULES,
-    MODULES,
-    desired_pins,
-    start_process,
-    stop_process,
-)
+from shardline.online.router.front import ERRORS, FAST_BODY_BYTES, desired_pins
 from shardline.online.router.placement import rank
 from shardline.online.tenants import TenantDirectory
+from shardline.processes import Child, spawn
 
 if TYPE_CHECKING:
     from shardline.online.router.router import Router
@@ -63,6 +60,46 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 5.0
+START_TIMEOUT_S = 10.0  # for nginx to make its control socket
+MODULES = Path("/usr/lib/nginx/modules")
+LUA_MODULES = ("ndk_http_module.so", "ngx_http_lua_module.so")
+RESTY_CORE = Path("/usr/share/lua/5.1/resty/core.lua")  # lua-resty-core, which the Lua module needs
+# The configuration's files in nginx's folder, by the template (package data beside this module) each is made of.
+CONFIG_FILES = {"nginx.conf": "nginx_front.conf", "fast.conf": "nginx_front_fast.conf",
+                "router.conf": "nginx_front_router.conf"}
+LANE, LANE_SETTINGS = "front_lane.lua", "front_settings.lua"
+_PLACEHOLDER = re.compile(r"\{\{ (\w+) \}\}")
+
+
+def find_nginx() -> str | None:
+    """The nginx executable, when it and its Lua module (with lua-resty-core) are installed; else None."""
+    found = shutil.which("nginx")
+    if found is None and os.access("/usr/sbin/nginx", os.X_OK):
+        found = "/usr/sbin/nginx"
+    if found is None or not all((MODULES / m).exists() for m in LUA_MODULES) or not RESTY_CORE.exists():
+        return None
+    return found
+
+
+def choose_front(setting: str) -> str | None:
+    """The nginx executable the router puts in front of itself (``SHARDLINE_ROUTER_DATA_PLANE``, with its Lua
+    module); None for the router alone.
+
+    Raises:
+        InvalidSetting: ``nginx`` asked for and not installed.
+    """
+    if setting == "python":
+        return None
+    nginx = find_nginx()
+    if nginx is not None:
+        return nginx
+    if setting == "nginx":
+        raise InvalidSetting("SHARDLINE_ROUTER_DATA_PLANE=nginx but nginx or its Lua module is not installed: "
+                             "apt-get install nginx-light libnginx-mod-http-lua (Debian's packages), or set it "
+                             "to auto or python")
+    log.warning("nginx with its Lua module is not installed: the router relays every request itself (slower: "
+                "docs/routing.md); apt-get install nginx-light libnginx-mod-http-lua to put nginx in front")
+    return None
 
 
 @dataclass(frozen=True)
@@ -114,7 +151,7 @@ def lua_literal(value: Any) -> str:
 
 
 def lua_settings(layout: NginxLayout, tenants: TenantDirectory) -> str:
-    """shardline_settings.lua: the tenants' key digests and quotas, and the lane's settings (fixed for nginx's life)."""
+    """front_settings.lua: the tenants' key digests and quotas, and the lane's settings (fixed for nginx's life)."""
     quotas = {}
     for tenant in tenants.tenants.values():
         rate = tenant.rate
@@ -135,115 +172,38 @@ def _v2_error(message: str) -> str:
     return "'{\"error\": \"" + message.replace("\\", "\\\\").replace("'", "\\'") + "\"}'"
 
 
-def render_config(layout: NginxLayout) -> str:
-    """nginx's configuration for the layout (checked by ``nginx -t`` in the tests)."""
-    f = layout.folder
+def render(template: str, values: dict[str, str]) -> str:
+    """One of this package's nginx templates (``nginx_front*.conf``) with each ``{{ name }}`` filled in.
+
+    Raises:
+        KeyError: the template names a value not given (a template and its renderer out of step).
+    """
+    text = resources.files("shardline.online.router").joinpath(template).read_text()
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
+
+
+def render_config(layout: NginxLayout) -> dict[str, str]:
+    """nginx's configuration for the layout, by file name: ``nginx.conf`` and the two lanes' proxying it includes
+    (``fast.conf``, ``router.conf``), from the templates shipped beside this module (checked by ``nginx -t`` in
+    the tests)."""
     key = layout.router_key.replace("\\", "\\\\").replace('"', '\\"').replace("$", "${dollar}")
-    request_s, stream_s = f"{layout.request_timeout_s:g}s", f"{layout.max_timeout_s + 10:g}s"
-    fast = f"""
-            proxy_pass http://sl_fast$sl_uri;
-            proxy_set_header Host $host;
-            proxy_set_header Connection "";
-            proxy_set_header Authorization "Bearer {key}";
-            proxy_set_header {TENANT_HEADER} $sl_tenant;
-            proxy_set_header {GATED_HEADER} "";
-            proxy_set_header {VARIANT_HEADER} "";
-            proxy_next_upstream_timeout {request_s};
-            proxy_read_timeout {request_s};
-            proxy_send_timeout {request_s};
-            log_by_lua_block {{ lane.done() }}"""
-    router = f"""
-            proxy_pass http://sl_router;
-            proxy_set_header Host $host;
-            proxy_set_header Connection "";
-            proxy_set_header {TENANT_HEADER} "";
-            proxy_set_header {GATED_HEADER} $sl_tenant;
-            proxy_set_header {VARIANT_HEADER} "";
-            proxy_request_buffering off;
-            proxy_buffering off;
-            proxy_next_upstream off;
-            proxy_read_timeout {stream_s};
-            proxy_send_timeout {stream_s};
-            log_by_lua_block {{ lane.done() }}"""
     # As root nginx would run its worker as nobody, which cannot reach the private folder: the router's user.
     user = ""
     if os.geteuid() == 0:
         user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
-    error_pages = "\n".join(f"        error_page {code} @e{code};" for code in ERRORS)
-    error_locations = "\n".join(
-        f"        location @e{code} {{ default_type application/json; "
-        + ("add_header Retry-After 1 always; " if retry else "") + f"return {code} {_v2_error(message)}; }}"
-        for code, (message, retry) in ERRORS.items())
-    return f"""\
-load_module {MODULES / LUA_MODULES[0]};
-load_module {MODULES / LUA_MODULES[1]};
-{user}worker_processes 1;
-daemon off;
-pid {f / 'nginx.pid'};
-error_log {f / 'nginx.log'} warn;
-events {{ worker_connections 8192; }}
-http {{
-    access_log off;
-    server_tokens off;
-    client_body_temp_path {f / 'body'};
-    proxy_temp_path {f / 'proxy'};
-    fastcgi_temp_path {f / 'fastcgi'};
-    uwsgi_temp_path {f / 'uwsgi'};
-    scgi_temp_path {f / 'scgi'};
-    lua_package_path "{f}/?.lua;;";
-    init_by_lua_block {{ lane = require "shardline_lane" }}
-    geo $dollar {{ default "$"; }}
-    keepalive_timeout 75s;
-    keepalive_requests 100000;
-    client_header_timeout 30s;
-    client_body_timeout 30s;
-    send_timeout {stream_s};
-    client_max_body_size 0;
-    client_body_buffer_size 32k;
-    large_client_header_buffers 4 16k;
-    proxy_http_version 1.1;
-    proxy_connect_timeout 2s;
-    proxy_buffer_size 16k;
-    proxy_buffers 16 16k;
-    proxy_max_temp_file_size 0;
-
-    upstream sl_fast {{
-        server 0.0.0.1;
-        balancer_by_lua_block {{ lane.balance() }}
-        keepalive 256;
-    }}
-    upstream sl_router {{
-        server unix:{layout.router_socket};
-        keepalive 256;
-    }}
-    server {{
-        listen {layout.listen};
-        set $sl_tenant "";
-        set $sl_pin "";
-        set $sl_uri "";
-{error_pages}
-        location ~ ^/v2/models/([^/]+)/infer$ {{
-            access_by_lua_block {{ lane.infer() }}
-            proxy_next_upstream error timeout http_502 http_503 http_504 non_idempotent;{fast}
-        }}
-        location @fast_conn {{
-            proxy_next_upstream error timeout non_idempotent;{fast}
-        }}
-        location @router {{{router}
-        }}
-        location / {{
-            access_by_lua_block {{ lane.gate() }}{router}
-        }}
-{error_locations}
-    }}
-    server {{
-        listen unix:{layout.control_socket};
-        client_body_buffer_size 16m;
-        client_max_body_size 16m;
-        location / {{ content_by_lua_block {{ lane.control() }} }}
-    }}
-}}
-"""
+    values = {
+        "folder": str(layout.folder), "listen": layout.listen, "router_socket": str(layout.router_socket),
+        "control_socket": str(layout.control_socket), "user": user, "router_key": key,
+        "load_modules": "\n".join(f"load_module {MODULES / module};" for module in LUA_MODULES),
+        "request_timeout": f"{layout.request_timeout_s:g}s", "stream_timeout": f"{layout.max_timeout_s + 10:g}s",
+        "tenant_header": TENANT_HEADER, "gated_header": GATED_HEADER, "variant_header": VARIANT_HEADER,
+        "error_pages": "\n".join(f"        error_page {code} @e{code};" for code in ERRORS),
+        "error_locations": "\n".join(
+            f"        location @e{code} {{ default_type application/json; "
+            + ("add_header Retry-After 1 always; " if retry else "") + f"return {code} {_v2_error(message)}; }}"
+            for code, (message, retry) in ERRORS.items()),
+    }
+    return {name: render(template, values) for name, template in CONFIG_FILES.items()}
 
 
 @dataclass
@@ -273,14 +233,14 @@ class _Addresses:
         return self.found[host]
 
 
-class NginxEdge:
+class NginxFront:
     """nginx in front of the router: its files, its process, and the control socket that keeps it true."""
 
     def __init__(self, nginx: str, layout: NginxLayout, tenants: TenantDirectory) -> None:
         self.nginx = nginx
         self.layout = layout
         self.tenants = tenants
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: Child | None = None
         self._pushed = _Pushed()
         self._pinning = asyncio.Lock()
         self._addresses = _Addresses()
@@ -288,13 +248,21 @@ class NginxEdge:
         self._pins: dict[str, str] = {}  # as last logged
         self._budget_off = False  # as last logged
 
+    @property
+    def folder(self) -> Path:
+        return self.layout.folder
+
+    @property
+    def router_socket(self) -> Path:
+        return self.layout.router_socket
+
     def write_files(self) -> None:
-        """The configuration, the lane's Lua and its settings."""
+        """The configuration (``render_config``), the lane's Lua and its settings."""
         folder = self.layout.folder
-        (folder / "nginx.conf").write_text(render_config(self.layout))
-        (folder / "shardline_lane.lua").write_text(
-            resources.files("shardline.online.router").joinpath("shardline_lane.lua").read_text())
-        (folder / "shardline_settings.lua").write_text(lua_settings(self.layout, self.tenants))
+        for name, text in render_config(self.layout).items():
+            (folder / name).write_text(text)
+        (folder / LANE).write_text(resources.files("shardline.online.router").joinpath(LANE).read_text())
+        (folder / LANE_SETTINGS).write_text(lua_settings(self.layout, self.tenants))
         for path in folder.iterdir():
             if path.is_file():
                 path.chmod(0o600)
@@ -308,15 +276,25 @@ class NginxEdge:
         self.write_files()
         self._pushed = _Pushed(generation=self._pushed.generation)
         self._totals = {}  # a new nginx counts from zero
-        folder, fd = self.layout.folder, self.layout.listen_fd
-        self.process = start_process(
-            "nginx", [self.nginx, "-p", str(folder), "-e", str(folder / "nginx.log"), "-c", str(folder / "nginx.conf")],
-            folder, self.layout.control_socket, fd, env={**os.environ, "NGINX": f"{fd};"})
+        folder, fd, ready = self.layout.folder, self.layout.listen_fd, self.layout.control_socket
+        ready.unlink(missing_ok=True)  # a dead one's: the new one's tells it is up
+        # Its own session: a terminal's Ctrl-C reaches the router, which stops it gracefully.
+        self.process = spawn("nginx", [self.nginx, "-p", str(folder), "-e", str(folder / "nginx.log"), "-c",
+                                       str(folder / "nginx.conf")], folder / "nginx.log",
+                             env={**os.environ, "NGINX": f"{fd};"}, pass_fds=(fd,), own_session=True)
+        try:
+            self.process.wait_ready(ready.exists, START_TIMEOUT_S)
+        except ChildNotReady as e:
+            self.process = None
+            raise InvalidSetting(f"{e}; set SHARDLINE_ROUTER_DATA_PLANE=python to run the router alone") from e
+        log.info("nginx %d in front of the router (its files in %s)", self.process.pid, folder)
 
     def stop(self) -> None:
-        """Stop nginx (SIGQUIT: it finishes the requests it holds; SIGKILL after ``STOP_GRACE_S``)."""
+        """Stop nginx (SIGQUIT: it finishes the requests it holds; SIGKILL past ``processes.GRACE_S``)."""
         process, self.process = self.process, None
-        stop_process(process, signal.SIGQUIT, self.layout.control_socket)
+        if process is not None:
+            process.stop(signum=signal.SIGQUIT)
+        self.layout.control_socket.unlink(missing_ok=True)
 
     async def control(self, method: str, path: str, body: bytes = b"") -> str:
         """One request to the lane's control socket; its answer's body."""
@@ -395,7 +373,7 @@ class NginxEdge:
 
     async def _read_counts(self, router: Router) -> int:
         """The lane's requests in flight and taken by pinned version (name:version), in flight by replica, into the
-        router's metrics (``edge_*``); each group's requests and retries since the last read into its retry budget.
+        router's metrics (``front_*``); each group's requests and retries since the last read into its retry budget.
         Returns the worker's state generation."""
         generation = -1
         in_flight, requests, replicas = {}, {}, {}
@@ -413,7 +391,7 @@ class NginxEdge:
             elif kind == "group" and len(cells) == 3:
                 taken[cells[0]] = (int(cells[1]), int(cells[2]))
         metrics = router.metrics
-        metrics.edge_in_flight, metrics.edge_requests, metrics.edge_replicas = in_flight, requests, replicas
+        metrics.front_in_flight, metrics.front_requests, metrics.front_replicas = in_flight, requests, replicas
         now = time.monotonic()
         if generation != self._pushed.generation:
             self._totals = {}  # a worker nginx started anew counts from zero
@@ -421,7 +399,7 @@ class NginxEdge:
             before_taken, before_retried = self._totals.get(group, (0, 0))
             router.budget.record(now, max(0, requested - before_taken), max(0, retried - before_retried))
             self._totals[group] = (requested, retried)
-        metrics.edge_retries = {group: retried for group, (_, retried) in self._totals.items()}
+        metrics.front_retries = {group: retried for group, (_, retried) in self._totals.items()}
         budget_off = not router.budget.has_room(now)
         if budget_off != self._budget_off:
             self._budget_off = budget_off

@@ -54,8 +54,9 @@ def test_not_ready_is_a_shardline_error_with_its_exit() -> None:
     assert error.returncode == 1 and error.log_path == Path("/tmp/nginx.log") and str(error).startswith("nginx")
 
 
-@pytest.mark.parametrize("pid", [0, -1, -os.getpid()])
-def test_no_pid_that_would_signal_a_group_or_every_process_counts_as_alive(pid: int) -> None:
+@pytest.mark.parametrize("pid", [0, -1, "minus this process"])  # (an id stable across xdist's workers)
+def test_no_pid_that_would_signal_a_group_or_every_process_counts_as_alive(pid: int | str) -> None:
+    pid = -os.getpid() if pid == "minus this process" else int(pid)
     assert not alive(pid) and not alive(pid, b"python")
     assert stop_pid(pid, marker=None)  # nothing sent: kill(0 or -1, SIGTERM) would reach this test's own group
 

@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
-from pydantic_settings import BaseSettings
 
-from shardline import settings as settings_module
+from tests.support.settings_names import unknown_settings
 
 REPO = Path(__file__).resolve().parents[2]
 SPOT_LABELS = {
@@ -174,21 +173,10 @@ def test_nightly_runs_on_a_process_pool_from_this_checkout_without_docker(nightl
 # every SHARDLINE_* name the deploy files mention is a real setting
 
 
-def known_settings() -> set[str]:
-    names = set()
-    for value in vars(settings_module).values():
-        if isinstance(value, type) and issubclass(value, BaseSettings) and value is not BaseSettings:
-            prefix = str(value.model_config.get("env_prefix", "")).upper()
-            names |= {f"{prefix}{field.upper()}" for field in value.model_fields}
-    return names
-
-
 @pytest.mark.parametrize("relative", ["deploy/README.md", "deploy/dask/cluster.yaml", "deploy/ci/release-model.yml",
                                       "prefect.yaml"])
 def test_settings_named_in_deploy_files_exist(relative: str) -> None:
-    # whole names only: SHARDLINE_STORAGE_* is a family, not a setting
-    mentioned = set(re.findall(r"\bSHARDLINE_[A-Z0-9_]*[A-Z0-9]\b", (REPO / relative).read_text()))
-    unknown = mentioned - known_settings()
+    unknown = unknown_settings((REPO / relative).read_text())
     assert not unknown, f"{relative} names settings that do not exist: {sorted(unknown)}"
 
 

@@ -352,6 +352,11 @@ def test_dev_is_cpu_only_and_fits_one_node() -> None:
     assert router["spec"]["replicas"] == 1
     assert all(t["whenUnsatisfiable"] == "ScheduleAnyway"
                for t in router["spec"]["template"]["spec"]["topologySpreadConstraints"])
+    # the registry (the home) on the one volume every pod mounts, not a per-pod emptyDir
+    for name in ("shardline-router", "shardline-replicas-cpu"):
+        [home] = [v for v in one(objects, "Deployment", name)["spec"]["template"]["spec"]["volumes"] if v["name"] == "home"]
+        assert home == {"name": "home", "persistentVolumeClaim": {"claimName": "shardline-home"}}
+    assert one(objects, "PersistentVolumeClaim", "shardline-home")
     # a one-replica router must not block a node drain
     assert "minAvailable" not in one(objects, "PodDisruptionBudget", "shardline-router")["spec"]
 
@@ -454,3 +459,30 @@ def test_batch_priority_class_is_below_online_and_never_preempts() -> None:
 def test_the_image_carries_the_dask_templates_the_flow_reads() -> None:
     text = (REPO / "deploy/images/cpu.Dockerfile").read_text()
     assert "deploy/k8s/dask/" in text
+
+
+def pod_specs(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    if obj["kind"] in {"Deployment", "StatefulSet"}:
+        yield obj["spec"]["template"]["spec"]
+    elif obj["kind"] == "DaskCluster":
+        yield obj["spec"]["scheduler"]["spec"]
+        yield obj["spec"]["worker"]["spec"]
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_pods_meet_the_restricted_pod_security_standard(name: str) -> None:
+    # the platform namespace enforces `restricted`; the Dask templates meet it too (tenant namespaces warn on it)
+    objects = [*overlay(name), *(yaml.safe_load(p.read_text()) for p in DASK_TEMPLATES)]
+    checked = 0
+    for obj in objects:
+        for pod in pod_specs(obj):
+            where = f"{obj['kind']}/{obj['metadata']['name']}"
+            assert pod["securityContext"]["runAsNonRoot"] is True, where
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            for c in pod["containers"]:
+                assert c["securityContext"]["allowPrivilegeEscalation"] is False, where
+                assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], where
+            checked += 1
+    assert checked >= 8
+    platform = one(overlay(name), "Namespace", "shardline")
+    assert platform["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"

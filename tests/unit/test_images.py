@@ -80,6 +80,15 @@ def test_every_file_and_extra_it_names_exists(dockerfile: Path) -> None:
 
 
 @pytest.mark.parametrize("dockerfile", IMAGES, ids=lambda p: p.name)
+def test_every_folder_the_package_installs_is_copied(dockerfile: Path) -> None:
+    # a new room (a folder in pyproject's package-dir) missing from the build stage would install without it
+    folders = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    copied = {args.split()[0].rstrip("/") for op, args in instructions(dockerfile)
+              if op == "COPY" and "--from=" not in args and "--chown" not in args}
+    assert folders <= copied, f"{dockerfile.name} does not copy {sorted(folders - copied)}"
+
+
+@pytest.mark.parametrize("dockerfile", IMAGES, ids=lambda p: p.name)
 def test_multi_stage_non_root_pinned_and_off_the_network(dockerfile: Path) -> None:
     ops = instructions(dockerfile)
     stages = [args for op, args in ops if op == "FROM"]

@@ -138,7 +138,7 @@ def _kubernetes_cluster(settings: DaskSettings) -> Iterator[str]:
     if not settings.kubernetes_spec or not Path(settings.kubernetes_spec).is_file():
         raise InvalidSetting(
             f"SHARDLINE_DASK_KUBERNETES_SPEC={settings.kubernetes_spec!r} is not a file; point it at "
-            "a DaskCluster spec such as deploy/dask/cluster.yaml"
+            "a DaskCluster spec such as deploy/k8s/dask/cluster-cpu.yaml"
         )
     try:
         from dask_kubernetes.operator import KubeCluster

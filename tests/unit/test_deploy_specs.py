@@ -1,4 +1,4 @@
-"""The deployment specs say what they mean: prefect.yaml, deploy/dask/cluster.yaml, deploy/README.md.
+"""The deployment specs say what they mean: prefect.yaml, deploy/k8s/dask/cluster-cpu.yaml, deploy/README.md.
 
 No cluster or server here: the files are read as `prefect deploy` and the
 dask-kubernetes operator would read them, and checked against the flow and the
@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
-from pydantic_settings import BaseSettings
 
-from shardline import settings as settings_module
+from tests.support.settings_names import unknown_settings
 
 REPO = Path(__file__).resolve().parents[2]
 SPOT_LABELS = {
@@ -34,7 +33,7 @@ def load(relative: str) -> Any:
 
 @pytest.fixture(scope="module")
 def cluster() -> dict[str, Any]:
-    spec: dict[str, Any] = load("deploy/dask/cluster.yaml")
+    spec: dict[str, Any] = load("deploy/k8s/dask/cluster-cpu.yaml")
     return spec
 
 
@@ -49,7 +48,7 @@ def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
     return found  # type: ignore[no-any-return]
 
 
-# deploy/dask/cluster.yaml
+# deploy/k8s/dask/cluster-cpu.yaml
 
 
 def test_cluster_is_a_dask_cluster_whose_service_selects_its_scheduler(cluster: dict[str, Any]) -> None:
@@ -103,7 +102,7 @@ def test_workers_prefer_spot_tolerate_it_and_retire_gracefully(cluster: dict[str
 
 
 def test_gpu_variant_is_noted_next_to_the_worker_command() -> None:
-    text = (REPO / "deploy/dask/cluster.yaml").read_text()
+    text = (REPO / "deploy/k8s/dask/cluster-cpu.yaml").read_text()
     assert re.search(r"#\s*args: \[dask, worker, .*--nthreads, \"1\",", text)
     assert "--resources, GPU=1" in text and "nvidia.com/gpu: 1" in text
 
@@ -174,21 +173,10 @@ def test_nightly_runs_on_a_process_pool_from_this_checkout_without_docker(nightl
 # every SHARDLINE_* name the deploy files mention is a real setting
 
 
-def known_settings() -> set[str]:
-    names = set()
-    for value in vars(settings_module).values():
-        if isinstance(value, type) and issubclass(value, BaseSettings) and value is not BaseSettings:
-            prefix = str(value.model_config.get("env_prefix", "")).upper()
-            names |= {f"{prefix}{field.upper()}" for field in value.model_fields}
-    return names
-
-
-@pytest.mark.parametrize("relative", ["deploy/README.md", "deploy/dask/cluster.yaml", "deploy/ci/release-model.yml",
+@pytest.mark.parametrize("relative", ["deploy/README.md", "deploy/k8s/dask/cluster-cpu.yaml", "deploy/ci/release-model.yml",
                                       "prefect.yaml"])
 def test_settings_named_in_deploy_files_exist(relative: str) -> None:
-    # whole names only: SHARDLINE_STORAGE_* is a family, not a setting
-    mentioned = set(re.findall(r"\bSHARDLINE_[A-Z0-9_]*[A-Z0-9]\b", (REPO / relative).read_text()))
-    unknown = mentioned - known_settings()
+    unknown = unknown_settings((REPO / relative).read_text())
     assert not unknown, f"{relative} names settings that do not exist: {sorted(unknown)}"
 
 

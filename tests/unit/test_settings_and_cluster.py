@@ -67,7 +67,7 @@ def test_each_kubernetes_job_gets_its_own_cluster_name() -> None:
 
     from shardline.tasks.cluster import job_cluster_spec
 
-    spec = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "dask" / "cluster.yaml").read_text())
+    spec = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "k8s" / "dask" / "cluster-cpu.yaml").read_text())
     named = job_cluster_spec(spec, "ab12cd34")
 
     assert named["metadata"]["name"] == "shardline-batch-ab12cd34"

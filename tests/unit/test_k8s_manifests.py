@@ -1,0 +1,488 @@
+"""The Kubernetes manifests (deploy/k8s) checked without a cluster: no API server or container engine runs here.
+
+Every overlay renders with `kubectl kustomize`; every rendered object of a built-in kind validates strictly
+(unknown fields refused) against the Kubernetes schemas of 1.32 and 1.37 (`kubernetes-validate`'s bundled
+schemas); every custom resource (KEDA, Gateway API, dask-kubernetes, Istio) validates against its CRD's own
+openAPIV3Schema (tests/support/crds), unknown fields refused too; every `SHARDLINE_*` name is a real setting,
+every metric an autoscaler queries is one the router exports (read from a real RouterMetrics built from the
+overlay's own router.yaml), and the objects refer to each other consistently (Services, Secrets, groups).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any, Iterator
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from shardline.online.router.config import parse_router_config
+from shardline.online.router.health import BreakerPolicy
+from shardline.online.router.metrics import RouterMetrics
+from shardline.online.router.replicas import ReplicaSet
+from shardline.tenants import parse_tenants_file
+from tests.support.settings_names import unknown_settings
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy/k8s"
+CRDS = REPO / "tests/support/crds"
+OVERLAYS = ["dev", "production", "production-hpa"]
+KUBERNETES_VERSIONS = ["1.32.0", "1.37.0"]  # kubectl here is 1.32; 1.37 is the newest kubernetes-validate bundles
+DASK_TEMPLATES = sorted((K8S / "dask").glob("*.yaml"))
+EXAMPLES = [p for p in sorted((K8S / "examples").iterdir()) if (p / "kustomization.yaml").is_file()]
+MIG_RESOURCES = {"nvidia.com/mig-1g.18gb", "nvidia.com/mig-3g.71gb"}
+
+
+def kubectl() -> str:
+    found = shutil.which("kubectl")
+    if found is None:
+        pytest.skip("kubectl (client only) renders the overlays: install it to run these checks")
+    return found
+
+
+@cache
+def render(path: Path) -> tuple[dict[str, Any], ...]:
+    run = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return tuple(d for d in yaml.safe_load_all(run.stdout) if d)
+
+
+def overlay(name: str) -> tuple[dict[str, Any], ...]:
+    return render(K8S / "overlays" / name)
+
+
+def find(objects: tuple[dict[str, Any], ...], kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def one(objects: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, Any]:
+    [found] = find(objects, kind, name)
+    return found
+
+
+def containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return obj["spec"]["template"]["spec"]["containers"]  # type: ignore[no-any-return]
+
+
+# custom resources against their CRDs
+
+
+def _strict(schema: Any) -> Any:
+    """The CRD schema with unknown fields refused, as `kubectl apply --validate=strict` does (the API server
+    would otherwise prune them silently), except where the schema keeps unknown fields."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@cache
+def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    """(apiVersion, kind) -> its openAPIV3Schema, metadata left to the API server (as a CRD's is)."""
+    schemas = {}
+    for path in sorted(CRDS.glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for version in crd["spec"]["versions"]:
+            schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
+            for field in ("apiVersion", "kind", "metadata"):  # the API server's, checked above or by it
+                schema.get("properties", {}).pop(field, None)
+            schemas[(f"{group}/{version['name']}", kind)] = _strict(schema)
+    return schemas
+
+
+def validate_custom(obj: dict[str, Any]) -> None:
+    key = (obj["apiVersion"], obj["kind"])
+    assert key in crd_schemas(), f"{key} has no CRD schema in tests/support/crds"
+    body = {k: v for k, v in obj.items() if k not in {"apiVersion", "kind", "metadata"}}
+    jsonschema.validate(body, crd_schemas()[key], cls=jsonschema.Draft7Validator)
+
+
+def validate(obj: dict[str, Any], version: str) -> None:
+    """One object: a built-in kind against Kubernetes' schemas, a custom one against its CRD."""
+    try:
+        kubernetes_validate.validate(obj, version, strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        validate_custom(obj)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_every_rendered_object_validates_strictly(name: str, version: str) -> None:
+    objects = overlay(name)
+    assert len(objects) > 30
+    for obj in objects:
+        try:
+            validate(obj, version)
+        except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as e:
+            raise AssertionError(f"{name}: {obj['kind']}/{obj['metadata']['name']}: {e}") from None
+
+
+def test_the_checks_refuse_a_misspelled_field() -> None:
+    # they can fail: a Deployment and a ScaledObject with one field misspelled are refused
+    deployment = copy.deepcopy(one(overlay("dev"), "Deployment", "shardline-router"))
+    containers(deployment)[0]["readinesProbe"] = containers(deployment)[0].pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, "1.32.0", strict=True)
+    scaled = copy.deepcopy(one(overlay("production"), "ScaledObject", "shardline-replicas-cpu"))
+    scaled["spec"]["minReplicas"] = scaled["spec"].pop("minReplicaCount")
+    with pytest.raises(jsonschema.ValidationError, match="minReplicas"):
+        validate_custom(scaled)
+
+
+@pytest.mark.parametrize("template", DASK_TEMPLATES, ids=lambda p: p.name)
+def test_dask_templates_validate_against_the_dask_kubernetes_crds(template: Path) -> None:
+    obj = yaml.safe_load(template.read_text())
+    validate_custom(obj)
+    if obj["kind"] == "DaskCluster":
+        for spec in (obj["spec"]["scheduler"]["spec"], obj["spec"]["worker"]["spec"]):
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": spec},
+                                         "1.32.0", strict=True)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_render_and_validate(example: Path) -> None:
+    objects = render(example)
+    assert objects
+    for obj in objects:
+        validate(obj, "1.32.0")
+
+
+# names the code knows
+
+
+def rendered_text(name: str) -> str:
+    return yaml.safe_dump_all(overlay(name))
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_every_shardline_setting_named_is_real(name: str) -> None:
+    text = rendered_text(name)
+    assert "SHARDLINE_" in text
+    assert not unknown_settings(text), f"{name} names settings that do not exist: {sorted(unknown_settings(text))}"
+
+
+def test_every_shardline_setting_named_in_the_sources_is_real() -> None:
+    for path in [*K8S.rglob("*.yaml"), *(REPO / "deploy/images").iterdir(), REPO / "docs/kubernetes.md"]:
+        assert not unknown_settings(path.read_text()), path
+
+
+def router_config(objects: tuple[dict[str, Any], ...]) -> Any:
+    [config] = [c for c in find(objects, "ConfigMap") if c["metadata"]["name"].startswith("shardline-router-config")]
+    return parse_router_config(yaml.safe_load(config["data"]["router.yaml"]), "router.yaml")
+
+
+def exported_metrics(objects: tuple[dict[str, Any], ...]) -> set[str]:
+    """The series a router with this overlay's router.yaml exports, as Prometheus reads them."""
+    metrics = RouterMetrics(ReplicaSet(router_config(objects), BreakerPolicy(), 10.0, lambda: 0.0), lambda: 0.0)
+    metrics.started("churn:1")
+    metrics.answered("churn:1", 200, 0.01, 0)
+    text = metrics.exposition()[0].decode()
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def autoscaler_queries(objects: tuple[dict[str, Any], ...]) -> Iterator[tuple[str, str, set[str]]]:
+    """(target Deployment, metric, the group labels it selects) for every metric a ScaledObject or HPA reads."""
+    for scaled in find(objects, "ScaledObject"):
+        for trigger in scaled["spec"]["triggers"]:
+            assert trigger["type"] == "prometheus"
+            query = trigger["metadata"]["query"]
+            groups = set(re.findall(r'group="([^"]+)"', query))
+            for metric in set(re.findall(r"\b(shardline_[a-z0-9_]+)", query)):
+                yield scaled["spec"]["scaleTargetRef"]["name"], metric, groups
+    for hpa in find(objects, "HorizontalPodAutoscaler"):
+        for metric in hpa["spec"]["metrics"]:
+            external = metric["external"]["metric"]
+            groups = {external["selector"]["matchLabels"]["group"]}
+            yield hpa["spec"]["scaleTargetRef"]["name"], external["name"], groups
+
+
+@pytest.mark.parametrize("name", ["production", "production-hpa"])
+def test_autoscalers_read_series_the_router_exports_for_groups_it_has(name: str) -> None:
+    objects = overlay(name)
+    exported = exported_metrics(objects)
+    groups = {g.name for g in router_config(objects).groups}
+    deployments = {d["metadata"]["name"] for d in find(objects, "Deployment")}
+    seen = set()
+    for target, metric, selected in autoscaler_queries(objects):
+        assert metric in exported, f"{target}'s autoscaler reads {metric}, which the router does not export"
+        assert selected <= groups, f"{target}'s autoscaler selects groups {selected - groups} the router lacks"
+        assert all(target == f"shardline-replicas-{g}" for g in selected)
+        assert target in deployments
+        seen.add(target)
+    assert seen == {d for d in deployments if d.startswith("shardline-replicas-")}
+
+
+def test_scaled_objects_scale_to_zero_behind_a_floor_that_never_does() -> None:
+    scaled = {s["metadata"]["name"]: s["spec"] for s in find(overlay("production"), "ScaledObject")}
+    assert scaled["shardline-replicas-cpu"]["minReplicaCount"] >= 1
+    first = scaled["shardline-replicas-mig-1g"]
+    assert first["minReplicaCount"] == 0
+    # woken by any traffic: with no replica of its own its own figure stays 0
+    assert any("shardline_router_requests_total" in t["metadata"]["query"] for t in first["triggers"])
+    for spec in scaled.values():
+        assert all("activationThreshold" in t["metadata"] for t in spec["triggers"])
+
+
+def test_the_checks_would_see_a_metric_the_router_does_not_export() -> None:
+    objects = overlay("production")
+    assert "shardline_router_replicas_wanted" in exported_metrics(objects)
+    assert "shardline_router_wanted_replicas" not in exported_metrics(objects)
+
+
+# objects refer to each other
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_router_groups_are_headless_services_of_replica_deployments(name: str) -> None:
+    objects = overlay(name)
+    services = {s["metadata"]["name"]: s for s in find(objects, "Service")}
+    for group in router_config(objects).groups:
+        assert group.dns is not None
+        service_name, namespace = group.dns.name.split(".")[:2]
+        service = services[service_name]
+        assert namespace == service["metadata"]["namespace"] and service["spec"]["clusterIP"] == "None"
+        assert group.dns.port in {p["port"] for p in service["spec"]["ports"]}
+        deployment = one(objects, "Deployment", service_name)
+        assert deployment["spec"]["template"]["metadata"]["labels"].items() >= service["spec"]["selector"].items()
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_tenants_file_is_one_the_platform_reads_with_a_batch_namespace_per_tenant(name: str) -> None:
+    objects = overlay(name)
+    [config] = [c for c in find(objects, "ConfigMap") if c["metadata"]["name"].startswith("shardline-tenants")]
+    tenants = parse_tenants_file(yaml.safe_load(config["data"]["tenants.yaml"]), "tenants.yaml")
+    for tenant in tenants.tenants:
+        namespace = one(objects, "Namespace", f"shardline-tenant-{tenant.name}")
+        assert namespace["metadata"]["labels"]["shardline.dev/tenant"] == tenant.name
+
+
+def secrets_referenced(objects: tuple[dict[str, Any], ...]) -> set[tuple[str, str]]:
+    found = set()
+    for obj in objects:
+        if obj["kind"] not in {"Deployment", "StatefulSet"}:
+            continue
+        namespace = obj["metadata"]["namespace"]
+        for c in containers(obj):
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    found.add((namespace, ref["name"]))
+            for source in c.get("envFrom", []):
+                if "secretRef" in source and not source["secretRef"].get("optional"):
+                    found.add((namespace, source["secretRef"]["name"]))
+    return found
+
+
+def test_dev_generates_every_secret_it_uses_and_production_none() -> None:
+    dev = overlay("dev")
+    generated = {(s["metadata"]["namespace"], s["metadata"]["name"]) for s in find(dev, "Secret")}
+    assert secrets_referenced(dev) <= generated
+    assert ("shardline-tenant-acme", next(n for ns, n in generated if ns == "shardline-tenant-acme")) in generated
+    assert not find(overlay("production"), "Secret"), "production's Secrets are created in the cluster, not here"
+
+
+def test_dev_router_key_digest_matches_the_key() -> None:
+    import base64
+    import hashlib
+
+    [secret] = [s for s in find(overlay("dev"), "Secret") if s["metadata"]["name"].startswith("shardline-router-key")]
+    key, digest = (base64.b64decode(secret["data"][k]).decode() for k in ("key", "sha256"))
+    assert hashlib.sha256(key.encode()).hexdigest() == digest
+
+
+# the online tier
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_routers_and_replicas_probe_health_drain_and_take_the_key_from_a_secret(name: str) -> None:
+    objects = overlay(name)
+    deployments = [d for d in find(objects, "Deployment") if d["metadata"]["name"].startswith(
+        ("shardline-router", "shardline-replicas-"))]
+    assert len(deployments) >= 2
+    for d in deployments:
+        pod = d["spec"]["template"]["spec"]
+        [c] = pod["containers"]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+        assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+        assert pod["terminationGracePeriodSeconds"] > int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+        env = {e["name"]: e for e in c["env"]}
+        router = d["metadata"]["name"] == "shardline-router"
+        key = "SHARDLINE_ROUTER_KEY" if router else "SHARDLINE_TENANCY_ROUTER_KEY_SHA256"
+        assert "secretKeyRef" in env[key]["valueFrom"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["priorityClassName"] == "shardline-online"
+
+
+def test_production_runs_several_routers_spread_over_zones_with_a_budget() -> None:
+    objects = overlay("production")
+    router = one(objects, "Deployment", "shardline-router")
+    assert router["spec"]["replicas"] >= 3
+    zones = [t for t in router["spec"]["template"]["spec"]["topologySpreadConstraints"]
+             if t["topologyKey"] == "topology.kubernetes.io/zone"]
+    assert zones and zones[0]["whenUnsatisfiable"] == "DoNotSchedule"
+    assert one(objects, "PodDisruptionBudget", "shardline-router")["spec"]["minAvailable"] >= 1
+    assert find(objects, "HTTPRoute", "shardline-router") and find(objects, "Ingress", "shardline-router")
+    assert find(objects, "StatefulSet", "shardline-redis")
+
+
+def test_dev_is_cpu_only_and_fits_one_node() -> None:
+    objects = overlay("dev")
+    pods = [o for o in objects if o["kind"] in {"Deployment", "StatefulSet"}]
+    for pod in pods:
+        spec = pod["spec"]["template"]["spec"]
+        assert not spec.get("nodeSelector") and not spec.get("tolerations")
+        assert "nvidia.com/" not in json.dumps([c.get("resources") for c in spec["containers"]])
+    router = one(objects, "Deployment", "shardline-router")
+    assert router["spec"]["replicas"] == 1
+    assert all(t["whenUnsatisfiable"] == "ScheduleAnyway"
+               for t in router["spec"]["template"]["spec"]["topologySpreadConstraints"])
+    # the registry (the home) on the one volume every pod mounts, not a per-pod emptyDir
+    for name in ("shardline-router", "shardline-replicas-cpu"):
+        [home] = [v for v in one(objects, "Deployment", name)["spec"]["template"]["spec"]["volumes"] if v["name"] == "home"]
+        assert home == {"name": "home", "persistentVolumeClaim": {"claimName": "shardline-home"}}
+    assert one(objects, "PersistentVolumeClaim", "shardline-home")
+    # a one-replica router must not block a node drain
+    assert "minAvailable" not in one(objects, "PodDisruptionBudget", "shardline-router")["spec"]
+
+
+def test_production_gpu_groups_request_whole_gpus_and_mig_slices_on_mixed_strategy_nodes() -> None:
+    objects = overlay("production")
+    requested = {}
+    for name in ("shardline-replicas-gpu", "shardline-replicas-mig-1g", "shardline-replicas-mig-3g"):
+        d = one(objects, "Deployment", name)
+        pod = d["spec"]["template"]["spec"]
+        [c] = pod["containers"]
+        gpu = {k: v for k, v in c["resources"]["limits"].items() if k.startswith("nvidia.com/")}
+        assert len(gpu) == 1 and c["resources"]["requests"].items() >= gpu.items()
+        requested.update(gpu)
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        if any(k in MIG_RESOURCES for k in gpu):
+            assert pod["nodeSelector"]["nvidia.com/mig.strategy"] == "mixed"
+        assert {e["name"]: e.get("value") for e in c["env"]}["SHARDLINE_RUNTIME_DEVICE"] == "cuda"
+        assert "onnxruntime" not in c["image"]
+    assert set(requested) == {"nvidia.com/gpu", *MIG_RESOURCES}
+    vllm = one(objects, "Deployment", "shardline-replicas-mig-3g")
+    assert containers(vllm)[0]["image"].endswith("shardline-vllm:0.1.0")
+
+
+# batch: tenants' namespaces, quotas, network
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_tenant_batch_namespace_counts_gpus_and_mig_slices(name: str) -> None:
+    objects = overlay(name)
+    [quota] = [q for q in find(objects, "ResourceQuota") if q["metadata"]["namespace"] == "shardline-tenant-acme"]
+    hard = quota["spec"]["hard"]
+    assert {"requests.nvidia.com/gpu", *(f"requests.{m}" for m in MIG_RESOURCES)} <= set(hard)
+    assert "requests.cpu" in hard and "limits.memory" in hard
+    [limits] = [r for r in find(objects, "LimitRange") if r["metadata"]["namespace"] == "shardline-tenant-acme"]
+    assert limits["spec"]["limits"][0]["defaultRequest"]
+
+
+def policies(objects: tuple[dict[str, Any], ...], namespace: str) -> dict[str, dict[str, Any]]:
+    return {p["metadata"]["name"]: p["spec"] for p in find(objects, "NetworkPolicy")
+            if p["metadata"]["namespace"] == namespace}
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_network_default_deny_replicas_take_only_routers_workers_reach_storage_and_scheduler(name: str) -> None:
+    objects = overlay(name)
+    for namespace in ("shardline", "shardline-tenant-acme"):
+        deny = policies(objects, namespace)["default-deny"]
+        assert deny == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
+    replica = policies(objects, "shardline")["replica"]
+    serving = [r for r in replica["ingress"] if {"protocol": "TCP", "port": 8000} in r["ports"]]
+    assert serving == [{"from": [{"podSelector": {"matchLabels": {"shardline.dev/role": "router"}}}],
+                        "ports": [{"protocol": "TCP", "port": 8000}]}]
+    worker = policies(objects, "shardline-tenant-acme")["dask-worker"]
+    for rule in worker["egress"]:
+        peers = rule["to"]
+        assert all("podSelector" in p for p in peers) or rule["ports"] == [{"protocol": "TCP", "port": 443}], rule
+    # the router role label the policies name is the one the router's pods carry
+    router = one(objects, "Deployment", "shardline-router")
+    assert router["spec"]["template"]["metadata"]["labels"]["shardline.dev/role"] == "router"
+
+
+def test_every_pod_label_a_policy_selects_exists() -> None:
+    objects = overlay("production")
+    labels = [o["spec"]["template"]["metadata"]["labels"] for o in objects if o["kind"] in {"Deployment", "StatefulSet"}]
+    roles = {label.get("shardline.dev/role") for label in labels}
+    for spec in (p["spec"] for p in find(objects, "NetworkPolicy")):
+        selector = spec["podSelector"].get("matchLabels", {})
+        if "shardline.dev/role" in selector:
+            assert selector["shardline.dev/role"] in roles, selector
+
+
+# Dask templates
+
+
+def test_gpu_dask_template_puts_workers_on_spot_gpus_and_the_scheduler_on_demand() -> None:
+    cluster = yaml.safe_load((K8S / "dask/cluster-gpu.yaml").read_text())
+    scheduler = cluster["spec"]["scheduler"]["spec"]
+    excluded = {e["key"]: e["values"] for t in
+                scheduler["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+                for e in t["matchExpressions"] if e["operator"] == "NotIn"}
+    assert excluded["karpenter.sh/capacity-type"] == ["spot"] and not scheduler.get("tolerations")
+    worker = cluster["spec"]["worker"]["spec"]
+    [c] = worker["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"  # the CRD types quantities as strings
+    assert c["args"][c["args"].index("--resources") + 1] == "GPU=1"  # a resource Dask schedules on
+    assert "retire_workers(" in c["lifecycle"]["preStop"]["exec"]["command"][2]
+    tolerated = {t["key"] for t in worker["tolerations"]}
+    assert {"nvidia.com/gpu", "cloud.google.com/gke-spot", "karpenter.sh/capacity-type"} <= tolerated
+    assert worker["priorityClassName"] == "shardline-batch"
+    assert cluster["spec"]["scheduler"]["service"]["selector"]["dask.org/cluster-name"] == cluster["metadata"]["name"]
+
+
+def test_batch_priority_class_is_below_online_and_never_preempts() -> None:
+    classes = {p["metadata"]["name"]: p for p in find(overlay("dev"), "PriorityClass")}
+    assert classes["shardline-batch"]["value"] < classes["shardline-online"]["value"]
+    assert classes["shardline-batch"]["preemptionPolicy"] == "Never"
+
+
+def test_the_image_carries_the_dask_templates_the_flow_reads() -> None:
+    text = (REPO / "deploy/images/cpu.Dockerfile").read_text()
+    assert "deploy/k8s/dask/" in text
+
+
+def pod_specs(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    if obj["kind"] in {"Deployment", "StatefulSet"}:
+        yield obj["spec"]["template"]["spec"]
+    elif obj["kind"] == "DaskCluster":
+        yield obj["spec"]["scheduler"]["spec"]
+        yield obj["spec"]["worker"]["spec"]
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_pods_meet_the_restricted_pod_security_standard(name: str) -> None:
+    # the platform namespace enforces `restricted`; the Dask templates meet it too (tenant namespaces warn on it)
+    objects = [*overlay(name), *(yaml.safe_load(p.read_text()) for p in DASK_TEMPLATES)]
+    checked = 0
+    for obj in objects:
+        for pod in pod_specs(obj):
+            where = f"{obj['kind']}/{obj['metadata']['name']}"
+            assert pod["securityContext"]["runAsNonRoot"] is True, where
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            for c in pod["containers"]:
+                assert c["securityContext"]["allowPrivilegeEscalation"] is False, where
+                assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], where
+            checked += 1
+    assert checked >= 8
+    platform = one(overlay(name), "Namespace", "shardline")
+    assert platform["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"

@@ -57,7 +57,7 @@ from shardline.online.served import ServedModels
 from shardline.online.tenants import Tenant, TenantDirectory
 from shardline.rows import Rows, check_rows
 from shardline.runtimes import RuntimeOptions, generates
-from shardline.runtimes.base import concat_answers, out_of_memory
+from shardline.runtimes.base import out_of_memory, split_out_of_memory
 from shardline.settings import OnlineSettings
 from shardline.storage.model_cache import ModelCache
 from shardline.storage.registry import ModelRegistry, ResolvedModel
@@ -354,22 +354,19 @@ class DataPlane:
         the same way, down to one row; the model's batch limit is lowered to the half that fit, so the
         next batches are cut smaller before they are tried. Counted in ``shardline_oom_splits`` and
         logged. Only a single row that does not fit fails (InferenceFailed)."""
-        try:
-            return self._timed(served, runtime, inputs.num_rows, lambda: runtime.predict(inputs))
-        except InferenceFailed as e:
-            if inputs.num_rows <= 1 or not out_of_memory(e.__cause__):
-                raise
-        half = inputs.num_rows // 2
         resolved = served.resolved
-        limits = served.batcher.limits
-        if limits.max_batch_size > half:
-            served.batcher.limits = dataclasses.replace(limits, max_batch_size=max(1, half))
-        self.metrics.oom_splits.labels(resolved.name, _version_label(resolved)).inc()
-        log.warning("out of memory on a batch: split in two, the batch limit lowered", extra={"fields": {
-            "model": resolved.pinned, "rows": inputs.num_rows, "max_batch_size": served.batcher.limits.max_batch_size}})
-        parts = [self._score(served, runtime, inputs.slice(0, half)),
-                 self._score(served, runtime, inputs.slice(half, inputs.num_rows - half))]
-        return concat_answers(parts)
+
+        def split(rows: int, half: int) -> None:
+            limits = served.batcher.limits
+            if limits.max_batch_size > half:
+                served.batcher.limits = dataclasses.replace(limits, max_batch_size=max(1, half))
+            self.metrics.oom_splits.labels(resolved.name, _version_label(resolved)).inc()
+            log.warning("out of memory on a batch: split in two, the batch limit lowered", extra={"fields": {
+                "model": resolved.pinned, "rows": rows, "max_batch_size": served.batcher.limits.max_batch_size}})
+
+        return split_out_of_memory(
+            lambda rows: self._timed(served, runtime, rows.num_rows, lambda: runtime.predict(rows)), inputs, split,
+            lambda e: isinstance(e, InferenceFailed) and out_of_memory(e.__cause__))
 
     def _timed(self, served: ServedModel, runtime: Any, rows: int, score: Callable[[], T]) -> T:
         """A scoring call, timed into ``served.seconds_per_row``; a failure not the request's is InferenceFailed.

@@ -27,8 +27,9 @@ from shardline.errors import (
     InvalidInput,
     SchemaMismatch,
 )
-from shardline.rows import check_rows, schema_mismatch
+from shardline.rows import Rows, check_rows, schema_mismatch
 from shardline.runtimes import RuntimeOptions
+from shardline.runtimes.base import Answer, concat_answers, split_out_of_memory
 from shardline.storage.checkpoint import ShardCheckpoint, plan_ranges, row_group_sizes
 from shardline.storage.fs import commit_file, ensure_dir, io_threads, open_file, open_fs, staging_path
 from shardline.storage.model_cache import get_model_cache
@@ -263,7 +264,7 @@ def _score_into(
     with contextlib.closing(batches), PartWriter(out.fs, path, opened.target, opened.dictionary) as part:
         for batch in batches:
             rows = check_rows(batch, signature, job.model.pinned)  # the one row check, as the online tier's
-            predicted = signature.plan.answer_batch(model.predict(rows))  # (a float matrix's answer is numpy)
+            predicted = signature.plan.answer_batch(_within_memory(model, rows, job.model.pinned))  # (numpy for floats)
             scored = pa.RecordBatch.from_arrays(
                 [batch.column(c) for c in opened.carried] + predicted.columns, schema=opened.target
             )
@@ -273,6 +274,26 @@ def _score_into(
             rows_in += batch.num_rows
             rows_out += scored.num_rows
     return rows_in, rows_out
+
+
+_FITS: dict[str, int] = {}  # per model in this worker: the most rows a call has taken since the device ran out
+
+
+def _within_memory(model: Any, rows: Rows, pinned: str) -> Answer:
+    """``model.predict(rows)``, in calls of at most the rows the device has held: a call the device has no memory
+    for is split in two (down to one row) and the limit for the worker's later calls lowered to the half that fit,
+    so a shard is never failed for what smaller batches serve. Only one row that does not fit fails the shard."""
+
+    def split(rows_tried: int, half: int) -> None:
+        _FITS[pinned] = min(half, _FITS.get(pinned, half))
+        logger.warning("out of memory scoring %d rows of %s: split in two; this worker now scores at most %d rows "
+                       "a call", rows_tried, pinned, _FITS[pinned])
+
+    most = _FITS.get(pinned)
+    if most is None or rows.num_rows <= most:
+        return split_out_of_memory(model.predict, rows, split)
+    return concat_answers([split_out_of_memory(model.predict, rows.slice(offset, min(most, rows.num_rows - offset)),
+                                               split) for offset in range(0, rows.num_rows, most)])
 
 
 def _read(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias, overload
+from typing import Callable, TypeAlias, overload
 
 import numpy as np
 import pyarrow as pa
@@ -45,6 +45,22 @@ def out_of_memory(error: BaseException | None) -> bool:
         return True
     text = str(error).lower()
     return any(phrase in text for phrase in _OUT_OF_MEMORY)
+
+
+def split_out_of_memory(score: Callable[[Rows], Answer], rows: Rows, split: Callable[[int, int], None],
+                        is_out_of_memory: Callable[[BaseException], bool] = out_of_memory) -> Answer:
+    """``score(rows)``; a batch the device has no memory for is split in two and each half scored the same way,
+    down to one row (``split(rows, half)`` is told of each split: lower a batch limit, count, log). Only a single
+    row that does not fit raises. Both tiers score through it, so neither fails what a smaller batch serves."""
+    try:
+        return score(rows)
+    except Exception as e:
+        if rows.num_rows <= 1 or not is_out_of_memory(e):
+            raise
+    half = rows.num_rows // 2
+    split(rows.num_rows, half)
+    return concat_answers([split_out_of_memory(score, rows.slice(0, half), split, is_out_of_memory),
+                           split_out_of_memory(score, rows.slice(half, rows.num_rows - half), split, is_out_of_memory)])
 
 
 def concat_answers(parts: list[Answer]) -> Answer:

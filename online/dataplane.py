@@ -342,6 +342,8 @@ class DataPlane:
             runtime, loaded = self.cache.get_or_load(resolved, self.runtime, self.storage_options)
             if loaded:  # (batches that waited for this load on other pool threads do not count it again)
                 self.metrics.loads.labels(resolved.name, str(resolved.version)).inc()
+                if getattr(runtime, "fell_back_to_cpu", False):
+                    self.metrics.device_fallbacks.labels(resolved.name, str(resolved.version)).inc()
                 log.info("model loaded", extra={"fields": {
                     "model": resolved.pinned, "device": runtime.device, "seconds": round(time.perf_counter() - started, 3)}})
         return runtime

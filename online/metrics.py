@@ -230,6 +230,9 @@ class Metrics:
         self.rate_limited = Counter("shardline_rate_limited", "Requests refused over a tenant's quota (429).",
                                     ["tenant", "quota"], registry=r)
         self.loads = Counter("shardline_model_loads", "Times a version was loaded.", ["model", "version"], registry=r)
+        self.device_fallbacks = Counter("shardline_device_fallbacks", "Loads that chose the GPU and ran on the CPU "
+                                        "(onnxruntime fell back without a word: the log says why).",
+                                        ["model", "version"], registry=r)
         self.oom_splits = Counter("shardline_oom_splits", "Batches split in two after the device ran out of memory.",
                                   ["model", "version"], registry=r)
         self.unloads = Counter("shardline_model_unloads", "Times an idle version was unloaded (scale to zero).",

@@ -32,18 +32,40 @@ class LlmModel(GeneratingRuntime):
             InvalidBundle: a file is missing or unreadable (named), or a runtime_config value is out of range.
         """
         reference = self.manifest.reference
-        if self.options.device == "cuda":
-            raise RuntimeUnavailable(f"{reference}: the llm runtime runs on the CPU only, device 'cuda' was asked for; "
-                                     "serve the model with device 'cpu' or 'auto'")
+        device = self._device(reference)
         config = EngineConfig.from_runtime_config(self.manifest.runtime_config, reference)
-        engine = GenerationEngine(self.bundle_dir, config, threads=self.options.intra_op_threads)
+        engine = GenerationEngine(self.bundle_dir, config, threads=self.options.intra_op_threads, device=device)
         engine.start()
         self._use(engine)
 
+    def _device(self, reference: str) -> str:
+        """'cuda' where torch sees a GPU and the settings allow it ('auto' or 'cuda'), else 'cpu'.
+
+        Raises:
+            RuntimeUnavailable: 'cuda' was asked for and torch sees no GPU.
+        """
+        asked = self.options.device
+        if asked == "cpu":
+            return "cpu"
+        try:
+            import torch
+        except ImportError:
+            return "cpu"  # the engine's start says which package to install
+        if torch.cuda.is_available():
+            return "cuda"
+        if asked == "cuda":
+            raise RuntimeUnavailable(f"{reference}: device 'cuda' was asked for, but torch sees no GPU "
+                                     f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); install "
+                                     "a CUDA build of torch on a GPU machine, or serve with device 'cpu' or 'auto'")
+        return "cpu"
+
     @property
     def device(self) -> str:
-        """Always 'cpu' once loaded."""
-        return "cpu" if self._engine is not None else "unloaded"
+        """Where the engine runs once loaded: 'cpu' or 'cuda'."""
+        engine = self._engine
+        if engine is None:
+            return "unloaded"
+        return "cuda" if str(getattr(engine, "device", "cpu")).startswith("cuda") else "cpu"
 
 
 __all__ = ["LlmModel"]

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, overload
@@ -31,6 +32,8 @@ from shardline.bundle import Manifest
 from shardline.errors import InvalidBundle, InvalidInput, RuntimeUnavailable
 from shardline.rows import FloatLayout, Rows, SignaturePlan
 from shardline.runtimes.base import Answer, Runtime, RuntimeOptions
+
+log = logging.getLogger(__name__)
 from shardline.signature import leaf_type, row_shape, tensor_type_name, type_name
 
 _CUDA = "CUDAExecutionProvider"
@@ -265,6 +268,7 @@ class OnnxModel(Runtime):
         self._output_schema = pa.schema([])
         self._output_names: list[str] = []
         self._arrays: _ArrayPlan | None = None
+        self.fell_back_to_cpu = False  # CUDA chosen ('auto'), the session on the CPU: logged as an error, counted
 
     def _providers(self, ort: Any) -> list[str]:
         available = ort.get_available_providers()
@@ -314,6 +318,11 @@ class OnnxModel(Runtime):
                 f"{self._session.get_providers()}; check the CUDA and cuDNN libraries "
                 "(pip install 'onnxruntime-gpu[cuda,cudnn]')"
             )
+        if _CUDA in providers and self.device != "cuda":  # 'auto' chose CUDA and onnxruntime quietly fell back
+            self.fell_back_to_cpu = True
+            log.error("%s: CUDA was offered and chosen, but onnxruntime runs it on %s: the model is scored on the "
+                      "CPU; check the CUDA and cuDNN libraries (pip install 'onnxruntime-gpu[cuda,cudnn]'), or set "
+                      "SHARDLINE_RUNTIME_DEVICE=cpu to mean it", self.manifest.reference, self._session.get_providers())
         self._bind()
 
     def _bind(self) -> None:

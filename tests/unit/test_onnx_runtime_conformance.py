@@ -102,3 +102,28 @@ class TestOnnxText(RuntimeConformance):
     @pytest.fixture
     def rows(self) -> pa.Table:
         return pa.table({"text": TEXTS})
+
+
+def test_cuda_chosen_by_auto_and_quietly_not_given_is_a_logged_error_and_counted(
+        breast_cancer_model: BuiltModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """onnxruntime given the CUDA provider where it cannot run it warns and runs on the CPU: Shardline says so as an
+    error (and the replica counts it in shardline_device_fallbacks). The stand-in: this CPU build claims CUDA."""
+    import onnxruntime as ort
+
+    from shardline.runtimes import RuntimeOptions, create_runtime
+
+    manifest = read_manifest(breast_cancer_model.bundle_dir)
+    assert "cuda" in manifest.hardware.devices
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    runtime = create_runtime(breast_cancer_model.bundle_dir, manifest, RuntimeOptions(device="auto"))
+    with caplog.at_level("ERROR", logger="shardline.runtimes.onnx"):
+        runtime.load()
+    try:
+        assert runtime.device == "cpu" and getattr(runtime, "fell_back_to_cpu") is True
+        assert "CUDA was offered and chosen, but onnxruntime runs it on ['CPUExecutionProvider']" in caplog.text
+    finally:
+        runtime.close()
+    plain = create_runtime(breast_cancer_model.bundle_dir, manifest, RuntimeOptions(device="cpu"))
+    plain.load()
+    assert getattr(plain, "fell_back_to_cpu") is False  # asked for the CPU: nothing to say
+    plain.close()

@@ -105,11 +105,13 @@ class GenerationEngine(EngineBase):
         model_dir: the bundle folder (``config.json``, ``model.safetensors``, ``tokenizer.json``).
         config: slots, context length and chat template.
         threads: torch intra-op threads for the engine thread; 0 leaves torch's default.
+        device: where the forward passes run ('cpu', 'cuda', 'cuda:1'); sampling stays on the CPU.
     """
 
-    def __init__(self, model_dir: Path, config: EngineConfig, threads: int = 1) -> None:
+    def __init__(self, model_dir: Path, config: EngineConfig, threads: int = 1, device: str = "cpu") -> None:
         super().__init__(model_dir, config)
         self.threads = threads
+        self.device = device  # a torch device: the weights, the slot cache and the forward passes live there
         self._wake = threading.Condition()
         self._slots: list[_Sequence | None] = [None] * config.max_batch
         self._waiting: deque[_Sequence] = deque()
@@ -146,7 +148,7 @@ class GenerationEngine(EngineBase):
         if self._tokenizer.get_vocab_size() > model_config.vocab_size:
             raise InvalidBundle(f"{TOKENIZER_FILE} has {self._tokenizer.get_vocab_size()} tokens, the model in "
                                 f"{self.model_dir} only {model_config.vocab_size}; package the matching tokenizer")
-        self._model = LlamaModel.load(self.model_dir, self.config.max_batch, self.config.max_context)
+        self._model = LlamaModel.load(self.model_dir, self.config.max_batch, self.config.max_context, self.device)
         self.vocab_size = model_config.vocab_size
         self._thread = threading.Thread(target=self._run, name=f"generation-{self.model_dir.name}", daemon=True)
         self._thread.start()

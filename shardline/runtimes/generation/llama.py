@@ -141,27 +141,30 @@ class LlamaModel:
     """A loaded Llama checkpoint and its slot cache: ``prefill`` one prompt, ``decode`` every slot."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], max_batch: int,
-                 max_context: int) -> None:
+                 max_context: int, device: str = "cpu") -> None:
         self.config = config
         self.max_batch = max_batch
         self.max_context = max_context
-        self._w = weights
+        self.device = torch.device(device)
+        on = self.device
+        self._w = {name: tensor.to(on) for name, tensor in weights.items()}
         shape = (max_batch, config.num_key_value_heads, max_context, config.head_dim)
-        self._k = [torch.zeros(shape) for _ in range(config.num_hidden_layers)]
-        self._v = [torch.zeros(shape) for _ in range(config.num_hidden_layers)]
+        self._k = [torch.zeros(shape, device=on) for _ in range(config.num_hidden_layers)]
+        self._v = [torch.zeros(shape, device=on) for _ in range(config.num_hidden_layers)]
         dim = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = angles.cos(), angles.sin()
-        self._slots = torch.arange(max_batch)
-        self._columns = torch.arange(max_context)
+        self._cos, self._sin = angles.cos().to(on), angles.sin().to(on)
+        self._slots = torch.arange(max_batch, device=on)
+        self._columns = torch.arange(max_context, device=on)
 
     @classmethod
-    def load(cls, model_dir: Path, max_batch: int, max_context: int) -> LlamaModel:
-        """Read a checkpoint folder and allocate the cache for ``max_batch`` slots of ``max_context`` tokens."""
+    def load(cls, model_dir: Path, max_batch: int, max_context: int, device: str = "cpu") -> LlamaModel:
+        """Read a checkpoint folder and allocate the cache for ``max_batch`` slots of ``max_context`` tokens on
+        ``device`` (a torch device: 'cpu', 'cuda', 'cuda:1'); the logits come back on the CPU either way."""
         config = LlamaConfig.read(model_dir)
-        return cls(config, read_weights(model_dir, config), max_batch, max_context)
+        return cls(config, read_weights(model_dir, config), max_batch, max_context, device)
 
     def _layer(self, i: int, x: torch.Tensor, attend: Any) -> torch.Tensor:
         """One decoder layer on ``x`` ``[batch, tokens, hidden]``; ``attend(q, k, v)`` does attention."""
@@ -207,7 +210,7 @@ class LlamaModel:
         """
         tokens = len(ids)
         cos, sin = self._cos[:tokens], self._sin[:tokens]
-        causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None]
+        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=self.device).tril()[None]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             q = q * cos + _rotate_half(q) * sin
@@ -217,10 +220,10 @@ class LlamaModel:
             return self._grouped(q, k, v, causal)
 
         with torch.inference_mode():
-            x = self._w["model.embed_tokens.weight"][torch.tensor(ids)][None]
+            x = self._w["model.embed_tokens.weight"][torch.tensor(ids, device=self.device)][None]
             for i in range(self.config.num_hidden_layers):
                 x = self._layer(i, x, attend)
-            return self._head(x[0, -1])
+            return self._head(x[0, -1]).cpu()  # (sampling is on the CPU: a no-op there)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One step for every slot: slot ``b`` reads ``tokens[b]`` at ``positions[b]``, writes its K/V
@@ -233,6 +236,7 @@ class LlamaModel:
         Returns:
             The logits of each slot's next token, ``[max_batch, vocab]``.
         """
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
         cos, sin = self._cos[positions][:, None, None], self._sin[positions][:, None, None]
         allowed = (self._columns[None] <= positions[:, None])[:, None]  # [b, 1, max_context]
 
@@ -247,14 +251,14 @@ class LlamaModel:
             x = self._w["model.embed_tokens.weight"][tokens][:, None]
             for i in range(self.config.num_hidden_layers):
                 x = self._layer(i, x, attend)
-            return self._head(x[:, 0])
+            return self._head(x[:, 0]).cpu()
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """The logits at every position of ``ids`` (a plain causal forward that leaves the cache alone),
         ``[len(ids), vocab]``: for checking the checkpoint against another implementation."""
         tokens = len(ids)
         cos, sin = self._cos[:tokens], self._sin[:tokens]
-        causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None]
+        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=self.device).tril()[None]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             q = q * cos + _rotate_half(q) * sin
@@ -262,7 +266,7 @@ class LlamaModel:
             return self._grouped(q, k, v, causal)
 
         with torch.inference_mode():
-            x = self._w["model.embed_tokens.weight"][torch.tensor(ids)][None]
+            x = self._w["model.embed_tokens.weight"][torch.tensor(ids, device=self.device)][None]
             for i in range(self.config.num_hidden_layers):
                 x = self._layer(i, x, attend)
-            return self._head(x[0])
+            return self._head(x[0]).cpu()

@@ -208,6 +208,11 @@ class LlamaModel:
         Returns:
             The logits for the token after the prompt, ``[vocab]``.
         """
+        return self._causal(ids, slot)[-1]
+
+    def _causal(self, ids: list[int], slot: int | None) -> torch.Tensor:
+        """A causal forward over ``ids`` from position 0: the logits at every position, ``[len(ids), vocab]``, on
+        the CPU; with a ``slot``, its K/V are written there."""
         tokens = len(ids)
         cos, sin = self._cos[:tokens], self._sin[:tokens]
         causal = torch.ones(tokens, tokens, dtype=torch.bool, device=self.device).tril()[None]
@@ -215,15 +220,16 @@ class LlamaModel:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            self._k[i][slot, :, :tokens] = k[0]
-            self._v[i][slot, :, :tokens] = v[0]
+            if slot is not None:
+                self._k[i][slot, :, :tokens] = k[0]
+                self._v[i][slot, :, :tokens] = v[0]
             return self._grouped(q, k, v, causal)
 
         with torch.inference_mode():
             x = self._w["model.embed_tokens.weight"][torch.tensor(ids, device=self.device)][None]
             for i in range(self.config.num_hidden_layers):
                 x = self._layer(i, x, attend)
-            return self._head(x[0, -1]).cpu()  # (sampling is on the CPU: a no-op there)
+            return self._head(x[0] if slot is None else x[0, -1:]).cpu()  # (sampling is on the CPU: a no-op there)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One step for every slot: slot ``b`` reads ``tokens[b]`` at ``positions[b]``, writes its K/V
@@ -256,17 +262,4 @@ class LlamaModel:
     def logits(self, ids: list[int]) -> torch.Tensor:
         """The logits at every position of ``ids`` (a plain causal forward that leaves the cache alone),
         ``[len(ids), vocab]``: for checking the checkpoint against another implementation."""
-        tokens = len(ids)
-        cos, sin = self._cos[:tokens], self._sin[:tokens]
-        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=self.device).tril()[None]
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            return self._grouped(q, k, v, causal)
-
-        with torch.inference_mode():
-            x = self._w["model.embed_tokens.weight"][torch.tensor(ids, device=self.device)][None]
-            for i in range(self.config.num_hidden_layers):
-                x = self._layer(i, x, attend)
-            return self._head(x[0]).cpu()
+        return self._causal(ids, None)

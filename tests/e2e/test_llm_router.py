@@ -37,40 +37,41 @@ class Routed:
     replica_metrics: dict[str, str]  # replica url -> its metrics url
 
 
-@pytest.fixture(scope="module")
-def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routed]:
-    home = tmp_path_factory.mktemp("llm-router-home")
+def _route_tiny(home: Path, tenants: list[tuple[str, str, str]], replicas: int, plane: str) -> Iterator[Routed]:
+    """``shardline router --local-replicas N`` over the tiny LLM for ``tenants`` (name, key, the limit's YAML line)
+    on ``plane``, until the generator is closed."""
     package_tiny_llm(home / "tiny-bundle", name="tiny")
     registry = ModelRegistry(str(home / "registry"))
     registry.set_alias("tiny", "prod", registry.push(home / "tiny-bundle").version or 1)
-    tenants = home / "tenants.yaml"
-    tenants.write_text(
-        "tenants:\n"
-        "  - name: acme\n"
-        f"    api_keys_sha256: [\"{hash_api_key(KEY)}\"]\n"
-        "    models: [\"tiny@prod\"]\n"
-        "    max_streams: 8\n"
-        "  - name: small\n"
-        f"    api_keys_sha256: [\"{hash_api_key(SMALL)}\"]\n"
-        "    models: [\"tiny@prod\"]\n"
-        "    tokens_per_minute: 80\n"
-    )
+    tenants_file = home / "tenants.yaml"
+    tenants_file.write_text("tenants:\n" + "".join(
+        f"  - name: {name}\n    api_keys_sha256: [\"{hash_api_key(key)}\"]\n    models: [\"tiny@prod\"]\n    {limit}\n"
+        for name, key, limit in tenants))
     port = free_port()
     log = home / "router.log"
     with open(log, "wb") as sink:
-        router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "2", "--tenants", str(tenants), "--port",
-                                   str(port), "--metrics-port", str(free_port())],
-                                  env=_env(home, SHARDLINE_ROUTER_DATA_PLANE="auto"),  # nginx in front, if installed
+        router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", str(replicas), "--tenants",
+                                   str(tenants_file), "--port", str(port), "--metrics-port", str(free_port())],
+                                  env=_env(home, SHARDLINE_ROUTER_DATA_PLANE=plane),
                                   stdout=sink, stderr=subprocess.STDOUT, cwd=home)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, router, log, available=2)
+        _wait_ready(url, router, log, available=replicas)
         found = re.findall(r"started replica \d \(pid \d+\) on (http://[0-9.:]+) \(metrics on port (\d+)\)",
                            log.read_text())
-        assert len(found) == 2
+        assert len(found) == replicas
+        if plane == "nginx":
+            assert "nginx" in log.read_text() and "in front of the router" in log.read_text()
         yield Routed(url, log, {replica: f"http://127.0.0.1:{metrics}/metrics" for replica, metrics in found})
     finally:
         _stop(router)
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routed]:
+    """The router over 2 local replicas on its default data plane (nginx in front, if installed)."""
+    yield from _route_tiny(tmp_path_factory.mktemp("llm-router-home"),
+                           [("acme", KEY, "max_streams: 8"), ("small", SMALL, "tokens_per_minute: 80")], 2, "auto")
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
@@ -204,40 +205,9 @@ def three(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     lane to the router) and the router alone."""
     if request.param == "nginx" and find_nginx() is None:
         pytest.skip("nginx with its Lua module is not installed (make setup installs it)")
-    home = tmp_path_factory.mktemp(f"llm-three-{request.param}")
-    package_tiny_llm(home / "tiny-bundle", name="tiny")
-    registry = ModelRegistry(str(home / "registry"))
-    registry.set_alias("tiny", "prod", registry.push(home / "tiny-bundle").version or 1)
-    tenants = home / "tenants.yaml"
-    tenants.write_text(
-        "tenants:\n"
-        "  - name: pair\n"
-        f"    api_keys_sha256: [\"{hash_api_key(PAIR)}\"]\n"
-        "    models: [\"tiny@prod\"]\n"
-        "    max_streams: 2\n"
-        "  - name: budget\n"
-        f"    api_keys_sha256: [\"{hash_api_key(BUDGET)}\"]\n"
-        "    models: [\"tiny@prod\"]\n"
-        "    tokens_per_minute: 1500\n"
-    )
-    port = free_port()
-    log = home / "router.log"
-    with open(log, "wb") as sink:
-        router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "3", "--tenants", str(tenants), "--port",
-                                   str(port), "--metrics-port", str(free_port())],
-                                  env=_env(home, SHARDLINE_ROUTER_DATA_PLANE=request.param),
-                                  stdout=sink, stderr=subprocess.STDOUT, cwd=home)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, router, log, available=3)
-        found = re.findall(r"started replica \d \(pid \d+\) on (http://[0-9.:]+) \(metrics on port (\d+)\)",
-                           log.read_text())
-        assert len(found) == 3
-        if request.param == "nginx":
-            assert "nginx" in log.read_text() and "in front of the router" in log.read_text()
-        yield Routed(url, log, {replica: f"http://127.0.0.1:{metrics}/metrics" for replica, metrics in found})
-    finally:
-        _stop(router)
+    yield from _route_tiny(tmp_path_factory.mktemp(f"llm-three-{request.param}"),
+                           [("pair", PAIR, "max_streams: 2"), ("budget", BUDGET, "tokens_per_minute: 1500")], 3,
+                           request.param)
 
 
 def test_a_tenants_max_streams_is_held_for_all_replicas_together(three: Routed) -> None:

@@ -41,7 +41,7 @@ def open_registry(url: str | None = None) -> "ModelRegistry":
     from shardline.storage.registry import ModelRegistry
 
     storage = StorageSettings()
-    return ModelRegistry(url or storage.registry, storage.storage_options)
+    return ModelRegistry(url, storage.storage_options) if url else ModelRegistry.from_settings(storage)
 
 
 def settings_error(error: "ValidationError") -> InvalidSetting:

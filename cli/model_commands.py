@@ -377,20 +377,23 @@ def model_release(
 ) -> None:
     """Release a pushed version (the release-model flow): staging through the gates, a canary on prod that the
     routers step, judge and promote, and their verdict (exit 1 when it is rolled back). CI runs this after push."""
+    from shardline.bundle import ModelRef
     from shardline.cli.prefect_commands import use_prefect_api
     from shardline.cli.rollout_commands import rollback_criteria, warn_unreachable_steps
+    from shardline.errors import InvalidSetting
     from shardline.storage.rollouts import parse_duration, parse_steps
 
     try:
-        if not candidate.partition(":")[2].isdigit():
-            raise ShardlineError(f"the candidate {candidate!r} is not name:version; give the version `shardline model "
+        ref = ModelRef.parse(candidate)  # a wrong name or version number says so
+        if ref.version is None:
+            raise InvalidSetting(f"the candidate {candidate!r} is not name:version; give the version `shardline model "
                                  "push` printed, e.g. churn:4")
         registry = open_registry()
-        registry.resolve(candidate)  # a missing version is one line here, not a failed flow's traceback
-        parameters = {"candidate": candidate, "steps": list(parse_steps(steps)), "interval_s": parse_duration(interval),
+        registry.resolve(ref)  # a missing version is one line here, not a failed flow's traceback
+        parameters = {"candidate": str(ref), "steps": list(parse_steps(steps)), "interval_s": parse_duration(interval),
                       "wait_s": parse_duration(wait), "reason": reason,
                       "criteria": rollback_criteria(window, min_requests, max_error_increase, max_p99_ratio, None)}
-        name = candidate.partition(":")[0]
+        name = ref.name
         if registry.current_move(name, "prod") is not None:  # a first version goes to prod without a canary
             warn_unreachable_steps(registry, name, "prod", parameters["steps"], parameters["criteria"])
         use_prefect_api()

@@ -44,6 +44,17 @@ def open_registry(url: str | None = None) -> "ModelRegistry":
     return ModelRegistry(url, storage.storage_options) if url else ModelRegistry.from_settings(storage)
 
 
+def parse_tags(pairs: list[str] | None) -> dict[str, str]:
+    """The ``--tag KEY=VALUE`` options as a dict."""
+    tags = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ShardlineError(f"tag {pair!r} is not KEY=VALUE")
+        key, value = pair.split("=", 1)
+        tags[key] = value
+    return tags
+
+
 def settings_error(error: "ValidationError") -> InvalidSetting:
     """A settings class's refusal of the environment as one line: each variable, what is wrong, what it got."""
     from pydantic_settings import BaseSettings

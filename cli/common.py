@@ -41,7 +41,18 @@ def open_registry(url: str | None = None) -> "ModelRegistry":
     from shardline.storage.registry import ModelRegistry
 
     storage = StorageSettings()
-    return ModelRegistry(url or storage.registry, storage.storage_options)
+    return ModelRegistry(url, storage.storage_options) if url else ModelRegistry.from_settings(storage)
+
+
+def parse_tags(pairs: list[str] | None) -> dict[str, str]:
+    """The ``--tag KEY=VALUE`` options as a dict."""
+    tags = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ShardlineError(f"tag {pair!r} is not KEY=VALUE")
+        key, value = pair.split("=", 1)
+        tags[key] = value
+    return tags
 
 
 def settings_error(error: "ValidationError") -> InvalidSetting:

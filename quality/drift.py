@@ -44,7 +44,7 @@ import polars as pl
 import pyarrow as pa
 from pydantic import BaseModel, Field
 
-from shardline.bundle import ColumnDriftThresholds, DriftPolicy, ModelRef
+from shardline.bundle import ColumnDriftThresholds, DriftPolicy, ModelRef, version_number
 from shardline.errors import InvalidInput
 
 EPSILON = 1e-4
@@ -106,7 +106,7 @@ class DriftReport(BaseModel):
         return {
             "model": self.model,
             "name": name,
-            "version": int(version) if version and version.isdigit() else None,
+            "version": version_number(version) if version else None,
             "rows_reference": self.rows_reference,
             "rows_current": self.rows_current,
             "since": self.since.isoformat() if self.since else None,

@@ -145,91 +145,124 @@ def dispatch_shards(
     Raises:
         JobStopped: ``STOP_REQUEST`` was set before every shard was handed out (see there).
     """
-    from distributed import as_completed
-
     started = time.perf_counter()
-    stats = DispatchStats()
-    attempts: dict[str, int] = {}
-    by_key: dict[str, list[ShardInfo]] = {}
-    counter = itertools.count()
-    pending = as_completed()
-    futures: dict[str, Any] = {}  # key -> future, of the tasks in flight
-    stop, stopping, settled_count = STOP_REQUEST.get(), False, 0
+    stop = STOP_REQUEST.get()
     threads = _cluster_threads(client)
     limit = in_flight_target(threads, max_in_flight)
-    last_sized = time.monotonic()
-    queue: Iterator[list[ShardInfo]] = iter(group_shards(shards, threads))
-
-    # The job (model manifest, data contract with its reference profile: tens of KB)
-    # goes to the cluster once, as a task of its own that each shard depends on:
-    # workers fetch it once from a peer, and should every copy be lost with its
-    # workers, the scheduler recomputes it from this task rather than failing shards.
-    # Its key must not share the shards' prefix (Dask groups durations by the key's first
-    # words): the scheduler would take the job's microseconds for every shard's duration,
-    # never steal a shard, and leave every shard on the one worker holding the job.
-    shared = client.submit(_the_job, job, key=job_task_key(key_prefix), pure=False)
-    _on_every_worker(client, shared, stop)
-
-    def submit(group: list[ShardInfo]) -> None:
-        key = f"{key_prefix}-{next(counter)}"
-        by_key[key] = group
-        if len(group) == 1:
-            futures[key] = client.submit(score_shard, shared, group[0], key=key, pure=False)
-        else:
-            futures[key] = client.submit(score_group, shared, group, key=key, pure=False)
-        pending.add(futures[key])
-        stats.submitted += len(group)
-        stats.tasks += 1
-
-    def top_up() -> None:
-        nonlocal stopping
-        if stop is not None and stop.is_set():
-            if not stopping:
-                stopping = True
-                _withdraw_unstarted(client, futures)
-            return
-        for group in itertools.islice(queue, max(0, limit - pending.count())):
-            submit(group)
-        stats.peak_in_flight = max(stats.peak_in_flight, pending.count())
-
-    top_up()
-    for future in pending:  # ``submit`` adds to ``pending`` while it is iterated
-        group = by_key.pop(future.key)
-        del futures[future.key]
+    shared = _shipped(client, job, key_prefix, stop)
+    run = _Dispatch(client, shared, key_prefix, limit, stop, iter(group_shards(shards, threads)))
+    attempts: dict[str, int] = {}
+    settled_count = 0
+    run.top_up()
+    for future in run.pending:  # ``submit`` adds to ``pending`` while it is iterated
+        group = run.taken(future)
         if future.status == "cancelled":  # withdrawn on a stop request before it started: it stays to do
             future.release()
             continue
-        if future.status == "error":
-            error = future.exception()
-            tries = attempts.get(group[0].relative, 0)
-            if is_lost_worker(error) and tries < resubmits:
-                attempts[group[0].relative] = tries + 1
-                stats.resubmitted += len(group)
-                submit(group)  # the shards it committed before it was lost are scored again, to the same parts
-                future.release()
-                continue
-            outcomes: list[tuple[PartRecord | None, BaseException | None]] = [(None, error)] * len(group)
-        else:
-            result = future.result()
-            outcomes = [(result, None)] if len(group) == 1 else result
-        for shard, (record, failure) in zip(group, outcomes):
+        if future.status == "error" and run.resubmitted(future, group, attempts, resubmits):
+            continue
+        for shard, (record, failure) in zip(group, _outcomes(future, group)):
             if failure is not None:
-                stats.failures[shard.relative] = f"{type(failure).__name__}: {failure}"
+                run.stats.failures[shard.relative] = f"{type(failure).__name__}: {failure}"
             on_settled(shard, record, failure)
         settled_count += len(group)
         future.release()
-        if max_in_flight is None and time.monotonic() - last_sized > 2.0:
-            limit = in_flight_target(_cluster_threads(client), None)  # the cluster may have scaled
-            last_sized = time.monotonic()
-        top_up()
+        if max_in_flight is None:
+            run.resize()
+        run.top_up()
     shared.release()
-    stats.seconds = time.perf_counter() - started
-    if stopping:
+    run.stats.seconds = time.perf_counter() - started
+    if run.stopping:
         raise JobStopped(
             f"stopped on request with {len(shards) - settled_count} of {len(shards)} shards not scored (the parts "
             "committed are kept): run the same command again to resume"
         )
-    return stats
+    return run.stats
+
+
+def _shipped(client: Any, job: ScoringJob, key_prefix: str, stop: threading.Event | None) -> Any:
+    """The job on the cluster, once, as a task of its own that each shard depends on, copied to every worker.
+
+    The job (model manifest, data contract with its reference profile: tens of KB) is fetched by workers
+    from a peer, and should every copy be lost with its workers, the scheduler recomputes it from this task
+    rather than failing shards. Its key must not share the shards' prefix (Dask groups durations by the
+    key's first words): the scheduler would take the job's microseconds for every shard's duration, never
+    steal a shard, and leave every shard on the one worker holding the job.
+    """
+    shared = client.submit(_the_job, job, key=job_task_key(key_prefix), pure=False)
+    _on_every_worker(client, shared, stop)
+    return shared
+
+
+class _Dispatch:
+    """One ``dispatch_shards`` call's tasks in flight: what each holds, how many may be, and handing out more."""
+
+    def __init__(self, client: Any, shared: Any, key_prefix: str, limit: int, stop: threading.Event | None,
+                 queue: Iterator[list[ShardInfo]]) -> None:
+        from distributed import as_completed
+
+        self.client, self.shared, self.key_prefix, self.limit, self.stop, self.queue = (
+            client, shared, key_prefix, limit, stop, queue)
+        self.stats = DispatchStats()
+        self.stopping = False
+        self.pending = as_completed()
+        self.futures: dict[str, Any] = {}  # key -> future, of the tasks in flight
+        self.by_key: dict[str, list[ShardInfo]] = {}
+        self.counter = itertools.count()
+        self.last_sized = time.monotonic()
+
+    def submit(self, group: list[ShardInfo]) -> None:
+        """Hand one task (a shard, or a group of them) to the cluster."""
+        key = f"{self.key_prefix}-{next(self.counter)}"
+        self.by_key[key] = group
+        if len(group) == 1:
+            self.futures[key] = self.client.submit(score_shard, self.shared, group[0], key=key, pure=False)
+        else:
+            self.futures[key] = self.client.submit(score_group, self.shared, group, key=key, pure=False)
+        self.pending.add(self.futures[key])
+        self.stats.submitted += len(group)
+        self.stats.tasks += 1
+
+    def top_up(self) -> None:
+        """Submit tasks up to the bound; on a stop request, withdraw the unstarted ones instead (once)."""
+        if self.stop is not None and self.stop.is_set():
+            if not self.stopping:
+                self.stopping = True
+                _withdraw_unstarted(self.client, self.futures)
+            return
+        for group in itertools.islice(self.queue, max(0, self.limit - self.pending.count())):
+            self.submit(group)
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.pending.count())
+
+    def taken(self, future: Any) -> list[ShardInfo]:
+        """The shards a task that has ended held, no longer in flight."""
+        del self.futures[future.key]
+        return self.by_key.pop(future.key)
+
+    def resubmitted(self, future: Any, group: list[ShardInfo], attempts: dict[str, int], resubmits: int) -> bool:
+        """Hand a task whose workers died to the cluster again, up to ``resubmits`` times; True when it was."""
+        tries = attempts.get(group[0].relative, 0)
+        if not is_lost_worker(future.exception()) or tries >= resubmits:
+            return False
+        attempts[group[0].relative] = tries + 1
+        self.stats.resubmitted += len(group)
+        self.submit(group)  # the shards it committed before it was lost are scored again, to the same parts
+        future.release()
+        return True
+
+    def resize(self) -> None:
+        """Every 2 s, the bound again from the cluster's threads: the cluster may have scaled."""
+        if time.monotonic() - self.last_sized > 2.0:
+            self.limit = in_flight_target(_cluster_threads(self.client), None)
+            self.last_sized = time.monotonic()
+
+
+def _outcomes(future: Any, group: list[ShardInfo]) -> list[tuple[PartRecord | None, BaseException | None]]:
+    """Each shard's record or error from a task that has ended (a failed task fails all of its shards)."""
+    if future.status == "error":
+        return [(None, future.exception())] * len(group)
+    result = future.result()
+    return [(result, None)] if len(group) == 1 else list(result)
 
 
 # The scheduler's states of a task no worker has been handed: withdrawing one of these loses no work.

@@ -89,7 +89,7 @@ def import_version_task(target: WatchTarget, version: str, tracking_uri: str, st
                                            golden=golden)
             if sample is not None:  # its profile: the baseline drift checks and the promotion gate need
                 attach_reference_profile(imported.folder, sample)
-            registry = ModelRegistry(storage.registry, storage.storage_options)
+            registry = ModelRegistry.from_settings(storage)
             known = {m.content_digest for m in registry.list_versions(imported.manifest.name)}
             pushed = registry.push(imported.folder)
         except InvalidInput as e:  # import_mlflow_model's refusal: these bytes will never map

@@ -131,7 +131,7 @@ def survey_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, te
     output = BatchOutputFolder(output_uri, storage.storage_options)
     recorded = output.read_job()
     _refuse_another_job(output, recorded, sha256, checked.model, lines_per_part)
-    registry = ModelRegistry(storage.registry, storage.storage_options)
+    registry = ModelRegistry.from_settings(storage)
     model = _checked_model(registry, recorded.model if recorded else checked.model, checked, allowed)
     parts = plan_parts(len(checked.entries), lines_per_part)
     job = recorded or BatchJobRecord(

@@ -231,10 +231,15 @@ def test_a_rollout_promotion_or_release_of_what_is_not_there_is_one_line_and_exi
          "breast-cancer@staging was never set, so there is no baseline"),
         (shardline("rollout", "start", "breast-cancer", "--candidate", "1", "--steps", "50,5"),
          "steps '50,5' are not rising percents"),
+        (shardline("rollout", "start", "breast-cancer", "--candidate", "churn:1", "--steps", "5,100"),
+         "the candidate 'churn:1' is not a version of 'breast-cancer'; write breast-cancer:VERSION"),
+        (shardline("rollout", "start", "breast-cancer", "--candidate", "²", "--steps", "5,100"),
+         "the candidate '²' is not a version of 'breast-cancer'"),
         (shardline("rollout", "promote", "breast-cancer"), "no rollout runs on breast-cancer@prod"),
         (shardline("model", "promote", "churn:2", "--to", "prod"), "model 'churn' is not in the registry"),
         (shardline("model", "release", "breast-cancer:7"), "model 'breast-cancer' has no version 7"),
         (shardline("model", "release", "breast-cancer"), "the candidate 'breast-cancer' is not name:version"),
+        (shardline("model", "release", "breast-cancer:x"), "the version 'x' is not a number"),
     ]
     for finished, message in cases:
         assert_one_error_line(finished, message)

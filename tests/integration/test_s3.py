@@ -72,7 +72,7 @@ def s3_registry(
     """A registry on S3 (set through SHARDLINE_STORAGE_REGISTRY_URL) holding breast-cancer:1 as prod."""
     monkeypatch.setenv("SHARDLINE_STORAGE_REGISTRY_URL", s3_server.url(s3_prefix, "registry"))
     storage = StorageSettings()
-    registry = ModelRegistry(storage.registry, storage.storage_options)
+    registry = ModelRegistry.from_settings(storage)
     pushed = registry.push(breast_cancer_model.bundle_dir)
     registry.set_alias(pushed.name, "prod", pushed.version or 1, reason="integration test")
     return registry
@@ -108,7 +108,7 @@ def test_registry_on_s3_pushes_resolves_and_lists(
     # a second client, as another process would open it, from the settings alone
     storage = StorageSettings()
     assert storage.registry == registry_url and storage.storage_options["endpoint_url"] == s3_server.endpoint
-    registry = ModelRegistry(storage.registry, storage.storage_options)
+    registry = ModelRegistry.from_settings(storage)
 
     by_alias = registry.resolve(f"{MODEL}@prod")
     by_version = registry.resolve(f"{MODEL}:1")

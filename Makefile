@@ -46,7 +46,8 @@ bench: setup
 typecheck: setup
 	$(PY) -m mypy shardline build cli storage quality online tasks flows
 
+# First what runs for the demo's home (shardline-demo/home), all of it from $(VENV): its batch runner, the Prefect
+# workers and flow runs started with its profile (README.md, "Scheduling it in Prefect"), its Prefect server and keeper.
 clean:
-	# the demo's batch runner and local Prefect server first: their state is in shardline-demo/home
 	if [ -x $(VENV)/bin/shardline ]; then SHARDLINE_STORAGE_HOME=$(CURDIR)/shardline-demo/home $(VENV)/bin/shardline prefect stop; fi
 	rm -rf $(VENV) shardline-demo .pytest_cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -235,7 +236,10 @@ def batch_status(
     if job is None:
         ids = records.ids()[-20:]
         if not ids:
-            typer.echo("no batch jobs recorded under this home yet")
+            from shardline.settings import StorageSettings
+
+            typer.echo(f"no batch jobs recorded under {StorageSettings().home} yet (SHARDLINE_STORAGE_HOME names "
+                       "the home; `make demo` prints the line for its own)")
         for job_id in ids:
             r = records.find(job_id)
             if r is not None:
@@ -305,19 +309,26 @@ def demo(
     from shardline.build.examples import breast_cancer, golden_table, package_breast_cancer, split, write_shards
     from shardline.quality.profile import attach_reference_profile
 
-    workdir = workdir.resolve()
-    if workdir.exists():
-        from shardline.cli.batch_runner import stop as stop_runner
-        from shardline.cli.prefect_server import stop
+    from shardline.cli.prefect_server import home_environment
 
-        stop_runner(workdir / "home")  # a former demo's batch runner and local Prefect server: their home is
-        stop(workdir / "home")  # about to be deleted
+    workdir = workdir.resolve()
+    home = workdir / "home"
+    if workdir.exists():
+        from shardline.cli.prefect_commands import stop_home
+
+        stop_home(home)  # a former demo's runner, Prefect server and workers: their home is about to be deleted
         shutil.rmtree(workdir)
-    # The demo is an entry point choosing its own home, as `SHARDLINE_STORAGE_HOME=... shardline batch run`
-    # would: set for this process (and the Dask workers it starts). Not a flow parameter on purpose: a
+    # The demo is an entry point choosing its own home, as `eval "$(shardline prefect env)"` does for a shell:
+    # set for this process (and the runner, server and Dask workers it starts), the home's Prefect profile
+    # included, so that its run, and what the README schedules later with the same lines, share one Prefect
+    # server and the user's own Prefect profile is neither read nor changed. Not a flow parameter on purpose: a
     # `home` parameter would let anyone who starts a deployment move the registry and the metering
     # ledger that GPU-hour quotas are counted in.
-    os.environ["SHARDLINE_STORAGE_HOME"] = str(workdir / "home")
+    for name, value in home_environment(home).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     typer.echo(f"1/4 training and packaging the breast-cancer classifier in {workdir}")
     manifest, estimator = package_breast_cancer(workdir / "bundle")
     # The training rows' profile and the model's outputs on them: the data contract and drift baseline.
@@ -351,11 +362,14 @@ def demo(
     )
     from shardline.local_prefect import find
 
-    server = find(workdir / "home")
+    server = find(home)
     if server is not None:
-        typer.echo(f"The run is in the Prefect UI at {server.ui_url} (the local Prefect server and the warm batch "
-                   f"runner keep running for the next runs; stop both with `SHARDLINE_STORAGE_HOME={workdir / 'home'} "
-                   "shardline prefect stop`)")
+        typer.echo(f"The run is in the Prefect UI at {server.ui_url}: the Prefect server of the demo's home, which "
+                   "keeps running with its warm batch runner for the next runs (`shardline prefect stop` stops both, "
+                   "`make clean` too).")
+    typer.echo(f"To use this home in a new shell (after `. .venv/bin/activate`), as README.md's next sections do:\n"
+               f"  export SHARDLINE_STORAGE_HOME={shlex.quote(str(home))}\n"
+               '  eval "$(shardline prefect env)"    # and its Prefect server for prefect commands')
 
 
 class ServeCommand(TyperCommand):

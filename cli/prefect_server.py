@@ -7,7 +7,11 @@ the run's history with it. Instead, the CLI finds (or, the first time, starts) o
 from the command that started it, and later runs reuse it: the runs then show in its UI.
 
 Its state lives under ``<home>/prefect/``: Prefect's own home for it (``PREFECT_HOME``:
-the SQLite database, profiles), ``server.json`` (pid, API URL), Prefect's ``server.pid``
+the SQLite database; ``profiles.toml``, the home's Prefect profile ``shardline`` whose
+``PREFECT_API_URL`` is the server's address, rewritten when it starts, so that a shell with
+``PREFECT_HOME=<home>/prefect``, as ``shardline prefect env`` prints, runs every ``prefect``
+command, worker and flow run against this server and never reads or writes the user's own
+profile), ``server.json`` (pid, API URL), Prefect's ``server.pid``
 (so ``PREFECT_HOME=<home>/prefect prefect server stop`` stops it too), ``server.log`` and
 ``server.lock`` (held while a command looks for the server or starts it, so two first
 runs at once start one server). A record whose process is gone or is not a Prefect server
@@ -20,10 +24,14 @@ piped to that command, which ends; so the same ``prefect server start`` runs in 
 of a session of its own, its output in ``server.log``, under a small keeper process (``_KEEPER``)
 whose pid is where ``--background`` puts it and that stops the server if its home is deleted.
 
+A restarted server takes its former port again (the profile's) when it is free, so a worker
+or a shell keeps its address across ``shardline prefect stop``.
+
 Which API a run uses (``api_url_for_run``): the user's ``PREFECT_API_URL`` (environment
-or Prefect profile) always wins; else ``SHARDLINE_PREFECT_SERVER=local`` (the default)
-uses this server, and ``temporary`` keeps Prefect's temporary server per run (nothing is
-left running). POSIX only for the lock (``fcntl``); elsewhere two first runs at once may
+or Prefect profile) always wins, unless it is this home's own address (its profile's: the run
+then finds or starts this server, as without one); else ``SHARDLINE_PREFECT_SERVER=local``
+(the default) uses this server, and ``temporary`` keeps Prefect's temporary server per run
+(nothing is left running). POSIX only for the lock (``fcntl``); elsewhere two first runs at once may
 each start a server, the last one recorded wins.
 """
 
@@ -34,8 +42,10 @@ import json
 import os
 import sys
 import time
+import tomllib
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 from shardline.errors import ChildNotReady, PrefectServerUnavailable
 from shardline.local_ports import reserve_port
@@ -53,6 +63,9 @@ from shardline.local_prefect import (
 from shardline.processes import GRACE_S, Child, spawn, start_on_port, stop_pid
 
 PREFECT_PID_FILE, LOG, LOCK = "server.pid", "server.log", "server.lock"
+PROFILES, PROFILE = "profiles.toml", "shardline"  # the home's Prefect profiles file (Prefect's own name) and profile
+# What a shell that uses the home's profile must not keep: each would win over the profile's API URL.
+OVERRIDE_THE_PROFILE = ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")
 # What the server's environment must not inherit from the command that starts it: where another server
 # is (the client side), and which Prefect home and profile to read (it has its own).
 _NOT_INHERITED = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_HOME", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH",
@@ -62,6 +75,56 @@ _NOT_INHERITED = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_HOME", "PREFECT
 def started_line(ui_url: str) -> str:
     """What a command says when it (or the batch runner it started) started the local server."""
     return f"started the local Prefect server: its UI is {ui_url}; later runs reuse it (`shardline prefect stop` stops it)"
+
+
+def home_environment(home: str | os.PathLike[str]) -> dict[str, str | None]:
+    """What makes a shell (or this process) use the home: ``SHARDLINE_STORAGE_HOME``, ``PREFECT_HOME`` at the home's
+    Prefect home (so that every ``prefect`` command, worker and flow run reads the home's profile, whose API URL is
+    its local server), telemetry off; None for the variables to unset (``OVERRIDE_THE_PROFILE``)."""
+    from shardline.cli.common import OFF_THE_NETWORK
+
+    home = Path(home).absolute()
+    return {"SHARDLINE_STORAGE_HOME": str(home), "PREFECT_HOME": str(server_dir(home)),
+            **dict.fromkeys(OVERRIDE_THE_PROFILE), **OFF_THE_NETWORK}
+
+
+def _profiles(folder: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads((folder / PROFILES).read_text())
+    except (OSError, tomllib.TOMLDecodeError):  # none yet, or unreadable: written anew
+        return {}
+
+
+def profile_api_url(home: str | os.PathLike[str]) -> str | None:
+    """The home's own Prefect API address, as its profile holds it (the last its server started on); None: none yet."""
+    url = _profiles(server_dir(home)).get("profiles", {}).get(PROFILE, {}).get("PREFECT_API_URL")
+    return str(url) if url else None
+
+
+def _write_profile(folder: Path, api_url: str) -> None:
+    """Point the home's profile at its server (``api_url``), active unless the user made another profile of the file
+    active; the file's other settings and profiles are kept (``prefect config set`` in a shell using it writes here)."""
+    profiles = _profiles(folder)
+    mine = profiles.setdefault("profiles", {}).setdefault(PROFILE, {})
+    if mine.get("PREFECT_API_URL") == api_url:
+        return
+    mine["PREFECT_API_URL"] = api_url
+    mine.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    profiles.setdefault("active", PROFILE)
+    import toml  # Prefect's own TOML writer (tomllib only reads)
+
+    staged = folder / f".{PROFILES}.{os.getpid()}"
+    staged.write_text(toml.dumps(profiles))
+    os.replace(staged, folder / PROFILES)
+
+
+def _former_port(home: str | os.PathLike[str]) -> int:
+    """The port the home's server last ran on (0: none): a restarted server takes it again when it is free."""
+    url = profile_api_url(home)
+    try:
+        return (urlsplit(url).port or 0) if url else 0
+    except ValueError:
+        return 0
 
 
 @contextlib.contextmanager
@@ -94,11 +157,12 @@ def server_environment(folder: Path, port: int) -> dict[str, str]:
     return env
 
 
-def _start(folder: Path, timeout_s: float) -> LocalServer:
+def _start(folder: Path, timeout_s: float, prefer: int = 0) -> LocalServer:
     """Start ``prefect server start`` detached (own session, so no process group kill reaches it); wait until healthy.
 
-    Its port is reserved (``shardline.local_ports.reserve_port``: the server binds it itself); a server that exits
-    because another process took the port first is started again on a new one (``processes.start_on_port``).
+    Its port is reserved (``shardline.local_ports.reserve_port``: the server binds it itself), ``prefer`` while it is
+    free (the UI's address stays the same across restarts); a server that exits because another process took the
+    port first is started again on a new one (``processes.start_on_port``).
     """
 
     def start(port: int) -> Child:
@@ -107,7 +171,8 @@ def _start(folder: Path, timeout_s: float) -> LocalServer:
         return child
 
     try:
-        child, port = start_on_port(start, lambda port: healthy(_api_url(port), timeout=1.0), reserve_port(), timeout_s)
+        child, port = start_on_port(start, lambda port: healthy(_api_url(port), timeout=1.0), reserve_port(prefer=prefer),
+                                    timeout_s)
     except ChildNotReady as e:
         _forget(folder)
         raise PrefectServerUnavailable(
@@ -163,6 +228,7 @@ def _write_record(folder: Path, server: LocalServer) -> None:
                                   "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
     os.replace(staged, folder / RECORD)
     (folder / PREFECT_PID_FILE).write_text(str(server.pid))
+    _write_profile(folder, server.api_url)
 
 
 def _forget(folder: Path) -> None:
@@ -192,7 +258,7 @@ def ensure(home: str | os.PathLike[str], timeout_s: float = 120.0) -> tuple[Loca
                 return recorded, False
             _stop_process(recorded.pid)
         _forget(folder)
-        return _start(folder, timeout_s), True
+        return _start(folder, timeout_s, prefer=_former_port(home)), True
 
 
 def _wait_healthy(server: LocalServer, timeout_s: float) -> bool:
@@ -230,14 +296,16 @@ def stop(home: str | os.PathLike[str], timeout_s: float = 20.0) -> LocalServer |
 def api_url_for_run(mode: str, home: str | os.PathLike[str], timeout_s: float = 120.0) -> tuple[str | None, bool]:
     """The Prefect API this process's flow runs should use, and whether this call started a server for it.
 
-    The user's ``PREFECT_API_URL`` (environment or Prefect profile) always wins: (None, False), nothing to do.
-    Otherwise ``local`` finds or starts the home's server, sets ``PREFECT_API_URL`` in this process's
-    environment (Dask workers started later inherit it) and refreshes Prefect's settings; ``temporary``
-    leaves Prefect to start its temporary server.
+    The user's ``PREFECT_API_URL`` (environment or Prefect profile) always wins: (None, False), nothing to do;
+    unless it is the home's own address (its profile's, as in a shell that ``shardline prefect env`` set up): then,
+    as with none and ``local``, this finds or starts the home's server, sets ``PREFECT_API_URL`` in this process's
+    environment (Dask workers started later inherit it) and refreshes Prefect's settings. With none,
+    ``temporary`` leaves Prefect to start its temporary server.
     """
     from prefect.settings import get_current_settings
 
-    if get_current_settings().api.url or mode == "temporary":
+    url = get_current_settings().api.url
+    if (url and url != profile_api_url(home)) or (not url and mode == "temporary"):
         return None, False
     server, started = ensure(home, timeout_s)
     os.environ["PREFECT_API_URL"] = server.api_url

@@ -202,6 +202,12 @@ def stop_all(children: Iterable[Child], grace_s: float = GRACE_S, signum: int = 
     _stop([c for c in children if c.poll() is None], grace_s, signum)
 
 
+def stop_pids(pids: Iterable[tuple[int, bytes | None]], grace_s: float = GRACE_S) -> None:
+    """Stop processes known by pid and marker side by side, as ``stop_all`` stops children: SIGTERM to each (while
+    ``alive(pid, marker)``), one ``grace_s`` for all, then SIGKILL to those still running."""
+    _stop([_Recorded(pid, marker, False) for pid, marker in pids], grace_s, signal.SIGTERM)
+
+
 def stop_pid(pid: int, *, marker: bytes | None, grace_s: float = GRACE_S, signum: int | None = signal.SIGTERM,
              group: bool = False) -> bool:
     """Stop a process known by its pid (a detached child's record) as ``Child.stop`` does: ``signum`` (None: it

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -20,7 +20,8 @@ class StorageSettings(BaseSettings):
 
     home: str = Field(
         default_factory=_default_home,
-        description="Local folder for Shardline's own state (registry and cache defaults).",
+        description="Local folder for Shardline's own state (registry and cache defaults); a relative path is taken "
+        "from the folder the command runs in.",
     )
     registry_url: str | None = Field(
         default=None,
@@ -45,6 +46,13 @@ class StorageSettings(BaseSettings):
         default=("staging", "prod"),
         description="Aliases that, once set, move only through promotion (gated) or rollback.",
     )
+
+    @field_validator("home")
+    @classmethod
+    def _absolute_home(cls, home: str) -> str:
+        """One home, one name: the processes a home starts (its Prefect server, its batch runner) run in other
+        folders, and messages name the home by its full path."""
+        return str(Path(home).expanduser().absolute())
 
     @property
     def registry(self) -> str:

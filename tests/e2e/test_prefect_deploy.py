@@ -1,12 +1,12 @@
-"""The README's Prefect section as a user follows it, and prefect.yaml as a worker runs it.
+"""The README from `make demo` through "Scheduling it in Prefect", as a user follows it, and prefect.yaml as a worker
+runs it.
 
-The two bash blocks of README.md's "Scheduling it in Prefect" are read from the README
-(so the test cannot drift from the docs) and run as written, from a fresh Prefect home,
-in a checkout of the flows and prefect.yaml that holds what `make demo` leaves there
-(shardline-demo/home with breast-cancer@prod, shardline-demo/input). The only change:
-a free port instead of 4200. The first block (the server's terminal) runs in the
-background for the module; the second runs as one bash script (`bash -e`), its
-backgrounded worker included. Then every other test uses the same server.
+In a checkout of the flows and prefect.yaml: `shardline demo` runs (small: 2 shards of 1,500 rows) as `make demo`
+does, and leaves its home, its local Prefect server and its warm batch runner; then the section's bash block,
+read from the README (so the test cannot drift from the docs), runs as written in a fresh shell: nothing of
+Prefect or Shardline set, and a user's own Prefect profile (``~/.prefect``, a fake HOME) that points elsewhere
+and must be neither read nor changed. One server holds the demo's run and the nightly run. Last, `make clean`'s
+recipe (run against the checkout) leaves no process of the README's running.
 """
 
 from __future__ import annotations
@@ -24,23 +24,21 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+import psutil
 import pyarrow.dataset as ds
 import pytest
 import yaml
 
-from shardline.build.examples import write_shards
-from shardline.local_ports import reserve_port
-from shardline.storage.registry import ModelRegistry
-
-pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = [sys.executable, "-m", "prefect"]
+SHARDLINE = [sys.executable, "-m", "shardline.cli"]
 POOL = "shardline-batch"
 DEPLOYMENT = "batch-inference/nightly"
 FLOW_RUN_ID = re.compile(r"UUID: ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
-README_PORT = "4200"
 DECLARED = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+USER_PROFILE = 'active = "mine"\n\n[profiles.mine]\nPREFECT_API_URL = "http://127.0.0.1:9/api"\n'
 
 
 def _stop(process: subprocess.Popen[Any], grace: float = 15) -> None:
@@ -65,31 +63,28 @@ def _tail(path: Path, chars: int = 6000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
 
 
-def readme_blocks(port: int) -> tuple[str, str]:
-    """The section's two bash blocks (the server's terminal, the user's), with ``port`` for 4200."""
+def readme_block() -> str:
+    """The section's bash block: the user's terminal after `make demo`."""
     text = (REPO / "README.md").read_text()
     section = text[text.index("## Scheduling it in Prefect"):]
     section = section[:section.index("\n## ", 1)]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    assert len(blocks) == 2, f"expected the server's block and the user's block, found {len(blocks)}"
-    server, user = blocks
-    for block in blocks:  # telemetry off in both terminals, by the README's own words
-        assert "export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1" in block
-    assert f"--port {README_PORT}" in server and f"127.0.0.1:{README_PORT}/api" in user
-    return (server.replace(f"--port {README_PORT}", f"--port {port}"),
-            user.replace(f"127.0.0.1:{README_PORT}/", f"127.0.0.1:{port}/"))
+    assert len(blocks) == 1, f"expected the user's one block, found {len(blocks)}"
+    assert 'eval "$(shardline prefect env)"' in blocks[0]
+    return blocks[0]
 
 
 @dataclass(frozen=True)
 class PrefectServer:
-    """A running `prefect server`, the checkout it serves, and the shells a user would have for it."""
+    """The demo home's Prefect server after the README's block, the checkout it serves, and a shell for it."""
 
     api_url: str
-    env: dict[str, str]  # a shell with PREFECT_API_URL set (the tests' own commands)
-    shell_env: dict[str, str]  # a fresh shell: nothing of Prefect or Shardline set
+    env: dict[str, str]  # a shell the README's two lines set up (the tests' own commands)
     checkout: Path
-    user_block: str
-    log: Path
+    home: Path
+    user_profiles: Path
+    output: str  # what the demo and the README's terminal printed
+    returncode: int  # the README block's
 
     def cli(self, *args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
         """Run `prefect ARGS...` to completion; fail the test with its output if it fails."""
@@ -110,8 +105,8 @@ class PrefectServer:
         return response.json()
 
 
-def _checkout(root: Path, bundle_dir: Path) -> Path:
-    """The flows and prefect.yaml, an activatable environment, and what `make demo` leaves in shardline-demo/."""
+def _checkout(root: Path) -> Path:
+    """The flows and prefect.yaml and an activatable environment, as a clone after `make setup`."""
     checkout = root / "checkout"
     checkout.mkdir()
     shutil.copy(REPO / "prefect.yaml", checkout / "prefect.yaml")
@@ -122,81 +117,55 @@ def _checkout(root: Path, bundle_dir: Path) -> Path:
     else:  # not a virtual environment: `. .venv/bin/activate` puts this interpreter's scripts first
         (checkout / ".venv" / "bin").mkdir(parents=True)
         (checkout / ".venv" / "bin" / "activate").write_text(f'export PATH="{Path(sys.executable).parent}:$PATH"\n')
-    registry = ModelRegistry(str(checkout / "shardline-demo" / "home" / "registry"))
-    pushed = registry.push(bundle_dir)
-    registry.set_alias(pushed.name, "prod", pushed.version or 1, reason="demo")
-    write_shards(checkout / "shardline-demo" / "input", 2, 1_500)
     return checkout
 
 
 @pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory, breast_cancer_model: Any) -> Iterator[PrefectServer]:
-    """The README's first block: `prefect server start` on a free loopback port, a fresh Prefect home."""
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """`make demo` (small), then the README's block in a fresh shell; the home's server it leaves."""
     root = tmp_path_factory.mktemp("prefect-readme")
-    checkout = _checkout(root, breast_cancer_model.bundle_dir)
-    port = reserve_port()
-    api_url = f"http://127.0.0.1:{port}/api"
-    server_block, user_block = readme_blocks(port)
+    checkout = _checkout(root)
+    user = root / "user"
+    (user / ".prefect").mkdir(parents=True)
+    user_profiles = user / ".prefect" / "profiles.toml"
+    user_profiles.write_text(USER_PROFILE)  # the user's own profile: another server, which nothing here may use
     venv_bin = str(Path(sys.executable).parent)
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != venv_bin)
     shell_env = {k: v for k, v in os.environ.items()
                  if not k.startswith(("PREFECT_", "SHARDLINE_")) and k not in ("DO_NOT_TRACK", "VIRTUAL_ENV")}
-    shell_env.update(PATH=path, PREFECT_HOME=str(root / "prefect-home"), PYTHONUNBUFFERED="1", COLUMNS="200")
-    log = root / "server.log"
-    (root / "server.sh").write_text(server_block)
-    with log.open("w") as out:
-        server = subprocess.Popen(["bash", "-e", str(root / "server.sh")], env=shell_env, cwd=checkout,
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"prefect server exited {server.returncode} before it was healthy:\n{_tail(log)}")
-            try:
-                if httpx.get(f"{api_url}/health", timeout=2).json() is True:
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"prefect server not healthy after 120 s:\n{_tail(log)}")
-            time.sleep(0.25)
-        env = {**shell_env, "PATH": os.pathsep.join([venv_bin, path]), "PREFECT_API_URL": api_url,
-               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
-        yield PrefectServer(api_url, env, shell_env, checkout, user_block, log)
-    finally:
-        _stop(server)
-
-
-@dataclass(frozen=True)
-class ReadmeRun:
-    """The README's second block, run to its end."""
-
-    returncode: int
-    output: str
-
-
-@pytest.fixture(scope="module")
-def readme_run(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFactory) -> ReadmeRun:
-    """The user's terminal: config set, work pool, deploy --all, a worker in the background, the nightly run."""
-    root = tmp_path_factory.mktemp("readme-terminal")
+    shell_env.update(PATH=path, HOME=str(user), PYTHONUNBUFFERED="1", COLUMNS="200")
+    home = checkout / "shardline-demo" / "home"
+    demo = subprocess.run([*SHARDLINE, "demo", "--shards", "2", "--rows", "1500"],  # `make demo`, small
+                          env={**shell_env, "PATH": os.pathsep.join([venv_bin, path])}, cwd=checkout,
+                          capture_output=True, text=True, timeout=300)
+    assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
+    assert f"export SHARDLINE_STORAGE_HOME={home}" in demo.stdout and 'eval "$(shardline prefect env)"' in demo.stdout
     script, log = root / "terminal.sh", root / "terminal.log"
-    script.write_text(prefect_server.user_block)
+    script.write_text(readme_block())
     with log.open("w") as out:
-        shell = subprocess.Popen(["bash", "-e", "-x", str(script)], env=prefect_server.shell_env,
-                                 cwd=prefect_server.checkout, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        shell = subprocess.Popen(["bash", "-e", "-x", str(script)], env=shell_env, cwd=checkout, stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        shell.wait(420)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the README's commands did not finish within 420 s:\n{_tail(log)}")
+        try:
+            shell.wait(420)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the README's commands did not finish within 420 s:\n{_tail(log)}")
+        env = {**shell_env, "PATH": os.pathsep.join([venv_bin, path]), "SHARDLINE_STORAGE_HOME": str(home)}
+        status = subprocess.run([*SHARDLINE, "prefect", "status", "--json"], env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr
+        api_url = json.loads(status.stdout)["api_url"]
+        env.update(PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+        yield PrefectServer(api_url, env, checkout, home, user_profiles, demo.stdout + _tail(log, 200_000),
+                            shell.returncode)
     finally:
-        _stop(shell)  # the worker it left in the background, and anything that worker started
-    return ReadmeRun(shell.returncode, log.read_text(errors="replace"))
+        subprocess.run([*SHARDLINE, "prefect", "stop"], env={**shell_env, "SHARDLINE_STORAGE_HOME": str(home)},
+                       capture_output=True, timeout=120)  # (the last test does it as `make clean`: this is the net)
+        _stop(shell)
 
 
-def test_the_readme_commands_deploy_everything_and_run_nightly(
-    readme_run: ReadmeRun, prefect_server: PrefectServer
-) -> None:
+def test_the_readme_commands_deploy_everything_and_run_nightly(prefect_server: PrefectServer) -> None:
+    readme_run = prefect_server
     assert readme_run.returncode == 0, readme_run.output[-6000:]
     # every deployment prefect.yaml declares, on this server, with its flow's name
     deployments = prefect_server.post("/deployments/filter", {})
@@ -230,9 +199,9 @@ def test_the_readme_commands_deploy_everything_and_run_nightly(
 
 
 @pytest.fixture(scope="module")
-def nightly_deployment(readme_run: ReadmeRun, prefect_server: PrefectServer) -> dict[str, Any]:
+def nightly_deployment(prefect_server: PrefectServer) -> dict[str, Any]:
     """prefect.yaml's `nightly`, as the README's `prefect deploy --all` registered it."""
-    assert readme_run.returncode == 0, readme_run.output[-6000:]
+    assert prefect_server.returncode == 0, prefect_server.output[-6000:]
     deployment: dict[str, Any] = prefect_server.get(f"/deployments/name/{DEPLOYMENT}")
     return deployment
 
@@ -322,3 +291,66 @@ def test_worker_runs_the_deployment_and_scores_every_row(
     runs = prefect_server.post("/flow_runs/filter", {"deployments": {"id": {"any_": [nightly_deployment["id"]]}}})
     assert len(runs) == 2 and flow_run_id in {r["id"] for r in runs}
     assert {r["auto_scheduled"] for r in runs} == {False}
+
+
+def test_one_server_holds_the_demos_run_and_the_nightly_run_and_the_users_profile_is_untouched(
+    prefect_server: PrefectServer, nightly_deployment: dict[str, Any]
+) -> None:
+    runs = prefect_server.post("/flow_runs/filter", {})
+    demo_runs = [r for r in runs if r["deployment_id"] is None and r["state"]["type"] == "COMPLETED"]
+    nightly = [r for r in runs if r["deployment_id"] == nightly_deployment["id"]]
+    assert demo_runs and nightly, [(r["name"], r["deployment_id"], r["state"]["type"]) for r in runs]
+    assert any(r["state"]["message"] == "3,000 rows scored" for r in demo_runs)  # `make demo`'s own run
+    assert prefect_server.user_profiles.read_text() == USER_PROFILE  # neither read (it points at :9) nor changed
+    assert not (prefect_server.user_profiles.parent / "prefect.db").exists()
+    assert "no local Prefect server" not in prefect_server.output
+
+
+def _readme_processes(home: Path) -> list[psutil.Process]:
+    """This user's processes of the home: its server, keeper and runner, Prefect workers and flow runs started by the
+    README's shell (the home or its Prefect home in their command line or environment)."""
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if process.pid == os.getpid() or process.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            command = " ".join(process.info["cmdline"] or [])
+            if "prefect" not in command and "shardline" not in command:
+                continue
+            env = process.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if str(home) in command or str(home) in env.get("PREFECT_HOME", "") or \
+                env.get("SHARDLINE_STORAGE_HOME") == str(home):
+            found.append(process)
+    return found
+
+
+def test_make_clean_leaves_no_process_of_the_readme_running(prefect_server: PrefectServer) -> None:
+    """Last in the module: `make clean`'s recipe against the checkout (its VENV the checkout's link to this
+    environment: `rm -rf` removes the link)."""
+    worker = subprocess.Popen([*PREFECT, "worker", "start", "--pool", POOL],  # a worker as the README leaves one
+                              env={k: v for k, v in prefect_server.env.items() if k != "PREFECT_API_URL"} | {
+                                  "PREFECT_HOME": str(prefect_server.home / "prefect")},
+                              cwd=prefect_server.checkout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p.pid == worker.pid for p in _readme_processes(prefect_server.home)):
+            assert worker.poll() is None and time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.5)
+        before = _readme_processes(prefect_server.home)
+        kinds = " ".join(" ".join(p.cmdline()) for p in before)
+        assert "server start" in kinds and "worker start" in kinds, kinds  # the server and the worker run
+        clean = subprocess.run(["make", "-f", str(REPO / "Makefile"), "clean", f"VENV={prefect_server.checkout / '.venv'}"],
+                               env=prefect_server.env, cwd=prefect_server.checkout, capture_output=True, text=True,
+                               timeout=180)
+        assert clean.returncode == 0, clean.stdout + clean.stderr
+        assert "stopped the Prefect worker" in clean.stdout and "stopped the local Prefect server" in clean.stdout
+        psutil.wait_procs(before, timeout=30)
+        left = [" ".join(p.cmdline()) for p in _readme_processes(prefect_server.home) if p.is_running()]
+        assert left == [], left
+        assert not (prefect_server.checkout / "shardline-demo").exists()
+        assert Path(sys.prefix).exists()  # the link went, not this environment
+    finally:
+        _stop(worker)

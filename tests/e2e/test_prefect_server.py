@@ -20,7 +20,7 @@ import pytest
 
 from shardline.cli.batch_runner import find as find_runner
 from shardline.cli.batch_runner import stop as stop_runner
-from shardline.cli.prefect_server import stop
+from shardline.cli.prefect_server import home_environment, stop
 from shardline.local_ports import reserve_port
 from shardline.local_prefect import healthy, server_dir
 from tests.e2e.conftest import SHARDLINE
@@ -53,9 +53,11 @@ def test_the_demo_starts_a_local_prefect_server_that_later_runs_reuse_and_stop_s
         assert f"The run is in the Prefect UI at {record['ui_url']}" in demo.stdout
         assert alive(record["pid"]) and healthy(record["api_url"])
 
+        # a later shell as the demo's last lines set it up (`export SHARDLINE_STORAGE_HOME=...`, `eval "$(shardline
+        # prefect env)"`): the same settings as the demo's run, so its runner is reused
+        shell = home_environment(home)  # (None: unset)
         again = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(tmp_path / "demo" / "input"),
-                          "--output", str(tmp_path / "rescored"), "--json", SHARDLINE_STORAGE_HOME=str(home),
-                          **EMBEDDED_DEFAULT)
+                          "--output", str(tmp_path / "rescored"), "--json", **{**EMBEDDED_DEFAULT, **shell})
         assert again.returncode == 0, again.stderr[-3000:]
         assert json.loads(again.stdout.strip().splitlines()[-1])["rows_out"] == 12_000
         assert "started the local Prefect server" not in again.stderr and "temporary server" not in again.stderr

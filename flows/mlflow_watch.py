@@ -8,15 +8,17 @@ from prefect import flow
 from prefect.settings import get_current_settings
 from prefect.states import Completed, Failed, State
 
-from shardline.build.mlflow_import import shown_uri
-from shardline.build.mlflow_watch import GoldenRows, WatchOutcome, WatchSummary, watch_targets
 from shardline.settings import StorageSettings
 from shardline.tasks.mlflow_watch import (
+    GoldenRows,
+    WatchOutcome,
     import_version_task,
     open_tracking_task,
     plan_model_task,
     publish_watch_task,
     record_aliases_task,
+    watch_summary,
+    watch_targets,
 )
 
 
@@ -60,7 +62,7 @@ def mlflow_watch(models: list[str], tracking_uri: str | None = None, name_map: d
             if plan.alias_moves:
                 record_aliases_task(plan, tracking, storage)
         outcomes += lines
-    summary = WatchSummary(shown_uri(tracking), tuple(outcomes))
+    summary = watch_summary(tracking, outcomes)
     publish_watch_task(summary)
     if summary.failed:
         return Failed(message=f"{summary.headline()}: {summary.failed[0].line()}", data=summary.as_dict())

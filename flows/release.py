@@ -21,7 +21,6 @@ staging to prod through the gates alone. A version already on prod is reported a
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prefect import flow
@@ -31,8 +30,7 @@ from shardline.errors import InvalidInput
 from shardline.flows.promotion import promote_model
 from shardline.flows.rollout import start_rollout
 from shardline.settings import StorageSettings
-from shardline.storage import rollouts
-from shardline.storage.registry import ModelRegistry
+from shardline.tasks.release import await_rollout_verdict, pinned_candidate, read_alias, settled_on
 
 DEFAULT_STEPS = (1.0, 5.0, 25.0, 100.0)
 
@@ -56,17 +54,14 @@ def release_model(
         prod``) and the prod records of the rollout; a Failed state when a gate or the replay refused, the
         routers rolled it back, or ``wait_s`` passed first.
     """
-    name, _, number = candidate.partition(":")
-    if not number.isdigit():
-        error = InvalidInput(f"the candidate {candidate!r} is not name:version; push the bundle first and give the "
-                             "version `shardline model push` printed, e.g. churn:4")
+    try:
+        name, version = pinned_candidate(candidate)
+    except InvalidInput as error:
         return Failed(message=str(error), data=error)
-    version = int(number)
     storage = StorageSettings()
-    registry = ModelRegistry(storage.registry, storage.storage_options)
     why = reason or f"release of {candidate}"
-    prod = registry.current_move(name, "prod")
-    if prod is not None and prod.version == version and rollouts.active(prod) is None:
+    prod = read_alias(storage, name, "prod")
+    if settled_on(prod, version):
         print(f"{name}@prod is on {version} already")  # a re-run: nothing moves
         return {"model": name, "version": version, "outcome": "already on prod", "records": []}
     staged = promote_model(candidate, "staging", by=by, reason=why, return_state=True)
@@ -86,24 +81,9 @@ def release_model(
         return started
     rollout = started.result()["rollout"]
     print(f"{name}@prod: canary {rollout.id} started: {rollout.describe()}; waiting for the routers' verdict")
-    deadline = time.monotonic() + wait_s
-    while True:
-        move = registry.current_move(name, "prod")
-        if move is not None and move.rollout is not None and move.rollout.id == rollout.id and move.action not in (
-                "canary", "shadow"):
-            records = [{"seq": m.seq, "action": m.action, "version": m.version,
-                        "weight": m.rollout.weight if m.rollout else None, "by": m.by, "reason": m.reason}
-                       for m in registry.alias_history(name, "prod") if m.rollout is not None and m.rollout.id == rollout.id]
-            if move.action == "promote":
-                print(f"{name}@prod -> {version}: the canary passed every step")
-                return {"model": name, "version": version, "outcome": "promoted", "rollout": rollout.id,
-                        "records": records}
-            return Failed(message=f"{name}@prod stays on {move.version}: the canary of {candidate} was rolled back "
-                                  f"({move.reason})", data={"records": records})
-        if move is not None and (move.rollout is None or move.rollout.id != rollout.id):
-            return Failed(message=f"{name}@prod moved to {move.version} by {move.by} ({move.reason or move.action}) "
-                                  f"while the canary of {candidate} ran")
-        if time.monotonic() >= deadline:
-            return Failed(message=f"the canary of {candidate} still runs after {wait_s:g} s; the routers go on with it: "
-                                  f"follow it with `shardline rollout status {name}`")
-        time.sleep(poll_s)
+    verdict = await_rollout_verdict(storage, name, "prod", rollout.id, candidate, wait_s, poll_s)
+    if verdict.outcome != "promoted":
+        return Failed(message=verdict.message, data={"records": verdict.records} if verdict.records else None)
+    print(verdict.message)
+    return {"model": name, "version": version, "outcome": "promoted", "rollout": rollout.id,
+            "records": verdict.records}

@@ -11,7 +11,8 @@ requests for it, a CLI command would wait) and it is not needed to write one JSO
 
 Who posts: the router (``shardline.rollout.*``, ``online/router/events.py``) and the registry's
 commands (``shardline.model.pushed`` from ``shardline model push`` and ``model import``, and from the
-``mlflow-watch`` flow for each version it imports).
+``mlflow-watch`` flow for each version it imports). The names, resources and payloads are the
+catalogue's (``shardline.event_catalog``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from typing import Any
 
 import orjson
 
+from shardline.event_catalog import CATALOG, MODEL_PUSHED, model_resource
+
 log = logging.getLogger(__name__)
 POST_TIMEOUT_S = 10.0
-MODEL_PUSHED = "shardline.model.pushed"
 
 
 def prefect_api_url(home: str) -> str | None:
@@ -53,8 +55,13 @@ def prefect_api_url(home: str) -> str | None:
 
 
 def post_event(api_url: str, event: str, resource: dict[str, str], payload: dict[str, Any]) -> bool:
-    """Post one event to a Prefect API now (blocking); never raises. Returns whether the API took it."""
+    """Post one event of the catalogue to a Prefect API now (blocking); never raises (an event it does not
+    catalogue is logged and not sent). Returns whether the API took it."""
     import httpx
+
+    if event not in CATALOG:
+        log.error("not sent: %r is not an event of shardline.event_catalog; add it there first", event)
+        return False
 
     document = [{
         "id": str(uuid.uuid4()), "occurred": datetime.now(timezone.utc).isoformat(), "event": event,
@@ -74,14 +81,6 @@ def post_event(api_url: str, event: str, resource: dict[str, str], payload: dict
         log.warning("the Prefect API refused %s: %s %s", event, answer.status_code, answer.text[:200])
         return False
     return True
-
-
-def model_resource(name: str, alias: str | None = None) -> dict[str, str]:
-    """The resource of an event about a model (``shardline.model.<name>``, with ``shardline.alias`` if any)."""
-    resource = {"prefect.resource.id": f"shardline.model.{name}", "shardline.model": name}
-    if alias is not None:
-        resource["shardline.alias"] = alias
-    return resource
 
 
 def announce_push(home: str, name: str, version: int, digest: str, source: str,

@@ -1,7 +1,7 @@
 """Prefect tasks of the drift-watch flow: check, check the contract, store, publish, announce.
 
-Thin wrappers over ``shardline.quality.drift_checks``; the events they emit are what
-the automations in prefect.yaml listen for.
+Thin wrappers over ``shardline.quality.drift_checks``; the events they emit (``shardline.event_catalog``)
+are what the automations in prefect.yaml listen for. The flow reads the settings once and passes them in.
 """
 
 from __future__ import annotations
@@ -12,25 +12,25 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.events import emit_event
 
 from shardline.errors import EmptyInput, RuntimeUnavailable
+from shardline.event_catalog import DRIFT_DETECTED, QUALITY_FAILED, model_resource
 from shardline.quality.drift_checks import DriftCheck, check_drift, contract_failures, reports_root, save_report
 from shardline.settings import DriftSettings, StorageSettings
+from shardline.tasks.events import emit
 from shardline.tasks.logs import run_logger
-from shardline.tasks.remediation import model_resource
 
-DRIFT_DETECTED, QUALITY_FAILED = "shardline.drift.detected", "shardline.quality.failed"
 MAX_FAILURES_IN_EVENT = 20
 
 
 @task(name="check-drift", cache_policy=NO_CACHE)
-def check_drift_task(reference: str, window_hours: float, tier: str | None) -> DriftCheck | None:
+def check_drift_task(reference: str, window_hours: float, tier: str | None,
+                     storage: StorageSettings) -> DriftCheck | None:
     """The drift check of ``reference`` over the last ``window_hours``; None when nothing was captured."""
     from datetime import timedelta
 
     try:
-        check = check_drift(StorageSettings(), reference, timedelta(hours=window_hours), tier=tier)
+        check = check_drift(storage, reference, timedelta(hours=window_hours), tier=tier)
     except EmptyInput as e:
         run_logger().warning("no verdict: %s", e)
         return None
@@ -44,10 +44,10 @@ def check_drift_task(reference: str, window_hours: float, tier: str | None) -> D
 
 
 @task(name="check-contract", cache_policy=NO_CACHE)
-def check_contract_task(check: DriftCheck) -> list[str] | None:
+def check_contract_task(check: DriftCheck, storage: StorageSettings, drift: DriftSettings) -> list[str] | None:
     """The data contract on the newest captured rows: failed expectations ([] = pass; None = not checked)."""
     try:
-        failures = contract_failures(StorageSettings(), check, DriftSettings().contract_sample_rows)
+        failures = contract_failures(storage, check, drift.contract_sample_rows)
     except (ImportError, RuntimeUnavailable) as e:  # great-expectations missing: drift is still judged
         run_logger().warning("data contract not checked (%s); install great-expectations", e)
         return None
@@ -57,10 +57,9 @@ def check_contract_task(check: DriftCheck) -> list[str] | None:
 
 
 @task(name="store-drift-report", cache_policy=NO_CACHE)
-def store_report_task(check: DriftCheck) -> str:
+def store_report_task(check: DriftCheck, storage: StorageSettings, drift: DriftSettings) -> str:
     """Keep the report under the reports root (its history); returns its URL."""
-    storage = StorageSettings()
-    return save_report(reports_root(storage, DriftSettings()), check.report, storage.storage_options)
+    return save_report(reports_root(storage, drift), check.report, storage.storage_options)
 
 
 def artifact_key(model: str) -> str:
@@ -90,10 +89,10 @@ def announce_task(check: DriftCheck, report_url: str) -> list[str]:
     Returns the events emitted.
     """
     model = check.target.model
-    resource = model_resource(model.name, model.version, check.target.alias)
+    resource = model_resource(model.name, check.target.alias, model.version)
     emitted = []
     if check.report.drifted:
-        emit_event(event=DRIFT_DETECTED, resource=resource, payload={**check.event_payload(), "report": report_url})
+        emit(DRIFT_DETECTED, resource, {**check.event_payload(), "report": report_url})
         emitted.append(DRIFT_DETECTED)
     if check.contract_failures:
         payload: dict[str, Any] = {
@@ -101,7 +100,7 @@ def announce_task(check: DriftCheck, report_url: str) -> list[str]:
             "model": model.pinned, "check": "contract", "report": report_url,
             "failures": check.contract_failures[:MAX_FAILURES_IN_EVENT], "failed": len(check.contract_failures),
         }
-        emit_event(event=QUALITY_FAILED, resource=resource, payload=payload)
+        emit(QUALITY_FAILED, resource, payload)
         emitted.append(QUALITY_FAILED)
     for event in emitted:
         run_logger().warning("emitted %s for %s", event, check.reference)

@@ -1,4 +1,7 @@
-"""Prefect tasks of the promotion flow: copy across registries, run the gates, move the alias."""
+"""Prefect tasks of the promotion flow: copy across registries, run the gates, move the alias, announce it.
+
+``refusal`` (the gates' verdict as an error, or None) is the flow's as well.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +14,7 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from shardline.tasks.logs import run_logger
-
+from shardline.event_catalog import MODEL_PROMOTED, model_resource
 from shardline.quality.evaluation import evaluate
 from shardline.quality.gates import (
     GateResult,
@@ -23,7 +25,10 @@ from shardline.quality.gates import (
     signature_gate,
 )
 from shardline.runtimes import RuntimeOptions, create_runtime
+from shardline.settings import StorageSettings
 from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
+from shardline.tasks.events import emit
+from shardline.tasks.logs import run_logger
 
 
 @dataclass
@@ -36,16 +41,22 @@ class PromotionPlan:
     registry_url: str
     storage_options: dict[str, Any]
 
+    def registry(self) -> ModelRegistry:
+        """The registry the candidate is promoted in."""
+        return ModelRegistry(self.registry_url, self.storage_options)
+
 
 @task(name="prepare-promotion", cache_policy=NO_CACHE)
 def prepare_promotion(
-    reference: str, to_alias: str, registry_url: str, target_registry_url: str | None, storage_options: dict[str, Any]
+    reference: str, to_alias: str, storage: StorageSettings, target_registry_url: str | None
 ) -> PromotionPlan:
-    """Pin the candidate; when promoting into another registry, copy it there and verify it on arrival."""
-    source = ModelRegistry(registry_url, storage_options)
+    """Pin the candidate in the settings' registry; when promoting into another registry, copy it there and verify
+    it on arrival."""
+    storage_options = storage.storage_options
+    source = ModelRegistry.from_settings(storage)
     candidate = source.resolve(reference)
     target = source
-    if target_registry_url and target_registry_url != registry_url:
+    if target_registry_url and target_registry_url != source.url:
         target = ModelRegistry(target_registry_url, storage_options)
         with tempfile.TemporaryDirectory() as folder:
             fetch_bundle(candidate, Path(folder), storage_options)
@@ -94,8 +105,14 @@ def move_alias(plan: PromotionPlan, to_alias: str, results: list[GateResult], by
     error = refusal(plan.candidate.pinned, to_alias, results)
     if error is not None:
         raise error
-    registry = ModelRegistry(plan.registry_url, plan.storage_options)
+    registry = plan.registry()
     return registry.move_alias(
         plan.candidate.name, to_alias, plan.candidate.version, action="promote",
         expected_seq=plan.expected_seq, by=by, reason=reason,
     )
+
+
+def announce_promotion(plan: PromotionPlan, to_alias: str, move: AliasMove) -> None:
+    """Emit ``shardline.model.promoted`` for the alias the flow moved."""
+    emit(MODEL_PROMOTED, model_resource(plan.candidate.name, to_alias),
+         {"version": move.version, "previous": move.previous, "by": move.by, "registry": plan.registry_url})

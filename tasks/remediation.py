@@ -1,8 +1,9 @@
 """Prefect tasks of the flows that answer drift: re-validate a version, roll an alias back, re-score a job.
 
 Each task is a thin wrapper over a plain function here or in storage/quality, and
-every answer is announced as a Prefect event on the model's resource, so that
-automations in prefect.yaml can chain them (drift -> re-validate -> roll back).
+every answer is announced as a Prefect event on the model's resource (``shardline.event_catalog``),
+so that automations in prefect.yaml can chain them (drift -> re-validate -> roll back). The flows
+read the settings once and pass them in.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.events import emit_event
 
 from shardline.bundle import ModelRef
 from shardline.errors import InvalidInput
+from shardline.event_catalog import MODEL_REVALIDATED, MODEL_REVALIDATION_FAILED, MODEL_ROLLED_BACK
 from shardline.quality.evaluation import evaluate, evaluation_of
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.settings import DriftSettings, StorageSettings
@@ -27,30 +28,8 @@ from shardline.storage.fs import join, open_fs
 from shardline.storage.output import OutputLayout
 from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
 from shardline.storage.shards import list_shards
+from shardline.tasks.events import emit_model_event
 from shardline.tasks.logs import run_logger
-
-REVALIDATED, REVALIDATION_FAILED, ROLLED_BACK = (
-    "shardline.model.revalidated", "shardline.model.revalidation-failed", "shardline.model.rolled-back",
-)
-
-
-def model_resource(name: str, version: int | None = None, alias: str | None = None) -> dict[str, str]:
-    """The Prefect resource every Shardline model event is about (the promotion flow's too)."""
-    resource = {"prefect.resource.id": f"shardline.model.{name}", "shardline.model": name}
-    if version is not None:
-        resource["shardline.version"] = str(version)
-    if alias:
-        resource["shardline.alias"] = alias
-    return resource
-
-
-def announce(event: str, name: str, version: int | None, alias: str | None, payload: dict[str, Any]) -> None:
-    """Emit a Shardline model event; the payload always repeats name, version, alias and reference."""
-    reference = f"{name}@{alias}" if alias else f"{name}:{version}"
-    emit_event(
-        event=event, resource=model_resource(name, version, alias),
-        payload={"name": name, "version": version, "alias": alias or None, "reference": reference, **payload},
-    )
 
 
 @dataclass(frozen=True)
@@ -145,9 +124,9 @@ def revalidate_version(model: ResolvedModel, alias: str | None, labelled_uri: st
 
 
 @task(name="revalidate", cache_policy=NO_CACHE)
-def revalidate_task(reference: str, alias: str | None, labelled_uri: str | None) -> Revalidation:
+def revalidate_task(reference: str, alias: str | None, labelled_uri: str | None, storage: StorageSettings,
+                    drift: DriftSettings) -> Revalidation:
     """Pin the reference, score it on fresh labels, announce the verdict as an event."""
-    storage, drift = StorageSettings(), DriftSettings()
     registry = ModelRegistry.from_settings(storage)
     model = registry.resolve(reference)
     if alias is None:
@@ -155,18 +134,19 @@ def revalidate_task(reference: str, alias: str | None, labelled_uri: str | None)
     where = labelled_location(model.name, labelled_uri, drift)
     result = revalidate_version(model, alias, where, storage)
     (run_logger().info if result.passed else run_logger().warning)("%s", result.reason)
-    announce(REVALIDATED if result.passed else REVALIDATION_FAILED, model.name, model.version, alias, result.as_dict())
+    emit_model_event(MODEL_REVALIDATED if result.passed else MODEL_REVALIDATION_FAILED, model.name, model.version, alias,
+                     result.as_dict())
     return result
 
 
 @task(name="rollback-alias", cache_policy=NO_CACHE)
-def rollback_task(model: str, alias: str, expected_version: int | None, by: str, reason: str) -> AliasMove | None:
+def rollback_task(model: str, alias: str, expected_version: int | None, by: str, reason: str,
+                  storage: StorageSettings) -> AliasMove | None:
     """Roll ``model@alias`` back through the registry; None (no move) when it no longer points at ``expected_version``.
 
     The guard makes the answer idempotent: two events about one bad version roll the
     alias back once, and a version someone already replaced is left alone.
     """
-    storage = StorageSettings()
     registry = ModelRegistry.from_settings(storage)
     current = registry.current_move(model, alias)
     if expected_version is not None and (current is None or current.version != expected_version):
@@ -178,19 +158,18 @@ def rollback_task(model: str, alias: str, expected_version: int | None, by: str,
     move = registry.rollback(model, alias, by=by, reason=reason)
     run_logger().warning("rolled %s@%s back from %s:%s to %s:%s (%s)", model, alias, model, move.previous, model,
                          move.version, reason)
-    announce(ROLLED_BACK, model, move.version, alias,
-             {"previous": move.previous, "by": move.by, "reason": move.reason, "seq": move.seq})
+    emit_model_event(MODEL_ROLLED_BACK, model, move.version, alias,
+                     {"previous": move.previous, "by": move.by, "reason": move.reason, "seq": move.seq})
     return move
 
 
 @task(name="read-job-manifest", cache_policy=NO_CACHE)
-def read_job_manifest(job_output_uri: str) -> dict[str, Any]:
+def read_job_manifest(job_output_uri: str, storage: StorageSettings) -> dict[str, Any]:
     """The committed manifest of a batch job's output (its input, model, tenant, passthrough).
 
     Raises:
         InvalidInput: the folder holds no committed job manifest.
     """
-    storage = StorageSettings()
     layout = OutputLayout(job_output_uri, storage.storage_options)
     try:
         manifest: dict[str, Any] = layout.read_manifest()
@@ -207,8 +186,7 @@ def rescored_location(job_output_uri: str, model: ResolvedModel) -> str:
     return f"{job_output_uri.rstrip('/')}-rescored-{model.name}-v{model.version}"
 
 
-def pin(reference: str) -> ResolvedModel:
+def pin(reference: str, storage: StorageSettings) -> ResolvedModel:
     """Resolve a reference in the registry the settings name."""
-    storage = StorageSettings()
     return ModelRegistry.from_settings(storage).resolve(reference)
 

@@ -1,4 +1,9 @@
-"""Prefect task of the rollout flow: the offline stage, before any live traffic.
+"""Prefect tasks of the rollout flows: the offline stage before any live traffic, the records that start and end a
+rollout in the alias's log, and the events that announce them.
+
+``check_no_rollout``, ``begin_rollout`` and ``end_rollout_by_hand`` return a refusal (a ``ShardlineError``: a
+rollout runs already, none runs, the alias moved meanwhile) rather than raise it: the flow ends Failed with it,
+a verdict, not a crash.
 
 ``replay`` scores rows with the baseline and the candidate side by side and compares the answers
 with the router's own judgement (``online/router/compare.py``): the candidate's golden set, and
@@ -13,7 +18,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -21,11 +26,17 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from shardline.errors import GateFailed
+from shardline.bundle import ModelRef
+from shardline.errors import GateFailed, ShardlineError
 from shardline.agreement import Comparison, compare
+from shardline.event_catalog import ROLLOUT_ABORTED, ROLLOUT_PROMOTED, ROLLOUT_STARTED, model_resource
 from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
-from shardline.storage.capture import scan_capture
-from shardline.storage.registry import ResolvedModel, fetch_bundle
+from shardline.settings import StorageSettings
+from shardline.storage import rollouts
+from shardline.storage.capture import capture_root, scan_capture
+from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
+from shardline.storage.rollouts import RollbackCriteria
+from shardline.tasks.events import emit
 from shardline.tasks.logs import run_logger
 from shardline.tasks.promotion import PromotionPlan
 
@@ -102,9 +113,9 @@ def replay_refusal(plan: PromotionPlan, report: dict[str, Any]) -> GateFailed | 
 
 
 @task(name="replay", cache_policy=NO_CACHE)
-def replay(plan: PromotionPlan, capture_root: str, max_rows: int = 10_000) -> dict[str, Any]:
-    """Score the golden set and the baseline's captured requests with both versions (see the module
-    docstring); ``replay_refusal`` reads the report."""
+def replay(plan: PromotionPlan, storage: StorageSettings, max_rows: int = 10_000) -> dict[str, Any]:
+    """Score the golden set and the baseline's captured requests (under the settings' capture root) with both
+    versions (see the module docstring); ``replay_refusal`` reads the report."""
     if plan.current is None:
         return {"skipped": "no baseline to compare with"}
     logger = run_logger()
@@ -118,7 +129,7 @@ def replay(plan: PromotionPlan, capture_root: str, max_rows: int = 10_000) -> di
             if candidate_manifest.evaluation is not None:
                 golden = pq.read_table(Path(folder) / "candidate" / candidate_manifest.evaluation.golden)
                 report["golden"] = _replay_rows(baseline, candidate, golden.select(names))
-            captured = scan_capture(capture_root, plan.current.name, version=plan.current.version, tier="online",
+            captured = scan_capture(capture_root(storage), plan.current.name, version=plan.current.version, tier="online",
                                     storage_options=plan.storage_options)
             present = [n for n in names if n in captured.collect_schema().names()]
             rows = captured.select(present).tail(max_rows).collect().to_arrow() if present == names else None
@@ -133,3 +144,62 @@ def replay(plan: PromotionPlan, capture_root: str, max_rows: int = 10_000) -> di
         (logger.warning if found.get("failed") else logger.info)(
             "replay of %s rows against %s: %s", source, plan.current.pinned, found)
     return report
+
+
+@task(name="check-no-rollout", cache_policy=NO_CACHE)
+def check_no_rollout(storage: StorageSettings, candidate: str) -> ShardlineError | None:
+    """The refusal of a new rollout of ``candidate``'s model while one runs on any of its aliases (RolloutConflict;
+    InvalidSetting when it is no model reference), or None; checked before the gates, which take seconds and whose
+    verdict would not matter."""
+    try:
+        rollouts.refuse_if_running(ModelRegistry.from_settings(storage), ModelRef.parse(candidate).name)
+    except ShardlineError as e:
+        return e
+    return None
+
+
+@task(name="begin-rollout", cache_policy=NO_CACHE)
+def begin_rollout(plan: PromotionPlan, alias: str, mode: Literal["canary", "shadow"], steps: list[float] | None,
+                  shadow: float, interval_s: float | None, criteria: dict[str, Any] | None, offline: dict[str, Any],
+                  by: str | None, reason: str) -> AliasMove | ShardlineError:
+    """Write the rollout's first record in the alias's log and announce it; the record, or the refusal (another
+    rollout started meanwhile, or the alias moved)."""
+    registry = plan.registry()
+    try:
+        move = rollouts.start(
+            registry, plan.candidate.name, alias, plan.candidate.version, mode=mode, steps=tuple(steps or ()),
+            shadow=shadow, interval_s=interval_s, criteria=RollbackCriteria(**(criteria or {})), offline=offline,
+            by=by, reason=reason,
+        )
+    except ShardlineError as e:
+        return e
+    announce_rollout(ROLLOUT_STARTED, move, plan.candidate.name, alias, plan.registry_url)
+    return move
+
+
+@task(name="end-rollout", cache_policy=NO_CACHE)
+def end_rollout_by_hand(storage: StorageSettings, name: str, alias: str, action: Literal["promote", "abort"],
+                        by: str | None, reason: str) -> AliasMove | ShardlineError:
+    """Promote the candidate of the rollout on ``name@alias`` now, or abort it (the alias stays on the baseline),
+    and announce it; the record that ended it, or the refusal (none runs there, or it moved meanwhile)."""
+    registry = ModelRegistry.from_settings(storage)
+    try:
+        if action == "promote":
+            move = rollouts.promote(registry, name, alias, by=by, reason=reason)
+        else:
+            move = rollouts.roll_back(registry, name, alias, reason=f"aborted by hand{': ' + reason if reason else ''}",
+                                      by=by)
+    except ShardlineError as e:
+        return e
+    announce_rollout(ROLLOUT_PROMOTED if action == "promote" else ROLLOUT_ABORTED, move, name, alias, registry.url)
+    return move
+
+
+def announce_rollout(event: str, move: AliasMove, name: str, alias: str, registry: str) -> None:
+    """A ``shardline.rollout.*`` event on ``shardline.model.<name>``, with the record's rollout and reason."""
+    rollout = move.rollout
+    emit(event, model_resource(name, alias),
+         {"model": name, "alias": alias, "rollout": rollout.id if rollout else None, "version": move.version,
+          "candidate": rollout.candidate if rollout else None, "baseline": rollout.baseline if rollout else None,
+          "mode": rollout.mode if rollout else None, "reason": move.reason, "record": move.seq, "by": move.by,
+          "registry": registry})

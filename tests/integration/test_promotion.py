@@ -125,7 +125,7 @@ def test_an_alias_moved_during_the_gates_is_not_overwritten(registry: ModelRegis
 
     storage = StorageSettings()
     registry.set_alias("breast-cancer", "prod", 1)
-    plan = prepare_promotion.fn("breast-cancer:2", "prod", storage.registry, None, {})
+    plan = prepare_promotion.fn("breast-cancer:2", "prod", storage, None)
     results = run_gates.fn(plan, False)
     # another operator moves prod meanwhile
     registry.set_alias("breast-cancer", "prod", 1, by="someone-else", reason="hotfix")

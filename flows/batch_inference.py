@@ -15,10 +15,10 @@ from typing import Any, Sequence
 from prefect import flow
 from prefect.states import State
 
-from shardline.storage.job_records import JobParameters
 from shardline.tasks.batch import ProgressWatcher, plan_batch_job, validate_shards
 from shardline.tasks.batch_job import (
     BatchJobSettings,
+    JobParameters,
     admit_job,
     finish_job,
     holding_output,

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 from prefect.states import Completed, State
 
-from shardline.settings import DriftSettings
+from shardline.settings import DriftSettings, StorageSettings
 from shardline.tasks.drift import (
     announce_task,
     check_contract_task,
@@ -40,13 +40,14 @@ def drift_watch(
         "NoData" when nothing was captured in the window, plain Completed otherwise;
         its data is a summary (verdict, drifted columns, report URL, events).
     """
-    hours = window_hours if window_hours is not None else DriftSettings().window_hours
-    check = check_drift_task(model, hours, tier)
+    storage, drift = StorageSettings(), DriftSettings()
+    hours = window_hours if window_hours is not None else drift.window_hours
+    check = check_drift_task(storage, model, hours, tier)
     if check is None:
         return Completed(name="NoData", message=f"nothing of {model} was captured in the last {hours:g} h")
     if check_contract:
-        check.contract_failures = check_contract_task(check)
-    url = store_report_task(check)
+        check.contract_failures = check_contract_task(storage, drift, check)
+    url = store_report_task(storage, drift, check)
     publish_report_task(check, url)
     events = announce_task(check, url)
     report = check.report

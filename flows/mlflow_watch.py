@@ -8,15 +8,18 @@ from prefect import flow
 from prefect.settings import get_current_settings
 from prefect.states import Completed, Failed, State
 
-from shardline.build.mlflow_import import shown_uri
-from shardline.build.mlflow_watch import GoldenRows, WatchOutcome, WatchSummary, watch_targets
 from shardline.settings import StorageSettings
 from shardline.tasks.mlflow_watch import (
+    GoldenRows,
+    WatchOutcome,
+    WatchSummary,
     import_version_task,
     open_tracking_task,
     plan_model_task,
     publish_watch_task,
     record_aliases_task,
+    shown_uri,
+    watch_targets,
 )
 
 

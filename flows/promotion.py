@@ -8,9 +8,8 @@ from prefect import flow
 from prefect.events import emit_event
 from prefect.states import Failed, State
 
-from shardline.quality.gates import refusal
 from shardline.settings import StorageSettings
-from shardline.tasks.promotion import move_alias, prepare_promotion, run_gates
+from shardline.tasks.promotion import gate_refusal, move_alias, prepare_promotion, run_gates
 
 
 @flow(name="promote-model", log_prints=True)
@@ -40,7 +39,7 @@ def promote_model(
     storage = StorageSettings()
     plan = prepare_promotion(reference, to_alias, storage.registry, target_registry_url, storage.storage_options)
     results = run_gates(plan, allow_breaking)
-    refused = refusal(plan.candidate.pinned, to_alias, results)
+    refused = gate_refusal(plan, to_alias, results)
     if refused is not None:  # a verdict, not a crash: no traceback in the logs
         return Failed(message=str(refused), data=refused)
     move = move_alias(plan, to_alias, results, by, reason)

@@ -21,7 +21,6 @@ staging to prod through the gates alone. A version already on prod is reported a
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prefect import flow
@@ -31,8 +30,7 @@ from shardline.errors import InvalidInput
 from shardline.flows.promotion import promote_model
 from shardline.flows.rollout import start_rollout
 from shardline.settings import StorageSettings
-from shardline.storage import rollouts
-from shardline.storage.registry import ModelRegistry
+from shardline.tasks.release import await_verdict, release_candidate
 
 DEFAULT_STEPS = (1.0, 5.0, 25.0, 100.0)
 
@@ -56,24 +54,21 @@ def release_model(
         prod``) and the prod records of the rollout; a Failed state when a gate or the replay refused, the
         routers rolled it back, or ``wait_s`` passed first.
     """
-    name, _, number = candidate.partition(":")
-    if not number.isdigit():
-        error = InvalidInput(f"the candidate {candidate!r} is not name:version; push the bundle first and give the "
-                             "version `shardline model push` printed, e.g. churn:4")
-        return Failed(message=str(error), data=error)
-    version = int(number)
     storage = StorageSettings()
-    registry = ModelRegistry(storage.registry, storage.storage_options)
+    try:
+        release = release_candidate(storage, candidate)
+    except InvalidInput as error:
+        return Failed(message=str(error), data=error)
+    name, version = release.name, release.version
     why = reason or f"release of {candidate}"
-    prod = registry.current_move(name, "prod")
-    if prod is not None and prod.version == version and rollouts.active(prod) is None:
+    if release.on_prod_already:
         print(f"{name}@prod is on {version} already")  # a re-run: nothing moves
         return {"model": name, "version": version, "outcome": "already on prod", "records": []}
     staged = promote_model(candidate, "staging", by=by, reason=why, return_state=True)
     if staged.is_failed():
         return staged
     print(f"{name}@staging -> {version}: every gate passed")
-    if prod is None:
+    if release.prod is None:
         first = promote_model(candidate, "prod", by=by, reason=f"{why}: the first version (no baseline to canary "
                               "against)", return_state=True)
         if first.is_failed():
@@ -86,24 +81,8 @@ def release_model(
         return started
     rollout = started.result()["rollout"]
     print(f"{name}@prod: canary {rollout.id} started: {rollout.describe()}; waiting for the routers' verdict")
-    deadline = time.monotonic() + wait_s
-    while True:
-        move = registry.current_move(name, "prod")
-        if move is not None and move.rollout is not None and move.rollout.id == rollout.id and move.action not in (
-                "canary", "shadow"):
-            records = [{"seq": m.seq, "action": m.action, "version": m.version,
-                        "weight": m.rollout.weight if m.rollout else None, "by": m.by, "reason": m.reason}
-                       for m in registry.alias_history(name, "prod") if m.rollout is not None and m.rollout.id == rollout.id]
-            if move.action == "promote":
-                print(f"{name}@prod -> {version}: the canary passed every step")
-                return {"model": name, "version": version, "outcome": "promoted", "rollout": rollout.id,
-                        "records": records}
-            return Failed(message=f"{name}@prod stays on {move.version}: the canary of {candidate} was rolled back "
-                                  f"({move.reason})", data={"records": records})
-        if move is not None and (move.rollout is None or move.rollout.id != rollout.id):
-            return Failed(message=f"{name}@prod moved to {move.version} by {move.by} ({move.reason or move.action}) "
-                                  f"while the canary of {candidate} ran")
-        if time.monotonic() >= deadline:
-            return Failed(message=f"the canary of {candidate} still runs after {wait_s:g} s; the routers go on with it: "
-                                  f"follow it with `shardline rollout status {name}`")
-        time.sleep(poll_s)
+    verdict = await_verdict(storage, release, rollout.id, wait_s, poll_s)
+    if verdict.outcome != "promoted":
+        return Failed(message=verdict.message, data={"records": verdict.records} if verdict.records else None)
+    print(verdict.message)
+    return {"model": name, "version": version, "outcome": "promoted", "rollout": rollout.id, "records": verdict.records}

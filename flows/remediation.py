@@ -14,6 +14,7 @@ from prefect import flow
 from prefect.states import Completed, Failed, State
 
 from shardline.flows.batch_inference import batch_inference
+from shardline.settings import DriftSettings, StorageSettings
 from shardline.tasks.remediation import (
     pin,
     read_job_manifest,
@@ -45,7 +46,7 @@ def revalidate_model(
         Completed with the verdict when the version still meets its threshold; Failed
         (holding the verdict as data) when it misses it.
     """
-    result = revalidate_task(model, alias, labelled_uri)
+    result = revalidate_task(StorageSettings(), DriftSettings(), model, alias, labelled_uri)
     if cause:
         print(f"started by {cause}")
     if result.passed:
@@ -74,7 +75,7 @@ def rollback_alias(
     Returns:
         Completed with the move; Completed named "Skipped" when the alias had already moved on.
     """
-    move = rollback_task(model, alias, expected_version, by, reason)
+    move = rollback_task(StorageSettings(), model, alias, expected_version, by, reason)
     if move is None:
         return Completed(name="Skipped", message=f"{model}@{alias} no longer points at {model}:{expected_version}")
     return Completed(
@@ -101,8 +102,9 @@ def rescore_output(job_output_uri: str, model: str, output_uri: str | None = Non
         Completed (or "Quarantined") with the new job's summary; the batch flow's
         state when it did not complete.
     """
-    manifest = read_job_manifest(job_output_uri)
-    pinned = pin(model)
+    storage = StorageSettings()
+    manifest = read_job_manifest(storage, job_output_uri)
+    pinned = pin(storage, model)
     target = output_uri or rescored_location(job_output_uri, pinned)
     passthrough = manifest.get("passthrough")
     print(f"re-scoring {manifest['input']} (job {manifest['job_id']}, {manifest['model']['pinned']}) "

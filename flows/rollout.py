@@ -12,32 +12,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from prefect import flow
-from prefect.events import emit_event
 from prefect.states import Failed, State
 
 from shardline.errors import ShardlineError
-from shardline.quality.gates import refusal
 from shardline.settings import StorageSettings
-from shardline.storage import rollouts
-from shardline.storage.capture import capture_root
-from shardline.storage.registry import AliasMove, ModelRegistry
-from shardline.storage.rollouts import RollbackCriteria
-from shardline.tasks.promotion import prepare_promotion, run_gates
 from shardline.tasks.notifications import record_notification
-from shardline.tasks.rollout import replay, replay_refusal
-
-
-def emit_rollout_event(event: str, move: AliasMove, name: str, alias: str, registry: str) -> None:
-    """``shardline.rollout.<event>`` on ``shardline.model.<name>``, with the record's rollout and reason."""
-    rollout = move.rollout
-    emit_event(
-        event=f"shardline.rollout.{event}",
-        resource={"prefect.resource.id": f"shardline.model.{name}", "shardline.alias": alias},
-        payload={"model": name, "alias": alias, "rollout": rollout.id if rollout else None, "version": move.version,
-                 "candidate": rollout.candidate if rollout else None, "baseline": rollout.baseline if rollout else None,
-                 "mode": rollout.mode if rollout else None, "reason": move.reason, "record": move.seq, "by": move.by,
-                 "registry": registry},
-    )
+from shardline.tasks.rollout import AliasMove, begin_rollout, check_candidate, end_rollout_now, refuse_if_running
 
 
 @flow(name="start-rollout", log_prints=True)
@@ -60,32 +40,21 @@ def start_rollout(
         GateFailed when a gate or the replay refused, or RolloutConflict when a rollout runs on the model.
     """
     storage = StorageSettings()
-    try:  # before the gates: they take seconds, and their verdict would not matter
-        rollouts.refuse_if_running(ModelRegistry(storage.registry, storage.storage_options), candidate.split(":")[0])
+    try:
+        refuse_if_running(storage, candidate)
     except ShardlineError as e:
         return Failed(message=str(e), data=e)
-    plan = prepare_promotion(candidate, alias, storage.registry, None, storage.storage_options)
-    results = run_gates(plan, False)
-    refused = refusal(plan.candidate.pinned, alias, results)
-    if refused is not None:
-        return Failed(message=str(refused), data=refused)
-    offline = replay(plan, capture_root(storage))
-    refused = replay_refusal(plan, offline)
-    if refused is not None:
-        return Failed(message=str(refused), data=refused)
-    registry = ModelRegistry(plan.registry_url, storage.storage_options)
+    checked = check_candidate(storage, candidate, alias)
+    if checked.refused is not None:
+        return Failed(message=str(checked.refused), data=checked.refused)
     try:
-        move = rollouts.start(
-            registry, plan.candidate.name, alias, plan.candidate.version, mode=mode, steps=tuple(steps or ()),
-            shadow=shadow, interval_s=interval_s, criteria=RollbackCriteria(**(criteria or {})), offline=offline,
-            by=by, reason=reason,
-        )
+        move = begin_rollout(storage, checked, alias, mode, tuple(steps or ()), shadow, interval_s, criteria, by, reason)
     except ShardlineError as e:  # another rollout started meanwhile, or the alias moved: a verdict, no traceback
         return Failed(message=str(e), data=e)
-    emit_rollout_event("started", move, plan.candidate.name, alias, plan.registry_url)
     return {
-        "model": plan.candidate.name, "alias": alias, "record": move.seq, "rollout": move.rollout,
-        "gates": [{"gate": r.gate, "passed": r.passed, "detail": r.detail} for r in results], "replay": offline,
+        "model": checked.plan.candidate.name, "alias": alias, "record": move.seq, "rollout": move.rollout,
+        "gates": [{"gate": r.gate, "passed": r.passed, "detail": r.detail} for r in checked.results],
+        "replay": checked.replay,
     }
 
 
@@ -97,18 +66,10 @@ def end_rollout(name: str, alias: str = "prod", action: Literal["promote", "abor
     Returns:
         The record that ended it; a Failed state holding RolloutConflict when none runs there.
     """
-    storage = StorageSettings()
-    registry = ModelRegistry(storage.registry, storage.storage_options)
     try:
-        if action == "promote":
-            move = rollouts.promote(registry, name, alias, by=by, reason=reason)
-        else:
-            move = rollouts.roll_back(registry, name, alias, reason=f"aborted by hand{': ' + reason if reason else ''}",
-                                      by=by)
+        return end_rollout_now(StorageSettings(), name, alias, action, by, reason)
     except ShardlineError as e:  # a verdict (none runs, or it moved meanwhile), not a crash: no traceback
         return Failed(message=str(e), data=e)
-    emit_rollout_event("promoted" if action == "promote" else "aborted", move, name, alias, registry.url)
-    return move
 
 
 @flow(name="rollout-notice", log_prints=True)

@@ -25,12 +25,13 @@ MAX_FAILURES_IN_EVENT = 20
 
 
 @task(name="check-drift", cache_policy=NO_CACHE)
-def check_drift_task(reference: str, window_hours: float, tier: str | None) -> DriftCheck | None:
+def check_drift_task(storage: StorageSettings, reference: str, window_hours: float,
+                     tier: str | None) -> DriftCheck | None:
     """The drift check of ``reference`` over the last ``window_hours``; None when nothing was captured."""
     from datetime import timedelta
 
     try:
-        check = check_drift(StorageSettings(), reference, timedelta(hours=window_hours), tier=tier)
+        check = check_drift(storage, reference, timedelta(hours=window_hours), tier=tier)
     except EmptyInput as e:
         run_logger().warning("no verdict: %s", e)
         return None
@@ -44,10 +45,10 @@ def check_drift_task(reference: str, window_hours: float, tier: str | None) -> D
 
 
 @task(name="check-contract", cache_policy=NO_CACHE)
-def check_contract_task(check: DriftCheck) -> list[str] | None:
+def check_contract_task(storage: StorageSettings, drift: DriftSettings, check: DriftCheck) -> list[str] | None:
     """The data contract on the newest captured rows: failed expectations ([] = pass; None = not checked)."""
     try:
-        failures = contract_failures(StorageSettings(), check, DriftSettings().contract_sample_rows)
+        failures = contract_failures(storage, check, drift.contract_sample_rows)
     except (ImportError, RuntimeUnavailable) as e:  # great-expectations missing: drift is still judged
         run_logger().warning("data contract not checked (%s); install great-expectations", e)
         return None
@@ -57,10 +58,9 @@ def check_contract_task(check: DriftCheck) -> list[str] | None:
 
 
 @task(name="store-drift-report", cache_policy=NO_CACHE)
-def store_report_task(check: DriftCheck) -> str:
+def store_report_task(storage: StorageSettings, drift: DriftSettings, check: DriftCheck) -> str:
     """Keep the report under the reports root (its history); returns its URL."""
-    storage = StorageSettings()
-    return save_report(reports_root(storage, DriftSettings()), check.report, storage.storage_options)
+    return save_report(reports_root(storage, drift), check.report, storage.storage_options)
 
 
 def artifact_key(model: str) -> str:

@@ -16,8 +16,6 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound, RuntimeUnavailable, ShardlineError
-from shardline.events import MODEL_PUSHED, announce_push
 from shardline.build.mlflow_import import list_registered_versions, mlflow_tracking_uri, shown_uri
 from shardline.build.mlflow_watch import (
     GoldenRows,
@@ -29,11 +27,14 @@ from shardline.build.mlflow_watch import (
     plan_outcomes,
     plan_watch,
     tracking_key,
+    watch_targets,  # noqa: F401 - the flow reads the watch's parameters through this module (flows only wire)
 )
+from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound, RuntimeUnavailable, ShardlineError
+from shardline.events import MODEL_PUSHED, announce_push
 from shardline.settings import StorageSettings
-from shardline.tasks.mlflow_watch_state import WatchStates
 from shardline.storage.registry import ModelRegistry
 from shardline.tasks.logs import run_logger
+from shardline.tasks.mlflow_watch_state import WatchStates
 
 MAX_DETAIL_IN_ARTIFACT = 300  # characters of a refusal's reason in the artifact's table; the state keeps it all
 

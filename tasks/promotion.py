@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from shardline.tasks.logs import run_logger
-
+from shardline.errors import GateFailed
 from shardline.quality.evaluation import evaluate
 from shardline.quality.gates import (
     GateResult,
@@ -24,6 +23,7 @@ from shardline.quality.gates import (
 )
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
+from shardline.tasks.logs import run_logger
 
 
 @dataclass
@@ -81,6 +81,11 @@ def run_gates(plan: PromotionPlan, allow_breaking: bool) -> list[GateResult]:
         (logger.info if result.passed else logger.warning)("gate %s: %s: %s", result.gate,
                                                           "pass" if result.passed else "REFUSED", result.detail)
     return results
+
+
+def gate_refusal(plan: PromotionPlan, to_alias: str, results: list[GateResult]) -> GateFailed | None:
+    """The gates' verdict as the refusal a flow returns (None: every gate passed)."""
+    return refusal(plan.candidate.pinned, to_alias, results)
 
 
 @task(name="move-alias", cache_policy=NO_CACHE)

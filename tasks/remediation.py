@@ -145,9 +145,9 @@ def revalidate_version(model: ResolvedModel, alias: str | None, labelled_uri: st
 
 
 @task(name="revalidate", cache_policy=NO_CACHE)
-def revalidate_task(reference: str, alias: str | None, labelled_uri: str | None) -> Revalidation:
+def revalidate_task(storage: StorageSettings, drift: DriftSettings, reference: str, alias: str | None,
+                    labelled_uri: str | None) -> Revalidation:
     """Pin the reference, score it on fresh labels, announce the verdict as an event."""
-    storage, drift = StorageSettings(), DriftSettings()
     registry = ModelRegistry.from_settings(storage)
     model = registry.resolve(reference)
     if alias is None:
@@ -160,13 +160,13 @@ def revalidate_task(reference: str, alias: str | None, labelled_uri: str | None)
 
 
 @task(name="rollback-alias", cache_policy=NO_CACHE)
-def rollback_task(model: str, alias: str, expected_version: int | None, by: str, reason: str) -> AliasMove | None:
+def rollback_task(storage: StorageSettings, model: str, alias: str, expected_version: int | None, by: str,
+                  reason: str) -> AliasMove | None:
     """Roll ``model@alias`` back through the registry; None (no move) when it no longer points at ``expected_version``.
 
     The guard makes the answer idempotent: two events about one bad version roll the
     alias back once, and a version someone already replaced is left alone.
     """
-    storage = StorageSettings()
     registry = ModelRegistry.from_settings(storage)
     current = registry.current_move(model, alias)
     if expected_version is not None and (current is None or current.version != expected_version):
@@ -184,13 +184,12 @@ def rollback_task(model: str, alias: str, expected_version: int | None, by: str,
 
 
 @task(name="read-job-manifest", cache_policy=NO_CACHE)
-def read_job_manifest(job_output_uri: str) -> dict[str, Any]:
+def read_job_manifest(storage: StorageSettings, job_output_uri: str) -> dict[str, Any]:
     """The committed manifest of a batch job's output (its input, model, tenant, passthrough).
 
     Raises:
         InvalidInput: the folder holds no committed job manifest.
     """
-    storage = StorageSettings()
     layout = OutputLayout(job_output_uri, storage.storage_options)
     try:
         manifest: dict[str, Any] = layout.read_manifest()
@@ -207,8 +206,7 @@ def rescored_location(job_output_uri: str, model: ResolvedModel) -> str:
     return f"{job_output_uri.rstrip('/')}-rescored-{model.name}-v{model.version}"
 
 
-def pin(reference: str) -> ResolvedModel:
+def pin(storage: StorageSettings, reference: str) -> ResolvedModel:
     """Resolve a reference in the registry the settings name."""
-    storage = StorageSettings()
     return ModelRegistry.from_settings(storage).resolve(reference)
 

@@ -12,6 +12,7 @@ the live criteria judge it.
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
 
-from shardline.errors import GateFailed
 from shardline.agreement import Comparison, compare
+from shardline.errors import GateFailed
 from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
-from shardline.storage.capture import scan_capture
-from shardline.storage.registry import ResolvedModel, fetch_bundle
+from shardline.settings import StorageSettings
+from shardline.storage import rollouts
+from shardline.storage.capture import capture_root, scan_capture
+from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
+from shardline.storage.rollouts import RollbackCriteria
 from shardline.tasks.logs import run_logger
-from shardline.tasks.promotion import PromotionPlan
+from shardline.tasks.promotion import PromotionPlan, gate_refusal, prepare_promotion, run_gates
 
 REPLAY_BATCH_ROWS = 512
 REPLAY = "replay"
@@ -133,3 +138,82 @@ def replay(plan: PromotionPlan, capture_root: str, max_rows: int = 10_000) -> di
         (logger.warning if found.get("failed") else logger.info)(
             "replay of %s rows against %s: %s", source, plan.current.pinned, found)
     return report
+
+
+# -- what the rollout flows ask of the registry (flows/rollout.py only wires these) -------------------------------
+
+
+def emit_rollout_event(event: str, move: AliasMove, name: str, alias: str, registry: str) -> None:
+    """``shardline.rollout.<event>`` on ``shardline.model.<name>``, with the record's rollout and reason."""
+    rollout = move.rollout
+    emit_event(
+        event=f"shardline.rollout.{event}",
+        resource={"prefect.resource.id": f"shardline.model.{name}", "shardline.alias": alias},
+        payload={"model": name, "alias": alias, "rollout": rollout.id if rollout else None, "version": move.version,
+                 "candidate": rollout.candidate if rollout else None, "baseline": rollout.baseline if rollout else None,
+                 "mode": rollout.mode if rollout else None, "reason": move.reason, "record": move.seq, "by": move.by,
+                 "registry": registry},
+    )
+
+
+def refuse_if_running(storage: StorageSettings, candidate: str) -> None:
+    """Before the gates (they take seconds, and their verdict would not matter): raises RolloutConflict when a rollout
+    runs on the candidate's model."""
+    rollouts.refuse_if_running(ModelRegistry.from_settings(storage), candidate.split(":")[0])
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A candidate through the promotion gates and the offline replay: the plan, each gate's verdict, the replay's
+    report, and the refusal (None: it may start)."""
+
+    plan: PromotionPlan
+    results: list[Any]
+    replay: dict[str, Any] | None
+    refused: GateFailed | None
+
+
+def check_candidate(storage: StorageSettings, candidate: str, alias: str) -> Checked:
+    """The promotion gates, then (when they pass) the offline replay on the captured traffic."""
+    plan = prepare_promotion(candidate, alias, storage.registry, None, storage.storage_options)
+    results = run_gates(plan, False)
+    refused = gate_refusal(plan, alias, results)
+    if refused is not None:
+        return Checked(plan, results, None, refused)
+    offline = replay(plan, capture_root(storage))
+    return Checked(plan, results, offline, replay_refusal(plan, offline))
+
+
+def begin_rollout(storage: StorageSettings, checked: Checked, alias: str, mode: str, steps: tuple[float, ...],
+                  shadow: float, interval_s: float | None, criteria: dict[str, Any] | None, by: str | None,
+                  reason: str) -> AliasMove:
+    """The rollout's first record (the routers do the rest), and its event.
+
+    Raises:
+        RolloutConflict, AliasConflict: another rollout started meanwhile, or the alias moved.
+    """
+    plan = checked.plan
+    move = rollouts.start(
+        ModelRegistry(plan.registry_url, storage.storage_options), plan.candidate.name, alias, plan.candidate.version,
+        mode=mode, steps=steps, shadow=shadow, interval_s=interval_s, criteria=RollbackCriteria(**(criteria or {})),
+        offline=checked.replay, by=by, reason=reason,
+    )
+    emit_rollout_event("started", move, plan.candidate.name, alias, plan.registry_url)
+    return move
+
+
+def end_rollout_now(storage: StorageSettings, name: str, alias: str, action: str, by: str | None,
+                    reason: str) -> AliasMove:
+    """Promote the candidate of the rollout on ``name@alias`` now, or abort it; and its event.
+
+    Raises:
+        RolloutConflict: none runs there (or it moved meanwhile).
+    """
+    registry = ModelRegistry.from_settings(storage)
+    if action == "promote":
+        move = rollouts.promote(registry, name, alias, by=by, reason=reason)
+    else:
+        move = rollouts.roll_back(registry, name, alias, reason=f"aborted by hand{': ' + reason if reason else ''}",
+                                  by=by)
+    emit_rollout_event("promoted" if action == "promote" else "aborted", move, name, alias, registry.url)
+    return move

@@ -18,7 +18,7 @@ from shardline.tasks.openai_batch import (
     PartWatcher,
     answer_openai_parts,
     finish_openai_batch,
-    holding_batch_output,
+    holding_output,
     openai_batch_outcome,
     plan_openai_batch,
 )
@@ -47,7 +47,7 @@ def openai_batch(
     """
     settings = OpenAIBatchSettings.read()
     plan = plan_openai_batch(input_uri, output_uri, lines_per_part, tenant, settings)
-    with holding_batch_output(plan):
+    with holding_output(plan):
         plan = answer_openai_parts(plan, settings, watchers)
         summary = finish_openai_batch(plan)
     return openai_batch_outcome(summary)

@@ -15,10 +15,16 @@ lease as long as its generation is the highest. The highest generation is never
 deleted (release marks it released), so generation numbers only grow and a stale
 owner always learns it lost the lease. Expiry is measured on the writers' clocks:
 hosts sharing an output need clocks that agree to well within ``ttl_s``.
+
+How a job holds one (both job kinds, the batch job and the OpenAI Batch job, the same way): its plan
+takes the lease in :meth:`OutputLease.taking` and reads what the folder holds under it (a setup that
+raises gives it back at once; one that returns leaves it held and renewed), and the job's body runs in
+:func:`holding_output`, which gives it back however the job ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -29,7 +35,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Protocol
 
 from fsspec import AbstractFileSystem
 from pydantic import BaseModel, ValidationError
@@ -246,6 +252,26 @@ class OutputLease:
         if holder is not None and lease_is_live(holder, clock(), here or ThisProcess.here(), alive):
             raise cls._busy(output, job_id, holder)
 
+    @classmethod
+    @contextlib.contextmanager
+    def taking(
+        cls, fs: AbstractFileSystem, root: str, output: str, job_id: str, model: str, terms: LeaseTerms,
+    ) -> Iterator[OutputLease]:
+        """Take the folder's lease (:meth:`acquire`) for the job's setup done in the body (reading what the folder
+        holds, under the lease): released when the body raises; when it returns, the lease stays held and is
+        renewed from then on (:meth:`start_heartbeat`) until :meth:`release` (:func:`holding_output`).
+
+        Raises:
+            OutputInUse, OutputNotWritable: as :meth:`acquire`.
+        """
+        lease = cls.acquire(fs, root, output, job_id, model, terms)
+        try:
+            yield lease
+        except BaseException:
+            lease.release()
+            raise
+        lease.start_heartbeat()
+
     @staticmethod
     def _recently_written(fs: AbstractFileSystem, folder: str, generation: int, now: datetime, terms: LeaseTerms) -> bool:
         try:
@@ -349,3 +375,23 @@ class OutputLease:
     def as_dict(self) -> dict[str, Any]:
         """The record, as plain data (for the manifest)."""
         return json.loads(self.record.model_dump_json())
+
+
+class HoldsLease(Protocol):
+    """A job's plan: the output lease it took (None when it writes nothing: its output is finished already)."""
+
+    @property
+    def lease(self) -> OutputLease | None:
+        """The lease the plan holds, or None."""
+        ...
+
+
+@contextlib.contextmanager
+def holding_output(plan: HoldsLease) -> Iterator[None]:
+    """Run the job's body with the output lease its plan took (:meth:`OutputLease.taking`); give it back however
+    the body ends."""
+    try:
+        yield
+    finally:
+        if plan.lease is not None:
+            plan.lease.release()

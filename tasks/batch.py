@@ -94,17 +94,12 @@ def _take_output(survey: JobSurvey, terms: LeaseTerms) -> tuple[OutputLease, lis
         OutputNotWritable: the output is a file, read-only, or not permitted.
     """
     layout, model = survey.layout, survey.model.pinned
-    lease = OutputLease.acquire(layout.fs, layout.root, layout.uri, survey.job_id, model, terms)
-    try:
+    with OutputLease.taking(layout.fs, layout.root, layout.uri, survey.job_id, model, terms) as lease:
         ledger = call_with_retries(layout.read_ledger, survey.retry, what="reading the job's ledger")
         refuse_foreign(layout, model, survey.key, layout.any_manifest(), ledger)
         todo, done = split_done(survey.shards, ledger, survey.key, layout.present_parts())
         if todo:
             layout.clear_success()
-    except BaseException:
-        lease.release()
-        raise
-    lease.start_heartbeat()
     return lease, todo, done
 
 

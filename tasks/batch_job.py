@@ -30,6 +30,7 @@ from shardline.sla_projection import Sla, make_sla
 from shardline.storage.fs import resolve_location
 from shardline.storage.job_identity import JobSummary
 from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
+from shardline.storage.lease import holding_output  # the flow holds the lease its plan took with it
 from shardline.storage.metering import DeviceKind, MeteringLedger
 from shardline.tasks.batch import JobPlan, ProgressWatcher, commit_job, infer_shards, report_job, tell_watchers
 from shardline.tasks.batch_survey import check_output_free, survey_job
@@ -138,16 +139,6 @@ def _run_context() -> tuple[str | None, str | None]:
     from shardline.tasks.artifacts import current_deployment
 
     return current_deployment(), flow_run.id
-
-
-@contextlib.contextmanager
-def holding_output(plan: JobPlan) -> Iterator[JobPlan]:
-    """The plan took the output's lease (one job per output folder): give it back however the job ends."""
-    try:
-        yield plan
-    finally:
-        if plan.lease is not None:
-            plan.lease.release()
 
 
 @contextlib.contextmanager

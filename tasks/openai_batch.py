@@ -7,11 +7,10 @@ this process (the ``llm`` runtime's engine batches the lines of a part itself; n
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from functools import partial
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -38,7 +37,7 @@ from shardline.runtimes import Runtime, RuntimeOptions
 from shardline.runtimes.generation.runtime import GeneratingRuntime
 from shardline.settings import BatchSettings, RuntimeSettings, StorageSettings, TenancySettings
 from shardline.storage.fs import resolve_location
-from shardline.storage.lease import LeaseTerms, OutputLease
+from shardline.storage.lease import LeaseTerms, OutputLease, holding_output  # holding_output: the flow's
 from shardline.storage.model_cache import get_model_cache
 from shardline.storage.openai_batch import BatchOutputFolder, read_batch_input
 from shardline.storage.registry import ModelRegistry, ResolvedModel
@@ -178,29 +177,14 @@ def plan_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tena
         return plan
     output, job, model = plan.output, plan.job, plan.model
     terms = LeaseTerms(settings.batch.lease_ttl_s, settings.batch.lease_renew_s)
-    lease = OutputLease.acquire(output.fs, output.root, output.uri, job.job_id, model.pinned, terms)
-    try:
+    with OutputLease.taking(output.fs, output.root, output.uri, job.job_id, model.pinned, terms) as lease:
         if not plan.recorded:  # a race lost: another run recorded another job meanwhile
             _refuse_another_job(output, output.create_job(job), job.input_sha256, plan.file.model, job.lines_per_part)
         plan.pending = pending_parts(plan.parts, output.committed_parts())
-    except BaseException:
-        lease.release()
-        raise
-    lease.start_heartbeat()
     plan.lease = lease
     run_logger().info("OpenAI batch job %s: %d lines, model %s, %d of %d parts to answer", job.job_id,
                       len(plan.file.entries), model.pinned, len(plan.pending), len(plan.parts))
     return plan
-
-
-@contextlib.contextmanager
-def holding_batch_output(plan: OpenAIBatchPlan) -> Iterator[OpenAIBatchPlan]:
-    """The plan took the output's lease: give it back however the job ends."""
-    try:
-        yield plan
-    finally:
-        if plan.lease is not None:
-            plan.lease.release()
 
 
 def _load(plan: OpenAIBatchPlan, settings: OpenAIBatchSettings) -> Runtime:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from types import SimpleNamespace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from pydantic import ValidationError
 from shardline.errors import OutputInUse, OutputNotWritable
 from shardline.settings import BatchSettings
 from shardline.storage.job_identity import foreign_parts, up_to_date
-from shardline.storage.lease import LEASE_DIR, LeaseTerms, OutputLease, ThisProcess
+from shardline.storage.lease import LEASE_DIR, LeaseTerms, OutputLease, ThisProcess, holding_output
 from shardline.storage.output import PartRecord
 
 from tests.concurrency import at_once
@@ -65,6 +66,34 @@ def test_a_lapsed_lease_is_taken_over_and_its_old_owner_learns_it_lost(tmp_path:
     new.check()  # the new owner holds it
     old.release()  # a lost lease's release leaves the new owner's alone
     new.check()
+
+
+def test_a_job_holds_its_lease_from_its_setup_to_its_end_and_a_failed_setup_gives_it_back(tmp_path: Path) -> None:
+    """Both job kinds hold the output one way: taken for the setup (given back when it fails), held and renewed
+    through the body, given back however the body ends."""
+    fs, root = LocalFileSystem(), str(tmp_path)
+    with pytest.raises(ValueError, match="the ledger does not parse"):
+        with OutputLease.taking(fs, root, root, "job-a", "bc:1", TERMS):
+            raise ValueError("the ledger does not parse")
+    assert OutputLease.current(fs, str(tmp_path / LEASE_DIR))[1].released  # type: ignore[union-attr]
+
+    with OutputLease.taking(fs, root, root, "job-a", "bc:1", LeaseTerms(ttl_s=120, renew_s=0.05)) as lease:
+        pass
+    plan = SimpleNamespace(lease=lease)
+    with pytest.raises(RuntimeError, match="a shard failed"):
+        with holding_output(plan):
+            first = lease.record.renewed_at
+            deadline = time.monotonic() + 10
+            while lease.record.renewed_at == first and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert lease.record.renewed_at > first  # renewed while the body runs
+            with pytest.raises(OutputInUse, match="in use by job job-a"):
+                OutputLease.acquire(fs, root, root, "job-b", "bc:2", TERMS)
+            raise RuntimeError("a shard failed")
+    taken = OutputLease.acquire(fs, root, root, "job-b", "bc:2", TERMS)  # given back: the next job takes it at once
+    assert taken.record.generation == lease.record.generation + 1
+    with holding_output(SimpleNamespace(lease=None)):  # a finished output: no lease, nothing to give back
+        pass
 
 
 def test_a_dead_process_of_this_host_loses_its_lease_at_once(tmp_path: Path) -> None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
-from prefect.events import emit_event
 from prefect.states import Failed, State
 
 from shardline.settings import StorageSettings
-from shardline.tasks.promotion import gate_refusal, move_alias, prepare_promotion, run_gates
+from shardline.tasks.promotion import announce_promotion, gate_refusal, move_alias, prepare_promotion, run_gates
 
 
 @flow(name="promote-model", log_prints=True)
@@ -43,11 +42,7 @@ def promote_model(
     if refused is not None:  # a verdict, not a crash: no traceback in the logs
         return Failed(message=str(refused), data=refused)
     move = move_alias(plan, to_alias, results, by, reason)
-    emit_event(
-        event="shardline.model.promoted",
-        resource={"prefect.resource.id": f"shardline.model.{plan.candidate.name}", "shardline.alias": to_alias},
-        payload={"version": move.version, "previous": move.previous, "by": move.by, "registry": plan.registry_url},
-    )
+    announce_promotion(plan, to_alias, move)
     return {
         "model": plan.candidate.name,
         "alias": to_alias,

@@ -9,7 +9,8 @@ its websocket). Prefect is not imported: its import costs seconds of CPU (the ro
 requests for it, a CLI command would wait) and it is not needed to write one JSON document.
 ``PREFECT_API_KEY``, when set, is sent as the bearer token (Prefect Cloud).
 
-Who posts: the router (``shardline.rollout.*``, ``online/router/events.py``) and the registry's
+The names, resources and payloads are the catalogue's (``shardline.event_catalog``); flows and tasks emit
+through Prefect (``shardline.tasks.events``). Who posts here: the router (``shardline.rollout.*``, ``online/router/events.py``) and the registry's
 commands (``shardline.model.pushed`` from ``shardline model push`` and ``model import``, and from the
 ``mlflow-watch`` flow for each version it imports).
 """
@@ -26,9 +27,10 @@ from typing import Any
 
 import orjson
 
+from shardline.event_catalog import MODEL_PUSHED, model_resource
+
 log = logging.getLogger(__name__)
 POST_TIMEOUT_S = 10.0
-MODEL_PUSHED = "shardline.model.pushed"
 
 
 def prefect_api_url(home: str) -> str | None:
@@ -74,14 +76,6 @@ def post_event(api_url: str, event: str, resource: dict[str, str], payload: dict
         log.warning("the Prefect API refused %s: %s %s", event, answer.status_code, answer.text[:200])
         return False
     return True
-
-
-def model_resource(name: str, alias: str | None = None) -> dict[str, str]:
-    """The resource of an event about a model (``shardline.model.<name>``, with ``shardline.alias`` if any)."""
-    resource = {"prefect.resource.id": f"shardline.model.{name}", "shardline.model": name}
-    if alias is not None:
-        resource["shardline.alias"] = alias
-    return resource
 
 
 def announce_push(home: str, name: str, version: int, digest: str, source: str,

@@ -12,15 +12,14 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.events import emit_event
 
 from shardline.errors import EmptyInput, RuntimeUnavailable
+from shardline.event_catalog import DRIFT_DETECTED, QUALITY_FAILED, model_resource
 from shardline.quality.drift_checks import DriftCheck, check_drift, contract_failures, reports_root, save_report
 from shardline.settings import DriftSettings, StorageSettings
+from shardline.tasks.events import emit
 from shardline.tasks.logs import run_logger
-from shardline.tasks.remediation import model_resource
 
-DRIFT_DETECTED, QUALITY_FAILED = "shardline.drift.detected", "shardline.quality.failed"
 MAX_FAILURES_IN_EVENT = 20
 
 
@@ -90,10 +89,10 @@ def announce_task(check: DriftCheck, report_url: str) -> list[str]:
     Returns the events emitted.
     """
     model = check.target.model
-    resource = model_resource(model.name, model.version, check.target.alias)
+    resource = model_resource(model.name, check.target.alias, model.version)
     emitted = []
     if check.report.drifted:
-        emit_event(event=DRIFT_DETECTED, resource=resource, payload={**check.event_payload(), "report": report_url})
+        emit(DRIFT_DETECTED, resource, {**check.event_payload(), "report": report_url})
         emitted.append(DRIFT_DETECTED)
     if check.contract_failures:
         payload: dict[str, Any] = {
@@ -101,7 +100,7 @@ def announce_task(check: DriftCheck, report_url: str) -> list[str]:
             "model": model.pinned, "check": "contract", "report": report_url,
             "failures": check.contract_failures[:MAX_FAILURES_IN_EVENT], "failed": len(check.contract_failures),
         }
-        emit_event(event=QUALITY_FAILED, resource=resource, payload=payload)
+        emit(QUALITY_FAILED, resource, payload)
         emitted.append(QUALITY_FAILED)
     for event in emitted:
         run_logger().warning("emitted %s for %s", event, check.reference)

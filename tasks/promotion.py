@@ -12,6 +12,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from shardline.errors import GateFailed
+from shardline.event_catalog import MODEL_PROMOTED, model_resource
 from shardline.quality.evaluation import evaluate
 from shardline.quality.gates import (
     GateResult,
@@ -23,6 +24,7 @@ from shardline.quality.gates import (
 )
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
+from shardline.tasks.events import emit
 from shardline.tasks.logs import run_logger
 
 
@@ -81,6 +83,12 @@ def run_gates(plan: PromotionPlan, allow_breaking: bool) -> list[GateResult]:
         (logger.info if result.passed else logger.warning)("gate %s: %s: %s", result.gate,
                                                           "pass" if result.passed else "REFUSED", result.detail)
     return results
+
+
+def announce_promotion(plan: PromotionPlan, to_alias: str, move: AliasMove) -> None:
+    """``shardline.model.promoted`` for the alias moved."""
+    emit(MODEL_PROMOTED, model_resource(plan.candidate.name, to_alias),
+         {"version": move.version, "previous": move.previous, "by": move.by, "registry": plan.registry_url})
 
 
 def gate_refusal(plan: PromotionPlan, to_alias: str, results: list[GateResult]) -> GateFailed | None:

@@ -16,10 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.events import emit_event
 
 from shardline.bundle import ModelRef
 from shardline.errors import InvalidInput
+from shardline.event_catalog import MODEL_REVALIDATED, MODEL_REVALIDATION_FAILED, MODEL_ROLLED_BACK
 from shardline.quality.evaluation import evaluate, evaluation_of
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.settings import DriftSettings, StorageSettings
@@ -27,30 +27,8 @@ from shardline.storage.fs import join, open_fs
 from shardline.storage.output import OutputLayout
 from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
 from shardline.storage.shards import list_shards
+from shardline.tasks.events import emit_model_event
 from shardline.tasks.logs import run_logger
-
-REVALIDATED, REVALIDATION_FAILED, ROLLED_BACK = (
-    "shardline.model.revalidated", "shardline.model.revalidation-failed", "shardline.model.rolled-back",
-)
-
-
-def model_resource(name: str, version: int | None = None, alias: str | None = None) -> dict[str, str]:
-    """The Prefect resource every Shardline model event is about (the promotion flow's too)."""
-    resource = {"prefect.resource.id": f"shardline.model.{name}", "shardline.model": name}
-    if version is not None:
-        resource["shardline.version"] = str(version)
-    if alias:
-        resource["shardline.alias"] = alias
-    return resource
-
-
-def announce(event: str, name: str, version: int | None, alias: str | None, payload: dict[str, Any]) -> None:
-    """Emit a Shardline model event; the payload always repeats name, version, alias and reference."""
-    reference = f"{name}@{alias}" if alias else f"{name}:{version}"
-    emit_event(
-        event=event, resource=model_resource(name, version, alias),
-        payload={"name": name, "version": version, "alias": alias or None, "reference": reference, **payload},
-    )
 
 
 @dataclass(frozen=True)
@@ -155,7 +133,8 @@ def revalidate_task(storage: StorageSettings, drift: DriftSettings, reference: s
     where = labelled_location(model.name, labelled_uri, drift)
     result = revalidate_version(model, alias, where, storage)
     (run_logger().info if result.passed else run_logger().warning)("%s", result.reason)
-    announce(REVALIDATED if result.passed else REVALIDATION_FAILED, model.name, model.version, alias, result.as_dict())
+    emit_model_event(MODEL_REVALIDATED if result.passed else MODEL_REVALIDATION_FAILED, model.name, model.version, alias,
+                     result.as_dict())
     return result
 
 
@@ -178,7 +157,7 @@ def rollback_task(storage: StorageSettings, model: str, alias: str, expected_ver
     move = registry.rollback(model, alias, by=by, reason=reason)
     run_logger().warning("rolled %s@%s back from %s:%s to %s:%s (%s)", model, alias, model, move.previous, model,
                          move.version, reason)
-    announce(ROLLED_BACK, model, move.version, alias,
+    emit_model_event(MODEL_ROLLED_BACK, model, move.version, alias,
              {"previous": move.previous, "by": move.by, "reason": move.reason, "seq": move.seq})
     return move
 

@@ -21,16 +21,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.events import emit_event
 
 from shardline.agreement import Comparison, compare
 from shardline.errors import GateFailed
+from shardline.event_catalog import ROLLOUT_ABORTED, ROLLOUT_PROMOTED, ROLLOUT_STARTED, model_resource
 from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
 from shardline.settings import StorageSettings
 from shardline.storage import rollouts
 from shardline.storage.capture import capture_root, scan_capture
 from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
 from shardline.storage.rollouts import RollbackCriteria
+from shardline.tasks.events import emit
 from shardline.tasks.logs import run_logger
 from shardline.tasks.promotion import PromotionPlan, gate_refusal, prepare_promotion, run_gates
 
@@ -144,12 +145,11 @@ def replay(plan: PromotionPlan, capture_root: str, max_rows: int = 10_000) -> di
 
 
 def emit_rollout_event(event: str, move: AliasMove, name: str, alias: str, registry: str) -> None:
-    """``shardline.rollout.<event>`` on ``shardline.model.<name>``, with the record's rollout and reason."""
+    """A ``shardline.rollout.*`` event on ``shardline.model.<name>``, with the record's rollout and reason."""
     rollout = move.rollout
-    emit_event(
-        event=f"shardline.rollout.{event}",
-        resource={"prefect.resource.id": f"shardline.model.{name}", "shardline.alias": alias},
-        payload={"model": name, "alias": alias, "rollout": rollout.id if rollout else None, "version": move.version,
+    emit(
+        event, model_resource(name, alias),
+        {"model": name, "alias": alias, "rollout": rollout.id if rollout else None, "version": move.version,
                  "candidate": rollout.candidate if rollout else None, "baseline": rollout.baseline if rollout else None,
                  "mode": rollout.mode if rollout else None, "reason": move.reason, "record": move.seq, "by": move.by,
                  "registry": registry},
@@ -198,7 +198,7 @@ def begin_rollout(storage: StorageSettings, checked: Checked, alias: str, mode: 
         mode=mode, steps=steps, shadow=shadow, interval_s=interval_s, criteria=RollbackCriteria(**(criteria or {})),
         offline=checked.replay, by=by, reason=reason,
     )
-    emit_rollout_event("started", move, plan.candidate.name, alias, plan.registry_url)
+    emit_rollout_event(ROLLOUT_STARTED, move, plan.candidate.name, alias, plan.registry_url)
     return move
 
 
@@ -215,5 +215,5 @@ def end_rollout_now(storage: StorageSettings, name: str, alias: str, action: str
     else:
         move = rollouts.roll_back(registry, name, alias, reason=f"aborted by hand{': ' + reason if reason else ''}",
                                   by=by)
-    emit_rollout_event("promoted" if action == "promote" else "aborted", move, name, alias, registry.url)
+    emit_rollout_event(ROLLOUT_PROMOTED if action == "promote" else ROLLOUT_ABORTED, move, name, alias, registry.url)
     return move

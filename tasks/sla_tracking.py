@@ -24,15 +24,15 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 from prefect.artifacts import create_table_artifact
-from prefect.events import emit_event
 
+from shardline.event_catalog import BATCH_COMPLETED, BATCH_SLA_AT_RISK, BATCH_SLA_BREACHED, BATCH_STARTED
 from shardline.figures import moment, rate, span
 from shardline.sla_projection import ProgressPoint, Projection, Sla, project
 from shardline.storage.job_records import JobRecord, JobRecords, JobState
+from shardline.tasks.events import emit
 from shardline.tasks.logs import run_logger
 
-EVENT_PREFIX = "shardline.batch"
-SLA_EVENTS = {"at-risk": "sla-at-risk", "breached": "sla-breached"}  # status -> event sent when it begins
+SLA_EVENTS = {"at-risk": BATCH_SLA_AT_RISK, "breached": BATCH_SLA_BREACHED}  # status -> event sent when it begins
 
 
 def utcnow() -> datetime:
@@ -82,7 +82,7 @@ class SlaTracker:
     def __init__(
         self, job: TrackedJob, sla: Sla, records: JobRecords, record: JobRecord,
         interval_s: float = 5.0, window_s: float = 300.0, clock: Callable[[], datetime] = utcnow,
-        emit: Callable[..., Any] = emit_event,
+        emit: Callable[..., Any] = emit,
     ) -> None:
         self.job, self.sla, self.records, self.record = job, sla, records, record
         self.interval, self.window, self.clock = interval_s, timedelta(seconds=window_s), clock
@@ -125,7 +125,7 @@ class SlaTracker:
     def start(self) -> None:
         """Write the record, emit ``started`` and tick every interval until :meth:`stop`."""
         self.records.write(self.record)
-        self._emit("started", project(self.trace, self.total, self.sla, self.clock(), self.window))
+        self._emit(BATCH_STARTED, project(self.trace, self.total, self.sla, self.clock(), self.window))
         context = contextvars.copy_context()
         self._ticker = threading.Thread(target=context.run, args=(self._tick,), name="sla-tracker", daemon=True)
         self._ticker.start()
@@ -168,9 +168,9 @@ class SlaTracker:
             late = projection.status == "breached" and self.status != "breached"
             self.status = projection.status
         if late:  # it finished (or failed) past its deadline before a check saw it
-            self._emit("sla-breached", projection)
+            self._emit(BATCH_SLA_BREACHED, projection)
         if state in ("completed", "quarantined"):
-            self._emit("completed", projection, outcome=state)
+            self._emit(BATCH_COMPLETED, projection, outcome=state)
         return projection
 
     # -- outputs -----------------------------------------------------------------------------------
@@ -189,12 +189,11 @@ class SlaTracker:
             "started": self.sla.started.isoformat(), **projection.as_dict(),
         }
 
-    def _emit(self, name: str, projection: Projection, **extra: Any) -> None:
-        event = f"{EVENT_PREFIX}.{name}"
+    def _emit(self, event: str, projection: Projection, **extra: Any) -> None:
         self._send(event=event, resource=self.job.resource(), related=self.job.related(),
                    payload={**self.payload(projection), **extra})
         self.emitted.append(event)
-        if name.startswith("sla-"):
+        if event in SLA_EVENTS.values():
             run_logger().warning(
                 "job %s SLA %s: deadline %s, projected finish %s", self.job.job_id, projection.status,
                 self.sla.deadline.isoformat(timespec="seconds"),

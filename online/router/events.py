@@ -10,7 +10,8 @@ import asyncio
 import logging
 from typing import Any
 
-from shardline.events import model_resource, post_event, prefect_api_url
+from shardline.event_catalog import model_resource
+from shardline.events import post_event, prefect_api_url
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from shardline.build.examples import breast_cancer, golden_table, split
 from shardline.bundle import read_manifest, write_manifest
 from shardline.errors import EmptyInput, InvalidBundle, InvalidInput, InvalidSetting, ModelNotFound
-from shardline.build.examples import breast_cancer, golden_table, split
+from shardline.event_catalog import model_resource
 from shardline.quality.drift import ColumnDrift, DriftReport
 from shardline.quality.drift_checks import (
     check_drift,
@@ -26,8 +27,7 @@ from shardline.settings import DriftSettings, StorageSettings
 from shardline.storage.capture import capture_root
 from shardline.storage.registry import ModelRegistry
 from shardline.tasks.drift import artifact_key
-from shardline.tasks.remediation import labelled_location, model_resource, read_labelled, revalidate_version
-
+from shardline.tasks.remediation import labelled_location, read_labelled, revalidate_version
 from tests.conftest import BuiltModel
 from tests.drift_data import capture, fresh_rows, profiled_bundle, scaled
 
@@ -146,11 +146,11 @@ def test_where_answers_read_and_write(tmp_path: Path) -> None:
     assert labelled_location(MODEL, None, DriftSettings(labelled_url="s3://b/labels/")) == f"s3://b/labels/{MODEL}"
     with pytest.raises(InvalidInput, match="SHARDLINE_DRIFT_LABELLED_URL"):
         labelled_location(MODEL, None, DriftSettings())
-    assert model_resource(MODEL, 3, "prod") == {
+    assert model_resource(MODEL, "prod", 3) == {
         "prefect.resource.id": f"shardline.model.{MODEL}", "shardline.model": MODEL,
         "shardline.version": "3", "shardline.alias": "prod",
     }
-    assert "shardline.alias" not in model_resource(MODEL, 3, None)
+    assert "shardline.alias" not in model_resource(MODEL, None, 3)
     assert artifact_key("Churn_v2.1") == "drift-churn-v2-1"
     assert json.dumps(model_resource(MODEL))  # JSON-able as events need
 

@@ -1,0 +1,35 @@
+"""How flows and tasks emit Shardline's Prefect events: one ``emit``, through Prefect's ``emit_event``.
+
+The names, resources and payloads are the catalogue's (``shardline.event_catalog``); an event it does not
+hold is refused here, before anything is sent. Inside a flow run the event goes to the API the run reports to.
+(The router and the CLI, which never import Prefect, post the same catalogue's events over plain HTTP:
+``shardline.events``.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.events import emit_event
+
+from shardline.event_catalog import CATALOG, model_resource
+
+
+def emit(event: str, resource: dict[str, str], payload: dict[str, Any],
+         related: list[dict[str, str]] | None = None) -> None:
+    """Emit one catalogued event about ``resource`` with ``payload`` (and ``related`` resources).
+
+    Raises:
+        KeyError: ``event`` is not in the catalogue (a programming error: catalogue it first).
+    """
+    if event not in CATALOG:
+        raise KeyError(f"{event!r} is not an event of shardline.event_catalog; add it there before emitting it")
+    emit_event(event=event, resource=resource, payload=payload, related=related)
+
+
+def emit_model_event(event: str, name: str, version: int | None, alias: str | None, payload: dict[str, Any]) -> None:
+    """Emit an event about a model (resource ``shardline.model.<name>``); the payload always repeats name,
+    version, alias and reference."""
+    reference = f"{name}@{alias}" if alias else f"{name}:{version}"
+    emit(event, model_resource(name, alias, version),
+         {"name": name, "version": version, "alias": alias or None, "reference": reference, **payload})

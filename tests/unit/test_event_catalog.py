@@ -1,0 +1,73 @@
+"""The event catalogue (shardline/event_catalog.py) holds both ends: every event prefect.yaml's automations expect
+is catalogued, every catalogued event is emitted by some product module (or is marked reserved), and no product
+module spells a catalogued event's name itself (each goes through the catalogue's constant)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import yaml
+
+from shardline import event_catalog
+from shardline.event_catalog import CATALOG, EVENTS
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("shardline", "build", "storage", "quality", "observability", "tasks", "flows", "online", "cli")
+CONSTANTS = {name: value for name, value in vars(event_catalog).items() if isinstance(value, str) and value in CATALOG}
+
+
+def _triggers() -> list[tuple[str, str]]:
+    """(deployment, event) for every event a trigger of prefect.yaml expects, or hands its flow as a parameter."""
+    found = []
+    for deployment in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]:
+        for trigger in deployment.get("triggers", []):
+            found += [(deployment["name"], event) for event in trigger.get("expect", [])]
+            found += [(deployment["name"], event) for event in trigger.get("after", [])]
+            parameters = trigger.get("parameters", {})
+            event = parameters.get("event")
+            if isinstance(event, str) and event.startswith("shardline."):
+                found.append((deployment["name"], event))
+    return found
+
+
+def _product_sources() -> dict[Path, str]:
+    return {path: path.read_text() for folder in PRODUCT for path in sorted((ROOT / folder).rglob("*.py"))
+            if path.name != "event_catalog.py"}
+
+
+def test_every_event_prefect_yaml_names_is_catalogued() -> None:
+    named = _triggers()
+    assert len({event for _, event in named}) >= 6  # the automations' events: the test reads what it should
+    unknown = [f"{deployment}: {event}" for deployment, event in named if event not in CATALOG]
+    assert not unknown, f"prefect.yaml names events shardline/event_catalog.py does not hold: {unknown}"
+
+
+def test_every_catalogued_event_is_emitted_somewhere_or_reserved() -> None:
+    sources = _product_sources()
+    used = set()
+    for text in sources.values():
+        tree = ast.parse(text)
+        used |= {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        used |= {node.name for node in ast.walk(tree) if isinstance(node, ast.alias)}
+    by_value = {value: name for name, value in CONSTANTS.items()}
+    silent = [spec.name for spec in EVENTS if not spec.reserved and by_value.get(spec.name) not in used]
+    assert not silent, f"catalogued but emitted nowhere (emit it, or mark it reserved): {silent}"
+
+
+def test_no_product_module_spells_an_event_name_itself() -> None:
+    spelled = [f"{path.relative_to(ROOT)}: {name}" for path, text in _product_sources().items()
+               for name in CATALOG if re.search(rf"[\"']{re.escape(name)}[\"']", text)]
+    assert not spelled, f"use shardline.event_catalog's constant instead: {spelled}"
+
+
+def test_a_flow_emits_only_catalogued_events() -> None:
+    from shardline.tasks.events import emit
+
+    try:
+        emit("shardline.model.made-up", {"prefect.resource.id": "x"}, {})
+    except KeyError as e:
+        assert "is not an event of shardline.event_catalog" in str(e)
+    else:
+        raise AssertionError("an uncatalogued event was emitted")

@@ -42,12 +42,12 @@ def drift_watch(
     """
     storage, drift = StorageSettings(), DriftSettings()
     hours = window_hours if window_hours is not None else drift.window_hours
-    check = check_drift_task(model, hours, tier, storage)
+    check = check_drift_task(storage, model, hours, tier)
     if check is None:
         return Completed(name="NoData", message=f"nothing of {model} was captured in the last {hours:g} h")
     if check_contract:
-        check.contract_failures = check_contract_task(check, storage, drift)
-    url = store_report_task(check, storage, drift)
+        check.contract_failures = check_contract_task(storage, drift, check)
+    url = store_report_task(storage, drift, check)
     publish_report_task(check, url)
     events = announce_task(check, url)
     report = check.report

@@ -12,12 +12,13 @@ from shardline.settings import StorageSettings
 from shardline.tasks.mlflow_watch import (
     GoldenRows,
     WatchOutcome,
+    WatchSummary,
     import_version_task,
     open_tracking_task,
     plan_model_task,
     publish_watch_task,
     record_aliases_task,
-    watch_summary,
+    shown_uri,
     watch_targets,
 )
 
@@ -62,7 +63,7 @@ def mlflow_watch(models: list[str], tracking_uri: str | None = None, name_map: d
             if plan.alias_moves:
                 record_aliases_task(plan, tracking, storage)
         outcomes += lines
-    summary = watch_summary(tracking, outcomes)
+    summary = WatchSummary(shown_uri(tracking), tuple(outcomes))
     publish_watch_task(summary)
     if summary.failed:
         return Failed(message=f"{summary.headline()}: {summary.failed[0].line()}", data=summary.as_dict())

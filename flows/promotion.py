@@ -8,7 +8,7 @@ from prefect import flow
 from prefect.states import Failed, State
 
 from shardline.settings import StorageSettings
-from shardline.tasks.promotion import announce_promotion, move_alias, prepare_promotion, refusal, run_gates
+from shardline.tasks.promotion import announce_promotion, gate_refusal, move_alias, prepare_promotion, run_gates
 
 
 @flow(name="promote-model", log_prints=True)
@@ -38,7 +38,7 @@ def promote_model(
     storage = StorageSettings()
     plan = prepare_promotion(reference, to_alias, storage, target_registry_url)
     results = run_gates(plan, allow_breaking)
-    refused = refusal(plan.candidate.pinned, to_alias, results)
+    refused = gate_refusal(plan, to_alias, results)
     if refused is not None:  # a verdict, not a crash: no traceback in the logs
         return Failed(message=str(refused), data=refused)
     move = move_alias(plan, to_alias, results, by, reason)

@@ -30,7 +30,7 @@ from shardline.errors import InvalidInput
 from shardline.flows.promotion import promote_model
 from shardline.flows.rollout import start_rollout
 from shardline.settings import StorageSettings
-from shardline.tasks.release import await_rollout_verdict, pinned_candidate, read_alias, settled_on
+from shardline.tasks.release import await_verdict, release_candidate
 
 DEFAULT_STEPS = (1.0, 5.0, 25.0, 100.0)
 
@@ -54,21 +54,21 @@ def release_model(
         prod``) and the prod records of the rollout; a Failed state when a gate or the replay refused, the
         routers rolled it back, or ``wait_s`` passed first.
     """
+    storage = StorageSettings()
     try:
-        name, version = pinned_candidate(candidate)
+        release = release_candidate(storage, candidate)
     except InvalidInput as error:
         return Failed(message=str(error), data=error)
-    storage = StorageSettings()
+    name, version = release.name, release.version
     why = reason or f"release of {candidate}"
-    prod = read_alias(storage, name, "prod")
-    if settled_on(prod, version):
+    if release.on_prod_already:
         print(f"{name}@prod is on {version} already")  # a re-run: nothing moves
         return {"model": name, "version": version, "outcome": "already on prod", "records": []}
     staged = promote_model(candidate, "staging", by=by, reason=why, return_state=True)
     if staged.is_failed():
         return staged
     print(f"{name}@staging -> {version}: every gate passed")
-    if prod is None:
+    if release.prod is None:
         first = promote_model(candidate, "prod", by=by, reason=f"{why}: the first version (no baseline to canary "
                               "against)", return_state=True)
         if first.is_failed():
@@ -81,9 +81,8 @@ def release_model(
         return started
     rollout = started.result()["rollout"]
     print(f"{name}@prod: canary {rollout.id} started: {rollout.describe()}; waiting for the routers' verdict")
-    verdict = await_rollout_verdict(storage, name, "prod", rollout.id, candidate, wait_s, poll_s)
+    verdict = await_verdict(storage, release, rollout.id, wait_s, poll_s)
     if verdict.outcome != "promoted":
         return Failed(message=verdict.message, data={"records": verdict.records} if verdict.records else None)
     print(verdict.message)
-    return {"model": name, "version": version, "outcome": "promoted", "rollout": rollout.id,
-            "records": verdict.records}
+    return {"model": name, "version": version, "outcome": "promoted", "rollout": rollout.id, "records": verdict.records}

@@ -46,7 +46,7 @@ def revalidate_model(
         Completed with the verdict when the version still meets its threshold; Failed
         (holding the verdict as data) when it misses it.
     """
-    result = revalidate_task(model, alias, labelled_uri, StorageSettings(), DriftSettings())
+    result = revalidate_task(StorageSettings(), DriftSettings(), model, alias, labelled_uri)
     if cause:
         print(f"started by {cause}")
     if result.passed:
@@ -75,7 +75,7 @@ def rollback_alias(
     Returns:
         Completed with the move; Completed named "Skipped" when the alias had already moved on.
     """
-    move = rollback_task(model, alias, expected_version, by, reason, StorageSettings())
+    move = rollback_task(StorageSettings(), model, alias, expected_version, by, reason)
     if move is None:
         return Completed(name="Skipped", message=f"{model}@{alias} no longer points at {model}:{expected_version}")
     return Completed(
@@ -103,8 +103,8 @@ def rescore_output(job_output_uri: str, model: str, output_uri: str | None = Non
         state when it did not complete.
     """
     storage = StorageSettings()
-    manifest = read_job_manifest(job_output_uri, storage)
-    pinned = pin(model, storage)
+    manifest = read_job_manifest(storage, job_output_uri)
+    pinned = pin(storage, model)
     target = output_uri or rescored_location(job_output_uri, pinned)
     passthrough = manifest.get("passthrough")
     print(f"re-scoring {manifest['input']} (job {manifest['job_id']}, {manifest['model']['pinned']}) "

@@ -17,15 +17,7 @@ from prefect.states import Failed, State
 from shardline.errors import ShardlineError
 from shardline.settings import StorageSettings
 from shardline.tasks.notifications import record_notification
-from shardline.tasks.promotion import prepare_promotion, refusal, run_gates
-from shardline.tasks.rollout import (
-    AliasMove,
-    begin_rollout,
-    check_no_rollout,
-    end_rollout_by_hand,
-    replay,
-    replay_refusal,
-)
+from shardline.tasks.rollout import AliasMove, begin_rollout, check_candidate, end_rollout_now, refuse_if_running
 
 
 @flow(name="start-rollout", log_prints=True)
@@ -48,24 +40,21 @@ def start_rollout(
         GateFailed when a gate or the replay refused, or RolloutConflict when a rollout runs on the model.
     """
     storage = StorageSettings()
-    running = check_no_rollout(storage, candidate)  # before the gates: their verdict would not matter
-    if running is not None:
-        return Failed(message=str(running), data=running)
-    plan = prepare_promotion(candidate, alias, storage, None)
-    results = run_gates(plan, False)
-    refused = refusal(plan.candidate.pinned, alias, results)
-    if refused is not None:
-        return Failed(message=str(refused), data=refused)
-    offline = replay(plan, storage)
-    refused = replay_refusal(plan, offline)
-    if refused is not None:
-        return Failed(message=str(refused), data=refused)
-    move = begin_rollout(plan, alias, mode, steps, shadow, interval_s, criteria, offline, by, reason)
-    if isinstance(move, ShardlineError):  # another rollout started meanwhile, or the alias moved: a verdict
-        return Failed(message=str(move), data=move)
+    try:
+        refuse_if_running(storage, candidate)
+    except ShardlineError as e:
+        return Failed(message=str(e), data=e)
+    checked = check_candidate(storage, candidate, alias)
+    if checked.refused is not None:
+        return Failed(message=str(checked.refused), data=checked.refused)
+    try:
+        move = begin_rollout(storage, checked, alias, mode, tuple(steps or ()), shadow, interval_s, criteria, by, reason)
+    except ShardlineError as e:  # another rollout started meanwhile, or the alias moved: a verdict, no traceback
+        return Failed(message=str(e), data=e)
     return {
-        "model": plan.candidate.name, "alias": alias, "record": move.seq, "rollout": move.rollout,
-        "gates": [{"gate": r.gate, "passed": r.passed, "detail": r.detail} for r in results], "replay": offline,
+        "model": checked.plan.candidate.name, "alias": alias, "record": move.seq, "rollout": move.rollout,
+        "gates": [{"gate": r.gate, "passed": r.passed, "detail": r.detail} for r in checked.results],
+        "replay": checked.replay,
     }
 
 
@@ -77,10 +66,10 @@ def end_rollout(name: str, alias: str = "prod", action: Literal["promote", "abor
     Returns:
         The record that ended it; a Failed state holding RolloutConflict when none runs there.
     """
-    move = end_rollout_by_hand(StorageSettings(), name, alias, action, by, reason)
-    if isinstance(move, ShardlineError):  # a verdict (none runs, or it moved meanwhile), not a crash
-        return Failed(message=str(move), data=move)
-    return move
+    try:
+        return end_rollout_now(StorageSettings(), name, alias, action, by, reason)
+    except ShardlineError as e:  # a verdict (none runs, or it moved meanwhile), not a crash: no traceback
+        return Failed(message=str(e), data=e)
 
 
 @flow(name="rollout-notice", log_prints=True)

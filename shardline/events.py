@@ -9,10 +9,10 @@ its websocket). Prefect is not imported: its import costs seconds of CPU (the ro
 requests for it, a CLI command would wait) and it is not needed to write one JSON document.
 ``PREFECT_API_KEY``, when set, is sent as the bearer token (Prefect Cloud).
 
-Who posts: the router (``shardline.rollout.*``, ``online/router/events.py``) and the registry's
+The names, resources and payloads are the catalogue's (``shardline.event_catalog``); flows and tasks emit
+through Prefect (``shardline.tasks.events``). Who posts here: the router (``shardline.rollout.*``, ``online/router/events.py``) and the registry's
 commands (``shardline.model.pushed`` from ``shardline model push`` and ``model import``, and from the
-``mlflow-watch`` flow for each version it imports). The names, resources and payloads are the
-catalogue's (``shardline.event_catalog``).
+``mlflow-watch`` flow for each version it imports).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def prefect_api_url(home: str) -> str | None:
 
 
 def post_event(api_url: str, event: str, resource: dict[str, str], payload: dict[str, Any]) -> bool:
-    """Post one event of the catalogue to a Prefect API now (blocking); never raises (an event it does not
-    catalogue is logged and not sent). Returns whether the API took it."""
+    """Post one event of the catalogue to a Prefect API now (blocking); never raises (an event the catalogue does
+    not hold is logged and not sent). Returns whether the API took it."""
     import httpx
 
     if event not in CATALOG:

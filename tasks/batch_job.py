@@ -30,7 +30,7 @@ from shardline.sla_projection import Sla, make_sla
 from shardline.storage.fs import resolve_location
 from shardline.storage.job_identity import JobSummary
 from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
-from shardline.storage.lease import holding_output  # the flow holds the lease its plan took with it
+from shardline.storage.lease import holding_output  # noqa: F401 - the flow holds the lease its plan took with it
 from shardline.storage.metering import DeviceKind, MeteringLedger
 from shardline.tasks.batch import JobPlan, ProgressWatcher, commit_job, infer_shards, report_job, tell_watchers
 from shardline.tasks.batch_survey import check_output_free, survey_job

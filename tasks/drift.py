@@ -1,7 +1,7 @@
 """Prefect tasks of the drift-watch flow: check, check the contract, store, publish, announce.
 
-Thin wrappers over ``shardline.quality.drift_checks``; the events they emit (``shardline.event_catalog``)
-are what the automations in prefect.yaml listen for. The flow reads the settings once and passes them in.
+Thin wrappers over ``shardline.quality.drift_checks``; the events they emit are what
+the automations in prefect.yaml listen for.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ MAX_FAILURES_IN_EVENT = 20
 
 
 @task(name="check-drift", cache_policy=NO_CACHE)
-def check_drift_task(reference: str, window_hours: float, tier: str | None,
-                     storage: StorageSettings) -> DriftCheck | None:
+def check_drift_task(storage: StorageSettings, reference: str, window_hours: float,
+                     tier: str | None) -> DriftCheck | None:
     """The drift check of ``reference`` over the last ``window_hours``; None when nothing was captured."""
     from datetime import timedelta
 
@@ -44,7 +44,7 @@ def check_drift_task(reference: str, window_hours: float, tier: str | None,
 
 
 @task(name="check-contract", cache_policy=NO_CACHE)
-def check_contract_task(check: DriftCheck, storage: StorageSettings, drift: DriftSettings) -> list[str] | None:
+def check_contract_task(storage: StorageSettings, drift: DriftSettings, check: DriftCheck) -> list[str] | None:
     """The data contract on the newest captured rows: failed expectations ([] = pass; None = not checked)."""
     try:
         failures = contract_failures(storage, check, drift.contract_sample_rows)
@@ -57,7 +57,7 @@ def check_contract_task(check: DriftCheck, storage: StorageSettings, drift: Drif
 
 
 @task(name="store-drift-report", cache_policy=NO_CACHE)
-def store_report_task(check: DriftCheck, storage: StorageSettings, drift: DriftSettings) -> str:
+def store_report_task(storage: StorageSettings, drift: DriftSettings, check: DriftCheck) -> str:
     """Keep the report under the reports root (its history); returns its URL."""
     return save_report(reports_root(storage, drift), check.report, storage.storage_options)
 

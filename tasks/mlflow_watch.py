@@ -2,8 +2,7 @@
 
 Thin wrappers over ``shardline.build.mlflow_import`` (MLflow's own client), ``shardline.build.mlflow_watch`` (the pure
 decisions), ``shardline.tasks.mlflow_watch_state`` (what was seen) and the registry; an imported version is
-announced as ``shardline.model.pushed``, which prefect.yaml's ``promote-on-push`` automation answers. The flow's
-vocabulary (its parameters' types, the targets it watches, the summary) comes through here too: flows import tasks.
+announced as ``shardline.model.pushed``, which prefect.yaml's ``promote-on-push`` automation answers.
 """
 
 from __future__ import annotations
@@ -17,9 +16,6 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound, RuntimeUnavailable, ShardlineError
-from shardline.event_catalog import MODEL_PUSHED
-from shardline.events import announce_push
 from shardline.build.mlflow_import import list_registered_versions, mlflow_tracking_uri, shown_uri
 from shardline.build.mlflow_watch import (
     GoldenRows,
@@ -31,12 +27,14 @@ from shardline.build.mlflow_watch import (
     plan_outcomes,
     plan_watch,
     tracking_key,
-    watch_targets,
+    watch_targets,  # noqa: F401 - the flow reads the watch's parameters through this module (flows only wire)
 )
+from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound, RuntimeUnavailable, ShardlineError
+from shardline.events import MODEL_PUSHED, announce_push
 from shardline.settings import StorageSettings
-from shardline.tasks.mlflow_watch_state import WatchStates
 from shardline.storage.registry import ModelRegistry
 from shardline.tasks.logs import run_logger
+from shardline.tasks.mlflow_watch_state import WatchStates
 
 MAX_DETAIL_IN_ARTIFACT = 300  # characters of a refusal's reason in the artifact's table; the state keeps it all
 
@@ -169,11 +167,6 @@ def render_watch_markdown(summary: WatchSummary) -> str:
                      for o in summary.outcomes)
     return (f"### MLflow watch: {summary.headline()}\n\nRegistry at `{summary.tracking_uri}`.\n\n"
             "| MLflow model | Version | Outcome | Shardline | Detail |\n|---|---|---|---|---|\n" + rows)
-
-
-def watch_summary(tracking_uri: str, outcomes: list[WatchOutcome]) -> WatchSummary:
-    """The run's summary: every line, under the tracking store as shown to people (no credentials)."""
-    return WatchSummary(shown_uri(tracking_uri), tuple(outcomes))
 
 
 @task(name="publish-mlflow-watch", cache_policy=NO_CACHE)

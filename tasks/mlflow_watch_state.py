@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shardline.errors import InvalidSetting
 from shardline.build.mlflow_import import shown_uri
 from shardline.build.mlflow_watch import WatchState, state_file_name, tracking_key
+from shardline.errors import InvalidSetting
 from shardline.storage.fs import atomic_write_bytes, join, open_fs
 
 

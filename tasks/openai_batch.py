@@ -37,7 +37,7 @@ from shardline.runtimes import Runtime, RuntimeOptions
 from shardline.runtimes.generation.runtime import GeneratingRuntime
 from shardline.settings import BatchSettings, RuntimeSettings, StorageSettings, TenancySettings
 from shardline.storage.fs import resolve_location
-from shardline.storage.lease import LeaseTerms, OutputLease, holding_output  # holding_output: the flow's
+from shardline.storage.lease import LeaseTerms, OutputLease, holding_output  # noqa: F401 - holding_output: the flow's
 from shardline.storage.model_cache import get_model_cache
 from shardline.storage.openai_batch import BatchOutputFolder, read_batch_input
 from shardline.storage.registry import ModelRegistry, ResolvedModel

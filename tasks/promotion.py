@@ -1,7 +1,4 @@
-"""Prefect tasks of the promotion flow: copy across registries, run the gates, move the alias, announce it.
-
-``refusal`` (the gates' verdict as an error, or None) is the flow's as well.
-"""
+"""Prefect tasks of the promotion flow: copy across registries, run the gates, move the alias."""
 
 from __future__ import annotations
 
@@ -14,6 +11,7 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from shardline.errors import GateFailed
 from shardline.event_catalog import MODEL_PROMOTED, model_resource
 from shardline.quality.evaluation import evaluate
 from shardline.quality.gates import (
@@ -94,6 +92,17 @@ def run_gates(plan: PromotionPlan, allow_breaking: bool) -> list[GateResult]:
     return results
 
 
+def announce_promotion(plan: PromotionPlan, to_alias: str, move: AliasMove) -> None:
+    """``shardline.model.promoted`` for the alias moved."""
+    emit(MODEL_PROMOTED, model_resource(plan.candidate.name, to_alias),
+         {"version": move.version, "previous": move.previous, "by": move.by, "registry": plan.registry_url})
+
+
+def gate_refusal(plan: PromotionPlan, to_alias: str, results: list[GateResult]) -> GateFailed | None:
+    """The gates' verdict as the refusal a flow returns (None: every gate passed)."""
+    return refusal(plan.candidate.pinned, to_alias, results)
+
+
 @task(name="move-alias", cache_policy=NO_CACHE)
 def move_alias(plan: PromotionPlan, to_alias: str, results: list[GateResult], by: str | None, reason: str) -> AliasMove:
     """Move the alias if every gate passed and nobody moved it since the plan read it.
@@ -105,14 +114,7 @@ def move_alias(plan: PromotionPlan, to_alias: str, results: list[GateResult], by
     error = refusal(plan.candidate.pinned, to_alias, results)
     if error is not None:
         raise error
-    registry = plan.registry()
-    return registry.move_alias(
+    return plan.registry().move_alias(
         plan.candidate.name, to_alias, plan.candidate.version, action="promote",
         expected_seq=plan.expected_seq, by=by, reason=reason,
     )
-
-
-def announce_promotion(plan: PromotionPlan, to_alias: str, move: AliasMove) -> None:
-    """Emit ``shardline.model.promoted`` for the alias the flow moved."""
-    emit(MODEL_PROMOTED, model_resource(plan.candidate.name, to_alias),
-         {"version": move.version, "previous": move.previous, "by": move.by, "registry": plan.registry_url})

@@ -1,9 +1,8 @@
 """Prefect tasks of the flows that answer drift: re-validate a version, roll an alias back, re-score a job.
 
 Each task is a thin wrapper over a plain function here or in storage/quality, and
-every answer is announced as a Prefect event on the model's resource (``shardline.event_catalog``),
-so that automations in prefect.yaml can chain them (drift -> re-validate -> roll back). The flows
-read the settings once and pass them in.
+every answer is announced as a Prefect event on the model's resource, so that
+automations in prefect.yaml can chain them (drift -> re-validate -> roll back).
 """
 
 from __future__ import annotations
@@ -124,8 +123,8 @@ def revalidate_version(model: ResolvedModel, alias: str | None, labelled_uri: st
 
 
 @task(name="revalidate", cache_policy=NO_CACHE)
-def revalidate_task(reference: str, alias: str | None, labelled_uri: str | None, storage: StorageSettings,
-                    drift: DriftSettings) -> Revalidation:
+def revalidate_task(storage: StorageSettings, drift: DriftSettings, reference: str, alias: str | None,
+                    labelled_uri: str | None) -> Revalidation:
     """Pin the reference, score it on fresh labels, announce the verdict as an event."""
     registry = ModelRegistry.from_settings(storage)
     model = registry.resolve(reference)
@@ -140,8 +139,8 @@ def revalidate_task(reference: str, alias: str | None, labelled_uri: str | None,
 
 
 @task(name="rollback-alias", cache_policy=NO_CACHE)
-def rollback_task(model: str, alias: str, expected_version: int | None, by: str, reason: str,
-                  storage: StorageSettings) -> AliasMove | None:
+def rollback_task(storage: StorageSettings, model: str, alias: str, expected_version: int | None, by: str,
+                  reason: str) -> AliasMove | None:
     """Roll ``model@alias`` back through the registry; None (no move) when it no longer points at ``expected_version``.
 
     The guard makes the answer idempotent: two events about one bad version roll the
@@ -159,12 +158,12 @@ def rollback_task(model: str, alias: str, expected_version: int | None, by: str,
     run_logger().warning("rolled %s@%s back from %s:%s to %s:%s (%s)", model, alias, model, move.previous, model,
                          move.version, reason)
     emit_model_event(MODEL_ROLLED_BACK, model, move.version, alias,
-                     {"previous": move.previous, "by": move.by, "reason": move.reason, "seq": move.seq})
+             {"previous": move.previous, "by": move.by, "reason": move.reason, "seq": move.seq})
     return move
 
 
 @task(name="read-job-manifest", cache_policy=NO_CACHE)
-def read_job_manifest(job_output_uri: str, storage: StorageSettings) -> dict[str, Any]:
+def read_job_manifest(storage: StorageSettings, job_output_uri: str) -> dict[str, Any]:
     """The committed manifest of a batch job's output (its input, model, tenant, passthrough).
 
     Raises:
@@ -186,7 +185,7 @@ def rescored_location(job_output_uri: str, model: ResolvedModel) -> str:
     return f"{job_output_uri.rstrip('/')}-rescored-{model.name}-v{model.version}"
 
 
-def pin(reference: str, storage: StorageSettings) -> ResolvedModel:
+def pin(storage: StorageSettings, reference: str) -> ResolvedModel:
     """Resolve a reference in the registry the settings name."""
     return ModelRegistry.from_settings(storage).resolve(reference)
 

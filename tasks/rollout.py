@@ -1,9 +1,4 @@
-"""Prefect tasks of the rollout flows: the offline stage before any live traffic, the records that start and end a
-rollout in the alias's log, and the events that announce them.
-
-``check_no_rollout``, ``begin_rollout`` and ``end_rollout_by_hand`` return a refusal (a ``ShardlineError``: a
-rollout runs already, none runs, the alias moved meanwhile) rather than raise it: the flow ends Failed with it,
-a verdict, not a crash.
+"""Prefect task of the rollout flow: the offline stage, before any live traffic.
 
 ``replay`` scores rows with the baseline and the candidate side by side and compares the answers
 with the router's own judgement (``online/router/compare.py``): the candidate's golden set, and
@@ -17,8 +12,9 @@ the live criteria judge it.
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -26,9 +22,9 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from shardline.bundle import ModelRef
-from shardline.errors import GateFailed, ShardlineError
 from shardline.agreement import Comparison, compare
+from shardline.bundle import ModelRef
+from shardline.errors import GateFailed
 from shardline.event_catalog import ROLLOUT_ABORTED, ROLLOUT_PROMOTED, ROLLOUT_STARTED, model_resource
 from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
 from shardline.settings import StorageSettings
@@ -38,7 +34,7 @@ from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, 
 from shardline.storage.rollouts import RollbackCriteria
 from shardline.tasks.events import emit
 from shardline.tasks.logs import run_logger
-from shardline.tasks.promotion import PromotionPlan
+from shardline.tasks.promotion import PromotionPlan, gate_refusal, prepare_promotion, run_gates
 
 REPLAY_BATCH_ROWS = 512
 REPLAY = "replay"
@@ -113,9 +109,9 @@ def replay_refusal(plan: PromotionPlan, report: dict[str, Any]) -> GateFailed | 
 
 
 @task(name="replay", cache_policy=NO_CACHE)
-def replay(plan: PromotionPlan, storage: StorageSettings, max_rows: int = 10_000) -> dict[str, Any]:
-    """Score the golden set and the baseline's captured requests (under the settings' capture root) with both
-    versions (see the module docstring); ``replay_refusal`` reads the report."""
+def replay(plan: PromotionPlan, capture_root: str, max_rows: int = 10_000) -> dict[str, Any]:
+    """Score the golden set and the baseline's captured requests with both versions (see the module
+    docstring); ``replay_refusal`` reads the report."""
     if plan.current is None:
         return {"skipped": "no baseline to compare with"}
     logger = run_logger()
@@ -129,7 +125,7 @@ def replay(plan: PromotionPlan, storage: StorageSettings, max_rows: int = 10_000
             if candidate_manifest.evaluation is not None:
                 golden = pq.read_table(Path(folder) / "candidate" / candidate_manifest.evaluation.golden)
                 report["golden"] = _replay_rows(baseline, candidate, golden.select(names))
-            captured = scan_capture(capture_root(storage), plan.current.name, version=plan.current.version, tier="online",
+            captured = scan_capture(capture_root, plan.current.name, version=plan.current.version, tier="online",
                                     storage_options=plan.storage_options)
             present = [n for n in names if n in captured.collect_schema().names()]
             rows = captured.select(present).tail(max_rows).collect().to_arrow() if present == names else None
@@ -146,60 +142,79 @@ def replay(plan: PromotionPlan, storage: StorageSettings, max_rows: int = 10_000
     return report
 
 
-@task(name="check-no-rollout", cache_policy=NO_CACHE)
-def check_no_rollout(storage: StorageSettings, candidate: str) -> ShardlineError | None:
-    """The refusal of a new rollout of ``candidate``'s model while one runs on any of its aliases (RolloutConflict;
-    InvalidSetting when it is no model reference), or None; checked before the gates, which take seconds and whose
-    verdict would not matter."""
-    try:
-        rollouts.refuse_if_running(ModelRegistry.from_settings(storage), ModelRef.parse(candidate).name)
-    except ShardlineError as e:
-        return e
-    return None
+# -- what the rollout flows ask of the registry (flows/rollout.py only wires these) -------------------------------
 
 
-@task(name="begin-rollout", cache_policy=NO_CACHE)
-def begin_rollout(plan: PromotionPlan, alias: str, mode: Literal["canary", "shadow"], steps: list[float] | None,
-                  shadow: float, interval_s: float | None, criteria: dict[str, Any] | None, offline: dict[str, Any],
-                  by: str | None, reason: str) -> AliasMove | ShardlineError:
-    """Write the rollout's first record in the alias's log and announce it; the record, or the refusal (another
-    rollout started meanwhile, or the alias moved)."""
-    registry = plan.registry()
-    try:
-        move = rollouts.start(
-            registry, plan.candidate.name, alias, plan.candidate.version, mode=mode, steps=tuple(steps or ()),
-            shadow=shadow, interval_s=interval_s, criteria=RollbackCriteria(**(criteria or {})), offline=offline,
-            by=by, reason=reason,
-        )
-    except ShardlineError as e:
-        return e
-    announce_rollout(ROLLOUT_STARTED, move, plan.candidate.name, alias, plan.registry_url)
-    return move
-
-
-@task(name="end-rollout", cache_policy=NO_CACHE)
-def end_rollout_by_hand(storage: StorageSettings, name: str, alias: str, action: Literal["promote", "abort"],
-                        by: str | None, reason: str) -> AliasMove | ShardlineError:
-    """Promote the candidate of the rollout on ``name@alias`` now, or abort it (the alias stays on the baseline),
-    and announce it; the record that ended it, or the refusal (none runs there, or it moved meanwhile)."""
-    registry = ModelRegistry.from_settings(storage)
-    try:
-        if action == "promote":
-            move = rollouts.promote(registry, name, alias, by=by, reason=reason)
-        else:
-            move = rollouts.roll_back(registry, name, alias, reason=f"aborted by hand{': ' + reason if reason else ''}",
-                                      by=by)
-    except ShardlineError as e:
-        return e
-    announce_rollout(ROLLOUT_PROMOTED if action == "promote" else ROLLOUT_ABORTED, move, name, alias, registry.url)
-    return move
-
-
-def announce_rollout(event: str, move: AliasMove, name: str, alias: str, registry: str) -> None:
+def emit_rollout_event(event: str, move: AliasMove, name: str, alias: str, registry: str) -> None:
     """A ``shardline.rollout.*`` event on ``shardline.model.<name>``, with the record's rollout and reason."""
     rollout = move.rollout
-    emit(event, model_resource(name, alias),
-         {"model": name, "alias": alias, "rollout": rollout.id if rollout else None, "version": move.version,
-          "candidate": rollout.candidate if rollout else None, "baseline": rollout.baseline if rollout else None,
-          "mode": rollout.mode if rollout else None, "reason": move.reason, "record": move.seq, "by": move.by,
-          "registry": registry})
+    emit(
+        event, model_resource(name, alias),
+        {"model": name, "alias": alias, "rollout": rollout.id if rollout else None, "version": move.version,
+                 "candidate": rollout.candidate if rollout else None, "baseline": rollout.baseline if rollout else None,
+                 "mode": rollout.mode if rollout else None, "reason": move.reason, "record": move.seq, "by": move.by,
+                 "registry": registry},
+    )
+
+
+def refuse_if_running(storage: StorageSettings, candidate: str) -> None:
+    """Before the gates (they take seconds, and their verdict would not matter): raises RolloutConflict when a rollout
+    runs on the candidate's model (InvalidSetting: ``candidate`` is no model reference)."""
+    rollouts.refuse_if_running(ModelRegistry.from_settings(storage), ModelRef.parse(candidate).name)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A candidate through the promotion gates and the offline replay: the plan, each gate's verdict, the replay's
+    report, and the refusal (None: it may start)."""
+
+    plan: PromotionPlan
+    results: list[Any]
+    replay: dict[str, Any] | None
+    refused: GateFailed | None
+
+
+def check_candidate(storage: StorageSettings, candidate: str, alias: str) -> Checked:
+    """The promotion gates, then (when they pass) the offline replay on the captured traffic."""
+    plan = prepare_promotion(candidate, alias, storage, None)
+    results = run_gates(plan, False)
+    refused = gate_refusal(plan, alias, results)
+    if refused is not None:
+        return Checked(plan, results, None, refused)
+    offline = replay(plan, capture_root(storage))
+    return Checked(plan, results, offline, replay_refusal(plan, offline))
+
+
+def begin_rollout(storage: StorageSettings, checked: Checked, alias: str, mode: str, steps: tuple[float, ...],
+                  shadow: float, interval_s: float | None, criteria: dict[str, Any] | None, by: str | None,
+                  reason: str) -> AliasMove:
+    """The rollout's first record (the routers do the rest), and its event.
+
+    Raises:
+        RolloutConflict, AliasConflict: another rollout started meanwhile, or the alias moved.
+    """
+    plan = checked.plan
+    move = rollouts.start(
+        plan.registry(), plan.candidate.name, alias, plan.candidate.version,
+        mode=mode, steps=steps, shadow=shadow, interval_s=interval_s, criteria=RollbackCriteria(**(criteria or {})),
+        offline=checked.replay, by=by, reason=reason,
+    )
+    emit_rollout_event(ROLLOUT_STARTED, move, plan.candidate.name, alias, plan.registry_url)
+    return move
+
+
+def end_rollout_now(storage: StorageSettings, name: str, alias: str, action: str, by: str | None,
+                    reason: str) -> AliasMove:
+    """Promote the candidate of the rollout on ``name@alias`` now, or abort it; and its event.
+
+    Raises:
+        RolloutConflict: none runs there (or it moved meanwhile).
+    """
+    registry = ModelRegistry.from_settings(storage)
+    if action == "promote":
+        move = rollouts.promote(registry, name, alias, by=by, reason=reason)
+    else:
+        move = rollouts.roll_back(registry, name, alias, reason=f"aborted by hand{': ' + reason if reason else ''}",
+                                  by=by)
+    emit_rollout_event(ROLLOUT_PROMOTED if action == "promote" else ROLLOUT_ABORTED, move, name, alias, registry.url)
+    return move

@@ -4,7 +4,7 @@ It is an ``infer_shards`` watcher (called as shards settle) and also ticks on it
 every ``sla_check_interval_s``, so a job that stalls (no shard settles) still goes
 at-risk and breached on time. Each check runs the pure projection
 (``shardline.sla_projection.project``), rewrites the job record and, when the SLA status
-changes to at-risk or breached, emits one event (``shardline.event_catalog``):
+changes to at-risk or breached, emits one event:
 
     shardline.batch.started       after planning (the proactive "never finished" trigger keys on it)
     shardline.batch.sla-at-risk   the projected finish is past deadline - margin, or the job stalled
@@ -29,7 +29,7 @@ from shardline.event_catalog import BATCH_COMPLETED, BATCH_SLA_AT_RISK, BATCH_SL
 from shardline.figures import moment, rate, span
 from shardline.sla_projection import ProgressPoint, Projection, Sla, project
 from shardline.storage.job_records import JobRecord, JobRecords, JobState
-from shardline.tasks import events
+from shardline.tasks.events import emit
 from shardline.tasks.logs import run_logger
 
 SLA_EVENTS = {"at-risk": BATCH_SLA_AT_RISK, "breached": BATCH_SLA_BREACHED}  # status -> event sent when it begins
@@ -82,7 +82,7 @@ class SlaTracker:
     def __init__(
         self, job: TrackedJob, sla: Sla, records: JobRecords, record: JobRecord,
         interval_s: float = 5.0, window_s: float = 300.0, clock: Callable[[], datetime] = utcnow,
-        emit: Callable[..., Any] = events.emit,
+        emit: Callable[..., Any] = emit,
     ) -> None:
         self.job, self.sla, self.records, self.record = job, sla, records, record
         self.interval, self.window, self.clock = interval_s, timedelta(seconds=window_s), clock

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable, Deque, Literal
 
-from shardline.errors import AliasConflict
 from shardline.agreement import Comparison
+from shardline.errors import AliasConflict
 from shardline.event_catalog import ROLLOUT_PROMOTED, ROLLOUT_ROLLED_BACK, ROLLOUT_STEPPED
 from shardline.storage import rollouts
 from shardline.storage.registry import AliasMove, ModelRegistry
@@ -288,9 +288,8 @@ class RolloutBook:
             log.info("rollout %s of %s@%s moved elsewhere: %s", rollout.id, name, alias, e)
             return
         self.moves[(name, alias)] = moved
-        event = {"rollback": ROLLOUT_ROLLED_BACK, "promote": ROLLOUT_PROMOTED,
-                 "canary": ROLLOUT_STEPPED}[moved.action]
-        log.warning("rollout %s of %s@%s %s: %s", rollout.id, name, alias, event.rsplit(".", 1)[-1], moved.reason)
+        event = {"rollback": ROLLOUT_ROLLED_BACK, "promote": ROLLOUT_PROMOTED, "canary": ROLLOUT_STEPPED}[moved.action]
+        log.warning("rollout %s of %s@%s %s: %s", rollout.id, name, alias, event.rpartition(".")[2], moved.reason)
         self._emit(event, name, alias, {
             "model": name, "alias": alias, "rollout": rollout.id, "version": moved.version, "candidate": rollout.candidate,
             "baseline": rollout.baseline, "weight": moved.rollout.weight if moved.rollout else None,

@@ -7,14 +7,13 @@ line a user acts on, and the folder checked afterwards.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import psutil
@@ -24,9 +23,9 @@ import pytest
 
 from shardline.build.examples import breast_cancer, package_breast_cancer, write_shards
 from shardline.storage.registry import ModelRegistry
-
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
+from tests.support.batch_process import descendants_alive, read_only, wait_for
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
 # Slow on purpose (5 rows a batch): the first job must still run while a second starts.
@@ -44,38 +43,6 @@ def logreg_model(tmp_path_factory: pytest.TempPathFactory) -> BuiltModel:
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``folder`` with its size and mtime."""
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
-
-
-@contextlib.contextmanager
-def read_only(folder: Path) -> Iterator[None]:
-    """``folder`` read-only for the commands run inside: a read-only bind mount as root (root ignores modes)."""
-    if os.geteuid() != 0:
-        modes = {p: p.stat().st_mode for p in [folder, *folder.rglob("*")]}
-        for p in modes:
-            p.chmod(modes[p] & ~0o222)
-        try:
-            yield
-        finally:
-            for p, mode in modes.items():
-                p.chmod(mode)
-        return
-    if subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True).returncode != 0:
-        pytest.skip("needs a read-only bind mount (root without CAP_SYS_ADMIN here)")
-    try:
-        if subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], capture_output=True).returncode != 0:
-            pytest.skip("cannot remount the bind mount read-only here")
-        yield
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
-
-
-def wait_for(what: str, ready: Callable[[], bool], process: subprocess.Popen[str] | None = None,
-             seconds: float = 240) -> None:
-    deadline = time.monotonic() + seconds
-    while not ready():
-        assert process is None or process.poll() is None, f"the run ended before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
-        time.sleep(0.05)
 
 
 def check_parts_are_the_models(out: Path, inputs: Path, model: BuiltModel, other: BuiltModel) -> None:
@@ -141,15 +108,6 @@ def test_a_second_job_on_a_running_jobs_output_is_refused_and_the_folder_stays_o
     assert f"holds the parts of job {summary['job_id']} (model breast-cancer:1; its manifest is there)" in later.stderr
     assert "choose another --output, or delete the folder" in later.stderr
     assert snapshot(out) == before
-
-
-def descendants_alive(processes: list[psutil.Process]) -> list[str]:
-    alive = []
-    for p in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
-    return alive
 
 
 @pytest.mark.usefixtures("local_registry")

@@ -22,7 +22,7 @@ import pytest
 from shardline.build.examples import write_shards
 from shardline.cli.batch_runner import find
 from shardline.storage.lease import LeaseTerms, OutputLease
-from tests.e2e.test_batch_output import read_only
+from tests.support.batch_process import read_only
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
 RUN = ("batch", "run", "--model")

@@ -13,18 +13,16 @@ import time
 from pathlib import Path
 
 import psutil
-
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from shardline.bundle import read_manifest
 from shardline.build.llm_build import package_tiny_llm
+from shardline.bundle import read_manifest
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.storage.registry import ModelRegistry
-
 from tests.e2e.conftest import SHARDLINE
-from tests.e2e.test_batch_output import descendants_alive, wait_for
+from tests.support.batch_process import descendants_alive, wait_for
 
 SHARDS, PER_SHARD = 6, 6
 

@@ -24,7 +24,7 @@ from shardline.online.router.nginx_front import find_nginx
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
 from tests.e2e.conftest import SHARDLINE
-from tests.e2e.test_router import _env, _stop, _wait_ready
+from tests.support.routers import _env, _stop, _wait_ready
 
 KEY, SMALL = "sk-llm-router", "sk-llm-router-small"
 pytestmark = pytest.mark.timeout(300)

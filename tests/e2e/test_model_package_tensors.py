@@ -17,7 +17,7 @@ import pytest
 import tritonclient.http as triton
 from sklearn.datasets import load_breast_cancer
 
-from tests.e2e.test_serve import serving
+from tests.support.serve_process import serving
 from tests.tensor_models import feature_column, list_classifier
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]

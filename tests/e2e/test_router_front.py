@@ -33,7 +33,7 @@ from shardline.storage.registry import ModelRegistry
 from shardline.storage.rollouts import Rollout
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
-from tests.e2e.test_router import (
+from tests.support.routers import (
     CHURN,
     KEY,
     MODEL,

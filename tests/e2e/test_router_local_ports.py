@@ -21,7 +21,7 @@ from shardline.local_ports import reserve_port
 from shardline.storage.registry import ModelRegistry
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
-from tests.e2e.test_router import KEY, MODEL, _env, _infer_body, _scrape, _stop, _tenants, _wait_for_log, _wait_ready
+from tests.support.routers import KEY, MODEL, _env, _infer_body, _scrape, _stop, _tenants, _wait_for_log, _wait_ready
 
 pytestmark = pytest.mark.timeout(300)
 

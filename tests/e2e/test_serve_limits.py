@@ -17,10 +17,11 @@ import orjson
 import psutil
 import pytest
 
+from shardline.local_ports import reserve_port as free_port
 from shardline.storage.registry import ModelRegistry
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
-from tests.e2e.test_serve import KEY, free_port, wait_ready, write_tenants
+from tests.support.serve_process import KEY, wait_ready, write_tenants
 
 MAX_CONNECTIONS = 32
 MAX_IN_FLIGHT = 8

@@ -20,7 +20,7 @@ from shardline.storage.registry import ModelRegistry
 from shardline.tenants import hash_api_key, load_tenants_file
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
-from tests.e2e.test_serve import serving
+from tests.support.serve_process import serving
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
 KEY_FORMAT = re.compile(r"^sk-[A-Za-z0-9_-]{43}$")

@@ -25,8 +25,8 @@ from shardline.online.router.nginx_front import find_nginx
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
 from tests.e2e.conftest import SHARDLINE
-from tests.e2e.test_router import _env, _stop, _wait_ready
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.support.routers import _env, _stop, _wait_ready
 from tests.tensor_models import breast_cancer_bundle
 
 KEY = "sk-traced"

@@ -20,10 +20,9 @@ import yaml
 from shardline.errors import AccessDenied, InvalidSetting
 from shardline.flows.batch_inference import batch_inference
 from shardline.storage.registry import ModelRegistry
-
 from tests.conftest import write_shards
 from tests.integration.conftest import S3Server
-from tests.integration.test_s3 import keys_under, upload
+from tests.support.s3 import keys_under, upload
 
 MODEL = "breast-cancer@prod"
 

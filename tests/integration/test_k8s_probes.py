@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from shardline.tenants import parse_tenants_file
-from tests.unit.test_k8s_manifests import K8S, containers, find, render
+from tests.support.k8s import K8S, containers, find, render
 
 
 def test_replica_probes_are_paths_serve_answers(tmp_path: Path) -> None:

@@ -18,16 +18,16 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
+from shardline.build.examples import package_breast_cancer
 from shardline.bundle import MANIFEST, verify_artifacts
 from shardline.errors import IntegrityError, ModelNotFound
-from shardline.build.examples import package_breast_cancer
 from shardline.flows.batch_inference import batch_inference
 from shardline.settings import StorageSettings
 from shardline.storage.model_cache import ModelCache
 from shardline.storage.registry import ModelRegistry
-
 from tests.conftest import BuiltModel
 from tests.integration.conftest import S3Server
+from tests.support.s3 import keys_under, upload
 
 pytestmark = pytest.mark.s3
 
@@ -78,22 +78,9 @@ def s3_registry(
     return registry
 
 
-def upload(s3_server: S3Server, local: Path, url: str) -> None:
-    """Copy every file of a local folder under an s3:// URL."""
-    fs = s3_server.filesystem()
-    for path in sorted(local.iterdir()):
-        fs.put_file(str(path), f"{url.removeprefix('s3://')}/{path.name}")
-
-
 def read_scored(s3_server: S3Server, url: str) -> pa.Table:
     """The output as a reader sees it: pyarrow's dataset over s3fs, '_' names skipped."""
     return ds.dataset(url.removeprefix("s3://"), filesystem=s3_server.filesystem(), format="parquet").to_table()
-
-
-def keys_under(s3_server: S3Server, url: str) -> list[str]:
-    """Object names under an s3:// URL, relative to it, listed fresh from the server."""
-    root = url.removeprefix("s3://")
-    return sorted(p[len(root) + 1:] for p in s3_server.filesystem().find(root))
 
 
 def run(model: str, input_uri: str, output_uri: str, **kwargs: Any):  # type: ignore[no-untyped-def]

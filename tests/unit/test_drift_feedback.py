@@ -10,9 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from shardline.build.examples import breast_cancer, golden_table, split
 from shardline.bundle import read_manifest, write_manifest
 from shardline.errors import EmptyInput, InvalidBundle, InvalidInput, InvalidSetting, ModelNotFound
-from shardline.build.examples import breast_cancer, golden_table, split
 from shardline.event_catalog import model_resource
 from shardline.quality.drift import ColumnDrift, DriftReport
 from shardline.quality.drift_checks import (
@@ -28,7 +28,6 @@ from shardline.storage.capture import capture_root
 from shardline.storage.registry import ModelRegistry
 from shardline.tasks.drift import artifact_key
 from shardline.tasks.remediation import labelled_location, read_labelled, revalidate_version
-
 from tests.conftest import BuiltModel
 from tests.drift_data import capture, fresh_rows, profiled_bundle, scaled
 

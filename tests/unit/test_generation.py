@@ -9,7 +9,6 @@ import json
 import random
 import shutil
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -298,19 +297,6 @@ def test_eight_streams_share_their_decode_steps(engine: GenerationEngine) -> Non
     assert after["prefills"] - before["prefills"] == 8
     # queued together, all 8 ride every decode step (each one's first token comes from its prefill): not 8 * 31
     assert after["decode_steps"] - before["decode_steps"] == 31
-
-
-def test_throughput_of_one_and_eight_streams(engine: GenerationEngine) -> None:
-    """Prints tokens/s for 1 and 8 concurrent streams (measured, not asserted: wall-clock is the machine's)."""
-    params = SamplingParams(max_tokens=64, temperature=0.0)
-    engine.generate(engine.tokenize(PROMPT), params)  # warm
-    rates = {}
-    for streams in (1, 8):
-        prompts = [engine.tokenize(f"{PROMPT} in region {i}") for i in range(streams)]
-        start = time.perf_counter()
-        done = engine.generate_many(prompts, params)
-        rates[streams] = sum(c.completion_tokens for c in done) / (time.perf_counter() - start)
-    print(f"\ntokens/s: 1 stream {rates[1]:.0f}, 8 streams {rates[8]:.0f}, ratio {rates[8] / rates[1]:.1f}x")
 
 
 # -- parameters and chat ---------------------------------------------------------------------------

@@ -13,8 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
-import subprocess
 from functools import cache
 from pathlib import Path
 from typing import Any, Iterator
@@ -30,10 +28,9 @@ from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.metrics import RouterMetrics
 from shardline.online.router.replicas import ReplicaSet
 from shardline.tenants import parse_tenants_file
+from tests.support.k8s import K8S, REPO, containers, find, render
 from tests.support.settings_names import unknown_settings
 
-REPO = Path(__file__).resolve().parents[2]
-K8S = REPO / "deploy/k8s"
 CRDS = REPO / "tests/support/crds"
 OVERLAYS = ["dev", "production", "production-hpa"]
 KUBERNETES_VERSIONS = ["1.32.0", "1.37.0"]  # kubectl here is 1.32; 1.37 is the newest kubernetes-validate bundles
@@ -42,35 +39,13 @@ EXAMPLES = [p for p in sorted((K8S / "examples").iterdir()) if (p / "kustomizati
 MIG_RESOURCES = {"nvidia.com/mig-1g.18gb", "nvidia.com/mig-3g.71gb"}
 
 
-def kubectl() -> str:
-    found = shutil.which("kubectl")
-    if found is None:
-        pytest.skip("kubectl (client only) renders the overlays: install it to run these checks")
-    return found
-
-
-@cache
-def render(path: Path) -> tuple[dict[str, Any], ...]:
-    run = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    return tuple(d for d in yaml.safe_load_all(run.stdout) if d)
-
-
 def overlay(name: str) -> tuple[dict[str, Any], ...]:
     return render(K8S / "overlays" / name)
-
-
-def find(objects: tuple[dict[str, Any], ...], kind: str, name: str | None = None) -> list[dict[str, Any]]:
-    return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
 
 
 def one(objects: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, Any]:
     [found] = find(objects, kind, name)
     return found
-
-
-def containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
-    return obj["spec"]["template"]["spec"]["containers"]  # type: ignore[no-any-return]
 
 
 # custom resources against their CRDs

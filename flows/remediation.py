@@ -106,17 +106,17 @@ def rescore_output(job_output_uri: str, model: str, output_uri: str | None = Non
     manifest = read_job_manifest(storage, job_output_uri)
     pinned = pin(storage, model)
     target = output_uri or rescored_location(job_output_uri, pinned)
-    passthrough = manifest.get("passthrough")
-    print(f"re-scoring {manifest['input']} (job {manifest['job_id']}, {manifest['model']['pinned']}) "
+    passthrough = manifest.passthrough
+    print(f"re-scoring {manifest.input} (job {manifest.job_id}, {manifest.model.pinned}) "
           f"with {pinned.pinned} into {target}")
     state: State[Any] = batch_inference(
-        model=pinned.pinned, input_uri=manifest["input"], output_uri=target, tenant=manifest.get("tenant", "default"),
+        model=pinned.pinned, input_uri=manifest.input, output_uri=target, tenant=manifest.tenant,
         passthrough=passthrough if isinstance(passthrough, list) else None, return_state=True,
     )
     if not state.is_completed():
         return state
     summary = state.result()
     return Completed(
-        name=state.name, message=f"re-scored job {manifest['job_id']} with {pinned.pinned} into {target}: {state.message}",
-        data={**summary, "rescored_job": manifest["job_id"], "previous_model": manifest["model"]["pinned"]},
+        name=state.name, message=f"re-scored job {manifest.job_id} with {pinned.pinned} into {target}: {state.message}",
+        data={**summary, "rescored_job": manifest.job_id, "previous_model": manifest.model.pinned},
     )

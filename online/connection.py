@@ -253,7 +253,7 @@ def uvicorn_options(limits: ConnectionLimits, apps_by_port: dict[int, ASGIApp] |
     """The uvicorn ``Config`` options every listener of ``shardline serve`` (and ``serve_in_thread``) uses:
     the bounded protocol (``shardline.online.connection``), no websockets, no server header."""
     # proxy_headers off: nothing here reads the client's address (uvicorn would rewrite it from
-    # X-Forwarded-For on every request, ~1 us).
+    # X-Forwarded-For on every request).
     return dict(http=limited_protocol(limits, apps_by_port), ws="none", timeout_keep_alive=limits.keep_alive_s,
                 access_log=False, server_header=False, proxy_headers=False)
 

@@ -42,7 +42,7 @@ class _RequestIds:
     """New request ids: 32 hex digits, a random 64-bit prefix for this process and a 64-bit
     counter scrambled by a random odd multiplier (a bijection: never the same id twice in a
     process, and the ids do not show how many requests came before). A uuid4 would read the
-    OS's randomness for every request, ~4 µs; this is a multiplication."""
+    OS's randomness for every request; this is a multiplication."""
 
     def __init__(self) -> None:
         self.reseed()
@@ -108,7 +108,7 @@ class BufferedLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
     (the server's shutdown calls them).
 
     For the access log: a ``write`` to stderr per request (it is line-buffered) costs a system
-    call, ~20-30 us of server CPU per request under load, more than the line itself. And the
+    call per request, more than the line itself (figures: bench/README.md, "Figures behind the code"). And the
     thread that logs (the event loop) never writes: a write can block for tens of milliseconds
     when the kernel holds back a file's dirty pages, and every request would wait with it.
     A line is never lost while the process ends normally (a killed process loses at most

@@ -5,7 +5,7 @@ Counters and histograms are updated as things happen; the gauges an autoscaler r
 plane when Prometheus scrapes, so they are never stale. The per-request series (requests,
 latency, batch sizes and times) are tallied in plain numbers on the event loop and added
 to their Prometheus series in one step at every scrape (``_Tally``): a histogram's
-``observe`` takes a lock and walks its buckets, ~2 µs, four times a request. Model labels are set only for
+``observe`` takes a lock and walks its buckets, four times a request. Model labels are set only for
 models a tenant may call, so unknown names sent by clients cannot grow the series.
 
 With several server processes (``workers`` > 1) the metrics are Prometheus' multiprocess

@@ -56,8 +56,8 @@ _POOLS_LOCK = threading.Lock()
 def io_threads(role: Literal["read", "write"]) -> ThreadPoolExecutor:
     """This process's threads that read shards ahead and write parts behind the scoring, kept for its life.
 
-    A thread started per shard (one to read ahead, one to write) cost ~2.7 ms each to start on a busy
-    worker: 5.5 ms of a 50,000-row shard's ~45. Reads and writes have a pool each, so that a reader waiting
+    A thread started per shard (one to read ahead, one to write) cost an eighth of a 50,000-row shard's time
+    to start on a busy worker (figures: bench/README.md, "Figures behind the code"). Reads and writes have a pool each, so that a reader waiting
     for its consumer never holds up a write that consumer waits for; a pool starts a thread only when none
     of its own is idle (one of each per shard in progress).
     """

@@ -240,8 +240,18 @@ class OutputLayout:
         """The manifest's URL."""
         return str(self.fs.unstrip_protocol(join(self.root, MANIFEST)))
 
-    def read_manifest(self) -> dict[str, Any]:
-        """The committed job manifest."""
+    def read_manifest(self) -> JobManifest:
+        """The committed job manifest, typed.
+
+        Raises:
+            FileNotFoundError: none is committed here.
+            ValueError: the file is not a batch job's manifest (pydantic's ValidationError is one).
+        """
+        return JobManifest.model_validate_json(self.fs.cat_file(join(self.root, MANIFEST)))
+
+    def _raw_manifest(self) -> Any:
+        """Whatever JSON ``_manifest.json`` holds (another kind of job's, an older version's): for the checks that
+        only ask whose output this is."""
         return json.loads(self.fs.cat_file(join(self.root, MANIFEST)))
 
     def finished_manifest(self) -> dict[str, Any] | None:
@@ -250,7 +260,7 @@ class OutputLayout:
         try:
             if not self.fs.exists(join(self.root, SUCCESS)):
                 return None
-            manifest = self.read_manifest()
+            manifest = self._raw_manifest()
         except (FileNotFoundError, NotADirectoryError, ValueError):
             return None
         return manifest if isinstance(manifest, dict) else None
@@ -258,7 +268,7 @@ class OutputLayout:
     def any_manifest(self) -> dict[str, Any] | None:
         """The manifest a job left here, with or without ``_SUCCESS``; None when there is none."""
         try:
-            manifest = self.read_manifest()
+            manifest = self._raw_manifest()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
             return None
         return manifest if isinstance(manifest, dict) else None

@@ -181,8 +181,8 @@ def dictionary_columns(schema: pa.Schema, carried: Sequence[str] = ()) -> list[s
     ``carried`` columns (a part's input columns passed through) only text and binary ones (categories).
     Not floats (probabilities, scores, embeddings: nearly every value distinct) nor carried integers (ids:
     every value distinct): pyarrow's default, a dictionary for every column, builds one per row group
-    for those and falls back to plain values only past its 1 MiB page, which made writing 50,000 rows of
-    a classifier's part 2.4x slower (12 against 5 ms) and its file 1.3x larger (0.75 against 0.56 MB).
+    for those and falls back to plain values only past its 1 MiB page, which made writing a classifier's part
+    2.4x slower and its file 1.3x larger (figures: bench/README.md, "Figures behind the code").
     """
     chosen = []
     for field in schema:

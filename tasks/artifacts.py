@@ -43,7 +43,7 @@ def current_deployment() -> str | None:
 
     A run from no deployment (`batch run`) costs no API read: the run's own context says so.
     (``prefect.runtime.deployment.name`` reads the flow run from the API each time to learn
-    that: 70 ms a call on a local server.)
+    that, tens of milliseconds a call on a local server.)
     """
     from prefect.context import FlowRunContext
     from prefect.runtime import deployment

@@ -63,9 +63,8 @@ def dask_scheduler(settings: DaskSettings) -> Iterator[str]:
 
 # Dask's defaults for what only a dashboard shows, which the clusters this module starts do not serve:
 # each worker's statistical profiler (every task thread's stack sampled every 10 ms), the event loop's
-# blocked-loop check every 20 ms and psutil's system samples every 500 ms. Measured on 2 cores, 80 shards
-# of 50,000 rows with the logistic regression: workers' CPU -11%, steady state -9%; an idle cluster of
-# 2 workers from 0.21 to 0.05 cores. What the user configured (DASK_* variables, a Dask YAML file) wins.
+# blocked-loop check every 20 ms and psutil's system samples every 500 ms. Off, workers use less CPU and an idle
+# cluster almost none (figures: bench/README.md, "Figures behind the code"). What the user configured (DASK_* variables, a Dask YAML file) wins.
 QUIET_CLUSTER = {
     "distributed.worker.profile.enabled": False,
     "distributed.admin.tick.interval": "1s",

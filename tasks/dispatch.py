@@ -7,8 +7,8 @@ flat however many shards a job has, and a lost worker costs only what it held.
 
 Small shards go in groups (``group_shards``): one task scores a few, one after the other,
 each committed and recorded as it finishes, and each settles here with its own record or
-error when the task ends. A task costs the cluster ~10-15 ms of CPU besides its work (the
-client, the scheduler and the worker each handle it): a quarter of a 50,000-row shard's.
+error when the task ends. A task costs the cluster CPU besides its work (the client, the
+scheduler and the worker each handle it): a quarter of a 50,000-row shard's (figures: bench/README.md, "Figures behind the code").
 """
 
 from __future__ import annotations

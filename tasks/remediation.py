@@ -24,7 +24,7 @@ from shardline.quality.evaluation import evaluate, evaluation_of
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.settings import DriftSettings, StorageSettings
 from shardline.storage.fs import join, open_fs
-from shardline.storage.output import OutputLayout
+from shardline.storage.output import JobManifest, OutputLayout
 from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
 from shardline.storage.shards import list_shards
 from shardline.tasks.events import emit_model_event
@@ -163,7 +163,7 @@ def rollback_task(storage: StorageSettings, model: str, alias: str, expected_ver
 
 
 @task(name="read-job-manifest", cache_policy=NO_CACHE)
-def read_job_manifest(storage: StorageSettings, job_output_uri: str) -> dict[str, Any]:
+def read_job_manifest(storage: StorageSettings, job_output_uri: str) -> JobManifest:
     """The committed manifest of a batch job's output (its input, model, tenant, passthrough).
 
     Raises:
@@ -171,7 +171,7 @@ def read_job_manifest(storage: StorageSettings, job_output_uri: str) -> dict[str
     """
     layout = OutputLayout(job_output_uri, storage.storage_options)
     try:
-        manifest: dict[str, Any] = layout.read_manifest()
+        manifest = layout.read_manifest()
     except FileNotFoundError as e:
         raise InvalidInput(
             f"{job_output_uri!r} holds no committed batch job (no _manifest.json); point job_output_uri at the "

@@ -218,7 +218,7 @@ def tensor_to_array(name: str, datatype: str, shape: list[int], values: Any, pla
     """
     array = np.asarray(_decoded(name, datatype, shape, values, plan))
     dtype = np.dtype(plan.value_type.to_pandas_dtype())
-    if array.dtype != dtype:  # JSON numbers (binary tensors are of the type already: no errstate, ~4 us, per input)
+    if array.dtype != dtype:  # JSON numbers (binary tensors are of the type already: no errstate per input)
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is inf, refused by the row check
             array = array.astype(dtype)
     return array.reshape(shape[0], *plan.shape) if plan.shape else array
@@ -252,7 +252,7 @@ def column_to_tensor(column: pa.Array | pa.ChunkedArray) -> tuple[str, list[int]
     dtype = column.type
     datatype = datatype_of(dtype)
     if pa.types.is_fixed_size_list(dtype) and not column.null_count:  # a model's usual (rows, k) output
-        width = dtype.list_size  # .values, sliced, is .flatten() without its null handling (~2 us less)
+        width = dtype.list_size  # .values, sliced, is .flatten() without its null handling
         values, shape = column.values.slice(column.offset * width, rows * width), [rows, width]
     elif pa.types.is_fixed_size_list(dtype) or pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
         values = column.flatten()

@@ -61,7 +61,7 @@ class RouterMetrics:
     def __init__(self, replicas: ReplicaSet, clock: Callable[[], float], target_in_flight: float = 4.0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         # The two series every request adds to are plain tallies, exported at each scrape (_StateCollector):
-        # prometheus_client's labels().inc() and observe() take a lock each and cost ~10 us a request here.
+        # prometheus_client's labels().inc() and observe() take a lock each, on every request (figures: bench/README.md, "Figures behind the code").
         self.requests: Tally[tuple[str, int]] = Tally()  # (model, status) -> answers
         self.latency: dict[str, list[float]] = {}  # model -> answers per bucket (the last: over every bound), sum
         self.retries = Counter("shardline_router_retries_total", "Tries on another replica", ["model"],

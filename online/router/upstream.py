@@ -1,9 +1,9 @@
 """The router's HTTP/1.1 client to its replicas: keep-alive connections per replica, answers parsed
 with httptools (the parser uvicorn uses).
 
-Why not aiohttp's client: a proxy makes one upstream call per request, and aiohttp's took about 300 us
-of CPU for one (its request and response objects, timers, payload writers) where the rest of the
-router's work is under 100 us; this client writes the request in one ``write`` and parses the answer
+Why not aiohttp's client: a proxy makes one upstream call per request, and aiohttp's took three times the
+CPU of the rest of the router's work for one (its request and response objects, timers, payload writers)
+(figures: bench/README.md, "Figures behind the code"); this client writes the request in one ``write`` and parses the answer
 as it arrives. It does only what the router needs: a request with a body of known length, the whole
 answer read (Content-Length or chunked) or streamed as it comes (``stream``: server-sent events of a
 generation), keep-alive, a time-out.

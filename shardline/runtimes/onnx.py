@@ -43,8 +43,7 @@ _TEXT_KEYS = {"column", "tokenizer", "max_length"}
 
 
 # Up to this many rows, one C++ call (RecordBatch.to_tensor) beats a numpy copy per
-# column (12 us against 42 us for 30 columns); past it the per-column copy is faster,
-# as it casts while it copies.
+# column; past it the per-column copy is faster, as it casts while it copies (figures: bench/README.md, "Figures behind the code").
 _TENSOR_ROWS = 1024
 
 
@@ -59,9 +58,9 @@ def _column_matrix(
     if batch.num_rows <= _TENSOR_ROWS:
         if positions is None:
             selected: pa.RecordBatch | pa.Table | None = batch.select(columns)
-        else:  # selecting by name costs ~8 us for 30 columns; the whole batch, nothing
+        else:  # selecting by name costs more than by position; the whole batch, nothing
             selected = batch.select(positions) if positions else batch
-        if isinstance(selected, pa.Table):  # Table.to_tensor costs ~15 us more than its batch's on a new table
+        if isinstance(selected, pa.Table):  # Table.to_tensor costs more than its batch's on a new table
             chunks = selected.to_batches()
             selected = chunks[0] if len(chunks) == 1 else pa.concat_batches(chunks) if chunks else None
         if selected is not None and selected.num_rows == batch.num_rows:
@@ -144,7 +143,7 @@ def _to_arrow(values: Any, dtype: pa.DataType) -> pa.Array:
 
 
 def _cast(array: pa.Array, dtype: pa.DataType) -> pa.Array:
-    """``array.cast(dtype)``, skipped when the type is already right (a cast call costs ~3 us per output)."""
+    """``array.cast(dtype)``, skipped when the type is already right (a cast call costs microseconds per output)."""
     return array if array.type == dtype else array.cast(dtype)
 
 
@@ -410,8 +409,7 @@ class OnnxModel(Runtime):
         """Score rows; returns the signature's output columns (see ``Runtime``).
 
         Float ``Rows`` (``Rows.arrays``) of this signature's layout feed the session straight from
-        numpy and answer numpy columns: ~5 us over ``session.run`` for a row, against ~15 us
-        through Arrow. Everything else goes through Arrow.
+        numpy and answer numpy columns, a third of the Arrow path's overhead for a row (figures: bench/README.md, "Figures behind the code"). Everything else goes through Arrow.
         """
         if self._session is None:
             raise RuntimeError("predict() before load()")

@@ -211,10 +211,7 @@ class OnlineSettings(BaseSettings):
         With the defaults (one process, one inference thread per core, as many batches of a
         model at once as threads) that is 1: the threads, and the event loop running small
         models inline, already use every core, and a second intra-op thread only adds a
-        hand-off to each call. Measured on 2 cores: one row of the breast-cancer GBT took
-        23 us on one thread, 40 us on two, and the server's CPU per request was ~1.1-1.3x on
-        two; MiniLM at 120 requests/s, p50 16 ms on one thread with two batches at once,
-        30 ms on two threads with one batch at a time, 42 ms on one thread with one batch.
+        hand-off to each call (figures: bench/README.md, "Figures behind the code").
         """
         if requested:
             return requested

@@ -5,7 +5,7 @@ Every emitter names its events through these constants, never as a literal: the 
 CLI over plain HTTP (``shardline.events``: Prefect is not imported there). The automations in ``prefect.yaml``
 answer them. ``tests/unit/test_event_catalog.py`` holds both ends: every trigger in prefect.yaml names a
 catalogued event, every catalogued event is emitted somewhere (or is marked reserved), and no product module
-spells an event's name itself. docs/events.md is the same table for people.
+spells an event's name itself. docs/architecture.md ("Events") says it for people.
 """
 
 from __future__ import annotations

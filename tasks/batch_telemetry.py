@@ -185,15 +185,15 @@ class _Jobs(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["job_id", "tenant", "model", "version"]
-        rows = CounterMetricFamily("shardline_batch_rows", "Rows scored by the job's run so far.", labels=labels)
-        shards = GaugeMetricFamily("shardline_batch_shards", "The job's shards by state (pending: not settled yet).",
+        rows = CounterMetricFamily("shardline_batch_job_rows", "Rows scored by the job's run so far.", labels=labels)
+        shards = GaugeMetricFamily("shardline_batch_job_shards", "The job's shards by state (pending: not settled yet).",
                                    labels=[*labels, "state"])
-        rate = GaugeMetricFamily("shardline_batch_rows_per_second", "Rows scored per second since the run began.",
+        rate = GaugeMetricFamily("shardline_batch_job_rows_per_second", "Rows scored per second since the run began.",
                                  labels=labels)
-        finish = GaugeMetricFamily("shardline_batch_projected_finish_timestamp_seconds",
+        finish = GaugeMetricFamily("shardline_batch_job_projected_finish_timestamp_seconds",
                                    "When the job is projected to settle its last shard (absent: no progress yet).",
                                    labels=labels)
-        deadline = GaugeMetricFamily("shardline_batch_deadline_timestamp_seconds", "The job's SLA deadline.",
+        deadline = GaugeMetricFamily("shardline_batch_job_deadline_timestamp_seconds", "The job's SLA deadline.",
                                      labels=labels)
         running = GaugeMetricFamily("shardline_batch_job_running", "1 while the job runs here, 0 once it ended.",
                                     labels=labels)

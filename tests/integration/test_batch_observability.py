@@ -82,18 +82,18 @@ def test_a_job_is_traced_to_its_workers_and_scraped_while_it_runs(
 
     # during the run: the rows scored so far, exactly what the flow's own watcher was told, and shards left
     [(rows_then, during)] = scraped
-    assert _sample(during, "shardline_batch_rows_total", job_id=job, tenant="acme") == rows_then > 0
+    assert _sample(during, "shardline_batch_job_rows_total", job_id=job, tenant="acme") == rows_then > 0
     assert _sample(during, "shardline_batch_job_running", job_id=job) == 1
-    assert _sample(during, "shardline_batch_shards", job_id=job, state="quarantined") == 1
-    assert (_sample(during, "shardline_batch_shards", job_id=job, state="pending") or 0) > 0
-    deadline = _sample(during, "shardline_batch_deadline_timestamp_seconds", job_id=job, tenant="acme")
+    assert _sample(during, "shardline_batch_job_shards", job_id=job, state="quarantined") == 1
+    assert (_sample(during, "shardline_batch_job_shards", job_id=job, state="pending") or 0) > 0
+    deadline = _sample(during, "shardline_batch_job_deadline_timestamp_seconds", job_id=job, tenant="acme")
     assert deadline is not None
     # after: every count matches the job's summary, the projected finish is the finish, before the deadline
-    assert _sample(after, "shardline_batch_rows_total", job_id=job, model="breast-cancer", version="1") == 12_000
+    assert _sample(after, "shardline_batch_job_rows_total", job_id=job, model="breast-cancer", version="1") == 12_000
     for shard_state, count in {"committed": 6, "quarantined": 1, "failed": 0, "pending": 0, "resumed": 0}.items():
-        assert _sample(after, "shardline_batch_shards", job_id=job, state=shard_state) == count, shard_state
+        assert _sample(after, "shardline_batch_job_shards", job_id=job, state=shard_state) == count, shard_state
     assert _sample(after, "shardline_batch_job_running", job_id=job) == 0
-    finish = _sample(after, "shardline_batch_projected_finish_timestamp_seconds", job_id=job)
+    finish = _sample(after, "shardline_batch_job_projected_finish_timestamp_seconds", job_id=job)
     assert finish is not None and finish < deadline
 
     def complete(spans: list[ReceivedSpan]) -> bool:

@@ -20,6 +20,7 @@ from shardline.observability import tracing
 from shardline.tasks import batch_telemetry
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
 
+CALLER_TRACE, CALLER_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("prefect_harness", "local_registry")]
 
 
@@ -63,6 +64,7 @@ def test_a_job_is_traced_to_its_workers_and_scraped_while_it_runs(
     (input_shards / "corrupt.parquet").write_bytes(b"this is not parquet at all")  # quarantined by the footer check
     port = reserve_port()
     monkeypatch.setenv("SHARDLINE_BATCH_METRICS_PORT", str(port))
+    monkeypatch.setenv("TRACEPARENT", f"00-{CALLER_TRACE}-{CALLER_SPAN}-01")  # the caller's trace: the job joins it
     scraped: list[tuple[int, str]] = []
 
     def scrape(settled: int, total: int, rows: int) -> None:
@@ -103,6 +105,7 @@ def test_a_job_is_traced_to_its_workers_and_scraped_while_it_runs(
     spans = [s for s in receiver.wait_for(complete, timeout_s=30)
              if s.attributes.get("shardline.batch.job_id", job) == job]
     [root] = [s for s in spans if s.name == "shardline.batch.job"]
+    assert (root.trace_id, root.parent_id) == (CALLER_TRACE, CALLER_SPAN)
     assert root.service == "shardline-batch" and root.attributes["shardline.batch.job_id"] == job
     assert (root.attributes["shardline.tenant"], root.attributes["shardline.model"]) == ("acme", "breast-cancer")
     assert root.attributes["shardline.model.version"] == 1 and root.attributes["shardline.batch.shards"] == 7

@@ -5,7 +5,7 @@ job span (``shardline.batch.job``: job id, tenant, model, version, shards), a ch
 (``shardline.batch.shard``: rows, outcome committed / quarantined / resumed / failed) and, on the Dask
 worker, the shard's work as a child of that (``shardline.batch.score``, service ``shardline-batch-worker``):
 the shard span's W3C ``traceparent`` travels in the task's arguments (``tasks.dispatch.score_traced``). The
-job span is a child of ``TRACEPARENT`` (or ``SHARDLINE_TRACEPARENT``) when the caller's environment sets one,
+job span is a child of ``TRACEPARENT`` when the caller's environment sets one,
 else of the current span. Off, no span is made and shards go to the cluster exactly as before.
 
 Metrics (``SHARDLINE_BATCH_METRICS_PORT``, 0 = off, the default): served from the process that dispatches,
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 CURRENT: ContextVar[JobTelemetry | None] = ContextVar("shardline_batch_telemetry", default=None)
 KEEP_FINISHED = 20
 SHARD_STATES = ("committed", "quarantined", "resumed", "failed", "pending")
-_TRACEPARENT_VARIABLES = ("SHARDLINE_TRACEPARENT", "TRACEPARENT")
+_TRACEPARENT_VARIABLES = ("TRACEPARENT",)  # not SHARDLINE_*: that would fingerprint a warm runner per job
 
 
 @dataclass

@@ -54,7 +54,8 @@ class FakeNvml:
         return f"gpu{i}"
 
     def nvmlDeviceGetUUID(self, h: str) -> str | bytes:  # noqa: N802
-        return {"gpu0": b"GPU-aaa", "gpu1": "GPU-bbb", "mig0": "MIG-x0", "mig2": "MIG-x2"}[h]
+        uuids: dict[str, str | bytes] = {"gpu0": b"GPU-aaa", "gpu1": "GPU-bbb", "mig0": "MIG-x0", "mig2": "MIG-x2"}
+        return uuids[h]
 
     def nvmlDeviceGetMemoryInfo(self, h: str) -> Any:  # noqa: N802
         used, total = {"gpu0": (3 << 30, 80 << 30), "gpu1": (10 << 30, 80 << 30),

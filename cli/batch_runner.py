@@ -60,7 +60,7 @@ _CONNECT_TIMEOUT_S = 2.0
 # The variables whose values a job's behaviour depends on: Shardline's settings, Prefect's, Dask's, the
 # object stores' credentials and endpoints, the native libraries' threads, proxies and certificates.
 _PREFIXES = ("SHARDLINE_", "PREFECT_", "DASK_", "AWS_", "AZURE_", "GOOGLE_", "GCS_", "FSSPEC_", "ORT_", "OMP_",
-             "MKL_", "OPENBLAS_", "CUDA_", "NVIDIA_", "HF_", "GX_")
+             "MKL_", "OPENBLAS_", "CUDA_", "NVIDIA_", "HF_", "GX_", "OTEL_")
 _KEYS = ("PYTHONPATH", "HOME", "TMPDIR", "TZ", "KUBECONFIG", "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY",
          "HTTPS_PROXY", "NO_PROXY", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
 # How long a command waits for a runner it started to take jobs (imports, the Prefect server, the cluster).

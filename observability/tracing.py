@@ -75,6 +75,13 @@ def shutdown() -> None:
         provider.shutdown()
 
 
+def flush(timeout_ms: int = 5_000) -> None:
+    """Export the spans buffered so far (a Dask task's, before the worker may be closed); nothing when off."""
+    provider = trace.get_tracer_provider()
+    if ENABLED and hasattr(provider, "force_flush"):
+        provider.force_flush(timeout_ms)
+
+
 def trace_id_of(traceparent: str | bytes | None) -> str:
     """The 32-hex trace id of a W3C ``traceparent`` value, or "" when it is absent or malformed."""
     if traceparent is None:

@@ -29,6 +29,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shardline.online import gpu_metrics
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MAX_CACHED = 4096  # label sets kept (a bound, should labels ever grow)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -215,6 +217,8 @@ class Metrics:
         self._shared_gauges: _SharedGauges | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        if self.shared_dir is None and (gpus := gpu_metrics.collector()) is not None:
+            r.register(gpus)  # multiprocess mode: the supervisor's exposition reads them (multiprocess_exposition)
         self.requests = Counter("shardline_requests", "HTTP requests answered.",
                                 ["protocol", "model", "version", "tenant", "code"], registry=r)
         self.latency = Histogram("shardline_request_seconds", "Time from request to response.",
@@ -363,6 +367,8 @@ def multiprocess_exposition(shared_dir: str) -> tuple[bytes, str]:
 
     combined = CollectorRegistry()
     multiprocess.MultiProcessCollector(combined, shared_dir)
+    if (gpus := gpu_metrics.collector()) is not None:
+        combined.register(gpus)
     return generate_latest(combined), CONTENT_TYPE_LATEST
 
 

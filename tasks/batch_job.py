@@ -34,6 +34,7 @@ from shardline.storage.lease import holding_output  # noqa: F401 - the flow hold
 from shardline.storage.metering import DeviceKind, MeteringLedger
 from shardline.tasks.batch import JobPlan, ProgressWatcher, commit_job, infer_shards, report_job, tell_watchers
 from shardline.tasks.batch_survey import check_output_free, survey_job
+from shardline.tasks.batch_telemetry import CURRENT, JobTelemetry, job_span, serve_metrics, watching
 from shardline.tasks.cluster import dask_scheduler
 from shardline.tasks.fairness import check_gpu_quota, device_kind, fair_share, meter_run, priority_of
 from shardline.tasks.sla_tracking import SlaTracker, TrackedJob, planned_vs_actual
@@ -162,8 +163,14 @@ def track_job(plan: JobPlan, admitted: Admission, settings: BatchJobSettings) ->
         admitted.sla, records, record, settings.batch.sla_check_interval_s, settings.batch.sla_window_s,
     )
     tracker.start()
+    model = plan.job.model
+    serve_metrics(settings.batch.metrics_host, settings.batch.metrics_port)
+    telemetry = JobTelemetry(plan.job_id, plan.tenant, model.name, model.version, plan.total_shards, tracker,
+                             job_span(plan.job_id, plan.tenant, model.name, model.version, plan.total_shards))
+    telemetry.already_settled(plan.done, "resumed")
     try:
-        yield tracker
+        with watching(telemetry):
+            yield tracker
     except BaseException as e:
         tracker.finish("failed", f"{type(e).__name__}: {e}")
         raise
@@ -176,6 +183,9 @@ def score_shards(
 
     With none pending (all settled before, or quarantined by ``validate``) the watchers hear once that every
     shard of the job is settled."""
+    telemetry = CURRENT.get()
+    if telemetry is not None:  # those the footer check quarantined (``validate_shards``)
+        telemetry.already_settled(plan.new, "validated")
     if not plan.todo:
         tell_watchers(watchers, plan.total_shards, plan.total_shards, 0)
         return plan

@@ -14,6 +14,7 @@ scheduler and the worker each handle it): a quarter of a 50,000-row shard's (fig
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import threading
 import time
@@ -25,6 +26,7 @@ from shardline.errors import JobStopped
 from shardline.storage.output import PartRecord
 from shardline.storage.scoring import ScoringJob, score_shard
 from shardline.storage.shards import ShardInfo
+from shardline.tasks.batch_telemetry import CURRENT, JobTelemetry
 
 # Tasks in flight per worker thread, and at least this many in all (a cluster that is
 # still scaling up reports few threads).
@@ -96,6 +98,28 @@ def score_group(job: ScoringJob, shards: list[ShardInfo]) -> list[tuple[PartReco
     return settled
 
 
+def score_traced(job: ScoringJob, shards: list[ShardInfo], traceparents: list[str]
+                 ) -> list[tuple[PartRecord | None, BaseException | None]]:
+    """``score_group`` with each shard's work a span on this worker (``shardline.batch.score``), the child of the
+    shard span its ``traceparent`` names; the spans are exported before the task returns (a worker may be closed
+    right after). Tracing is configured here, on the worker, from its ``OTEL_*`` variables, once per process."""
+    from shardline.observability import tracing
+
+    tracing.configure("shardline-batch-worker")
+    settled: list[tuple[PartRecord | None, BaseException | None]] = []
+    for shard, parent in zip(shards, traceparents):
+        span = tracing.start("shardline.batch.score", parent=tracing.parent_from(parent),
+                             attributes={"shardline.batch.shard": shard.relative, "process.pid": os.getpid()})
+        [(record, error)] = score_group(job, [shard])
+        if record is not None:
+            span.set_attribute("shardline.batch.rows", record.rows_out)
+            span.set_attribute("shardline.batch.outcome", record.status)
+        tracing.end(span, error=error)
+        settled.append((record, error))
+    tracing.flush()
+    return settled
+
+
 def _portable(error: BaseException) -> BaseException:
     """The error itself when it survives the trip back from the worker (pickle), else its name and message."""
     try:
@@ -150,20 +174,23 @@ def dispatch_shards(
     threads = _cluster_threads(client)
     limit = in_flight_target(threads, max_in_flight)
     shared = _shipped(client, job, key_prefix, stop)
-    run = _Dispatch(client, shared, key_prefix, limit, stop, iter(group_shards(shards, threads)))
+    run = _Dispatch(client, shared, key_prefix, limit, stop, iter(group_shards(shards, threads)), CURRENT.get())
     attempts: dict[str, int] = {}
     settled_count = 0
     run.top_up()
     for future in run.pending:  # ``submit`` adds to ``pending`` while it is iterated
+        traced = future.key in run.traced
         group = run.taken(future)
         if future.status == "cancelled":  # withdrawn on a stop request before it started: it stays to do
             future.release()
             continue
         if future.status == "error" and run.resubmitted(future, group, attempts, resubmits):
             continue
-        for shard, (record, failure) in zip(group, _outcomes(future, group)):
+        for shard, (record, failure) in zip(group, _outcomes(future, group, traced)):
             if failure is not None:
                 run.stats.failures[shard.relative] = f"{type(failure).__name__}: {failure}"
+            if run.telemetry is not None:
+                run.telemetry.settled(shard, record, failure)
             on_settled(shard, record, failure)
         settled_count += len(group)
         future.release()
@@ -198,11 +225,13 @@ class _Dispatch:
     """One ``dispatch_shards`` call's tasks in flight: what each holds, how many may be, and handing out more."""
 
     def __init__(self, client: Any, shared: Any, key_prefix: str, limit: int, stop: threading.Event | None,
-                 queue: Iterator[list[ShardInfo]]) -> None:
+                 queue: Iterator[list[ShardInfo]], telemetry: JobTelemetry | None = None) -> None:
         from distributed import as_completed
 
         self.client, self.shared, self.key_prefix, self.limit, self.stop, self.queue = (
             client, shared, key_prefix, limit, stop, queue)
+        self.telemetry = telemetry
+        self.traced: set[str] = set()  # keys of the tasks that carry their shards' traceparents
         self.stats = DispatchStats()
         self.stopping = False
         self.pending = as_completed()
@@ -215,7 +244,11 @@ class _Dispatch:
         """Hand one task (a shard, or a group of them) to the cluster."""
         key = f"{self.key_prefix}-{next(self.counter)}"
         self.by_key[key] = group
-        if len(group) == 1:
+        parents = self.telemetry.submitting(group) if self.telemetry is not None else None
+        if parents is not None:
+            self.traced.add(key)
+            self.futures[key] = self.client.submit(score_traced, self.shared, group, parents, key=key, pure=False)
+        elif len(group) == 1:
             self.futures[key] = self.client.submit(score_shard, self.shared, group[0], key=key, pure=False)
         else:
             self.futures[key] = self.client.submit(score_group, self.shared, group, key=key, pure=False)
@@ -237,6 +270,7 @@ class _Dispatch:
     def taken(self, future: Any) -> list[ShardInfo]:
         """The shards a task that has ended held, no longer in flight."""
         del self.futures[future.key]
+        self.traced.discard(future.key)
         return self.by_key.pop(future.key)
 
     def resubmitted(self, future: Any, group: list[ShardInfo], attempts: dict[str, int], resubmits: int) -> bool:
@@ -257,12 +291,13 @@ class _Dispatch:
             self.last_sized = time.monotonic()
 
 
-def _outcomes(future: Any, group: list[ShardInfo]) -> list[tuple[PartRecord | None, BaseException | None]]:
+def _outcomes(future: Any, group: list[ShardInfo], traced: bool = False
+              ) -> list[tuple[PartRecord | None, BaseException | None]]:
     """Each shard's record or error from a task that has ended (a failed task fails all of its shards)."""
     if future.status == "error":
         return [(None, future.exception())] * len(group)
     result = future.result()
-    return [(result, None)] if len(group) == 1 else list(result)
+    return [(result, None)] if len(group) == 1 and not traced else list(result)
 
 
 # The scheduler's states of a task no worker has been handed: withdrawing one of these loses no work.

@@ -1,0 +1,251 @@
+"""A batch job's traces and Prometheus metrics, kept in the process that dispatches its shards.
+
+Traces (off unless ``OTEL_TRACES_EXPORTER`` names an exporter, see ``shardline.observability.tracing``): a
+job span (``shardline.batch.job``: job id, tenant, model, version, shards), a child span per shard
+(``shardline.batch.shard``: rows, outcome committed / quarantined / resumed / failed) and, on the Dask
+worker, the shard's work as a child of that (``shardline.batch.score``, service ``shardline-batch-worker``):
+the shard span's W3C ``traceparent`` travels in the task's arguments (``tasks.dispatch.score_traced``). The
+job span is a child of ``TRACEPARENT`` when the caller's environment sets one,
+else of the current span. Off, no span is made and shards go to the cluster exactly as before.
+
+Metrics (``SHARDLINE_BATCH_METRICS_PORT``, 0 = off, the default): served from the process that dispatches,
+because that is the only one that sees every shard settle: the warm batch runner (cli/batch_runner.py) runs
+every job of a home in threads of its own long-lived process, so one listener there covers every job it
+runs, across jobs, at a stable address; a cold run serves them from its own process for the job's life.
+The workers cannot (each sees only its shards), nor can the command that sent a job to the runner (it sees
+only log lines). The values are read at scrape time (a custom collector): rows scored, shards by state,
+rows per second, the SLA projection (``shardline.sla_projection.project``, the tracker's own figures) and
+the deadline. A finished job's series stay (``running`` 0) until ``KEEP_FINISHED`` later jobs finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections import OrderedDict
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shardline.observability import tracing
+from shardline.sla_projection import project
+from shardline.storage.output import PartRecord
+from shardline.storage.shards import ShardInfo
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from shardline.tasks.sla_tracking import SlaTracker
+
+log = logging.getLogger(__name__)
+
+# The job the current context dispatches (set by ``watching``), read once per ``dispatch_shards`` call.
+CURRENT: ContextVar[JobTelemetry | None] = ContextVar("shardline_batch_telemetry", default=None)
+KEEP_FINISHED = 20
+SHARD_STATES = ("committed", "quarantined", "resumed", "failed", "pending")
+_TRACEPARENT_VARIABLES = ("TRACEPARENT",)  # not SHARDLINE_*: that would fingerprint a warm runner per job
+
+
+@dataclass
+class JobTelemetry:
+    """One run of a job: its counts for the metrics, its job span and its shards' spans in flight."""
+
+    job_id: str
+    tenant: str
+    model: str
+    version: int
+    shards: int
+    tracker: SlaTracker | None = None
+    span: Span | None = None
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SHARD_STATES, 0))
+    rows: int = 0
+    running: bool = True
+    _spans: dict[str, Span] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.counts["pending"] = self.shards
+
+    def already_settled(self, records: Sequence[PartRecord], outcome: str) -> None:
+        """Shards settled before dispatch: by an earlier run (``resumed``) or by the footer check (``quarantined``)."""
+        for record in records:
+            state = "resumed" if outcome == "resumed" else record.status
+            self._count(state, record.rows_out if outcome != "resumed" else 0)
+            if self.span is not None:
+                shard_span = self._shard_span(record.relative)
+                self._end_shard(shard_span, state, record.rows_out, record.reason)
+
+    def submitting(self, group: Sequence[ShardInfo]) -> list[str] | None:
+        """The shards' ``traceparent`` values (a shard span started for each), or None when tracing is off."""
+        if self.span is None:
+            return None
+        parents = []
+        for shard in group:
+            if shard.relative not in self._spans:  # a resubmitted shard keeps its span
+                self._spans[shard.relative] = self._shard_span(shard.relative)
+            parents.append(tracing.traceparent_of(self._spans[shard.relative]))
+        return parents
+
+    def settled(self, shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:
+        """Count a shard that settled on the cluster and end its span."""
+        state = "failed" if record is None else record.status
+        rows = 0 if record is None else record.rows_out
+        self._count(state, rows)
+        shard_span = self._spans.pop(shard.relative, None)
+        if shard_span is not None:
+            reason = f"{type(error).__name__}: {error}" if error is not None else (record.reason if record else None)
+            self._end_shard(shard_span, state, rows, reason)
+
+    def finish(self, outcome: str, error: BaseException | None = None) -> None:
+        """The run ended: the metrics say so, the job span ends (with the shards' spans left open)."""
+        self.running = False
+        for shard_span in self._spans.values():
+            self._end_shard(shard_span, "stopped", 0, None)
+        self._spans.clear()
+        if self.span is not None:
+            self.span.set_attribute("shardline.batch.outcome", outcome)
+            self.span.set_attribute("shardline.batch.rows", self.rows)
+            tracing.end(self.span, error=error)
+            tracing.flush()
+
+    def _count(self, state: str, rows: int) -> None:
+        with self._lock:
+            self.counts[state] += 1
+            self.counts["pending"] -= 1
+            self.rows += rows
+
+    def _shard_span(self, relative: str) -> Span:
+        assert self.span is not None
+        return tracing.start("shardline.batch.shard", parent=tracing.context_of(self.span),
+                             attributes={"shardline.batch.job_id": self.job_id, "shardline.batch.shard": relative})
+
+    @staticmethod
+    def _end_shard(shard_span: Span, outcome: str, rows: int, reason: str | None) -> None:
+        shard_span.set_attribute("shardline.batch.outcome", outcome)
+        shard_span.set_attribute("shardline.batch.rows", rows)
+        if reason:
+            shard_span.set_attribute("shardline.batch.reason", reason[:500])
+        tracing.end(shard_span, error=RuntimeError(reason) if outcome == "failed" else None)
+
+
+def job_span(job_id: str, tenant: str, model: str, version: int, shards: int) -> Span | None:
+    """The job's span when tracing is on (``configure`` reads the ``OTEL_*`` variables once), else None."""
+    if not tracing.configure("shardline-batch"):
+        return None
+    given = next((os.environ[v] for v in _TRACEPARENT_VARIABLES if os.environ.get(v)), None)
+    return tracing.start("shardline.batch.job", parent=tracing.parent_from(given), attributes={
+        "shardline.batch.job_id": job_id, "shardline.tenant": tenant, "shardline.model": model,
+        "shardline.model.version": version, "shardline.batch.shards": shards, "process.pid": os.getpid(),
+    })
+
+
+@contextlib.contextmanager
+def watching(telemetry: JobTelemetry) -> Iterator[JobTelemetry]:
+    """``telemetry`` is the current job's (``CURRENT``) and, when the metrics listener runs, scraped; its span
+    ends with the body (an error ends it failed)."""
+    token = CURRENT.set(telemetry)
+    _JOBS.add(telemetry)
+    try:
+        yield telemetry
+    except BaseException as e:
+        telemetry.finish("failed", e)
+        raise
+    else:
+        telemetry.finish("completed")
+    finally:
+        CURRENT.reset(token)
+        _JOBS.retire()
+
+
+class _Jobs(Collector):
+    """The jobs this process runs and ran lately, read at each scrape."""
+
+    def __init__(self) -> None:
+        self.jobs: OrderedDict[str, JobTelemetry] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def add(self, job: JobTelemetry) -> None:
+        with self.lock:
+            self.jobs.pop(job.job_id, None)
+            self.jobs[job.job_id] = job
+
+    def retire(self) -> None:
+        """Forget the oldest finished jobs beyond ``KEEP_FINISHED``."""
+        with self.lock:
+            finished = [key for key, job in self.jobs.items() if not job.running]
+            for key in finished[: max(0, len(finished) - KEEP_FINISHED)]:
+                del self.jobs[key]
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["job_id", "tenant", "model", "version"]
+        rows = CounterMetricFamily("shardline_batch_job_rows", "Rows scored by the job's run so far.", labels=labels)
+        shards = GaugeMetricFamily("shardline_batch_job_shards", "The job's shards by state (pending: not settled yet).",
+                                   labels=[*labels, "state"])
+        rate = GaugeMetricFamily("shardline_batch_job_rows_per_second", "Rows scored per second since the run began.",
+                                 labels=labels)
+        finish = GaugeMetricFamily("shardline_batch_job_projected_finish_timestamp_seconds",
+                                   "When the job is projected to settle its last shard (absent: no progress yet).",
+                                   labels=labels)
+        deadline = GaugeMetricFamily("shardline_batch_job_deadline_timestamp_seconds", "The job's SLA deadline.",
+                                     labels=labels)
+        running = GaugeMetricFamily("shardline_batch_job_running", "1 while the job runs here, 0 once it ended.",
+                                    labels=labels)
+        with self.lock:
+            jobs = list(self.jobs.values())
+        now = datetime.now(timezone.utc)
+        for job in jobs:
+            values = [job.job_id, job.tenant, job.model, str(job.version)]
+            with job._lock:
+                counts, done = dict(job.counts), job.rows
+            rows.add_metric(values, done)
+            for state, count in counts.items():
+                shards.add_metric([*values, state], count)
+            running.add_metric(values, 1 if job.running else 0)
+            tracker = job.tracker
+            if tracker is None:
+                continue
+            with tracker._lock:
+                points = list(tracker.trace)
+            projection = project(points, tracker.total, tracker.sla, now, tracker.window)
+            rate.add_metric(values, projection.rows_per_second)
+            deadline.add_metric(values, tracker.sla.deadline.timestamp())
+            if projection.projected_finish is not None:
+                finish.add_metric(values, projection.projected_finish.timestamp())
+        yield from (rows, shards, rate, finish, deadline, running)
+
+
+_JOBS = _Jobs()
+REGISTRY = CollectorRegistry(auto_describe=False)
+REGISTRY.register(_JOBS)
+_served: Any = None  # the listener (a WSGI server), once started
+_serve_lock = threading.Lock()
+
+
+def serve_metrics(host: str, port: int) -> None:
+    """Start this process's batch /metrics listener once (later calls, the warm runner's next jobs, keep it);
+    0: none."""
+    global _served
+    if not port:
+        return
+    with _serve_lock:
+        if _served is not None:
+            return
+        _served, _ = start_http_server(port, addr=host, registry=REGISTRY)
+    log.info("batch metrics on http://%s:%d/metrics", host, port)
+
+
+def stop_metrics() -> None:
+    """Close the listener (a test's end; a process that exits closes it anyway)."""
+    global _served
+    with _serve_lock:
+        if _served is not None:
+            _served.shutdown()
+            _served.server_close()
+            _served = None

@@ -215,6 +215,37 @@ def _online_options(workload: OnlineWorkload, c: Candidate, policy: PlacementPol
     return options
 
 
+class ReplicaCapacity(BaseModel):
+    """What one device of a candidate sustains for a workload within its target, and how to batch for it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rows_per_s: float = Field(description="Rows/s one replica serves within the target (online: at max utilization).")
+    expected_p99_ms: float | None = Field(default=None, description="Online: the call p99 plus the batch's fill time.")
+    max_wait_ms: float | None = Field(
+        default=None,
+        description="Online: the batcher's wait for a fuller batch that keeps p99 within the target at any rate up to "
+        "the capacity (the time the batch takes to fill at capacity).",
+    )
+
+
+def replica_capacity(workload: Workload, c: Candidate, policy: PlacementPolicy | None = None) -> ReplicaCapacity | None:
+    """One device of ``c`` for ``workload``: its rows/s within the target, or None when it cannot meet it (pure).
+
+    Online, a replica is kept at most ``max_utilization`` busy and its batch fills at that rate; with the
+    batcher's wait set to that fill time, a replica that receives less waits no longer, so its p99 stays at most
+    the call p99 plus that fill time. Batch: the measured rows/s (a batch job runs flat out).
+    """
+    policy = policy or PlacementPolicy()
+    if isinstance(workload, BatchWorkload):
+        return ReplicaCapacity(rows_per_s=c.rows_per_s)
+    usable = c.rows_per_s * policy.max_utilization
+    fill_ms = max(0, c.batch_size - workload.rows_per_request) / usable * 1e3
+    if c.p99_ms + fill_ms > workload.p99_ms:
+        return None
+    return ReplicaCapacity(rows_per_s=usable, expected_p99_ms=c.p99_ms + fill_ms, max_wait_ms=fill_ms)
+
+
 def _devices(p: Placement) -> str:
     """How many of what, for messages: '3 x cpu', '1 MIG slice(s)', 'a 0.25 share of one GPU'."""
     if p.gpu_share is not None:

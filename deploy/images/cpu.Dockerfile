@@ -23,6 +23,7 @@ COPY flows/ flows/
 COPY online/ online/
 COPY cli/ cli/
 COPY observability/ observability/
+COPY capacity/ capacity/
 # PIP_CONSTRAINT pins setuptools in pip's build environment too, as -c does the rest.
 RUN PIP_CONSTRAINT=/src/constraints.txt /opt/shardline/venv/bin/pip install -c constraints.txt \
         ".[cpu,package,embedding,kubernetes]" \

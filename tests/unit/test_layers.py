@@ -29,7 +29,9 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "tasks": frozenset({"kernel", "storage", "quality", "build", "observability"}),
     "flows": frozenset({"tasks", "settings"}),
     "online": frozenset({"kernel", "storage", "observability"}),
-    "cli": frozenset({"kernel", "build", "storage", "quality", "observability", "tasks", "flows", "online"}),
+    "capacity": frozenset({"kernel", "storage"}),
+    "cli": frozenset({"kernel", "build", "storage", "quality", "observability", "tasks", "flows", "online",
+                      "capacity"}),
 }
 KERNEL_FOR_FLOWS = ("shardline.settings", "shardline.errors")  # what "settings" means for a flow
 # Third-party packages a layer never imports: slow to import, not needed on a request path (online), or not

@@ -13,13 +13,10 @@ import httpx
 import openai
 import pytest
 
-from shardline.build.llm_build import package_tiny_llm
 from shardline.local_ports import reserve_port as free_port
-from shardline.online.tenants import hash_api_key
-from shardline.storage.registry import ModelRegistry
 from tests.e2e.conftest import SHARDLINE
 from tests.support.redis_server import redis_server
-from tests.support.routers import _env, _stop, _wait_ready
+from tests.support.routers import _env, _stop, _wait_ready, tiny_llm_home
 
 pytestmark = pytest.mark.timeout(240)
 TOKENS, STREAMS = "sk-shared-tokens", "sk-shared-streams"
@@ -28,13 +25,7 @@ TOKENS, STREAMS = "sk-shared-tokens", "sk-shared-streams"
 @pytest.fixture(scope="module")
 def urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     home = tmp_path_factory.mktemp("llm-shared-quotas")
-    package_tiny_llm(home / "tiny-bundle", name="tiny")
-    registry = ModelRegistry(str(home / "registry"))
-    registry.set_alias("tiny", "prod", registry.push(home / "tiny-bundle").version or 1)
-    tenants = home / "tenants.yaml"
-    tenants.write_text("tenants:\n" + "".join(
-        f"  - name: {name}\n    api_keys_sha256: [\"{hash_api_key(key)}\"]\n    models: [\"tiny@prod\"]\n    {limit}\n"
-        for name, key, limit in [("tokens", TOKENS, "tokens_per_minute: 80"), ("streams", STREAMS, "max_streams: 2")]))
+    tenants = tiny_llm_home(home, [("tokens", TOKENS, "tokens_per_minute: 80"), ("streams", STREAMS, "max_streams: 2")])
     redis = redis_server(home)
     routers: list[subprocess.Popen[bytes]] = []
     found: list[str] = []

@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from shardline.local_ports import reserve_port as free_port
+from shardline.online.router.nginx_front import find_nginx
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
 from tests.conftest import BuiltModel
@@ -64,13 +65,17 @@ def pair(tmp_path_factory: pytest.TempPathFactory, breast_cancer_model: BuiltMod
                 routers.append(subprocess.Popen(
                     [*SHARDLINE, "router", "--local-replicas", "1", "--tenants", str(tenants), "--port", str(port),
                      "--metrics-port", str(metrics_port)],
-                    env=_env(home, SHARDLINE_TENANCY_QUOTA_STORE=redis.url, SHARDLINE_TENANCY_QUOTA_STORE_ROUTERS="2"),
+                    # nginx asked for where it is installed: with a quota store its fast lane is not started
+                    env=_env(home, SHARDLINE_TENANCY_QUOTA_STORE=redis.url, SHARDLINE_TENANCY_QUOTA_STORE_ROUTERS="2",
+                             SHARDLINE_ROUTER_DATA_PLANE="nginx" if find_nginx() else "python"),
                     stdout=sink, stderr=subprocess.STDOUT, cwd=home))
             urls.append(f"http://127.0.0.1:{port}")
             metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
             logs.append(log)
         for url, router, log in zip(urls, routers, logs):
             _wait_ready(url, router, log, available=1)
+            if find_nginx():
+                assert "nginx's fast lane is not started" in log.read_text()
         yield Pair(urls, metrics, logs, redis)
     finally:
         for router in routers:

@@ -40,7 +40,6 @@ from shardline.errors import (
     ShardlineError,
 )
 from shardline.online.admission import TenantGate
-from shardline.online.quota_store import Held, QuotaStore
 from shardline.online.bodies import decode_body
 from shardline.online.errors import error_status, shown
 from shardline.online.generation import LlmGate
@@ -54,6 +53,7 @@ from shardline.online.headers import (
     VARIANT_HEADER,
 )
 from shardline.online.models import ModelDirectory
+from shardline.online.quota_store import Held, QuotaStore
 from shardline.online.router.compare import decode_answer
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
 from shardline.online.router.messages import (

@@ -1,0 +1,24 @@
+"""``python -m shardline.controller``: run the operator (kopf) over every namespace, or ``--namespace NS`` ones."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m shardline.controller",
+                                     description="Shardline's operator: serves every ShardlineModel.")
+    parser.add_argument("--namespace", "-n", action="append", default=[],
+                        help="Watch only this namespace (repeat for more); default: all namespaces.")
+    parser.add_argument("--standalone", action="store_true",
+                        help="No peering with other operator instances (one replica, or a test).")
+    args = parser.parse_args(argv)
+    import kopf
+
+    import shardline.controller.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.run(namespaces=args.namespace or None, clusterwide=not args.namespace, standalone=args.standalone)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,11 +13,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--standalone", action="store_true",
                         help="No peering with other operator instances (one replica, or a test).")
     args = parser.parse_args(argv)
-    import kopf
+    try:
+        import kopf
 
-    import shardline.controller.handlers  # noqa: F401  (registers the handlers)
+        import shardline.controller.handlers  # noqa: F401  (registers the handlers)
+    except ImportError as e:
+        raise SystemExit(f"the operator needs {e.name}, which is not installed; install the kubernetes extra: "
+                         "pip install 'shardline[kubernetes]'") from None
 
-    kopf.run(namespaces=args.namespace or None, clusterwide=not args.namespace, standalone=args.standalone)
+    kopf.run(namespaces=list(args.namespace), clusterwide=not args.namespace, standalone=args.standalone)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The operator's kopf handlers: every ShardlineModel, on creation, on each change of its spec, when the operator
-starts and every ``SHARDLINE_OPERATOR_RESYNC_S``, is reconciled (``reconcile.py``) and what that returns is
+starts and every ``SHARDLINE_CONTROLLER_RESYNC_S``, is reconciled (``reconcile.py``) and what that returns is
 applied: the owned objects (``apply.py``, through kr8s), the registry move (the alias's first version or a rollout
 the routers then run), and the status (``serving``, ``rollout``, ``routerGroup``, conditions).
 
@@ -26,13 +26,13 @@ from shardline.controller.reconcile import (
 )
 from shardline.controller.resource import GROUP, PLURAL, VERSION, ShardlineModel, parse_resource
 from shardline.errors import AliasConflict, InvalidSetting, ShardlineError
-from shardline.settings import OperatorSettings, StorageSettings
+from shardline.settings import ControllerSettings, StorageSettings
 from shardline.storage import rollouts
 from shardline.storage.registry import AliasMove, ModelRegistry
 from shardline.storage.rollouts import RollbackCriteria
 
 # Read when the module is imported: kopf fixes a timer's interval when it registers it.
-RESYNC_S = float(os.environ.get("SHARDLINE_OPERATOR_RESYNC_S", OperatorSettings.model_fields["resync_s"].default))
+RESYNC_S = float(os.environ.get("SHARDLINE_CONTROLLER_RESYNC_S", ControllerSettings.model_fields["resync_s"].default))
 CONFLICT_RETRY_S = 5
 
 
@@ -40,9 +40,16 @@ CONFLICT_RETRY_S = 5
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Read the operator's and the registry's settings once. No finalizer: the owned objects carry owner
     references, so Kubernetes deletes them with their ShardlineModel."""
-    memo.operator = OperatorSettings()
+    memo.operator = ControllerSettings()
     memo.storage = StorageSettings()
     settings.posting.level = 30  # warnings and errors become Kubernetes events on the ShardlineModel
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The pod's service account, else ``KUBECONFIG`` (read when the operator starts, not when kopf is imported):
+    kopf's own credentials, with neither the kubernetes nor the pykube client needed to find them."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
 async def _api() -> Any:
@@ -139,7 +146,7 @@ async def reconcile_model(body: kopf.Body, status: kopf.Status, patch: kopf.Patc
         patch.status["conditions"] = refused(str(e), previous, now, generation)
         patch.status["observedGeneration"] = generation
         raise kopf.PermanentError(str(e)) from e
-    settings: OperatorSettings = memo.operator
+    settings: ControllerSettings = memo.operator
     storage: StorageSettings = memo.storage
     api = await _api()
     try:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from pydantic import BaseModel, ConfigDict
 
 from shardline.controller.resource import API_VERSION, KIND, ShardlineModel, memory_bytes
-from shardline.settings import OperatorSettings
+from shardline.settings import ControllerSettings
 
 Obj = dict[str, Any]
 
@@ -109,7 +109,7 @@ def memory_request(model: ShardlineModel, min_memory_mb: int | None) -> str:
     return chosen
 
 
-def deployment(model: ShardlineModel, settings: OperatorSettings, replicas: int, memory: str) -> Obj:
+def deployment(model: ShardlineModel, settings: ControllerSettings, replicas: int, memory: str) -> Obj:
     """The replicas' Deployment."""
     kit = hardware(model.spec.hardware_class)
     requests: Obj = {"cpu": model.spec.resources.cpu or kit.cpu, "memory": memory}
@@ -136,7 +136,7 @@ def deployment(model: ShardlineModel, settings: OperatorSettings, replicas: int,
     }
 
 
-def _container(model: ShardlineModel, settings: OperatorSettings, kit: Hardware, requests: Obj, limits: Obj) -> Obj:
+def _container(model: ShardlineModel, settings: ControllerSettings, kit: Hardware, requests: Obj, limits: Obj) -> Obj:
     env = [
         {"name": "SHARDLINE_ONLINE_HOST", "value": "0.0.0.0"},
         {"name": "SHARDLINE_ONLINE_PORT", "value": str(settings.port)},
@@ -170,7 +170,7 @@ def _container(model: ShardlineModel, settings: OperatorSettings, kit: Hardware,
     return container
 
 
-def service(model: ShardlineModel, settings: OperatorSettings) -> Obj:
+def service(model: ShardlineModel, settings: ControllerSettings) -> Obj:
     """A headless Service: each ready replica's address is one DNS answer, a router group's ``dns`` name."""
     return {
         "apiVersion": "v1", "kind": "Service", "metadata": _meta(model),
@@ -185,7 +185,7 @@ def demand_query(model_name: str) -> str:
             f'model=~"{model_name}:[0-9]+"}}) or vector(0)')
 
 
-def scaled_object(model: ShardlineModel, settings: OperatorSettings) -> Obj:
+def scaled_object(model: ShardlineModel, settings: ControllerSettings) -> Obj:
     """KEDA's ScaledObject: replicas for the routers' demand at the SLO class's target per replica."""
     slo = SLO_CLASSES[model.spec.slo_class]
     return {
@@ -211,7 +211,7 @@ def _behavior(slo: SloPolicy) -> Obj:
             "scaleUp": {"stabilizationWindowSeconds": 0}}
 
 
-def horizontal_autoscaler(model: ShardlineModel, settings: OperatorSettings) -> Obj:
+def horizontal_autoscaler(model: ShardlineModel, settings: ControllerSettings) -> Obj:
     """An HPA for clusters without KEDA, on the routers' ``shardline_router_replicas_wanted`` for this model's group
     as an external metric (a Prometheus adapter serves it; a label selector cannot hold a ``name:version``, the
     group's name it can). The figure is the router's, at its ``SHARDLINE_ROUTER_TARGET_IN_FLIGHT`` per replica, so
@@ -242,7 +242,7 @@ def disruption_budget(model: ShardlineModel) -> Obj:
     }
 
 
-def network_policy(model: ShardlineModel, settings: OperatorSettings) -> Obj:
+def network_policy(model: ShardlineModel, settings: ControllerSettings) -> Obj:
     """Only the routers reach the replicas, and only on the serving port."""
     peer: Obj = {"podSelector": {"matchLabels": dict(settings.router_labels)}}
     if settings.router_namespace and settings.router_namespace != model.namespace:
@@ -254,7 +254,7 @@ def network_policy(model: ShardlineModel, settings: OperatorSettings) -> Obj:
     }
 
 
-def router_group(model: ShardlineModel, settings: OperatorSettings) -> Mapping[str, Any]:
+def router_group(model: ShardlineModel, settings: ControllerSettings) -> Mapping[str, Any]:
     """The ``router.yaml`` group that reaches these replicas (status.routerGroup)."""
     return {"name": f"{model.namespace}-{model.name}"[:63].rstrip("-._"),
             "dns": {"name": f"{model.name}.{model.namespace}.svc.cluster.local", "port": settings.port}}

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from shardline.controller import objects
 from shardline.controller.resource import ShardlineModel
-from shardline.settings import OperatorSettings
+from shardline.settings import ControllerSettings
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.rollouts import Mode, active
 
@@ -139,7 +139,7 @@ def registry_view(registry: ModelRegistry, model: ShardlineModel) -> RegistryVie
     )
 
 
-def reconcile(model: ShardlineModel, registry: RegistryView, settings: OperatorSettings, *,
+def reconcile(model: ShardlineModel, registry: RegistryView, settings: ControllerSettings, *,
               autoscaler: Autoscaler = "keda", ready_replicas: int | None = None) -> Reconciled:
     """The objects the ShardlineModel owns, the registry move it asks for, and its status conditions.
 
@@ -204,8 +204,7 @@ def _decide(model: ShardlineModel, registry: RegistryView) -> tuple[Move | None,
     if wanted not in registry.versions:
         return None, rolled_out("False", "NotInRegistry", f"{name}:{wanted} is not in the registry; nothing rolled out")
     if registry.alias_version is None:
-        move = SetAlias(name=name, alias=alias, version=wanted)
-        return move, rolled_out("True", "AliasSet", f"{name}@{alias} set to {name}:{wanted} (its first version: "
+        return SetAlias(name=name, alias=alias, version=wanted), rolled_out("True", "AliasSet", f"{name}@{alias} set to {name}:{wanted} (its first version: "
                                 "no baseline to roll out against)")
     if registry.alias_version == wanted:
         return None, rolled_out("True", "Serving", f"{name}@{alias} points at {name}:{wanted}")
@@ -251,7 +250,8 @@ def conditions_at(conditions: tuple[Condition, ...], previous: list[Obj] | None,
     for condition in conditions:
         earlier = before.get(condition.type)
         changed = earlier is None or earlier.get("status") != condition.status
-        stamp = now.isoformat(timespec="seconds").replace("+00:00", "Z") if changed else earlier["lastTransitionTime"]
+        stamp = (now.isoformat(timespec="seconds").replace("+00:00", "Z") if earlier is None or changed
+                 else earlier["lastTransitionTime"])
         written.append({**condition.model_dump(), "lastTransitionTime": stamp, "observedGeneration": generation})
     return written
 

@@ -8,10 +8,10 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-class OperatorSettings(BaseSettings):
+class ControllerSettings(BaseSettings):
     """What the operator puts in the objects it makes for every ShardlineModel (docs/kubernetes.md, "The operator")."""
 
-    model_config = SettingsConfigDict(env_prefix="SHARDLINE_OPERATOR_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_CONTROLLER_", extra="ignore")
 
     image: str = Field(default="shardline:0.1.0", description="The replicas' image (`shardline serve`); the GPU "
                        "classes' replicas use gpu_image.")

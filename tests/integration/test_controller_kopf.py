@@ -47,7 +47,7 @@ def registry(shardline_home: Path, bundles: tuple[Path, Path, Path]) -> ModelReg
 def api(monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeApi]:
     with kube_api() as running:
         monkeypatch.setenv("KUBECONFIG", str(running.kubeconfig))
-        monkeypatch.setenv("SHARDLINE_OPERATOR_AUTOSCALER", "auto")
+        monkeypatch.setenv("SHARDLINE_CONTROLLER_AUTOSCALER", "auto")
         yield running
 
 
@@ -101,7 +101,9 @@ def test_applying_a_shardline_model_gives_its_objects_its_first_alias_and_status
 ) -> None:
     apply_model(api, "churn", {"model": f"{MODEL}:1", "hardwareClass": "mig-1g.18gb", "minReplicas": 2,
                                "maxReplicas": 6, "sloClass": "interactive"})
-    deployment = eventually(lambda: api.get("apps/v1/deployments", NS, "churn"))
+    # the status is written last, once every owned object is applied
+    eventually(lambda: (condition(api, "churn", "RolledOut") or {}).get("reason") == "AliasSet")
+    deployment = api.get("apps/v1/deployments", NS, "churn")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert deployment["spec"]["replicas"] == 2
     assert container["resources"]["limits"]["nvidia.com/mig-1g.18gb"] == 1
@@ -112,7 +114,6 @@ def test_applying_a_shardline_model_gives_its_objects_its_first_alias_and_status
     assert api.get("policy/v1/poddisruptionbudgets", NS, "churn")["spec"]["maxUnavailable"] == 1
     assert api.get("networking.k8s.io/v1/networkpolicies", NS, "churn")["spec"]["policyTypes"] == ["Ingress"]
     # the first version of a never-set alias: set, no rollout (nothing to compare with)
-    eventually(lambda: (condition(api, "churn", "RolledOut") or {}).get("reason") == "AliasSet")
     assert registry.resolve(f"{MODEL}@prod").version == 1
     status = api.get(RESOURCE, NS, "churn")["status"]
     assert status["serving"] == f"{MODEL}:1" and status["routerGroup"]["name"] == f"{NS}-churn"

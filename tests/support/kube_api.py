@@ -23,6 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import attrs
+import jsonpatch
 import kmock
 import yaml
 
@@ -39,14 +41,25 @@ EXTRA = {"kubernetes.dask.org/v1/daskworkergroups": kmock.ResourceInfo(
     kind="DaskWorkerGroup", singular="daskworkergroup", namespaced=True, verbs=VERBS, subresources={"scale", "status"})}
 
 
+@attrs.frozen
+class PatchTestFailed(kmock.KubernetesError):  # type: ignore[misc]
+    """A JSON patch whose ``test`` operation failed: a real API server answers 422 (kopf then patches again on its
+    next cycle); kmock itself would answer 500, which clients retry as a server fault."""
+
+    status: int = 422
+    reason: str = "Invalid"
+    message: str = "the object changed since it was read (a JSON patch test failed)"
+
+
 class StampingEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     """The emulator plus what an API server stamps on objects and clients rely on: ``metadata.resourceVersion``
     (new on every write: kopf tests it in its JSON patches), ``uid``, ``creationTimestamp`` and ``generation``
-    (raised when a write touches ``spec``)."""
+    (raised when a write touches ``spec``), and 422 for a JSON patch whose test fails."""
 
     _versions = itertools.count(1)
 
     async def _handle(self, request: Any) -> Any:
+        self._log()
         data = request.data
         if request.resource is not None and request.action == kmock.action.CREATE and isinstance(data, dict):
             meta = data.setdefault("metadata", {})
@@ -69,7 +82,68 @@ class StampingEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
                 if generation is not None:
                     data.append({"op": "add", "path": "/metadata/generation", "value": generation})
-        return await super()._handle(request)
+        try:
+            return await super()._handle(request)
+        except jsonpatch.JsonPatchTestFailed as e:
+            raise PatchTestFailed() from e
+
+    # The log of changes (resourceVersion, resource, event) a watch replays from the resourceVersion its client
+    # listed at, as a real API server does: kmock's own watch replays every object as ADDED (a client then acts on
+    # a stale copy) and joins its bus of changes a moment later (a change made in between is never streamed).
+    _changes: list[tuple[int, Any, dict[str, Any]]]
+    _changed: asyncio.Condition
+
+    def _log(self) -> tuple[list[tuple[int, Any, dict[str, Any]]], asyncio.Condition]:
+        if not hasattr(self, "_changed"):
+            self._changes, self._changed = [], asyncio.Condition()
+            emulator = self
+
+            class RecordingBus(type(self._buses.default_factory())):  # type: ignore[misc]
+                async def put(self, item: Any) -> None:
+                    await super().put(item)
+                    raw = item.get("object", {})
+                    version = int(raw.get("metadata", {}).get("resourceVersion") or 0)
+                    if item.get("type") == "DELETED":
+                        version = next(StampingEmulator._versions)
+                    resource = next((r for r, bus in emulator._buses.items() if bus is self), None)
+                    emulator._changes.append((version, resource, item))
+                    async with emulator._changed:
+                        emulator._changed.notify_all()
+
+            self._buses.default_factory = RecordingBus
+        return self._changes, self._changed
+
+    async def _serve_list(self, request: Any) -> Any:
+        self._log()
+        listed = await super()._serve_list(request)
+        listed["metadata"] = {"resourceVersion": str(max((v for v, _, _ in self._changes), default=0))}
+        return listed
+
+    async def _serve_watch(self, request: Any) -> Any:
+        yield b""
+        changes, changed = self._log()
+        check = self._KubernetesEmulator__check
+        since = str(request.params.get("resourceVersion") or "")
+        async with self._lock:
+            if since.isdigit():
+                position = next((i for i, (v, _, _) in enumerate(changes) if v > int(since)), len(changes))
+                first: list[dict[str, Any]] = []
+            else:
+                position = len(changes)
+                objs = [o for o in self._KubernetesEmulator__get_objs(request, strict=False) if not o.deleted]
+                first = [{"type": "ADDED", "object": o.raw} for o in objs]
+        for event in first:
+            yield event
+        while True:
+            while position < len(changes):
+                _, resource, event = changes[position]
+                position += 1
+                meta = event.get("object", {}).get("metadata", {})
+                if resource == request.resource and check(request, resource, meta.get("namespace"), meta.get("name"),
+                                                           strict=False):
+                    yield event
+            async with changed:
+                await changed.wait_for(lambda: position < len(changes))
 
     def get_live(self, request: Any) -> dict[str, Any] | None:
         for (resource, namespace, name), obj in self.objects.items():
@@ -132,6 +206,9 @@ def kube_api() -> Iterator[KubeApi]:
                     emulator.resources[key] = info
                 # kr8s asks for /version/ (trailing slash), which a real API server answers as /version
                 emulator["get /version/"] << {"major": "1", "minor": "32", "gitVersion": "v1.32.0"}
+                # and kr8s's discovery (api_resources) asks for /api/ and /apis/ too
+                emulator["get /api/"] << emulator._serve_api
+                emulator["get /apis/"] << emulator._serve_apis
                 box.update(emulator=emulator, url=str(server.url).rstrip("/"), loop=asyncio.get_running_loop())
                 started.set()
                 while not stop.is_set():

@@ -26,6 +26,7 @@ GPU_TAINT = "nvidia.com/gpu"
 # Node labels of the NVIDIA GPU operator's feature discovery: a node with a GPU; MIG slices are only on such nodes.
 GPU_NODE = {"nvidia.com/gpu.present": "true"}
 MI = 2**20
+TENANTS_DIR = "/etc/shardline/tenants"
 # What the server process itself needs beside a model's own memory (the manifest's min_memory_mb).
 SERVER_OVERHEAD_MB = 512
 
@@ -120,6 +121,8 @@ def deployment(model: ShardlineModel, settings: ControllerSettings, replicas: in
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [_container(model, settings, kit, requests, limits)],
     }
+    if settings.tenants_config:
+        pod["volumes"] = [{"name": "tenants", "configMap": {"name": settings.tenants_config}}]
     if kit.accelerator is not None:
         requests[kit.accelerator] = 1
         limits[kit.accelerator] = 1
@@ -137,7 +140,7 @@ def deployment(model: ShardlineModel, settings: ControllerSettings, replicas: in
 
 
 def _container(model: ShardlineModel, settings: ControllerSettings, kit: Hardware, requests: Obj, limits: Obj) -> Obj:
-    env = [
+    env: list[Obj] = [
         {"name": "SHARDLINE_ONLINE_HOST", "value": "0.0.0.0"},
         {"name": "SHARDLINE_ONLINE_PORT", "value": str(settings.port)},
         {"name": "SHARDLINE_ONLINE_METRICS_HOST", "value": "0.0.0.0"},
@@ -146,11 +149,16 @@ def _container(model: ShardlineModel, settings: ControllerSettings, kit: Hardwar
         {"name": "DO_NOT_TRACK", "value": "1"},
         {"name": "ORT_DISABLE_TELEMETRY", "value": "1"},
     ]
+    if settings.router_key_secret:
+        env.append({"name": "SHARDLINE_TENANCY_ROUTER_KEY_SHA256",
+                    "valueFrom": {"secretKeyRef": {"name": settings.router_key_secret, "key": "sha256"}}})
+    if settings.tenants_config:
+        env.append({"name": "SHARDLINE_TENANTS_FILE", "value": f"{TENANTS_DIR}/tenants.yaml"})
     env_from: list[Obj] = []
     if settings.replica_config:
         env_from.append({"configMapRef": {"name": settings.replica_config}})
     if settings.replica_secret:
-        env_from.append({"secretRef": {"name": settings.replica_secret}})
+        env_from.append({"secretRef": {"name": settings.replica_secret, "optional": True}})
     container: Obj = {
         "name": "replica",
         "image": settings.gpu_image if kit.accelerator else settings.image,
@@ -167,6 +175,8 @@ def _container(model: ShardlineModel, settings: ControllerSettings, kit: Hardwar
     }
     if env_from:
         container["envFrom"] = env_from
+    if settings.tenants_config:
+        container["volumeMounts"] = [{"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}]
     return container
 
 

@@ -23,7 +23,7 @@ class ControllerSettings(BaseSettings):
         "ScaledObject resource, else the HPA.",
     )
     prometheus_url: str = Field(
-        default="http://prometheus.monitoring.svc:9090",
+        default="http://prometheus-operated.monitoring.svc.cluster.local:9090",
         description="The Prometheus that scrapes the routers' /metrics: KEDA's trigger queries it.",
     )
     router_labels: dict[str, str] = Field(
@@ -35,12 +35,20 @@ class ControllerSettings(BaseSettings):
     )
     priority_class: str = Field(default="shardline-online", description="PriorityClass of the replica pods.")
     replica_config: str | None = Field(
-        default="shardline-replica", description="A ConfigMap every replica reads its SHARDLINE_* settings from "
-        "(envFrom: the registry's URL, the tenants file); empty: none.",
+        default="shardline-storage", description="A ConfigMap every replica reads its SHARDLINE_* settings from "
+        "(envFrom: the registry's URL or home); empty: none. The manifests' base makes it in namespace shardline.",
     )
     replica_secret: str | None = Field(
-        default="shardline-replica", description="A Secret every replica reads from too (envFrom: storage "
-        "credentials, SHARDLINE_TENANCY_ROUTER_KEY_SHA256); empty: none.",
+        default="shardline-storage-credentials", description="A Secret every replica reads too if it exists "
+        "(envFrom, optional: the registry's storage credentials); empty: none.",
+    )
+    router_key_secret: str | None = Field(
+        default="shardline-router-key", description="The Secret whose `sha256` key is the routers' credential's "
+        "digest (SHARDLINE_TENANCY_ROUTER_KEY_SHA256): replicas take requests from routers only; empty: none.",
+    )
+    tenants_config: str | None = Field(
+        default="shardline-tenants", description="The ConfigMap holding tenants.yaml (mounted, "
+        "SHARDLINE_TENANTS_FILE); empty: none.",
     )
     port: int = Field(default=8000, ge=1, le=65_535, description="The port the replicas serve on.")
     metrics_port: int = Field(default=8002, ge=1, le=65_535, description="The replicas' /metrics port.")

@@ -12,6 +12,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="Watch only this namespace (repeat for more); default: all namespaces.")
     parser.add_argument("--standalone", action="store_true",
                         help="No peering with other operator instances (one replica, or a test).")
+    parser.add_argument("--liveness", default=None, metavar="URL",
+                        help="Serve kopf's liveness probe here, e.g. http://0.0.0.0:8090/healthz.")
     args = parser.parse_args(argv)
     try:
         import kopf
@@ -21,7 +23,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"the operator needs {e.name}, which is not installed; install the kubernetes extra: "
                          "pip install 'shardline[kubernetes]'") from None
 
-    kopf.run(namespaces=list(args.namespace), clusterwide=not args.namespace, standalone=args.standalone)
+    kopf.run(namespaces=list(args.namespace), clusterwide=not args.namespace, standalone=args.standalone,
+             liveness_endpoint=args.liveness)
 
 
 if __name__ == "__main__":

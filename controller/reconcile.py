@@ -162,7 +162,8 @@ def reconcile(model: ShardlineModel, registry: RegistryView, settings: Controlle
     owned: list[Obj] = [
         objects.deployment(model, settings, replicas, memory),
         objects.service(model, settings),
-        objects.scaled_object(model, settings) if autoscaler == "keda" else objects.horizontal_autoscaler(model, settings),
+        (objects.scaled_object(model, settings) if autoscaler == "keda"
+         else objects.horizontal_autoscaler(model, settings)),
         objects.disruption_budget(model),
         objects.network_policy(model, settings),
     ]
@@ -204,8 +205,9 @@ def _decide(model: ShardlineModel, registry: RegistryView) -> tuple[Move | None,
     if wanted not in registry.versions:
         return None, rolled_out("False", "NotInRegistry", f"{name}:{wanted} is not in the registry; nothing rolled out")
     if registry.alias_version is None:
-        return SetAlias(name=name, alias=alias, version=wanted), rolled_out("True", "AliasSet", f"{name}@{alias} set to {name}:{wanted} (its first version: "
-                                "no baseline to roll out against)")
+        return SetAlias(name=name, alias=alias, version=wanted), rolled_out(
+            "True", "AliasSet", f"{name}@{alias} set to {name}:{wanted} (its first version: no baseline to roll out "
+            "against)")
     if registry.alias_version == wanted:
         return None, rolled_out("True", "Serving", f"{name}@{alias} points at {name}:{wanted}")
     running = registry.rollout

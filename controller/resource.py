@@ -82,7 +82,8 @@ class RolloutPolicy(_Spec):
     interval: str | None = Field(default="10m", description="Canary: each step's time before the next; null: by hand.")
     shadow: float = Field(default=0.1, gt=0, le=1, description="Shadow: the share of requests mirrored.")
     window: str | None = Field(default=None, description="Rollback window (default 60s).")
-    min_requests: int | None = Field(default=None, ge=1, description="Candidate answers before any verdict.")
+    min_requests: int | None = Field(default=None, ge=1, strict=True,
+                                     description="Candidate answers before any verdict.")
     max_error_increase: float | None = Field(default=None, ge=0, le=1)
     max_p99_ratio: float | None = Field(default=None, ge=1)
 
@@ -123,8 +124,8 @@ class ShardlineModelSpec(_Spec):
     model: str = Field(description="The reference served: name:version (a rollout on a change) or name@alias.")
     alias: str | None = Field(default=None, description="The alias routers resolve callers by (default prod).")
     hardware_class: str = Field(default="cpu", description="cpu, gpu (a whole GPU) or mig-<profile>, e.g. mig-1g.18gb.")
-    min_replicas: int = Field(default=1, ge=0, le=1000)
-    max_replicas: int = Field(default=4, ge=1, le=1000)
+    min_replicas: int = Field(default=1, ge=0, le=1000, strict=True)
+    max_replicas: int = Field(default=4, ge=1, le=1000, strict=True)
     slo_class: SloClass = "standard"
     rollout_policy: RolloutPolicy = Field(default_factory=RolloutPolicy)
     resources: Resources = Field(default_factory=Resources)

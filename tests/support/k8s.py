@@ -18,7 +18,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy/k8s"
 # Third parties' CRDs (KEDA, Gateway API, dask-kubernetes, Istio), and our own (ShardlineModel).
-CRDS = [*sorted((REPO / "tests/support/crds").glob("*.yaml")), *sorted(p for p in (K8S / "crds").glob("*.yaml") if p.name != "kustomization.yaml")]
+CRDS = [*sorted((REPO / "tests/support/crds").glob("*.yaml")),
+        *sorted(p for p in (K8S / "crds").glob("*.yaml") if p.name != "kustomization.yaml")]
 
 
 def kubectl() -> str:

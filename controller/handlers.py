@@ -94,6 +94,19 @@ async def apply_objects(api: Any, owned: tuple[dict[str, Any], ...]) -> list[str
     return done
 
 
+async def delete_owned(api: Any, dropped: tuple[dict[str, Any], ...], owner_uid: str) -> list[str]:
+    """Delete each object reconcile no longer wants, if it exists and this ShardlineModel owns it (never one
+    someone else made under the same name)."""
+    done = []
+    for unwanted in dropped:
+        obj, live = await _live(api, unwanted)
+        owners = (live or {}).get("metadata", {}).get("ownerReferences") or []
+        if live is not None and owner_uid and any(o.get("uid") == owner_uid for o in owners):
+            await obj.delete()
+            done.append(f"{unwanted['kind']}/{unwanted['metadata']['name']}: deleted (no longer wanted)")
+    return done
+
+
 async def ready_replicas(api: Any, model: ShardlineModel) -> int | None:
     """The replicas' Deployment's ready replicas, None when it does not exist yet."""
     from kr8s.asyncio.objects import Deployment
@@ -158,6 +171,8 @@ async def reconcile_model(body: kopf.Body, status: kopf.Status, patch: kopf.Patc
     result = reconcile(model, view, settings, autoscaler=autoscaler, ready_replicas=await ready_replicas(api, model))
     for line in await apply_objects(api, result.objects):
         logger.debug(line)
+    for line in await delete_owned(api, result.dropped, model.uid):
+        logger.info(line)
     moved = None
     if result.move is not None:
         try:

@@ -111,6 +111,7 @@ class Reconciled(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     objects: tuple[Obj, ...]
+    dropped: tuple[Obj, ...] = ()  # objects it may have made before and no longer wants (delete if it owns them)
     move: Move | None = None
     conditions: tuple[Condition, ...]
     serving: str | None  # name:version the alias points at after the move (None: nothing yet)
@@ -178,8 +179,13 @@ def reconcile(model: ShardlineModel, registry: RegistryView, settings: Controlle
         _ready(ready_replicas, spec.min_replicas),
     ]
     running = registry.rollout
+    # the other autoscaler: made before the cluster got KEDA (or lost it), it would fight this one
+    other = (objects.horizontal_autoscaler(model, settings) if autoscaler == "keda"
+             else objects.scaled_object(model, settings))
+    dropped = {"apiVersion": other["apiVersion"], "kind": other["kind"],
+               "metadata": {"name": model.name, "namespace": model.namespace}}
     return Reconciled(
-        objects=tuple(owned), move=move, conditions=tuple(conditions),
+        objects=tuple(owned), dropped=(dropped,), move=move, conditions=tuple(conditions),
         serving=f"{name}:{serving_version}" if serving_version is not None else None,
         rollout=running, router_group=dict(objects.router_group(model, settings)),
     )

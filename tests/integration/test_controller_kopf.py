@@ -154,3 +154,25 @@ def test_a_changed_hardware_class_drops_what_it_no_longer_sets(api: KubeApi, ope
     eventually(on_cpu)
     assert api.get("apps/v1/deployments", NS, "embed")["spec"]["template"]["spec"]["containers"][0]["resources"][
         "requests"]["cpu"] == "3"
+
+
+def test_an_hpa_it_made_before_the_cluster_had_keda_is_deleted(api: KubeApi, operator: Any) -> None:
+    import kr8s
+    from kr8s.objects import object_from_spec
+
+    apply_model(api, "churn", {"model": f"{MODEL}:1"})
+    eventually(lambda: api.get("keda.sh/v1alpha1/scaledobjects", NS, "churn"))
+    uid = api.get(RESOURCE, NS, "churn")["metadata"]["uid"]
+    client = kr8s.api(kubeconfig=str(api.kubeconfig))
+    owner = {"apiVersion": "shardline.dev/v1alpha1", "kind": "ShardlineModel", "name": "churn", "uid": uid}
+    for name, owners in (("churn", [owner]), ("theirs", [])):  # ours (left from before KEDA), and someone else's
+        object_from_spec({
+            "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": name, "namespace": NS, "ownerReferences": owners},
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                     "maxReplicas": 2}}, api=client).create()
+    apply_model(api, "churn", {"model": f"{MODEL}:1", "maxReplicas": 5})
+    eventually(lambda: api.get("apps/v1/deployments", NS, "churn") is not None
+               and api.get("keda.sh/v1alpha1/scaledobjects", NS, "churn")["spec"]["maxReplicaCount"] == 5)
+    eventually(lambda: api.get("autoscaling/v2/horizontalpodautoscalers", NS, "churn") is None)
+    assert api.get("autoscaling/v2/horizontalpodautoscalers", NS, "theirs") is not None

@@ -137,6 +137,14 @@ def test_without_keda_an_hpa_reads_the_groups_replicas_wanted_and_never_goes_to_
                                             "selector": {"matchLabels": {"group": "serving-churn"}}}
 
 
+@pytest.mark.parametrize(("autoscaler", "other"), [("keda", "HorizontalPodAutoscaler"), ("hpa", "ScaledObject")])
+def test_the_other_autoscaler_is_dropped_so_two_never_fight(autoscaler: str, other: str) -> None:
+    result = reconcile(model({"model": "churn:1"}), SERVING_1, SETTINGS, autoscaler=autoscaler)  # type: ignore[arg-type]
+    [dropped] = result.dropped
+    assert dropped["kind"] == other and dropped["metadata"] == {"name": "churn", "namespace": "serving"}
+    assert other not in {o["kind"] for o in result.objects}
+
+
 @pytest.mark.parametrize(("slo", "unavailable", "in_flight", "down_s"),
                          [("interactive", 1, "2", 600), ("standard", "25%", "4", 300), ("throughput", "50%", "8", 120)])
 def test_the_slo_class_sets_the_disruption_budget_and_the_scaling(slo: str, unavailable: Any, in_flight: str,

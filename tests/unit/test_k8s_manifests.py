@@ -505,3 +505,7 @@ def test_every_overlay_runs_the_operator_with_its_crd_and_the_rights_for_what_it
             plural = {"NetworkPolicy": "networkpolicies"}.get(obj["kind"], obj["kind"].lower() + "s")
             for verb in ("get", "create", "patch"):
                 assert rules_allow(rules, group, plural, verb), f"the operator may not {verb} {group}/{plural}"
+        for obj in reconcile(model, RegistryView(versions=(3,)), ControllerSettings(),
+                             autoscaler=autoscaler).dropped:  # type: ignore[arg-type]
+            group, plural = obj["apiVersion"].rpartition("/")[0], obj["kind"].lower() + "s"
+            assert rules_allow(rules, group, plural, "delete"), f"the operator may not delete {group}/{plural}"

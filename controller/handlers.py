@@ -38,8 +38,9 @@ CONFLICT_RETRY_S = 5
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """Read the operator's and the registry's settings once. No finalizer: the owned objects carry owner
-    references, so Kubernetes deletes them with their ShardlineModel."""
+    """Read the operator's and the registry's settings once. No deletion handler: the owned objects carry owner
+    references, so Kubernetes deletes them with their ShardlineModel (kopf keeps a finalizer of its own on each,
+    for the resync timer, and removes it when the ShardlineModel is deleted)."""
     memo.operator = ControllerSettings()
     memo.storage = StorageSettings()
     settings.posting.level = 30  # warnings and errors become Kubernetes events on the ShardlineModel

@@ -26,7 +26,7 @@ dataplane:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[cpu,package,embedding,embedding-build,frameworks,dev,quality,mlflow,llm,capacity]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[cpu,package,embedding,embedding-build,frameworks,dev,quality,mlflow,llm,capacity,kubernetes]'
 	touch $@
 
 demo: setup
@@ -44,7 +44,7 @@ bench: setup
 	$(PY) bench/batch_throughput.py
 
 typecheck: setup
-	$(PY) -m mypy shardline build cli storage quality online tasks flows observability capacity
+	$(PY) -m mypy shardline build cli storage quality online tasks flows observability capacity controller
 
 # First what runs for the demo's home (shardline-demo/home), all of it from $(VENV): its batch runner, the Prefect
 # workers and flow runs started with its profile (README.md, "Scheduling it in Prefect"), its Prefect server and keeper.

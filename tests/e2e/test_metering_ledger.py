@@ -1,0 +1,165 @@
+"""`shardline serve` meters what it answers into the ledger: exactly, through a graceful stop; a crash (SIGKILL)
+loses the bucket still open and nothing before it.
+
+Two tenants call a tabular model (rows) and one of them a text-generation model (tokens, streamed and not);
+the ledger's totals are compared with what the clients sent and what the answers said."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from shardline.build.llm_build import package_tiny_llm
+from shardline.local_ports import reserve_port as free_port
+from shardline.online.tenants import hash_api_key
+from shardline.storage.ledger import SCHEMA, LedgerStore
+from shardline.storage.registry import ModelRegistry
+from tests.conftest import BuiltModel
+from tests.e2e.conftest import SHARDLINE
+from tests.support.serve_process import wait_ready
+
+ACME, GLOBEX = "sk-ledger-acme", "sk-ledger-globex"
+
+
+@pytest.fixture
+def home(local_registry: ModelRegistry, shardline_home: Path, tmp_path: Path) -> Path:
+    """breast-cancer@prod and a tiny LLM tiny@prod; acme may call both, globex the first."""
+    package_tiny_llm(tmp_path / "tiny-bundle", name="tiny")
+    local_registry.set_alias("tiny", "prod", local_registry.push(tmp_path / "tiny-bundle").version or 1)
+    (tmp_path / "tenants.yaml").write_text(
+        "tenants:\n"
+        f"  - {{name: acme, api_keys_sha256: ['{hash_api_key(ACME)}'], models: ['breast-cancer@prod', 'tiny@prod']}}\n"
+        f"  - {{name: globex, api_keys_sha256: ['{hash_api_key(GLOBEX)}'], models: ['breast-cancer@prod']}}\n")
+    return shardline_home
+
+
+def start(home: Path, log: Path, bucket_s: float) -> tuple[str, subprocess.Popen[bytes]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
+    env.update(SHARDLINE_STORAGE_HOME=str(home), DO_NOT_TRACK="1", ORT_DISABLE_TELEMETRY="1", PYTHONUNBUFFERED="1",
+               SHARDLINE_METERING_BUCKET_S=str(bucket_s), SHARDLINE_METERING_CAPACITY_TYPE="spot")
+    port = free_port()
+    with open(log, "wb") as sink:
+        server = subprocess.Popen([*SHARDLINE, "serve", "--port", str(port), "--metrics-port", "off", "--tenants",
+                                   str(log.parent / "tenants.yaml")], cwd=log.parent, stdout=sink, stderr=sink,
+                                  env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, server, log)
+    return url, server
+
+
+@pytest.fixture
+def stopped() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Servers a test started, killed at its end if it left them running."""
+    servers: list[subprocess.Popen[bytes]] = []
+    yield servers
+    for server in servers:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def infer(url: str, key: str, model: BuiltModel, rows: int) -> None:
+    features = model.data.features[:rows]
+    body = {"inputs": [{"name": n, "datatype": "FP32", "shape": [rows], "data": features[:, j].tolist()}
+                       for j, n in enumerate(model.data.names)]}
+    answer = httpx.post(f"{url}/v2/models/breast-cancer/infer", content=orjson.dumps(body),
+                        headers={"Authorization": f"Bearer {key}"})
+    assert answer.status_code == 200, answer.text
+
+
+def usage_rows(home: Path) -> pa.Table:
+    store = LedgerStore(str(home))
+    table = pa.concat_tables([store.read(month) for month in store.months()] or [SCHEMA.empty_table()])
+    return table.filter(pc.equal(table["kind"], "usage"))
+
+
+def totals(table: pa.Table, *measures: str) -> dict[tuple[str, str], tuple[Any, ...]]:
+    found: dict[tuple[str, str], list[Any]] = {}
+    for row in table.to_pylist():
+        sums = found.setdefault((row["tenant"], row["model"]), [0] * len(measures))
+        for i, m in enumerate(measures):
+            sums[i] += row[m]
+    return {k: tuple(v) for k, v in found.items()}
+
+
+def test_a_graceful_stop_meters_every_request_row_and_token(
+    home: Path, breast_cancer_model: BuiltModel, tmp_path: Path, stopped: list[subprocess.Popen[bytes]]
+) -> None:
+    url, server = start(home, tmp_path / "serve.log", bucket_s=1.0)
+    stopped.append(server)
+    began = time.time()
+    sent: Counter[tuple[str, str]] = Counter()
+    rows: Counter[tuple[str, str]] = Counter()
+    for i in range(7):
+        infer(url, ACME, breast_cancer_model, 3)
+        sent["acme", "breast-cancer"] += 1
+        rows["acme", "breast-cancer"] += 3
+        if i % 2:
+            infer(url, GLOBEX, breast_cancer_model, 2)
+            sent["globex", "breast-cancer"] += 1
+            rows["globex", "breast-cancer"] += 2
+    auth = {"Authorization": f"Bearer {ACME}"}
+    whole = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "The river", "max_tokens": 5},
+                       headers=auth, timeout=60)
+    assert whole.status_code == 200, whole.text
+    streamed = httpx.post(f"{url}/v1/chat/completions", headers=auth, timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "name three rivers"}], "max_tokens": 7,
+        "stream": True, "stream_options": {"include_usage": True}})
+    assert streamed.status_code == 200, streamed.text
+    chunks = [orjson.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    usages = [whole.json()["usage"], chunks[-1]["usage"]]
+    sent["acme", "tiny"] += 2
+    time.sleep(1.5)  # a bucket or more closes while the server runs: the flusher writes it
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=30) in (0, -signal.SIGTERM), (tmp_path / "serve.log").read_text()
+    ended = time.time()
+
+    table = usage_rows(home)
+    counted = totals(table, "requests", "rows", "prompt_tokens", "completion_tokens", "device_seconds")
+    assert {k: v[0] for k, v in counted.items()} == dict(sent)
+    assert {k: v[1] for k, v in counted.items() if v[1]} == dict(rows)
+    assert counted["acme", "tiny"][2:4] == (sum(u["prompt_tokens"] for u in usages),
+                                             sum(u["completion_tokens"] for u in usages))
+    assert all(v[4] > 0 for v in counted.values())  # each tenant's share of the device time
+    assert set(table["capacity_type"].to_pylist()) == {"spot"} and set(table["tier"].to_pylist()) == {"online"}
+    store = LedgerStore(str(home))
+    everything = pa.concat_tables([store.read(month) for month in store.months()])
+    capacity = everything.filter(pc.equal(everything["kind"], "capacity"))
+    assert capacity.num_rows >= 2  # a bucket closed while it ran, then the stop wrote the open one
+    reserved = sum(capacity["reserved_seconds"].to_pylist())
+    assert 0 < reserved <= ended - began + 60  # the server's time up (from its start, before the requests)
+
+
+def test_a_crash_loses_the_open_bucket_and_nothing_before_it(
+    home: Path, breast_cancer_model: BuiltModel, tmp_path: Path, stopped: list[subprocess.Popen[bytes]]
+) -> None:
+    bucket = 3.0
+    url, server = start(home, tmp_path / "serve.log", bucket_s=bucket)
+    stopped.append(server)
+    for _ in range(4):
+        infer(url, ACME, breast_cancer_model, 1)
+    deadline = time.monotonic() + 20
+    while not usage_rows(home).num_rows:
+        assert time.monotonic() < deadline, "the closed bucket was never written"
+        time.sleep(0.2)
+    assert sum(usage_rows(home)["requests"].to_pylist()) == 4
+    time.sleep(bucket - time.time() % bucket + 0.1)  # just past a bucket's start: the next requests share it
+    for _ in range(3):
+        infer(url, GLOBEX, breast_cancer_model, 1)
+    assert time.time() % bucket < bucket - 0.5, "the requests took too long to stay in one bucket"
+    server.kill()
+    server.wait()
+    counted = totals(usage_rows(home), "requests")
+    assert counted == {("acme", "breast-cancer"): (4,)}  # the open bucket (globex's 3) is what the crash lost

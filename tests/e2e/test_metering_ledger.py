@@ -141,6 +141,36 @@ def test_a_graceful_stop_meters_every_request_row_and_token(
     reserved = sum(capacity["reserved_seconds"].to_pylist())
     assert 0 < reserved <= ended - began + 60  # the server's time up (from its start, before the requests)
 
+    # the month's chargeback, as a user asks for it: charges + idle == the capacity the server held, priced
+    month = capacity["bucket_start"][0].as_py().strftime("%Y-%m")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
+    env["SHARDLINE_STORAGE_HOME"] = str(home)
+    done = subprocess.run([*SHARDLINE, "cost", "report", "--month", month, "-o", str(tmp_path / "cost.html"),
+                           "--prometheus", str(tmp_path / "cost.prom")], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "acme" in done.stdout and "globex" in done.stdout and "idle (carried by the platform)" in done.stdout
+    costs = {}
+    for line in (tmp_path / "cost.prom").read_text().splitlines():
+        if line.startswith("shardline_cost{"):
+            labels, value = line.rsplit(" ", 1)
+            costs[labels] = float(value)
+    held = sum(r["reserved_seconds"] * r["units"] for r in capacity.to_pylist()) * 0.0202 / 3600  # spot core-hours
+    assert sum(costs.values()) == pytest.approx(held, rel=1e-3)
+    assert sum(v for k, v in costs.items() if 'tenant="(idle)"' not in k) > 0
+    page = (tmp_path / "cost.html").read_text()
+    assert page.count("<svg") == 3 and "Cost by tenant" in page and "breast-cancer" in page
+    one = subprocess.run([*SHARDLINE, "cost", "report", "--month", month, "--tenant", "globex"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert one.returncode == 0 and "globex" in one.stdout and "acme" not in one.stdout, one.stderr
+    for args, message in ((["--month", "2026-13"], "is not a month; give it as YYYY-MM"),
+                          (["--month", "1999-01"], f"holds nothing for 1999-01 (its months: {month})"),
+                          (["--month", month, "--tenant", "nobody"], "tenant 'nobody' used nothing")):
+        refused = subprocess.run([*SHARDLINE, "cost", "report", *args], capture_output=True, text=True, env=env,
+                                 timeout=120)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+
 
 def test_a_crash_loses_the_open_bucket_and_nothing_before_it(
     home: Path, breast_cancer_model: BuiltModel, tmp_path: Path, stopped: list[subprocess.Popen[bytes]]

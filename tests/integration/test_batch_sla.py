@@ -208,6 +208,14 @@ def test_two_tenants_at_once_both_finish_within_their_limits(
                             for p in (tmp_path / tenant / "out" / "_ledger").rglob("*.json"))
         assert use[0]["device_seconds"] == pytest.approx(shard_seconds, rel=1e-6)
         assert use[0]["bytes_written"] > 0
+    from shardline.cost.prices import load_prices
+    from shardline.cost.report import build_report
+
+    report = build_report(metered, load_prices(), today.strftime("%Y-%m"))  # the jobs' chargeback, example prices
+    assert {(line.tenant, line.tier, line.rows) for line in report.lines} == {
+        ("acme", "batch", 12_000), ("globex", "batch", 12_000)}
+    assert report.charged + report.idle_cost == pytest.approx(report.priced_capacity, rel=1e-3)
+    assert all(line.per_1k_rows for line in report.lines)
 
     # globex has spent its GPU-hours today: a GPU job is refused before it starts
     ledger.record_batch(Holding("batch", "gpu"), "globex", "breast-cancer", "1", "earlier-job",

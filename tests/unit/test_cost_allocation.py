@@ -77,3 +77,27 @@ def test_a_job_on_a_shared_cluster_pays_what_it_used() -> None:
     allocation = allocate(rows, PRICES)
     assert [(c.tenant, round(c.cost, 6)) for c in allocation.charges] == [("acme", 0.1)]
     assert allocation.priced_capacity == pytest.approx(0.1)
+
+
+def test_the_report_gives_unit_costs_per_tenant_model_and_tier_and_the_idle_apart() -> None:
+    from shardline.cost.report import build_report, render_prometheus, render_text
+
+    rows = [
+        row("capacity", "gpu-1", units=1.0, reserved_seconds=3600.0),
+        row("usage", "gpu-1", tenant="acme", model="churn", device_seconds=900.0, requests=30, rows=3000),
+        row("usage", "gpu-1", tenant="globex", model="tiny", device_seconds=300.0, requests=10,
+            prompt_tokens=40_000, completion_tokens=10_000),
+    ]
+    report = build_report(rows, PRICES, "2026-11")
+    lines = {line.tenant: line for line in report.lines}
+    assert lines["acme"].per_1k_rows == pytest.approx(1.75 / 3) and lines["acme"].per_1m_tokens is None
+    assert lines["acme"].per_request == pytest.approx(1.75 / 30)
+    assert lines["globex"].per_1m_tokens == pytest.approx(7.0 / 12 / 50_000 * 1e6)
+    assert report.charged + report.idle_cost == pytest.approx(report.priced_capacity) == pytest.approx(7.0)
+    text = render_text(report)
+    assert "priced capacity: 7.00 USD" in text and "idle (carried by the platform): 4.67 USD" in text
+    exposition = render_prometheus(report)
+    assert 'shardline_cost{currency="USD",hardware_class="h100",model="churn",month="2026-11",tenant="acme",' \
+           'tier="online"} 1.75' in exposition
+    only = build_report(rows, PRICES, "2026-11", tenant="globex")
+    assert [line.tenant for line in only.lines] == ["globex"] and only.idle == {}

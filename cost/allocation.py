@@ -30,16 +30,9 @@ COUNTS = ("requests", "rows", "prompt_tokens", "completion_tokens")
 
 
 @dataclass
-class Charge:
-    """One line of the chargeback: what a tenant's use of a model on a class of hardware cost on a day."""
+class Spend:
+    """What some use cost, and the use: device-seconds, requests, rows, tokens."""
 
-    tenant: str
-    model: str
-    version: str
-    tier: str
-    hardware_class: str
-    capacity_type: str
-    day: date
     cost: float = 0.0
     device_seconds: float = 0.0
     requests: int = 0
@@ -51,6 +44,27 @@ class Charge:
     def tokens(self) -> int:
         """Prompt and completion tokens."""
         return self.prompt_tokens + self.completion_tokens
+
+    def add(self, other: "Spend") -> None:
+        """Add another's cost and use to this one."""
+        self.cost += other.cost
+        self.device_seconds += other.device_seconds
+        for name in COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class Charge:
+    """One line of the chargeback: what a tenant's use of a model on a class of hardware cost on a day."""
+
+    tenant: str
+    model: str
+    version: str
+    tier: str
+    hardware_class: str
+    capacity_type: str
+    day: date
+    spend: Spend = field(default_factory=Spend)
 
 
 @dataclass
@@ -64,7 +78,7 @@ class Allocation:
     @property
     def idle(self) -> float:
         """The idle lines' cost."""
-        return sum(c.cost for c in self.charges if c.tenant == IDLE)
+        return sum(c.spend.cost for c in self.charges if c.tenant == IDLE)
 
 
 def _day(moment: Any) -> date:
@@ -95,13 +109,11 @@ def allocate(rows: Iterable[dict[str, Any]], prices: PriceTable) -> Allocation:
         priced += total
         day = _day(bucket)
         for r in usage:
-            line = _line(lines, r["tenant"], r["model"], r["version"], held, day)
-            line.cost += used * per_second * (float(r["device_seconds"]) / measured) if measured > 0 else 0.0
-            line.device_seconds += float(r["device_seconds"])
-            for name in COUNTS:
-                setattr(line, name, getattr(line, name) + int(r[name]))
+            share = used * per_second * float(r["device_seconds"]) / measured if measured > 0 else 0.0
+            _line(lines, r["tenant"], r["model"], r["version"], held, day).spend.add(
+                Spend(share, float(r["device_seconds"]), *(int(r[name]) for name in COUNTS)))
         if total - used * per_second > 0:
-            _line(lines, IDLE, "", "", held, day).cost += total - used * per_second
+            _line(lines, IDLE, "", "", held, day).spend.cost += total - used * per_second
     return Allocation(sorted(lines.values(), key=lambda c: (c.day, c.tenant, c.model, c.version, c.tier)), priced,
                       prices.currency)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from typing import Any, Iterable
 
-from shardline.cost.allocation import IDLE, Allocation, Charge, allocate
+from shardline.cost.allocation import IDLE, Allocation, Charge, Spend, allocate
 from shardline.cost.prices import PriceTable
 
 
@@ -26,27 +26,28 @@ class ReportLine:
     tenant: str
     model: str
     tier: str
-    cost: float = 0.0
-    requests: int = 0
-    rows: int = 0
-    tokens: int = 0
-    device_seconds: float = 0.0
+    spend: Spend = field(default_factory=Spend)
     hardware: set[str] = field(default_factory=set)
+
+    @property
+    def cost(self) -> float:
+        """The line's cost."""
+        return self.spend.cost
 
     @property
     def per_1k_rows(self) -> float | None:
         """Cost per 1,000 rows scored (None: no rows)."""
-        return self.cost / self.rows * 1_000 if self.rows else None
+        return self.cost / self.spend.rows * 1_000 if self.spend.rows else None
 
     @property
     def per_1m_tokens(self) -> float | None:
         """Cost per million tokens, prompt and completion (None: no tokens)."""
-        return self.cost / self.tokens * 1_000_000 if self.tokens else None
+        return self.cost / self.spend.tokens * 1_000_000 if self.spend.tokens else None
 
     @property
     def per_request(self) -> float | None:
         """Cost per request answered (None: no requests, as a batch job's)."""
-        return self.cost / self.requests if self.requests else None
+        return self.cost / self.spend.requests if self.spend.requests else None
 
 
 @dataclass
@@ -92,10 +93,10 @@ def summarize(allocation: Allocation, month: str, tenant: str | None = None) -> 
     for charge in allocation.charges:
         if tenant is not None and charge.tenant != tenant:
             continue
-        per_day[(charge.day, charge.tenant)] += charge.cost
-        per_hardware[(charge.hardware_class, charge.capacity_type)] += charge.cost
+        per_day[(charge.day, charge.tenant)] += charge.spend.cost
+        per_hardware[(charge.hardware_class, charge.capacity_type)] += charge.spend.cost
         if charge.tenant == IDLE:
-            idle[(charge.tier, charge.hardware_class, charge.capacity_type)] += charge.cost
+            idle[(charge.tier, charge.hardware_class, charge.capacity_type)] += charge.spend.cost
             continue
         _add(lines, charge)
     ordered = sorted(lines.values(), key=lambda line: (-line.cost, line.tenant, line.model, line.tier))
@@ -108,11 +109,7 @@ def _add(lines: dict[tuple[str, str, str], ReportLine], charge: Charge) -> None:
     line = lines.get(key)
     if line is None:
         line = lines[key] = ReportLine(*key)
-    line.cost += charge.cost
-    line.requests += charge.requests
-    line.rows += charge.rows
-    line.tokens += charge.tokens
-    line.device_seconds += charge.device_seconds
+    line.spend.add(charge.spend)
     line.hardware.add(charge.hardware_class if charge.capacity_type == "on-demand"
                       else f"{charge.hardware_class} ({charge.capacity_type})")
 
@@ -128,8 +125,9 @@ HEADER = ("tenant", "model", "tier", "hardware", "cost", "requests", "rows", "to
 
 
 def _cells(line: ReportLine, currency: str) -> tuple[str, ...]:
-    return (line.tenant, line.model, line.tier, ", ".join(sorted(line.hardware)), _money(line.cost, currency),
-            f"{line.requests:,}", f"{line.rows:,}", f"{line.tokens:,}", f"{line.device_seconds / 3600:,.3f}",
+    use = line.spend
+    return (line.tenant, line.model, line.tier, ", ".join(sorted(line.hardware)), _money(use.cost, currency),
+            f"{use.requests:,}", f"{use.rows:,}", f"{use.tokens:,}", f"{use.device_seconds / 3600:,.3f}",
             _money(line.per_1k_rows, currency), _money(line.per_1m_tokens, currency),
             _money(line.per_request, currency))
 

@@ -212,7 +212,7 @@ def test_two_tenants_at_once_both_finish_within_their_limits(
     from shardline.cost.report import build_report
 
     report = build_report(metered, load_prices(), today.strftime("%Y-%m"))  # the jobs' chargeback, example prices
-    assert {(line.tenant, line.tier, line.rows) for line in report.lines} == {
+    assert {(line.tenant, line.tier, line.spend.rows) for line in report.lines} == {
         ("acme", "batch", 12_000), ("globex", "batch", 12_000)}
     assert report.charged + report.idle_cost == pytest.approx(report.priced_capacity, rel=1e-3)
     assert all(line.per_1k_rows for line in report.lines)

@@ -60,14 +60,14 @@ def test_a_replica_is_priced_whole_and_split_by_device_seconds_with_idle_its_own
             prompt_tokens=10, completion_tokens=20),  # concurrent streams: more device time than wall time
     ]
     allocation = allocate(rows, PRICES)
-    cost = {(c.tenant, c.hardware_class): c.cost for c in allocation.charges}
+    cost = {(c.tenant, c.hardware_class): c.spend.cost for c in allocation.charges}
     assert cost[("acme", "h100")] == pytest.approx(7.0 * 900 / 3600)
     assert cost[("globex", "h100")] == pytest.approx(7.0 * 300 / 3600)
     assert cost[(IDLE, "h100")] == pytest.approx(7.0 * 2400 / 3600)  # the unused 40 minutes
     assert cost[("acme", "cpu")] == pytest.approx(4 * 0.02 / 2)  # capped at what it held: no idle, no more
     assert (IDLE, "cpu") not in cost
     assert allocation.priced_capacity == pytest.approx(7.0 + 0.04)
-    assert sum(c.cost for c in allocation.charges) == pytest.approx(allocation.priced_capacity)
+    assert sum(c.spend.cost for c in allocation.charges) == pytest.approx(allocation.priced_capacity)
     assert allocation.idle == pytest.approx(7.0 * 2400 / 3600)
 
 
@@ -75,7 +75,7 @@ def test_a_job_on_a_shared_cluster_pays_what_it_used() -> None:
     rows = [row("capacity", "batch-j1", hw="cpu", units=1.0, reserved_seconds=0.0),
             row("usage", "batch-j1", hw="cpu", tenant="acme", model="churn", device_seconds=7200.0, rows=10)]
     allocation = allocate(rows, PRICES)
-    assert [(c.tenant, round(c.cost, 6)) for c in allocation.charges] == [("acme", 0.1)]
+    assert [(c.tenant, round(c.spend.cost, 6)) for c in allocation.charges] == [("acme", 0.1)]
     assert allocation.priced_capacity == pytest.approx(0.1)
 
 

@@ -309,7 +309,7 @@ class Metrics:
         children[0].inc()
         children[1].observe(seconds)
         if self.ledger is not None and model:
-            self.ledger.add(tenant, model, version, requests=1)
+            self.ledger.add_request(tenant, model, version)
 
     def observe_batch(self, model: str, version: str, rows: int, requests: int, seconds: float) -> None:
         """Record one batch the model scored."""

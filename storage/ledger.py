@@ -38,6 +38,7 @@ log = logging.getLogger("shardline.metering")
 Tier = Literal["online", "batch"]
 MEASURES = ("requests", "rows", "prompt_tokens", "completion_tokens", "device_seconds", "cpu_seconds",
             "bytes_read", "bytes_written")
+_INDEX = {name: i for i, name in enumerate(MEASURES)}
 _COUNTS = frozenset({"requests", "rows", "prompt_tokens", "completion_tokens", "bytes_read", "bytes_written"})
 UNATTRIBUTED = "(unattributed)"  # device time a server measured that no tenant's rows of the bucket explain
 
@@ -200,14 +201,25 @@ class LedgerWriter:
         """Add a tenant's use of a model version to the current bucket (``measures`` named as ``MEASURES``)."""
         bucket = int(self._clock() // self.bucket_s)
         with self._lock:
-            by_key = self._usage.get(bucket)
-            if by_key is None:
-                by_key = self._usage[bucket] = {}
-            values = by_key.get((tenant, model, version))
-            if values is None:
-                values = by_key[(tenant, model, version)] = [0.0] * len(MEASURES)
+            values = self._values(bucket, (tenant, model, version))
             for name, amount in measures.items():
-                values[MEASURES.index(name)] += amount
+                values[_INDEX[name]] += amount
+
+    def add_request(self, tenant: str, model: str, version: str) -> None:
+        """Count one request: ``add(..., requests=1)`` without the keywords (it runs once per request)."""
+        bucket = int(self._clock() // self.bucket_s)
+        with self._lock:
+            self._values(bucket, (tenant, model, version))[0] += 1
+
+    def _values(self, bucket: int, key: tuple[str, str, str]) -> list[float]:
+        """The measures of ``key`` in ``bucket``, made when missing (the caller holds the lock)."""
+        by_key = self._usage.get(bucket)
+        if by_key is None:
+            by_key = self._usage[bucket] = {}
+        values = by_key.get(key)
+        if values is None:
+            values = by_key[key] = [0.0] * len(MEASURES)
+        return values
 
     def add_shared(self, model: str, version: str, seconds: float) -> None:
         """Add device time that the rows of the current bucket's tenants shared (split at write time)."""

@@ -195,6 +195,7 @@ class LedgerWriter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._unwritten: list[tuple[str, list[dict[str, Any]]]] = []  # buckets made into rows, not yet stored
         self.files: list[str] = []
 
     def add(self, tenant: str, model: str, version: str, **measures: float) -> None:
@@ -249,7 +250,11 @@ class LedgerWriter:
             self._thread.join(timeout=30)
         if not self._closed:
             self._closed = True
-            self.flush(final=True)
+            try:
+                self.flush(final=True)
+            except Exception:  # noqa: BLE001 - the stop goes on; what was not stored is said, not raised
+                log.exception("could not write the metering ledger at the stop; %d bucket(s) of %s are lost",
+                              len(self._unwritten), self.writer)
         return self.files
 
     def flush(self, final: bool = False) -> list[str]:
@@ -266,14 +271,17 @@ class LedgerWriter:
             self._next = last + 1
         cpu_now = self._cpu_clock()
         cpu, self._cpu_mark = cpu_now - self._cpu_mark, cpu_now
-        written = []
         for bucket in range(first, last + 1):
             rows = self._rows(bucket, usage.get(bucket, {}), shared.get(bucket, {}),
                               cpu if bucket == last else 0.0, now, final and bucket == last)
             start = bucket * self.bucket_s
-            written.append(self.store.write(
-                rows, f"{datetime.fromtimestamp(start, timezone.utc):%Y%m%dT%H%M%S}-{self.writer}"))
-        self.files.extend(written)
+            self._unwritten.append((f"{datetime.fromtimestamp(start, timezone.utc):%Y%m%dT%H%M%S}-{self.writer}", rows))
+        written = []
+        while self._unwritten:  # oldest first; one the store refuses stays, with those after it, for the next try
+            name, rows = self._unwritten[0]
+            written.append(self.store.write(rows, name))
+            self._unwritten.pop(0)
+            self.files.append(written[-1])
         return written
 
     def _rows(self, bucket: int, usage: dict[tuple[str, str, str], list[float]],

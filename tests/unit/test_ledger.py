@@ -93,3 +93,24 @@ def test_a_month_is_read_whole_and_an_empty_one_is_an_empty_table() -> None:
     assert sum(r["rows"] for r in usage(w.store)) == 6
     assert w.store.read("2026-01").num_rows == 0
     assert w.store.read("2025-12")["bucket_start"][0].as_py() == datetime(2025, 12, 1, tzinfo=timezone.utc)
+
+
+def test_a_bucket_the_store_refuses_is_kept_and_written_at_the_next_try() -> None:
+    w, clock, _ = writer(bucket_s=60)
+    w.add("acme", "churn", "3", requests=1, rows=2)
+    clock.now += 60
+    store_write = w.store.write
+    refusals = []
+
+    def refuse(rows: list, name: str) -> str:
+        refusals.append(name)
+        raise OSError("the store is away")
+
+    w.store.write = refuse  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        w.flush()
+    w.store.write = store_write  # type: ignore[method-assign]
+    w.add("acme", "churn", "3", requests=1, rows=2)
+    clock.now += 60
+    assert len(w.flush()) == 2 and len(refusals) == 1
+    assert sum(r["requests"] for r in usage(w.store)) == 2

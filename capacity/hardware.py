@@ -36,6 +36,11 @@ class MigProfile(BaseModel):
     size: int = Field(ge=1, le=MEMORY_SLICES, description="Memory slices one instance occupies.")
     starts: tuple[int, ...] = Field(description="Memory-slice indices an instance may start at.")
 
+    @property
+    def fraction(self) -> float:
+        """The share of its GPU one slice is priced at: its compute slices of the GPU's seven."""
+        return self.compute / COMPUTE_SLICES
+
 
 def _profiles(memory: tuple[str, str, str, str, str, str]) -> tuple[MigProfile, ...]:
     """The six profiles of a 7-compute, 8-memory-slice GPU, named by their memory ('18gb', '35gb', ...)."""
@@ -57,6 +62,15 @@ def _profiles(memory: tuple[str, str, str, str, str, str]) -> tuple[MigProfile, 
 
 H100_MIG = _profiles(("10gb", "20gb", "20gb", "40gb", "40gb", "80gb"))
 H200_MIG = _profiles(("18gb", "35gb", "35gb", "71gb", "71gb", "141gb"))
+MIG_PROFILES = {"h100": H100_MIG, "h200": H200_MIG}  # the GPU kinds of ``default_hardware`` by name
+MIG_MARK = "-mig-"
+
+
+def split_class(hardware_class: str) -> tuple[str, str | None]:
+    """A hardware class's GPU kind (or CPU type) and MIG profile: 'h100-mig-3g.40gb' -> ('h100', '3g.40gb'),
+    'h200' -> ('h200', None) (``GpuKind.class_name`` the other way)."""
+    kind, mark, profile = hardware_class.partition(MIG_MARK)
+    return (kind, profile) if mark else (hardware_class, None)
 
 Layout = tuple[str, ...]  # slot names of one GPU, sorted: ("whole",) or MIG profile names
 WHOLE = "whole"
@@ -79,7 +93,7 @@ class GpuKind(BaseModel):
 
     def class_name(self, slot: str) -> str:
         """The hardware class of a slot of this kind: 'h200' (whole) or 'h200-mig-1g.18gb'."""
-        return self.name if slot == WHOLE else f"{self.name}-mig-{slot}"
+        return self.name if slot == WHOLE else f"{self.name}{MIG_MARK}{slot}"
 
     def machine_of(self, slot: str) -> str:
         """The machine kind a slot's profiles are measured on: 'cuda-nvidia-h200[-mig-1g.18gb]'."""

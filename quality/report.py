@@ -15,17 +15,14 @@ the page's CSS scales down to its grid cell (``max-width: 100%``), so none is cu
 from __future__ import annotations
 
 import html
-import io
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import polars as pl
 
+from shardline.plots import inline_svg as _svg
 from shardline.quality.drift import OTHER, ColumnDrift, DriftReport
-
-if TYPE_CHECKING:  # pragma: no cover
-    from matplotlib.figure import Figure
 
 PLOTTED_COLUMNS = 8
 SINGLE_POINT_SPAN = timedelta(days=1)  # the time axis around one moment: one day either side
@@ -50,16 +47,6 @@ figure svg{display:block;max-width:100%;height:auto}
 
 def _ratio(column: ColumnDrift) -> float:
     return column.score / column.threshold if column.threshold > 0 else (np.inf if column.score > 0 else 0.0)
-
-
-def _svg(figure: "Figure") -> str:
-    import matplotlib.pyplot as plt
-
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg", bbox_inches="tight")
-    plt.close(figure)
-    text = buffer.getvalue()
-    return text[text.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline SVG
 
 
 def _entry(reference: dict[str, Any], column: ColumnDrift) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-from functools import cache
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,10 +27,9 @@ from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.metrics import RouterMetrics
 from shardline.online.router.replicas import ReplicaSet
 from shardline.tenants import parse_tenants_file
-from tests.support.k8s import K8S, REPO, containers, find, render
+from tests.support.k8s import K8S, REPO, containers, find, render, validate, validate_custom
 from tests.support.settings_names import unknown_settings
 
-CRDS = REPO / "tests/support/crds"
 OVERLAYS = ["dev", "production", "production-hpa"]
 KUBERNETES_VERSIONS = ["1.32.0", "1.37.0"]  # kubectl here is 1.32; 1.37 is the newest kubernetes-validate bundles
 DASK_TEMPLATES = sorted((K8S / "dask").glob("*.yaml"))
@@ -46,53 +44,6 @@ def overlay(name: str) -> tuple[dict[str, Any], ...]:
 def one(objects: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, Any]:
     [found] = find(objects, kind, name)
     return found
-
-
-# custom resources against their CRDs
-
-
-def _strict(schema: Any) -> Any:
-    """The CRD schema with unknown fields refused, as `kubectl apply --validate=strict` does (the API server
-    would otherwise prune them silently), except where the schema keeps unknown fields."""
-    if isinstance(schema, dict):
-        schema = {k: _strict(v) for k, v in schema.items()}
-        if ("properties" in schema and "additionalProperties" not in schema
-                and not schema.get("x-kubernetes-preserve-unknown-fields")):
-            schema["additionalProperties"] = False
-        return schema
-    if isinstance(schema, list):
-        return [_strict(v) for v in schema]
-    return schema
-
-
-@cache
-def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
-    """(apiVersion, kind) -> its openAPIV3Schema, metadata left to the API server (as a CRD's is)."""
-    schemas = {}
-    for path in sorted(CRDS.glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
-        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-        for version in crd["spec"]["versions"]:
-            schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
-            for field in ("apiVersion", "kind", "metadata"):  # the API server's, checked above or by it
-                schema.get("properties", {}).pop(field, None)
-            schemas[(f"{group}/{version['name']}", kind)] = _strict(schema)
-    return schemas
-
-
-def validate_custom(obj: dict[str, Any]) -> None:
-    key = (obj["apiVersion"], obj["kind"])
-    assert key in crd_schemas(), f"{key} has no CRD schema in tests/support/crds"
-    body = {k: v for k, v in obj.items() if k not in {"apiVersion", "kind", "metadata"}}
-    jsonschema.validate(body, crd_schemas()[key], cls=jsonschema.Draft7Validator)
-
-
-def validate(obj: dict[str, Any], version: str) -> None:
-    """One object: a built-in kind against Kubernetes' schemas, a custom one against its CRD."""
-    try:
-        kubernetes_validate.validate(obj, version, strict=True)
-    except kubernetes_validate.SchemaNotFoundError:
-        validate_custom(obj)
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)

@@ -2,10 +2,10 @@
 
 deploy/k8s runs one Deployment per replica group (``shardline-replicas-<group>``), each on one hardware class
 (docs/kubernetes.md). ``component_files(plan, hardware, groups)`` writes, for every group the mapping names, a
-strategic-merge patch of its Deployment: ``spec.replicas`` (the plan's replicas of that class; 0, and nothing else
-changed, where the plan uses none), the ``serve`` container's resources replaced whole (the GPU resource: ``nvidia.com/gpu`` or
-``nvidia.com/mig-<profile>``, one per replica; CPU and memory the plan assumed) and the node selector of the GPU
-kind. An overlay takes it with ``components: [path/to/dir]``. Pure: file name -> text.
+strategic-merge patch of its Deployment: ``spec.replicas`` (the plan's replicas of that class; 0, and nothing
+else changed, where the plan uses none), the ``serve`` container's resources replaced whole (the GPU resource:
+``nvidia.com/gpu`` or ``nvidia.com/mig-<profile>``, one per replica; CPU and memory the plan assumed) and the node
+selector of the GPU kind. An overlay takes it with ``components: [path/to/dir]``. Pure: file name -> text.
 """
 
 from __future__ import annotations

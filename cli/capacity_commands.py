@@ -54,8 +54,9 @@ def _summary(plan: Any) -> list[str]:
     ]
     served = {s.model: s for s in plan.served}
     for group in plan.groups:
+        wanted = served[group.model]
         lines.append(f"{group.model:<20} {group.hardware_class:<22} {group.replicas:>8} "
-                     f"{amount(group.capacity):>12} {amount(served[group.model].demand):>12}  {served[group.model].unit}"
+                     f"{amount(group.capacity):>12} {amount(wanted.demand):>12}  {wanted.unit}"
                      + ("  (slice rate estimated from the whole GPU)" if group.offer.estimated else ""))
     lines.append("")
     for node in plan.nodes:

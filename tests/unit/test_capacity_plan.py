@@ -22,7 +22,8 @@ from tests.support.k8s import K8S, find, render, validate
 
 PRICES = CostTable(per_hour={"cpu": 0.20, "cuda": 4.00})
 
-# An LLM on whole H200s (tokens/s measured by a load generator), an online model measured on a 1g slice, a batch model measured on a whole GPU only (its slices estimated) and on CPU.
+# An LLM on whole H200s (tokens/s measured by a load generator), an online model measured on a 1g slice, a batch
+# model measured on a whole GPU only (its slices estimated) and on CPU.
 DEMAND = """
 models:
   - {name: llm, demand: 3000, unit: tokens/s, memory_gb: 60,
@@ -50,7 +51,8 @@ def test_a_demand_file_packs_within_memory_meeting_every_demand() -> None:
     assert check_plan(problem, plan) == []
     served = {s.model: s for s in plan.served}
     assert served["llm"].capacity >= 3000 and served["churn"].replicas >= 2 and served["fraud"].capacity >= 100
-    # churn within 30 ms on its 1g slice: batch 64 at 70% of 2,000 rows/s fills in 45 ms, batch 8 at 70% of 500 in 20 ms (+2)
+    # churn within 30 ms on its 1g slice: batch 64 at 70% of 2,000 rows/s fills in 45 ms, batch 8 at 70% of 500
+    # in 20 ms (+2 ms the call's p99)
     churn = next(g for g in plan.groups if g.model == "churn")
     assert churn.offer.batch_size == 8 and churn.offer.capacity == pytest.approx(350.0)
     assert plan.lower_bound <= plan.cost_per_hour <= plan.baseline.cost_per_hour

@@ -17,6 +17,7 @@ from shardline.capacity.hardware import default_hardware
 from shardline.capacity.packing import check_plan, pack
 from shardline.cli import app
 from shardline.errors import InvalidSetting
+from shardline.storage.registry import ModelRegistry
 from shardline.placement import CostTable
 from tests.support.k8s import K8S, find, render, validate
 
@@ -147,3 +148,21 @@ def test_a_class_without_a_replica_group_is_refused_with_what_to_do() -> None:
     plan = pack(build_problem(demand, hardware, {}))
     with pytest.raises(InvalidSetting, match="no replica group"):
         component_files(plan, hardware, {})
+
+
+def test_a_model_named_by_reference_is_planned_from_the_profiles_its_version_stored(
+    local_registry: ModelRegistry, tmp_path: Path,
+) -> None:
+    """`model: breast-cancer@prod` reads what `shardline model profile` stored for that version."""
+    local_registry.put_profile("breast-cancer", 1, "cuda-nvidia-h200-mig-1g.18gb", {
+        "machine": "cuda-nvidia-h200-mig-1g.18gb", "device": "cuda",
+        "batches": [{"batch_size": 1, "p99_ms": 1.0, "rows_per_s": 1000.0}]})
+    (tmp_path / "demand.yaml").write_text(
+        "models:\n  - {name: bc, model: breast-cancer@prod, demand: 1400, p99_ms: 10, memory_gb: 2}\n")
+    result = CliRunner().invoke(app, ["plan", "capacity", "--demand", str(tmp_path / "demand.yaml"),
+                                      "-o", str(tmp_path / "plan.yaml")])
+    assert result.exit_code == 0, result.output
+    [group] = yaml.safe_load((tmp_path / "plan.yaml").read_text())["groups"]
+    # 70% of the measured 1,000 rows/s a slice: two slices for 1,400 rows/s, measured on that slice
+    assert group["hardware_class"] == "h200-mig-1g.18gb" and group["replicas"] == 2
+    assert group["offer"]["measured_on"] == "cuda-nvidia-h200-mig-1g.18gb" and not group["offer"]["estimated"]

@@ -103,24 +103,26 @@ def _first_error(error: ValidationError) -> str:
     return f"{where}: {first['msg']}"
 
 
+def _yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise InvalidSetting(f"{source} is not YAML ({str(e).splitlines()[0]}); fix its syntax") from e
+
+
 def parse_demand(text: str, source: str = "the demand file") -> DemandFile:
     """A demand file's YAML text, checked.
 
     Raises:
         InvalidSetting: not YAML, or a field missing or wrong (named, with what to do).
     """
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise InvalidSetting(f"{source} is not YAML ({str(e).splitlines()[0]}); fix its syntax") from e
+    data = _yaml(text, source)
     if not isinstance(data, dict):
         raise InvalidSetting(f"{source} must be a mapping with a 'models' list; see docs/cost.md, 'plan capacity'")
     try:
         return DemandFile.model_validate(data)
     except ValidationError as e:
-        raise InvalidSetting(
-            f"{source}: {_first_error(e)}; see docs/cost.md, 'plan capacity', for the fields"
-        ) from e
+        raise InvalidSetting(f"{source}: {_first_error(e)}; see docs/cost.md, 'plan capacity', for the fields") from e
 
 
 def parse_hardware(text: str, source: str = "the hardware file") -> Hardware:
@@ -130,10 +132,7 @@ def parse_hardware(text: str, source: str = "the hardware file") -> Hardware:
         InvalidSetting: not YAML, or a field missing or wrong.
     """
     try:
-        data = yaml.safe_load(text)
-        return Hardware.model_validate(data)
-    except yaml.YAMLError as e:
-        raise InvalidSetting(f"{source} is not YAML ({str(e).splitlines()[0]}); fix its syntax") from e
+        return Hardware.model_validate(_yaml(text, source))
     except ValidationError as e:
         raise InvalidSetting(f"{source}: {_first_error(e)}; it holds 'gpus' and 'cpu_nodes' lists") from e
 

@@ -166,3 +166,12 @@ def test_a_model_named_by_reference_is_planned_from_the_profiles_its_version_sto
     # 70% of the measured 1,000 rows/s a slice: two slices for 1,400 rows/s, measured on that slice
     assert group["hardware_class"] == "h200-mig-1g.18gb" and group["replicas"] == 2
     assert group["offer"]["measured_on"] == "cuda-nvidia-h200-mig-1g.18gb" and not group["offer"]["estimated"]
+
+
+def test_a_wrong_hardware_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "demand.yaml").write_text(DEMAND)
+    (tmp_path / "hardware.yaml").write_text("gpus:\n  - {name: h100, memory_gb: 80, price_per_hour: 4}\n")
+    result = CliRunner().invoke(app, ["plan", "capacity", "--demand", str(tmp_path / "demand.yaml"),
+                                      "--hardware", str(tmp_path / "hardware.yaml")])
+    assert result.exit_code == 2 and "hardware.yaml: gpus.0.machine: Field required" in result.output
+    assert len(result.output.strip().splitlines()) == 1

@@ -5,10 +5,11 @@ on a pool of workers with a discrete-event simulation that does what the platfor
 
 - a worker scores one shard at a time, taking the next from the queue when free (Dask's scheduler);
 - a spot worker gets a preemption notice (Poisson per worker at ``rate_per_hour``, or at the times of a
-  trace), stops taking work (``tasks/preemption.py``: closing gracefully), lets its shard run on, and is
-  reclaimed ``notice_s`` later; a shard not finished by then goes back to the queue, keeping the ranges its
-  per-range checkpoints saved (``storage/checkpoint.py``; a shard of one range keeps nothing); the cloud brings
-  a replacement spot worker ``replace_s`` after the reclaim;
+  trace), stops taking work (``tasks/preemption.py``: closing gracefully) and lets its shard run on for the
+  drain (``drain_s``, at most the notice); a shard not finished by then goes back to the queue, keeping the
+  ranges its per-range checkpoints saved (``storage/checkpoint.py``; a shard of one range keeps nothing); the
+  machine is reclaimed (and its billing ends) ``notice_s`` after the notice, and the cloud brings a replacement
+  spot worker ``replace_s`` after that;
 - the SLA tracker projects the finish from the settled shards every ``check_s`` (``shardline.sla_projection``,
   the same function) and, when the job turns at-risk or breached, the SLA response adds ``step`` workers
   (``flows/sla_response.py``), ready ``start_s`` later: of the job's own pool, as scaling its dask-kubernetes
@@ -72,6 +73,8 @@ class Preemptions(BaseModel):
     trace_s: tuple[float, ...] | None = Field(default=None, description="Notice times (s from the job's start); "
                                               "each takes one spot worker, chosen by the seed.")
     notice_s: float = Field(default=120.0, ge=0, description="Seconds from a notice to the reclaim (AWS: 120).")
+    drain_s: float = Field(default=20.0, ge=0, description="Seconds a noticed worker may finish its shard before it "
+                           "hands it back (SHARDLINE_DASK_PREEMPTION_DRAIN_S; at most the notice).")
     replace_s: float = Field(default=180.0, ge=0, description="Seconds from a reclaim to a replacement spot worker.")
 
 
@@ -183,7 +186,7 @@ def _finish(state: _State, payload: int, now: float) -> None:
     index, token = divmod(payload, 1_000_000)
     worker = state.workers[index]
     if worker.ended is not None or worker.token != token or worker.shard is None:
-        return  # reclaimed first
+        return  # handed back at the end of a drain first
     state.left[worker.shard] = []
     worker.shard = None
     state.done += 1
@@ -202,15 +205,13 @@ def _notice(state: _State, index: int, now: float) -> None:
     worker.draining = True
     worker.notice_at = now
     worker.reclaim_at = now + state.setup.preemptions.notice_s
+    state.at(now + min(state.setup.preemptions.drain_s, state.setup.preemptions.notice_s), "retire", index)
     state.at(worker.reclaim_at, "reclaim", index)
 
 
-def _reclaim(state: _State, index: int, now: float) -> None:
+def _retire(state: _State, index: int, now: float) -> None:
+    """The drain is over: a shard still running goes back to the queue, keeping its checkpointed ranges."""
     worker = state.workers[index]
-    if worker.ended is not None:
-        return
-    worker.ended = now
-    state.result["preemptions"] += 1
     if worker.shard is not None:
         shard, ran = worker.shard, now - worker.shard_started
         kept = 0
@@ -224,6 +225,15 @@ def _reclaim(state: _State, index: int, now: float) -> None:
         worker.shard = None
         for other in range(len(state.workers)):
             _assign(state, other, now)
+
+
+def _reclaim(state: _State, index: int, now: float) -> None:
+    """The cloud takes the machine: its billing ends, a replacement is on its way."""
+    worker = state.workers[index]
+    if worker.ended is not None:
+        return
+    worker.ended = now
+    state.result["preemptions"] += 1
     state.at(now + state.setup.preemptions.replace_s, "replace", index)
 
 
@@ -234,14 +244,14 @@ def _trace_notice(state: _State, now: float) -> None:
 
 
 def _check(state: _State, now: float, sla: Sla) -> None:
-    """The SLA tracker: project, and answer a turn to at-risk or breached with on-demand workers."""
+    """The SLA tracker: project, and answer each change to at-risk or to breached (each an event the
+    sla-response automation answers) with ``step`` more workers."""
     window = state.setup.response.window_s
     cut = bisect.bisect_right(state.times, now - window)
     trace = [ProgressPoint(_EPOCH, 0)] + state.points[max(0, cut - 1):]
     status = project(trace, len(state.job.shards), sla, _EPOCH + timedelta(seconds=now),
                      window=timedelta(seconds=window)).status
-    late = status in ("at-risk", "breached")
-    if late and state.status not in ("at-risk", "breached") and state.setup.response.step:
+    if status != state.status and status in ("at-risk", "breached") and state.setup.response.step:
         state.result["scale_ups"] += 1
         for _ in range(state.setup.response.step):
             state.at(now + state.setup.response.start_s, "added")
@@ -279,6 +289,8 @@ def simulate(job: JobWork, setup: Setup, seed: int = 0) -> RunResult:
             _finish(state, who, now)
         elif kind == "notice":
             _notice(state, who, now)
+        elif kind == "retire":
+            _retire(state, who, now)
         elif kind == "reclaim":
             _reclaim(state, who, now)
         elif kind == "replace":

@@ -50,7 +50,7 @@ def cost_simulate(
     )
     from shardline.capacity.spot_report import SpotReport, render_html, summary_lines
     from shardline.placement import CostTable
-    from shardline.settings import BatchSettings, PlacementSettings, StorageSettings
+    from shardline.settings import BatchSettings, DaskSettings, PlacementSettings, StorageSettings
 
     try:
         if rate_per_hour is not None and trace is not None:
@@ -76,7 +76,8 @@ def cost_simulate(
                           window_s=batch.sla_window_s)
         setup = Setup(prices=prices, response=answer,
                       preemptions=Preemptions(rate_per_hour=1.0 if rate_per_hour is None else rate_per_hour,
-                                              trace_s=times, notice_s=notice_s, replace_s=replace_s))
+                                              trace_s=times, notice_s=notice_s, replace_s=replace_s,
+                                              drain_s=DaskSettings().preemption_drain_s))
         if slack is not None:
             work = with_slack(work, setup, slack)
         seeds = range(seed, seed + runs)

@@ -74,6 +74,18 @@ def split_class(hardware_class: str) -> tuple[str, str | None]:
 
 Layout = tuple[str, ...]  # slot names of one GPU, sorted: ("whole",) or MIG profile names
 WHOLE = "whole"
+CapacityType = Literal["on-demand", "spot"]
+
+
+def _price(name: str, on_demand: float, spot: float | None, capacity: CapacityType) -> float:
+    if capacity == "on-demand":
+        return on_demand
+    if spot is None:
+        raise InvalidSetting(
+            f"hardware {name!r} has no spot price; give it spot_price_per_hour in the hardware catalogue "
+            "(or SHARDLINE_PLACEMENT_SPOT_COSTS_PER_HOUR), or compare on-demand only"
+        )
+    return spot
 
 
 class GpuKind(BaseModel):
@@ -83,13 +95,22 @@ class GpuKind(BaseModel):
     machine: str = Field(description="Machine kind its whole-GPU profiles are stored under: 'cuda-nvidia-h200'.")
     product: str = Field(description="The node label nvidia.com/gpu.product of its nodes: 'NVIDIA-H200'.")
     memory_gb: float = Field(gt=0, description="Memory of the whole GPU.")
-    price_per_hour: float = Field(gt=0, description="Price of one GPU per hour (whole or partitioned).")
+    price_per_hour: float = Field(gt=0, description="Price of one GPU per hour (whole or partitioned), on demand.")
+    spot_price_per_hour: float | None = Field(default=None, gt=0, description="Its spot price; None: no spot.")
     gpus_per_node: int = Field(default=8, ge=1, description="GPUs on one node of this kind.")
     billing: Literal["gpu", "node"] = Field(
         default="gpu", description="gpu: pay for the GPUs used; node: nodes come whole (gpus_per_node each)."
     )
     max_gpus: int | None = Field(default=None, ge=0, description="GPUs of this kind to be had at most.")
     mig: tuple[MigProfile, ...] = Field(default=(), description="MIG profiles; empty: whole GPUs only.")
+
+    def price(self, capacity: CapacityType = "on-demand") -> float:
+        """One GPU's price per hour on demand or on spot.
+
+        Raises:
+            InvalidSetting: spot asked and this kind has no spot price.
+        """
+        return _price(self.name, self.price_per_hour, self.spot_price_per_hour, capacity)
 
     def class_name(self, slot: str) -> str:
         """The hardware class of a slot of this kind: 'h200' (whole) or 'h200-mig-1g.18gb'."""
@@ -181,8 +202,17 @@ class CpuNodeType(BaseModel):
     arch: str = Field(default="x86_64", description="CPU architecture; profiles measured on 'cpu-<arch>-<N>c' apply.")
     cores: int = Field(ge=1)
     memory_gb: float = Field(gt=0)
-    price_per_hour: float = Field(gt=0)
+    price_per_hour: float = Field(gt=0, description="Price of one node per hour, on demand.")
+    spot_price_per_hour: float | None = Field(default=None, gt=0, description="Its spot price; None: no spot.")
     max_nodes: int | None = Field(default=None, ge=0, description="Nodes of this type to be had at most.")
+
+    def price(self, capacity: CapacityType = "on-demand") -> float:
+        """One node's price per hour on demand or on spot.
+
+        Raises:
+            InvalidSetting: spot asked and this type has no spot price.
+        """
+        return _price(self.name, self.price_per_hour, self.spot_price_per_hour, capacity)
 
 
 class Hardware(BaseModel):
@@ -211,20 +241,28 @@ class Hardware(BaseModel):
         raise InvalidSetting(f"no GPU kind {name!r} in the hardware catalogue; it has {[g.name for g in self.gpus]}")
 
 
-def default_hardware(costs: CostTable) -> Hardware:
+def default_hardware(costs: CostTable, spot_costs: CostTable | None = None) -> Hardware:
     """H100 and H200 GPUs (8 to a node, with their MIG profiles) and two CPU node types, priced by ``costs``
     (the placement cost table: ``SHARDLINE_PLACEMENT_COSTS_PER_HOUR``): a GPU at its machine kind's price, a
-    CPU node at its machine kind's price per 8 cores."""
+    CPU node at its machine kind's price per 8 cores; on spot by ``spot_costs`` alike
+    (``SHARDLINE_PLACEMENT_SPOT_COSTS_PER_HOUR``; None: no spot prices)."""
+
+    def spot(machine: str, times: int = 1) -> float | None:
+        return None if spot_costs is None else times * spot_costs.cost(machine)
+
     per_8_cores = costs.cost("cpu-x86_64-8c")
+    h100, h200 = "cuda-nvidia-h100-80gb-hbm3", "cuda-nvidia-h200"
     return Hardware(
         gpus=[
-            GpuKind(name="h100", machine="cuda-nvidia-h100-80gb-hbm3", product="NVIDIA-H100-80GB-HBM3",
-                    memory_gb=80, price_per_hour=costs.cost("cuda-nvidia-h100-80gb-hbm3"), mig=H100_MIG),
-            GpuKind(name="h200", machine="cuda-nvidia-h200", product="NVIDIA-H200", memory_gb=141,
-                    price_per_hour=costs.cost("cuda-nvidia-h200"), mig=H200_MIG),
+            GpuKind(name="h100", machine=h100, product="NVIDIA-H100-80GB-HBM3", memory_gb=80,
+                    price_per_hour=costs.cost(h100), spot_price_per_hour=spot(h100), mig=H100_MIG),
+            GpuKind(name="h200", machine=h200, product="NVIDIA-H200", memory_gb=141,
+                    price_per_hour=costs.cost(h200), spot_price_per_hour=spot(h200), mig=H200_MIG),
         ],
         cpu_nodes=[
-            CpuNodeType(name="cpu-8c", cores=8, memory_gb=32, price_per_hour=per_8_cores),
-            CpuNodeType(name="cpu-32c", cores=32, memory_gb=128, price_per_hour=4 * per_8_cores),
+            CpuNodeType(name="cpu-8c", cores=8, memory_gb=32, price_per_hour=per_8_cores,
+                        spot_price_per_hour=spot("cpu-x86_64-8c")),
+            CpuNodeType(name="cpu-32c", cores=32, memory_gb=128, price_per_hour=4 * per_8_cores,
+                        spot_price_per_hour=spot("cpu-x86_64-8c", 4)),
         ],
     )

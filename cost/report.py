@@ -193,7 +193,7 @@ def _plots(report: CostReport) -> list[tuple[str, str]]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from shardline.plots import inline_svg
+    from shardline.figures import inline_svg
 
     plots = []
     days = sorted({day for day, _ in report.per_day})

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import polars as pl
 
-from shardline.plots import inline_svg as _svg
+from shardline.figures import inline_svg
 from shardline.quality.drift import OTHER, ColumnDrift, DriftReport
 
 PLOTTED_COLUMNS = 8
@@ -81,7 +81,7 @@ def _numeric_plot(column: ColumnDrift, entry: dict[str, Any]) -> str | None:
     for ax in (ax_density, ax_cdf):
         ax.tick_params(labelsize=7)
     figure.suptitle(column.column, fontsize=10, y=1.05)
-    return _svg(figure)
+    return inline_svg(figure)
 
 
 def _categorical_plot(column: ColumnDrift, entry: dict[str, Any]) -> str | None:
@@ -103,7 +103,7 @@ def _categorical_plot(column: ColumnDrift, entry: dict[str, Any]) -> str | None:
     ax.set_ylabel("share of rows", fontsize=8)
     ax.legend(fontsize=8)
     ax.set_title(column.column, fontsize=10)
-    return _svg(figure)
+    return inline_svg(figure)
 
 
 def _moment(report: DriftReport) -> datetime:
@@ -171,7 +171,7 @@ def _history_plot(report: DriftReport, history: Sequence[DriftReport]) -> str | 
     ax.set_xlabel(f"end of the report's window (UTC), {'-'.join(str(y) for y in years)}", fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(labelsize=7)
-    return _svg(figure)
+    return inline_svg(figure)
 
 
 def _column_rows(report: DriftReport) -> str:

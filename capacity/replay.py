@@ -15,7 +15,7 @@ from typing import Any
 from shardline.capacity.spot import JobWork, ShardWork
 from shardline.errors import InvalidSetting
 from shardline.storage.job_records import JobRecord, JobRecords
-from shardline.storage.metering import MeteringLedger
+from shardline.storage.ledger import LedgerStore, is_gpu_class, month_of
 from shardline.storage.output import OutputLayout, PartRecord
 
 # The hardware class a job's workers are priced as, by the device the metering ledger says it used.
@@ -65,11 +65,11 @@ def load_finished_job(home: str, job_id: str, storage_options: dict[str, Any] | 
             "moved or cleaned: the simulation replays the seconds recorded there"
         )
     device = None
-    ledger = MeteringLedger(home, storage_options)
-    for day in {record.started_at.date(), record.finished_at.date()}:
-        for entry in ledger.records(record.parameters.tenant, day):
-            if entry.job_id == job_id:
-                device = entry.device
+    ledger = LedgerStore(home, storage_options)
+    for month in sorted({month_of(record.started_at), month_of(record.finished_at)}):
+        for row in ledger.read(month).to_pylist():  # a batch run's rows are written by "batch-<job id>-<suffix>"
+            if row["kind"] == "usage" and row["writer"].startswith(f"batch-{job_id}-"):
+                device = "gpu" if is_gpu_class(row["hardware_class"]) else "cpu"
     return FinishedJob(record, parts, device)
 
 

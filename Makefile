@@ -26,7 +26,7 @@ dataplane:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[cpu,package,embedding,embedding-build,frameworks,dev,quality,mlflow,llm,capacity]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[cpu,package,embedding,embedding-build,frameworks,dev,quality,mlflow,llm,capacity,kubernetes]'
 	touch $@
 
 demo: setup

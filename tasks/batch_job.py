@@ -191,7 +191,7 @@ def score_shards(
         return plan
     with fair_share(admitted.tenant, admitted.priority, len(plan.todo), settings.tenancy) as max_in_flight:
         scored = len(plan.new)
-        with dask_scheduler(settings.dask) as address:
+        with dask_scheduler(settings.dask, plan.job_id) as address:
             plan = infer_shards(plan, address, watchers=watchers, max_in_flight=max_in_flight)
     ledger = MeteringLedger(settings.storage.home, settings.storage.storage_options)
     meter_run(ledger, plan.tenant, plan.job_id, admitted.device, plan.new[scored:])

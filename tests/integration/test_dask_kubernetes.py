@@ -33,11 +33,20 @@ Cluster = kr8s.objects.new_class("DaskCluster", "kubernetes.dask.org/v1")
 Group = kr8s.objects.new_class("DaskWorkerGroup", "kubernetes.dask.org/v1")
 
 
+def forget_kr8s_clients() -> None:
+    """kr8s keeps one client per thread and arguments, not per KUBECONFIG: drop those made for another API."""
+    from kr8s._api import Api
+
+    Api._instances.clear()
+
+
 @pytest.fixture(scope="module")
 def api() -> Iterator[KubeApi]:
     with kube_api() as running, pytest.MonkeyPatch.context() as patch:
         patch.setenv("KUBECONFIG", str(running.kubeconfig))
+        forget_kr8s_clients()
         yield running
+    forget_kr8s_clients()
 
 
 def settings(**changes: Any) -> DaskSettings:

@@ -44,7 +44,7 @@ bench: setup
 	$(PY) bench/batch_throughput.py
 
 typecheck: setup
-	$(PY) -m mypy shardline build cli storage quality online tasks flows observability capacity
+	$(PY) -m mypy shardline build cli storage quality online tasks flows observability capacity controller cost
 
 # First what runs for the demo's home (shardline-demo/home), all of it from $(VENV): its batch runner, the Prefect
 # workers and flow runs started with its profile (README.md, "Scheduling it in Prefect"), its Prefect server and keeper.

@@ -36,6 +36,11 @@ class MigProfile(BaseModel):
     size: int = Field(ge=1, le=MEMORY_SLICES, description="Memory slices one instance occupies.")
     starts: tuple[int, ...] = Field(description="Memory-slice indices an instance may start at.")
 
+    @property
+    def fraction(self) -> float:
+        """The share of its GPU one slice is priced at: its compute slices of the GPU's seven."""
+        return self.compute / COMPUTE_SLICES
+
 
 def _profiles(memory: tuple[str, str, str, str, str, str]) -> tuple[MigProfile, ...]:
     """The six profiles of a 7-compute, 8-memory-slice GPU, named by their memory ('18gb', '35gb', ...)."""
@@ -57,9 +62,30 @@ def _profiles(memory: tuple[str, str, str, str, str, str]) -> tuple[MigProfile, 
 
 H100_MIG = _profiles(("10gb", "20gb", "20gb", "40gb", "40gb", "80gb"))
 H200_MIG = _profiles(("18gb", "35gb", "35gb", "71gb", "71gb", "141gb"))
+MIG_PROFILES = {"h100": H100_MIG, "h200": H200_MIG}  # the GPU kinds of ``default_hardware`` by name
+MIG_MARK = "-mig-"
+
+
+def split_class(hardware_class: str) -> tuple[str, str | None]:
+    """A hardware class's GPU kind (or CPU type) and MIG profile: 'h100-mig-3g.40gb' -> ('h100', '3g.40gb'),
+    'h200' -> ('h200', None) (``GpuKind.class_name`` the other way)."""
+    kind, mark, profile = hardware_class.partition(MIG_MARK)
+    return (kind, profile) if mark else (hardware_class, None)
 
 Layout = tuple[str, ...]  # slot names of one GPU, sorted: ("whole",) or MIG profile names
 WHOLE = "whole"
+CapacityType = Literal["on-demand", "spot"]
+
+
+def _price(name: str, on_demand: float, spot: float | None, capacity: CapacityType) -> float:
+    if capacity == "on-demand":
+        return on_demand
+    if spot is None:
+        raise InvalidSetting(
+            f"hardware {name!r} has no spot price; give it spot_price_per_hour in the hardware catalogue "
+            "(or SHARDLINE_PLACEMENT_SPOT_COSTS_PER_HOUR), or compare on-demand only"
+        )
+    return spot
 
 
 class GpuKind(BaseModel):
@@ -69,7 +95,8 @@ class GpuKind(BaseModel):
     machine: str = Field(description="Machine kind its whole-GPU profiles are stored under: 'cuda-nvidia-h200'.")
     product: str = Field(description="The node label nvidia.com/gpu.product of its nodes: 'NVIDIA-H200'.")
     memory_gb: float = Field(gt=0, description="Memory of the whole GPU.")
-    price_per_hour: float = Field(gt=0, description="Price of one GPU per hour (whole or partitioned).")
+    price_per_hour: float = Field(gt=0, description="Price of one GPU per hour (whole or partitioned), on demand.")
+    spot_price_per_hour: float | None = Field(default=None, gt=0, description="Its spot price; None: no spot.")
     gpus_per_node: int = Field(default=8, ge=1, description="GPUs on one node of this kind.")
     billing: Literal["gpu", "node"] = Field(
         default="gpu", description="gpu: pay for the GPUs used; node: nodes come whole (gpus_per_node each)."
@@ -77,9 +104,17 @@ class GpuKind(BaseModel):
     max_gpus: int | None = Field(default=None, ge=0, description="GPUs of this kind to be had at most.")
     mig: tuple[MigProfile, ...] = Field(default=(), description="MIG profiles; empty: whole GPUs only.")
 
+    def price(self, capacity: CapacityType = "on-demand") -> float:
+        """One GPU's price per hour on demand or on spot.
+
+        Raises:
+            InvalidSetting: spot asked and this kind has no spot price.
+        """
+        return _price(self.name, self.price_per_hour, self.spot_price_per_hour, capacity)
+
     def class_name(self, slot: str) -> str:
         """The hardware class of a slot of this kind: 'h200' (whole) or 'h200-mig-1g.18gb'."""
-        return self.name if slot == WHOLE else f"{self.name}-mig-{slot}"
+        return self.name if slot == WHOLE else f"{self.name}{MIG_MARK}{slot}"
 
     def machine_of(self, slot: str) -> str:
         """The machine kind a slot's profiles are measured on: 'cuda-nvidia-h200[-mig-1g.18gb]'."""
@@ -167,8 +202,17 @@ class CpuNodeType(BaseModel):
     arch: str = Field(default="x86_64", description="CPU architecture; profiles measured on 'cpu-<arch>-<N>c' apply.")
     cores: int = Field(ge=1)
     memory_gb: float = Field(gt=0)
-    price_per_hour: float = Field(gt=0)
+    price_per_hour: float = Field(gt=0, description="Price of one node per hour, on demand.")
+    spot_price_per_hour: float | None = Field(default=None, gt=0, description="Its spot price; None: no spot.")
     max_nodes: int | None = Field(default=None, ge=0, description="Nodes of this type to be had at most.")
+
+    def price(self, capacity: CapacityType = "on-demand") -> float:
+        """One node's price per hour on demand or on spot.
+
+        Raises:
+            InvalidSetting: spot asked and this type has no spot price.
+        """
+        return _price(self.name, self.price_per_hour, self.spot_price_per_hour, capacity)
 
 
 class Hardware(BaseModel):
@@ -197,20 +241,28 @@ class Hardware(BaseModel):
         raise InvalidSetting(f"no GPU kind {name!r} in the hardware catalogue; it has {[g.name for g in self.gpus]}")
 
 
-def default_hardware(costs: CostTable) -> Hardware:
+def default_hardware(costs: CostTable, spot_costs: CostTable | None = None) -> Hardware:
     """H100 and H200 GPUs (8 to a node, with their MIG profiles) and two CPU node types, priced by ``costs``
     (the placement cost table: ``SHARDLINE_PLACEMENT_COSTS_PER_HOUR``): a GPU at its machine kind's price, a
-    CPU node at its machine kind's price per 8 cores."""
+    CPU node at its machine kind's price per 8 cores; on spot by ``spot_costs`` alike
+    (``SHARDLINE_PLACEMENT_SPOT_COSTS_PER_HOUR``; None: no spot prices)."""
+
+    def spot(machine: str, times: int = 1) -> float | None:
+        return None if spot_costs is None else times * spot_costs.cost(machine)
+
     per_8_cores = costs.cost("cpu-x86_64-8c")
+    h100, h200 = "cuda-nvidia-h100-80gb-hbm3", "cuda-nvidia-h200"
     return Hardware(
         gpus=[
-            GpuKind(name="h100", machine="cuda-nvidia-h100-80gb-hbm3", product="NVIDIA-H100-80GB-HBM3",
-                    memory_gb=80, price_per_hour=costs.cost("cuda-nvidia-h100-80gb-hbm3"), mig=H100_MIG),
-            GpuKind(name="h200", machine="cuda-nvidia-h200", product="NVIDIA-H200", memory_gb=141,
-                    price_per_hour=costs.cost("cuda-nvidia-h200"), mig=H200_MIG),
+            GpuKind(name="h100", machine=h100, product="NVIDIA-H100-80GB-HBM3", memory_gb=80,
+                    price_per_hour=costs.cost(h100), spot_price_per_hour=spot(h100), mig=H100_MIG),
+            GpuKind(name="h200", machine=h200, product="NVIDIA-H200", memory_gb=141,
+                    price_per_hour=costs.cost(h200), spot_price_per_hour=spot(h200), mig=H200_MIG),
         ],
         cpu_nodes=[
-            CpuNodeType(name="cpu-8c", cores=8, memory_gb=32, price_per_hour=per_8_cores),
-            CpuNodeType(name="cpu-32c", cores=32, memory_gb=128, price_per_hour=4 * per_8_cores),
+            CpuNodeType(name="cpu-8c", cores=8, memory_gb=32, price_per_hour=per_8_cores,
+                        spot_price_per_hour=spot("cpu-x86_64-8c")),
+            CpuNodeType(name="cpu-32c", cores=32, memory_gb=128, price_per_hour=4 * per_8_cores,
+                        spot_price_per_hour=spot("cpu-x86_64-8c", 4)),
         ],
     )

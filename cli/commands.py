@@ -37,6 +37,12 @@ app.add_typer(rollout_app, name="rollout")
 from shardline.cli.tenant_commands import tenant_app  # noqa: E402
 
 app.add_typer(tenant_app, name="tenant")
+from shardline.cli.capacity_commands import plan_app  # noqa: E402
+
+app.add_typer(plan_app, name="plan")
+from shardline.cli.cost_commands import cost_app  # noqa: E402
+
+app.add_typer(cost_app, name="cost")
 
 
 # How this process runs batch jobs, as ``main`` decided: a supervised child always runs them here (cold);

@@ -113,6 +113,7 @@ class DataPlane:
         self._io_pool = ThreadPoolExecutor(2, thread_name_prefix="shardline-registry")
         self._codec_pool = ThreadPoolExecutor(_CODEC_THREADS, thread_name_prefix="shardline-codec")
         self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        self.metrics.start()
         self.started = True
         for tenant in self.tenants.tenants.values():
             for ref in tenant.models.values():
@@ -295,6 +296,9 @@ class DataPlane:
                 if timer is not None:
                     timer.cancel()
         served.last_used = self._clock()
+        if self.metrics.ledger is not None:
+            self.metrics.observe_rows(served.name, _version_label(served.resolved), tenant.name, rows.num_rows,
+                                      rows.nbytes, _answer_nbytes(answer))
         return answer
 
     async def _predict(self, key: tuple[str, int, str], inputs: Rows) -> Any:
@@ -464,6 +468,13 @@ def _expire(future: asyncio.Future[Any], model: str) -> None:
         future.set_exception(DeadlineExceeded(
             f"the request's deadline ({TIMEOUT_HEADER}) passed while it waited in the queue of model {model!r}; "
             f"retry, or send a longer {TIMEOUT_HEADER}"))
+
+
+def _answer_nbytes(answer: Any) -> int:
+    """Bytes of an answer: an Arrow table or batch, or a dict of numpy arrays."""
+    if isinstance(answer, dict):
+        return sum(int(getattr(a, "nbytes", 0)) for a in answer.values())
+    return int(getattr(answer, "nbytes", 0))
 
 
 def _version_label(resolved: ResolvedModel) -> str:

@@ -24,6 +24,8 @@ COPY online/ online/
 COPY cli/ cli/
 COPY observability/ observability/
 COPY capacity/ capacity/
+COPY controller/ controller/
+COPY cost/ cost/
 # PIP_CONSTRAINT pins setuptools in pip's build environment too, as -c does the rest.
 RUN PIP_CONSTRAINT=/src/constraints.txt /opt/shardline/venv/bin/pip install -c constraints.txt \
         ".[cpu,package,embedding,kubernetes]" \

@@ -25,6 +25,8 @@ COPY online/ online/
 COPY cli/ cli/
 COPY observability/ observability/
 COPY capacity/ capacity/
+COPY controller/ controller/
+COPY cost/ cost/
 RUN PIP_CONSTRAINT=/src/constraints.txt /opt/shardline/venv/bin/pip install -c constraints.txt \
         ".[gpu,embedding,kubernetes]" \
     && /opt/shardline/venv/bin/python -c "import importlib.metadata as m, sys; sys.exit('onnxruntime (CPU) must not be installed beside onnxruntime-gpu') if any(d.metadata['Name'] == 'onnxruntime' for d in m.distributions()) else m.version('onnxruntime-gpu')" \

@@ -179,17 +179,31 @@ def job_cluster(settings: DaskSettings, job_id: str, template: dict[str, Any]) -
                                               settings.kubernetes_max_workers)
     namespace = _namespace(settings)
     name = body["metadata"]["name"]
-    cluster = cluster_kind(body, namespace=namespace)
-    cluster.create()
+    cluster = _create_or_adopt(cluster_kind, body, namespace)
     try:
         if scaler_body is not None:
-            autoscaler_kind(scaler_body, namespace=namespace).create()
+            _create_or_adopt(autoscaler_kind, scaler_body, namespace)
         _wait_running(cluster, settings.kubernetes_ready_timeout_s)
         yield f"tcp://{name}-scheduler.{namespace}:{scheduler_port(body)}"
     finally:
         with contextlib.suppress(Exception):  # adopted by the cluster once the operator saw it; not always yet
             autoscaler_kind.get(name, namespace=namespace).delete()
         cluster.delete()
+
+
+def _create_or_adopt(kind: Any, body: dict[str, Any], namespace: str) -> Any:
+    """Create the object; if it exists (an earlier run of the same job died before deleting it: its name is the
+    job's), use that one, as it stands: the job resumes on its own cluster."""
+    import kr8s
+
+    obj = kind(body, namespace=namespace)
+    try:
+        obj.create()
+    except kr8s.ServerError as e:
+        if e.response is None or e.response.status_code != 409:
+            raise
+        return kind.get(body["metadata"]["name"], namespace=namespace)
+    return obj
 
 
 def _wait_running(cluster: Any, timeout_s: float) -> None:

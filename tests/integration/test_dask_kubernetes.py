@@ -16,12 +16,13 @@ from typing import Any, Iterator
 import kr8s
 import kr8s.objects
 import pytest
+import yaml
 from dask_kubernetes.operator.controller.controller import build_default_worker_group_spec
 from distributed import Client, Event, LocalCluster
 
 from shardline.settings import DaskSettings
 from shardline.tasks.cluster import dask_scheduler
-from shardline.tasks.kube_cluster import scale_job_cluster
+from shardline.tasks.kube_cluster import job_cluster_resources, scale_job_cluster
 from shardline.tasks.sla_response import scale_up
 from tests.support.kube_api import KubeApi, kube_api
 
@@ -151,3 +152,17 @@ def test_scaling_down_waits_for_idle_workers_and_stops_at_the_jobs_minimum(api: 
         scale_up.fn(settings(), job, 2)
         assert "could not say" in scale_job_cluster(settings(), job, -2, scheduler_address="tcp://127.0.0.1:9")
         assert replicas(api, name) == (4, 4, 10)
+
+
+def test_a_resumed_job_uses_the_cluster_its_earlier_run_left_behind(api: KubeApi) -> None:
+    job = "feedfacecafe0003"
+    name = f"shardline-{job}"
+    left, _ = job_cluster_resources(yaml.safe_load(TEMPLATE.read_text()), job, 2, 10)
+    left["spec"]["worker"]["replicas"] = 7  # what the earlier run had scaled it to
+    Cluster(left, namespace=NAMESPACE).create()
+    play_operator(name)
+    with dask_scheduler(settings(), job) as address:
+        assert address.startswith(f"tcp://{name}-scheduler.")
+        assert api.get(CLUSTERS, NAMESPACE, name)["spec"]["worker"]["replicas"] == 7  # adopted, not replaced
+        assert api.get(SCALERS, NAMESPACE, name)["spec"]["maximum"] == 10
+    assert api.get(CLUSTERS, NAMESPACE, name) is None

@@ -203,7 +203,7 @@ def score_shards(
     todo = list(plan.todo)
     with fair_share(admitted.tenant, admitted.priority, len(todo), settings.tenancy) as max_in_flight:
         scored = len(plan.new)
-        with dask_scheduler(settings.dask) as address:
+        with dask_scheduler(settings.dask, plan.job_id) as address:
             began = datetime.now(timezone.utc)
             plan = infer_shards(plan, address, watchers=watchers, max_in_flight=max_in_flight)
             window = (began, datetime.now(timezone.utc))

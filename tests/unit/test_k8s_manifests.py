@@ -32,7 +32,7 @@ from tests.support.settings_names import unknown_settings
 
 OVERLAYS = ["dev", "production", "production-hpa"]
 KUBERNETES_VERSIONS = ["1.32.0", "1.37.0"]  # kubectl here is 1.32; 1.37 is the newest kubernetes-validate bundles
-DASK_TEMPLATES = sorted((K8S / "dask").glob("*.yaml"))
+DASK_TEMPLATES = sorted((K8S / "base/tenant/dask").glob("*.yaml"))
 EXAMPLES = [p for p in sorted((K8S / "examples").iterdir()) if (p / "kustomization.yaml").is_file()]
 MIG_RESOURCES = {"nvidia.com/mig-1g.18gb", "nvidia.com/mig-3g.71gb"}
 
@@ -73,12 +73,26 @@ def test_the_checks_refuse_a_misspelled_field() -> None:
         validate_custom(scaled)
 
 
-@pytest.mark.parametrize("template", DASK_TEMPLATES, ids=lambda p: p.name)
-def test_dask_templates_validate_against_the_dask_kubernetes_crds(template: Path) -> None:
-    obj = yaml.safe_load(template.read_text())
-    validate_custom(obj)
-    if obj["kind"] == "DaskCluster":
-        for spec in (obj["spec"]["scheduler"]["spec"], obj["spec"]["worker"]["spec"]):
+def dask_templates(name: str) -> dict[str, dict[str, Any]]:
+    """The DaskCluster templates an overlay ships to a tenant's namespace (ConfigMap shardline-dask-templates)."""
+    config = one(overlay(name), "ConfigMap", "shardline-dask-templates")
+    assert config["metadata"]["namespace"] == "shardline-tenant-acme"
+    return {key: yaml.safe_load(text) for key, text in config["data"].items()}
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_dask_templates_and_the_job_clusters_made_from_them_validate_against_the_crds(name: str) -> None:
+    from shardline.tasks.kube_cluster import job_cluster_resources
+
+    templates = dask_templates(name)
+    assert set(templates) == {p.name for p in DASK_TEMPLATES}
+    for key, template in templates.items():
+        assert template == yaml.safe_load((K8S / "base/tenant/dask" / key).read_text())  # the image's copy
+        cluster, autoscaler = job_cluster_resources(template, "0123456789abcdef", 2, 10)
+        assert autoscaler is not None
+        for obj in (template, cluster, autoscaler):
+            validate_custom(obj)
+        for spec in (cluster["spec"]["scheduler"]["spec"], cluster["spec"]["worker"]["spec"]):
             kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": spec},
                                          "1.32.0", strict=True)
 
@@ -362,7 +376,7 @@ def test_every_pod_label_a_policy_selects_exists() -> None:
 
 
 def test_gpu_dask_template_puts_workers_on_spot_gpus_and_the_scheduler_on_demand() -> None:
-    cluster = yaml.safe_load((K8S / "dask/cluster-gpu.yaml").read_text())
+    cluster = dask_templates("production")["cluster-gpu.yaml"]
     scheduler = cluster["spec"]["scheduler"]["spec"]
     excluded = {e["key"]: e["values"] for t in
                 scheduler["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -387,7 +401,7 @@ def test_batch_priority_class_is_below_online_and_never_preempts() -> None:
 
 def test_the_image_carries_the_dask_templates_the_flow_reads() -> None:
     text = (REPO / "deploy/images/cpu.Dockerfile").read_text()
-    assert "deploy/k8s/dask/" in text
+    assert "deploy/k8s/base/tenant/dask/" in text
 
 
 def pod_specs(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -401,7 +415,7 @@ def pod_specs(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_pods_meet_the_restricted_pod_security_standard(name: str) -> None:
     # the platform namespace enforces `restricted`; the Dask templates meet it too (tenant namespaces warn on it)
-    objects = [*overlay(name), *(yaml.safe_load(p.read_text()) for p in DASK_TEMPLATES)]
+    objects = [*overlay(name), *dask_templates(name).values()]
     checked = 0
     for obj in objects:
         for pod in pod_specs(obj):

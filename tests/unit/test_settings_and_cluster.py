@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,8 +44,9 @@ def test_cluster_choices_say_what_is_missing(tmp_path: Path) -> None:
             pass
 
 
-@pytest.mark.skipif(importlib.util.find_spec("dask_kubernetes") is not None, reason="dask-kubernetes is installed")
-def test_kubernetes_without_its_extra_names_the_extra(tmp_path: Path) -> None:
+def test_kubernetes_without_its_extra_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in ("kr8s", "kr8s.objects", "dask_kubernetes"):  # as without the extra: importing them fails
+        monkeypatch.setitem(sys.modules, module, None)
     spec = tmp_path / "cluster.yaml"
     spec.write_text("kind: DaskCluster\n")
     with pytest.raises(RuntimeUnavailable, match="pip install 'shardline\\[kubernetes\\]'"):

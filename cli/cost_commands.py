@@ -4,7 +4,6 @@ demand (`simulate`: where spot stops paying off). docs/cost.md."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -15,22 +14,6 @@ from shardline.errors import InvalidSetting, ShardlineError
 
 cost_app = typer.Typer(help="Cost: chargeback per tenant from the metering ledger, and what spot saves.",
                        no_args_is_help=True)
-
-MONTH = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
-
-
-def _prices_path(given: Path | None) -> Path | None:
-    """The price table to read: --prices, else SHARDLINE_METERING_PRICES_FILE, else <home>/prices.yaml when there,
-    else None (the example's list prices)."""
-    from shardline.settings import MeteringSettings, StorageSettings
-
-    if given is not None:
-        return given
-    configured = MeteringSettings().prices_file
-    if configured:
-        return Path(configured)
-    in_home = Path(StorageSettings().home) / "prices.yaml"
-    return in_home if in_home.is_file() else None
 
 
 @cost_app.command("report")
@@ -50,14 +33,13 @@ def report(
     Each replica or batch worker is priced at the larger of what it held and what it used (OpenCost's rule), split
     across tenants by their device-seconds; idle capacity is its own line, carried by the platform. Exit 2 on a
     bad month, a month the ledger does not hold, or a class the price table does not price."""
-    from shardline.cost.prices import load_prices
+    from shardline.cost.prices import load_prices, prices_path
     from shardline.cost.report import build_report, render_html, render_prometheus, render_text
     from shardline.settings import StorageSettings
-    from shardline.storage.ledger import LedgerStore
+    from shardline.storage.ledger import LedgerStore, check_month
 
-    if not MONTH.match(month):
-        raise fail(f"--month {month!r} is not a month; give it as YYYY-MM, e.g. 2026-11")
     try:
+        check_month(month)
         storage = StorageSettings()
         store = LedgerStore(storage.home, storage.storage_options)
         table = store.read(month)
@@ -71,7 +53,7 @@ def report(
             known = sorted({r["tenant"] for r in rows if r["kind"] == "usage"})
             raise fail(f"tenant {tenant!r} used nothing in {month} (tenants with use: {', '.join(known)}); check "
                        "the name")
-        result = build_report(rows, load_prices(_prices_path(prices)), month, tenant)
+        result = build_report(rows, load_prices(prices_path(prices)), month, tenant)
     except ShardlineError as e:
         raise fail(e) from e
     typer.echo(render_text(result), nl=False)

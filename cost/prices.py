@@ -99,3 +99,17 @@ def load_prices(path: str | Path | None = None) -> PriceTable:
         first = e.errors()[0]
         at = ".".join(str(p) for p in first["loc"])
         raise InvalidSetting(f"the price table {str(where)!r} is wrong at {at}: {first['msg']}; see {EXAMPLE}") from e
+
+
+def prices_path(given: str | Path | None = None) -> Path | None:
+    """The price table to read: ``given``, else SHARDLINE_METERING_PRICES_FILE, else ``<home>/prices.yaml`` when
+    there, else None (``load_prices`` then reads the example's list prices)."""
+    from shardline.settings import MeteringSettings, StorageSettings
+
+    if given is not None:
+        return Path(given)
+    configured = MeteringSettings().prices_file
+    if configured:
+        return Path(configured)
+    in_home = Path(str(StorageSettings().home)) / "prices.yaml"
+    return in_home if in_home.is_file() else None

@@ -152,6 +152,17 @@ def render_text(report: CostReport) -> str:
     return "\n".join([*text, *_summary(report)]) + "\n"
 
 
+def render_markdown(report: CostReport) -> str:
+    """The report as a Markdown table (a Prefect artifact)."""
+    rows = [_cells(line, report.currency) for line in report.lines]
+    rows += [("(idle)", "", tier, f"{hw} ({cap})" if cap != "on-demand" else hw, _money(cost, report.currency),
+              *[""] * 7) for (tier, hw, cap), cost in sorted(report.idle.items())]
+    text = [f"# Cost report {report.month}" + (f", tenant {report.tenant}" if report.tenant else ""), "",
+            "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    text += ["| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in rows]
+    return "\n".join([*text, "", *(f"- {line}" for line in _summary(report))]) + "\n"
+
+
 def render_prometheus(report: CostReport) -> str:
     """The month's costs as Prometheus gauges (text exposition, for node_exporter's textfile collector or a
     Pushgateway): ``shardline_cost`` per tenant, model and tier (tenant "(idle)" for idle, per hardware class),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -30,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from shardline.errors import InvalidSetting
 from shardline.settings import MeteringSettings
 from shardline.storage.fs import atomic_write_bytes, join, open_fs
 
@@ -78,6 +80,23 @@ def holding_of(settings: MeteringSettings, tier: Tier, device: Literal["cpu", "g
 def is_gpu_class(hardware_class: str) -> bool:
     """Whether a hardware class is a GPU or a slice of one (every class but 'cpu' and 'cpu-...')."""
     return not (hardware_class == "cpu" or hardware_class.startswith("cpu-"))
+
+
+def check_month(month: str) -> str:
+    """``month`` when it is a ledger month ('2026-11').
+
+    Raises:
+        InvalidSetting: it is not YYYY-MM.
+    """
+    if not re.fullmatch(r"\d{4}-(0[1-9]|1[0-2])", month):
+        raise InvalidSetting(f"{month!r} is not a month; give it as YYYY-MM, e.g. 2026-11")
+    return month
+
+
+def previous_month(now: datetime | None = None) -> str:
+    """The month before ``now``'s (UTC; default now): what a report on the 1st covers."""
+    moment = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
+    return f"{moment.year - 1}-12" if moment.month == 1 else f"{moment.year}-{moment.month - 1:02d}"
 
 
 def month_of(moment: datetime) -> str:

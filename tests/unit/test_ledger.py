@@ -114,3 +114,17 @@ def test_a_bucket_the_store_refuses_is_kept_and_written_at_the_next_try() -> Non
     clock.now += 60
     assert len(w.flush()) == 2 and len(refusals) == 1
     assert sum(r["requests"] for r in usage(w.store)) == 2
+
+
+def test_a_report_month_is_checked_and_the_first_of_january_reports_december() -> None:
+    from datetime import datetime, timezone
+
+    from shardline.errors import InvalidSetting
+    from shardline.storage.ledger import check_month, previous_month
+
+    assert check_month("2026-11") == "2026-11"
+    for wrong in ("2026-13", "2026-1", "26-11", "2026-00", "november"):
+        with pytest.raises(InvalidSetting, match="is not a month; give it as YYYY-MM"):
+            check_month(wrong)
+    assert previous_month(datetime(2027, 1, 1, 6, tzinfo=timezone.utc)) == "2026-12"
+    assert previous_month(datetime(2026, 12, 1, 6, tzinfo=timezone.utc)) == "2026-11"

@@ -113,3 +113,10 @@ def prices_path(given: str | Path | None = None) -> Path | None:
         return Path(configured)
     in_home = Path(str(StorageSettings().home)) / "prices.yaml"
     return in_home if in_home.is_file() else None
+
+
+def money(value: float | None, currency: str) -> str:
+    """An amount to read: four significant digits under 1, cents from 1 up; "-" for None."""
+    if value is None:
+        return "-"
+    return f"{value:.4g} {currency}" if abs(value) < 1 else f"{value:,.2f} {currency}"

@@ -16,7 +16,8 @@ from datetime import date
 from typing import Any, Iterable
 
 from shardline.cost.allocation import IDLE, Allocation, Charge, Spend, allocate
-from shardline.cost.prices import PriceTable
+from shardline.cost.prices import PriceTable, money
+from shardline.cost.recommend import Recommendation, recommend
 
 
 @dataclass
@@ -62,6 +63,7 @@ class CostReport:
     per_hardware: dict[tuple[str, str], float]  # (hardware class, capacity type) -> cost, idle included
     priced_capacity: float
     tenant: str | None = None
+    recommendations: list[Recommendation] = field(default_factory=list)  # the whole month's (none for one tenant)
 
     @property
     def charged(self) -> float:
@@ -81,7 +83,10 @@ def build_report(rows: Iterable[dict[str, Any]], prices: PriceTable, month: str,
         InvalidSetting: a hardware class the price table does not price.
     """
     allocation = allocate(rows, prices)
-    return summarize(allocation, month, tenant)
+    report = summarize(allocation, month, tenant)
+    if tenant is None:
+        report.recommendations = recommend(allocation, prices)
+    return report
 
 
 def summarize(allocation: Allocation, month: str, tenant: str | None = None) -> CostReport:
@@ -114,53 +119,55 @@ def _add(lines: dict[tuple[str, str, str], ReportLine], charge: Charge) -> None:
                       else f"{charge.hardware_class} ({charge.capacity_type})")
 
 
-def _money(value: float | None, currency: str) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.4g} {currency}" if abs(value) < 1 else f"{value:,.2f} {currency}"
-
-
 HEADER = ("tenant", "model", "tier", "hardware", "cost", "requests", "rows", "tokens", "device-h", "per 1k rows",
           "per 1M tokens", "per request")
 
 
 def _cells(line: ReportLine, currency: str) -> tuple[str, ...]:
     use = line.spend
-    return (line.tenant, line.model, line.tier, ", ".join(sorted(line.hardware)), _money(use.cost, currency),
+    return (line.tenant, line.model, line.tier, ", ".join(sorted(line.hardware)), money(use.cost, currency),
             f"{use.requests:,}", f"{use.rows:,}", f"{use.tokens:,}", f"{use.device_seconds / 3600:,.3f}",
-            _money(line.per_1k_rows, currency), _money(line.per_1m_tokens, currency),
-            _money(line.per_request, currency))
+            money(line.per_1k_rows, currency), money(line.per_1m_tokens, currency),
+            money(line.per_request, currency))
 
 
 def _summary(report: CostReport) -> list[str]:
     c = report.currency
     if report.tenant is not None:
-        return [f"charged to {report.tenant}: {_money(report.charged, c)}"]
-    return [f"priced capacity: {_money(report.priced_capacity, c)}",
-            f"charged to tenants: {_money(report.charged, c)}",
-            f"idle (carried by the platform): {_money(report.idle_cost, c)}"]
+        return [f"charged to {report.tenant}: {money(report.charged, c)}"]
+    return [f"priced capacity: {money(report.priced_capacity, c)}",
+            f"charged to tenants: {money(report.charged, c)}",
+            f"idle (carried by the platform): {money(report.idle_cost, c)}"]
+
+
+def _advice(report: CostReport) -> list[str]:
+    if not report.recommendations:
+        return []
+    return ["recommendations (largest saving first):", *(f"- {r.text}" for r in report.recommendations)]
 
 
 def render_text(report: CostReport) -> str:
     """The report as aligned text for a terminal."""
     rows = [HEADER, *(_cells(line, report.currency) for line in report.lines)]
-    rows += [("(idle)", "", tier, f"{hw} ({cap})" if cap != "on-demand" else hw, _money(cost, report.currency),
+    rows += [("(idle)", "", tier, f"{hw} ({cap})" if cap != "on-demand" else hw, money(cost, report.currency),
               *[""] * 7) for (tier, hw, cap), cost in sorted(report.idle.items())]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     text = [f"cost report {report.month}" + (f", tenant {report.tenant}" if report.tenant else "")]
     text += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join([*text, *_summary(report)]) + "\n"
+    return "\n".join([*text, *_summary(report), *_advice(report)]) + "\n"
 
 
 def render_markdown(report: CostReport) -> str:
     """The report as a Markdown table (a Prefect artifact)."""
     rows = [_cells(line, report.currency) for line in report.lines]
-    rows += [("(idle)", "", tier, f"{hw} ({cap})" if cap != "on-demand" else hw, _money(cost, report.currency),
+    rows += [("(idle)", "", tier, f"{hw} ({cap})" if cap != "on-demand" else hw, money(cost, report.currency),
               *[""] * 7) for (tier, hw, cap), cost in sorted(report.idle.items())]
     text = [f"# Cost report {report.month}" + (f", tenant {report.tenant}" if report.tenant else ""), "",
             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     text += ["| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in rows]
-    return "\n".join([*text, "", *(f"- {line}" for line in _summary(report))]) + "\n"
+    advice = ["", "## Recommendations", "", *(f"- {r.text}" for r in report.recommendations)] if report.recommendations \
+        else []
+    return "\n".join([*text, "", *(f"- {line}" for line in _summary(report)), *advice]) + "\n"
 
 
 def render_prometheus(report: CostReport) -> str:
@@ -249,14 +256,16 @@ def render_html(report: CostReport) -> str:
                                      for i, c in enumerate(cells)) + "</tr>")
     for (tier, hw, cap), cost in sorted(report.idle.items()):
         body.append(f"<tr class='idle'><td>(idle)</td><td></td><td>{e(tier)}</td><td>{e(hw)} ({e(cap)})</td>"
-                    f"<td class='num'>{e(_money(cost, report.currency))}</td>" + "<td></td>" * 7 + "</tr>")
+                    f"<td class='num'>{e(money(cost, report.currency))}</td>" + "<td></td>" * 7 + "</tr>")
     figures = "".join(f"<figure><figcaption>{e(title)}</figcaption>{svg}</figure>" for title, svg in _plots(report))
     title = f"Cost report {report.month}" + (f", tenant {report.tenant}" if report.tenant else "")
     summary = "".join(f"<li>{e(s)}</li>" for s in _summary(report))
+    advice = ("<h2>Recommendations</h2><ul>" + "".join(f"<li>{e(r.text)}</li>" for r in report.recommendations)
+              + "</ul>") if report.recommendations else ""
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{_STYLE}</style>"
             f"</head><body><h1>{e(title)}</h1><ul>{summary}</ul>"
             "<p class='muted'>Each replica or worker is priced at the larger of what it held and what it used; the "
             "used part is split across tenants by their device-seconds, the rest is idle, carried by the "
             "platform.</p>"
             f"<div class='plots'>{figures}</div><h2>Chargeback</h2><table><thead><tr>{head}</tr></thead>"
-            f"<tbody>{''.join(body)}</tbody></table></body></html>")
+            f"<tbody>{''.join(body)}</tbody></table>{advice}</body></html>")

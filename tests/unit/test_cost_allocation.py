@@ -101,3 +101,37 @@ def test_the_report_gives_unit_costs_per_tenant_model_and_tier_and_the_idle_apar
            'tier="online"} 1.75' in exposition
     only = build_report(rows, PRICES, "2026-11", tenant="globex")
     assert [line.tenant for line in only.lines] == ["globex"] and only.idle == {}
+
+
+def test_recommendations_name_idle_hardware_the_cheaper_class_and_spot_with_their_savings() -> None:
+    from shardline.cost.recommend import recommend
+    from shardline.cost.report import build_report, render_markdown, render_text
+
+    rows = [
+        # an H100 held for the hour and used 12 minutes by churn: 48 minutes idle
+        row("capacity", "gpu-1", units=1.0, reserved_seconds=3600.0),
+        row("usage", "gpu-1", tenant="acme", model="churn", device_seconds=720.0, requests=10, rows=1_000),
+        # churn on 2 CPU cores as well, used all the hour: 1,000 rows for 0.1 USD against 1.4 on the GPU
+        row("capacity", "cpu-1", hw="cpu", units=2.0, reserved_seconds=3600.0),
+        row("usage", "cpu-1", hw="cpu", tenant="acme", model="churn", device_seconds=3600.0, requests=10, rows=1_000),
+        # a batch job on an on-demand H100 that the table also prices on spot
+        {**row("capacity", "batch-j1", units=1.0, reserved_seconds=1800.0), "tier": "batch"},
+        {**row("usage", "batch-j1", tenant="globex", model="big", device_seconds=1800.0, rows=50), "tier": "batch"},
+    ]
+    allocation = allocate(rows, PRICES)
+    found = {r.kind: r for r in recommend(allocation, PRICES)}
+    assert set(found) == {"idle", "hardware", "spot"}
+    assert found["idle"].saving == pytest.approx(7.0 * 2880 / 3600)
+    assert "online h100 (on-demand) was idle for 80% of its 7.00 USD" in found["idle"].text
+    assert found["hardware"].saving == pytest.approx(7.0 * 720 / 3600 - 0.1)  # 1.4 USD -> 0.1 USD for its rows
+    assert "churn (online): 1,000 rows cost 1.40 USD on h100 and 0.1 USD on cpu" in found["hardware"].text
+    assert found["spot"].saving == pytest.approx(3.5 - 1.4)  # half an hour at 7.0 against 2.8
+    assert [r.kind for r in recommend(allocation, PRICES)] == ["idle", "spot", "hardware"]  # largest saving first
+
+    report = build_report(rows, PRICES, "2026-11")
+    assert "recommendations (largest saving first):" in render_text(report)
+    assert "## Recommendations" in render_markdown(report)
+    assert build_report(rows, PRICES, "2026-11", tenant="acme").recommendations == []  # the platform's, not a tenant's
+    quiet = [row("capacity", "gpu-1", units=1.0, reserved_seconds=3600.0),
+             row("usage", "gpu-1", tenant="acme", model="churn", device_seconds=3500.0, rows=10)]
+    assert recommend(allocate(quiet, PRICES), PRICES) == []  # busy, one class, online: nothing to say

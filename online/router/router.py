@@ -53,6 +53,7 @@ from shardline.online.headers import (
     VARIANT_HEADER,
 )
 from shardline.online.models import ModelDirectory
+from shardline.online.quota_store import Held, QuotaStore
 from shardline.online.router.compare import decode_answer
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
 from shardline.online.router.messages import (
@@ -131,6 +132,7 @@ class Router:
         self._abandoned: set[asyncio.Task[object]] = set()  # tries given up on a hung replica (``abandon``)
         self.fallbacks: dict[tuple[str, str], str] = {}  # (model name, group) -> the variant that group answers with
         self.behind_edge = False  # nginx in front: it holds the rate and concurrency quotas it marks
+        self.quotas: QuotaStore | None = None  # set: every router holds the tenants' quotas in one Redis
 
     async def start(self) -> None:
         """Ready the connection pools (connections open on first use)."""
@@ -143,6 +145,8 @@ class Router:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        if self.quotas is not None:
+            await self.quotas.close()
 
     def _pool(self, url: str) -> UpstreamPool:
         pool = self._pools.get(url)
@@ -276,13 +280,22 @@ class Router:
                         include_usage: bool = False) -> Answer:
         # The tenant's rate and concurrency, for every replica together (held while a stream runs), unless
         # the data plane in front has held them (it marks the requests it admitted; a client's mark never gets here).
-        gate = (_ADMITTED if self.behind_edge and request.header(_GATED) == tenant.name else self._gate(tenant))
-        gate.__enter__()
+        gate: TenantGate | _Admitted | Held
+        if self.behind_edge and request.header(_GATED) == tenant.name:
+            gate = _ADMITTED
+        elif self.quotas is not None:
+            gate = await self.quotas.admit(tenant)  # held in Redis for every router (online/quota_store.py)
+        else:
+            gate = self._gate(tenant)
+            gate.__enter__()
         llm = None
         try:
             if path in GENERATION_PATHS:
-                opened = self._llm_gate(tenant)
-                opened.open(0)  # its generations in flight, and a token quota not spent
+                if self.quotas is not None:
+                    opened = await self.quotas.open_llm(tenant)
+                else:
+                    opened = self._llm_gate(tenant)
+                    opened.open(0)  # its generations in flight, and a token quota not spent
                 llm = opened  # given back below only once taken: a refused stream gives back no one else's slot
             answer = await self._measured(tenant, request, path, body, key, request_id, route, mirror, stream)
         except BaseException:

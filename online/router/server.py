@@ -26,6 +26,7 @@ from typing import Any
 from shardline.errors import InvalidSetting
 from shardline.online.logs import log_config
 from shardline.online.models import ModelDirectory
+from shardline.online.quota_store import QuotaStore
 from shardline.online.router.config import RouterConfig, load_router_config, local_config
 from shardline.online.router.events import RouterEvents
 from shardline.online.router.health import BreakerPolicy
@@ -91,6 +92,9 @@ def build_service(settings: RouterSettings, storage: StorageSettings, tenancy: T
     activator = Activator(settings.activator_queue) if scaler is not None and settings.min_replicas == 0 else None
     router = Router(settings, tenants, directory, replicas, key, rollouts=book, activator=activator)
     router.fallbacks = {(f.model, f.group): f.variant for f in config.fallbacks}
+    if tenancy.quota_store:
+        router.quotas = QuotaStore(tenancy.quota_store, tenancy.quota_store_routers, time.monotonic,
+                                   router.metrics.registry)
     return RouterService(router, config, local, scaler)
 
 
@@ -152,6 +156,10 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
         config = load_router_config(settings.config_file)
     service = build_service(settings, storage, tenancy, config, key, local)
     plane = choose_front(settings.data_plane)
+    if plane is not None and tenancy.quota_store:
+        log.info("quotas in %s: nginx's fast lane is not started (its Lua holds quotas in nginx's own memory); "
+                 "every request passes the router's shared quotas", tenancy.quota_store)
+        plane = None
     online = OnlineSettings()
     limits = resolve_limits(online, open_files_limit())
     metrics = (bind_metrics_listener(settings.metrics_host, settings.metrics_port, settings.port,

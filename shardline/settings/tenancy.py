@@ -34,3 +34,17 @@ class TenancySettings(BaseSettings):
     wait_timeout_s: float | None = Field(
         default=None, gt=0, description="How long a job waits for its tenant's and class's slots; unset: as long as it takes."
     )
+    quota_store: str | None = Field(
+        default=None,
+        pattern=r"^rediss?://",
+        description="Where every router holds the tenants' rate, concurrency and LLM token and stream quotas "
+        "together: a Redis URL (redis://host:port/db). Unset: each router holds them in its own process (one "
+        "router: as before; N routers: N times each quota). Set, nginx's fast lane is not started: every request "
+        "passes the shared quotas (docs/routing.md, Quotas for many routers).",
+    )
+    quota_store_routers: int = Field(
+        default=1, ge=1,
+        description="How many routers share the quota store: while Redis cannot be reached each router holds "
+        "1/N of every quota in its own process (logged once per outage, counted in "
+        "shardline_router_quota_store_fallbacks_total).",
+    )

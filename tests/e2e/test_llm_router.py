@@ -18,13 +18,10 @@ import httpx
 import openai
 import pytest
 
-from shardline.build.llm_build import package_tiny_llm
 from shardline.local_ports import reserve_port as free_port
 from shardline.online.router.nginx_front import find_nginx
-from shardline.online.tenants import hash_api_key
-from shardline.storage.registry import ModelRegistry
 from tests.e2e.conftest import SHARDLINE
-from tests.support.routers import _env, _stop, _wait_ready
+from tests.support.routers import _env, _stop, _wait_ready, tiny_llm_home
 
 KEY, SMALL = "sk-llm-router", "sk-llm-router-small"
 pytestmark = pytest.mark.timeout(300)
@@ -40,13 +37,7 @@ class Routed:
 def _route_tiny(home: Path, tenants: list[tuple[str, str, str]], replicas: int, plane: str) -> Iterator[Routed]:
     """``shardline router --local-replicas N`` over the tiny LLM for ``tenants`` (name, key, the limit's YAML line)
     on ``plane``, until the generator is closed."""
-    package_tiny_llm(home / "tiny-bundle", name="tiny")
-    registry = ModelRegistry(str(home / "registry"))
-    registry.set_alias("tiny", "prod", registry.push(home / "tiny-bundle").version or 1)
-    tenants_file = home / "tenants.yaml"
-    tenants_file.write_text("tenants:\n" + "".join(
-        f"  - name: {name}\n    api_keys_sha256: [\"{hash_api_key(key)}\"]\n    models: [\"tiny@prod\"]\n    {limit}\n"
-        for name, key, limit in tenants))
+    tenants_file = tiny_llm_home(home, tenants)
     port = free_port()
     log = home / "router.log"
     with open(log, "wb") as sink:

@@ -187,3 +187,18 @@ def _eventually(check: Any, timeout: float, what: str | Callable[[], str]) -> An
             return found
         assert time.monotonic() < deadline, what if isinstance(what, str) else what()
         time.sleep(0.2)
+
+
+def tiny_llm_home(home: Path, tenants: list[tuple[str, str, str]]) -> Path:
+    """The tiny LLM (``tiny@prod``) in ``home``'s registry, and a tenants file for ``tenants`` (name, key, the
+    limit's YAML line) that may call it; returns the tenants file."""
+    from shardline.build.llm_build import package_tiny_llm
+
+    package_tiny_llm(home / "tiny-bundle", name="tiny")
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias("tiny", "prod", registry.push(home / "tiny-bundle").version or 1)
+    tenants_file = home / "tenants.yaml"
+    tenants_file.write_text("tenants:\n" + "".join(
+        f"  - name: {name}\n    api_keys_sha256: [\"{hash_api_key(key)}\"]\n    models: [\"tiny@prod\"]\n    {limit}\n"
+        for name, key, limit in tenants))
+    return tenants_file

@@ -1,0 +1,167 @@
+"""Two routers, one Redis: a tenant's quotas held for both together (SHARDLINE_TENANCY_QUOTA_STORE,
+online/quota_store.py), and Redis stopped mid-load losing no request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import orjson
+import pytest
+
+from shardline.local_ports import reserve_port as free_port
+from shardline.online.router.nginx_front import find_nginx
+from shardline.online.tenants import hash_api_key
+from shardline.storage.registry import ModelRegistry
+from tests.conftest import BuiltModel
+from tests.e2e.conftest import SHARDLINE
+from tests.support.redis_server import RedisServer, redis_server
+from tests.support.routers import MODEL, _env, _scrape, _stop, _wait_ready
+
+pytestmark = pytest.mark.timeout(180)
+
+METERED_KEY = "sk-shared-metered"
+RATE = 100  # the tenant's requests a second, for both routers together
+OFFERED = 300  # what the test sends, both routers together
+
+
+@dataclass
+class Pair:
+    urls: list[str]
+    metrics: list[str]
+    logs: list[Path]
+    redis: RedisServer
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, breast_cancer_model: BuiltModel) -> Iterator[Pair]:
+    """Two `shardline router --local-replicas 1` on one tenants file and one redis-server."""
+    home = tmp_path_factory.mktemp("shared-quotas")
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias(MODEL, "prod", registry.push(breast_cancer_model.bundle_dir).version or 1)
+    tenants = home / "tenants.yaml"
+    tenants.write_text(
+        "tenants:\n"
+        "  - name: metered\n"
+        f"    api_keys_sha256: [\"{hash_api_key(METERED_KEY)}\"]\n"
+        f"    models: [\"{MODEL}@prod\"]\n"
+        f"    rate: {{requests_per_second: {RATE}, burst: 10}}\n"
+        "    max_concurrent: 200\n"
+    )
+    redis = redis_server(home)
+    routers: list[subprocess.Popen[bytes]] = []
+    urls, metrics, logs = [], [], []
+    try:
+        for i in range(2):
+            port, metrics_port = free_port(), free_port()
+            log = home / f"router-{i}.log"
+            with open(log, "wb") as sink:
+                routers.append(subprocess.Popen(
+                    [*SHARDLINE, "router", "--local-replicas", "1", "--tenants", str(tenants), "--port", str(port),
+                     "--metrics-port", str(metrics_port)],
+                    # nginx asked for where it is installed: with a quota store its fast lane is not started
+                    env=_env(home, SHARDLINE_TENANCY_QUOTA_STORE=redis.url, SHARDLINE_TENANCY_QUOTA_STORE_ROUTERS="2",
+                             SHARDLINE_ROUTER_DATA_PLANE="nginx" if find_nginx() else "python"),
+                    stdout=sink, stderr=subprocess.STDOUT, cwd=home))
+            urls.append(f"http://127.0.0.1:{port}")
+            metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
+            logs.append(log)
+        for url, router, log in zip(urls, routers, logs):
+            _wait_ready(url, router, log, available=1)
+            if find_nginx():
+                assert "nginx's fast lane is not started" in log.read_text()
+        yield Pair(urls, metrics, logs, redis)
+    finally:
+        for router in routers:
+            _stop(router)
+        redis.stop()
+
+
+def _body(model: BuiltModel) -> bytes:
+    row = model.data.features[0]
+    return orjson.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": [1], "data": [float(row[j])]}
+                                    for j, n in enumerate(model.data.names)]})
+
+
+async def _paced(urls: list[str], body: bytes, seconds: float, during: Any = None,
+                 finished: list[float] | None = None) -> list[tuple[float, Any, Any]]:
+    """OFFERED requests a second for ``seconds``, alternating between the routers; each outcome with its send time:
+    (sent, status, Retry-After), or (sent, "lost", error) for one dropped or hung. ``during(elapsed)`` is called
+    as the load runs (the test's action mid-load); ``finished`` is given the seconds until the last answer."""
+    outcomes: list[tuple[float, Any, Any]] = []
+    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+    headers = {"Authorization": f"Bearer {METERED_KEY}"}
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=u, headers=headers, limits=limits,
+                                                                     timeout=20)) for u in urls]
+
+        async def one(client: httpx.AsyncClient, sent: float) -> None:
+            try:
+                answer = await client.post(f"/v2/models/{MODEL}/infer", content=body)
+            except httpx.HTTPError as e:
+                outcomes.append((sent, "lost", repr(e)))
+                return
+            outcomes.append((sent, answer.status_code, answer.headers.get("retry-after")))
+
+        tasks = []
+        start = time.monotonic()
+        n = 0
+        while (elapsed := time.monotonic() - start) < seconds:
+            due = start + n / OFFERED
+            if due > time.monotonic():
+                await asyncio.sleep(due - time.monotonic())
+            tasks.append(asyncio.create_task(one(clients[n % len(clients)], time.monotonic() - start)))
+            n += 1
+            if during is not None:
+                during(elapsed)
+        await asyncio.gather(*tasks)
+        if finished is not None:
+            finished.append(time.monotonic() - start)
+    return outcomes
+
+
+def test_a_tenants_rate_is_held_for_both_routers_together(pair: Pair, breast_cancer_model: BuiltModel) -> None:
+    seconds = 4.0
+    done: list[float] = []
+    outcomes = asyncio.run(_paced(pair.urls, _body(breast_cancer_model), seconds, finished=done))
+    assert [o for o in outcomes if o[1] not in (200, 429)] == []
+    assert len(outcomes) / seconds > 2.2 * RATE  # each router was offered more than the whole quota
+    admitted = sum(o[1] == 200 for o in outcomes)
+    # the burst, then the rate while requests came in (the last may reach a busy router late: the window runs
+    # to the last answer): 410 for 4 s, where a quota per router would give ~820
+    allowed = (10 + RATE * seconds, 10 + RATE * max(seconds, done[0]))
+    assert 0.95 * allowed[0] <= admitted <= 1.05 * allowed[1], (admitted, allowed)
+    assert all(o[2] is not None and int(o[2]) >= 1 for o in outcomes if o[1] == 429)
+
+
+def test_redis_stopped_mid_load_loses_no_request_and_each_router_holds_its_share(
+        pair: Pair, breast_cancer_model: BuiltModel) -> None:
+    time.sleep(0.2)  # the last test's bucket refills past its burst
+    logged = [log.read_text().count("unreachable") for log in pair.logs]
+
+    def stop_redis(elapsed: float) -> None:
+        if elapsed >= 1.0 and pair.redis.process is not None:
+            pair.redis.stop()
+
+    try:
+        outcomes = asyncio.run(_paced(pair.urls, _body(breast_cancer_model), 4.0, stop_redis))
+    finally:
+        if pair.redis.process is None:
+            pair.redis.start()
+    assert [o for o in outcomes if o[1] not in (200, 429)] == []  # no 5xx, no dropped connection
+    assert all(o[2] is not None and int(o[2]) >= 1 for o in outcomes if o[1] == 429)
+    # Redis gone (from 1 s on, after the outage is seen): each router admits its half of the rate, so together
+    # about the quota still, never the double that a whole quota per router would give
+    after = [o for o in outcomes if o[0] >= 1.5]
+    span = max(o[0] for o in after) - 1.5
+    admitted = sum(o[1] == 200 for o in after)
+    assert 0.8 * RATE * span <= admitted <= 2 * 5 + 1.2 * RATE * span, (admitted, span)
+    for url, log, before in zip(pair.metrics, pair.logs, logged):
+        assert _scrape(url).get(("shardline_router_quota_store_fallbacks_total", ()), 0) > 0
+        assert log.read_text().count("unreachable") == before + 1  # logged once per outage

@@ -19,7 +19,7 @@ cost_app = typer.Typer(help="Cost: chargeback per tenant from the metering ledge
 MONTH = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 
 
-def _prices_path(given: Path | None) -> Path | None:
+def prices_path(given: Path | None) -> Path | None:
     """The price table to read: --prices, else SHARDLINE_METERING_PRICES_FILE, else <home>/prices.yaml when there,
     else None (the example's list prices)."""
     from shardline.settings import MeteringSettings, StorageSettings
@@ -71,7 +71,7 @@ def report(
             known = sorted({r["tenant"] for r in rows if r["kind"] == "usage"})
             raise fail(f"tenant {tenant!r} used nothing in {month} (tenants with use: {', '.join(known)}); check "
                        "the name")
-        result = build_report(rows, load_prices(_prices_path(prices)), month, tenant)
+        result = build_report(rows, load_prices(prices_path(prices)), month, tenant)
     except ShardlineError as e:
         raise fail(e) from e
     typer.echo(render_text(result), nl=False)

@@ -9,13 +9,12 @@ the teacher, scoring and gating the student are ``shardline.quality.distillation
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from shardline.errors import InvalidInput, InvalidSetting, RuntimeUnavailable
 
-StudentKind = Literal["linear", "gbt", "mlp"]
 STUDENT_KINDS: tuple[str, ...] = ("linear", "gbt", "mlp")
 
 
@@ -28,6 +27,7 @@ class StudentSize:
     hidden: int = 16
 
     def describe(self, kind: str) -> str:
+        """The size of a ``kind`` student in words, for messages."""
         if kind == "gbt":
             return f"{self.trees} tree{'s' if self.trees != 1 else ''} of depth {self.max_depth}"
         if kind == "mlp":

@@ -22,9 +22,9 @@ from shardline.bundle import Lineage, Manifest
 from shardline.build.distill import StudentSize, fit_student
 from shardline.build.packaging import GoldenSet, package_sklearn
 from shardline.build.profiling import profile_model
-from shardline.errors import InvalidBundle, InvalidInput
+from shardline.errors import InvalidBundle, InvalidInput, InvalidSetting
 from shardline.quality.evaluation import (
-    EVALUATION_BATCH_ROWS, column_values, evaluation_of, golden_predictions, metric_value, read_golden,
+    column_values, evaluation_of, golden_predictions, metric_value, predicted_column, read_golden,
 )
 from shardline.quality.variants import check_delta
 from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
@@ -82,11 +82,6 @@ def _features(table: pa.Table, names: list[str]) -> np.ndarray:
     return np.column_stack([column_values(table.column(n)).astype(np.float32) for n in names])
 
 
-def _predict_all(model: Runtime, table: pa.Table, column: str) -> np.ndarray:
-    parts = [model.predict(b).column(column) for b in table.to_batches(max_chunksize=EVALUATION_BATCH_ROWS)]
-    return column_values(pa.chunked_array(parts))
-
-
 def _rows_per_s(model: Runtime, sample: pa.Table, seconds: float) -> float:
     profile = profile_model(model, sample.slice(0, MEASURE_BATCH_ROWS), (min(MEASURE_BATCH_ROWS, sample.num_rows),),
                             seconds)
@@ -125,10 +120,13 @@ def distill(
         InvalidBundle: the teacher has no golden set, is scored by a metric a student cannot meet, or takes
             non-numeric inputs.
         InvalidInput: the data lacks the teacher's inputs, or the teacher gives one answer for all of it.
-        InvalidSetting: an unknown student kind or a size below 1.
+        InvalidSetting: an unknown student kind, a size below 1, or ``name`` the teacher's own.
         GateFailed: (gate 'variant-accuracy') the student scores too far from the teacher; nothing is pushed.
     """
     resolved = registry.resolve(teacher_ref)
+    if name == resolved.name:
+        raise InvalidSetting(f"the student would be a version of its teacher {resolved.name!r}; give it a name of its "
+                             f"own (--name), e.g. {resolved.name}-student")
     teacher_manifest = resolved.manifest
     evaluation = evaluation_of(teacher_manifest)
     classifier, student_output = _student_outputs(evaluation.metric, resolved.pinned)
@@ -145,7 +143,7 @@ def distill(
         try:
             teacher = cache.get(resolved, MEASURE_OPTIONS, storage_options)
             golden = read_golden(cache.local_dir(resolved), teacher_manifest)
-            answers = _predict_all(teacher, data, evaluation.prediction_column)
+            answers = predicted_column(teacher, data, evaluation.prediction_column)
             teacher_on_golden = golden_predictions(teacher, teacher_manifest, golden)
             teacher_rows_per_s = _rows_per_s(teacher, data, seconds_per_measure)
         finally:
@@ -161,7 +159,7 @@ def distill(
         manifest = package_sklearn(
             estimator, folder, name=name or f"{resolved.name}-student", feature_names=names,
             lineage=Lineage(parent=resolved.pinned, training_data=data_source,
-                            metrics={"teacher_rows": float(data.num_rows)}),
+                            metrics={"distillation_rows": float(data.num_rows)}),
             golden=GoldenSet(student_golden, evaluation.label_column, evaluation.metric, student_output,
                              evaluation.threshold, evaluation.max_variant_delta),
         )

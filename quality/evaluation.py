@@ -146,10 +146,12 @@ def golden_predictions(model: Runtime, manifest: Manifest, golden_table: pa.Tabl
     """
     evaluation = evaluation_of(manifest)
     _check_golden(manifest, evaluation, golden_table)
-    parts = [
-        model.predict(batch).column(evaluation.prediction_column)
-        for batch in golden_table.to_batches(max_chunksize=EVALUATION_BATCH_ROWS)
-    ]
+    return predicted_column(model, golden_table, evaluation.prediction_column)
+
+
+def predicted_column(model: Runtime, table: pa.Table, column: str) -> np.ndarray:
+    """The model's output ``column`` for every row of ``table``, scored in batches of ``EVALUATION_BATCH_ROWS``."""
+    parts = [model.predict(batch).column(column) for batch in table.to_batches(max_chunksize=EVALUATION_BATCH_ROWS)]
     return column_values(pa.chunked_array(parts))
 
 

@@ -72,6 +72,7 @@ def test_a_linear_student_passes_the_gate_and_is_pushed_with_the_teacher_as_pare
     student = registry.resolve("mlp-student:1")
     assert student.manifest.lineage.parent == "mlp:1"
     assert student.manifest.lineage.training_data == "generated.parquet"
+    assert student.manifest.lineage.metrics == {"distillation_rows": 3_000.0}
     assert student.manifest.evaluation is not None and student.manifest.evaluation.max_variant_delta == MAX_DELTA
     assert student.manifest.tags["estimator"] == "Pipeline"
     # the pushed student loads through the cache like any version and answers the golden rows
@@ -115,6 +116,7 @@ def test_a_regressor_teacher_gets_a_regressor_student_gated_on_rmse(tmp_path: Pa
 @pytest.mark.parametrize(("change", "error", "words"), [
     ({"reference": "nope:1"}, ModelNotFound, "nope"),
     ({"kind": "forest"}, InvalidSetting, "student 'forest' is not one Shardline fits"),
+    ({"name": "mlp"}, InvalidSetting, "would be a version of its teacher 'mlp'"),
     ({"drop": "mean radius"}, InvalidInput, "the data cannot feed the teacher"),
     ({"rows": 0}, InvalidInput, "the data has no rows"),
 ])
@@ -123,7 +125,9 @@ def test_wrong_requests_say_what_was_wrong(teacher: Path, generated: pa.Table, c
     registry = registry_with(teacher)
     data = generated.drop_columns([change["drop"]]) if "drop" in change else generated.slice(0, change.get("rows"))
     with pytest.raises(error, match=words):
-        distill(registry, change.get("reference", "mlp:1"), data, kind=change.get("kind", "linear"))
+        distill(registry, change.get("reference", "mlp:1"), data, kind=change.get("kind", "linear"),
+                name=change.get("name"))
+    assert [m.reference for m in registry.list_versions("mlp")] == ["mlp:1"]
     assert registry.list_models() == ["mlp"]
 
 

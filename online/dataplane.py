@@ -212,8 +212,15 @@ class DataPlane:
         self, tenant: Tenant, name: str, version: str | int | None = None, alias: str | None = None,
         variant: str | None = None,
     ) -> ServedModel:
-        """The version of a model that a request means (``ServedModels.model``)."""
-        return await self.models.model(tenant, name, version, alias, variant)
+        """The version of a model that a request means (``ServedModels.model``); for a tenant past its budget's
+        soft limit (``admit`` marked the request), its cheaper precision variant when it has one, the answer
+        marked ``X-Shardline-Fallback: name:version#variant``."""
+        info = CURRENT.get()
+        soft = variant is None and info is not None and info.budget == "soft"
+        served = await self.models.model(tenant, name, version, alias, variant, cheaper=soft)
+        if soft and info is not None and served.resolved.variant_name:
+            info.fallback = f"{served.resolved.pinned}#{served.resolved.variant_name}"
+        return served
 
     async def model_for_reference(self, tenant: Tenant, reference: str) -> ServedModel:
         """Like ``model`` for a reference string: ``name``, ``name@alias`` or ``name:version``."""

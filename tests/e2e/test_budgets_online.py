@@ -1,6 +1,7 @@
 """Budgets online: a real `shardline serve` over a ledger pre-filled for its tenants marks the answers of a tenant
-past its warning or soft threshold and refuses one at its hard limit with 429 and the figures; a tenant that
-crosses its limit while the server runs is refused once the background refresh has read the ledger."""
+past its warning or soft threshold (soft: served by the model's cheaper variant) and refuses one at its hard limit
+with 429 and the figures; a tenant that crosses its limit while the server runs is refused once the background
+refresh has read the ledger."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import orjson
 import yaml
 
 from shardline.online.tenants import hash_api_key
-from shardline.storage.registry import ModelRegistry
+from shardline.storage.registry import ModelRegistry, Variant
 from tests.conftest import BuiltModel
 from tests.support.budgets import spend, write_prices
 from tests.support.serve_process import serving
@@ -25,6 +26,10 @@ def test_serve_marks_warn_and_soft_and_refuses_hard_with_the_figures(
     local_registry: ModelRegistry, breast_cancer_model: BuiltModel, shardline_home: Path, tmp_path: Path
 ) -> None:
     write_prices(shardline_home)  # a CPU core-second costs 1 USD
+    # a precision variant to degrade to (its file the version's own: what is checked is the choice, not int8's math)
+    model = next(a for a in local_registry.get_manifest("breast-cancer", 1).artifacts if a.role == "model")
+    local_registry.add_variant("breast-cancer", 1, Variant(name="int8", precision="int8", device="cpu", artifact=model),
+                               breast_cancer_model.bundle_dir / model.path)
     for tenant, amount in SPENT.items():
         spend(shardline_home, tenant, amount, tier="online")
     tenants = tmp_path / "tenants.yaml"
@@ -46,6 +51,9 @@ def test_serve_marks_warn_and_soft_and_refuses_hard_with_the_figures(
         assert warned.status_code == 200 and warned.headers["x-shardline-budget"] == "warn", warned.text
         assert degraded.status_code == 200 and degraded.headers["x-shardline-budget"] == "soft", degraded.text
         assert degraded.json()["outputs"][0]["data"] == ok.json()["outputs"][0]["data"]  # served all the same
+        # soft: the cheaper variant answers, and says so; the others get the version itself
+        assert degraded.headers["x-shardline-fallback"] == "breast-cancer:1#int8"
+        assert "x-shardline-fallback" not in warned.headers and "x-shardline-fallback" not in ok.headers
         assert refused.status_code == 429
         assert refused.json() == {"error": (
             "tenant 'initech' is at its budget's hard limit: new work is refused until the month ends or the budget "

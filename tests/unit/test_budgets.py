@@ -73,3 +73,25 @@ def test_spend_is_the_tenants_charges_in_the_ledger_and_is_published(tmp_path: P
     read = store.read_budget_states()
     assert read is not None and read.states == published.states
     assert BudgetStates.loads(published.dumps()).states["acme"].state == "soft"
+
+
+def test_the_servers_board_reads_this_months_states_and_refuses_at_hard(tmp_path: Path) -> None:
+    from shardline.errors import BudgetExceeded, RateLimited
+    from shardline.online.budgets import BudgetBoard
+
+    store = LedgerStore(str(tmp_path))
+    board = BudgetBoard(store, 60.0)
+    board.refresh()
+    assert board.check("acme") is None  # nothing published: nobody is past a threshold
+    month = datetime.now(timezone.utc).strftime("%Y-%m")
+    states = {"acme": budget_state("acme", BUDGET, 85.0, month), "globex": budget_state("globex", BUDGET, 100.0, month),
+              "old": budget_state("old", BUDGET, 500.0, "2001-01")}
+    store.write_budget_states(BudgetStates(states, 0.0))
+    board.refresh()
+    warned = board.check("acme")
+    assert warned is not None and warned.state == "warn"
+    with pytest.raises(BudgetExceeded, match=r"tenant 'globex' is at its budget's hard limit.*\(spent 100.00 USD of "
+                                             r"100.00 USD \(100%\)") as refused:
+        board.check("globex")
+    assert isinstance(refused.value, RateLimited) and 1 <= refused.value.retry_after <= 3600
+    assert board.check("old") is None  # last month's state is no state

@@ -12,6 +12,7 @@ from shardline.cost.budgets import current_states, publish, spend_by_tenant
 from shardline.cost.prices import load_prices
 from shardline.errors import InvalidSetting
 from shardline.storage.ledger import LedgerStore
+from shardline.storage.registry import ModelRegistry
 from shardline.tenants import parse_tenants_file
 from tests.support.budgets import spend, write_prices
 
@@ -95,3 +96,40 @@ def test_the_servers_board_reads_this_months_states_and_refuses_at_hard(tmp_path
         board.check("globex")
     assert isinstance(refused.value, RateLimited) and 1 <= refused.value.retry_after <= 3600
     assert board.check("old") is None  # last month's state is no state
+
+
+def test_the_data_plane_marks_and_counts_warn_and_refuses_hard(local_registry: ModelRegistry, tmp_path: Path) -> None:
+    from shardline.errors import BudgetExceeded
+    from shardline.online.budgets import BudgetBoard
+    from shardline.online.dataplane import DataPlane
+    from shardline.online.logs import CURRENT, RequestInfo
+    from shardline.online.tenants import TenantDirectory, hash_api_key
+    from shardline.runtimes import RuntimeOptions
+    from shardline.settings import OnlineSettings
+    from shardline.storage.model_cache import ModelCache
+
+    store = LedgerStore(str(tmp_path))
+    month = datetime.now(timezone.utc).strftime("%Y-%m")
+    store.write_budget_states(BudgetStates({"acme": budget_state("acme", BUDGET, 85.0, month),
+                                            "globex": budget_state("globex", BUDGET, 120.0, month)}, 0.0))
+    board = BudgetBoard(store, 60.0)
+    board.refresh()
+    tenants = TenantDirectory.from_config({"tenants": [
+        {"name": name, "api_keys_sha256": [hash_api_key(name)], "models": ["breast-cancer@prod"]}
+        for name in ("acme", "globex")]})
+    plane = DataPlane(OnlineSettings(), local_registry, ModelCache(tmp_path / "cache"), tenants,
+                      RuntimeOptions("cpu", 1), budgets=board)
+    info = RequestInfo("r1")
+    token = CURRENT.set(info)
+    try:
+        with plane.admit(plane.authenticate("Bearer acme")):
+            pass
+        with pytest.raises(BudgetExceeded, match=r"spent 120.00 USD of 100.00 USD \(120%\)"):
+            plane.admit(plane.authenticate("Bearer globex"))
+    finally:
+        CURRENT.reset(token)
+    assert info.budget == "warn"
+    text = plane.metrics.exposition()[0].decode()
+    assert 'shardline_budget_requests_total{state="warn",tenant="acme"} 1.0' in text
+    assert 'shardline_budget_requests_total{state="hard",tenant="globex"} 1.0' in text
+    assert 'shardline_rate_limited_total{quota="budget",tenant="globex"} 1.0' in text

@@ -239,6 +239,9 @@ class Metrics:
                             ["model", "version", "tenant", "priority"], registry=r)
         self.rate_limited = Counter("shardline_rate_limited", "Requests refused over a tenant's quota (429).",
                                     ["tenant", "quota"], registry=r)
+        self.budget_requests = Counter("shardline_budget_requests", "Requests of tenants past a threshold of their "
+                                       "monthly budget, by state: warn, soft (served, marked), hard (refused, 429).",
+                                       ["tenant", "state"], registry=r)
         self.loads = Counter("shardline_model_loads", "Times a version was loaded.", ["model", "version"], registry=r)
         self.device_fallbacks = Counter("shardline_device_fallbacks", "Loads that chose the GPU and ran on the CPU "
                                         "(onnxruntime fell back without a word: the log says why).",

@@ -45,6 +45,7 @@ from shardline.errors import InvalidSetting
 from shardline.local_ports import inherited
 from shardline.observability import tracing
 from shardline.online.app import create_app
+from shardline.online.budgets import BudgetBoard
 from shardline.online.connection import bind_metrics_listener, uvicorn_options
 from shardline.online.dataplane import DataPlane
 from shardline.online.limits import ConnectionLimits, open_files_limit, resolve_limits
@@ -103,9 +104,11 @@ def build_plane(
     cache = get_model_cache(storage.cache, runtime.cache_capacity)
     options = RuntimeOptions(runtime.device, online.resolved_intra_op_threads(runtime.intra_op_threads),
                              runtime.spinning)
-    metrics = Metrics(ledger=online_ledger(online, storage, runtime, metering or MeteringSettings()))
+    metering = metering or MeteringSettings()
+    metrics = Metrics(ledger=online_ledger(online, storage, runtime, metering))
+    budgets = BudgetBoard(LedgerStore(storage.home, storage.storage_options), metering.budget_refresh_s)
     return DataPlane(online, registry, cache, tenants, options, storage_options=storage.storage_options,
-                     capture_root=capture_root(storage), metrics=metrics)
+                     capture_root=capture_root(storage), metrics=metrics, budgets=budgets)
 
 
 def online_ledger(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings,

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from shardline.budgets import BudgetStates
 from shardline.errors import InvalidSetting
 from shardline.settings import MeteringSettings
 from shardline.storage.fs import atomic_write_bytes, join, open_fs
@@ -152,6 +153,24 @@ class LedgerStore:
             with self.fs.open(path, "rb") as f:
                 tables.append(pq.read_table(f).cast(SCHEMA))
         return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+
+    @property
+    def budgets_path(self) -> str:
+        """``<home>/metering/budgets.json``: the tenants' budget states as last computed (``cost/budgets.py``)."""
+        return join(self.root.rsplit("/", 1)[0], "budgets.json")
+
+    def write_budget_states(self, states: BudgetStates) -> str:
+        """Publish the tenants' budget states (written whole, atomically) for the online tier to read."""
+        atomic_write_bytes(self.fs, self.budgets_path, states.dumps().encode(), join(self.root, "_staging"))
+        return self.budgets_path
+
+    def read_budget_states(self) -> BudgetStates | None:
+        """The budget states last published; None when none were."""
+        try:
+            with self.fs.open(self.budgets_path, "rb") as f:
+                return BudgetStates.loads(f.read().decode())
+        except FileNotFoundError:
+            return None
 
     def record_batch(self, holding: Holding, tenant: str, model: str, version: str, job_id: str,
                      started: datetime, measures: dict[str, float], reserved_seconds: float,

@@ -33,6 +33,11 @@ class MeteringSettings(BaseSettings):
         description="Units of the hardware class one server holds (cores for 'cpu', GPUs or slices otherwise). "
         "Unset: the cores this process may use on 'cpu', else 1.",
     )
+    budget_refresh_s: float = Field(
+        default=30.0, ge=0.2, le=3_600.0,
+        description="How often `shardline serve` prices the month's ledger into the tenants' budget states and its "
+        "server processes re-read them (off the request path; docs/cost.md, 'Budgets').",
+    )
     prices_file: str | None = Field(
         default=None,
         description="The price table (YAML) `shardline cost report` reads; unset: <home>/prices.yaml, else the "

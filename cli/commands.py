@@ -37,6 +37,9 @@ app.add_typer(rollout_app, name="rollout")
 from shardline.cli.tenant_commands import tenant_app  # noqa: E402
 
 app.add_typer(tenant_app, name="tenant")
+from shardline.cli.slo_commands import slo_app  # noqa: E402
+
+app.add_typer(slo_app, name="slo")
 
 
 # How this process runs batch jobs, as ``main`` decided: a supervised child always runs them here (cold);

@@ -1,8 +1,8 @@
 """Grafana dashboards (JSON models) of the platform: online, LLM, tenants, batch and GPUs.
 
-Each is built here from the series the code exports (``online/metrics.py``, ``online/router/metrics.py``), the
-rules' recorded SLO series (``rules.py``), the DCGM exporter's GPU series, and, for batch, the series the batch
-metrics will export (``BATCH_SERIES``: not exported yet; the batch dashboard says so). Panels take a Prometheus
+Each is built here from the series the code exports (``online/metrics.py``, ``online/router/metrics.py``, the
+batch metrics of ``tasks/batch_telemetry.py``), the rules' recorded SLO series (``rules.py``) and the DCGM
+exporter's GPU series. Panels take a Prometheus
 data source chosen on the dashboard (``$datasource``) and filter on ``$model`` / ``$tenant`` where the series
 carry them. Import them in Grafana (Dashboards > Import) or provision them from ``deploy/observability/
 dashboards/``. Pure: ``dashboards`` returns them as dicts.
@@ -17,15 +17,6 @@ from shardline.observability.rules import GPU_BUSY, OBJECTIVE, ratio_record
 
 RATE = "$__rate_interval"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-# The batch metrics' series the batch dashboard reads (not exported yet; proposed names).
-BATCH_SERIES = (
-    "shardline_batch_jobs_total",  # {model, tenant, outcome="met"|"missed"}: a job counted once, when decided
-    "shardline_batch_jobs_running",  # {model, tenant}
-    "shardline_batch_job_rows_total",  # {job_id, model, tenant}: rows scored
-    "shardline_batch_job_shards_total",  # {job_id, model, tenant, state="settled"|"quarantined"}
-    "shardline_batch_job_deadline_timestamp_seconds",  # {job_id, model, tenant}
-    "shardline_batch_job_projected_finish_timestamp_seconds",  # {job_id, model, tenant}: the SLA projection
-)
 
 
 @dataclass
@@ -212,37 +203,39 @@ def _tenants() -> Dashboard:
                 (f"sum by (tenant, kind) (rate(shardline_llm_tokens_total{{{t}}}[{RATE}]))", "{{tenant}} {{kind}}"),
                 *_quantiles("shardline_llm_time_to_first_token_seconds", "tenant", t)[1:]]),
         ]),
-        ("Batch (needs the batch metrics)", [
-            Panel("Jobs decided by their deadline", [
-                (f"sum by (tenant, outcome) (increase(shardline_batch_jobs_total{{{t}}}[1d]))",
+        ("Batch (the batch metrics listener, docs/metrics.md)", [
+            Panel("Runs decided by their deadline (1 d)", [
+                (f"sum by (tenant, outcome) (increase(shardline_batch_job_deadlines_total{{{t}}}[1d]))",
                  "{{tenant}} {{outcome}}")]),
-            Panel("Rows/s", [(f"sum by (tenant) (rate(shardline_batch_job_rows_total{{{t}}}[{RATE}]))",
-                              "{{tenant}}")], "short"),
+            Panel("Rows/s", [(f"sum by (tenant) (shardline_batch_job_rows_per_second{{{t}}}\n"
+                              f"and on (job_id) (shardline_batch_job_running == 1))", "{{tenant}}")], "short"),
         ]),
     ], {"tenant": "shardline_requests_total"})
 
 
 def _batch() -> Dashboard:
     w = 'model=~"$model", tenant=~"$tenant"'
-    return Dashboard("shardline-batch", "Shardline / Batch", "Batch jobs against their deadlines. Reads the batch "
-                     "metrics (shardline_batch_jobs_total, shardline_batch_job_*), which are not exported yet: "
-                     "until then its panels are empty.", [
+    return Dashboard("shardline-batch", "Shardline / Batch", "Batch jobs against their deadlines, from the batch "
+                     "metrics listener of the process that dispatches them (SHARDLINE_BATCH_METRICS_PORT, "
+                     "docs/metrics.md).", [
         ("SLO", [_burn("deadline"),
-                 Panel("Jobs decided, by outcome (1 d)", [
-                     (f"sum by (model, outcome) (increase(shardline_batch_jobs_total{{{w}}}[1d]))",
+                 Panel("Runs decided by their deadline, by outcome (1 d)", [
+                     (f"sum by (model, outcome) (increase(shardline_batch_job_deadlines_total{{{w}}}[1d]))",
                       "{{model}} {{outcome}}")])]),
         ("Jobs", [
-            Panel("Running", [(f"sum by (tenant, model) (shardline_batch_jobs_running{{{w}}})", "{{tenant}} {{model}}")]),
-            Panel("Rows/s per job", [(f"sum by (job_id, tenant) (rate(shardline_batch_job_rows_total{{{w}}}[{RATE}]))",
-                                      "{{job_id}} ({{tenant}})")], "short"),
+            Panel("Running", [(f"sum by (tenant, model) (shardline_batch_job_running{{{w}}})", "{{tenant}} {{model}}")]),
+            Panel("Rows/s per job", [(f"shardline_batch_job_rows_per_second{{{w}}}\n"
+                                      f"and on (job_id) (shardline_batch_job_running == 1)", "{{job_id}} ({{tenant}})")],
+                  "short"),
             Panel("Shards settled and quarantined per job", [
-                (f"sum by (job_id, state) (shardline_batch_job_shards_total{{{w}}})", "{{job_id}} {{state}}")]),
+                (f'sum by (job_id, state) (shardline_batch_job_shards{{{w}, state=~"committed|resumed|quarantined|failed"}})',
+                 "{{job_id}} {{state}}")]),
             Panel("Projected finish against the deadline (seconds of slack; below 0: late)", [
                 (f"shardline_batch_job_deadline_timestamp_seconds{{{w}}}\n"
-                 f"- on (job_id) group_left ()\nshardline_batch_job_projected_finish_timestamp_seconds{{{w}}}",
-                 "{{job_id}} ({{tenant}})")], "s"),
+                 f"- on (job_id) group_left ()\nshardline_batch_job_projected_finish_timestamp_seconds{{{w}}}\n"
+                 f"and on (job_id) (shardline_batch_job_running == 1)", "{{job_id}} ({{tenant}})")], "s"),
         ]),
-    ], {"model": "shardline_batch_jobs_total", "tenant": "shardline_batch_jobs_total"})
+    ], {"model": "shardline_batch_job_running", "tenant": "shardline_batch_job_running"})
 
 
 def _gpus() -> Dashboard:

@@ -105,13 +105,6 @@ def alert_rule(slo: Slo, scope: str, alert: str, severity: str, runbook_url: str
     }
 
 
-def _group_comment(slo: Slo) -> str | None:
-    if not slo.sli.pending:
-        return None
-    return (f"Depends on {slo.sli.metric}, which the batch metrics will export (not yet exported): these rules "
-            "read nothing until then.")
-
-
 def rule_groups(config: SloConfig) -> list[tuple[dict[str, Any], str | None]]:
     """The rule groups, each with a comment to write above it (or None)."""
     groups: list[tuple[dict[str, Any], str | None]] = []
@@ -122,11 +115,11 @@ def rule_groups(config: SloConfig) -> list[tuple[dict[str, Any], str | None]]:
         records = [{"record": ratio_record(scope, window), "expr": error_ratio(slo, scope, window),
                     "labels": _labels(slo)}
                    for scope, _ in scopes(slo) for window in WINDOWS]
-        groups.append(({"name": f"shardline-slo-{slo.id}", "rules": records}, _group_comment(slo)))
+        groups.append(({"name": f"shardline-slo-{slo.id}", "rules": records}, None))
     for slo in config.slos:
         alerts = [alert_rule(slo, scope, alert, severity, config.runbook_url)
                   for scope, alert in scopes(slo) for severity in ("page", "ticket")]
-        groups.append(({"name": f"shardline-slo-{slo.id}-alerts", "rules": alerts}, _group_comment(slo)))
+        groups.append(({"name": f"shardline-slo-{slo.id}-alerts", "rules": alerts}, None))
     groups.append(({"name": "shardline-platform", "rules": [
         {"record": GPU_BUSY,
          "expr": "100 * DCGM_FI_PROF_GR_ENGINE_ACTIVE\nor on (Hostname, gpu)\nDCGM_FI_DEV_GPU_UTIL\n"},

@@ -19,10 +19,9 @@ Each SLI says what counts as good and bad, over which series:
 - ``tpot``: the time between two tokens of a stream (``shardline_llm_inter_token_seconds``): every
   gap over the threshold is bad, which is stricter than a per-request mean time per output token;
   it has no tenant label, so it has no per-tenant alert;
-- ``deadline``: batch jobs decided by their deadline (``shardline_batch_jobs_total``, outcome
-  ``met`` or ``missed``). That series belongs to the batch metrics, which are not exported yet
-  (``pending``): its rules are generated and tested against given series, and read nothing until
-  the batch tier exports it.
+- ``deadline``: batch runs decided by their deadline (``shardline_batch_job_deadlines_total``,
+  ``tasks/batch_telemetry.py``): ``missed`` (ended after it) is bad, ``met`` (completed by it) good;
+  a run that fails before its deadline is not counted (its rerun is).
 
 Pure: no I/O but reading the file in ``load_slos``.
 """
@@ -55,7 +54,6 @@ class Sli:
     tenant: bool  # the series carry a ``tenant`` label: per-tenant rules and alerts
     tier: Tier
     alert: str  # the per-model alert; the per-tenant one is ``tenant_alert``
-    pending: bool = False  # the series is not exported yet (see the module docstring)
 
     @property
     def tenant_alert(self) -> str | None:
@@ -71,8 +69,8 @@ SLIS: dict[str, Sli] = {s.name: s for s in (
         "ShardlineTTFTBudgetBurn"),
     Sli("tpot", "time per output token", "shardline_llm_inter_token_seconds", True, None, False, "online",
         "ShardlineTPOTBudgetBurn"),
-    Sli("deadline", "deadline", "shardline_batch_jobs_total", False, 'outcome="missed"',
-        True, "batch", "ShardlineBatchDeadlineBudgetBurn", pending=True),
+    Sli("deadline", "deadline", "shardline_batch_job_deadlines_total", False, 'outcome="missed"',
+        True, "batch", "ShardlineBatchDeadlineBudgetBurn"),
 )}
 _NAME = re.compile(r"[a-z][a-z0-9-]{0,62}")
 

@@ -4,9 +4,10 @@ rule, dashboard or autoscaler query to series that exist.
 ``promql_metric_names`` parses an expression: strings, label matchers, ranges and label lists (``by (...)``,
 ``on (...)``) are blanked out, then every identifier that is not a function call (a name followed by ``(``), a
 keyword or an aggregation is a metric name (the name before ``{`` or ``[``, or a bare one). ``exported_names``
-collects the names the online tier's and the router's registries export, by building both and reading their
-metric families (a counter ``x`` is exported as ``x_total``; a histogram as ``x_bucket``, ``x_count`` and
-``x_sum``).
+collects the names the code exports, by building each registry or collector and reading its metric families (a
+counter ``x`` is exported as ``x_total``; a histogram as ``x_bucket``, ``x_count`` and ``x_sum``): the replicas'
+(``online/metrics.py``), the router's (``online/router/metrics.py``), the NVML GPU collector's
+(``online/gpu_metrics.py``) and the batch metrics' (``tasks/batch_telemetry.py``).
 """
 
 from __future__ import annotations
@@ -56,9 +57,20 @@ def _family_names(families: Iterable[object]) -> set[str]:
     return names
 
 
+class _NoGpus:
+    """NVML as the GPU collector calls it, with no device: enough to list the families it exports."""
+
+    class NVMLError(Exception):
+        pass
+
+    @staticmethod
+    def nvmlDeviceGetCount() -> int:
+        return 0
+
+
 def exported_names() -> set[str]:
-    """Every series name the replicas' (``online/metrics.py``) and the router's (``online/router/metrics.py``)
-    registries export."""
+    """Every series name the code exports (see the module docstring)."""
+    from shardline.online.gpu_metrics import GpuCollector
     from shardline.online.metrics import Metrics, ModelState, Snapshot
     from shardline.online.router.config import RouterConfig
     from shardline.online.router.health import BreakerPolicy
@@ -70,4 +82,7 @@ def exported_names() -> set[str]:
                                    {("m", "1"): {"waiting": 0, "slots_busy": 0, "decode_steps": 0}}))
     config = RouterConfig.model_validate({"groups": [{"name": "g", "replicas": ["http://127.0.0.1:1"]}]})
     router = RouterMetrics(ReplicaSet(config, BreakerPolicy(), 10.0, lambda: 0.0), lambda: 0.0)
-    return _family_names(replica.registry.collect()) | _family_names(router.registry.collect())
+    from shardline.tasks.batch_telemetry import REGISTRY as BATCH
+
+    return (_family_names(replica.registry.collect()) | _family_names(router.registry.collect())
+            | _family_names(GpuCollector(_NoGpus()).collect()) | _family_names(BATCH.collect()))

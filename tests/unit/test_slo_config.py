@@ -1,7 +1,6 @@
 """SLOs as configuration (``shardline.observability``): the shipped SLO file, its checks, what is generated from it
 (the rules and dashboards in deploy/observability/ are what it renders today), and that every series a rule or a
-dashboard reads is one the code exports, a recorded one, a DCGM exporter's, or one of the batch metrics' (named,
-not exported yet)."""
+dashboard reads is one the code exports, a recorded one or a DCGM exporter's."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from shardline.cli.commands import app
 from shardline.cli.slo_commands import histogram_bounds
 from shardline.errors import InvalidSetting
 from shardline.observability.render import RULES_FILE, alert_names, check_thresholds, load_slos, parse_slos, render
-from shardline.observability.dashboards import BATCH_SERIES, dashboards
+from shardline.observability.dashboards import dashboards
 from shardline.observability.rules import PAGE, TICKET, rule_groups
 from tests.support.metric_names import exported_names, promql_metric_names
 
@@ -196,18 +195,17 @@ def _dashboard_exprs() -> list[str]:
     return exprs
 
 
-def test_every_series_a_rule_or_dashboard_reads_is_exported_recorded_dcgms_or_a_named_batch_one(shipped: Any) -> None:
+def test_every_series_a_rule_or_dashboard_reads_is_exported_recorded_or_dcgms(shipped: Any) -> None:
     exported = exported_names()
     recorded = {r["record"] for group, _ in rule_groups(shipped) for r in group["rules"] if "record" in r}
     read = {name for expr in _rule_exprs(shipped) + _dashboard_exprs() for name in promql_metric_names(expr)}
-    pending = set(BATCH_SERIES)
-    assert not pending & exported, ("the batch metrics now export these: take them off BATCH_SERIES and the "
-                                    f"'not exported yet' notes: {sorted(pending & exported)}")
-    unknown = read - exported - recorded - DCGM - PROMETHEUS_OWN - pending
+    unknown = read - exported - recorded - DCGM - PROMETHEUS_OWN
     assert not unknown, f"rules or dashboards read series nothing exports: {sorted(unknown)}"
     assert {"shardline_requests_total", "shardline_request_seconds_bucket", "shardline_router_requests_total",
-            "shardline_llm_time_to_first_token_seconds_bucket", "shardline_tenant_in_flight"} <= read
-    assert {"DCGM_FI_PROF_GR_ENGINE_ACTIVE", "DCGM_FI_DEV_GPU_UTIL"} <= read and pending <= read
+            "shardline_llm_time_to_first_token_seconds_bucket", "shardline_tenant_in_flight",
+            "shardline_batch_job_deadlines_total", "shardline_batch_job_running",
+            "shardline_batch_job_projected_finish_timestamp_seconds"} <= read
+    assert {"DCGM_FI_PROF_GR_ENGINE_ACTIVE", "DCGM_FI_DEV_GPU_UTIL"} <= read
     # every recorded series a dashboard reads is recorded
     assert {n for e in _dashboard_exprs() for n in promql_metric_names(e) if ":" in n} <= recorded
 

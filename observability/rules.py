@@ -20,6 +20,11 @@ dashboards show a line at 0. Two more rules watch what the SLOs stand on: a reco
 (DCGM's engine activity, which MIG instances report, else its utilisation) and
 ``ShardlineScrapeTargetDown`` (a target of a Shardline scrape job down for 5 min: its SLOs go blind).
 
+One alert predicts instead of counting: ``ShardlineBatchJobWillBeLate``, a running batch job whose SLA
+projection (``shardline_batch_job_projected_finish_timestamp_seconds``, the tracker's, from the shards
+settled lately) is past its deadline, or that still runs past it (a stalled job has no projection), for
+10 min (a projection moves while the first shards settle). Its value is the seconds it will be (or is) late.
+
 Pure: ``rule_groups`` returns the groups as data, ``rules_yaml`` the file's text.
 """
 
@@ -36,6 +41,9 @@ WINDOWS = ("5m", "30m", "1h", "6h", "3d")
 PAGE = ((14.4, "1h", "5m"), (6.0, "6h", "30m"))
 TICKET = ((1.0, "3d", "6h"),)
 SCRAPE_ALERT = "ShardlineScrapeTargetDown"
+LATE_ALERT = "ShardlineBatchJobWillBeLate"
+LATE_FOR = "10m"
+_JOB = "job_id, tenant, model, version"  # the batch metrics' labels of one run
 OBJECTIVE = "shardline:slo_objective:ratio"
 GPU_BUSY = "shardline:gpu_busy:percent"
 
@@ -120,6 +128,8 @@ def rule_groups(config: SloConfig) -> list[tuple[dict[str, Any], str | None]]:
         alerts = [alert_rule(slo, scope, alert, severity, config.runbook_url)
                   for scope, alert in scopes(slo) for severity in ("page", "ticket")]
         groups.append(({"name": f"shardline-slo-{slo.id}-alerts", "rules": alerts}, None))
+    groups.append(({"name": "shardline-batch-projection", "rules": [late_alert(config.runbook_url)]},
+                   "A running batch job projected to finish past its deadline (docs/metrics.md)."))
     groups.append(({"name": "shardline-platform", "rules": [
         {"record": GPU_BUSY,
          "expr": "100 * DCGM_FI_PROF_GR_ENGINE_ACTIVE\nor on (Hostname, gpu)\nDCGM_FI_DEV_GPU_UTIL\n"},
@@ -134,9 +144,29 @@ def rule_groups(config: SloConfig) -> list[tuple[dict[str, Any], str | None]]:
     return groups
 
 
+def late_alert(runbook_url: str) -> dict[str, Any]:
+    """The predictive batch alert (see the module docstring)."""
+    running = f"and on ({_JOB})\n  (shardline_batch_job_running == 1)"
+    return {
+        "alert": LATE_ALERT,
+        "expr": ("(\n  shardline_batch_job_projected_finish_timestamp_seconds\n  -\n"
+                 f"  shardline_batch_job_deadline_timestamp_seconds > 0\n  {running}\n)\nor on ({_JOB})\n"
+                 f"(\n  time() - shardline_batch_job_deadline_timestamp_seconds > 0\n  {running}\n)\n"),
+        "for": LATE_FOR,
+        "labels": {"severity": "ticket"},
+        "annotations": {
+            "summary": "batch job {{ $labels.job_id }} of tenant {{ $labels.tenant }} (model {{ $labels.model }}) "
+                       "will miss its deadline",
+            "description": "Projected (or already) {{ $value | humanizeDuration }} past its deadline at the rate its "
+                           "shards settle now; it has been so for " + LATE_FOR + ".",
+            "runbook_url": f"{runbook_url}#{LATE_ALERT.lower()}",
+        },
+    }
+
+
 def alert_names(config: SloConfig) -> list[str]:
     """Every alert the rules raise, in file order, each once."""
-    names = [alert for slo in config.slos for _, alert in scopes(slo)] + [SCRAPE_ALERT]
+    names = [alert for slo in config.slos for _, alert in scopes(slo)] + [LATE_ALERT, SCRAPE_ALERT]
     return list(dict.fromkeys(names))
 
 
@@ -165,5 +195,5 @@ def rules_yaml(config: SloConfig, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["SLIS", "WINDOWS", "PAGE", "TICKET", "alert_names", "error_ratio", "ratio_record", "rule_groups",
+__all__ = ["LATE_ALERT", "SLIS", "WINDOWS", "PAGE", "TICKET", "alert_names", "late_alert", "error_ratio", "ratio_record", "rule_groups",
            "rules_yaml", "scopes"]

@@ -162,7 +162,7 @@ def test_every_alert_pages_on_the_workbooks_fast_windows_and_tickets_on_the_slow
         "ShardlineAvailabilityBudgetBurn", "ShardlineTenantAvailabilityBudgetBurn", "ShardlineTTFTBudgetBurn",
         "ShardlineTenantTTFTBudgetBurn", "ShardlineTPOTBudgetBurn", "ShardlineLatencyBudgetBurn",
         "ShardlineTenantLatencyBudgetBurn", "ShardlineBatchDeadlineBudgetBurn", "ShardlineTenantBatchDeadlineBudgetBurn",
-        "ShardlineScrapeTargetDown"]
+        "ShardlineBatchJobWillBeLate", "ShardlineScrapeTargetDown"]
 
 
 def test_the_latency_ratio_reads_the_threshold_bucket_as_the_replicas_write_le(shipped: Any) -> None:

@@ -266,3 +266,20 @@ def test_slo_render_refuses_a_wrong_file_in_one_line(tmp_path: Path) -> None:
     assert done.exit_code == 2 and not (tmp_path / "rules").exists()
     assert done.output.startswith("error: class 'classifier': the latency threshold 0.3 s is not a bucket bound")
     assert done.output.count("\n") == 1
+
+
+def test_slo_rules_writes_only_the_rules_file_render_writes_or_prints_it(tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = tmp_path / "prometheus" / "shardline.rules.yaml"
+    done = runner.invoke(app, ["slo", "rules", "--config", str(ROOT / SHIPPED), "-o", str(out)])
+    assert done.exit_code == 0, done.output
+    written, shipped = out.read_text().split("\n", 1), (DEPLOYED / RULES_FILE).read_text().split("\n", 1)
+    assert written[1] == shipped[1] and str(ROOT / SHIPPED) in written[0]  # the header names the file it read
+    assert sorted(tmp_path.rglob("*")) == [out.parent, out]
+    assert f"wrote {out}: 11 SLOs in 5 classes" in done.output
+    printed = runner.invoke(app, ["slo", "rules", "--config", str(ROOT / SHIPPED)])
+    assert printed.exit_code == 0 and printed.stdout == out.read_text()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    refused = runner.invoke(app, ["slo", "rules", "--config", str(ROOT / SHIPPED), "-o", str(blocked / "x.yaml")])
+    assert refused.exit_code == 2 and refused.output.startswith(f"error: cannot write the rules file {blocked}/x.yaml")

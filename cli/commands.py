@@ -43,6 +43,9 @@ app.add_typer(plan_app, name="plan")
 from shardline.cli.cost_commands import cost_app  # noqa: E402
 
 app.add_typer(cost_app, name="cost")
+from shardline.cli.slo_commands import slo_app  # noqa: E402
+
+app.add_typer(slo_app, name="slo")
 
 
 # How this process runs batch jobs, as ``main`` decided: a supervised child always runs them here (cold);

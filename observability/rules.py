@@ -119,15 +119,14 @@ def rule_groups(config: SloConfig) -> list[tuple[dict[str, Any], str | None]]:
     objectives = [{"record": OBJECTIVE, "expr": f"vector({slo.objective.target:g})", "labels": _labels(slo)}
                   for slo in config.slos]
     groups.append(({"name": "shardline-slo-objectives", "rules": objectives}, None))
-    for slo in config.slos:
+    for slo in config.slos:  # records, then the alerts that read them: a group runs its rules in order, so the
+        # alerts see this evaluation's ratios (separate groups run in no set order, a step behind or not)
         records = [{"record": ratio_record(scope, window), "expr": error_ratio(slo, scope, window),
                     "labels": _labels(slo)}
                    for scope, _ in scopes(slo) for window in WINDOWS]
-        groups.append(({"name": f"shardline-slo-{slo.id}", "rules": records}, None))
-    for slo in config.slos:
         alerts = [alert_rule(slo, scope, alert, severity, config.runbook_url)
                   for scope, alert in scopes(slo) for severity in ("page", "ticket")]
-        groups.append(({"name": f"shardline-slo-{slo.id}-alerts", "rules": alerts}, None))
+        groups.append(({"name": f"shardline-slo-{slo.id}", "rules": records + alerts}, None))
     groups.append(({"name": "shardline-batch-projection", "rules": [late_alert(config.runbook_url)]},
                    "A running batch job projected to finish past its deadline (docs/metrics.md)."))
     groups.append(({"name": "shardline-platform", "rules": [

@@ -5,6 +5,8 @@ dashboard reads is one the code exports, a recorded one or a DCGM exporter's."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import re
 from pathlib import Path
 from typing import Any
@@ -167,7 +169,7 @@ def test_every_alert_pages_on_the_workbooks_fast_windows_and_tickets_on_the_slow
 
 def test_the_latency_ratio_reads_the_threshold_bucket_as_the_replicas_write_le(shipped: Any) -> None:
     records = {r["record"]: r["expr"] for group, _ in rule_groups(shipped) if group["name"] ==
-               "shardline-slo-llm-standard-ttft" for r in group["rules"]}
+               "shardline-slo-llm-standard-ttft" for r in group["rules"] if "record" in r}
     expr = records["model_tenant:shardline_slo_errors:ratio_rate30m"]
     assert 'shardline_llm_time_to_first_token_seconds_bucket{model=~"tiny|tiny-llm|' in expr
     assert 'le="2.5"}[30m]' in expr and "sum by (model, tenant)" in expr  # prometheus_client writes le="2.5"
@@ -175,7 +177,8 @@ def test_the_latency_ratio_reads_the_threshold_bucket_as_the_replicas_write_le(s
 
 def test_the_files_in_deploy_are_what_the_shipped_file_renders(shipped: Any) -> None:
     files = render(shipped, SHIPPED)
-    on_disk = {str(p.relative_to(DEPLOYED)) for p in DEPLOYED.rglob("*") if p.is_file()} - {"slos.yaml", "README.md"}
+    on_disk = {str(p.relative_to(DEPLOYED)) for p in DEPLOYED.rglob("*")
+               if p.is_file() and p.parent.name != "tests"} - {"slos.yaml", "README.md"}  # tests/: promtool's, by hand
     assert on_disk == set(files), "run `shardline slo render` and commit what it writes"
     for path, text in files.items():
         assert (DEPLOYED / path).read_text() == text, f"{path} is out of date: run `shardline slo render`"
@@ -283,3 +286,40 @@ def test_slo_rules_writes_only_the_rules_file_render_writes_or_prints_it(tmp_pat
     blocked.write_text("")
     refused = runner.invoke(app, ["slo", "rules", "--config", str(ROOT / SHIPPED), "-o", str(blocked / "x.yaml")])
     assert refused.exit_code == 2 and refused.output.startswith(f"error: cannot write the rules file {blocked}/x.yaml")
+
+
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="no promtool here: apt-get install prometheus "
+                                    "(`make test` does, as root)")
+
+
+@needs_promtool
+def test_promtool_checks_the_generated_rules() -> None:
+    done = subprocess.run([str(PROMTOOL), "check", "rules", str(DEPLOYED / RULES_FILE)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
+
+
+@needs_promtool
+@pytest.mark.parametrize("unit", sorted(p.name for p in (DEPLOYED / "tests").glob("*.test.yaml")))
+def test_each_alert_fires_and_stays_silent_on_given_series(unit: str) -> None:
+    """promtool's own rule unit tests (deploy/observability/tests): fast, slow and steady burns of the availability
+    budget per model and per tenant, within the budget silent and 4xx not errors; slow first tokens paging and a
+    budget kept silent; a running batch job projected past its deadline, one on time and one finished."""
+    done = subprocess.run([str(PROMTOOL), "test", "rules", unit], cwd=DEPLOYED / "tests", capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
+
+
+@needs_promtool
+def test_a_rule_test_that_expects_the_wrong_alert_fails(tmp_path: Path) -> None:
+    """The promtool tests above can fail: a batch job on time expected to be late is reported."""
+    unit = yaml.safe_load((DEPLOYED / "tests" / "llm_and_batch.test.yaml").read_text())
+    unit["rule_files"] = [str(DEPLOYED / RULES_FILE)]
+    late = next(t for t in unit["tests"] if "will be late" in t["name"])
+    late["alert_rule_test"][0]["exp_alerts"] = [{"exp_labels": {"severity": "ticket", "job_id": "ontime"}}]
+    unit["tests"] = [late]
+    (tmp_path / "wrong.test.yaml").write_text(yaml.safe_dump(unit))
+    done = subprocess.run([str(PROMTOOL), "test", "rules", "wrong.test.yaml"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "FAILED" in done.stdout + done.stderr

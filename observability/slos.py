@@ -136,8 +136,7 @@ class SloClass(BaseModel):
         tiers = {SLIS[o.sli].tier for o in self.objectives}
         if len(tiers) > 1:
             raise ValueError("mixes online and batch SLIs; make a class for each tier")
-        slis = [o.sli for o in self.objectives]
-        twice = sorted({s for s in slis if slis.count(s) > 1})
+        twice = _repeated([o.sli for o in self.objectives])
         if twice:
             raise ValueError(f"has more than one objective on {', '.join(twice)}; keep one per SLI")
         return self
@@ -146,6 +145,11 @@ class SloClass(BaseModel):
     def tier(self) -> Tier:
         """Online or batch: what its SLIs measure."""
         return SLIS[self.objectives[0].sli].tier
+
+
+def _repeated(values: list[str]) -> list[str]:
+    """The values that occur more than once, sorted."""
+    return sorted({v for v in values if values.count(v) > 1})
 
 
 class SloConfig(BaseModel):
@@ -161,8 +165,7 @@ class SloConfig(BaseModel):
 
     @model_validator(mode="after")
     def _unique(self) -> "SloConfig":
-        names = [c.name for c in self.classes]
-        twice = sorted({n for n in names if names.count(n) > 1})
+        twice = _repeated([c.name for c in self.classes])
         if twice:
             raise ValueError(f"class names must differ; {', '.join(twice)} is used more than once")
         return self

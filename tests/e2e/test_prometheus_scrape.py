@@ -18,6 +18,7 @@ from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
+from tests.support.routers import _stop
 from tests.support.serve_process import wait_ready
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "observability" / "rules" / "shardline-slos.rules.yaml"
@@ -83,10 +84,5 @@ def test_prometheus_scrapes_a_replica_and_records_its_slo_ratios(local_registry:
         assert tenant["metric"]["tenant"] == "acme"  # the per-tenant ratio the tenant alerts read
     finally:
         for process in (prometheus, serve):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            if process is not None:
+                _stop(process)

@@ -370,15 +370,14 @@ class _Runner:
         import shardline.cli.batch_jobs  # noqa: F401  (everything a job imports, before the first job)
         import shardline.flows.batch_inference  # noqa: F401
         from shardline.cli.prefect_server import api_url_for_run
-        from shardline.local_prefect import find as find_server
         from shardline.settings import DaskSettings, PrefectServerSettings, StorageSettings
         from shardline.tasks.cluster import warm_cluster
 
-        server, home = PrefectServerSettings(), StorageSettings().home
-        if server.server == "local" and not os.environ.get("PREFECT_API_URL") and find_server(home) is None:
-            print(f"{WAITING}the local Prefect server to start (the first run in a home starts it; later runs "
-                  "reuse it)", flush=True)
-        self.api_url, started = api_url_for_run(server.server, home, server.start_timeout_s)
+        server = PrefectServerSettings()
+        self.api_url, started = api_url_for_run(
+            server.server, StorageSettings().home, server.start_timeout_s,
+            starting=lambda: print(f"{WAITING}the local Prefect server to start (the first run in a home starts it; "
+                                   "later runs reuse it)", flush=True))
         if started and self.api_url is not None:
             self.started_server = self.api_url.removesuffix("/api")
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -15,12 +15,14 @@ that profile) and a CPU node type's name (``cpu-8c``). A class's profiles are me
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardline.errors import InvalidSetting
-from shardline.placement import CostTable
+
+if TYPE_CHECKING:
+    from shardline.capacity.prices import PriceTable
 
 MEMORY_SLICES, COMPUTE_SLICES = 8, 7
 
@@ -82,8 +84,8 @@ def _price(name: str, on_demand: float, spot: float | None, capacity: CapacityTy
         return on_demand
     if spot is None:
         raise InvalidSetting(
-            f"hardware {name!r} has no spot price; give it spot_price_per_hour in the hardware catalogue "
-            "(or SHARDLINE_PLACEMENT_SPOT_COSTS_PER_HOUR), or compare on-demand only"
+            f"hardware {name!r} has no spot price; give it spot_price_per_hour in the hardware catalogue, "
+            "or compare on-demand only"
         )
     return spot
 
@@ -241,28 +243,29 @@ class Hardware(BaseModel):
         raise InvalidSetting(f"no GPU kind {name!r} in the hardware catalogue; it has {[g.name for g in self.gpus]}")
 
 
-def default_hardware(costs: CostTable, spot_costs: CostTable | None = None) -> Hardware:
-    """H100 and H200 GPUs (8 to a node, with their MIG profiles) and two CPU node types, priced by ``costs``
-    (the placement cost table: ``SHARDLINE_PLACEMENT_COSTS_PER_HOUR``): a GPU at its machine kind's price, a
-    CPU node at its machine kind's price per 8 cores; on spot by ``spot_costs`` alike
-    (``SHARDLINE_PLACEMENT_SPOT_COSTS_PER_HOUR``; None: no spot prices)."""
+def default_hardware(prices: PriceTable) -> Hardware:
+    """H100 and H200 GPUs (8 to a node, with their MIG profiles) and two CPU node types (8 and 32 cores), priced
+    by the price table (``shardline.capacity.prices``, the one `shardline cost report` charges with): a GPU at
+    its class's price per GPU-hour, a CPU node at ``cpu``'s price per core-hour times its cores, on demand and on
+    spot. A GPU kind (or the CPU nodes) the table does not price is left out of the catalogue.
 
-    def spot(machine: str, times: int = 1) -> float | None:
-        return None if spot_costs is None else times * spot_costs.cost(machine)
+    Raises:
+        InvalidSetting: the table prices none of h100, h200 and cpu.
+    """
 
-    per_8_cores = costs.cost("cpu-x86_64-8c")
-    h100, h200 = "cuda-nvidia-h100-80gb-hbm3", "cuda-nvidia-h200"
-    return Hardware(
-        gpus=[
-            GpuKind(name="h100", machine=h100, product="NVIDIA-H100-80GB-HBM3", memory_gb=80,
-                    price_per_hour=costs.cost(h100), spot_price_per_hour=spot(h100), mig=H100_MIG),
-            GpuKind(name="h200", machine=h200, product="NVIDIA-H200", memory_gb=141,
-                    price_per_hour=costs.cost(h200), spot_price_per_hour=spot(h200), mig=H200_MIG),
-        ],
-        cpu_nodes=[
-            CpuNodeType(name="cpu-8c", cores=8, memory_gb=32, price_per_hour=per_8_cores,
-                        spot_price_per_hour=spot("cpu-x86_64-8c")),
-            CpuNodeType(name="cpu-32c", cores=32, memory_gb=128, price_per_hour=4 * per_8_cores,
-                        spot_price_per_hour=spot("cpu-x86_64-8c", 4)),
-        ],
-    )
+    def hourly(name: str, times: int = 1) -> tuple[float, float]:
+        return times * prices.per_unit_hour(name, "on-demand"), times * prices.per_unit_hour(name, "spot")
+
+    gpus = [GpuKind(name=name, machine=machine, product=product, memory_gb=memory, mig=MIG_PROFILES[name],
+                    price_per_hour=hourly(name)[0], spot_price_per_hour=hourly(name)[1])
+            for name, machine, product, memory in (("h100", "cuda-nvidia-h100-80gb-hbm3", "NVIDIA-H100-80GB-HBM3", 80),
+                                                   ("h200", "cuda-nvidia-h200", "NVIDIA-H200", 141))
+            if name in prices.classes]
+    cpu_nodes = ([CpuNodeType(name=f"cpu-{cores}c", cores=cores, memory_gb=4 * cores,
+                              price_per_hour=hourly("cpu", cores)[0], spot_price_per_hour=hourly("cpu", cores)[1])
+                  for cores in (8, 32)] if "cpu" in prices.classes else [])
+    if not gpus and not cpu_nodes:
+        raise InvalidSetting(
+            f"{prices.source or 'the price table'} prices none of the hardware a plan packs onto (h100, h200, cpu; "
+            f"it prices {sorted(prices.classes)}); add them, or give the plan a hardware catalogue (--hardware)")
+    return Hardware(gpus=gpus, cpu_nodes=cpu_nodes)

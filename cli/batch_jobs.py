@@ -133,8 +133,8 @@ def tenant_budget_state(tenant: str) -> Any:
     Raises:
         ShardlineError: the tenants file or the price table is wrong (the job is refused, exit code 2).
     """
+    from shardline.capacity.prices import load_prices, prices_path
     from shardline.cost.budgets import current_states
-    from shardline.cost.prices import load_prices, prices_path
     from shardline.settings import StorageSettings, TenancySettings
     from shardline.storage.ledger import LedgerStore
     from shardline.tenants import load_tenants_file

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import typer
 
-from shardline.cli.common import fail
+from shardline.cli.common import PRICES_HELP, fail
 from shardline.errors import InvalidSetting, ShardlineError
 
 plan_app = typer.Typer(help="Plans: the capacity the models' demand needs, and what it costs.", no_args_is_help=True)
@@ -72,7 +72,8 @@ def plan_capacity(
                                 "(docs/cost.md, 'plan capacity')."),
     hardware: Optional[Path] = typer.Option(None, "--hardware", help="A hardware catalogue YAML (gpus, cpu_nodes) "
                                             "\\[default: the demand file's, else H100 and H200 with MIG and two "
-                                            "CPU node types, priced by SHARDLINE_PLACEMENT_COSTS_PER_HOUR]."),
+                                            "CPU node types, priced by the price table (--prices)]."),
+    prices: Optional[Path] = typer.Option(None, "--prices", help=PRICES_HELP),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the plan as YAML here."),
     kustomize: Optional[Path] = typer.Option(None, "--kustomize", help="Write a kustomize Component here (replica "
                                              "counts and resources of the overlay's replica groups); the plan then "
@@ -90,13 +91,12 @@ def plan_capacity(
     from shardline.capacity.hardware import default_hardware
     from shardline.capacity.kustomize import component_files
     from shardline.capacity.packing import PackingPolicy, pack
-    from shardline.placement import CostTable
-    from shardline.settings import PlacementSettings
+    from shardline.capacity.prices import load_prices, prices_path
 
     try:
         parsed = parse_demand(_read(demand, "demand file"), str(demand))
         catalogue = (parse_hardware(_read(hardware, "hardware file"), str(hardware)) if hardware
-                     else parsed.hardware or default_hardware(CostTable(per_hour=PlacementSettings().costs_per_hour)))
+                     else parsed.hardware or default_hardware(load_prices(prices_path(prices))))
         groups = parsed.replica_groups()
         problem = build_problem(parsed, catalogue, _stored_profiles(parsed),
                                 classes=set(groups) if kustomize else None)

@@ -503,8 +503,8 @@ def _budget_publisher(tenancy: Any, storage: Any) -> Any:
     """The tenants' budget states priced from the ledger beside the server, every
     SHARDLINE_METERING_BUDGET_REFRESH_S (``cost/budgets.py``; the server processes read them): only when the
     tenants file gives a tenant a budget. A wrong price table stops the start."""
+    from shardline.capacity.prices import prices_path
     from shardline.cost.budgets import BudgetPublisher
-    from shardline.cost.prices import prices_path
     from shardline.settings import MeteringSettings
     from shardline.storage.ledger import LedgerStore
     from shardline.tenants import load_tenants_file

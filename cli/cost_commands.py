@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from shardline.cli.common import EXIT_OK, fail
+from shardline.cli.common import EXIT_OK, PRICES_HELP, fail
 from shardline.errors import InvalidSetting, ShardlineError
 
 cost_app = typer.Typer(help="Cost: chargeback per tenant from the metering ledger, and what spot saves.",
@@ -22,9 +22,7 @@ def report(
     tenant: Optional[str] = typer.Option(None, "--tenant", help="Only this tenant's charges."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the report as HTML (with plots) "
                                           "to this file."),
-    prices: Optional[Path] = typer.Option(None, "--prices", help="The price table (YAML); default "
-                                          "SHARDLINE_METERING_PRICES_FILE, else <home>/prices.yaml, else the "
-                                          "example's cloud list prices."),
+    prices: Optional[Path] = typer.Option(None, "--prices", help=PRICES_HELP),
     prometheus: Optional[Path] = typer.Option(None, "--prometheus", help="Also write the costs as Prometheus "
                                               "gauges (text format, for node_exporter's textfile collector)."),
 ) -> None:
@@ -33,7 +31,7 @@ def report(
     Each replica or batch worker is priced at the larger of what it held and what it used (OpenCost's rule), split
     across tenants by their device-seconds; idle capacity is its own line, carried by the platform. Exit 2 on a
     bad month, a month the ledger does not hold, or a class the price table does not price."""
-    from shardline.cost.prices import load_prices, prices_path
+    from shardline.capacity.prices import load_prices, prices_path
     from shardline.cost.report import build_report, render_html, render_prometheus, render_text
     from shardline.settings import StorageSettings
     from shardline.storage.ledger import LedgerStore, check_month
@@ -90,6 +88,7 @@ def cost_simulate(
     response: str = typer.Option("same", "--response", help="Workers the SLA response adds: 'same' (the "
                                  "job's pool, as scaling its cluster does) or 'on-demand'."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write an HTML report with plots here."),
+    prices: Optional[Path] = typer.Option(None, "--prices", help=PRICES_HELP),
 ) -> None:
     """Replay a finished batch job on spot capacity under preemptions, against on demand.
 
@@ -103,8 +102,8 @@ def cost_simulate(
         Preemptions, Prices, Response, Setup, parse_trace, simulate, summarize, sweep, with_slack,
     )
     from shardline.capacity.spot_report import SpotReport, render_html, summary_lines
-    from shardline.placement import CostTable
-    from shardline.settings import BatchSettings, DaskSettings, PlacementSettings, StorageSettings
+    from shardline.capacity.prices import load_prices, prices_path
+    from shardline.settings import BatchSettings, DaskSettings, StorageSettings
 
     try:
         if rate_per_hour is not None and trace is not None:
@@ -118,17 +117,16 @@ def cost_simulate(
             except OSError as e:
                 raise InvalidSetting(
                     f"cannot read the trace {str(trace)!r} ({e.strerror}); give a readable file") from e
-        storage, placement, batch = StorageSettings(), PlacementSettings(), BatchSettings()
+        storage, batch = StorageSettings(), BatchSettings()
         finished = load_finished_job(storage.home, job_id, storage.storage_options)
         work = job_work(finished, workers=workers, hardware_class=hardware_class).model_copy(
             update={"margin_fraction": batch.sla_margin})
-        hardware = default_hardware(CostTable(per_hour=placement.costs_per_hour),
-                                    CostTable(per_hour=placement.spot_costs_per_hour))
-        prices = Prices(on_demand=class_price(hardware, work.hardware_class, "on-demand"),
+        hardware = default_hardware(load_prices(prices_path(prices)))
+        priced = Prices(on_demand=class_price(hardware, work.hardware_class, "on-demand"),
                         spot=class_price(hardware, work.hardware_class, "spot"))
         answer = Response(capacity=response, check_s=batch.sla_check_interval_s,  # type: ignore[arg-type]
                           window_s=batch.sla_window_s)
-        setup = Setup(prices=prices, response=answer,
+        setup = Setup(prices=priced, response=answer,
                       preemptions=Preemptions(rate_per_hour=1.0 if rate_per_hour is None else rate_per_hour,
                                               trace_s=times, notice_s=notice_s, replace_s=replace_s,
                                               drain_s=DaskSettings().preemption_drain_s))

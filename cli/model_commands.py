@@ -293,7 +293,8 @@ def model_distill(
     import pyarrow.parquet as pq
 
     from shardline.build.distill import StudentSize
-    from shardline.cost.prices import cost_per_1k_rows, load_prices, prices_path
+    from shardline.capacity.prices import load_prices, prices_path
+    from shardline.cost.prices import cost_per_1k_rows
     from shardline.errors import InvalidInput
     from shardline.quality.distillation import distill
     from shardline.settings import StorageSettings

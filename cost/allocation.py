@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import date, datetime
 from typing import Any, Iterable
 
-from shardline.cost.prices import PriceTable
+from shardline.capacity.prices import PriceTable
 
 IDLE = "(idle)"
 COUNTS = ("requests", "rows", "prompt_tokens", "completion_tokens")

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from shardline.budgets import Budget, BudgetState, BudgetStates, budget_state
 from shardline.cost.allocation import IDLE, allocate
-from shardline.cost.prices import PriceTable
+from shardline.capacity.prices import PriceTable
 from shardline.storage.ledger import LedgerStore, month_of
 
 log = logging.getLogger("shardline.cost.budgets")
@@ -75,7 +75,7 @@ class BudgetPublisher:
         Raises:
             InvalidSetting: the tenants file or the price table is wrong, or a class it does not price.
         """
-        from shardline.cost.prices import load_prices
+        from shardline.capacity.prices import load_prices
         from shardline.tenants import load_tenants_file
 
         budgets = load_tenants_file(self.tenants_file).budgets()

@@ -17,8 +17,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
+from shardline.capacity.prices import PriceTable
 from shardline.cost.allocation import IDLE, Allocation
-from shardline.cost.prices import PriceTable, money
+from shardline.cost.prices import money
 
 Kind = Literal["idle", "hardware", "spot"]
 

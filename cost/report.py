@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from datetime import date
 from typing import Any, Iterable
 
+from shardline.capacity.prices import PriceTable
 from shardline.cost.allocation import IDLE, Allocation, Charge, Spend, allocate
-from shardline.cost.prices import PriceTable, money
+from shardline.cost.prices import money
 from shardline.cost.recommend import Recommendation, recommend
 
 

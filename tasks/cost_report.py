@@ -13,7 +13,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from shardline.cost.prices import load_prices, prices_path
+from shardline.capacity.prices import load_prices, prices_path
 from shardline.cost.report import build_report, render_html, render_markdown
 from shardline.settings import StorageSettings
 from shardline.storage.fs import atomic_write_bytes, join, open_fs

@@ -229,8 +229,3 @@ class PlacementSettings(BaseSettings):
         default_factory=lambda: {"cpu": 0.20, "cuda": 4.00, "cuda-nvidia-h200-mig": 0.60},
         description="Machine kind (or a prefix of it, longest wins) -> price of one device per hour (JSON).",
     )
-    spot_costs_per_hour: dict[str, float] = Field(
-        default_factory=lambda: {"cpu": 0.07, "cuda": 1.60, "cuda-nvidia-h200-mig": 0.24},
-        description="The same on spot capacity (example figures, about 35-40% of on demand; set your cloud's): "
-        "what `shardline cost simulate` prices spot workers at.",
-    )

@@ -40,6 +40,6 @@ class MeteringSettings(BaseSettings):
     )
     prices_file: str | None = Field(
         default=None,
-        description="The price table (YAML) `shardline cost report` reads; unset: <home>/prices.yaml, else the "
-        "built-in example (cloud list prices).",
+        description="The price table (YAML) `shardline cost report`, `cost simulate` and `plan capacity` price "
+        "with; unset: <home>/prices.yaml, else the built-in example (cloud list prices).",
     )

@@ -208,7 +208,7 @@ def test_two_tenants_at_once_both_finish_within_their_limits(
                             for p in (tmp_path / tenant / "out" / "_ledger").rglob("*.json"))
         assert use[0]["device_seconds"] == pytest.approx(shard_seconds, rel=1e-6)
         assert use[0]["bytes_written"] > 0
-    from shardline.cost.prices import load_prices
+    from shardline.capacity.prices import load_prices
     from shardline.cost.report import build_report
 
     report = build_report(metered, load_prices(), today.strftime("%Y-%m"))  # the jobs' chargeback, example prices

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from shardline.cost.budgets import spend_by_tenant
-from shardline.cost.prices import load_prices
+from shardline.capacity.prices import load_prices
 from shardline.storage.ledger import LedgerStore
 from tests.support.budgets import spend, write_prices
 

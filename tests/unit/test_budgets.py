@@ -9,7 +9,7 @@ import pytest
 
 from shardline.budgets import Budget, BudgetStates, budget_state, seconds_to_month_end
 from shardline.cost.budgets import current_states, publish, spend_by_tenant
-from shardline.cost.prices import load_prices
+from shardline.capacity.prices import load_prices
 from shardline.errors import InvalidSetting
 from shardline.storage.ledger import LedgerStore
 from shardline.storage.registry import ModelRegistry

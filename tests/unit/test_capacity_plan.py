@@ -15,13 +15,22 @@ from typer.testing import CliRunner
 from shardline.capacity.demand import build_problem, parse_demand
 from shardline.capacity.hardware import default_hardware
 from shardline.capacity.packing import check_plan, pack
+from shardline.capacity.prices import PriceTable
 from shardline.cli import app
 from shardline.errors import InvalidSetting
 from shardline.storage.registry import ModelRegistry
-from shardline.placement import CostTable
 from tests.support.k8s import K8S, find, render, validate
 
-PRICES = CostTable(per_hour={"cpu": 0.20, "cuda": 4.00})
+PRICES = PriceTable.model_validate({"classes": {  # a GPU at 4.00/h, an 8-core node at 0.20/h
+    "cpu": {"unit": "core", "on-demand": 0.025}, "h100": {"unit": "gpu", "on-demand": 4.0},
+    "h200": {"unit": "gpu", "on-demand": 4.0}}})
+
+
+def prices_file(where: Path) -> str:
+    """``PRICES`` as a price table file, for ``--prices``."""
+    path = where / "prices.yaml"
+    path.write_text(yaml.safe_dump(PRICES.model_dump(by_alias=True)))
+    return str(path)
 
 # An LLM on whole H200s (tokens/s measured by a load generator), an online model measured on a 1g slice, a batch
 # model measured on a whole GPU only (its slices estimated) and on CPU.
@@ -62,8 +71,7 @@ def test_a_demand_file_packs_within_memory_meeting_every_demand() -> None:
 def test_plan_capacity_prints_the_plan_beside_bound_and_baseline_and_writes_it(tmp_path: Path) -> None:
     (tmp_path / "demand.yaml").write_text(DEMAND)
     result = CliRunner().invoke(app, ["plan", "capacity", "--demand", str(tmp_path / "demand.yaml"),
-                                      "-o", str(tmp_path / "plan.yaml")],
-                                env={"SHARDLINE_PLACEMENT_COSTS_PER_HOUR": '{"cpu": 0.2, "cuda": 4.0}'})
+                                      "-o", str(tmp_path / "plan.yaml"), "--prices", prices_file(tmp_path)])
     assert result.exit_code == 0, result.output
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     ratio = plan["cost_per_hour"] / plan["lower_bound"]
@@ -110,8 +118,8 @@ def _overlay_with(component: Path, where: Path) -> Path:
 def test_the_kustomize_component_renders_in_the_production_overlay_and_validates(tmp_path: Path) -> None:
     (tmp_path / "demand.yaml").write_text(DEMAND)
     result = CliRunner().invoke(app, ["plan", "capacity", "--demand", str(tmp_path / "demand.yaml"),
-                                      "-o", str(tmp_path / "plan.yaml"), "--kustomize", str(tmp_path / "plan")],
-                                env={"SHARDLINE_PLACEMENT_COSTS_PER_HOUR": '{"cpu": 0.2, "cuda": 4.0}'})
+                                      "-o", str(tmp_path / "plan.yaml"), "--kustomize", str(tmp_path / "plan"),
+                                      "--prices", prices_file(tmp_path)])
     assert result.exit_code == 0, result.output
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     objects = render(_overlay_with(tmp_path / "plan", tmp_path / "overlay"))

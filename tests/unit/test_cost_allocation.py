@@ -10,7 +10,7 @@ import pytest
 
 from shardline.capacity.hardware import H100_MIG
 from shardline.cost.allocation import IDLE, allocate
-from shardline.cost.prices import PriceTable, load_prices
+from shardline.capacity.prices import PriceTable, load_prices
 from shardline.errors import InvalidSetting
 
 PRICES = PriceTable.model_validate({"currency": "USD", "classes": {

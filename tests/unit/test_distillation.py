@@ -20,7 +20,8 @@ from shardline.build.distill import StudentSize
 from shardline.build.examples import breast_cancer, golden_table
 from shardline.build.packaging import GoldenSet, package_sklearn
 from shardline.cli import app
-from shardline.cost.prices import cost_per_1k_rows, load_prices
+from shardline.capacity.prices import load_prices
+from shardline.cost.prices import cost_per_1k_rows
 from shardline.errors import GateFailed, InvalidBundle, InvalidInput, InvalidSetting, ModelNotFound
 from shardline.quality.distillation import distill
 from shardline.runtimes import RuntimeOptions, create_runtime

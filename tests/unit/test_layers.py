@@ -26,7 +26,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "storage": frozenset({"kernel"}),
     "quality": frozenset({"kernel", "storage", "build"}),
     "observability": frozenset({"kernel"}),
-    "tasks": frozenset({"kernel", "storage", "quality", "build", "observability", "cost"}),
+    "tasks": frozenset({"kernel", "storage", "quality", "build", "observability", "cost", "capacity"}),
     "flows": frozenset({"tasks", "settings"}),
     "online": frozenset({"kernel", "storage", "observability"}),
     "capacity": frozenset({"kernel", "storage"}),

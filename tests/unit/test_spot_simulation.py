@@ -8,6 +8,7 @@ import random
 import pytest
 
 from shardline.capacity.hardware import default_hardware
+from shardline.capacity.prices import PriceTable
 from shardline.capacity.problem import class_price
 from shardline.capacity.spot import (
     JobWork,
@@ -24,10 +25,10 @@ from shardline.capacity.spot import (
 )
 from shardline.capacity.spot_report import SpotReport, render_html, summary_lines
 from shardline.errors import InvalidSetting
-from shardline.placement import CostTable
 
-HARDWARE = default_hardware(CostTable(per_hour={"cpu": 0.20, "cuda": 4.00}),
-                            CostTable(per_hour={"cpu": 0.07, "cuda": 1.60}))
+HARDWARE = default_hardware(PriceTable.model_validate({"classes": {  # a GPU at 4.00/h, 1.60/h on spot
+    "cpu": {"unit": "core", "on-demand": 0.025, "spot": 0.00875}, "h100": {"unit": "gpu", "on-demand": 4.0, "spot": 1.6},
+    "h200": {"unit": "gpu", "on-demand": 4.0, "spot": 1.6}}}))
 PRICES = Prices(on_demand=class_price(HARDWARE, "h100", "on-demand"), spot=class_price(HARDWARE, "h100", "spot"))
 
 

@@ -15,12 +15,14 @@ that profile) and a CPU node type's name (``cpu-8c``). A class's profiles are me
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardline.errors import InvalidSetting
-from shardline.placement import CostTable
+
+if TYPE_CHECKING:
+    from shardline.capacity.prices import PriceTable
 
 MEMORY_SLICES, COMPUTE_SLICES = 8, 7
 
@@ -35,6 +37,11 @@ class MigProfile(BaseModel):
     memory_gb: float = Field(gt=0, description="Memory of one slice of this profile.")
     size: int = Field(ge=1, le=MEMORY_SLICES, description="Memory slices one instance occupies.")
     starts: tuple[int, ...] = Field(description="Memory-slice indices an instance may start at.")
+
+    @property
+    def fraction(self) -> float:
+        """The share of its GPU one slice is priced at: its compute slices of the GPU's seven."""
+        return self.compute / COMPUTE_SLICES
 
 
 def _profiles(memory: tuple[str, str, str, str, str, str]) -> tuple[MigProfile, ...]:
@@ -57,9 +64,30 @@ def _profiles(memory: tuple[str, str, str, str, str, str]) -> tuple[MigProfile, 
 
 H100_MIG = _profiles(("10gb", "20gb", "20gb", "40gb", "40gb", "80gb"))
 H200_MIG = _profiles(("18gb", "35gb", "35gb", "71gb", "71gb", "141gb"))
+MIG_PROFILES = {"h100": H100_MIG, "h200": H200_MIG}  # the GPU kinds of ``default_hardware`` by name
+MIG_MARK = "-mig-"
+
+
+def split_class(hardware_class: str) -> tuple[str, str | None]:
+    """A hardware class's GPU kind (or CPU type) and MIG profile: 'h100-mig-3g.40gb' -> ('h100', '3g.40gb'),
+    'h200' -> ('h200', None) (``GpuKind.class_name`` the other way)."""
+    kind, mark, profile = hardware_class.partition(MIG_MARK)
+    return (kind, profile) if mark else (hardware_class, None)
 
 Layout = tuple[str, ...]  # slot names of one GPU, sorted: ("whole",) or MIG profile names
 WHOLE = "whole"
+CapacityType = Literal["on-demand", "spot"]
+
+
+def _price(name: str, on_demand: float, spot: float | None, capacity: CapacityType) -> float:
+    if capacity == "on-demand":
+        return on_demand
+    if spot is None:
+        raise InvalidSetting(
+            f"hardware {name!r} has no spot price; give it spot_price_per_hour in the hardware catalogue, "
+            "or compare on-demand only"
+        )
+    return spot
 
 
 class GpuKind(BaseModel):
@@ -69,7 +97,8 @@ class GpuKind(BaseModel):
     machine: str = Field(description="Machine kind its whole-GPU profiles are stored under: 'cuda-nvidia-h200'.")
     product: str = Field(description="The node label nvidia.com/gpu.product of its nodes: 'NVIDIA-H200'.")
     memory_gb: float = Field(gt=0, description="Memory of the whole GPU.")
-    price_per_hour: float = Field(gt=0, description="Price of one GPU per hour (whole or partitioned).")
+    price_per_hour: float = Field(gt=0, description="Price of one GPU per hour (whole or partitioned), on demand.")
+    spot_price_per_hour: float | None = Field(default=None, gt=0, description="Its spot price; None: no spot.")
     gpus_per_node: int = Field(default=8, ge=1, description="GPUs on one node of this kind.")
     billing: Literal["gpu", "node"] = Field(
         default="gpu", description="gpu: pay for the GPUs used; node: nodes come whole (gpus_per_node each)."
@@ -77,9 +106,17 @@ class GpuKind(BaseModel):
     max_gpus: int | None = Field(default=None, ge=0, description="GPUs of this kind to be had at most.")
     mig: tuple[MigProfile, ...] = Field(default=(), description="MIG profiles; empty: whole GPUs only.")
 
+    def price(self, capacity: CapacityType = "on-demand") -> float:
+        """One GPU's price per hour on demand or on spot.
+
+        Raises:
+            InvalidSetting: spot asked and this kind has no spot price.
+        """
+        return _price(self.name, self.price_per_hour, self.spot_price_per_hour, capacity)
+
     def class_name(self, slot: str) -> str:
         """The hardware class of a slot of this kind: 'h200' (whole) or 'h200-mig-1g.18gb'."""
-        return self.name if slot == WHOLE else f"{self.name}-mig-{slot}"
+        return self.name if slot == WHOLE else f"{self.name}{MIG_MARK}{slot}"
 
     def machine_of(self, slot: str) -> str:
         """The machine kind a slot's profiles are measured on: 'cuda-nvidia-h200[-mig-1g.18gb]'."""
@@ -167,8 +204,17 @@ class CpuNodeType(BaseModel):
     arch: str = Field(default="x86_64", description="CPU architecture; profiles measured on 'cpu-<arch>-<N>c' apply.")
     cores: int = Field(ge=1)
     memory_gb: float = Field(gt=0)
-    price_per_hour: float = Field(gt=0)
+    price_per_hour: float = Field(gt=0, description="Price of one node per hour, on demand.")
+    spot_price_per_hour: float | None = Field(default=None, gt=0, description="Its spot price; None: no spot.")
     max_nodes: int | None = Field(default=None, ge=0, description="Nodes of this type to be had at most.")
+
+    def price(self, capacity: CapacityType = "on-demand") -> float:
+        """One node's price per hour on demand or on spot.
+
+        Raises:
+            InvalidSetting: spot asked and this type has no spot price.
+        """
+        return _price(self.name, self.price_per_hour, self.spot_price_per_hour, capacity)
 
 
 class Hardware(BaseModel):
@@ -197,20 +243,29 @@ class Hardware(BaseModel):
         raise InvalidSetting(f"no GPU kind {name!r} in the hardware catalogue; it has {[g.name for g in self.gpus]}")
 
 
-def default_hardware(costs: CostTable) -> Hardware:
-    """H100 and H200 GPUs (8 to a node, with their MIG profiles) and two CPU node types, priced by ``costs``
-    (the placement cost table: ``SHARDLINE_PLACEMENT_COSTS_PER_HOUR``): a GPU at its machine kind's price, a
-    CPU node at its machine kind's price per 8 cores."""
-    per_8_cores = costs.cost("cpu-x86_64-8c")
-    return Hardware(
-        gpus=[
-            GpuKind(name="h100", machine="cuda-nvidia-h100-80gb-hbm3", product="NVIDIA-H100-80GB-HBM3",
-                    memory_gb=80, price_per_hour=costs.cost("cuda-nvidia-h100-80gb-hbm3"), mig=H100_MIG),
-            GpuKind(name="h200", machine="cuda-nvidia-h200", product="NVIDIA-H200", memory_gb=141,
-                    price_per_hour=costs.cost("cuda-nvidia-h200"), mig=H200_MIG),
-        ],
-        cpu_nodes=[
-            CpuNodeType(name="cpu-8c", cores=8, memory_gb=32, price_per_hour=per_8_cores),
-            CpuNodeType(name="cpu-32c", cores=32, memory_gb=128, price_per_hour=4 * per_8_cores),
-        ],
-    )
+def default_hardware(prices: PriceTable) -> Hardware:
+    """H100 and H200 GPUs (8 to a node, with their MIG profiles) and two CPU node types (8 and 32 cores), priced
+    by the price table (``shardline.capacity.prices``, the one `shardline cost report` charges with): a GPU at
+    its class's price per GPU-hour, a CPU node at ``cpu``'s price per core-hour times its cores, on demand and on
+    spot. A GPU kind (or the CPU nodes) the table does not price is left out of the catalogue.
+
+    Raises:
+        InvalidSetting: the table prices none of h100, h200 and cpu.
+    """
+
+    def hourly(name: str, times: int = 1) -> tuple[float, float]:
+        return times * prices.per_unit_hour(name, "on-demand"), times * prices.per_unit_hour(name, "spot")
+
+    gpus = [GpuKind(name=name, machine=machine, product=product, memory_gb=memory, mig=MIG_PROFILES[name],
+                    price_per_hour=hourly(name)[0], spot_price_per_hour=hourly(name)[1])
+            for name, machine, product, memory in (("h100", "cuda-nvidia-h100-80gb-hbm3", "NVIDIA-H100-80GB-HBM3", 80),
+                                                   ("h200", "cuda-nvidia-h200", "NVIDIA-H200", 141))
+            if name in prices.classes]
+    cpu_nodes = ([CpuNodeType(name=f"cpu-{cores}c", cores=cores, memory_gb=4 * cores,
+                              price_per_hour=hourly("cpu", cores)[0], spot_price_per_hour=hourly("cpu", cores)[1])
+                  for cores in (8, 32)] if "cpu" in prices.classes else [])
+    if not gpus and not cpu_nodes:
+        raise InvalidSetting(
+            f"{prices.source or 'the price table'} prices none of the hardware a plan packs onto (h100, h200, cpu; "
+            f"it prices {sorted(prices.classes)}); add them, or give the plan a hardware catalogue (--hardware)")
+    return Hardware(gpus=gpus, cpu_nodes=cpu_nodes)

@@ -14,7 +14,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shardline.capacity.hardware import WHOLE, CpuNodeType, GpuKind, Hardware
+from shardline.capacity.hardware import COMPUTE_SLICES, WHOLE, CapacityType, CpuNodeType, GpuKind, Hardware
 from shardline.errors import InvalidSetting
 from shardline.placement import (
     Candidate,
@@ -232,3 +232,19 @@ def check_offers(problem: PackingProblem) -> None:
         "memory to hold it; profile it on the hardware it may use (`shardline model profile`), give a profile "
         "inline in the demand file, or relax its target"
     )
+
+
+def class_price(hardware: Hardware, hardware_class: str, capacity: CapacityType = "on-demand") -> float:
+    """What one replica or worker of a hardware class costs per hour: a whole GPU's or a CPU node's price, a MIG
+    slice its compute's share of its GPU's (3g: 3/7).
+
+    Raises:
+        InvalidSetting: no such class in the catalogue, or no spot price where spot is asked.
+    """
+    classes = hardware_classes(hardware)
+    if hardware_class not in classes:
+        raise InvalidSetting(f"no hardware class {hardware_class!r} in the catalogue; it has {sorted(classes)}")
+    owner, slot = classes[hardware_class]
+    if isinstance(owner, CpuNodeType):
+        return owner.price(capacity)
+    return owner.price(capacity) * owner.slot_compute(slot) / COMPUTE_SLICES

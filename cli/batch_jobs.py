@@ -126,6 +126,72 @@ def refused(request: JobRequest) -> JobOutcome | None:
     return None
 
 
+def tenant_budget_state(tenant: str) -> Any:
+    """The tenant's budget state now (``shardline.budgets.BudgetState``), or None: no tenants file, or no budget
+    for the tenant. Its spend is the month's ledger priced by the price table ``shardline cost report`` reads.
+
+    Raises:
+        ShardlineError: the tenants file or the price table is wrong (the job is refused, exit code 2).
+    """
+    from shardline.capacity.prices import load_prices, prices_path
+    from shardline.cost.budgets import current_states
+    from shardline.settings import StorageSettings, TenancySettings
+    from shardline.storage.ledger import LedgerStore
+    from shardline.tenants import load_tenants_file
+
+    tenants_file = TenancySettings().tenants_file
+    if not tenants_file:
+        return None
+    budget = load_tenants_file(tenants_file).budgets().get(tenant)
+    if budget is None:
+        return None
+    storage = StorageSettings()
+    store = LedgerStore(storage.home, storage.storage_options)
+    return current_states(store, {tenant: budget}, load_prices(prices_path()))[tenant]
+
+
+def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None]:
+    """What the tenant's budget makes of a new job, said in one line (docs/cost.md, "Budgets"): ``hard``
+    refuses it (exit code 2, the figures), ``soft`` runs it at low priority, ``warn`` runs it as asked; warn,
+    soft and hard emit ``shardline.budget.warning``. A resumed job was accepted before: it is never refused.
+
+    Returns:
+        The request to run (its priority lowered on soft), and the refusal (None: run it).
+    """
+    from shardline.cli.common import EXIT_USAGE
+    from shardline.errors import ShardlineError
+
+    try:
+        state = tenant_budget_state(request.tenant)
+    except ShardlineError as e:
+        return request, JobOutcome(EXIT_USAGE, error=str(e))
+    if state is None or state.state == "ok":
+        return request, None
+    _announce(state)
+    if state.state == "hard" and not request.resume:
+        return request, JobOutcome(EXIT_USAGE, error=f"{state.line()}; the job was not started (raise the tenant's "
+                                   "budget in the tenants file, or wait for the next month)")
+    if state.state == "hard":
+        typer.secho(f"{state.line()}; this job was accepted before, so it runs to the end", fg="yellow", err=True)
+    elif state.state == "soft":
+        typer.secho(f"{state.line()}; this job runs at low priority", fg="yellow", err=True)
+        return request.model_copy(update={"priority": "low"}), None
+    else:
+        typer.secho(f"{state.line()}; the job runs", fg="yellow", err=True)
+    return request, None
+
+
+def _announce(state: Any) -> None:
+    """``shardline.budget.warning`` to the Prefect API, when one is known (an event never stops the job)."""
+    from shardline.event_catalog import BUDGET_WARNING, tenant_resource
+    from shardline.events import post_event, prefect_api_url
+    from shardline.settings import StorageSettings
+
+    api = prefect_api_url(StorageSettings().home)
+    if api is not None:
+        post_event(api, BUDGET_WARNING, tenant_resource(state.tenant), {**state.to_json(), "tier": "batch"})
+
+
 def progress_bar(enabled: bool) -> tuple[Any, Watcher]:
     """The shards progress bar (a rich ``Progress``, to enter) and the watcher that moves it."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

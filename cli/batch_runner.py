@@ -225,7 +225,7 @@ def ensure(home: str | os.PathLike[str], say: Callable[[str], None], timeout_s: 
                 f"({', '.join(differences(record.fingerprint, mine)[:4])})")
             record = None
         if record is None:
-            record = _start(folder, timeout_s)
+            record = _start(folder, timeout_s, say)
             if record.started_server is not None:
                 from shardline.cli.prefect_server import started_line
 
@@ -236,18 +236,38 @@ def ensure(home: str | os.PathLike[str], say: Callable[[str], None], timeout_s: 
         return record
 
 
-def _start(folder: Path, timeout_s: float) -> RunnerRecord:
+WAITING = "waiting for "  # how the runner's log lines that say what its start waits for begin
+
+
+def _waiting_lines(log: Path, start: int) -> list[str]:
+    """The runner's ``WAITING`` lines written past ``start`` (its log's size before it was started)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(start)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.startswith(WAITING)]
+
+
+def _start(folder: Path, timeout_s: float, say: Callable[[str], None]) -> RunnerRecord:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / RECORD).unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # one earlier log is kept: runner.log.1
         if (folder / LOG).stat().st_size > _LOG_BYTES:
             os.replace(folder / LOG, folder / f"{LOG}.1")
+    start = (folder / LOG).stat().st_size if (folder / LOG).exists() else 0
     child = spawn("the batch runner", [sys.executable, "-m", _MARKER.decode(), str(folder)], folder / LOG,
                   detached=True)
 
     written: list[RunnerRecord] = []
+    said: set[str] = set()
 
-    def ready() -> bool:  # it takes jobs once it has written its record
+    def ready() -> bool:  # it takes jobs once it has written its record; meanwhile, what it waits for is said
+        for line in _waiting_lines(folder / LOG, start):
+            if line not in said:
+                said.add(line)
+                say(line)
         record = _read_record(folder)
         written[:] = [record] if record is not None and record.pid == child.pid else []
         return bool(written)
@@ -344,6 +364,9 @@ class _Runner:
     # -- start and stop
 
     def run(self) -> None:
+        # Each ``WAITING`` line is said by the command that started this runner while it waits (the first run in a
+        # new home waits ~10 s on two cores, most of it for the Prefect server's first start).
+        print(f"{WAITING}Prefect, Dask and the batch code to load", flush=True)
         import shardline.cli.batch_jobs  # noqa: F401  (everything a job imports, before the first job)
         import shardline.flows.batch_inference  # noqa: F401
         from shardline.cli.prefect_server import api_url_for_run
@@ -351,14 +374,20 @@ class _Runner:
         from shardline.tasks.cluster import warm_cluster
 
         server = PrefectServerSettings()
-        self.api_url, started = api_url_for_run(server.server, StorageSettings().home, server.start_timeout_s)
+        self.api_url, started = api_url_for_run(
+            server.server, StorageSettings().home, server.start_timeout_s,
+            starting=lambda: print(f"{WAITING}the local Prefect server to start (the first run in a home starts it; "
+                                   "later runs reuse it)", flush=True))
         if started and self.api_url is not None:
             self.started_server = self.api_url.removesuffix("/api")
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, lambda *_: self.stopping.set())
         listener = socket.create_server(("127.0.0.1", 0))
         listener.settimeout(0.5)
-        with warm_cluster(DaskSettings()) as address:
+        dask = DaskSettings()
+        if dask.cluster == "local":
+            print(f"{WAITING}the Dask cluster to start", flush=True)
+        with warm_cluster(dask) as address:
             if address is not None:
                 _warm_workers(address)
             self._write_record(listener.getsockname()[1])

@@ -14,7 +14,7 @@ import typer
 from typer.core import TyperCommand
 
 from shardline.cli import mlflow_commands  # noqa: E402,F401 - adds model import and model watch-mlflow to model_app
-from shardline.cli.batch_jobs import JobOutcome, JobRequest, present
+from shardline.cli.batch_jobs import JobOutcome, JobRequest, apply_budget, present
 from shardline.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, OFF_THE_NETWORK, open_registry
 from shardline.cli.help_text import ParagraphHelp
 from shardline.cli.model_commands import model_app
@@ -37,6 +37,15 @@ app.add_typer(rollout_app, name="rollout")
 from shardline.cli.tenant_commands import tenant_app  # noqa: E402
 
 app.add_typer(tenant_app, name="tenant")
+from shardline.cli.capacity_commands import plan_app  # noqa: E402
+
+app.add_typer(plan_app, name="plan")
+from shardline.cli.cost_commands import cost_app  # noqa: E402
+
+app.add_typer(cost_app, name="cost")
+from shardline.cli.slo_commands import slo_app  # noqa: E402
+
+app.add_typer(slo_app, name="slo")
 
 
 # How this process runs batch jobs, as ``main`` decided: a supervised child always runs them here (cold);
@@ -179,6 +188,9 @@ def batch_run(
     """
     request = JobRequest(model=model, input_uri=input, output_uri=output, tenant=tenant, passthrough=passthrough,
                          batch_rows=batch_rows, variant=variant, sla=sla, deadline=deadline, priority=priority)
+    request, refusal = apply_budget(request)  # before any flow run: a tenant at its hard limit starts nothing
+    if refusal is not None:
+        raise typer.Exit(present(refusal, json_out))
     raise typer.Exit(present(run_batch_job(request, progress=not json_out, check=True), json_out))
 
 
@@ -271,6 +283,9 @@ def batch_resume(
     # the pinned version, not the alias: were the alias moved since, the parts already made would not count
     request = JobRequest(**{**p.model_dump(), "model": record.model_pinned or p.model},
                          deadline=record.deadline.isoformat(), resume=True)
+    request, refusal = apply_budget(request)  # accepted before: said, never refused
+    if refusal is not None:
+        raise typer.Exit(present(refusal, json_out))
     raise typer.Exit(present(run_batch_job(request, progress=not json_out, check=True), json_out))
 
 
@@ -476,9 +491,35 @@ def serve(
     try:
         online = OnlineSettings.model_validate({k: v for k, v in given.items() if v is not None})
         tenancy = TenancySettings(tenants_file=str(tenants)) if tenants is not None else TenancySettings()
-        run_server(online, StorageSettings(), RuntimeSettings(), tenancy)
+        storage = StorageSettings()
+        with _budget_publisher(tenancy, storage):
+            run_server(online, storage, RuntimeSettings(), tenancy)
     except (ShardlineError, ValidationError) as e:
         raise fail(e) from e
+
+
+@contextlib.contextmanager
+def _budget_publisher(tenancy: Any, storage: Any) -> Any:
+    """The tenants' budget states priced from the ledger beside the server, every
+    SHARDLINE_METERING_BUDGET_REFRESH_S (``cost/budgets.py``; the server processes read them): only when the
+    tenants file gives a tenant a budget. A wrong price table stops the start."""
+    from shardline.capacity.prices import prices_path
+    from shardline.cost.budgets import BudgetPublisher
+    from shardline.settings import MeteringSettings
+    from shardline.storage.ledger import LedgerStore
+    from shardline.tenants import load_tenants_file
+
+    if not tenancy.tenants_file or not load_tenants_file(tenancy.tenants_file).budgets():
+        yield
+        return
+    prices = prices_path()
+    publisher = BudgetPublisher(tenancy.tenants_file, LedgerStore(storage.home, storage.storage_options),
+                                str(prices) if prices is not None else None, MeteringSettings().budget_refresh_s)
+    publisher.start()
+    try:
+        yield
+    finally:
+        publisher.stop()
 
 
 @app.command()

@@ -130,3 +130,8 @@ def one_line_user_errors() -> Iterator[None]:
     finally:
         for logger in loggers:
             logger.removeFilter(quiet)
+
+
+PRICES_HELP = ("The price table (YAML): what a unit of each hardware class costs per hour, on demand and on spot "
+               "(docs/cost.md, 'Prices'); default SHARDLINE_METERING_PRICES_FILE, else <home>/prices.yaml, else the "
+               "example's cloud list prices.")

@@ -1,5 +1,5 @@
-"""`shardline model ...`: push, list, show, search, alias, promote, release, rollback, history, optimize, profile
-and place; `package` and `package-minilm` are in ``package_commands``, `import` and `watch-mlflow` (MLflow) in
+"""`shardline model ...`: push, list, show, search, alias, promote, release, rollback, history, optimize, distill,
+profile and place; `package` and `package-minilm` are in ``package_commands``, `import` and `watch-mlflow` (MLflow) in
 ``mlflow_commands``, on the same app.
 """
 
@@ -273,6 +273,64 @@ def model_optimize(
               if variant.score is not None and variant.baseline is not None else "unscored: no golden set")
     typer.echo(f"{reference}#{variant.name}: {variant.precision} for {variant.device}, "
                f"sha256 {variant.artifact.sha256[:12]}, {scored}")
+
+
+@model_app.command("distill")
+def model_distill(
+    teacher: str = typer.Argument(..., help="The teacher: name:version or name@alias (with a golden set)."),
+    data: Path = typer.Option(..., "--data", help="Parquet file or folder of rows holding the teacher's inputs."),
+    student: str = typer.Option("linear", "--student", help="linear, gbt (small boosted trees) or mlp."),
+    trees: int = typer.Option(50, "--trees", help="gbt: how many trees."),
+    max_depth: int = typer.Option(3, "--max-depth", help="gbt: how deep each tree is."),
+    hidden: int = typer.Option(16, "--hidden", help="mlp: units in its one hidden layer."),
+    name: Optional[str] = typer.Option(None, "--name", help="The student's model name (default <teacher>-student)."),
+    prices: Optional[Path] = typer.Option(None, "--prices", help="The price table (YAML); default as `shardline "
+                                          "cost report`."),
+) -> None:
+    """Train a smaller student on the teacher's answers over --data, gate it on the teacher's golden set like a
+    precision variant, push it (lineage parent: the teacher), and show both models' cost per 1k rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shardline.build.distill import StudentSize
+    from shardline.capacity.prices import load_prices, prices_path
+    from shardline.cost.prices import cost_per_1k_rows
+    from shardline.errors import InvalidInput
+    from shardline.quality.distillation import distill
+    from shardline.settings import StorageSettings
+
+    storage = StorageSettings()
+    try:
+        if not data.exists():
+            raise InvalidInput(f"the data {str(data)!r} does not exist; give a Parquet file or a folder of them")
+        try:
+            table = pq.read_table(data)
+        except (OSError, pa.ArrowException) as e:
+            raise InvalidInput(f"the data {str(data)!r} cannot be read as Parquet ({e}); give a Parquet file or a "
+                               "folder of them") from e
+        price_table = load_prices(prices_path(prices))
+        per_core_hour = price_table.per_unit_hour("cpu", "on-demand")
+        done = distill(open_registry(), teacher, table, kind=student,
+                       size=StudentSize(trees=trees, max_depth=max_depth, hidden=hidden), name=name,
+                       data_source=str(data), cache_dir=storage.cache, storage_options=storage.storage_options)
+    except ShardlineError as e:
+        raise fail(e, EXIT_FAILED if isinstance(e, GateFailed) else EXIT_USAGE) from e
+    c = price_table.currency
+    typer.echo(f"distilled {done.teacher} into {done.student.reference}: {done.kind} student ({done.size}), trained "
+               f"on the teacher's answers for {done.rows:,} rows; lineage parent {done.teacher}")
+    typer.echo(f"  golden set: {done.metric} {done.score:.4f}, the teacher {done.baseline:.4f} (change "
+               f"{done.score - done.baseline:+.4f}, max_variant_delta {done.max_variant_delta}): gate variant-accuracy pass")
+    typer.echo(f"  agreement with the teacher on the golden set ({done.metric}): {done.agreement:.4f}")
+    typer.echo(f"  cost on this machine, one CPU thread priced as one core at {per_core_hour:g} {c}/core-hour "
+               "(cost per 1k rows = price / 3600 / rows per s x 1000):")
+    for role, reference, rate in (("teacher", done.teacher, done.teacher_rows_per_s),
+                                  ("student", done.student.reference, done.student_rows_per_s)):
+        typer.echo(f"    {role} {reference:<24} {rate:>12,.0f} rows/s  {cost_per_1k_rows(per_core_hour, rate):.3g} "
+                   f"{c} per 1k rows")
+    typer.echo(f"  the student scores {done.student_rows_per_s / done.teacher_rows_per_s:.1f}x the teacher's rows per "
+               "second")
+    if done.new:
+        announce(done.student, "model distill")
 
 
 @model_app.command("profile")

@@ -44,7 +44,7 @@ import sys
 import time
 import tomllib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 from shardline.errors import ChildNotReady, PrefectServerUnavailable
@@ -236,8 +236,10 @@ def _forget(folder: Path) -> None:
         (folder / name).unlink(missing_ok=True)
 
 
-def ensure(home: str | os.PathLike[str], timeout_s: float = 120.0) -> tuple[LocalServer, bool]:
-    """The home's local server, started (detached, it outlives the command) when none answers.
+def ensure(home: str | os.PathLike[str], timeout_s: float = 120.0,
+           starting: Callable[[], None] | None = None) -> tuple[LocalServer, bool]:
+    """The home's local server, started (detached, it outlives the command) when none answers; ``starting`` is
+    called just before a start (to say what the caller waits for).
 
     Returns:
         The server, and whether this call started it.
@@ -258,6 +260,8 @@ def ensure(home: str | os.PathLike[str], timeout_s: float = 120.0) -> tuple[Loca
                 return recorded, False
             _stop_process(recorded.pid)
         _forget(folder)
+        if starting is not None:
+            starting()
         return _start(folder, timeout_s, prefer=_former_port(home)), True
 
 
@@ -293,7 +297,8 @@ def stop(home: str | os.PathLike[str], timeout_s: float = 20.0) -> LocalServer |
     return recorded if running else None
 
 
-def api_url_for_run(mode: str, home: str | os.PathLike[str], timeout_s: float = 120.0) -> tuple[str | None, bool]:
+def api_url_for_run(mode: str, home: str | os.PathLike[str], timeout_s: float = 120.0,
+                    starting: Callable[[], None] | None = None) -> tuple[str | None, bool]:
     """The Prefect API this process's flow runs should use, and whether this call started a server for it.
 
     The user's ``PREFECT_API_URL`` (environment or Prefect profile) always wins: (None, False), nothing to do;
@@ -307,7 +312,7 @@ def api_url_for_run(mode: str, home: str | os.PathLike[str], timeout_s: float = 
     url = get_current_settings().api.url
     if (url and url != profile_api_url(home)) or (not url and mode == "temporary"):
         return None, False
-    server, started = ensure(home, timeout_s)
+    server, started = ensure(home, timeout_s, starting)
     os.environ["PREFECT_API_URL"] = server.api_url
     from prefect.context import refresh_global_settings_context
 

@@ -19,7 +19,6 @@ def sla_response(
     tenant: str = "",
     deadline: str | None = None,
     projected_finish: str | None = None,
-    cluster_name: str | None = None,
     scale_step: int = 2,
 ) -> dict[str, Any]:
     """Answer a batch SLA event (at-risk, breached, or a nightly job that never completed).
@@ -30,13 +29,13 @@ def sla_response(
         tenant: the job's tenant.
         deadline: the job's deadline (ISO 8601).
         projected_finish: when the job was projected to finish (None: unknown).
-        cluster_name: a dask-kubernetes cluster to scale up; None tries the configured cluster.
-        scale_step: workers to add.
+        scale_step: workers to add to the job's cluster (SHARDLINE_DASK_CLUSTER=kubernetes: the job's own
+            DaskCluster, within its minimum and maximum); negative gives workers back, only while none is busy.
 
     Returns:
         The notification: the event, the job and what was done.
     """
-    action = scale_up(DaskSettings(), cluster_name, scale_step)
+    action = scale_up(DaskSettings(), job_id, scale_step)
     notice = {
         "event": event, "job_id": job_id, "tenant": tenant, "deadline": deadline,
         "projected_finish": projected_finish, "action": action,

@@ -33,7 +33,7 @@ from shardline.observability import tracing
 from shardline.online.admission import asked_timeout_s
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import json_response
-from shardline.online.headers import TIMEOUT_HEADER
+from shardline.online.headers import BUDGET_HEADER, FALLBACK_HEADER, TIMEOUT_HEADER
 from shardline.online.logs import (
     ACCESS_LOGGER,
     CURRENT,
@@ -48,6 +48,8 @@ from shardline.online.protocols.forms import openai_error_body, v2_error_body
 
 access_log = logging.getLogger(ACCESS_LOGGER)
 _REQUEST_ID = b"x-request-id"
+_BUDGET = BUDGET_HEADER.encode()
+_FALLBACK = FALLBACK_HEADER.encode()
 _TIMEOUT = TIMEOUT_HEADER.encode()
 _TRACEPARENT = tracing.TRACEPARENT.encode()
 
@@ -119,6 +121,10 @@ class RequestMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message["headers"] = [*message.get("headers", []), (_REQUEST_ID, encoded_id)]
+                if info.budget:
+                    message["headers"].append((_BUDGET, info.budget.encode()))
+                if info.fallback:
+                    message["headers"].append((_FALLBACK, info.fallback.encode("latin-1")))
             await send(message)
 
         try:

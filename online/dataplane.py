@@ -40,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardline.errors import (
+    BudgetExceeded,
     DeadlineExceeded,
     InferenceFailed,
     InvalidInput,
@@ -47,10 +48,11 @@ from shardline.errors import (
 )
 from shardline.online.admission import TenantGate, next_seconds_per_row, runs_inline
 from shardline.online.batcher import Batcher
+from shardline.online.budgets import BudgetBoard
 from shardline.online.capture import OnlineCapture
 from shardline.online.generation import Generations
 from shardline.online.headers import TIMEOUT_HEADER
-from shardline.online.logs import deadline_left
+from shardline.online.logs import CURRENT, deadline_left
 from shardline.online.metrics import Metrics, ModelState, Snapshot
 from shardline.online.models import ModelDirectory, ModelStatus, ServedModel
 from shardline.online.served import ServedModels
@@ -82,8 +84,10 @@ class DataPlane:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         capture_root: str | None = None,
+        budgets: BudgetBoard | None = None,
     ) -> None:
         self.settings = settings
+        self.budgets = budgets or BudgetBoard(None, 60.0)  # none: no tenant is ever past a threshold
         self.cache = cache
         self.tenants = tenants
         self.runtime = runtime
@@ -113,6 +117,8 @@ class DataPlane:
         self._io_pool = ThreadPoolExecutor(2, thread_name_prefix="shardline-registry")
         self._codec_pool = ThreadPoolExecutor(_CODEC_THREADS, thread_name_prefix="shardline-codec")
         self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        self.metrics.start()
+        self.budgets.start()
         self.started = True
         for tenant in self.tenants.tenants.values():
             for ref in tenant.models.values():
@@ -134,6 +140,7 @@ class DataPlane:
         for pool in (self._infer_pool, self._io_pool, self._codec_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        self.budgets.stop()
         self.metrics.close()
 
     @property
@@ -170,14 +177,32 @@ class DataPlane:
         one of the tenant's concurrent requests and takes a token of its rate, or refuses.
 
         With ``workers`` server processes, each holds its share of the quotas (``worker_share``).
+        The tenant's budget is asked first (``online/budgets.py``): past a threshold the answer is marked.
+
+        Raises:
+            BudgetExceeded: the tenant is at its monthly budget's hard limit (429, Retry-After to the month's end).
 
         Raises (on entering):
             RateLimited: over ``max_concurrent`` or the token bucket is empty.
         """
+        self._check_budget(tenant.name)
         gate = self._gates.get(tenant.name)
         if gate is None or gate.tenant is not tenant:
             gate = self._gates[tenant.name] = TenantGate(tenant, self._workers, self._clock, self._count_refusal)
         return gate
+
+    def _check_budget(self, tenant: str) -> None:
+        try:
+            state = self.budgets.check(tenant)
+        except BudgetExceeded:
+            self.metrics.budget_requests.labels(tenant, "hard").inc()
+            self._count_refusal(tenant, "budget")
+            raise
+        if state is not None:
+            self.metrics.budget_requests.labels(tenant, state.state).inc()
+            info = CURRENT.get()
+            if info is not None:
+                info.budget = state.state
 
     def _count_refusal(self, tenant: str, quota: str) -> None:
         self.metrics.rate_limited.labels(tenant, quota).inc()
@@ -187,8 +212,15 @@ class DataPlane:
         self, tenant: Tenant, name: str, version: str | int | None = None, alias: str | None = None,
         variant: str | None = None,
     ) -> ServedModel:
-        """The version of a model that a request means (``ServedModels.model``)."""
-        return await self.models.model(tenant, name, version, alias, variant)
+        """The version of a model that a request means (``ServedModels.model``); for a tenant past its budget's
+        soft limit (``admit`` marked the request), its cheaper precision variant when it has one, the answer
+        marked ``X-Shardline-Fallback: name:version#variant``."""
+        info = CURRENT.get()
+        soft = variant is None and info is not None and info.budget == "soft"
+        served = await self.models.model(tenant, name, version, alias, variant, cheaper=soft)
+        if soft and info is not None and served.resolved.variant_name:
+            info.fallback = f"{served.resolved.pinned}#{served.resolved.variant_name}"
+        return served
 
     async def model_for_reference(self, tenant: Tenant, reference: str) -> ServedModel:
         """Like ``model`` for a reference string: ``name``, ``name@alias`` or ``name:version``."""
@@ -295,6 +327,9 @@ class DataPlane:
                 if timer is not None:
                     timer.cancel()
         served.last_used = self._clock()
+        if self.metrics.ledger is not None:
+            self.metrics.observe_rows(served.name, _version_label(served.resolved), tenant.name, rows.num_rows,
+                                      rows.nbytes, _answer_nbytes(answer))
         return answer
 
     async def _predict(self, key: tuple[str, int, str], inputs: Rows) -> Any:
@@ -464,6 +499,13 @@ def _expire(future: asyncio.Future[Any], model: str) -> None:
         future.set_exception(DeadlineExceeded(
             f"the request's deadline ({TIMEOUT_HEADER}) passed while it waited in the queue of model {model!r}; "
             f"retry, or send a longer {TIMEOUT_HEADER}"))
+
+
+def _answer_nbytes(answer: Any) -> int:
+    """Bytes of an answer: an Arrow table or batch, or a dict of numpy arrays."""
+    if isinstance(answer, dict):
+        return sum(int(getattr(a, "nbytes", 0)) for a in answer.values())
+    return int(getattr(answer, "nbytes", 0))
 
 
 def _version_label(resolved: ResolvedModel) -> str:

@@ -227,7 +227,7 @@ class Generations:
                 handle.cancel()  # the client went away (or the handler failed): free the engine's slot now
             release()
             metrics.llm_streams.labels(model).dec()
-            metrics.llm_tokens(model, version, tenant.name, len(prompt_ids), completion)
+            metrics.llm_tokens(model, version, tenant.name, len(prompt_ids), completion, last - started)
             if completion > 1:
                 metrics.llm_per_output_token(model, version, tenant.name, (last - first) / (completion - 1))
             if span is not None:

@@ -15,6 +15,7 @@ REQUEST_ID_HEADER = "x-request-id"  # echoed (or made) on every answer, in every
 # On an answer.
 FALLBACK_HEADER = "x-shardline-fallback"  # from a fallback variant: name:version#variant
 PROMPT_TOKENS_HEADER = "x-shardline-prompt-tokens"  # on a streamed answer: the prompt's size (the router meters it)
+BUDGET_HEADER = "x-shardline-budget"  # warn or soft: the tenant is past that threshold of its budget (docs/cost.md)
 
-__all__ = ["FALLBACK_HEADER", "GATED_HEADER", "PROMPT_TOKENS_HEADER", "REQUEST_ID_HEADER", "ROUTE_KEY_HEADER",
+__all__ = ["BUDGET_HEADER", "FALLBACK_HEADER", "GATED_HEADER", "PROMPT_TOKENS_HEADER", "REQUEST_ID_HEADER", "ROUTE_KEY_HEADER",
            "TENANT_HEADER", "TIMEOUT_HEADER", "VARIANT_HEADER"]

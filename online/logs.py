@@ -33,6 +33,8 @@ class RequestInfo:
     version: str = ""
     deadline: float | None = None  # time.monotonic() by which it must be answered (X-Shardline-Timeout-Ms)
     trace_id: str = ""  # the W3C trace it belongs to (its traceparent's, or the server span's), "" when none
+    budget: str = ""  # the tenant's budget state when past a threshold (warn, soft): the answer's X-Shardline-Budget
+    fallback: str = ""  # name:version#variant when the server chose a cheaper variant (soft): X-Shardline-Fallback
 
 
 CURRENT: contextvars.ContextVar[RequestInfo | None] = contextvars.ContextVar("shardline_request", default=None)

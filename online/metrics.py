@@ -30,6 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from shardline.online import gpu_metrics
+from shardline.storage.ledger import LedgerWriter
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MAX_CACHED = 4096  # label sets kept (a bound, should labels ever grow)
@@ -210,9 +211,14 @@ class Metrics:
     """The server's metrics; ``exposition()`` is what the metrics listener's ``/metrics`` answers.
 
     They name tenants, the models each calls, its traffic and errors: ``shardline serve`` serves
-    them on their own listener (loopback by default), never on the tenants' port."""
+    them on their own listener (loopback by default), never on the tenants' port.
 
-    def __init__(self) -> None:
+    With a ``ledger`` (``shardline serve``: the metering ledger, ``storage/ledger.py``) the same observations
+    are metered per tenant: requests, rows and bytes, tokens, and device time (a batch's time split across
+    the tenants by their rows of the bucket; a generation's from its start to its last token)."""
+
+    def __init__(self, ledger: LedgerWriter | None = None) -> None:
+        self.ledger = ledger
         self.shared_dir = multiprocess_dir()
         self._shared_gauges: _SharedGauges | None = None
         self.registry = CollectorRegistry(auto_describe=True)
@@ -233,6 +239,9 @@ class Metrics:
                             ["model", "version", "tenant", "priority"], registry=r)
         self.rate_limited = Counter("shardline_rate_limited", "Requests refused over a tenant's quota (429).",
                                     ["tenant", "quota"], registry=r)
+        self.budget_requests = Counter("shardline_budget_requests", "Requests of tenants past a threshold of their "
+                                       "monthly budget, by state: warn, soft (served, marked), hard (refused, 429).",
+                                       ["tenant", "state"], registry=r)
         self.loads = Counter("shardline_model_loads", "Times a version was loaded.", ["model", "version"], registry=r)
         self.device_fallbacks = Counter("shardline_device_fallbacks", "Loads that chose the GPU and ran on the CPU "
                                         "(onnxruntime fell back without a word: the log says why).",
@@ -275,8 +284,16 @@ class Metrics:
         if self._shared_gauges is not None:
             self._shared_gauges.refresh()
 
+    def start(self) -> None:
+        """Start writing the metering ledger's closed buckets (when there is a ledger)."""
+        if self.ledger is not None:
+            self.ledger.start()
+
     def close(self) -> None:
-        """This worker is stopping: its live gauges leave the sums (multiprocess mode)."""
+        """This worker is stopping: the ledger writes what it holds (the open bucket too), and its live gauges leave
+        the sums (multiprocess mode)."""
+        if self.ledger is not None:
+            self.ledger.close()
         if self.shared_dir is not None:
             from prometheus_client import multiprocess
 
@@ -294,6 +311,8 @@ class Metrics:
             self._request_children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+        if self.ledger is not None and model:
+            self.ledger.add_request(tenant, model, version)
 
     def observe_batch(self, model: str, version: str, rows: int, requests: int, seconds: float) -> None:
         """Record one batch the model scored."""
@@ -310,6 +329,13 @@ class Metrics:
         children[0].observe(rows)
         children[1].observe(requests)
         children[2].observe(seconds)
+        if self.ledger is not None:
+            self.ledger.add_shared(model, version, seconds)
+
+    def observe_rows(self, model: str, version: str, tenant: str, rows: int, bytes_in: int, bytes_out: int) -> None:
+        """Meter rows a tenant had scored (and their bytes in and out of the model); the ledger only."""
+        if self.ledger is not None:
+            self.ledger.add(tenant, model, version, rows=rows, bytes_read=bytes_in, bytes_written=bytes_out)
 
     def observe_capture(self, model: str, version: str, rows: int, kept: bool) -> None:
         """Count rows handed to capture (``kept``) or dropped by a full buffer."""
@@ -333,10 +359,15 @@ class Metrics:
         """A finished generation's time per output token after the first."""
         self.llm_tpot.labels(model, version, tenant).observe(seconds)
 
-    def llm_tokens(self, model: str, version: str, tenant: str, prompt: int, completion: int) -> None:
-        """Meter one generation's tokens for its tenant."""
+    def llm_tokens(self, model: str, version: str, tenant: str, prompt: int, completion: int,
+                   seconds: float = 0.0) -> None:
+        """Meter one generation's tokens for its tenant, and (the ledger) its ``seconds`` on the engine: prefill
+        and decode, from its start to its last token."""
         self.llm_token_count.labels(model, version, tenant, "prompt").inc(prompt)
         self.llm_token_count.labels(model, version, tenant, "completion").inc(completion)
+        if self.ledger is not None:
+            self.ledger.add(tenant, model, version, prompt_tokens=prompt, completion_tokens=completion,
+                            device_seconds=seconds)
 
     def flush(self) -> None:
         """Add the tallied observations to their series (done before every exposition)."""

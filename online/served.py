@@ -59,10 +59,12 @@ class ServedModels:
 
     async def model(
         self, tenant: Tenant, name: str, version: str | int | None = None, alias: str | None = None,
-        variant: str | None = None,
+        variant: str | None = None, cheaper: bool = False,
     ) -> ServedModel:
         """The version of a model that a request means: ``version``, ``alias``, or the tenant's reference;
-        with ``variant``, that version's precision variant (a router's fallback asks for one).
+        with ``variant``, that version's precision variant (a router's fallback asks for one); with ``cheaper``
+        and no ``variant``, its cheapest precision variant when it has one (``cheaper_variant``: a tenant past its
+        budget's soft limit).
 
         Raises:
             ModelNotFound: the tenant may not call the model, or the version, alias or variant does not exist.
@@ -88,6 +90,8 @@ class ServedModels:
             ref = listed
         resolved = await self.directory.resolve(ref)
         check_custom_code(resolved.manifest.runtime, resolved.pinned, tenant.name, tenant.custom_code)
+        if variant is None and cheaper:
+            variant = cheaper_variant(resolved)
         return await self._served_for(resolved.variant(variant) if variant else resolved)
 
     async def model_for_reference(self, tenant: Tenant, reference: str) -> ServedModel:
@@ -181,3 +185,15 @@ class ServedModels:
         finally:
             served.unloading = None
             done.set_result(None)
+
+
+CHEAPER_PRECISIONS = ("int8", "fp16")  # cheapest first: what a tenant past its budget's soft limit is served
+
+
+def cheaper_variant(resolved: ResolvedModel) -> str | None:
+    """The version's cheapest precision variant (int8, else fp16), None when it has neither."""
+    for precision in CHEAPER_PRECISIONS:
+        names = sorted(name for name, v in resolved.variants.items() if v.precision == precision)
+        if names:
+            return names[0]
+    return None

@@ -28,6 +28,7 @@ intra-op threads) are resolved from its cores by the settings (``OnlineSettings.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging.config
@@ -44,15 +45,17 @@ from shardline.errors import InvalidSetting
 from shardline.local_ports import inherited
 from shardline.observability import tracing
 from shardline.online.app import create_app
+from shardline.online.budgets import BudgetBoard
 from shardline.online.connection import bind_metrics_listener, uvicorn_options
 from shardline.online.dataplane import DataPlane
 from shardline.online.limits import ConnectionLimits, open_files_limit, resolve_limits
 from shardline.online.logs import log_config
-from shardline.online.metrics import metrics_app, multiprocess_exposition
+from shardline.online.metrics import Metrics, metrics_app, multiprocess_exposition
 from shardline.online.tenants import TenantDirectory, load_tenants
 from shardline.runtimes import RuntimeOptions
-from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings, TenancySettings
+from shardline.settings import MeteringSettings, OnlineSettings, RuntimeSettings, StorageSettings, TenancySettings
 from shardline.storage.capture import capture_root
+from shardline.storage.ledger import LedgerStore, LedgerWriter, holding_of
 from shardline.storage.model_cache import get_model_cache
 from shardline.storage.registry import ModelRegistry
 
@@ -93,15 +96,33 @@ def serving_settings(online: OnlineSettings, runtime: RuntimeSettings) -> dict[s
 
 
 def build_plane(
-    online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings, tenants: TenantDirectory
+    online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings, tenants: TenantDirectory,
+    metering: MeteringSettings | None = None,
 ) -> DataPlane:
     """A data plane over the registry and the process's model cache (``runtime.cache_capacity``) that the settings name."""
     registry = ModelRegistry.from_settings(storage)
     cache = get_model_cache(storage.cache, runtime.cache_capacity)
     options = RuntimeOptions(runtime.device, online.resolved_intra_op_threads(runtime.intra_op_threads),
                              runtime.spinning)
+    metering = metering or MeteringSettings()
+    metrics = Metrics(ledger=online_ledger(online, storage, runtime, metering))
+    budgets = BudgetBoard(LedgerStore(storage.home, storage.storage_options), metering.budget_refresh_s)
     return DataPlane(online, registry, cache, tenants, options, storage_options=storage.storage_options,
-                     capture_root=capture_root(storage))
+                     capture_root=capture_root(storage), metrics=metrics, budgets=budgets)
+
+
+def online_ledger(online: OnlineSettings, storage: StorageSettings, runtime: RuntimeSettings,
+                  metering: MeteringSettings) -> LedgerWriter | None:
+    """This server process's meter (``storage/ledger.py``), None when metering is off. Each of ``workers`` processes
+    holds its share of the machine's units (cores on a CPU, else the GPU or slice), so that together they
+    hold it once."""
+    if not metering.enabled:
+        return None
+    device = "gpu" if runtime.device == "cuda" else "cpu"
+    units = float(len(os.sched_getaffinity(0))) if device == "cpu" else 1.0
+    holding = holding_of(metering, "online", device, units)
+    share = dataclasses.replace(holding, units=holding.units / online.resolved_workers())
+    return LedgerWriter(LedgerStore(storage.home, storage.storage_options), share, metering.bucket_s)
 
 
 def build_app(

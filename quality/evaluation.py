@@ -133,14 +133,26 @@ def evaluate(model: Runtime, manifest: Manifest, golden_table: pa.Table) -> floa
             (no rows, columns missing, nulls in the label, unknown output column).
     """
     evaluation = evaluation_of(manifest)
-    _check_golden(manifest, evaluation, golden_table)
-    parts = [
-        model.predict(batch).column(evaluation.prediction_column)
-        for batch in golden_table.to_batches(max_chunksize=EVALUATION_BATCH_ROWS)
-    ]
-    predictions = column_values(pa.chunked_array(parts))
+    predictions = golden_predictions(model, manifest, golden_table)
     labels = column_values(golden_table.column(evaluation.label_column))
     return metric_value(evaluation.metric, predictions, labels)
+
+
+def golden_predictions(model: Runtime, manifest: Manifest, golden_table: pa.Table) -> np.ndarray:
+    """The model's ``evaluation.prediction_column`` over a golden table, scored in batches (``column_values``).
+
+    Raises:
+        InvalidBundle: as ``evaluate``.
+    """
+    evaluation = evaluation_of(manifest)
+    _check_golden(manifest, evaluation, golden_table)
+    return predicted_column(model, golden_table, evaluation.prediction_column)
+
+
+def predicted_column(model: Runtime, table: pa.Table, column: str) -> np.ndarray:
+    """The model's output ``column`` for every row of ``table``, scored in batches of ``EVALUATION_BATCH_ROWS``."""
+    parts = [model.predict(batch).column(column) for batch in table.to_batches(max_chunksize=EVALUATION_BATCH_ROWS)]
+    return column_values(pa.chunked_array(parts))
 
 
 def variant_delta_allowed(evaluation: Evaluation, baseline: float, score: float) -> bool:

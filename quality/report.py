@@ -15,17 +15,14 @@ the page's CSS scales down to its grid cell (``max-width: 100%``), so none is cu
 from __future__ import annotations
 
 import html
-import io
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import polars as pl
 
+from shardline.figures import inline_svg
 from shardline.quality.drift import OTHER, ColumnDrift, DriftReport
-
-if TYPE_CHECKING:  # pragma: no cover
-    from matplotlib.figure import Figure
 
 PLOTTED_COLUMNS = 8
 SINGLE_POINT_SPAN = timedelta(days=1)  # the time axis around one moment: one day either side
@@ -50,16 +47,6 @@ figure svg{display:block;max-width:100%;height:auto}
 
 def _ratio(column: ColumnDrift) -> float:
     return column.score / column.threshold if column.threshold > 0 else (np.inf if column.score > 0 else 0.0)
-
-
-def _svg(figure: "Figure") -> str:
-    import matplotlib.pyplot as plt
-
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg", bbox_inches="tight")
-    plt.close(figure)
-    text = buffer.getvalue()
-    return text[text.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline SVG
 
 
 def _entry(reference: dict[str, Any], column: ColumnDrift) -> dict[str, Any]:
@@ -94,7 +81,7 @@ def _numeric_plot(column: ColumnDrift, entry: dict[str, Any]) -> str | None:
     for ax in (ax_density, ax_cdf):
         ax.tick_params(labelsize=7)
     figure.suptitle(column.column, fontsize=10, y=1.05)
-    return _svg(figure)
+    return inline_svg(figure)
 
 
 def _categorical_plot(column: ColumnDrift, entry: dict[str, Any]) -> str | None:
@@ -116,7 +103,7 @@ def _categorical_plot(column: ColumnDrift, entry: dict[str, Any]) -> str | None:
     ax.set_ylabel("share of rows", fontsize=8)
     ax.legend(fontsize=8)
     ax.set_title(column.column, fontsize=10)
-    return _svg(figure)
+    return inline_svg(figure)
 
 
 def _moment(report: DriftReport) -> datetime:
@@ -184,7 +171,7 @@ def _history_plot(report: DriftReport, history: Sequence[DriftReport]) -> str | 
     ax.set_xlabel(f"end of the report's window (UTC), {'-'.join(str(y) for y in years)}", fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(labelsize=7)
-    return _svg(figure)
+    return inline_svg(figure)
 
 
 def _column_rows(report: DriftReport) -> str:

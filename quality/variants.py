@@ -138,11 +138,22 @@ def _score_candidate(bundle_dir: Path, manifest: Manifest, options: RuntimeOptio
 
 
 def _check_delta(reference: str, precision: str, evaluation: Evaluation, baseline: float, score: float) -> None:
+    check_delta(f"the {precision} variant of {reference}", "fp32", evaluation, baseline, score,
+                "Serve fp32, or raise evaluation.max_variant_delta in a new version if the loss is acceptable")
+
+
+def check_delta(candidate: str, baseline_name: str, evaluation: Evaluation, baseline: float, score: float,
+                advice: str) -> None:
+    """The 'variant-accuracy' gate: ``candidate`` (a precision variant, a distilled student) may score at most
+    ``max_variant_delta`` from ``baseline_name``'s score on the golden set, either way.
+
+    Raises:
+        GateFailed: it scores further away; the message gives both figures and ``advice``.
+    """
     if not variant_delta_allowed(evaluation, baseline, score):
         raise GateFailed(
-            f"the {precision} variant of {reference} scores {evaluation.metric} {score:.4f} on the golden "
-            f"set, fp32 scores {baseline:.4f}: a change of {score - baseline:+.4f}, more than the "
-            f"max_variant_delta {evaluation.max_variant_delta} its manifest allows; it was not recorded. "
-            "Serve fp32, or raise evaluation.max_variant_delta in a new version if the loss is acceptable",
+            f"{candidate} scores {evaluation.metric} {score:.4f} on the golden "
+            f"set, {baseline_name} scores {baseline:.4f}: a change of {score - baseline:+.4f}, more than the "
+            f"max_variant_delta {evaluation.max_variant_delta} its manifest allows; it was not recorded. {advice}",
             gate="variant-accuracy",
         )

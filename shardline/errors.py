@@ -179,6 +179,11 @@ class RateLimited(ShardlineError, RuntimeError):
         self.retry_after = retry_after
 
 
+class BudgetExceeded(RateLimited):
+    """A tenant is at its monthly budget's hard limit (docs/cost.md, "Budgets"): new work is refused, with the
+    figures, until the month ends (``retry_after``: seconds to then, capped) or the budget grows."""
+
+
 class Overloaded(ShardlineError, RuntimeError):
     """The server sheds this request to keep latency bounded; retry after ``retry_after`` s."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 MODEL_RESOURCE = "shardline.model.<name>"
 BATCH_JOB_RESOURCE = "shardline.batch-job.<job_id>"
+TENANT_RESOURCE = "shardline.tenant.<name>"
 
 BATCH_STARTED = "shardline.batch.started"
 BATCH_SLA_AT_RISK = "shardline.batch.sla-at-risk"
@@ -32,6 +33,7 @@ ROLLOUT_STEPPED = "shardline.rollout.stepped"
 ROLLOUT_PROMOTED = "shardline.rollout.promoted"
 ROLLOUT_ABORTED = "shardline.rollout.aborted"
 ROLLOUT_ROLLED_BACK = "shardline.rollout.rolled-back"
+BUDGET_WARNING = "shardline.budget.warning"
 
 _BATCH_PAYLOAD = ("job_id", "tenant", "model", "priority", "started", "deadline", "status", "at", "projected_finish",
                   "shards_done", "shards_total", "rows_done", "shards_per_second", "rows_per_second")
@@ -113,8 +115,16 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec(ROLLOUT_ROLLED_BACK, MODEL_RESOURCE, _ROUTER_ROLLOUT_PAYLOAD,
               "a router rolled a rollout back on its criteria (notify-on-rollout-rollback answers)",
               "the router (HTTP)"),
+    EventSpec(BUDGET_WARNING, TENANT_RESOURCE, ("tenant", "state", "spent", "budget", "month", "currency", "tier"),
+              "work was submitted for a tenant past its budget's warning threshold (state warn, soft or hard: "
+              "docs/cost.md, 'Budgets')", "shardline batch run (HTTP)"),
 )
 CATALOG: dict[str, EventSpec] = {spec.name: spec for spec in EVENTS}
+
+
+def tenant_resource(name: str) -> dict[str, str]:
+    """The resource of an event about a tenant: ``shardline.tenant.<name>``."""
+    return {"prefect.resource.id": f"shardline.tenant.{name}", "shardline.tenant": name}
 
 
 def model_resource(name: str, alias: str | None = None, version: int | None = None) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""Figures as a person reads them in a report, an artifact or the command's summary: counts, rates, durations.
+"""Figures as a person reads them in a report, an artifact or the command's summary: counts, rates, durations,
+and plots as inline SVG.
 
 One place for them, so the CLI, the Prefect artifacts and the job's messages say ``200,000 rows``,
 ``14.6 shards/min`` and ``2h03m`` alike, not ``200000``, ``0.2433 shards/s`` and ``7380.0``.
@@ -6,7 +7,9 @@ One place for them, so the CLI, the Prefect artifacts and the job's messages say
 
 from __future__ import annotations
 
+import io
 from datetime import datetime
+from typing import Any
 
 _PER = (("s", 1.0), ("min", 60.0), ("h", 3600.0))
 
@@ -66,3 +69,15 @@ def moment(iso: str) -> str:
         return datetime.fromisoformat(iso).strftime("%Y-%m-%d %H:%M:%S %Z").strip()
     except ValueError:
         return iso
+
+
+def inline_svg(figure: Any) -> str:
+    """A matplotlib figure as an SVG element to put inline in an HTML page (no XML prolog or DOCTYPE); the
+    figure is closed."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg", bbox_inches="tight")
+    plt.close(figure)
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]

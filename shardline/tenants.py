@@ -22,6 +22,7 @@ the online tier builds its key directory from it (``online/tenants.py``), batch 
           priority: normal                       # high | normal | low (backfills: low)
           max_concurrent_shards: 16              # shards of this tenant on the cluster at once
           gpu_hours_per_day: 40                  # device-hours on GPUs per UTC day
+        budget: {monthly: 500.0, warn_at: 0.8, soft_at: 0.9}  # money per UTC month, both tiers (docs/cost.md)
 
 Both tiers find it through ``TenancySettings.tenants_file`` (SHARDLINE_TENANTS_FILE,
 else SHARDLINE_ONLINE_TENANTS_FILE; ``shardline serve --tenants``). No file: batch jobs
@@ -42,6 +43,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shardline.budgets import Budget
 from shardline.bundle import ModelRef
 from shardline.errors import AccessDenied, InvalidSetting, ShardlineError
 from shardline.locations import check_separate, is_within
@@ -119,6 +121,10 @@ class TenantConfig(BaseModel):
     max_streams: int | None = Field(
         default=None, ge=1, description="LLM generations (streamed or not) in flight at most; none: unlimited."
     )
+    budget: Budget | None = Field(
+        default=None, description="Money per UTC month across both tiers, in the price table's currency, with the "
+        "fractions that warn and degrade (docs/cost.md, 'Budgets'); none: unlimited.",
+    )
 
     @model_validator(mode="after")
     def _serves_something(self) -> "TenantConfig":
@@ -191,6 +197,10 @@ class TenantsFile(BaseModel):
     def served(self) -> list[TenantConfig]:
         """The online tier's view: the tenants with API keys (a batch-only tenant is not served)."""
         return [t for t in self.tenants if t.api_keys_sha256]
+
+    def budgets(self) -> dict[str, Budget]:
+        """The tenants that have a budget, by name."""
+        return {t.name: t.budget for t in self.tenants if t.budget is not None}
 
     def batch_tenants(self) -> dict[str, "BatchTenant | None"]:
         """Batch jobs' view: every tenant by name, with its batch policy (None: no ``batch:`` section)."""

@@ -8,7 +8,7 @@ passed down, so no task reads the environment.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from typing import Any, Iterator, Sequence
@@ -21,6 +21,7 @@ from shardline.figures import rows_quarantined
 from shardline.settings import (
     BatchSettings,
     DaskSettings,
+    MeteringSettings,
     PlacementSettings,
     RuntimeSettings,
     StorageSettings,
@@ -31,12 +32,20 @@ from shardline.storage.fs import resolve_location
 from shardline.storage.job_identity import JobSummary
 from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
 from shardline.storage.lease import holding_output  # noqa: F401 - the flow holds the lease its plan took with it
-from shardline.storage.metering import DeviceKind, MeteringLedger
+from shardline.storage.ledger import LedgerStore
 from shardline.tasks.batch import JobPlan, ProgressWatcher, commit_job, infer_shards, report_job, tell_watchers
 from shardline.tasks.batch_survey import check_output_free, survey_job
 from shardline.tasks.batch_telemetry import CURRENT, JobTelemetry, job_span, serve_metrics, watching
 from shardline.tasks.cluster import dask_scheduler
-from shardline.tasks.fairness import check_gpu_quota, device_kind, fair_share, meter_run, priority_of
+from shardline.tasks.fairness import (
+    DeviceKind,
+    batch_slots,
+    check_gpu_quota,
+    device_kind,
+    fair_share,
+    meter_run,
+    priority_of,
+)
 from shardline.tasks.sla_tracking import SlaTracker, TrackedJob, planned_vs_actual
 from shardline.tenants import BatchTenant, admit_locations, batch_tenant, resolved_prefixes
 
@@ -51,12 +60,14 @@ class BatchJobSettings:
     dask: DaskSettings
     tenancy: TenancySettings
     placement: PlacementSettings
+    metering: MeteringSettings = field(default_factory=MeteringSettings)
 
     @classmethod
     def read(cls, batch_rows: int | None = None) -> BatchJobSettings:
         """The settings from the environment; ``batch_rows`` (a flow parameter) overrides the batch setting."""
         batch = BatchSettings() if batch_rows is None else BatchSettings(batch_rows=batch_rows)
-        return cls(StorageSettings(), batch, RuntimeSettings(), DaskSettings(), TenancySettings(), PlacementSettings())
+        return cls(StorageSettings(), batch, RuntimeSettings(), DaskSettings(), TenancySettings(), PlacementSettings(),
+                   MeteringSettings())
 
 
 @dataclass(frozen=True)
@@ -92,7 +103,7 @@ def admit(
     priority = priority_of(allowed, request.priority)
     device = device_kind(settings.runtime)
     if allowed is not None:
-        check_gpu_quota(MeteringLedger(storage.home, storage.storage_options), allowed, device)
+        check_gpu_quota(LedgerStore(storage.home, storage.storage_options), allowed, device)
     return Admission(
         request=request.model_copy(update={"input_uri": input_uri, "output_uri": output_uri}),
         tenant=allowed, priority=priority, device=device, sla=promise, started=started,
@@ -189,12 +200,17 @@ def score_shards(
     if not plan.todo:
         tell_watchers(watchers, plan.total_shards, plan.total_shards, 0)
         return plan
-    with fair_share(admitted.tenant, admitted.priority, len(plan.todo), settings.tenancy) as max_in_flight:
+    todo = list(plan.todo)
+    with fair_share(admitted.tenant, admitted.priority, len(todo), settings.tenancy) as max_in_flight:
         scored = len(plan.new)
-        with dask_scheduler(settings.dask) as address:
+        with dask_scheduler(settings.dask, plan.job_id) as address:
+            began = datetime.now(timezone.utc)
             plan = infer_shards(plan, address, watchers=watchers, max_in_flight=max_in_flight)
-    ledger = MeteringLedger(settings.storage.home, settings.storage.storage_options)
-    meter_run(ledger, plan.tenant, plan.job_id, admitted.device, plan.new[scored:])
+            window = (began, datetime.now(timezone.utc))
+    if settings.metering.enabled:
+        ledger = LedgerStore(settings.storage.home, settings.storage.storage_options)
+        slots = batch_slots(settings.dask, max_in_flight, len(todo))
+        meter_run(ledger, plan, settings.metering, admitted.device, plan.new[scored:], todo, window, slots)
     return plan
 
 

@@ -16,6 +16,13 @@ The workers cannot (each sees only its shards), nor can the command that sent a 
 only log lines). The values are read at scrape time (a custom collector): rows scored, shards by state,
 rows per second, the SLA projection (``shardline.sla_projection.project``, the tracker's own figures) and
 the deadline. A finished job's series stay (``running`` 0) until ``KEEP_FINISHED`` later jobs finished.
+
+One counter outlives the jobs: ``shardline_batch_job_deadlines_total{tenant, model, outcome}``, each run with a
+deadline counted once when it ends (the batch deadline SLI, docs/slo.md): ``met`` when it completed by the
+deadline (at the instant its output was complete, the manifest's ``finished``), ``missed`` when it ended, done
+or failed, after it. A run that fails before its deadline decides nothing (a rerun resumes it and is counted).
+Both outcomes of a tenant and model are exported at 0 from the first run that starts, so that Prometheus's
+``rate`` sees the first decision as an increase.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ log = logging.getLogger(__name__)
 CURRENT: ContextVar[JobTelemetry | None] = ContextVar("shardline_batch_telemetry", default=None)
 KEEP_FINISHED = 20
 SHARD_STATES = ("committed", "quarantined", "resumed", "failed", "pending")
+DEADLINE_OUTCOMES = ("met", "missed")
 _TRACEPARENT_VARIABLES = ("TRACEPARENT",)  # not SHARDLINE_*: that would fingerprint a warm runner per job
 
 
@@ -104,8 +112,12 @@ class JobTelemetry:
             self._end_shard(shard_span, state, rows, reason)
 
     def finish(self, outcome: str, error: BaseException | None = None) -> None:
-        """The run ended: the metrics say so, the job span ends (with the shards' spans left open)."""
+        """The run ended: the metrics say so (the deadline decided, see the module docstring), the job span ends
+        (with the shards' spans left open)."""
         self.running = False
+        decided = self.deadline_outcome(outcome)
+        if decided is not None:
+            _JOBS.decided(self.tenant, self.model, decided)
         for shard_span in self._spans.values():
             self._end_shard(shard_span, "stopped", 0, None)
         self._spans.clear()
@@ -114,6 +126,16 @@ class JobTelemetry:
             self.span.set_attribute("shardline.batch.rows", self.rows)
             tracing.end(self.span, error=error)
             tracing.flush()
+
+    def deadline_outcome(self, outcome: str) -> str | None:
+        """``met`` or ``missed`` for a run that ended with ``outcome`` (completed or failed), None when it decides
+        nothing: no deadline (no tracker), or failed before its deadline."""
+        if self.tracker is None:
+            return None
+        ended = self.tracker.settled_at or self.tracker.clock()
+        if ended > self.tracker.sla.deadline:
+            return "missed"
+        return "met" if outcome == "completed" else None
 
     def _count(self, state: str, rows: int) -> None:
         with self._lock:
@@ -169,12 +191,23 @@ class _Jobs(Collector):
 
     def __init__(self) -> None:
         self.jobs: OrderedDict[str, JobTelemetry] = OrderedDict()
+        self.deadlines: dict[tuple[str, str, str], int] = {}  # (tenant, model, outcome) -> runs decided
         self.lock = threading.Lock()
 
     def add(self, job: JobTelemetry) -> None:
         with self.lock:
             self.jobs.pop(job.job_id, None)
             self.jobs[job.job_id] = job
+            if job.tracker is not None:
+                for outcome in DEADLINE_OUTCOMES:
+                    self.deadlines.setdefault((job.tenant, job.model, outcome), 0)
+
+    def decided(self, tenant: str, model: str, outcome: str) -> None:
+        """Count a run decided by its deadline (``met`` or ``missed``)."""
+        with self.lock:
+            for each in DEADLINE_OUTCOMES:
+                self.deadlines.setdefault((tenant, model, each), 0)
+            self.deadlines[(tenant, model, outcome)] += 1
 
     def retire(self) -> None:
         """Forget the oldest finished jobs beyond ``KEEP_FINISHED``."""
@@ -197,8 +230,13 @@ class _Jobs(Collector):
                                      labels=labels)
         running = GaugeMetricFamily("shardline_batch_job_running", "1 while the job runs here, 0 once it ended.",
                                     labels=labels)
+        deadlines = CounterMetricFamily("shardline_batch_job_deadlines",
+                                        "Runs decided by their deadline: met (completed by it) or missed (ended "
+                                        "after it).", labels=["tenant", "model", "outcome"])
         with self.lock:
             jobs = list(self.jobs.values())
+            for key, count in self.deadlines.items():
+                deadlines.add_metric(list(key), count)
         now = datetime.now(timezone.utc)
         for job in jobs:
             values = [job.job_id, job.tenant, job.model, str(job.version)]
@@ -218,7 +256,7 @@ class _Jobs(Collector):
             deadline.add_metric(values, tracker.sla.deadline.timestamp())
             if projection.projected_finish is not None:
                 finish.add_metric(values, projection.projected_finish.timestamp())
-        yield from (rows, shards, rate, finish, deadline, running)
+        yield from (rows, shards, rate, finish, deadline, running, deadlines)
 
 
 _JOBS = _Jobs()

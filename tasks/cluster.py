@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
-import uuid
 from pathlib import Path
 from typing import Any, Iterator, cast
 
-from shardline.errors import InvalidSetting, RuntimeUnavailable
+from shardline.errors import InvalidSetting
 from shardline.settings import DaskSettings
 
 # LocalClusters this process keeps running across jobs (the warm batch runner's, see ``warm_cluster``),
@@ -19,12 +17,13 @@ _WARM: dict[str, str] = {}
 
 
 @contextlib.contextmanager
-def dask_scheduler(settings: DaskSettings) -> Iterator[str]:
-    """Yield a scheduler address: a new LocalCluster, an existing one, or dask-kubernetes.
+def dask_scheduler(settings: DaskSettings, job_id: str | None = None) -> Iterator[str]:
+    """Yield a scheduler address: a new LocalCluster, an existing one, or the job's own dask-kubernetes cluster.
 
     A cluster this function started is closed on exit; an existing one is left alone. With
     ``SHARDLINE_DASK_CLUSTER=local``, a cluster this process keeps warm for these settings
-    (``warm_cluster``) is used instead of a new one.
+    (``warm_cluster``) is used instead of a new one. ``SHARDLINE_DASK_CLUSTER=kubernetes`` needs the
+    ``job_id``: the cluster is named from it (``shardline.tasks.kube_cluster``).
     """
     if settings.cluster == "address":
         if not settings.address:
@@ -34,7 +33,7 @@ def dask_scheduler(settings: DaskSettings) -> Iterator[str]:
         yield settings.address
         return
     if settings.cluster == "kubernetes":
-        with _kubernetes_cluster(settings) as address:
+        with _kubernetes_cluster(settings, job_id) as address:
             yield address
         return
     if settings.cluster == "local" and (warm := _WARM.get(settings.model_dump_json())) is not None:
@@ -133,39 +132,20 @@ def warm_cluster(settings: DaskSettings) -> Iterator[str | None]:
 
 
 @contextlib.contextmanager
-def _kubernetes_cluster(settings: DaskSettings) -> Iterator[str]:
+def _kubernetes_cluster(settings: DaskSettings, job_id: str | None) -> Iterator[str]:
     if not settings.kubernetes_spec or not Path(settings.kubernetes_spec).is_file():
         raise InvalidSetting(
             f"SHARDLINE_DASK_KUBERNETES_SPEC={settings.kubernetes_spec!r} is not a file; point it at "
-            "a DaskCluster spec such as deploy/k8s/dask/cluster-cpu.yaml"
+            "a DaskCluster template such as deploy/k8s/base/tenant/dask/cluster-cpu.yaml"
         )
-    try:
-        from dask_kubernetes.operator import KubeCluster
-    except ImportError as e:
-        raise RuntimeUnavailable(
-            "SHARDLINE_DASK_CLUSTER=kubernetes needs dask-kubernetes; pip install 'shardline[kubernetes]'"
-        ) from e
+    if not job_id:
+        raise InvalidSetting("SHARDLINE_DASK_CLUSTER=kubernetes makes one cluster per job: pass the job's id")
     import yaml
 
-    spec = job_cluster_spec(yaml.safe_load(Path(settings.kubernetes_spec).read_text()), uuid.uuid4().hex[:8])
-    with KubeCluster(custom_cluster_spec=spec) as cluster:
-        cluster.scale(settings.kubernetes_workers)
-        yield cluster.scheduler_address
+    from shardline.tasks.kube_cluster import job_cluster
 
-
-def job_cluster_spec(spec: dict[str, Any], suffix: str) -> dict[str, Any]:
-    """A copy of a DaskCluster spec named for one job, its scheduler service selector to match.
-
-    Without it two jobs started from one spec would share (and the first to end
-    would delete) one cluster.
-    """
-    named = copy.deepcopy(spec)
-    name = f"{named['metadata']['name']}-{suffix}"[:63]
-    named["metadata"]["name"] = name
-    selector = named.get("spec", {}).get("scheduler", {}).get("service", {}).get("selector", {})
-    if "dask.org/cluster-name" in selector:
-        selector["dask.org/cluster-name"] = name
-    return named
+    with job_cluster(settings, job_id, yaml.safe_load(Path(settings.kubernetes_spec).read_text())) as address:
+        yield address
 
 
 def threads_per_call(settings: DaskSettings) -> int:

@@ -2,8 +2,8 @@
 
 - Isolation: a job's input and output must lie under its tenant's storage prefixes;
   checked before anything is read or written.
-- GPU-hours: a job that would run on a GPU is refused when its tenant's device-hours
-  of the UTC day (the metering ledger) reached ``gpu_hours_per_day``.
+- GPU-hours: a job that would run on a GPU is refused when its tenant's batch GPU-hours
+  of the UTC day (the metering ledger, ``storage/ledger.py``) reached ``gpu_hours_per_day``.
 - Fair share: while its shards are on the cluster a job holds one slot of its
   priority class's Prefect global concurrency limit (``shardline-batch-priority-<class>``,
   jobs at once across tenants) and ``min(max_concurrent_shards, shards to do)`` slots
@@ -19,17 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
 
 from shardline.errors import InvalidSetting, QuotaExceeded
-from shardline.settings import RuntimeSettings, TenancySettings
-from shardline.storage.metering import DeviceKind, MeteringLedger
-from shardline.storage.output import PartRecord
+from shardline.settings import DaskSettings, MeteringSettings, RuntimeSettings, TenancySettings
+from shardline.storage.ledger import LedgerStore, holding_of
+from shardline.storage.output import OutputLayout, PartRecord
+from shardline.storage.shards import ShardInfo
 from shardline.tasks.logs import run_logger
 from shardline.tenants import PRIORITIES, BatchTenant
+
+if TYPE_CHECKING:
+    from shardline.tasks.batch import JobPlan
+
+DeviceKind = Literal["cpu", "gpu"]
 
 
 def device_kind(runtime: RuntimeSettings) -> DeviceKind:
@@ -52,7 +59,7 @@ def has_cuda_provider(package_folders: Iterable[str]) -> bool:
     return any(any((Path(folder) / "capi").glob("*onnxruntime_providers_cuda*")) for folder in package_folders)
 
 
-def check_gpu_quota(ledger: MeteringLedger, tenant: BatchTenant, device: DeviceKind, now: datetime | None = None) -> None:
+def check_gpu_quota(ledger: LedgerStore, tenant: BatchTenant, device: DeviceKind, now: datetime | None = None) -> None:
     """Refuse a GPU job of a tenant whose GPU-hours of the UTC day are used up.
 
     Raises:
@@ -147,9 +154,40 @@ def fair_share(
             yield in_flight
 
 
-def meter_run(ledger: MeteringLedger, tenant: str, job_id: str, device: DeviceKind, records: list[PartRecord]) -> float:
-    """Record the device-seconds this run's settled shards took; returns them."""
+def batch_slots(dask: DaskSettings, max_in_flight: int | None, shards: int) -> int:
+    """Device slots a job holds while its shards are scored (what the ledger's capacity row prices): the cluster's
+    worker threads that this process starts (a local or a Kubernetes cluster), no more than the job's shards in
+    flight; 0 for a cluster at an address, which the job shares and does not hold (then it pays what it used)."""
+    if dask.cluster == "address":
+        return 0
+    workers = dask.kubernetes_workers if dask.cluster == "kubernetes" else dask.n_workers or (os.cpu_count() or 1)
+    threads = workers * dask.threads_per_worker
+    return max(0, min(threads, max_in_flight or threads, shards))
+
+
+def meter_run(ledger: LedgerStore, plan: "JobPlan", metering: MeteringSettings, device: DeviceKind,
+              records: list[PartRecord], shards: Sequence[ShardInfo], window: tuple[datetime, datetime],
+              slots: int) -> float:
+    """Write this run's use to the metering ledger: its settled shards' rows, device-seconds (their own scoring
+    time) and bytes, and what it held (``slots`` for the scoring ``window``); returns the device-seconds."""
     seconds = sum(r.seconds for r in records)
-    if records:
-        ledger.record(tenant, job_id, device, seconds, len(records))
+    if not records:
+        return seconds
+    sizes = {s.relative: s.size for s in shards}
+    layout = OutputLayout(plan.job.output_uri, plan.job.storage_options, plan.job_id)
+    written = 0
+    for record in records:
+        if record.status == "committed":
+            with contextlib.suppress(OSError):
+                written += int(layout.fs.size(layout.part_path(record.relative)))
+    holding = holding_of(metering, "batch", device, 1.0)
+    rows = sum(r.rows_out for r in records)
+    measures = {"rows": rows, "device_seconds": seconds, "cpu_seconds": 0.0 if device == "gpu" else seconds,
+                "bytes_read": sum(sizes.get(r.relative, 0) for r in records), "bytes_written": written}
+    began, ended = window
+    span = max(0.0, (ended - began).total_seconds())
+    model = plan.job.model
+    version = f"{model.version}#{model.variant_name}" if model.variant_name else str(model.version)
+    ledger.record_batch(holding, plan.tenant, model.name, version, plan.job_id, began, measures,
+                        reserved_seconds=span * slots, window_seconds=span)
     return seconds

@@ -2,11 +2,12 @@
 
 Scaling is honest about what it can reach:
 
-- a dask-kubernetes cluster named by ``cluster_name``: scaled up by ``step`` workers
-  through the operator (``KubeCluster.from_name(...).scale``);
+- ``SHARDLINE_DASK_CLUSTER=kubernetes``: the job's own DaskCluster, named from its job id
+  (``shardline.tasks.kube_cluster.job_cluster_name``), is scaled by ``step`` workers within its bounds: the
+  default worker group's replicas and the DaskAutoscaler's minimum are patched, never above its maximum nor
+  below its minimum, and never down while a worker is busy (the scheduler is asked first);
 - a scheduler at an address (``SHARDLINE_DASK_CLUSTER=address``): reached to count its
-  workers, but a bare scheduler cannot start workers; the notification says so (scale
-  its worker deployment, or let deploy/'s DaskAutoscaler do it);
+  workers, but a bare scheduler cannot start workers; the notification says so;
 - a local cluster: it lives inside the job's own process; nothing to scale from here.
 
 The notification (``tasks/notifications.py``) is a JSON file under ``<home>/notifications/batch/``
@@ -21,25 +22,23 @@ from prefect.cache_policies import NO_CACHE
 from shardline.settings import DaskSettings
 
 
-def _kubernetes_scale(cluster_name: str, step: int) -> str:
+def _kubernetes_scale(dask: DaskSettings, job_id: str, step: int) -> str:
+    if not job_id:
+        return "no job id came with the event: its Dask cluster cannot be named; nothing scaled"
     try:
-        from dask_kubernetes.operator import KubeCluster
-    except ImportError:
-        return f"cannot scale {cluster_name!r}: dask-kubernetes is not installed here (pip install 'shardline[kubernetes]')"
-    try:
-        cluster = KubeCluster.from_name(cluster_name, shutdown_on_close=False)
-        workers = len(cluster.scheduler_info.get("workers", {}))
-        cluster.scale(workers + step)
-        return f"scaled dask-kubernetes cluster {cluster_name!r} from {workers} to {workers + step} workers"
-    except Exception as e:  # no cluster, no API access: say so, the notification still goes out
-        return f"could not scale dask-kubernetes cluster {cluster_name!r}: {type(e).__name__}: {e}"
+        from shardline.tasks.kube_cluster import scale_job_cluster
+
+        return scale_job_cluster(dask, job_id, step)
+    except Exception as e:  # no extra, no API access: say so, the notification still goes out
+        return f"could not scale job {job_id}'s Dask cluster: {type(e).__name__}: {e}"
 
 
 @task(name="scale-up", cache_policy=NO_CACHE)
-def scale_up(dask: DaskSettings, cluster_name: str | None, step: int) -> str:
-    """Add ``step`` workers where that is possible; returns what was done (or why not)."""
-    if cluster_name:
-        return _kubernetes_scale(cluster_name, step)
+def scale_up(dask: DaskSettings, job_id: str, step: int) -> str:
+    """Add ``step`` workers to the job's cluster where that is possible (fewer, when negative and none is
+    busy); returns what was done (or why not)."""
+    if dask.cluster == "kubernetes":
+        return _kubernetes_scale(dask, job_id, step)
     if dask.cluster == "address" and dask.address:
         try:
             from distributed import Client
@@ -50,8 +49,6 @@ def scale_up(dask: DaskSettings, cluster_name: str | None, step: int) -> str:
             return f"scheduler {dask.address} is not reachable ({type(e).__name__}: {e}); nothing scaled"
         return (
             f"scheduler {dask.address} has {workers} workers; a scheduler at an address cannot start workers "
-            "itself: scale its worker deployment (or its DaskAutoscaler); nothing scaled"
+            "itself: scale its worker deployment; nothing scaled"
         )
-    if dask.cluster == "kubernetes":
-        return "the job's dask-kubernetes cluster is made per job; pass cluster_name to scale it; nothing scaled"
     return "the cluster is a LocalCluster inside the job's process; nothing to scale from outside"

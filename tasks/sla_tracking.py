@@ -150,6 +150,11 @@ class SlaTracker:
         self._settled_at = at
         self.stop()
 
+    @property
+    def settled_at(self) -> datetime | None:
+        """The instant given to :meth:`settled` (the job's output complete), None before."""
+        return self._settled_at
+
     def finish(self, state: JobState, message: str, rows_done: int | None = None) -> Projection:
         """The final check, at the instant the job settled (:meth:`settled`) or else now: record the outcome;
         emit ``completed`` when every shard settled."""

@@ -25,6 +25,8 @@ COPY online/ online/
 COPY cli/ cli/
 COPY observability/ observability/
 COPY capacity/ capacity/
+COPY controller/ controller/
+COPY cost/ cost/
 RUN PIP_CONSTRAINT=/src/constraints.txt /opt/shardline/venv/bin/pip install -c constraints.txt \
         ".[gpu,embedding,kubernetes]" \
     && /opt/shardline/venv/bin/python -c "import importlib.metadata as m, sys; sys.exit('onnxruntime (CPU) must not be installed beside onnxruntime-gpu') if any(d.metadata['Name'] == 'onnxruntime' for d in m.distributions()) else m.version('onnxruntime-gpu')" \
@@ -37,8 +39,8 @@ COPY --from=build /opt/shardline/venv /opt/shardline/venv
 COPY --chown=10001:10001 prefect.yaml /opt/shardline/app/
 COPY --chown=10001:10001 flows/ /opt/shardline/app/flows/
 # The DaskCluster templates a flow run creates its job's cluster from (SHARDLINE_DASK_KUBERNETES_SPEC, relative to
-# this folder: deploy/k8s/dask/cluster-cpu.yaml or cluster-gpu.yaml).
-COPY --chown=10001:10001 deploy/k8s/dask/ /opt/shardline/app/deploy/k8s/dask/
+# this folder: deploy/k8s/base/tenant/dask/cluster-cpu.yaml or cluster-gpu.yaml).
+COPY --chown=10001:10001 deploy/k8s/base/tenant/dask/ /opt/shardline/app/deploy/k8s/base/tenant/dask/
 ENV PATH=/opt/shardline/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     NVIDIA_VISIBLE_DEVICES=all \

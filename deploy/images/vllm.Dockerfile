@@ -27,6 +27,8 @@ COPY online/ online/
 COPY cli/ cli/
 COPY observability/ observability/
 COPY capacity/ capacity/
+COPY controller/ controller/
+COPY cost/ cost/
 # The serving side only: the vLLM runtime relays to vLLM's server; `cpu` serves any ONNX model beside it.
 RUN PIP_CONSTRAINT=/src/constraints.txt /opt/shardline/venv/bin/pip install -c constraints.txt ".[cpu,embedding]" \
     && /opt/shardline/venv/bin/pip check

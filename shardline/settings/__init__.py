@@ -7,13 +7,15 @@ environment at import time. Import them from here (``from shardline.settings imp
 from __future__ import annotations
 
 from shardline.settings.batch import BatchSettings, DaskSettings, PlacementSettings, PrefectServerSettings
+from shardline.settings.controller import ControllerSettings
 from shardline.settings.drift import DriftSettings
+from shardline.settings.metering import MeteringSettings
 from shardline.settings.online import ModelServing, OnlineSettings, port_or_off
 from shardline.settings.router import RouterSettings
 from shardline.settings.runtime import RuntimeSettings, VllmSettings
 from shardline.settings.storage import StorageSettings
 from shardline.settings.tenancy import TenancySettings
 
-__all__ = ["BatchSettings", "DaskSettings", "DriftSettings", "ModelServing", "OnlineSettings", "PlacementSettings",
-           "PrefectServerSettings", "RouterSettings", "RuntimeSettings", "StorageSettings", "TenancySettings",
-           "VllmSettings", "port_or_off"]
+__all__ = ["BatchSettings", "ControllerSettings", "DaskSettings", "DriftSettings", "MeteringSettings", "ModelServing",
+           "OnlineSettings", "PlacementSettings", "PrefectServerSettings", "RouterSettings", "RuntimeSettings",
+           "StorageSettings", "TenancySettings", "VllmSettings", "port_or_off"]

@@ -17,7 +17,7 @@ class DaskSettings(BaseSettings):
     cluster: Literal["local", "address", "kubernetes"] = Field(
         default="local",
         description="local: a LocalCluster in this process; address: an existing "
-        "scheduler; kubernetes: a dask-kubernetes cluster from a spec file.",
+        "scheduler; kubernetes: a dask-kubernetes cluster per job, made from a DaskCluster template.",
     )
     address: str | None = Field(
         default=None, description="Scheduler address, e.g. tcp://10.0.0.5:8786."
@@ -28,10 +28,26 @@ class DaskSettings(BaseSettings):
     threads_per_worker: int = Field(default=1, ge=1, description="Threads per local worker.")
     kubernetes_spec: str | None = Field(
         default=None,
-        description="Path of a DaskCluster spec (YAML) for cluster=kubernetes.",
+        description="Path of the DaskCluster template (YAML) each job's cluster is made from, for cluster=kubernetes.",
     )
     kubernetes_workers: int = Field(
-        default=2, ge=0, description="Workers to scale a kubernetes cluster to."
+        default=2, ge=0,
+        description="Workers a job's kubernetes cluster starts with: its minimum (the DaskAutoscaler's, and the floor "
+        "the SLA response never scales below).",
+    )
+    kubernetes_max_workers: int = Field(
+        default=10, ge=0,
+        description="Most workers of a job's kubernetes cluster (the DaskAutoscaler's maximum, the SLA response's "
+        "ceiling); 0: no DaskAutoscaler, the cluster keeps kubernetes_workers (the SLA response adds none).",
+    )
+    kubernetes_namespace: str | None = Field(
+        default=None,
+        description="Namespace of the jobs' DaskClusters; unset: the client's own (the flow-run pod's namespace "
+        "in a cluster, the kubeconfig context's outside).",
+    )
+    kubernetes_ready_timeout_s: float = Field(
+        default=600.0, gt=0,
+        description="How long a job waits for the dask-kubernetes operator to report its new cluster Running.",
     )
     allowed_failures: int = Field(
         default=10,
@@ -81,6 +97,15 @@ class DaskSettings(BaseSettings):
                     "URL, 'aws' or 'azure'"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _kubernetes_bounds(self) -> "DaskSettings":
+        if self.kubernetes_max_workers and self.kubernetes_max_workers < self.kubernetes_workers:
+            raise ValueError(
+                f"SHARDLINE_DASK_KUBERNETES_MAX_WORKERS ({self.kubernetes_max_workers}) is below "
+                f"SHARDLINE_DASK_KUBERNETES_WORKERS ({self.kubernetes_workers}); raise it, or set 0 for a fixed size"
+            )
+        return self
 
     def resolved_workers(self) -> int:
         """Local worker count, with 0 meaning one per core."""

@@ -171,11 +171,11 @@ def test_the_readme_commands_deploy_everything_and_run_nightly(prefect_server: P
     deployments = prefect_server.post("/deployments/filter", {})
     flows = {f["id"]: f["name"] for f in prefect_server.post("/flows/filter", {})}
     found = {f"{flows[d['flow_id']]}/{d['name']}" for d in deployments}
-    assert len(DECLARED) == 10 and {d["name"] for d in deployments} == {d["name"] for d in DECLARED}
+    assert len(DECLARED) == 11 and {d["name"] for d in deployments} == {d["name"] for d in DECLARED}
     assert found == {"batch-inference/nightly", "promote-model/promote", "batch-sla-response/sla-response",
                      "drift-watch/drift-watch", "revalidate-model/revalidate", "rollback-alias/rollback",
                      "rescore-output/rescore", "rollout-notice/rollout-notice",
-                     "release-model/release", "mlflow-watch/mlflow-watch"}
+                     "release-model/release", "mlflow-watch/mlflow-watch", "cost-report/cost-report"}
     # ... and every trigger as an automation (the Automations page is not empty)
     automations = {a["name"]: a for a in prefect_server.post("/automations/filter", {})}
     triggers = {t["name"] for d in DECLARED for t in d.get("triggers", [])}

@@ -49,6 +49,9 @@ def test_the_demo_starts_a_local_prefect_server_that_later_runs_reuse_and_stop_s
         assert demo.returncode == 0, demo.stderr[-3000:]
         assert "demo OK: 12,000 rows scored, every id once" in demo.stdout
         assert "started the local Prefect server: its UI is http://127.0.0.1:" in demo.stderr
+        # the first run in a new home says what it waits for while it waits
+        assert "waiting for the local Prefect server to start" in demo.stderr
+        assert "waiting for the Dask cluster to start" in demo.stderr
         record = json.loads((server_dir(home) / "server.json").read_text())
         assert f"The run is in the Prefect UI at {record['ui_url']}" in demo.stdout
         assert alive(record["pid"]) and healthy(record["api_url"])
@@ -64,7 +67,7 @@ def test_the_demo_starts_a_local_prefect_server_that_later_runs_reuse_and_stop_s
         assert json.loads((server_dir(home) / "server.json").read_text())["pid"] == record["pid"]  # reused
         runner = find_runner(home)  # the demo's run started the home's warm batch runner; this run used it
         assert runner is not None and f"started the batch runner of this home (pid {runner.pid})" in demo.stderr
-        assert "started the batch runner" not in again.stderr
+        assert "started the batch runner" not in again.stderr and "waiting for" not in again.stderr
         with SyncPrefectClient(record["api_url"]) as client:
             runs = client.read_flow_runs()
             assert len(runs) == 2 and all(run.state is not None and run.state.is_completed() for run in runs)

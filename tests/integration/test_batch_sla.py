@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from shardline.errors import AccessDenied, QuotaExceeded
 from shardline.flows.batch_inference import batch_inference
 from shardline.storage.job_records import JobRecords
-from shardline.storage.metering import MeteringLedger
+from shardline.storage.ledger import Holding, LedgerStore
 from shardline.tasks.artifacts import batch_artifact_key
 
 from tests.integration.automations import deploy_with_triggers, run_flow_run_here, wait_for_flow_run
@@ -197,11 +197,30 @@ def test_two_tenants_at_once_both_finish_within_their_limits(
     assert all(limit.active_slots == 0 for limit in limits.values())  # every slot handed back
     # both runs were metered on this (CPU) machine
     today = datetime.now(timezone.utc).date()
-    ledger = MeteringLedger(str(shardline_home))
+    ledger = LedgerStore(str(shardline_home))
     assert all(ledger.device_hours(t, today, "cpu") > 0 for t in ("acme", "globex"))
+    metered = ledger.read(today.strftime("%Y-%m")).to_pylist()
+    for tenant in ("acme", "globex"):  # what ran, exactly: rows, input bytes, the shards' own scoring seconds
+        use = [r for r in metered if r["kind"] == "usage" and r["tenant"] == tenant]
+        assert [(r["tier"], r["model"], r["rows"]) for r in use] == [("batch", "breast-cancer", 12_000)]
+        assert use[0]["bytes_read"] == sum(p.stat().st_size for p in (tmp_path / tenant / "in").rglob("*.parquet"))
+        shard_seconds = sum(json.loads(p.read_text())["seconds"]
+                            for p in (tmp_path / tenant / "out" / "_ledger").rglob("*.json"))
+        assert use[0]["device_seconds"] == pytest.approx(shard_seconds, rel=1e-6)
+        assert use[0]["bytes_written"] > 0
+    from shardline.capacity.prices import load_prices
+    from shardline.cost.report import build_report
+
+    report = build_report(metered, load_prices(), today.strftime("%Y-%m"))  # the jobs' chargeback, example prices
+    assert {(line.tenant, line.tier, line.spend.rows) for line in report.lines} == {
+        ("acme", "batch", 12_000), ("globex", "batch", 12_000)}
+    assert report.charged + report.idle_cost == pytest.approx(report.priced_capacity, rel=1e-3)
+    assert all(line.per_1k_rows for line in report.lines)
 
     # globex has spent its GPU-hours today: a GPU job is refused before it starts
-    ledger.record("globex", "earlier-job", "gpu", 3_700, 10)
+    ledger.record_batch(Holding("batch", "gpu"), "globex", "breast-cancer", "1", "earlier-job",
+                        datetime.now(timezone.utc), {"device_seconds": 3_700}, reserved_seconds=3_700,
+                        window_seconds=3_700)
     monkeypatch.setenv("SHARDLINE_RUNTIME_DEVICE", "cuda")
     refused = batch_inference(model="breast-cancer@prod", input_uri=str(tmp_path / "globex" / "in"),
                               output_uri=str(tmp_path / "globex" / "gpu-out"), tenant="globex", return_state=True)

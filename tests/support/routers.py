@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import numpy as np
@@ -177,13 +177,15 @@ def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def _eventually(check: Any, timeout: float, what: str) -> Any:
+def _eventually(check: Any, timeout: float, what: str | Callable[[], str]) -> Any:
+    """``check()`` once it is truthy; fails with ``what`` (or what ``what()`` says then: a log's tail) after
+    ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         found = check()
         if found:
             return found
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what if isinstance(what, str) else what()
         time.sleep(0.2)
 
 

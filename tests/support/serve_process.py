@@ -46,11 +46,13 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: f
 
 
 @contextlib.contextmanager
-def serving(home: Path, tenants: Path, log: Path) -> Iterator[str]:
+def serving(home: Path, tenants: Path, log: Path, **settings: str) -> Iterator[str]:
     """`shardline serve --tenants TENANTS` on a free loopback port over the registry of ``home``, as a user
-    starts it (telemetry off, no Prefect); its URL once ready. Stopped with SIGTERM at the end."""
+    starts it (telemetry off, no Prefect, ``settings`` added to its environment); its URL once ready. Stopped
+    with SIGTERM at the end."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
     env.update(SHARDLINE_STORAGE_HOME=str(home), DO_NOT_TRACK="1", ORT_DISABLE_TELEMETRY="1", PYTHONUNBUFFERED="1")
+    env.update(settings)
     port = free_port()
     with open(log, "wb") as sink:
         server = subprocess.Popen([*SHARDLINE, "serve", "--port", str(port), "--metrics-port", "off", "--tenants",

@@ -3,15 +3,20 @@ quarantined by the footer check) and on the cluster, rows this run, and how long
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
 from typing import Iterator
 
 import pytest
 from prometheus_client import generate_latest
 
+from shardline.sla_projection import Sla
 from shardline.storage.output import PartRecord
 from shardline.storage.shards import ShardInfo
 from shardline.tasks import batch_telemetry
 from shardline.tasks.batch_telemetry import CURRENT, JobTelemetry, watching
+
+
+T0 = datetime(2026, 12, 1, 2, 0, tzinfo=timezone.utc)
 
 
 def _record(relative: str, status: str, rows: int) -> PartRecord:
@@ -65,3 +70,48 @@ def test_a_job_that_raises_ends_and_only_the_latest_finished_jobs_are_kept() -> 
             pass
     assert _value("shardline_batch_job_running", "first") is None
     assert _value("shardline_batch_job_running", "later-0") == 0
+
+
+def _tracked(job_id: str, now: list[datetime], deadline_s: float) -> JobTelemetry:
+    """A job of tenant acme, model churn, with a real SLA tracker due ``deadline_s`` after T0 on the clock ``now``."""
+    import uuid
+
+    from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
+    from shardline.tasks.sla_tracking import SlaTracker, TrackedJob
+
+    deadline = T0 + timedelta(seconds=deadline_s)
+    records = JobRecords(f"memory://jobs-{uuid.uuid4().hex[:8]}")
+    record = JobRecord(job_id=job_id, started_at=T0, deadline=deadline, shards_total=1,
+                       parameters=JobParameters(model="churn@prod", input_uri="/i", output_uri="/o", tenant="acme"))
+    tracker = SlaTracker(TrackedJob(job_id, "acme", "churn:3", "normal"), Sla(deadline, T0, timedelta(0)), records,
+                         record, interval_s=1000, clock=lambda: now[0], emit=lambda **event: None)
+    return JobTelemetry(job_id, "acme", "churn", 3, shards=1, tracker=tracker)
+
+
+def _deadlines(outcome: str) -> float | None:
+    for family in batch_telemetry.REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name == "shardline_batch_job_deadlines_total" and sample.labels == {
+                    "tenant": "acme", "model": "churn", "outcome": outcome}:
+                return sample.value
+    return None
+
+
+def test_each_run_with_a_deadline_is_counted_once_met_or_missed_and_both_start_at_zero() -> None:
+    batch_telemetry._JOBS.deadlines.clear()
+    now = [T0]
+    with watching(_tracked("early", now, deadline_s=100)):
+        assert (_deadlines("met"), _deadlines("missed")) == (0, 0)  # there before the first decision
+        now[0] = T0 + timedelta(seconds=50)
+    with watching(late := _tracked("late", now, deadline_s=100)):
+        late.tracker.settled(T0 + timedelta(seconds=150))  # type: ignore[union-attr]  # the manifest's finish
+    with pytest.raises(RuntimeError), watching(_tracked("failed-in-time", now, deadline_s=100)):
+        raise RuntimeError("a worker died")  # before its deadline: a rerun decides it
+    now[0] = T0 + timedelta(seconds=200)
+    with pytest.raises(RuntimeError), watching(_tracked("failed-late", now, deadline_s=100)):
+        raise RuntimeError("a worker died")
+    with watching(JobTelemetry("no-tracker", "acme", "churn", 3, shards=1)):
+        pass  # no deadline, nothing decided
+    assert (_deadlines("met"), _deadlines("missed")) == (1, 2)
+    assert b'shardline_batch_job_deadlines_total{model="churn",outcome="missed",tenant="acme"} 2.0' in (
+        generate_latest(batch_telemetry.REGISTRY))

@@ -17,7 +17,7 @@ from shardline.errors import AccessDenied, InvalidSetting, QuotaExceeded
 from shardline.online.tenants import TenantDirectory, hash_api_key, load_tenants
 from shardline.settings import TenancySettings
 from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
-from shardline.storage.metering import MeteringLedger
+from shardline.storage.ledger import Holding, LedgerStore
 from shardline.tasks.fairness import check_gpu_quota, has_cuda_provider, limit_names, priority_of
 from shardline.storage.fs import resolve_location
 from shardline.tenants import (
@@ -135,27 +135,33 @@ def memory_home() -> str:
     return f"memory://home-{uuid.uuid4().hex[:8]}"
 
 
+def record(ledger: LedgerStore, tenant: str, job: str, device: str, seconds: float, when: datetime) -> None:
+    ledger.record_batch(Holding("batch", device), tenant, "m", "1", job, when, {"device_seconds": seconds},
+                        reserved_seconds=seconds, window_seconds=seconds)
+
+
 def test_metering_sums_device_hours_per_tenant_per_utc_day() -> None:
-    ledger = MeteringLedger(memory_home())
+    ledger = LedgerStore(memory_home())
     day = datetime(2026, 12, 1, 23, 30, tzinfo=timezone.utc)
-    ledger.record("acme", "j1", "gpu", 1800, 4, when=day)
-    ledger.record("acme", "j2", "gpu", 3600, 8, when=day)
-    ledger.record("acme", "j3", "cpu", 7200, 8, when=day)
-    ledger.record("acme", "j4", "gpu", 3600, 8, when=day + timedelta(hours=1))  # the next UTC day
-    ledger.record("globex", "j5", "gpu", 3600, 8, when=day)
+    record(ledger, "acme", "j1", "gpu", 1800, day)
+    record(ledger, "acme", "j2", "h100-mig-3g.40gb", 3600, day)  # a MIG slice is GPU time too
+    record(ledger, "acme", "j3", "cpu", 7200, day)
+    record(ledger, "acme", "j4", "gpu", 3600, day + timedelta(hours=1))  # the next UTC day
+    record(ledger, "globex", "j5", "gpu", 3600, day)
     assert ledger.device_hours("acme", day.date(), "gpu") == 1.5
     assert ledger.device_hours("acme", day.date(), "cpu") == 2.0
     assert ledger.device_hours("acme", (day + timedelta(hours=1)).date()) == 1.0
     assert ledger.device_hours("initech", day.date()) == 0.0
+    assert ledger.device_hours("acme", day.date(), "gpu", tier="online") == 0.0
 
 
 def test_gpu_quota_refuses_with_what_was_used_and_what_to_do() -> None:
-    ledger = MeteringLedger(memory_home())
+    ledger = LedgerStore(memory_home())
     globex = BatchTenant("globex", BatchPolicy(storage_prefixes=["/d"], gpu_hours_per_day=2))
     now = datetime(2026, 12, 1, 12, tzinfo=timezone.utc)
-    ledger.record("globex", "j1", "gpu", 5400, 3, when=now)
+    record(ledger, "globex", "j1", "gpu", 5400, now)
     check_gpu_quota(ledger, globex, "gpu", now)  # 1.5 of 2 h: still allowed
-    ledger.record("globex", "j2", "gpu", 1800, 1, when=now)
+    record(ledger, "globex", "j2", "gpu", 1800, now)
     with pytest.raises(QuotaExceeded, match=r"tenant 'globex' has used 2.00 of its 2 GPU-hours for 2026-12-01 "
                                             r"\(UTC\); the job was not started.*SHARDLINE_RUNTIME_DEVICE=cpu") as e:
         check_gpu_quota(ledger, globex, "gpu", now)

@@ -1,4 +1,4 @@
-"""The deployment specs say what they mean: prefect.yaml, deploy/k8s/dask/cluster-cpu.yaml, deploy/README.md.
+"""The deployment specs say what they mean: prefect.yaml, deploy/k8s/base/tenant/dask/cluster-cpu.yaml, deploy/README.md.
 
 No cluster or server here: the files are read as `prefect deploy` and the
 dask-kubernetes operator would read them, and checked against the flow and the
@@ -33,7 +33,7 @@ def load(relative: str) -> Any:
 
 @pytest.fixture(scope="module")
 def cluster() -> dict[str, Any]:
-    spec: dict[str, Any] = load("deploy/k8s/dask/cluster-cpu.yaml")
+    spec: dict[str, Any] = load("deploy/k8s/base/tenant/dask/cluster-cpu.yaml")
     return spec
 
 
@@ -48,7 +48,7 @@ def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
     return found  # type: ignore[no-any-return]
 
 
-# deploy/k8s/dask/cluster-cpu.yaml
+# deploy/k8s/base/tenant/dask/cluster-cpu.yaml
 
 
 def test_cluster_is_a_dask_cluster_whose_service_selects_its_scheduler(cluster: dict[str, Any]) -> None:
@@ -102,7 +102,7 @@ def test_workers_prefer_spot_tolerate_it_and_retire_gracefully(cluster: dict[str
 
 
 def test_gpu_variant_is_noted_next_to_the_worker_command() -> None:
-    text = (REPO / "deploy/k8s/dask/cluster-cpu.yaml").read_text()
+    text = (REPO / "deploy/k8s/base/tenant/dask/cluster-cpu.yaml").read_text()
     assert re.search(r"#\s*args: \[dask, worker, .*--nthreads, \"1\",", text)
     assert "--resources, GPU=1" in text and "nvidia.com/gpu: 1" in text
 
@@ -173,7 +173,7 @@ def test_nightly_runs_on_a_process_pool_from_this_checkout_without_docker(nightl
 # every SHARDLINE_* name the deploy files mention is a real setting
 
 
-@pytest.mark.parametrize("relative", ["deploy/README.md", "deploy/k8s/dask/cluster-cpu.yaml", "deploy/ci/release-model.yml",
+@pytest.mark.parametrize("relative", ["deploy/README.md", "deploy/k8s/base/tenant/dask/cluster-cpu.yaml", "deploy/ci/release-model.yml",
                                       "prefect.yaml"])
 def test_settings_named_in_deploy_files_exist(relative: str) -> None:
     unknown = unknown_settings((REPO / relative).read_text())

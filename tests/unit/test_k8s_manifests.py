@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-from functools import cache
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,13 +27,12 @@ from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.metrics import RouterMetrics
 from shardline.online.router.replicas import ReplicaSet
 from shardline.tenants import parse_tenants_file
-from tests.support.k8s import K8S, REPO, containers, find, render
+from tests.support.k8s import K8S, REPO, containers, find, render, validate, validate_custom
 from tests.support.settings_names import unknown_settings
 
-CRDS = REPO / "tests/support/crds"
 OVERLAYS = ["dev", "production", "production-hpa"]
 KUBERNETES_VERSIONS = ["1.32.0", "1.37.0"]  # kubectl here is 1.32; 1.37 is the newest kubernetes-validate bundles
-DASK_TEMPLATES = sorted((K8S / "dask").glob("*.yaml"))
+DASK_TEMPLATES = sorted((K8S / "base/tenant/dask").glob("*.yaml"))
 EXAMPLES = [p for p in sorted((K8S / "examples").iterdir()) if (p / "kustomization.yaml").is_file()]
 MIG_RESOURCES = {"nvidia.com/mig-1g.18gb", "nvidia.com/mig-3g.71gb"}
 
@@ -48,51 +46,7 @@ def one(objects: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, 
     return found
 
 
-# custom resources against their CRDs
-
-
-def _strict(schema: Any) -> Any:
-    """The CRD schema with unknown fields refused, as `kubectl apply --validate=strict` does (the API server
-    would otherwise prune them silently), except where the schema keeps unknown fields."""
-    if isinstance(schema, dict):
-        schema = {k: _strict(v) for k, v in schema.items()}
-        if ("properties" in schema and "additionalProperties" not in schema
-                and not schema.get("x-kubernetes-preserve-unknown-fields")):
-            schema["additionalProperties"] = False
-        return schema
-    if isinstance(schema, list):
-        return [_strict(v) for v in schema]
-    return schema
-
-
-@cache
-def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
-    """(apiVersion, kind) -> its openAPIV3Schema, metadata left to the API server (as a CRD's is)."""
-    schemas = {}
-    for path in sorted(CRDS.glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
-        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-        for version in crd["spec"]["versions"]:
-            schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
-            for field in ("apiVersion", "kind", "metadata"):  # the API server's, checked above or by it
-                schema.get("properties", {}).pop(field, None)
-            schemas[(f"{group}/{version['name']}", kind)] = _strict(schema)
-    return schemas
-
-
-def validate_custom(obj: dict[str, Any]) -> None:
-    key = (obj["apiVersion"], obj["kind"])
-    assert key in crd_schemas(), f"{key} has no CRD schema in tests/support/crds"
-    body = {k: v for k, v in obj.items() if k not in {"apiVersion", "kind", "metadata"}}
-    jsonschema.validate(body, crd_schemas()[key], cls=jsonschema.Draft7Validator)
-
-
-def validate(obj: dict[str, Any], version: str) -> None:
-    """One object: a built-in kind against Kubernetes' schemas, a custom one against its CRD."""
-    try:
-        kubernetes_validate.validate(obj, version, strict=True)
-    except kubernetes_validate.SchemaNotFoundError:
-        validate_custom(obj)
+# custom resources against their CRDs (tests/support/k8s.py: validate, validate_custom)
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -119,12 +73,26 @@ def test_the_checks_refuse_a_misspelled_field() -> None:
         validate_custom(scaled)
 
 
-@pytest.mark.parametrize("template", DASK_TEMPLATES, ids=lambda p: p.name)
-def test_dask_templates_validate_against_the_dask_kubernetes_crds(template: Path) -> None:
-    obj = yaml.safe_load(template.read_text())
-    validate_custom(obj)
-    if obj["kind"] == "DaskCluster":
-        for spec in (obj["spec"]["scheduler"]["spec"], obj["spec"]["worker"]["spec"]):
+def dask_templates(name: str) -> dict[str, dict[str, Any]]:
+    """The DaskCluster templates an overlay ships to a tenant's namespace (ConfigMap shardline-dask-templates)."""
+    config = one(overlay(name), "ConfigMap", "shardline-dask-templates")
+    assert config["metadata"]["namespace"] == "shardline-tenant-acme"
+    return {key: yaml.safe_load(text) for key, text in config["data"].items()}
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_dask_templates_and_the_job_clusters_made_from_them_validate_against_the_crds(name: str) -> None:
+    from shardline.tasks.kube_cluster import job_cluster_resources
+
+    templates = dask_templates(name)
+    assert set(templates) == {p.name for p in DASK_TEMPLATES}
+    for key, template in templates.items():
+        assert template == yaml.safe_load((K8S / "base/tenant/dask" / key).read_text())  # the image's copy
+        cluster, autoscaler = job_cluster_resources(template, "0123456789abcdef", 2, 10)
+        assert autoscaler is not None
+        for obj in (template, cluster, autoscaler):
+            validate_custom(obj)
+        for spec in (cluster["spec"]["scheduler"]["spec"], cluster["spec"]["worker"]["spec"]):
             kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": spec},
                                          "1.32.0", strict=True)
 
@@ -408,7 +376,7 @@ def test_every_pod_label_a_policy_selects_exists() -> None:
 
 
 def test_gpu_dask_template_puts_workers_on_spot_gpus_and_the_scheduler_on_demand() -> None:
-    cluster = yaml.safe_load((K8S / "dask/cluster-gpu.yaml").read_text())
+    cluster = dask_templates("production")["cluster-gpu.yaml"]
     scheduler = cluster["spec"]["scheduler"]["spec"]
     excluded = {e["key"]: e["values"] for t in
                 scheduler["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -433,7 +401,7 @@ def test_batch_priority_class_is_below_online_and_never_preempts() -> None:
 
 def test_the_image_carries_the_dask_templates_the_flow_reads() -> None:
     text = (REPO / "deploy/images/cpu.Dockerfile").read_text()
-    assert "deploy/k8s/dask/" in text
+    assert "deploy/k8s/base/tenant/dask/" in text
 
 
 def pod_specs(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -447,7 +415,7 @@ def pod_specs(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_pods_meet_the_restricted_pod_security_standard(name: str) -> None:
     # the platform namespace enforces `restricted`; the Dask templates meet it too (tenant namespaces warn on it)
-    objects = [*overlay(name), *(yaml.safe_load(p.read_text()) for p in DASK_TEMPLATES)]
+    objects = [*overlay(name), *dask_templates(name).values()]
     checked = 0
     for obj in objects:
         for pod in pod_specs(obj):
@@ -461,3 +429,97 @@ def test_pods_meet_the_restricted_pod_security_standard(name: str) -> None:
     assert checked >= 8
     platform = one(overlay(name), "Namespace", "shardline")
     assert platform["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+# the operator: its CRD refuses bad ShardlineModels, and every overlay runs it with the rights it needs
+
+
+def shardline_model(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "shardline.dev/v1alpha1", "kind": "ShardlineModel",
+            "metadata": {"name": "churn", "namespace": "shardline"}, "spec": {"model": "churn:3", **spec}}
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"hardwareClass": "tpu"}, "$.spec.hardwareClass"),
+    ({"hardwareClass": "mig-9g.18gb"}, "$.spec.hardwareClass"),
+    ({"minReplicas": -1}, "$.spec.minReplicas"),
+    ({"maxReplicas": 0}, "$.spec.maxReplicas"),
+    ({"maxReplicas": "4"}, "$.spec.maxReplicas"),
+    ({"sloClass": "fast"}, "$.spec.sloClass"),
+    ({"replicas": 3}, "$.spec"),  # unknown field: the message names it
+    ({"model": "Churn!"}, "$.spec.model"),
+    ({"rolloutPolicy": {"strategy": "bluegreen"}}, "$.spec.rolloutPolicy.strategy"),
+    ({"rolloutPolicy": {"steps": [0, 100]}}, "$.spec.rolloutPolicy.steps[0]"),
+    ({"rolloutPolicy": {"steps": [5, 150]}}, "$.spec.rolloutPolicy.steps[1]"),
+    ({"rolloutPolicy": {"interval": "soon"}}, "$.spec.rolloutPolicy.interval"),
+    ({"rolloutPolicy": {"shadow": 0}}, "$.spec.rolloutPolicy.shadow"),
+    ({"resources": {"memory": "lots"}}, "$.spec.resources.memory"),
+])
+def test_the_crd_refuses_a_bad_shardline_model_naming_the_field(spec: dict[str, Any], field: str) -> None:
+    bad = shardline_model(**spec)
+    with pytest.raises(jsonschema.ValidationError) as refused:
+        validate_custom(bad)
+    assert refused.value.json_path == field, refused.value.message
+    if spec.get("replicas"):
+        assert "'replicas'" in refused.value.message
+    # the operator refuses it too, naming the same field (it checks again what a cluster without the CRD's
+    # schema, or an older CRD, lets in)
+    from shardline.controller.resource import parse_resource
+    from shardline.errors import InvalidSetting
+
+    with pytest.raises(InvalidSetting, match=re.escape(field.removeprefix("$.").split("[")[0])):
+        parse_resource(bad)
+
+
+def test_the_crd_takes_a_good_shardline_model_and_its_defaults_are_the_operators() -> None:
+    validate_custom(shardline_model(hardwareClass="mig-3g.71gb", minReplicas=0, maxReplicas=2, sloClass="throughput",
+                                    rolloutPolicy={"steps": [1, 50, 100], "interval": None, "maxP99Ratio": 1.5},
+                                    resources={"cpu": "500m", "memory": "6Gi"}))
+    from shardline.controller.resource import RolloutPolicy, ShardlineModelSpec
+
+    crd = yaml.safe_load((K8S / "crds/shardlinemodel.yaml").read_text())
+    props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    spec = ShardlineModelSpec(model="churn:1")
+    assert (props["hardwareClass"]["default"], props["minReplicas"]["default"], props["maxReplicas"]["default"],
+            props["sloClass"]["default"]) == (spec.hardware_class, spec.min_replicas, spec.max_replicas, spec.slo_class)
+    assert props["rolloutPolicy"]["properties"]["strategy"]["default"] == RolloutPolicy().strategy
+    # the one rule a JSON schema cannot say: a CEL rule, checked by the API server (and by the operator)
+    [rule] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["x-kubernetes-validations"]
+    assert rule["rule"] == "self.maxReplicas >= self.minReplicas"
+
+
+def rules_allow(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
+    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules)
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_every_overlay_runs_the_operator_with_its_crd_and_the_rights_for_what_it_owns(name: str) -> None:
+    from shardline.controller.reconcile import RegistryView, reconcile
+    from shardline.controller.resource import parse_resource
+    from shardline.settings import ControllerSettings
+
+    objects = overlay(name)
+    assert one(objects, "CustomResourceDefinition", "shardlinemodels.shardline.dev")
+    controller = one(objects, "Deployment", "shardline-controller")
+    pod = controller["spec"]["template"]["spec"]
+    assert controller["spec"]["replicas"] == 1 and controller["spec"]["strategy"]["type"] == "Recreate"
+    assert pod["containers"][0]["args"][0] == "shardline-controller"
+    binding = one(objects, "ClusterRoleBinding", "shardline-controller")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                    "namespace": "shardline"}]
+    rules = one(objects, "ClusterRole", binding["roleRef"]["name"])["rules"]
+    for verb in ("list", "watch", "patch"):
+        assert rules_allow(rules, "shardline.dev", "shardlinemodels", verb)
+    assert rules_allow(rules, "shardline.dev", "shardlinemodels/status", "patch")
+    model = parse_resource({**shardline_model(minReplicas=0), "metadata": {"name": "m", "namespace": "ns", "uid": "u"}})
+    for autoscaler in ("keda", "hpa"):
+        for obj in reconcile(model, RegistryView(versions=(3,)), ControllerSettings(),
+                             autoscaler=autoscaler).objects:  # type: ignore[arg-type]
+            group = obj["apiVersion"].rpartition("/")[0]
+            plural = {"NetworkPolicy": "networkpolicies"}.get(obj["kind"], obj["kind"].lower() + "s")
+            for verb in ("get", "create", "patch"):
+                assert rules_allow(rules, group, plural, verb), f"the operator may not {verb} {group}/{plural}"
+        for obj in reconcile(model, RegistryView(versions=(3,)), ControllerSettings(),
+                             autoscaler=autoscaler).dropped:  # type: ignore[arg-type]
+            group, plural = obj["apiVersion"].rpartition("/")[0], obj["kind"].lower() + "s"
+            assert rules_allow(rules, group, plural, "delete"), f"the operator may not delete {group}/{plural}"

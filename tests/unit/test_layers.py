@@ -26,12 +26,14 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "storage": frozenset({"kernel"}),
     "quality": frozenset({"kernel", "storage", "build"}),
     "observability": frozenset({"kernel"}),
-    "tasks": frozenset({"kernel", "storage", "quality", "build", "observability"}),
+    "tasks": frozenset({"kernel", "storage", "quality", "build", "observability", "cost", "capacity"}),
     "flows": frozenset({"tasks", "settings"}),
     "online": frozenset({"kernel", "storage", "observability"}),
     "capacity": frozenset({"kernel", "storage"}),
+    "controller": frozenset({"kernel", "storage"}),
+    "cost": frozenset({"kernel", "storage", "capacity"}),
     "cli": frozenset({"kernel", "build", "storage", "quality", "observability", "tasks", "flows", "online",
-                      "capacity"}),
+                      "capacity", "controller", "cost"}),
 }
 KERNEL_FOR_FLOWS = ("shardline.settings", "shardline.errors")  # what "settings" means for a flow
 # Third-party packages a layer never imports: slow to import, not needed on a request path (online), or not

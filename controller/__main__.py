@@ -1,0 +1,31 @@
+"""``python -m shardline.controller``: run the operator (kopf) over every namespace, or ``--namespace NS`` ones."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m shardline.controller",
+                                     description="Shardline's operator: serves every ShardlineModel.")
+    parser.add_argument("--namespace", "-n", action="append", default=[],
+                        help="Watch only this namespace (repeat for more); default: all namespaces.")
+    parser.add_argument("--standalone", action="store_true",
+                        help="No peering with other operator instances (one replica, or a test).")
+    parser.add_argument("--liveness", default=None, metavar="URL",
+                        help="Serve kopf's liveness probe here, e.g. http://0.0.0.0:8090/healthz.")
+    args = parser.parse_args(argv)
+    try:
+        import kopf
+
+        import shardline.controller.handlers  # noqa: F401  (registers the handlers)
+    except ImportError as e:
+        raise SystemExit(f"the operator needs {e.name}, which is not installed; install the kubernetes extra: "
+                         "pip install 'shardline[kubernetes]'") from None
+
+    kopf.run(namespaces=list(args.namespace), clusterwide=not args.namespace, standalone=args.standalone,
+             liveness_endpoint=args.liveness)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""The chargeback of a month: per tenant, model and tier, with unit costs, as text, HTML (with plots) and Prometheus.
+
+``build_report`` prices a month of the metering ledger (``allocation.allocate``) and sums it per tenant, model and
+tier: the cost, requests, rows, tokens and device-seconds, and from them the cost per 1,000 rows, per million
+tokens and per request (each only where the line has that unit). Idle capacity is its own lines (per tier,
+hardware class and capacity type). ``render_html`` draws with matplotlib (imported there; inline SVG, as the drift
+report): cost per day by tenant, by tenant, and by hardware class.
+"""
+
+from __future__ import annotations
+
+import html
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import date
+from typing import Any, Iterable
+
+from shardline.capacity.prices import PriceTable
+from shardline.cost.allocation import IDLE, Allocation, Charge, Spend, allocate
+from shardline.cost.prices import money
+from shardline.cost.recommend import Recommendation, recommend
+
+
+@dataclass
+class ReportLine:
+    """What one tenant's use of one model in one tier cost in the month."""
+
+    tenant: str
+    model: str
+    tier: str
+    spend: Spend = field(default_factory=Spend)
+    hardware: set[str] = field(default_factory=set)
+
+    @property
+    def cost(self) -> float:
+        """The line's cost."""
+        return self.spend.cost
+
+    @property
+    def per_1k_rows(self) -> float | None:
+        """Cost per 1,000 rows scored (None: no rows)."""
+        return self.cost / self.spend.rows * 1_000 if self.spend.rows else None
+
+    @property
+    def per_1m_tokens(self) -> float | None:
+        """Cost per million tokens, prompt and completion (None: no tokens)."""
+        return self.cost / self.spend.tokens * 1_000_000 if self.spend.tokens else None
+
+    @property
+    def per_request(self) -> float | None:
+        """Cost per request answered (None: no requests, as a batch job's)."""
+        return self.cost / self.spend.requests if self.spend.requests else None
+
+
+@dataclass
+class CostReport:
+    """A month's chargeback (see the module docstring); ``tenant`` set: that tenant's lines only."""
+
+    month: str
+    currency: str
+    lines: list[ReportLine]
+    idle: dict[tuple[str, str, str], float]  # (tier, hardware class, capacity type) -> cost
+    per_day: dict[tuple[date, str], float]  # (day, tenant or IDLE) -> cost
+    per_hardware: dict[tuple[str, str], float]  # (hardware class, capacity type) -> cost, idle included
+    priced_capacity: float
+    tenant: str | None = None
+    recommendations: list[Recommendation] = field(default_factory=list)  # the whole month's (none for one tenant)
+
+    @property
+    def charged(self) -> float:
+        """The tenants' charges (the lines' sum)."""
+        return sum(line.cost for line in self.lines)
+
+    @property
+    def idle_cost(self) -> float:
+        """The idle lines' sum."""
+        return sum(self.idle.values())
+
+
+def build_report(rows: Iterable[dict[str, Any]], prices: PriceTable, month: str, tenant: str | None = None) -> CostReport:
+    """The chargeback of ``rows`` (a month of the ledger, as ``LedgerStore.read`` gives them).
+
+    Raises:
+        InvalidSetting: a hardware class the price table does not price.
+    """
+    allocation = allocate(rows, prices)
+    report = summarize(allocation, month, tenant)
+    if tenant is None:
+        report.recommendations = recommend(allocation, prices)
+    return report
+
+
+def summarize(allocation: Allocation, month: str, tenant: str | None = None) -> CostReport:
+    """Sum an allocation's charges per tenant, model and tier (``build_report``)."""
+    lines: dict[tuple[str, str, str], ReportLine] = {}
+    idle: dict[tuple[str, str, str], float] = defaultdict(float)
+    per_day: dict[tuple[date, str], float] = defaultdict(float)
+    per_hardware: dict[tuple[str, str], float] = defaultdict(float)
+    for charge in allocation.charges:
+        if tenant is not None and charge.tenant != tenant:
+            continue
+        per_day[(charge.day, charge.tenant)] += charge.spend.cost
+        per_hardware[(charge.hardware_class, charge.capacity_type)] += charge.spend.cost
+        if charge.tenant == IDLE:
+            idle[(charge.tier, charge.hardware_class, charge.capacity_type)] += charge.spend.cost
+            continue
+        _add(lines, charge)
+    ordered = sorted(lines.values(), key=lambda line: (-line.cost, line.tenant, line.model, line.tier))
+    return CostReport(month, allocation.currency, ordered, dict(idle), dict(per_day), dict(per_hardware),
+                      allocation.priced_capacity, tenant)
+
+
+def _add(lines: dict[tuple[str, str, str], ReportLine], charge: Charge) -> None:
+    key = (charge.tenant, charge.model, charge.tier)
+    line = lines.get(key)
+    if line is None:
+        line = lines[key] = ReportLine(*key)
+    line.spend.add(charge.spend)
+    line.hardware.add(charge.hardware_class if charge.capacity_type == "on-demand"
+                      else f"{charge.hardware_class} ({charge.capacity_type})")
+
+
+HEADER = ("tenant", "model", "tier", "hardware", "cost", "requests", "rows", "tokens", "device-h", "per 1k rows",
+          "per 1M tokens", "per request")
+
+
+def _cells(line: ReportLine, currency: str) -> tuple[str, ...]:
+    use = line.spend
+    return (line.tenant, line.model, line.tier, ", ".join(sorted(line.hardware)), money(use.cost, currency),
+            f"{use.requests:,}", f"{use.rows:,}", f"{use.tokens:,}", f"{use.device_seconds / 3600:,.3f}",
+            money(line.per_1k_rows, currency), money(line.per_1m_tokens, currency),
+            money(line.per_request, currency))
+
+
+def _summary(report: CostReport) -> list[str]:
+    c = report.currency
+    if report.tenant is not None:
+        return [f"charged to {report.tenant}: {money(report.charged, c)}"]
+    return [f"priced capacity: {money(report.priced_capacity, c)}",
+            f"charged to tenants: {money(report.charged, c)}",
+            f"idle (carried by the platform): {money(report.idle_cost, c)}"]
+
+
+def _advice(report: CostReport) -> list[str]:
+    if not report.recommendations:
+        return []
+    return ["recommendations (largest saving first):", *(f"- {r.text}" for r in report.recommendations)]
+
+
+def render_text(report: CostReport) -> str:
+    """The report as aligned text for a terminal."""
+    rows = [HEADER, *(_cells(line, report.currency) for line in report.lines)]
+    rows += [("(idle)", "", tier, f"{hw} ({cap})" if cap != "on-demand" else hw, money(cost, report.currency),
+              *[""] * 7) for (tier, hw, cap), cost in sorted(report.idle.items())]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    text = [f"cost report {report.month}" + (f", tenant {report.tenant}" if report.tenant else "")]
+    text += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join([*text, *_summary(report), *_advice(report)]) + "\n"
+
+
+def render_markdown(report: CostReport) -> str:
+    """The report as a Markdown table (a Prefect artifact)."""
+    rows = [_cells(line, report.currency) for line in report.lines]
+    rows += [("(idle)", "", tier, f"{hw} ({cap})" if cap != "on-demand" else hw, money(cost, report.currency),
+              *[""] * 7) for (tier, hw, cap), cost in sorted(report.idle.items())]
+    text = [f"# Cost report {report.month}" + (f", tenant {report.tenant}" if report.tenant else ""), "",
+            "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    text += ["| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in rows]
+    advice = ["", "## Recommendations", "", *(f"- {r.text}" for r in report.recommendations)] if report.recommendations \
+        else []
+    return "\n".join([*text, "", *(f"- {line}" for line in _summary(report)), *advice]) + "\n"
+
+
+def render_prometheus(report: CostReport) -> str:
+    """The month's costs as Prometheus gauges (text exposition, for node_exporter's textfile collector or a
+    Pushgateway): ``shardline_cost`` per tenant, model and tier (tenant "(idle)" for idle, per hardware class),
+    and ``shardline_cost_per_1k_rows``, ``_per_1m_tokens``, ``_per_request`` where the line has that unit."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+    labels = ["month", "tenant", "model", "tier", "hardware_class", "currency"]
+    cost = Gauge("shardline_cost", "What the month's use cost, per tenant, model and tier (idle: its own tenant).",
+                 labels, registry=registry)
+    units = {name: Gauge(f"shardline_cost_{name}", f"The month's cost {name.replace('_', ' ')}.", labels,
+                         registry=registry) for name in ("per_1k_rows", "per_1m_tokens", "per_request")}
+    for line in report.lines:
+        values = [report.month, line.tenant, line.model, line.tier, ",".join(sorted(line.hardware)), report.currency]
+        cost.labels(*values).set(line.cost)
+        for name, gauge in units.items():
+            figure = getattr(line, name)
+            if figure is not None:
+                gauge.labels(*values).set(figure)
+    for (tier, hw, cap), value in report.idle.items():
+        cost.labels(report.month, IDLE, "", tier, hw if cap == "on-demand" else f"{hw} ({cap})",
+                    report.currency).set(value)
+    return generate_latest(registry).decode()
+
+
+_STYLE = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1200px;color:#222}
+h1{font-size:1.5em} h2{font-size:1.2em;margin-top:1.6em} .muted{color:#666}
+table{border-collapse:collapse;width:100%;font-size:.85em}th,td{padding:.3em .5em;border-bottom:1px solid #ddd;text-align:left}
+td.num{text-align:right;font-variant-numeric:tabular-nums} tr.idle td{background:#f4f4f4;color:#555}
+.plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(520px,100%),1fr));gap:1em}
+figure{margin:0;min-width:0} figure svg{display:block;max-width:100%;height:auto}
+"""
+
+
+def _plots(report: CostReport) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from shardline.figures import inline_svg
+
+    plots = []
+    days = sorted({day for day, _ in report.per_day})
+    who = sorted({tenant for _, tenant in report.per_day}, key=lambda t: (t == IDLE, t))
+    figure, ax = plt.subplots(figsize=(8, 3))
+    bottom = [0.0] * len(days)
+    for tenant in who:
+        values = [report.per_day.get((day, tenant), 0.0) for day in days]
+        ax.bar([d.isoformat() for d in days], values, bottom=bottom, label=tenant,
+               color="#bbbbbb" if tenant == IDLE else None)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel(report.currency, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.tick_params(axis="x", rotation=45)
+    ax.legend(fontsize=7)
+    plots.append(("Cost per day, by tenant", inline_svg(figure)))
+    by_tenant: dict[str, float] = defaultdict(float)
+    for line in report.lines:
+        by_tenant[line.tenant] += line.cost
+    if report.idle:
+        by_tenant[IDLE] = report.idle_cost
+    by_hardware = {hw if cap == "on-demand" else f"{hw} ({cap})": v for (hw, cap), v in report.per_hardware.items()}
+    for title, shares in (("Cost by tenant", dict(by_tenant)), ("Cost by hardware class (idle included)", by_hardware)):
+        figure, ax = plt.subplots(figsize=(6, 2.8))
+        names = sorted(shares, key=lambda n: -shares[n])
+        ax.barh(names, [shares[n] for n in names], color=["#bbbbbb" if n == IDLE else "#4C72B0" for n in names])
+        ax.invert_yaxis()
+        ax.set_xlabel(report.currency, fontsize=8)
+        ax.tick_params(labelsize=7)
+        plots.append((title, inline_svg(figure)))
+    return plots
+
+
+def render_html(report: CostReport) -> str:
+    """The report as one self-contained HTML page: the summary, the plots, the chargeback table."""
+    e = html.escape
+    head = "".join(f"<th>{e(h)}</th>" for h in HEADER)
+    body = []
+    for line in report.lines:
+        cells = _cells(line, report.currency)
+        body.append("<tr>" + "".join(f"<td class='num'>{e(c)}</td>" if i >= 4 else f"<td>{e(c)}</td>"
+                                     for i, c in enumerate(cells)) + "</tr>")
+    for (tier, hw, cap), cost in sorted(report.idle.items()):
+        body.append(f"<tr class='idle'><td>(idle)</td><td></td><td>{e(tier)}</td><td>{e(hw)} ({e(cap)})</td>"
+                    f"<td class='num'>{e(money(cost, report.currency))}</td>" + "<td></td>" * 7 + "</tr>")
+    figures = "".join(f"<figure><figcaption>{e(title)}</figcaption>{svg}</figure>" for title, svg in _plots(report))
+    title = f"Cost report {report.month}" + (f", tenant {report.tenant}" if report.tenant else "")
+    summary = "".join(f"<li>{e(s)}</li>" for s in _summary(report))
+    advice = ("<h2>Recommendations</h2><ul>" + "".join(f"<li>{e(r.text)}</li>" for r in report.recommendations)
+              + "</ul>") if report.recommendations else ""
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{_STYLE}</style>"
+            f"</head><body><h1>{e(title)}</h1><ul>{summary}</ul>"
+            "<p class='muted'>Each replica or worker is priced at the larger of what it held and what it used; the "
+            "used part is split across tenants by their device-seconds, the rest is idle, carried by the "
+            "platform.</p>"
+            f"<div class='plots'>{figures}</div><h2>Chargeback</h2><table><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>{advice}</body></html>")

@@ -1,0 +1,107 @@
+"""Budgets in batch: `shardline batch run` warns, degrades to low priority and refuses at a tenant's budget, with
+the figures, over a ledger that real jobs and earlier runs wrote; a job accepted before still runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from shardline.cost.budgets import spend_by_tenant
+from shardline.capacity.prices import load_prices
+from shardline.storage.ledger import LedgerStore
+from tests.support.budgets import spend, write_prices
+
+
+def _warnings(api_url: str, tenant: str, want: int, timeout: float = 20) -> list[dict]:
+    body = {"filter": {"event": {"name": ["shardline.budget.warning"]},
+                       "resource": {"id": [f"shardline.tenant.{tenant}"]}}, "limit": 50}
+    deadline = time.monotonic() + timeout
+    while True:
+        events = httpx.post(f"{api_url}/events/filter", json=body, timeout=30).json()["events"]
+        if len(events) >= want or time.monotonic() > deadline:
+            return events
+        time.sleep(0.5)
+
+
+def last_json(output: str) -> dict:
+    return json.loads(next(line for line in reversed(output.splitlines()) if line.startswith("{")))
+
+
+def _spent(home: Path, tenant: str) -> float:
+    month = datetime.now(timezone.utc).strftime("%Y-%m")
+    rows = LedgerStore(str(home)).read(month).to_pylist()
+    return spend_by_tenant(rows, load_prices(home / "prices.yaml")).get(tenant, 0.0)
+
+
+@pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_a_batch_job_warns_degrades_and_is_refused_at_its_tenants_budget(
+    input_shards: Path, tmp_path: Path, shardline_home: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    api_url = str(PREFECT_API_URL.value())
+    monkeypatch.setenv("PREFECT_API_URL", api_url)  # where the CLI posts its events
+    monkeypatch.setenv("SHARDLINE_BATCH_RUNNER_IDLE_S", "0")
+    write_prices(shardline_home)  # a CPU core-second costs 1 USD
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"tenants": [{
+        "name": "acme", "batch": {"storage_prefixes": [str(tmp_path)]},
+        "budget": {"monthly": 1000.0, "warn_at": 0.8, "soft_at": 0.9}}]}))
+    monkeypatch.setenv("SHARDLINE_TENANTS_FILE", str(tenants))
+
+    def run(*args: str) -> tuple[int, str]:  # the command as a user runs it, in its own process
+        ran = subprocess.run([sys.executable, "-m", "shardline.cli", *args], capture_output=True, text=True,
+                             timeout=240, env={**os.environ, "DO_NOT_TRACK": "1"})
+        return ran.returncode, ran.stdout + ran.stderr
+
+    def batch(out: str) -> tuple[int, str]:
+        return run("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards), "--output",
+                   str(tmp_path / out), "--tenant", "acme", "--json")
+
+    # warn: 850 of 1,000 spent this month (an earlier run's rows in the ledger): the job runs, says so, and a
+    # Prefect event says it too
+    spend(shardline_home, "acme", 850.0)
+    code, output = batch("warned")
+    assert code == 0, output
+    month = datetime.now(timezone.utc).strftime("%Y-%m")
+    assert f"tenant 'acme' is past its budget's warning threshold (spent 850.00 USD of 1,000.00 USD (85%) in " \
+           f"{month}); the job runs" in output
+    first = last_json(output)
+    assert first["rows_out"] == 12_000
+    events = _warnings(api_url, "acme", 1)
+    assert [(e["payload"]["state"], e["payload"]["tier"], e["payload"]["spent"]) for e in events] == [
+        ("warn", "batch", 850.0)]
+    after_job = _spent(shardline_home, "acme")
+    assert after_job > 850.0  # the job's own use was metered and priced: the budget sees it
+
+    # soft: past 90%: the job runs at low priority, said in one line
+    spend(shardline_home, "acme", 950.0 - after_job)
+    code, output = batch("degraded")
+    assert code == 0, output
+    assert "tenant 'acme' is past its budget's soft limit: work is degraded (spent 950.00 USD" in output
+    assert "; this job runs at low priority" in output
+    assert json.loads((tmp_path / "degraded" / "_manifest.json").read_text())["priority"] == "low"
+
+    # hard: at the budget: refused before any flow run, with the figures, exit code 2
+    spend(shardline_home, "acme", 1000.0 - _spent(shardline_home, "acme") + 25.0)
+    code, output = batch("refused")
+    assert code == 2, output
+    assert f"error: tenant 'acme' is at its budget's hard limit: new work is refused until the month ends or the " \
+           f"budget grows (spent 1,025.00 USD of 1,000.00 USD (102%) in {month}); the job was not started" in output
+    assert not (tmp_path / "refused").exists()
+    assert len(output.strip().splitlines()) == 1
+
+    # nothing accepted before is lost: the first job, resumed, still runs (its parts kept)
+    code, output = run("batch", "resume", first["job_id"], "--json")
+    assert code == 0, output
+    assert "this job was accepted before, so it runs to the end" in output
+    assert last_json(output)["shards_skipped"] == 6

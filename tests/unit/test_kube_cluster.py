@@ -1,0 +1,81 @@
+"""A job's Dask cluster on Kubernetes, the pure parts: its name, the resources made from a template, the scale plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from dask_kubernetes.operator.validation import validate_cluster_name
+from pydantic import ValidationError
+
+from shardline.errors import InvalidInput, InvalidSetting
+from shardline.settings import DaskSettings
+from shardline.tasks.kube_cluster import job_cluster_name, job_cluster_resources, plan_scale
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "deploy/k8s/base/tenant/dask"
+
+
+@pytest.mark.parametrize("job_id", ["0123456789abcdef", "Nightly_2026-12-05", "x" * 80, "-a-", "ÜBER job"])
+def test_a_job_cluster_name_is_a_valid_kubernetes_name_derived_from_the_job(job_id: str) -> None:
+    name = job_cluster_name(job_id)
+    validate_cluster_name(name)  # dask-kubernetes' own rule: RFC 1123, room for "-scheduler" within 63
+    assert name.startswith("shardline-") and len(name + "-default") <= 63
+    assert job_cluster_name(job_id) == name  # the SLA response derives the same name from the same id
+
+
+def test_batch_job_ids_keep_their_digits_and_other_ids_never_collide() -> None:
+    assert job_cluster_name("0123456789abcdef") == "shardline-0123456789abcdef"
+    assert job_cluster_name("Nightly") != job_cluster_name("nightly")
+    assert job_cluster_name("a" * 30) != job_cluster_name("a" * 31)
+    with pytest.raises(InvalidInput, match="job id is empty"):
+        job_cluster_name(" ")
+
+
+def test_the_job_cluster_is_the_template_renamed_with_its_bounds_and_an_autoscaler() -> None:
+    template = yaml.safe_load((TEMPLATES / "cluster-gpu.yaml").read_text())
+    cluster, autoscaler = job_cluster_resources(template, "0123456789abcdef", 2, 12)
+    name = "shardline-0123456789abcdef"
+    assert cluster["metadata"]["name"] == name
+    assert cluster["spec"]["scheduler"]["service"]["selector"]["dask.org/cluster-name"] == name
+    assert cluster["spec"]["worker"]["replicas"] == 2
+    assert cluster["spec"]["worker"]["spec"] == template["spec"]["worker"]["spec"]
+    annotations = cluster["metadata"]["annotations"]
+    assert (annotations["shardline.dev/min-workers"], annotations["shardline.dev/max-workers"]) == ("2", "12")
+    assert autoscaler is not None and autoscaler["spec"] == {"cluster": name, "minimum": 2, "maximum": 12}
+    assert template["metadata"]["name"] == "shardline-batch-gpu"  # the template itself is untouched
+    fixed, none = job_cluster_resources(template, "0123456789abcdef", 3, 0)
+    assert none is None and fixed["metadata"]["annotations"]["shardline.dev/max-workers"] == "3"
+
+
+def test_a_template_that_is_not_a_dask_cluster_is_refused() -> None:
+    with pytest.raises(InvalidSetting, match="not a DaskCluster"):
+        job_cluster_resources({"apiVersion": "v1", "kind": "Pod"}, "j", 1, 2)
+
+
+def test_bounds_are_checked_when_the_settings_load() -> None:
+    with pytest.raises(ValidationError, match="MAX_WORKERS \\(2\\) is below"):
+        DaskSettings(kubernetes_workers=4, kubernetes_max_workers=2)
+    assert DaskSettings(kubernetes_workers=4, kubernetes_max_workers=0).kubernetes_max_workers == 0
+
+
+def test_scaling_up_raises_the_autoscaler_minimum_and_stops_at_the_maximum() -> None:
+    up = plan_scale(current=2, step=3, floor=2, maximum=10, busy=None)
+    assert (up.replicas, up.minimum) == (5, 5)
+    capped = plan_scale(current=9, step=3, floor=2, maximum=10, busy=None)
+    assert (capped.replicas, capped.minimum) == (10, 10) and "capped" in capped.reason
+    full = plan_scale(current=10, step=2, floor=2, maximum=10, busy=None)
+    assert (full.replicas, full.minimum) == (10, None) and "maximum" in full.reason
+
+
+def test_scaling_down_never_while_busy_and_never_below_the_minimum() -> None:
+    busy = plan_scale(current=6, step=-2, floor=2, maximum=10, busy=1)
+    assert (busy.replicas, busy.minimum) == (6, None) and "1 workers are busy" in busy.reason
+    unknown = plan_scale(current=6, step=-2, floor=2, maximum=10, busy=None)
+    assert unknown.replicas == 6 and "could not say" in unknown.reason
+    idle = plan_scale(current=6, step=-2, floor=2, maximum=10, busy=0)
+    assert (idle.replicas, idle.minimum) == (4, 4)
+    floor = plan_scale(current=3, step=-5, floor=2, maximum=10, busy=0)
+    assert (floor.replicas, floor.minimum) == (2, 2) and "minimum of 2" in floor.reason
+    at_floor = plan_scale(current=2, step=-1, floor=2, maximum=10, busy=0)
+    assert (at_floor.replicas, at_floor.minimum) == (2, None)

@@ -7,6 +7,7 @@ errors in the V2 form."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import http.server
 import os
 import re
@@ -23,9 +24,11 @@ import pytest
 
 from shardline.errors import InvalidSetting
 from shardline.local_ports import reserve_port
+from shardline.online.quota_store import ADMIT, RENEW, key, lane_store
 from shardline.online.router.nginx_front import (
-    NginxFront,
     CONFIG_FILES,
+    REDIS_CLIENT,
+    NginxFront,
     NginxLayout,
     choose_front,
     find_nginx,
@@ -47,10 +50,12 @@ TENANTS = TenantDirectory.from_config({"tenants": [
 ]})
 
 
-def _layout(folder: Path, listener: socket.socket, key: str = "router-key-0123456789") -> NginxLayout:
+def _layout(folder: Path, listener: socket.socket, key: str = "router-key-0123456789",
+            store: str | None = None) -> NginxLayout:
     host, port = listener.getsockname()[:2]
     return NginxLayout(folder=folder, listen_fd=listener.fileno(), listen=listen_address(host, port), router_key=key,
-                       balance=1.25, retries=2, request_timeout_s=30.0, max_timeout_s=300.0, hold_s=1.5)
+                       balance=1.25, retries=2, request_timeout_s=30.0, max_timeout_s=300.0, hold_s=1.5,
+                       quota_store=store, quota_routers=3)
 
 
 def _unescaped(literal: str) -> str:
@@ -77,6 +82,24 @@ def test_the_settings_hold_key_digests_and_quotas_never_keys(tmp_path: Path) -> 
     assert '["free"]' not in text.split('["quotas"]')[1]  # free has no quota: not checked
 
 
+def test_with_a_quota_store_the_settings_hold_the_routers_scripts_keys_and_shares(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        text = lua_settings(_layout(tmp_path, listener, store="redis://:s3cret@redis.internal:6380/2"), TENANTS)
+    assert lua_literal(ADMIT) in text and lua_literal(RENEW) in text  # the router's own scripts, and their SHA1
+    assert f'["admit_sha"] = "{hashlib.sha1(ADMIT.encode()).hexdigest()}"' in text
+    assert f'["renew_sha"] = "{hashlib.sha1(RENEW.encode()).hexdigest()}"' in text
+    for part in ('["host"] = "redis.internal"', '["port"] = 6380', '["db"] = 2', '["password"] = "s3cret"',
+                 '["routers"] = 3', '["lease_ttl_ms"] = 30000'):
+        assert part in text
+    # acme: 2.5 requests/s, burst 5, 4 in flight; while Redis is unreachable a third of each (rounded up)
+    assert ('["share"] = {["rate"] = 0.8333333333333334, ["shown"] = "2.5", ["burst"] = 2, ["most"] = 2}, '
+            f'["keys"] = {{["rate"] = {lua_literal(key("acme", "rate"))}, '
+            f'["inflight"] = {lua_literal(key("acme", "inflight"))}}}, '
+            '["allowance"] = 1') in text
+    with pytest.raises(ValueError, match="TLS"):
+        lane_store("rediss://redis.internal:6380/0", 3)
+
+
 def test_the_templates_and_their_renderer_are_in_step(tmp_path: Path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:  # a KeyError here: a template names an unknown value
         files = render_config(_layout(tmp_path, listener, "k{{ listen }}$x"))
@@ -87,12 +110,17 @@ def test_the_templates_and_their_renderer_are_in_step(tmp_path: Path) -> None:
 
 
 @needs_nginx
-@pytest.mark.parametrize("key", ["router-key-0123456789", 'a"quote\\back$dollar%percent-key'])
-def test_nginx_accepts_the_configuration(tmp_path: Path, key: str) -> None:
+@pytest.mark.parametrize(("key", "store"), [("router-key-0123456789", None),
+                                            ('a"quote\\back$dollar%percent-key', None),
+                                            ("router-key-0123456789", "redis://127.0.0.1:6379/0")])
+def test_nginx_accepts_the_configuration(tmp_path: Path, key: str, store: str | None) -> None:
+    """Also with a quota store: the lane then loads Redis's Lua client (lua-nginx-redis) when nginx starts."""
     assert NGINX is not None
+    if store is not None and not REDIS_CLIENT.exists():
+        pytest.skip("Redis's Lua client is not installed (apt-get install lua-nginx-redis)")
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.set_inheritable(True)
-        edge = NginxFront(NGINX, _layout(tmp_path, listener, key), TENANTS)
+        edge = NginxFront(NGINX, _layout(tmp_path, listener, key, store), TENANTS)
         edge.write_files()
         checked = subprocess.run([NGINX, "-t", "-p", str(tmp_path), "-e", str(tmp_path / "nginx.log"), "-c",
                                   str(tmp_path / "nginx.conf")], capture_output=True, text=True,

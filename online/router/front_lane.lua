@@ -371,13 +371,21 @@ function _M.balance()
   end
 end
 
--- A lease given back to Redis (a timer's: the log phase has no cosockets); best effort, it expires by itself.
-local function release(premature, key, lease)
+-- Leases given back to Redis by a timer (the log phase has no cosockets): those the requests that ended meanwhile
+-- gave back, one ZREM per tenant; best effort, a lease Redis does not hear about expires by itself.
+local releasing, release_due = {}, false  -- lease set key -> its leases to give back; whether a timer is due
+
+local function release(premature)
+  local due = releasing
+  releasing, release_due = {}, false
   if now() < store_down_until then return end
-  local red = store_connect()
-  if red then
-    local ok, err = red:zrem(key, lease)
-    if ok then red:set_keepalive(STORE_IDLE_MS, STORE_POOL) else red:close() end
+  for key, ids in pairs(due) do
+    for i = 1, #ids, 1000 do
+      local red = store_connect()
+      if not red then return end
+      if red:zrem(key, unpack(ids, i, min(#ids, i + 999))) then red:set_keepalive(STORE_IDLE_MS, STORE_POOL)
+      else red:close() end
+    end
   end
 end
 
@@ -412,7 +420,10 @@ function _M.done()
     if lease ~= "" then
       local held = leases[tenant]
       if held then held[lease] = nil end
-      ngx.timer.at(0, release, settings.quotas[tenant].keys.inflight, lease)
+      local key = settings.quotas[tenant].keys.inflight
+      local ids = releasing[key]
+      if ids then ids[#ids + 1] = lease else releasing[key] = {lease} end
+      if not release_due then release_due = ngx.timer.at(0, release) and true or false end
     end
   end
   local pin = var.sl_pin

@@ -392,17 +392,18 @@ end
 -- Every third of the lease TTL: the leases of the requests this worker still holds, renewed (RENEW).
 local function renew(premature)
   if premature then return end
+  local due = {}  -- {lease set key, its leases}, listed before the first call yields (requests go on meanwhile)
   for tenant, held in pairs(leases) do
     local ids = {}
     for lease in pairs(held) do ids[#ids + 1] = lease end
-    if #ids == 0 then
-      leases[tenant] = nil
-    else
-      for i = 1, #ids, 1000 do  -- again next round when Redis does not answer; the requests go on regardless
-        local red = store_connect()
-        if not red or not store_script(red, "renew", 1, settings.quotas[tenant].keys.inflight, store.lease_ttl_ms,
-                                       unpack(ids, i, min(#ids, i + 999))) then return end
-      end
+    if #ids == 0 then leases[tenant] = nil else due[#due + 1] = {settings.quotas[tenant].keys.inflight, ids} end
+  end
+  for _, set in ipairs(due) do
+    local key, ids = set[1], set[2]
+    for i = 1, #ids, 1000 do  -- again next round when Redis does not answer; the requests go on regardless
+      local red = store_connect()
+      if not red or not store_script(red, "renew", 1, key, store.lease_ttl_ms, unpack(ids, i, min(#ids, i + 999)))
+      then return end
     end
   end
 end

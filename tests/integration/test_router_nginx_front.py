@@ -7,6 +7,7 @@ errors in the V2 form."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import http.server
 import os
@@ -15,15 +16,18 @@ import socket
 import socketserver
 import subprocess
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+import redis as redis_py
 
 from shardline.errors import InvalidSetting
 from shardline.local_ports import reserve_port
+from shardline.online import quota_store
 from shardline.online.quota_store import ADMIT, RENEW, key, lane_store
 from shardline.online.router.nginx_front import (
     CONFIG_FILES,
@@ -38,6 +42,7 @@ from shardline.online.router.nginx_front import (
     render_config,
 )
 from shardline.online.tenants import TenantDirectory, hash_api_key
+from tests.support.redis_server import redis_server
 
 NGINX = find_nginx()
 needs_nginx = pytest.mark.skipif(NGINX is None, reason=(
@@ -340,3 +345,72 @@ def test_with_no_replica_left_to_try_a_request_goes_to_the_router(tmp_path: Path
         ("/v2/models/churn/versions/2/infer", "Bearer router-key-0123456789", "acme"),  # after both replicas failed
         ("/v2/models/churn/infer", "Bearer k-acme", None),  # straight to the router: both are out for a while
     ]
+
+
+class _SlowRouter(_Recording):
+    """The router behind nginx, taking ``hold`` seconds over each request."""
+
+    seen: list[tuple[str, str | None, str | None]] = []
+    hold = 1.5
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        time.sleep(self.hold)
+        super().do_POST()
+
+
+@needs_nginx
+def test_with_a_quota_store_the_lane_holds_leases_in_redis_renews_them_and_falls_back_to_its_share(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_concurrent 2 in Redis: of 3 requests at once the third is refused; their leases outlive the TTL (0.9 s
+    here) while they run, renewed, and are given back when they end; with Redis gone the lane admits on its share
+    (a third of 2: 1) and counts it."""
+    assert NGINX is not None
+    if not REDIS_CLIENT.exists():
+        pytest.skip("Redis's Lua client is not installed (apt-get install lua-nginx-redis)")
+    monkeypatch.setattr(quota_store, "LEASE_TTL_S", 0.9)  # renewed every 0.3 s
+    redis = redis_server(tmp_path)
+    tenants = TenantDirectory.from_config({"tenants": [
+        {"name": "capped", "api_keys_sha256": [hash_api_key("k-capped")], "models": ["churn"], "max_concurrent": 2}]})
+    leases = key("capped", "inflight")
+    client = redis_py.Redis(port=redis.port)
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            listener.set_inheritable(True)
+            edge = NginxFront(NGINX, _layout(tmp_path, listener, store=redis.url), tenants)
+            stub = _UnixServer(str(edge.layout.router_socket), _SlowRouter)
+            threading.Thread(target=stub.serve_forever, daemon=True).start()
+            edge.start()
+            url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/embeddings"
+
+            def post() -> httpx.Response:
+                return httpx.post(url, content=b"{}", headers={"Authorization": "Bearer k-capped"}, timeout=10)
+
+            try:
+                with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                    started = [pool.submit(post) for _ in range(3)]
+                    time.sleep(1.2)  # past the leases' TTL: renewed, still held
+                    held = client.zrange(leases, 0, -1, withscores=True)
+                    redis_ms = client.time()[0] * 1000
+                    answers = sorted((f.result() for f in started), key=lambda a: a.status_code)
+                time.sleep(0.2)
+                after = client.zcard(leases)
+                counts = asyncio.run(edge.control("GET", "/counts"))
+                redis.stop()
+                _SlowRouter.hold = 0.0
+                alone = post()
+                down = asyncio.run(edge.control("GET", "/counts"))
+            finally:
+                _SlowRouter.hold = 1.5
+                edge.stop()
+                stub.shutdown()
+    finally:
+        redis.stop()
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    assert "tenant 'capped' has 2 requests in flight, its max_concurrent" in answers[2].text
+    assert answers[2].headers["retry-after"] == "1"
+    assert len(held) == 2 and all(score > redis_ms for _, score in held)  # renewed past their first expiry
+    assert all(member.startswith(b"nginx-") for member, _ in held)
+    assert after == 0  # given back as each request ended
+    assert "store 0 0 1" in counts.splitlines()
+    assert alone.status_code == 200  # Redis gone: admitted on the lane's share
+    assert "store 1 1 0" in down.splitlines()

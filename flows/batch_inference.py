@@ -72,7 +72,7 @@ def batch_inference(
     job = admitted.request  # from here on the job uses the locations it was admitted with, as resolved
     plan = plan_batch_job(model, job.input_uri, job.output_uri, tenant, passthrough, settings.storage,
                           settings.batch, settings.runtime, settings.dask, variant, admitted.link_roots,
-                          settings.placement, admitted.tenant is None or admitted.tenant.custom_code)
+                          admitted.tenant is None or admitted.tenant.custom_code)
     with holding_output(plan), track_job(plan, admitted, settings) as tracker:
         plan = validate_shards(plan)
         plan = score_shards(plan, admitted, settings, watchers=[tracker, *watchers])

@@ -22,7 +22,6 @@ from shardline.settings import (
     BatchSettings,
     DaskSettings,
     MeteringSettings,
-    PlacementSettings,
     RuntimeSettings,
     StorageSettings,
     TenancySettings,
@@ -59,15 +58,13 @@ class BatchJobSettings:
     runtime: RuntimeSettings
     dask: DaskSettings
     tenancy: TenancySettings
-    placement: PlacementSettings
     metering: MeteringSettings = field(default_factory=MeteringSettings)
 
     @classmethod
     def read(cls, batch_rows: int | None = None) -> BatchJobSettings:
         """The settings from the environment; ``batch_rows`` (a flow parameter) overrides the batch setting."""
         batch = BatchSettings() if batch_rows is None else BatchSettings(batch_rows=batch_rows)
-        return cls(StorageSettings(), batch, RuntimeSettings(), DaskSettings(), TenancySettings(), PlacementSettings(),
-                   MeteringSettings())
+        return cls(StorageSettings(), batch, RuntimeSettings(), DaskSettings(), TenancySettings(), MeteringSettings())
 
 
 @dataclass(frozen=True)
@@ -138,7 +135,7 @@ def check_job(
     job = admitted.request
     survey = survey_job(
         job.model, job.input_uri, job.output_uri, job.tenant, job.passthrough, settings.storage, settings.batch,
-        settings.dask, job.variant, admitted.link_roots, settings.placement,
+        settings.dask, job.variant, admitted.link_roots,
         admitted.tenant is None or admitted.tenant.custom_code,
     )
     check_output_free(survey)

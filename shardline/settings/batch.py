@@ -218,14 +218,3 @@ class PrefectServerSettings(BaseSettings):
     start_timeout_s: float = Field(
         default=120.0, gt=0, description="How long a run waits for the local server it started to answer."
     )
-
-
-class PlacementSettings(BaseSettings):
-    """Prices the placement decision weighs measured profiles with (see docs/placement.md)."""
-
-    model_config = SettingsConfigDict(env_prefix="SHARDLINE_PLACEMENT_", extra="ignore")
-
-    costs_per_hour: dict[str, float] = Field(
-        default_factory=lambda: {"cpu": 0.20, "cuda": 4.00, "cuda-nvidia-h200-mig": 0.60},
-        description="Machine kind (or a prefix of it, longest wins) -> price of one device per hour (JSON).",
-    )

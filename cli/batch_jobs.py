@@ -197,8 +197,9 @@ def soft_line() -> str:
         return "this job runs at low priority"
     if job_capacity("spot", dask, metering) == "spot":
         return "this job runs at low priority on spot capacity"
-    return (f"this job runs at low priority on on-demand capacity, because none is spot here "
-            f"(SHARDLINE_DASK_CLUSTER={dask.cluster} cannot move it; on kubernetes its workers would run on spot nodes)")
+    why = ("SHARDLINE_DASK_KUBERNETES_SPOT=false: the cluster has no spot nodes" if dask.cluster == "kubernetes" else
+           f"SHARDLINE_DASK_CLUSTER={dask.cluster} cannot move it; on kubernetes its workers would run on spot nodes")
+    return f"this job runs at low priority on {metering.capacity_type} capacity, because none is spot here ({why})"
 
 
 def _announce(state: Any) -> None:

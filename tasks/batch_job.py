@@ -41,6 +41,7 @@ from shardline.tasks.fairness import (
     DeviceKind,
     batch_slots,
     check_gpu_quota,
+    cluster_capacity,
     device_kind,
     fair_share,
     job_capacity,
@@ -207,7 +208,8 @@ def score_shards(
     todo = list(plan.todo)
     with fair_share(admitted.tenant, admitted.priority, len(todo), settings.tenancy) as max_in_flight:
         scored = len(plan.new)
-        with dask_scheduler(settings.dask, plan.job_id, admitted.request.capacity_type) as address:
+        placed = cluster_capacity(admitted.request.capacity_type, settings.dask)
+        with dask_scheduler(settings.dask, plan.job_id, placed) as address:
             began = datetime.now(timezone.utc)
             plan = infer_shards(plan, address, watchers=watchers, max_in_flight=max_in_flight)
             window = (began, datetime.now(timezone.utc))

@@ -157,14 +157,19 @@ def fair_share(
             yield in_flight
 
 
+def cluster_capacity(asked: str | None, dask: DaskSettings) -> str | None:
+    """The capacity type the job's own cluster puts its workers on (``kube_cluster.on_capacity``): the one it asks
+    for, on Kubernetes (spot only where the cluster has spot nodes, ``SHARDLINE_DASK_KUBERNETES_SPOT``); None: where
+    the cluster places them (a local or shared cluster cannot move)."""
+    if asked is None or dask.cluster != "kubernetes" or (asked == "spot" and not dask.kubernetes_spot):
+        return None
+    return asked
+
+
 def job_capacity(asked: str | None, dask: DaskSettings, metering: MeteringSettings) -> str:
-    """The capacity type a job's workers run on (what its ledger rows say): the one it asks for on its own
-    Kubernetes cluster (``kube_cluster.on_capacity`` places the workers there); otherwise, or when it asks for none,
-    what the metering settings say this capacity is (``SHARDLINE_METERING_CAPACITY_TYPE``): a local or shared cluster
-    cannot move."""
-    if asked is not None and dask.cluster == "kubernetes":
-        return asked
-    return metering.capacity_type
+    """The capacity type a job's workers run on (what its ledger rows say): the one its own cluster is put on
+    (``cluster_capacity``), else what the metering settings say this capacity is (``SHARDLINE_METERING_CAPACITY_TYPE``)."""
+    return cluster_capacity(asked, dask) or metering.capacity_type
 
 
 def batch_slots(dask: DaskSettings, max_in_flight: int | None, shards: int) -> int:

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from shardline.errors import InvalidInput, InvalidSetting
 from shardline.settings import DaskSettings
 from shardline.settings import MeteringSettings
-from shardline.tasks.fairness import job_capacity
+from shardline.tasks.fairness import cluster_capacity, job_capacity
 from shardline.tasks.kube_cluster import SPOT_NODE_LABELS, job_cluster_name, job_cluster_resources, plan_scale
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "deploy/k8s/base/tenant/dask"
@@ -107,6 +107,11 @@ def test_a_job_runs_on_spot_where_its_own_cluster_can_be_put_there() -> None:
     assert job_capacity("spot", local, on_demand) == "on-demand"  # a local cluster cannot move
     assert job_capacity("spot", local, spot) == "spot"  # it runs on spot already
     assert job_capacity("spot", DaskSettings(cluster="address", address="tcp://x:8786"), on_demand) == "on-demand"
+    no_spot = DaskSettings(cluster="kubernetes", kubernetes_spot=False)  # a cluster with no spot node pool
+    assert job_capacity("spot", no_spot, on_demand) == "on-demand" and cluster_capacity("spot", no_spot) is None
+    assert cluster_capacity("on-demand", no_spot) == "on-demand"
+    assert cluster_capacity("spot", kube) == "spot" and cluster_capacity(None, kube) is None
+    assert cluster_capacity("spot", local) is None
 
 
 def test_a_template_that_is_not_a_dask_cluster_is_refused() -> None:

@@ -40,8 +40,10 @@ from shardline.tasks.fairness import (
     DeviceKind,
     batch_slots,
     check_gpu_quota,
+    cluster_capacity,
     device_kind,
     fair_share,
+    job_capacity,
     meter_run,
     priority_of,
 )
@@ -78,12 +80,14 @@ class Admission:
     sla: Sla
     started: datetime
     link_roots: list[str] | None  # where links in the input may lead (the tenant's resolved prefixes); None: anywhere
+    capacity_type: str = "on-demand"  # what its workers run on (``job_capacity``): its ledger rows say so
 
 
 def admit(
     request: JobParameters, sla: str | None, deadline: str | None, settings: BatchJobSettings, allow_past: bool = True
 ) -> Admission:
-    """Admit a job before anything is read or written: its SLA, tenant, locations, priority and GPU quota.
+    """Admit a job before anything is read or written: its SLA, tenant, locations, priority, capacity type and
+    GPU quota.
 
     ``allow_past``: a deadline already past is kept (a resumed job's); `batch run` refuses one.
 
@@ -105,6 +109,7 @@ def admit(
         request=request.model_copy(update={"input_uri": input_uri, "output_uri": output_uri}),
         tenant=allowed, priority=priority, device=device, sla=promise, started=started,
         link_roots=resolved_prefixes(allowed, resolve) if allowed is not None else None,
+        capacity_type=job_capacity(request.capacity_type, settings.dask, settings.metering),
     )
 
 
@@ -200,14 +205,16 @@ def score_shards(
     todo = list(plan.todo)
     with fair_share(admitted.tenant, admitted.priority, len(todo), settings.tenancy) as max_in_flight:
         scored = len(plan.new)
-        with dask_scheduler(settings.dask, plan.job_id) as address:
+        placed = cluster_capacity(admitted.request.capacity_type, settings.dask)
+        with dask_scheduler(settings.dask, plan.job_id, placed) as address:
             began = datetime.now(timezone.utc)
             plan = infer_shards(plan, address, watchers=watchers, max_in_flight=max_in_flight)
             window = (began, datetime.now(timezone.utc))
     if settings.metering.enabled:
         ledger = LedgerStore(settings.storage.home, settings.storage.storage_options)
         slots = batch_slots(settings.dask, max_in_flight, len(todo))
-        meter_run(ledger, plan, settings.metering, admitted.device, plan.new[scored:], todo, window, slots)
+        meter_run(ledger, plan, settings.metering, admitted.device, plan.new[scored:], todo, window, slots,
+                  admitted.capacity_type)
     return plan
 
 

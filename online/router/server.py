@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline.errors import InvalidSetting
+from shardline.online.budgets import BudgetBoard
 from shardline.online.logs import log_config
 from shardline.online.models import ModelDirectory
 from shardline.online.quota_store import QuotaStore, lane_reaches
@@ -44,7 +45,8 @@ from shardline.online.router.router import Router
 from shardline.online.router.scaling import Activator, ScalePolicy, Scaler
 from shardline.online.router.service import RouterService, router_app
 from shardline.online.tenants import load_tenants
-from shardline.settings import OnlineSettings, RouterSettings, StorageSettings, TenancySettings
+from shardline.settings import MeteringSettings, OnlineSettings, RouterSettings, StorageSettings, TenancySettings
+from shardline.storage.ledger import LedgerStore
 from shardline.storage.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,7 @@ def build_service(settings: RouterSettings, storage: StorageSettings, tenancy: T
     activator = Activator(settings.activator_queue) if scaler is not None and settings.min_replicas == 0 else None
     router = Router(settings, tenants, directory, replicas, key, rollouts=book, activator=activator)
     router.fallbacks = {(f.model, f.group): f.variant for f in config.fallbacks}
+    router.budgets = BudgetBoard(LedgerStore(storage.home, storage.storage_options), MeteringSettings().budget_refresh_s)
     if tenancy.quota_store:
         router.quotas = QuotaStore(tenancy.quota_store, tenancy.quota_store_routers, time.monotonic,
                                    router.metrics.registry)

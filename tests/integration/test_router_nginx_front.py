@@ -149,6 +149,7 @@ def _router() -> SimpleNamespace:
     recorded: list[tuple[int, int]] = []
     return SimpleNamespace(
         settings=SimpleNamespace(hedge_after_ms=0.0), activator=None, fallbacks={}, tenants=TENANTS,
+        budgets=SimpleNamespace(states={}),  # no tenant past its budget's soft limit
         rollouts=SimpleNamespace(moves={("churn", "prod"): SimpleNamespace(version=2, action="set", rollout=None)}),
         replicas=SimpleNamespace(groups=lambda: groups, replicas=replicas, active_group=lambda: "gpu",
                                  available=lambda replica, now: replica.url != "http://127.0.0.1:9102"),

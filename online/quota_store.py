@@ -17,6 +17,10 @@ routers doing that give a tenant N times its quota. With a quota store, every ro
   in the background, so the bucket can go below zero by the tokens in flight: a stream stops when this
   router's view of the bucket is empty, as with one router). **streams** (``max_streams``): leases as above.
 
+nginx's fast lane in front of a router holds rate and concurrency in the same Redis with these same scripts
+(``lane_store``: their text and SHA1 written into its settings; online/router/front_lane.lua); it passes LLM
+streams on to the router, which holds their tokens and streams here.
+
 **Redis unreachable** (refused, reset, or no answer within ``TIMEOUT_S``): the router does not fail the
 request. It holds 1/N of each quota in its own process (``SHARDLINE_TENANCY_QUOTA_STORE_ROUTERS`` = N,
 ``worker_share``), logs the outage once (a warning; an info line when Redis answers again), counts each

@@ -10,7 +10,8 @@ runs ``front_lane.lua``:
 - **every request**: the ``Bearer`` key's sha256 looked up among the tenants file's digests (each header's
   tenant remembered in the worker: the digest is a pure function of the key), the tenant's ``max_concurrent``
   and token bucket held (``admission.TokenBucket``'s refill, ``TenantGate``'s messages; 429 in the V2 or OpenAI
-  form by the path), and the admitted tenant named to the router (``GATED_HEADER``); a client's copies of the
+  form by the path; with a quota store, in Redis by ``quota_store``'s scripts, 1/N here while it is unreachable),
+  and the admitted tenant named to the router (``GATED_HEADER``); a client's copies of the
   router's headers are dropped;
 - **the fast lane**: ``POST /v2/models/{name}/infer`` of a pinned tenant/model (``desired_pins``), without a
   deadline or a route key, with a ``Content-Length`` body of at most ``FAST_BODY_BYTES`` (buffered, so a failed

@@ -391,7 +391,7 @@ class NginxFront:
             name, _, version = pin.partition("/versions/")
             order[pin] = [url for group in groups for url in rank(f"{name}:{version}", members[group])]
         return lua_literal({"pins": pins, "replicas": replicas, "order": order, "active": active,
-                            "retries_off": not router.budget.has_room(now)})
+                            "retries_off": not router.retry_budget.has_room(now)})
 
     async def _read_counts(self, router: Router) -> int:
         """The lane's requests in flight and taken by pinned version (name:version), in flight by replica, into the
@@ -425,10 +425,10 @@ class NginxFront:
             self._store_counts(router, store)
         for group, (requested, retried) in taken.items():
             before_taken, before_retried = self._totals.get(group, (0, 0))
-            router.budget.record(now, max(0, requested - before_taken), max(0, retried - before_retried))
+            router.retry_budget.record(now, max(0, requested - before_taken), max(0, retried - before_retried))
             self._totals[group] = (requested, retried)
         metrics.front_retries = {group: retried for group, (_, retried) in self._totals.items()}
-        budget_off = not router.budget.has_room(now)
+        budget_off = not router.retry_budget.has_room(now)
         if budget_off != self._budget_off:
             self._budget_off = budget_off
             log.warning("fast lane: out of the retry budget, answers are passed on unretried" if budget_off else

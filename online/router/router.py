@@ -125,7 +125,7 @@ class Router:
         self._draw = draw
         self._gates: dict[str, TenantGate] = {}
         self._llm_gates: dict[str, LlmGate] = {}  # tenants' generations in flight and token quotas
-        self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_min_per_s)
+        self.retry_budget = RetryBudget(settings.retry_budget_ratio, settings.retry_min_per_s)
         self._pools: dict[str, UpstreamPool] = {}
         self.metrics = RouterMetrics(replicas, clock, settings.target_in_flight)
         self.rollouts = rollouts
@@ -445,7 +445,7 @@ class Router:
             (REQUEST_ID, request_id.encode("latin-1"))])  # as it came: header values are Latin-1
         target = path + ("?" + request.query.decode("latin-1") if request.query else "")
         if retry:
-            self.budget.request(now)
+            self.retry_budget.request(now)
         tried: set[str] = set()
         last: Answer | None = None
         attempt = 0
@@ -491,7 +491,7 @@ class Router:
                 break
             if answer is None and replica.hung_at >= sent:
                 continue  # its replica hung: the try was given up, not failed; the request moves on at once
-            if not self.budget.try_retry(now):
+            if not self.retry_budget.try_retry(now):
                 break
             await asyncio.sleep(min(backoff_s(attempt, self._draw()), max(0.0, deadline.left(now))))
         if last is not None:
@@ -541,7 +541,7 @@ class Router:
         if done:
             return first.result(), replica
         other = self._pick(key, tried, prefer)
-        if other is None or not self.budget.try_retry(self._clock()):
+        if other is None or not self.retry_budget.try_retry(self._clock()):
             return await first, replica
         tried.add(other.url)
         if tries is not None:

@@ -153,7 +153,7 @@ def _router() -> SimpleNamespace:
         rollouts=SimpleNamespace(moves={("churn", "prod"): SimpleNamespace(version=2, action="set", rollout=None)}),
         replicas=SimpleNamespace(groups=lambda: groups, replicas=replicas, active_group=lambda: "gpu",
                                  available=lambda replica, now: replica.url != "http://127.0.0.1:9102"),
-        budget=SimpleNamespace(has_room=lambda now: True, record=lambda now, n, r: recorded.append((n, r))),
+        retry_budget=SimpleNamespace(has_room=lambda now: True, record=lambda now, n, r: recorded.append((n, r))),
         metrics=SimpleNamespace(front_in_flight={}, front_requests={}, front_replicas={}, front_retries={}),
         recorded=recorded)
 

@@ -35,6 +35,7 @@ from shardline.online.router.front import SYNC_S, Front
 from shardline.online.router.health import OutlierPolicy, stalled
 from shardline.online.router.local import LocalReplicas
 from shardline.online.router.messages import Answer, Incoming, error_answer
+from shardline.online.router.replicas import Replica
 from shardline.online.router.router import Router
 from shardline.online.router.scaling import Scaler
 from shardline.online.router.upstream import UpstreamFailed, UpstreamPool
@@ -45,6 +46,7 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 HEALTH_TIMEOUT_S = 1.0
+SILENT = -1  # ``_health``: connected, and no answer in time
 STARTING_CHECK_S = 0.1  # how often a replica being started is checked
 _TRACEPARENT = tracing.TRACEPARENT.encode()
 
@@ -63,6 +65,7 @@ class RouterService:
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: dict[str, UpstreamPool] = {}  # a pool of its own per replica: checks never wait behind requests
         self.front: Front | None = None  # the proxy in front (nginx: ``nginx_front``), kept true every SYNC_S
+        self._kept: set[str] = set()  # silent replicas kept in because no other was up (said once a silence)
 
     async def start(self) -> None:
         """Open the pools, check every replica once, then keep checking in the background."""
@@ -121,13 +124,19 @@ class RouterService:
                 log.exception("router background work failed")
 
     async def check_all(self, only: list[str] | None = None) -> None:
-        """Check the readiness of every replica (or of ``only`` those) now."""
+        """Check the readiness of every replica (or of ``only`` those) now; a silent one that is the only one up
+        stays in (``_keep_the_last``)."""
         replicas = [r for r in self.router.replicas.replicas.values() if only is None or r.url in only]
-        results = await asyncio.gather(*(self._ready(r.url) for r in replicas))
+        results = await asyncio.gather(*(self._health(r.url, HEALTH_TIMEOUT_S) for r in replicas))
         woke = False
-        for replica, ready in zip(replicas, results):
+        for replica, status in zip(replicas, results):
             if replica.url not in self.router.replicas.replicas:
                 continue  # scaled away meanwhile
+            ready = status == 200
+            if status != SILENT:
+                self._kept.discard(replica.url)
+            elif self._keep_the_last(replica, "did not answer its health check in time"):
+                continue
             if replica.healthy != ready:
                 log.info("replica %s is %s", replica.url, "ready" if ready else "not ready")
                 woke = woke or ready
@@ -155,11 +164,13 @@ class RouterService:
 
     async def _watch_stalls(self) -> None:
         """Every half stall time: probe the health of each replica whose oldest waiting try has stalled
-        (``health.stalled``); one that gives no answer within twice the stall time is hung (``Router.abandon``). A
-        try on a replica that has not answered its model yet (loading it) is not watched (``Router._send``)."""
+        (``health.stalled``); one that gives no answer within twice the stall time is hung (``Router.abandon``),
+        unless it is the only one up (``_keep_the_last``). A try on a replica that has not answered its model yet
+        (loading it) is not watched (``Router._send``)."""
         now = time.monotonic()
         stall_s = self.router.settings.stall_ms / 1000
-        suspects = [r for r in self.router.replicas.replicas.values()
+        replicas = self.router.replicas.replicas
+        suspects = [r for r in replicas.values()
                     if r.healthy and stalled(min(r.waiting.values(), default=None), r.heard, r.probed, now, stall_s)]
         if not suspects:
             return
@@ -167,22 +178,36 @@ class RouterService:
             replica.probed = now
         answers = await asyncio.gather(*(self._health(r.url, 2 * stall_s) for r in suspects))
         for replica, status in zip(suspects, answers):
-            if status is None and replica.healthy and replica.url in self.router.replicas.replicas:
+            if status not in (None, SILENT) or not replica.healthy or replica.url not in replicas:
+                self._kept.discard(replica.url)
+            elif status is None or not self._keep_the_last(replica, "stalled and gave no answer to a health probe"):
                 self.router.abandon(replica, time.monotonic())
 
-    async def _ready(self, url: str) -> bool:
-        return await self._health(url, HEALTH_TIMEOUT_S) == 200
+    def _keep_the_last(self, replica: Replica, what: str) -> bool:
+        """Whether ``replica``, silent (connected, no answer in time), stays in: when no other replica is up, its
+        requests would have nowhere to go, and a late answer beats a 503 (an overloaded machine's only replica is
+        silent for a while as a stopped one is). Said once a silence; a replica that refuses connections or
+        answers 503 is taken out as always."""
+        if any(r.healthy for r in self.router.replicas.replicas.values() if r is not replica) or not replica.healthy:
+            self._kept.discard(replica.url)
+            return False
+        if replica.url not in self._kept:
+            self._kept.add(replica.url)
+            log.warning("replica %s %s, but no other replica is up: kept, its %d waiting requests wait for it",
+                        replica.url, what, len(replica.waiting))
+        return True
 
     async def _health(self, url: str, timeout_s: float) -> int | None:
-        """The status of the replica's ``GET /v2/health/ready`` (None: no answer within ``timeout_s``)."""
+        """The status of the replica's ``GET /v2/health/ready``: None when it cannot be reached (refused, reset),
+        ``SILENT`` when it took the connection but gave no answer within ``timeout_s``."""
         pool = self._checks.get(url)
         if pool is None:
             parts = urlsplit(url)
             pool = self._checks[url] = UpstreamPool(parts.hostname or "127.0.0.1", parts.port or 80)
         try:
             status, _, _ = await pool.request("GET", "/v2/health/ready", b"", b"", timeout_s)
-        except UpstreamFailed:
-            return None
+        except UpstreamFailed as e:
+            return SILENT if e.timed_out else None
         return status
 
     async def _resolve(self, group: str) -> None:

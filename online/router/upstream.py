@@ -32,7 +32,11 @@ def header_lines(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
 
 
 class UpstreamFailed(ConnectionError):
-    """The replica gave no answer (refused, reset, closed early, timed out)."""
+    """The replica gave no answer (refused, reset, closed early, timed out: ``timed_out``, connected and silent)."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class _Stale(Exception):
@@ -233,7 +237,7 @@ class UpstreamPool:
                 raise UpstreamFailed("the replica closed the connection without answering") from None
             except TimeoutError:
                 connection.transport.close()
-                raise UpstreamFailed(f"no answer within {timeout * 1000:.0f} ms") from None
+                raise UpstreamFailed(f"no answer within {timeout * 1000:.0f} ms", timed_out=True) from None
             except BaseException:
                 connection.transport.close()
                 raise

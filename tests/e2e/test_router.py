@@ -640,3 +640,46 @@ def test_a_hung_replica_costs_a_request_a_bounded_delay_not_its_deadline(home: P
         if stopped and stopped[-1] != -1:
             os.kill(victim, signal.SIGCONT)
         _stop(router)
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_stalled_only_replica_is_waited_for_not_taken_out(home: Path, breast_cancer_model: BuiltModel,
+                                                           plane: str) -> None:
+    """One replica, stopped for 1.5 s under 20 requests/s (as an overloaded machine's only replica stalls): with
+    nowhere to move its requests the router keeps it, and every request is answered 200, late, not 503."""
+    tenants = _tenants(home / f"tenants-only-{plane}.yaml")
+    port = free_port()
+    log = home / f"router-only-{plane}.log"
+    with open(log, "wb") as sink:
+        router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "1", "--tenants", str(tenants), "--port",
+                                   str(port), "--metrics-port", "off"], env=_env(home, SHARDLINE_ROUTER_DATA_PLANE=plane),
+                                  stdout=sink, stderr=subprocess.STDOUT, cwd=home)
+    url, body = f"http://127.0.0.1:{port}", _infer_body(breast_cancer_model)
+    stopped: list[int] = []
+    try:
+        _wait_ready(url, router, log, available=1)
+        [only] = [int(p) for p in re.findall(r"started replica \d \(pid (\d+)\)", log.read_text())]
+        if plane == "nginx":
+            _eventually(lambda: f"fast lane: acme/{MODEL} ->" in log.read_text(), 20, "the model was never pinned")
+        assert {status for status, _ in open_loop(url, body, 20, 1)} == {200}
+
+        def stop_and_go(elapsed: float) -> None:
+            if elapsed >= 0.5 and not stopped:
+                os.kill(only, signal.SIGSTOP)
+                stopped.append(only)
+            elif elapsed >= 2.0 and stopped[-1] != -1:
+                os.kill(only, signal.SIGCONT)
+                stopped.append(-1)
+
+        results = open_loop(url, body, 20, 4, stop_and_go)
+        assert stopped == [only, -1]
+        assert [r for r in results if r[0] != 200] == [], log.read_text()[-3000:]
+        assert max(seconds for _, seconds in results) >= 1.0  # they did wait for it
+        text = log.read_text()
+        assert "is hung" not in text, text[-3000:]
+        if plane == "python":
+            assert "but no other replica is up: kept" in text, text[-3000:]
+    finally:
+        if stopped and stopped[-1] != -1:
+            os.kill(only, signal.SIGCONT)
+        _stop(router)

@@ -21,12 +21,14 @@ one JSON answer.
   tenant and model, and streams in flight.
 
 The engine runs on its own thread and calls back from it; events hop to the event loop with
-``call_soon_threadsafe`` (sync core, async edge).
+``call_soon_threadsafe`` (sync core, async edge). An engine whose requests run on the event loop itself (the
+``vllm`` runtime's streams to vLLM) calls back on it: its events are queued without a hop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
@@ -183,7 +185,12 @@ class Generations:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
-        def on_event(event: Any) -> None:  # the engine's thread
+        loop_thread = threading.get_ident()
+
+        def on_event(event: Any) -> None:  # the engine's thread, or this loop (the vllm runtime's streams)
+            if threading.get_ident() == loop_thread:
+                queue.put_nowait(event)
+                return
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, event)
             except RuntimeError:  # the loop is closed: nobody is left to tell

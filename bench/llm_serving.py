@@ -54,6 +54,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -236,11 +237,17 @@ def run_guidellm(python: Path, port: int, bundle: Path, key: str | None, seed: i
     spec = out.with_suffix(".scenario.json")
     spec.write_text(json.dumps(scenario))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
-    with open(out.with_suffix(".log"), "wb") as log:
-        done = subprocess.run([str(python.parent / "guidellm"), "run", "--scenario", str(spec), "--disable-console"],
-                              env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out.parent)
-    if done.returncode != 0 or not out.exists():
-        raise SystemExit(f"guidellm failed ({done.returncode}); its log: {out.with_suffix('.log')}")
+    with open(out.with_suffix(".log"), "wb") as log:  # a session of its own: its worker processes end with it
+        child = subprocess.Popen([str(python.parent / "guidellm"), "run", "--scenario", str(spec), "--disable-console"],
+                                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out.parent, start_new_session=True)
+        try:
+            code = child.wait()
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+    if code != 0 or not out.exists():
+        raise SystemExit(f"guidellm failed ({code}); its log: {out.with_suffix('.log')}")
     results = {}
     for bench in json.loads(out.read_text())["benchmarks"]:
         ok = bench["requests"]["successful"]

@@ -145,7 +145,7 @@ class RemoteEngine(EngineBase):
                 with contextlib.suppress(RuntimeError):  # closed meanwhile
                     loop.call_soon_threadsafe(client.close)
         if own is not None:  # its requests end (each says "cancelled") before it stops
-            ending = [h.task for h in active if h.loop is own and h.task is not None]
+            ending = [h for h in active if h.loop is own]
             own_client = dict(clients).get(own)
             with contextlib.suppress(RuntimeError, TimeoutError):
                 asyncio.run_coroutine_threadsafe(_wind_down(ending, own_client), own).result(STOP_GRACE_S)
@@ -200,9 +200,11 @@ class RemoteEngine(EngineBase):
             return self._own_loop
 
     def _client(self, loop: asyncio.AbstractEventLoop) -> _VllmClient:
+        """The client of ``loop`` (a client's connections belong to one loop); those of closed loops forgotten."""
         with self._lock:
             client = self._clients.get(loop)
             if client is None:
+                self._clients = {known: c for known, c in self._clients.items() if not known.is_closed()}
                 client = self._clients[loop] = _VllmClient()
             return client
 
@@ -250,7 +252,8 @@ class RemoteEngine(EngineBase):
                         tokens = tuple(choice.get("token_ids") or ())
                         usage = chunk.get("usage") or {}
                         completion = int(usage.get("completion_tokens") or completion + len(tokens))
-                        self._counts["tokens_generated"] += len(tokens)  # (one loop writes; stats() reads)
+                        with self._lock:
+                            self._counts["tokens_generated"] += len(tokens)
                         if finish is not None:
                             self._release(handle)  # free before its last event, as the CPU engine's slot is
                         on_event(TokenEvent(choice.get("text") or "", tokens, finish, len(prompt), completion))
@@ -313,9 +316,10 @@ class _VllmClient:
         await self._client.aclose()
 
 
-async def _wind_down(tasks: list[asyncio.Task[None]], client: _VllmClient | None) -> None:
-    """Wait for cancelled requests to end, then close the connections (the engine's own loop, at close)."""
-    await asyncio.gather(*tasks, return_exceptions=True)
+async def _wind_down(handles: list[RemoteHandle], client: _VllmClient | None) -> None:
+    """Wait for cancelled requests to end, then close the connections (the engine's own loop, at close; their
+    tasks exist by now: each was started by a callback queued before this)."""
+    await asyncio.gather(*(h.task for h in handles if h.task is not None), return_exceptions=True)
     if client is not None:
         await client.aclose()
 

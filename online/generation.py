@@ -45,6 +45,8 @@ from shardline.online.tenants import Tenant
 from shardline.openai_wire import GenerationRequest
 from shardline.runtimes import generates
 
+TOKENIZE_WEIGHT = 64  # a character to tokenize costs about what 64 bytes of a body to decode do (edge.runs_off_loop)
+
 if TYPE_CHECKING:
     from shardline.online.dataplane import DataPlane
     from shardline.runtimes.generation import Engine, SamplingParams
@@ -164,7 +166,13 @@ class Generations:
         params = SamplingParams(max_tokens=request.max_tokens or default, temperature=request.temperature,
                                 top_p=request.top_p, seed=request.seed, stop=request.stop)
         prompt = request.prompt if request.messages is None else engine.chat_prompt(request.messages)
-        prompt_ids = await plane.off_loop(lambda: engine.check_prompt(engine.tokenize(prompt or "")))
+        from shardline.online.edge import runs_off_loop  # (edge imports the data plane, which imports this module)
+
+        text = prompt or ""
+        if runs_off_loop(len(text) * TOKENIZE_WEIGHT, False, plane.settings.offload_min_bytes):
+            prompt_ids = await plane.off_loop(lambda: engine.check_prompt(engine.tokenize(text)))
+        else:  # a prompt of a few thousand characters takes about a millisecond: a hop to a thread costs more
+            prompt_ids = engine.check_prompt(engine.tokenize(text))
         gate = self.gate(tenant)  # a prompt refused above took nothing from the tenant's quotas
         gate.open(len(prompt_ids))
         released = False

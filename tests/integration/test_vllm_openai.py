@@ -287,6 +287,26 @@ def test_serve_passes_the_first_token_on_while_vllm_holds_the_next(served: tuple
     assert len(vllm.peers) == peers + 1 and vllm.peers[-1] == vllm.peers[-2]  # the same kept-alive connection
 
 
+def test_a_short_prompt_is_tokenized_on_the_loop_a_long_one_on_the_codec_threads(
+        served: tuple[str, DataPlane], monkeypatch: pytest.MonkeyPatch) -> None:
+    url, plane = served
+    hops: list[str] = []
+    off_loop = plane.off_loop
+
+    async def recorded(call: Any) -> Any:
+        hops.append("codec")
+        return await off_loop(call)
+
+    monkeypatch.setattr(plane, "off_loop", recorded)
+    headers = {"Authorization": f"Bearer {TENANT_KEY}"}
+    answer = httpx.post(f"{url}/v1/completions", headers=headers, timeout=30,
+                        json={"model": "tiny", "prompt": "The river " * 50, "max_tokens": 2})
+    assert answer.status_code == 200 and hops == []  # ~500 characters: no hop to a thread for a millisecond's work
+    refused = httpx.post(f"{url}/v1/completions", headers=headers, timeout=30,
+                         json={"model": "tiny", "prompt": "word " * 1000, "max_tokens": 2})
+    assert refused.status_code == 400 and hops == ["codec"]  # 5,000 characters: tokenized off the loop, then refused
+
+
 def test_batch_predict_gives_what_the_cpu_runtime_gives_on_the_same_weights(
         bundle: tuple[Path, Manifest], vllm: VllmCompatibleServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHARDLINE_VLLM_URL", vllm.url)

@@ -42,7 +42,7 @@ Shardline adds to TTFT at p50 and p99 (targets <= 2 ms and <= 5 ms), with the sh
 token took 50 ms longer than vLLM's p50. Both environments are made on first use under bench/.peers/ (vllm:
 3.5 GB, guidellm: 1.3 GB).
 
-    .venv/bin/python bench/llm_serving.py --vllm --repeat 3    # ~6 min on 2 cores, after the environments
+    .venv/bin/python bench/llm_serving.py --vllm --repeat 2    # ~10 min on 2 cores, after the environments
 
 Data and logs: bench/.data/llm/ (git-ignored).
 """

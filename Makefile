@@ -15,9 +15,9 @@ setup: $(VENV)/.installed dataplane
 
 # The data plane in front of `shardline router` (docs/routing.md "The data plane"): Debian's nginx with its Lua
 # module, installed when missing and this is root with apt; without it the router relays every request itself (slower).
-DATAPLANE_PACKAGES := nginx-light libnginx-mod-http-lua
+DATAPLANE_PACKAGES := nginx-light libnginx-mod-http-lua lua-nginx-redis lua-nginx-redis-connector
 dataplane:
-	@test -f /usr/lib/nginx/modules/ngx_http_lua_module.so || \
+	@{ test -f /usr/lib/nginx/modules/ngx_http_lua_module.so && test -f /usr/share/lua/5.1/nginx/redis.lua; } || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    { apt-get install -y -qq $(DATAPLANE_PACKAGES) >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
 	      apt-get install -y -qq $(DATAPLANE_PACKAGES) >/dev/null 2>&1; }; }; } || \

@@ -12,6 +12,11 @@ loop, latency from each request's intended send time):
 - **nginx**: Debian's nginx as a plain reverse proxy over the three (`worker_processes auto`, upstream
   keep-alive, no access log), passing the same headers as direct.
 
+With ``--quota-store``, a fourth series, **router+redis**: a second router over the same replicas holding the tenant's
+quotas in a redis-server started here (Debian's package; SHARDLINE_TENANCY_QUOTA_STORE): the tenant's
+``max_concurrent`` makes its lane run one EVALSHA (a lease) and one ZREM per request (docs/routing.md, "Quotas for
+many routers").
+
 Both request layouts a V2 client sends for this model are measured, one after the other: 30
 inputs of shape [1] (one per feature column) and one input of shape [1, 30] (the model packaged
 from its ONNX file alone). Printed, for each layout: each series' steps, the p50 at the lightest rate, the highest rate held at p99 <= 10 ms, and
@@ -21,6 +26,7 @@ at least 0.8x nginx's rate.
 
     .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~3 min
     .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~13 min
+    .venv/bin/python bench/router_overhead.py --quick --quota-store   # and router+redis: ~4 min
 
 nginx must be on PATH, and its Lua module for the router's default data plane (`make setup` installs
 `nginx-light libnginx-mod-http-lua` as root). Data and logs: bench/.data/router/ (git-ignored).
@@ -36,10 +42,12 @@ import os
 import random
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +99,7 @@ def nginx_config(port: int, replicas: list[int], folder: Path) -> Path:
 
 def requests(target: str, port: int, path: str, bodies: list[str]) -> list[str]:
     """Raw HTTP requests: the tenant's key to the router, the router's key and the tenant to the rest."""
-    auth = (f"Authorization: Bearer {ol.API_KEY}\r\n" if target == "router"
+    auth = (f"Authorization: Bearer {ol.API_KEY}\r\n" if target.startswith("router")
             else f"Authorization: Bearer {ROUTER_KEY}\r\nX-Shardline-Tenant: {TENANT}\r\n")
     return [f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}Content-Type: application/json\r\n"
             f"Content-Length: {len(b)}\r\n\r\n{b}" for b in bodies]
@@ -100,9 +108,11 @@ def requests(target: str, port: int, path: str, bodies: list[str]) -> list[str]:
 def run(targets: list[tuple[str, ol.Server]], replicas: list[int], path: str, bodies: list[str],
         args: argparse.Namespace) -> dict[str, Any]:
     """The load generator over the series; a proxy's ``replicas`` (pids) are its backends: their CPU is the
-    series' work, not noise (direct's replica is one of them)."""
+    series' work, not noise (direct's replica is one of them; router+redis's Redis is one of its own)."""
+    redis = [args.redis.pid] if getattr(args, "redis", None) is not None else []
     return ol.generate_steps([{"name": name, "port": s.port, "pid": s.proc.pid,  # type: ignore[union-attr]
-                               "backends": replicas if name != "direct" else [],
+                               "backends": [] if name == "direct" else replicas + (redis if name == "router+redis"
+                                                                                   else []),
                                "requests": requests(name, s.port, path, bodies)} for name, s in targets],
                              args, DATA / "generator.json")
 
@@ -112,6 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="3 rates, short steps: ~3 minutes")
     parser.add_argument("--rates", help="the ladder, req/s, comma-separated (default 100..6400 doubling)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--quota-store", action="store_true",
+                        help="also router+redis: a router holding the quotas in a redis-server started here")
     args = parser.parse_args(argv)
     args.ladder = [float(r) for r in args.rates.split(",")] if args.rates else (
         [100.0, 800.0, 1600.0] if args.quick else [100.0 * 2**k for k in range(7)])
@@ -149,6 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     proxy = ol.Server("nginx", [nginx, "-c", str(nginx_config(nginx_port, ports, DATA)), "-p", str(DATA)], env,
                       nginx_port, path, "/v2/health/ready")
     proxies = [("router", router), ("nginx", proxy)]
+    args.redis = None
+    if args.quota_store:
+        redis_port, stored_port = reserve_port(), reserve_port()
+        args.redis = start_redis(redis_port)
+        proxies.insert(1, ("router+redis", ol.Server(
+            "router+redis", [sys.executable, "-m", "shardline.cli", "router", "--config", str(config), "--tenants",
+                             data["tenants"], "--port", str(stored_port)],
+            dict(env, SHARDLINE_ROUTER_KEY=ROUTER_KEY, SHARDLINE_ROUTER_METRICS_PORT="off",
+                 SHARDLINE_TENANCY_QUOTA_STORE=f"redis://127.0.0.1:{redis_port}/0"),
+            stored_port, path, "/v2/health/ready")))
     print(f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.2f}); ladder "
           f"{', '.join(f'{r:,.0f}' for r in args.ladder)} req/s; one row per request, in both layouts "
           f"({'; '.join(ol.LAYOUTS.values())}); "
@@ -169,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         front = re.search(r"\((\w+) in front;", (DATA / "logs" / "router.log").read_text())
         plane = f"{front.group(1)} in front" if front else "the router alone"
         print(f"  the router's data plane: {plane}", flush=True)
+        if args.redis is not None:
+            lane = "on" if "fast lane is on" in (DATA / "logs" / "router+redis.log").read_text() else "OFF"
+            print(f"  router+redis: quotas in redis-server, nginx's lane {lane}", flush=True)
         layouts = {"scalar": (path, data["v2"]), "nk": (f"/v2/models/{ol.MODEL_NK}/infer", data["nk"])}
         replicas = [s.proc.pid for s in servers]  # type: ignore[union-attr]
         steps, rounds = {}, {}
@@ -178,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server in (*(s for _, s in proxies), *servers):
             server.stop()
+        if args.redis is not None:
+            args.redis.kill()
+            args.redis.wait()
     met = [report(layout, series, rounds[layout], args) for layout, series in steps.items()]
     print(f"(rest: cores the rest of the machine used; a figure marked '!' was noisy, over {NOISY:g} core)")
     (DATA / "last-run.json").write_text(json.dumps({"steps": steps, "light_rounds": rounds}, indent=1))
@@ -243,8 +271,29 @@ def report(layout: str, steps: dict[str, Any], light_steps: dict[str, list[dict[
     return p50_met and held_met
 
 
+def start_redis(port: int) -> subprocess.Popen[bytes]:
+    """Debian's redis-server on loopback, nothing saved; once it answers PING."""
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    if not Path(binary).exists():
+        raise SystemExit("redis-server is not installed: apt-get install redis-server, then run this again")
+    DATA.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                                "--dir", str(DATA)], stdout=(DATA / "redis.log").open("ab"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    for _ in range(100):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return process
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise SystemExit(f"redis-server did not answer on port {port}")
+
+
 def _headers(name: str) -> dict[str, str]:
-    if name == "router":
+    if name.startswith("router"):
         return {"Authorization": f"Bearer {ol.API_KEY}"}
     return {"Authorization": f"Bearer {ROUTER_KEY}", "X-Shardline-Tenant": TENANT}
 

@@ -13,7 +13,8 @@ the slice's class itself.
 
 The one price table: `shardline cost report` charges the ledger with it, and the hardware catalogue
 (``shardline.capacity.hardware.default_hardware``) prices its GPUs and CPU nodes from it for `shardline plan
-capacity` and `shardline cost simulate`. It lives here, not in ``shardline.cost``, because the packer may import
+capacity` and `shardline cost simulate`; placement's measured profiles are priced by their machine kind through
+it (``PriceTable.per_machine_hour``). It lives here, not in ``shardline.cost``, because the packer may import
 only the kernel and storage, and ``shardline.cost`` imports the packer.
 """
 
@@ -25,8 +26,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shardline.capacity.hardware import MIG_PROFILES, split_class
+from shardline.capacity.hardware import MIG_MARK, MIG_PROFILES, split_class
 from shardline.errors import InvalidSetting
+from shardline.machines import CPU_MACHINE
 
 EXAMPLE = Path(__file__).with_name("prices.yaml")
 
@@ -81,6 +83,29 @@ class PriceTable(BaseModel):
                 "servers and jobs to a class it prices")
         hourly = priced.spot if capacity_type == "spot" and priced.spot is not None else priced.on_demand
         return hourly * fraction
+
+    def per_machine_hour(self, machine: str, capacity_type: str = "on-demand") -> float:
+        """The price of one device of a machine kind (``shardline.machines.machine_kind``) for an hour: a CPU
+        machine's cores at ``cpu``'s core-hour ('cpu-x86_64-8c': 8 cores); a GPU at the class its name holds
+        ('cuda-nvidia-h100-80gb-hbm3': ``h100``), a MIG slice at its fraction of that GPU
+        ('cuda-nvidia-h200-mig-1g.18gb': ``h200-mig-1g.18gb``). What placement (``shardline model place``, batch
+        ``--variant auto``) weighs measured profiles with.
+
+        Raises:
+            InvalidSetting: a machine kind the table has no class for.
+        """
+        cpu = CPU_MACHINE.match(machine)
+        if cpu is not None and "cpu" in self.classes:
+            return self.per_unit_hour("cpu", capacity_type) * int(cpu.group("cores"))
+        gpu, mark, profile = machine.removeprefix("cuda-").partition(MIG_MARK)
+        words = set(gpu.split("-"))
+        named = sorted((c for c in self.classes if c != "cpu" and MIG_MARK not in c and c in words), key=len)
+        if not machine.startswith("cuda-") or not named:
+            raise InvalidSetting(
+                f"no price for machine kind {machine!r}: {self.source or 'the price table'} prices "
+                f"{sorted(self.classes)}; a CPU machine is priced at class cpu's core-hour, a GPU at the class its "
+                "name holds (h100 in 'cuda-nvidia-h100-80gb-hbm3'): add that class")
+        return self.per_unit_hour(f"{named[-1]}{mark}{profile}" if mark else named[-1], capacity_type)
 
 
 def load_prices(path: str | Path | None = None) -> PriceTable:

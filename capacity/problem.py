@@ -9,16 +9,15 @@ inline; the packer (``shardline.capacity.packing``) chooses among them.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardline.capacity.hardware import COMPUTE_SLICES, WHOLE, CapacityType, CpuNodeType, GpuKind, Hardware
 from shardline.errors import InvalidSetting
+from shardline.machines import CPU_MACHINE
 from shardline.placement import (
     Candidate,
-    CostTable,
     PlacementPolicy,
     Workload,
     candidates_from_profiles,
@@ -26,8 +25,10 @@ from shardline.placement import (
 )
 
 Unit = Literal["rows/s", "requests/s", "tokens/s"]
-_CPU_MACHINE = re.compile(r"^cpu-(?P<arch>.+)-(?P<cores>\d+)c$")
-_ANY_PRICE = CostTable(per_hour={"": 1.0})  # profiles become candidates; the packer prices hardware, not candidates
+
+
+def _any_price(machine: str) -> float:
+    return 1.0  # profiles become candidates; the packer prices hardware, not candidates
 
 
 class Offer(BaseModel):
@@ -128,7 +129,7 @@ def _best(workload: Workload, candidates: list[Candidate], policy: PlacementPoli
 
 def _cpu_cores(machine: str, node: CpuNodeType) -> int | None:
     """Cores a replica measured on ``machine`` takes on ``node``; None when the profile does not apply to it."""
-    found = _CPU_MACHINE.match(machine)
+    found = CPU_MACHINE.match(machine)
     if found is None or found["arch"] != node.arch or int(found["cores"]) > node.cores:
         return None
     return int(found["cores"])
@@ -168,7 +169,7 @@ def offers_from_profiles(
         if "throughput" in profile:
             given[machine] = float(profile["throughput"])
             continue
-        for c in candidates_from_profiles({key: profile}, _ANY_PRICE):
+        for c in candidates_from_profiles({key: profile}, _any_price):
             if c.variant in allowed:
                 measured.setdefault(c.machine, []).append(c)
     offers = []

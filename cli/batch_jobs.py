@@ -95,7 +95,8 @@ def execute(request: JobRequest, watchers: Sequence[Watcher] = (), flow: Any = N
         state = flow(
             model=request.model, input_uri=request.input_uri, output_uri=request.output_uri, tenant=request.tenant,
             passthrough=request.passthrough, batch_rows=request.batch_rows, variant=request.variant,
-            sla=request.sla, deadline=request.deadline, priority=request.priority, watchers=list(watchers),
+            sla=request.sla, deadline=request.deadline, priority=request.priority,
+            capacity_type=request.capacity_type, watchers=list(watchers),
             return_state=True,
         )
     return outcome_of(state)
@@ -152,11 +153,12 @@ def tenant_budget_state(tenant: str) -> Any:
 
 def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None]:
     """What the tenant's budget makes of a new job, said in one line (docs/cost.md, "Budgets"): ``hard``
-    refuses it (exit code 2, the figures), ``soft`` runs it at low priority, ``warn`` runs it as asked; warn,
-    soft and hard emit ``shardline.budget.warning``. A resumed job was accepted before: it is never refused.
+    refuses it (exit code 2, the figures), ``soft`` runs it at low priority on spot capacity (``soft_line``: where
+    its cluster has none, on-demand, said so), ``warn`` runs it as asked; warn, soft and hard emit
+    ``shardline.budget.warning``. A resumed job was accepted before: it is never refused.
 
     Returns:
-        The request to run (its priority lowered on soft), and the refusal (None: run it).
+        The request to run (on soft: priority low, capacity type spot), and the refusal (None: run it).
     """
     from shardline.cli.common import EXIT_USAGE
     from shardline.errors import ShardlineError
@@ -174,11 +176,30 @@ def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None]:
     if state.state == "hard":
         typer.secho(f"{state.line()}; this job was accepted before, so it runs to the end", fg="yellow", err=True)
     elif state.state == "soft":
-        typer.secho(f"{state.line()}; this job runs at low priority", fg="yellow", err=True)
-        return request.model_copy(update={"priority": "low"}), None
+        typer.secho(f"{state.line()}; {soft_line()}", fg="yellow", err=True)
+        return request.model_copy(update={"priority": "low", "capacity_type": "spot"}), None
     else:
         typer.secho(f"{state.line()}; the job runs", fg="yellow", err=True)
     return request, None
+
+
+def soft_line() -> str:
+    """Where a job past its tenant's soft limit runs: on spot capacity when its cluster can give it
+    (``fairness.job_capacity``: its own Kubernetes cluster, or one the metering settings call spot), else said."""
+    from shardline.settings import DaskSettings, MeteringSettings
+    from shardline.tasks.fairness import job_capacity
+
+    from pydantic import ValidationError
+
+    try:
+        dask, metering = DaskSettings(), MeteringSettings()
+    except ValidationError:  # the request's checks say what is wrong with them, next
+        return "this job runs at low priority"
+    if job_capacity("spot", dask, metering) == "spot":
+        return "this job runs at low priority on spot capacity"
+    why = ("SHARDLINE_DASK_KUBERNETES_SPOT=false: the cluster has no spot nodes" if dask.cluster == "kubernetes" else
+           f"SHARDLINE_DASK_CLUSTER={dask.cluster} cannot move it; on kubernetes its workers would run on spot nodes")
+    return f"this job runs at low priority on {metering.capacity_type} capacity, because none is spot here ({why})"
 
 
 def _announce(state: Any) -> None:

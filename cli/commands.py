@@ -500,8 +500,8 @@ def serve(
 
 @contextlib.contextmanager
 def _budget_publisher(tenancy: Any, storage: Any) -> Any:
-    """The tenants' budget states priced from the ledger beside the server, every
-    SHARDLINE_METERING_BUDGET_REFRESH_S (``cost/budgets.py``; the server processes read them): only when the
+    """The tenants' budget states priced from the ledger beside the server or router, every
+    SHARDLINE_METERING_BUDGET_REFRESH_S (``cost/budgets.py``; the server processes and the router read them): only when the
     tenants file gives a tenant a budget. A wrong price table stops the start."""
     from shardline.capacity.prices import prices_path
     from shardline.cost.budgets import BudgetPublisher
@@ -560,7 +560,9 @@ def router(
     try:
         settings = RouterSettings.model_validate({k: v for k, v in given.items() if v is not None})
         tenancy = TenancySettings(tenants_file=str(tenants)) if tenants is not None else TenancySettings()
-        run_router(settings, StorageSettings(), tenancy)
+        storage = StorageSettings()
+        with _budget_publisher(tenancy, storage):  # the router refuses and degrades by the same states
+            run_router(settings, storage, tenancy)
     except (ShardlineError, ValidationError) as e:
         raise fail(e) from e
 

@@ -32,9 +32,10 @@ def report(
     across tenants by their device-seconds; idle capacity is its own line, carried by the platform. Exit 2 on a
     bad month, a month the ledger does not hold, or a class the price table does not price."""
     from shardline.capacity.prices import load_prices, prices_path
-    from shardline.cost.report import build_report, render_html, render_prometheus, render_text
+    from shardline.cost.report import build_report, render_html, render_prometheus, render_text, teachers_in
     from shardline.settings import StorageSettings
     from shardline.storage.ledger import LedgerStore, check_month
+    from shardline.storage.registry import ModelRegistry
 
     try:
         check_month(month)
@@ -51,7 +52,8 @@ def report(
             known = sorted({r["tenant"] for r in rows if r["kind"] == "usage"})
             raise fail(f"tenant {tenant!r} used nothing in {month} (tenants with use: {', '.join(known)}); check "
                        "the name")
-        result = build_report(rows, load_prices(prices_path(prices)), month, tenant)
+        result = build_report(rows, load_prices(prices_path(prices)), month, tenant,
+                              teachers_in(ModelRegistry.from_settings(storage)))
     except ShardlineError as e:
         raise fail(e) from e
     typer.echo(render_text(result), nl=False)

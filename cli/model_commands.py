@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import typer
 
-from shardline.cli.common import EXIT_FAILED, EXIT_USAGE, fail, open_registry, parse_tags
+from shardline.cli.common import EXIT_FAILED, EXIT_USAGE, PRICES_HELP, fail, open_registry, parse_tags
 from shardline.cli.package_commands import model_package, model_package_minilm
 from shardline.cli.rollout_commands import MAX_ERROR_INCREASE, MAX_P99_RATIO, MIN_REQUESTS, WINDOW
 from shardline.errors import GateFailed, ShardlineError
@@ -373,16 +373,18 @@ def model_place(
     p99_ms: Optional[float] = typer.Option(None, help="Online: p99 latency target per request (ms)."),
     rps: Optional[float] = typer.Option(None, help="Online: expected requests per second."),
     rows_per_s: Optional[float] = typer.Option(None, help="Batch: throughput to sustain."),
+    prices: Optional[Path] = typer.Option(None, "--prices", help=PRICES_HELP),
 ) -> None:
-    """Choose device, variant and batch size for a workload from the version's stored profiles."""
-    from shardline.placement import BatchWorkload, CostTable, OnlineWorkload, candidates_from_profiles, choose_placement
-    from shardline.settings import PlacementSettings
+    """Choose device, variant and batch size for a workload from the version's stored profiles, each machine
+    kind priced by the price table."""
+    from shardline.capacity.prices import load_prices, prices_path
+    from shardline.placement import BatchWorkload, OnlineWorkload, candidates_from_profiles, choose_placement
 
     try:
         registry = open_registry()
         resolved = registry.resolve(reference)
         candidates = candidates_from_profiles(registry.profiles(resolved.name, resolved.version),
-                                              CostTable(per_hour=PlacementSettings().costs_per_hour))
+                                              load_prices(prices_path(prices)).per_machine_hour)
         if p99_ms is not None or rps is not None:
             if p99_ms is None or rps is None:
                 raise ShardlineError("an online workload needs both --p99-ms and --rps")

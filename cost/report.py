@@ -3,8 +3,10 @@
 ``build_report`` prices a month of the metering ledger (``allocation.allocate``) and sums it per tenant, model and
 tier: the cost, requests, rows, tokens and device-seconds, and from them the cost per 1,000 rows, per million
 tokens and per request (each only where the line has that unit). Idle capacity is its own lines (per tier,
-hardware class and capacity type). ``render_html`` draws with matplotlib (imported there; inline SVG, as the drift
-report): cost per day by tenant, by tenant, and by hardware class.
+hardware class and capacity type). A distilled student (``shardline model distill``) is set beside its teacher:
+each one's cost per 1,000 rows in the month (``students``; ``teachers_in`` reads who taught whom from the
+registry's lineage). ``render_html`` draws with matplotlib (imported there; inline SVG, as the drift report): cost
+per day by tenant, by tenant, and by hardware class.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import html
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import date
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
+from shardline.bundle import DISTILLATION_ROWS
 from shardline.capacity.prices import PriceTable
 from shardline.cost.allocation import IDLE, Allocation, Charge, Spend, allocate
 from shardline.cost.prices import money
 from shardline.cost.recommend import Recommendation, recommend
+from shardline.storage.registry import ModelRegistry
 
 
 @dataclass
@@ -52,6 +56,24 @@ class ReportLine:
         return self.cost / self.spend.requests if self.spend.requests else None
 
 
+@dataclass(frozen=True)
+class StudentCost:
+    """A distilled student's cost per 1,000 rows in the month beside its teacher's (None: it scored none)."""
+
+    student: str  # name:version
+    teacher: str  # name:version
+    per_1k_rows: float
+    teacher_per_1k_rows: float | None
+
+    def text(self, currency: str) -> str:
+        """'mlp-student:1 0.0022 USD per 1k rows; its teacher mlp:1 0.0032 USD: 0.69x the teacher's'."""
+        mine = f"{self.student} {money(self.per_1k_rows, currency)} per 1k rows"
+        if self.teacher_per_1k_rows is None:
+            return f"{mine}; its teacher {self.teacher} scored no rows this month"
+        ratio = f": {self.per_1k_rows / self.teacher_per_1k_rows:.2f}x the teacher's" if self.teacher_per_1k_rows else ""
+        return f"{mine}; its teacher {self.teacher} {money(self.teacher_per_1k_rows, currency)}{ratio}"
+
+
 @dataclass
 class CostReport:
     """A month's chargeback (see the module docstring); ``tenant`` set: that tenant's lines only."""
@@ -65,6 +87,7 @@ class CostReport:
     priced_capacity: float
     tenant: str | None = None
     recommendations: list[Recommendation] = field(default_factory=list)  # the whole month's (none for one tenant)
+    students: list[StudentCost] = field(default_factory=list)  # distilled students that scored rows, by name
 
     @property
     def charged(self) -> float:
@@ -77,8 +100,11 @@ class CostReport:
         return sum(self.idle.values())
 
 
-def build_report(rows: Iterable[dict[str, Any]], prices: PriceTable, month: str, tenant: str | None = None) -> CostReport:
-    """The chargeback of ``rows`` (a month of the ledger, as ``LedgerStore.read`` gives them).
+def build_report(rows: Iterable[dict[str, Any]], prices: PriceTable, month: str, tenant: str | None = None,
+                 teachers: Mapping[str, str] | None = None) -> CostReport:
+    """The chargeback of ``rows`` (a month of the ledger, as ``LedgerStore.read`` gives them); ``teachers``
+    (student name:version -> teacher name:version, ``teachers_in``) sets each student that scored rows beside
+    its teacher.
 
     Raises:
         InvalidSetting: a hardware class the price table does not price.
@@ -87,7 +113,36 @@ def build_report(rows: Iterable[dict[str, Any]], prices: PriceTable, month: str,
     report = summarize(allocation, month, tenant)
     if tenant is None:
         report.recommendations = recommend(allocation, prices)
+    report.students = students_beside_teachers(allocation, teachers or {}, tenant)
     return report
+
+
+def teachers_in(registry: ModelRegistry) -> dict[str, str]:
+    """Every distilled student's teacher in ``registry``: student name:version -> teacher name:version (its
+    lineage's parent, as ``shardline model distill`` records it)."""
+    return {f"{m.name}:{m.version}": str(m.lineage.parent) for name in registry.list_models()
+            for m in registry.list_versions(name) if m.lineage.parent and DISTILLATION_ROWS in m.lineage.metrics}
+
+
+def students_beside_teachers(allocation: Allocation, teachers: Mapping[str, str],
+                             tenant: str | None = None) -> list[StudentCost]:
+    """Each student's cost per 1,000 rows (all its charges in the month, or ``tenant``'s) beside its teacher's."""
+    cost: dict[str, float] = defaultdict(float)
+    rows: dict[str, int] = defaultdict(int)
+    for charge in allocation.charges:
+        if charge.tenant != IDLE and (tenant is None or charge.tenant == tenant):
+            cost[f"{charge.model}:{charge.version}"] += charge.spend.cost
+            rows[f"{charge.model}:{charge.version}"] += charge.spend.rows
+
+    def per_1k(model: str) -> float | None:
+        return cost[model] / rows[model] * 1_000 if rows.get(model) else None
+
+    found = []
+    for student, teacher in sorted(teachers.items()):
+        mine = per_1k(student)
+        if mine is not None:
+            found.append(StudentCost(student, teacher, mine, per_1k(teacher)))
+    return found
 
 
 def summarize(allocation: Allocation, month: str, tenant: str | None = None) -> CostReport:
@@ -147,6 +202,13 @@ def _advice(report: CostReport) -> list[str]:
     return ["recommendations (largest saving first):", *(f"- {r.text}" for r in report.recommendations)]
 
 
+STUDENTS_TITLE = "distilled students beside their teachers"
+
+
+def _students(report: CostReport) -> list[str]:
+    return [s.text(report.currency) for s in report.students]
+
+
 def render_text(report: CostReport) -> str:
     """The report as aligned text for a terminal."""
     rows = [HEADER, *(_cells(line, report.currency) for line in report.lines)]
@@ -155,7 +217,8 @@ def render_text(report: CostReport) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     text = [f"cost report {report.month}" + (f", tenant {report.tenant}" if report.tenant else "")]
     text += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join([*text, *_summary(report), *_advice(report)]) + "\n"
+    students = [f"{STUDENTS_TITLE}:", *(f"- {s}" for s in _students(report))] if report.students else []
+    return "\n".join([*text, *_summary(report), *students, *_advice(report)]) + "\n"
 
 
 def render_markdown(report: CostReport) -> str:
@@ -168,7 +231,9 @@ def render_markdown(report: CostReport) -> str:
     text += ["| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in rows]
     advice = ["", "## Recommendations", "", *(f"- {r.text}" for r in report.recommendations)] if report.recommendations \
         else []
-    return "\n".join([*text, "", *(f"- {line}" for line in _summary(report)), *advice]) + "\n"
+    students = ["", f"## {STUDENTS_TITLE.capitalize()}", "", *(f"- {s}" for s in _students(report))] \
+        if report.students else []
+    return "\n".join([*text, "", *(f"- {line}" for line in _summary(report)), *students, *advice]) + "\n"
 
 
 def render_prometheus(report: CostReport) -> str:
@@ -263,6 +328,8 @@ def render_html(report: CostReport) -> str:
     summary = "".join(f"<li>{e(s)}</li>" for s in _summary(report))
     advice = ("<h2>Recommendations</h2><ul>" + "".join(f"<li>{e(r.text)}</li>" for r in report.recommendations)
               + "</ul>") if report.recommendations else ""
+    advice = (f"<h2>{e(STUDENTS_TITLE.capitalize())}</h2><ul>" + "".join(f"<li>{e(s)}</li>" for s in _students(report))
+              + "</ul>" if report.students else "") + advice
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{_STYLE}</style>"
             f"</head><body><h1>{e(title)}</h1><ul>{summary}</ul>"
             "<p class='muted'>Each replica or worker is priced at the larger of what it held and what it used; the "

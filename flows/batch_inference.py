@@ -10,7 +10,7 @@ settings once and passes them down.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from prefect import flow
 from prefect.states import State
@@ -40,6 +40,7 @@ def batch_inference(
     sla: str | None = None,
     deadline: str | None = None,
     priority: str | None = None,
+    capacity_type: Literal["on-demand", "spot"] | None = None,
     watchers: Sequence[ProgressWatcher] = (),
 ) -> State[Any]:
     """Score every row of the Parquet shards under ``input_uri`` with ``model``.
@@ -57,6 +58,9 @@ def batch_inference(
         sla: how long the job may take ('2h', '90m'); default SHARDLINE_BATCH_DEFAULT_SLA.
         deadline: when it must be done (ISO 8601, '2026-12-01T06:00Z'); instead of ``sla``.
         priority: high, normal or low (backfills); default the tenant's.
+        capacity_type: spot (or on-demand): the job's workers on that capacity only, where the job makes its own
+            cluster (Kubernetes); what `batch run` asks for a tenant past its budget's soft limit. None: as the
+            cluster places them.
         watchers: for a run in this process only (the CLI's progress bar, a test): called
             as ``(shards of the job settled, shards in the job, rows scored this run)`` each
             time a shard settles (quarantined shards and those of earlier runs count as settled).
@@ -67,12 +71,13 @@ def batch_inference(
     """
     settings = BatchJobSettings.read(batch_rows)
     request = JobParameters(model=model, input_uri=input_uri, output_uri=output_uri, tenant=tenant,
-                            passthrough=passthrough, batch_rows=batch_rows, variant=variant, priority=priority)
+                            passthrough=passthrough, batch_rows=batch_rows, variant=variant, priority=priority,
+                            capacity_type=capacity_type)
     admitted = admit_job(request, sla, deadline, settings)
     job = admitted.request  # from here on the job uses the locations it was admitted with, as resolved
     plan = plan_batch_job(model, job.input_uri, job.output_uri, tenant, passthrough, settings.storage,
                           settings.batch, settings.runtime, settings.dask, variant, admitted.link_roots,
-                          settings.placement, admitted.tenant is None or admitted.tenant.custom_code)
+                          admitted.tenant is None or admitted.tenant.custom_code)
     with holding_output(plan), track_job(plan, admitted, settings) as tracker:
         plan = validate_shards(plan)
         plan = score_shards(plan, admitted, settings, watchers=[tracker, *watchers])

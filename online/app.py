@@ -7,7 +7,8 @@ by default, ``shardline.online.server``).
 ``RequestMiddleware`` (plain ASGI, no per-request task) gives every request an id
 (``X-Request-ID`` from the client, or a new one) that is echoed in the response and
 carried by every log line, notes its deadline (``X-Shardline-Timeout-Ms``, which the router
-sends: the data plane does not score a request past it), writes one JSON access-log line per
+sends: the data plane does not score a request past it) and the precision variant it names
+(``X-Shardline-Variant``, a router's fallback: every protocol's model look-up honours it), writes one JSON access-log line per
 request and counts it in the metrics by protocol, model, version, tenant and status.
 """
 
@@ -33,7 +34,7 @@ from shardline.observability import tracing
 from shardline.online.admission import asked_timeout_s
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import json_response
-from shardline.online.headers import BUDGET_HEADER, FALLBACK_HEADER, TIMEOUT_HEADER
+from shardline.online.headers import BUDGET_HEADER, FALLBACK_HEADER, TIMEOUT_HEADER, VARIANT_HEADER
 from shardline.online.logs import (
     ACCESS_LOGGER,
     CURRENT,
@@ -51,6 +52,7 @@ _REQUEST_ID = b"x-request-id"
 _BUDGET = BUDGET_HEADER.encode()
 _FALLBACK = FALLBACK_HEADER.encode()
 _TIMEOUT = TIMEOUT_HEADER.encode()
+_VARIANT = VARIANT_HEADER.encode()
 _TRACEPARENT = tracing.TRACEPARENT.encode()
 
 
@@ -66,7 +68,7 @@ class RequestMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        header = timeout = traceparent = None
+        header = timeout = traceparent = variant = None
         for key, value in scope["headers"]:
             if key == _REQUEST_ID:
                 header = value
@@ -74,8 +76,11 @@ class RequestMiddleware:
                 timeout = asked_timeout_s(value.decode("latin-1"))
             elif key == _TRACEPARENT:
                 traceparent = value
+            elif key == _VARIANT:
+                variant = value
         info = RequestInfo(request_id_from(header.decode("latin-1") if header is not None else None),
-                           deadline=None if timeout is None else time.monotonic() + timeout)
+                           deadline=None if timeout is None else time.monotonic() + timeout,
+                           variant=variant.decode("latin-1") if variant is not None else "")
         if tracing.ENABLED:
             await self._traced(scope, receive, send, info, traceparent)
             return

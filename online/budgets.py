@@ -3,7 +3,8 @@
 The online tier may not price the ledger itself (``shardline.cost`` is not among its imports): the process that
 started the server (``shardline serve``'s command) computes every budgeted tenant's state from the month's
 ledger every ``SHARDLINE_METERING_BUDGET_REFRESH_S`` and publishes it to ``<home>/metering/budgets.json``
-(``cost/budgets.py``); each server process here re-reads that file on a thread at the same interval. A request
+(``cost/budgets.py``); each server process here, and the router (``online/router/router.py``), re-reads that file
+on a thread at the same interval. A request
 then asks ``BudgetBoard.check`` (a dict look-up): ``hard`` raises ``BudgetExceeded`` (429, the figures,
 ``Retry-After`` until the month ends, at most an hour); ``warn`` and ``soft`` are returned, for the answer's
 ``X-Shardline-Budget`` header and the ``shardline_budget_requests`` metric. A state of another month (a file

@@ -39,6 +39,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 import pyarrow as pa
 
+from shardline.bundle import ModelRef
 from shardline.errors import (
     BudgetExceeded,
     DeadlineExceeded,
@@ -212,10 +213,14 @@ class DataPlane:
         self, tenant: Tenant, name: str, version: str | int | None = None, alias: str | None = None,
         variant: str | None = None,
     ) -> ServedModel:
-        """The version of a model that a request means (``ServedModels.model``); for a tenant past its budget's
-        soft limit (``admit`` marked the request), its cheaper precision variant when it has one, the answer
-        marked ``X-Shardline-Fallback: name:version#variant``."""
+        """The version of a model that a request means (``ServedModels.model``), as the variant the request names
+        (``variant``, else its ``X-Shardline-Variant``: a router's fallback) when it names one; else, for a tenant
+        past its budget's soft limit (``admit`` marked the request), its cheaper precision variant when it has
+        one, the answer marked ``X-Shardline-Fallback: name:version#variant``. Every protocol asks here (V2 and
+        ``/v1`` alike, ``model_for_reference``)."""
         info = CURRENT.get()
+        if variant is None and info is not None and info.variant:
+            variant = info.variant
         soft = variant is None and info is not None and info.budget == "soft"
         served = await self.models.model(tenant, name, version, alias, variant, cheaper=soft)
         if soft and info is not None and served.resolved.variant_name:
@@ -223,8 +228,10 @@ class DataPlane:
         return served
 
     async def model_for_reference(self, tenant: Tenant, reference: str) -> ServedModel:
-        """Like ``model`` for a reference string: ``name``, ``name@alias`` or ``name:version``."""
-        return await self.models.model_for_reference(tenant, reference)
+        """Like ``model`` for a reference string: ``name``, ``name@alias`` or ``name:version`` (``/v1``'s
+        ``model``), with the same variant and budget choice."""
+        name, alias, version = ModelRef.split(reference)
+        return await self.model(tenant, name, version=version, alias=alias)
 
     async def versions(self, tenant: Tenant, name: str) -> list[int]:
         """The registry versions of a model the tenant may call."""

@@ -35,6 +35,7 @@ class RequestInfo:
     trace_id: str = ""  # the W3C trace it belongs to (its traceparent's, or the server span's), "" when none
     budget: str = ""  # the tenant's budget state when past a threshold (warn, soft): the answer's X-Shardline-Budget
     fallback: str = ""  # name:version#variant when the server chose a cheaper variant (soft): X-Shardline-Fallback
+    variant: str = ""  # the precision variant the request names (X-Shardline-Variant: a router's fallback), "" none
 
 
 CURRENT: contextvars.ContextVar[RequestInfo | None] = contextvars.ContextVar("shardline_request", default=None)

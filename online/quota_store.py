@@ -17,6 +17,10 @@ routers doing that give a tenant N times its quota. With a quota store, every ro
   in the background, so the bucket can go below zero by the tokens in flight: a stream stops when this
   router's view of the bucket is empty, as with one router). **streams** (``max_streams``): leases as above.
 
+nginx's fast lane in front of a router holds rate and concurrency in the same Redis with these same scripts
+(``lane_store``: their text and SHA1 written into its settings; online/router/front_lane.lua); it passes LLM
+streams on to the router, which holds their tokens and streams here.
+
 **Redis unreachable** (refused, reset, or no answer within ``TIMEOUT_S``): the router does not fail the
 request. It holds 1/N of each quota in its own process (``SHARDLINE_TENANCY_QUOTA_STORE_ROUTERS`` = N,
 ``worker_share``), logs the outage once (a warning; an info line when Redis answers again), counts each
@@ -28,11 +32,13 @@ best effort (the lease expires by itself).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import uuid
 from dataclasses import replace
 from typing import Any, Callable
+from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -125,6 +131,31 @@ def key(tenant: str, quota: str) -> str:
     return f"{PREFIX}{{{tenant}}}:{quota}"  # one hash slot per tenant: its keys go to one script
 
 
+def lane_store(url: str, routers: int) -> dict[str, Any]:
+    """What nginx's fast lane (online/router/front_lane.lua) needs to hold the quotas in the same Redis with the
+    same scripts: the server (host, port, db, credentials), N, the lease TTL, how long to hold quotas locally after
+    an error, and ``ADMIT`` and ``RENEW`` with their SHA1 (the lane runs them by EVALSHA; one copy of their text).
+
+    Raises:
+        ValueError: a ``rediss://`` URL (the lane speaks plain TCP to Redis; see ``lane_reaches``).
+    """
+    if not lane_reaches(url):
+        raise ValueError(f"nginx's lane cannot reach the quota store {url} (TLS)")
+    parts = urlsplit(url)
+    path = parts.path.strip("/")
+    return {"host": parts.hostname or "127.0.0.1", "port": parts.port or 6379, "db": int(path) if path else 0,
+            "username": unquote(parts.username) if parts.username else None,
+            "password": unquote(parts.password) if parts.password else None,
+            "routers": routers, "lease_ttl_ms": int(LEASE_TTL_S * 1000), "retry": RETRY_S,
+            "admit": ADMIT, "admit_sha": hashlib.sha1(ADMIT.encode()).hexdigest(),
+            "renew": RENEW, "renew_sha": hashlib.sha1(RENEW.encode()).hexdigest()}
+
+
+def lane_reaches(url: str) -> bool:
+    """Whether nginx's lane can hold quotas in this store: plain ``redis://`` (not TLS, ``rediss://``)."""
+    return urlsplit(url).scheme == "redis"
+
+
 class QuotaStore:
     """Every tenant's quotas in one Redis, for all routers (see the module docstring)."""
 
@@ -188,8 +219,13 @@ class QuotaStore:
             return Held(self, None, None, None)
         if self._reachable():
             name = tenant.name
+            # A token of the allowance is taken before the call (other requests run while it waits) and given back
+            # if Redis does not admit the request; the tokens Redis gives are added to what the allowance holds then.
             have = self._allowance.get(name, 0)
-            want = 0 if rate is None or have > 0 else allowance(rate.requests_per_second, rate.burst)
+            mine = rate is not None and have > 0
+            if mine:
+                self._allowance[name] = have - 1
+            want = allowance(rate.requests_per_second, rate.burst) if rate is not None and not mine else 0
             if want or most is not None:
                 lease = uuid.uuid4().hex if most is not None else ""
                 leases = key(name, "inflight")
@@ -199,10 +235,14 @@ class QuotaStore:
                         int(LEASE_TTL_S * 1000)])
                 except (RedisError, OSError, asyncio.TimeoutError) as e:
                     self._lost(e)
+                    if mine:
+                        self._allowance[name] += 1
                 else:
                     self._answered()
                     status = int(status)
                     if status == -1:
+                        if mine:
+                            self._allowance[name] += 1
                         raise RateLimited(
                             f"tenant {name!r} has {int(value)} requests in flight, its max_concurrent; wait for one "
                             "to finish or ask for a larger quota", name, 1)
@@ -212,15 +252,14 @@ class QuotaStore:
                         raise RateLimited(
                             f"tenant {name!r} is over its rate of {rate.requests_per_second:g} requests/s (burst "
                             f"{rate.burst}); retry after {wait} s", name, wait)
-                    if rate is not None:
-                        self._allowance[name] = have + status - 1
+                    if want:
+                        self._allowance[name] = self._allowance.get(name, 0) + status - 1
                     if most is not None:
                         self._leases.setdefault(leases, set()).add(lease)
                         return Held(self, None, leases, lease)
                     return Held(self, None, None, None)
             else:
-                self._allowance[name] = have - 1
-                return Held(self, None, None, None)
+                return Held(self, None, None, None)  # a token of the allowance, taken above
         gate = self._local_gate(tenant)
         gate.__enter__()
         self.fallbacks.inc()

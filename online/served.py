@@ -94,13 +94,6 @@ class ServedModels:
             variant = cheaper_variant(resolved)
         return await self._served_for(resolved.variant(variant) if variant else resolved)
 
-    async def model_for_reference(self, tenant: Tenant, reference: str) -> ServedModel:
-        """Like ``model`` for a reference string: ``name``, ``name@alias`` or ``name:version``."""
-        name, alias, version = ModelRef.split(reference)
-        if tenant.reference_for(name) is None:
-            raise not_available(tenant, name)
-        return await self.model(tenant, name, version=version, alias=alias)
-
     async def versions(self, tenant: Tenant, name: str) -> list[int]:
         """The registry versions of a model the tenant may call."""
         if tenant.reference_for(name) is None:

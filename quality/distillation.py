@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from shardline.bundle import Lineage, Manifest
+from shardline.bundle import DISTILLATION_ROWS, Lineage, Manifest
 from shardline.build.distill import StudentSize, fit_student
 from shardline.build.packaging import GoldenSet, package_sklearn
 from shardline.build.profiling import profile_model
@@ -159,7 +159,7 @@ def distill(
         manifest = package_sklearn(
             estimator, folder, name=name or f"{resolved.name}-student", feature_names=names,
             lineage=Lineage(parent=resolved.pinned, training_data=data_source,
-                            metrics={"distillation_rows": float(data.num_rows)}),
+                            metrics={DISTILLATION_ROWS: float(data.num_rows)}),
             golden=GoldenSet(student_golden, evaluation.label_column, evaluation.metric, student_output,
                              evaluation.threshold, evaluation.max_variant_delta),
         )

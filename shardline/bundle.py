@@ -77,8 +77,12 @@ class Artifact(BaseModel):
         return value
 
 
+DISTILLATION_ROWS = "distillation_rows"  # the ``Lineage.metrics`` key of a distilled student: the rows it learnt from
+
+
 class Lineage(BaseModel):
-    """Where a model came from."""
+    """Where a model came from (a distilled student: ``parent`` its teacher, ``metrics`` holding
+    ``DISTILLATION_ROWS``)."""
 
     training_data: str | None = None
     training_data_digest: str | None = None

@@ -16,6 +16,9 @@ import subprocess
 from shardline.errors import InvalidSetting
 
 
+CPU_MACHINE = re.compile(r"^cpu-(?P<arch>.+)-(?P<cores>\d+)c$")  # ``machine_kind``'s name of a CPU machine
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9._]+", "-", text.lower()).strip("-") or "unknown"
 

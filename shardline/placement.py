@@ -16,13 +16,14 @@ policy, with its table of cases, is written up in ``docs/placement.md``:
   ``gpu_share_steps`` steps, assumed ``shared_latency_factor`` slower at p99).
 
 ``candidates_from_profiles`` turns the profiles that ``shardline.build.profiling`` stores
-in the registry into candidates, pricing each machine kind from a ``CostTable``.
+in the registry into candidates, pricing each machine kind with the function it is given (the price
+table's ``shardline.capacity.prices.PriceTable.per_machine_hour``: the kernel does not read the table).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -134,24 +135,7 @@ class Placement(BaseModel):
         return "mig-slice" if self.candidate.device == "mig" else "dedicated"
 
 
-class CostTable(BaseModel):
-    """Price per hour of one device, by machine kind; the longest matching prefix wins."""
-
-    per_hour: dict[str, float] = Field(description="Machine kind (or a prefix of it) -> price of one device per hour.")
-
-    def cost(self, machine: str) -> float:
-        """The price of one device of a machine kind.
-
-        Raises:
-            InvalidSetting: no entry matches the machine kind.
-        """
-        matches = [key for key in self.per_hour if machine.startswith(key)]
-        if not matches:
-            raise InvalidSetting(
-                f"no price for machine kind {machine!r} (the cost table has {sorted(self.per_hour)}); "
-                "add it, or a prefix of it, to the cost table"
-            )
-        return self.per_hour[max(matches, key=len)]
+Pricing = Callable[[str], float]  # machine kind -> price of one device per hour (``PriceTable.per_machine_hour``)
 
 
 def device_of(machine: str, device: str) -> DeviceKind:
@@ -163,12 +147,12 @@ def device_of(machine: str, device: str) -> DeviceKind:
     raise InvalidSetting(f"profile of {machine!r} ran on device {device!r}; expected 'cpu' or 'cuda'")
 
 
-def candidates_from_profiles(profiles: Mapping[str, Mapping[str, Any]], costs: CostTable) -> list[Candidate]:
+def candidates_from_profiles(profiles: Mapping[str, Mapping[str, Any]], price: Pricing) -> list[Candidate]:
     """Every (machine, variant, batch size) the stored profiles measured, priced (pure).
 
     Args:
         profiles: the registry's profiles of a version (``ModelRegistry.profiles``).
-        costs: the price of each machine kind.
+        price: the price of one device of a machine kind per hour (the price table's ``per_machine_hour``).
     """
     found = []
     for key, profile in sorted(profiles.items()):
@@ -178,7 +162,7 @@ def candidates_from_profiles(profiles: Mapping[str, Mapping[str, Any]], costs: C
             found.append(Candidate(
                 machine=machine, device=kind, variant=profile.get("variant") or "fp32",
                 batch_size=int(row["batch_size"]), p99_ms=float(row["p99_ms"]),
-                rows_per_s=float(row["rows_per_s"]), cost_per_hour=costs.cost(machine),
+                rows_per_s=float(row["rows_per_s"]), cost_per_hour=price(machine),
             ))
     return found
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from shardline.errors import InvalidSetting
+from shardline.settings.metering import CapacityType
 
 JobState = Literal["running", "completed", "quarantined", "failed"]
 
@@ -30,6 +31,7 @@ class JobParameters(BaseModel):
     batch_rows: int | None = None
     variant: str | None = None
     priority: str | None = None
+    capacity_type: CapacityType | None = None  # spot: the workers on spot capacity (a budget's soft limit); None: as set up
 
 
 class JobRecord(BaseModel):

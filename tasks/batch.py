@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from shardline.errors import CorruptShard, JobFailed
 from shardline.runtimes import RuntimeOptions
-from shardline.settings import BatchSettings, DaskSettings, PlacementSettings, RuntimeSettings, StorageSettings
+from shardline.settings import BatchSettings, DaskSettings, RuntimeSettings, StorageSettings
 from shardline.signature import schema_problems
 from shardline.storage.capture import capture_root
 from shardline.storage.job_identity import JobSummary, summarize
@@ -116,13 +116,11 @@ def plan_batch_job(
     dask: DaskSettings,
     variant: str | None = None,
     link_roots: list[str] | None = None,
-    placement: PlacementSettings | None = None,
     custom_code: bool = True,
 ) -> JobPlan:
     """Pin the model (and its variant), list the shards, and split off those a previous run settled.
 
     ``link_roots``: where links in the input may lead (the tenant's resolved prefixes); None: anywhere.
-    ``placement``: the prices ``variant='auto'`` weighs profiles with (needed only then).
     ``custom_code``: whether the tenant may run a model that carries its own Python code (the
     tenants file's ``custom_code``; True in single-tenant mode).
 
@@ -131,7 +129,7 @@ def plan_batch_job(
             refuses (:func:`_take_output`: another job holds it, it cannot be written).
     """
     survey = survey_job(model, input_uri, output_uri, tenant, passthrough, storage, batch, dask, variant,
-                        link_roots, placement, custom_code)
+                        link_roots, custom_code)
     if survey.variant_note is not None:
         run_logger().info("%s", survey.variant_note)
     resolved, this_job, key = survey.model, survey.job_id, survey.key

@@ -22,7 +22,6 @@ from shardline.settings import (
     BatchSettings,
     DaskSettings,
     MeteringSettings,
-    PlacementSettings,
     RuntimeSettings,
     StorageSettings,
     TenancySettings,
@@ -41,8 +40,10 @@ from shardline.tasks.fairness import (
     DeviceKind,
     batch_slots,
     check_gpu_quota,
+    cluster_capacity,
     device_kind,
     fair_share,
+    job_capacity,
     meter_run,
     priority_of,
 )
@@ -59,15 +60,13 @@ class BatchJobSettings:
     runtime: RuntimeSettings
     dask: DaskSettings
     tenancy: TenancySettings
-    placement: PlacementSettings
     metering: MeteringSettings = field(default_factory=MeteringSettings)
 
     @classmethod
     def read(cls, batch_rows: int | None = None) -> BatchJobSettings:
         """The settings from the environment; ``batch_rows`` (a flow parameter) overrides the batch setting."""
         batch = BatchSettings() if batch_rows is None else BatchSettings(batch_rows=batch_rows)
-        return cls(StorageSettings(), batch, RuntimeSettings(), DaskSettings(), TenancySettings(), PlacementSettings(),
-                   MeteringSettings())
+        return cls(StorageSettings(), batch, RuntimeSettings(), DaskSettings(), TenancySettings(), MeteringSettings())
 
 
 @dataclass(frozen=True)
@@ -81,12 +80,14 @@ class Admission:
     sla: Sla
     started: datetime
     link_roots: list[str] | None  # where links in the input may lead (the tenant's resolved prefixes); None: anywhere
+    capacity_type: str = "on-demand"  # what its workers run on (``job_capacity``): its ledger rows say so
 
 
 def admit(
     request: JobParameters, sla: str | None, deadline: str | None, settings: BatchJobSettings, allow_past: bool = True
 ) -> Admission:
-    """Admit a job before anything is read or written: its SLA, tenant, locations, priority and GPU quota.
+    """Admit a job before anything is read or written: its SLA, tenant, locations, priority, capacity type and
+    GPU quota.
 
     ``allow_past``: a deadline already past is kept (a resumed job's); `batch run` refuses one.
 
@@ -108,6 +109,7 @@ def admit(
         request=request.model_copy(update={"input_uri": input_uri, "output_uri": output_uri}),
         tenant=allowed, priority=priority, device=device, sla=promise, started=started,
         link_roots=resolved_prefixes(allowed, resolve) if allowed is not None else None,
+        capacity_type=job_capacity(request.capacity_type, settings.dask, settings.metering),
     )
 
 
@@ -138,7 +140,7 @@ def check_job(
     job = admitted.request
     survey = survey_job(
         job.model, job.input_uri, job.output_uri, job.tenant, job.passthrough, settings.storage, settings.batch,
-        settings.dask, job.variant, admitted.link_roots, settings.placement,
+        settings.dask, job.variant, admitted.link_roots,
         admitted.tenant is None or admitted.tenant.custom_code,
     )
     check_output_free(survey)
@@ -203,14 +205,16 @@ def score_shards(
     todo = list(plan.todo)
     with fair_share(admitted.tenant, admitted.priority, len(todo), settings.tenancy) as max_in_flight:
         scored = len(plan.new)
-        with dask_scheduler(settings.dask, plan.job_id) as address:
+        placed = cluster_capacity(admitted.request.capacity_type, settings.dask)
+        with dask_scheduler(settings.dask, plan.job_id, placed) as address:
             began = datetime.now(timezone.utc)
             plan = infer_shards(plan, address, watchers=watchers, max_in_flight=max_in_flight)
             window = (began, datetime.now(timezone.utc))
     if settings.metering.enabled:
         ledger = LedgerStore(settings.storage.home, settings.storage.storage_options)
         slots = batch_slots(settings.dask, max_in_flight, len(todo))
-        meter_run(ledger, plan, settings.metering, admitted.device, plan.new[scored:], todo, window, slots)
+        meter_run(ledger, plan, settings.metering, admitted.device, plan.new[scored:], todo, window, slots,
+                  admitted.capacity_type)
     return plan
 
 

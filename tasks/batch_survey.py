@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.errors import InvalidSetting, OutputInUse
+from shardline.errors import OutputInUse
 from shardline.machines import machine_kind
-from shardline.placement import BatchWorkload, CostTable, candidates_from_profiles, choose_placement
-from shardline.settings import BatchSettings, DaskSettings, PlacementSettings, StorageSettings
+from shardline.placement import BatchWorkload, Pricing, candidates_from_profiles, choose_placement
+from shardline.settings import BatchSettings, DaskSettings, StorageSettings
 from shardline.storage.job_identity import foreign_parts, job_id, job_key, up_to_date
 from shardline.storage.lease import OutputLease
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, split_done
@@ -59,7 +59,7 @@ def refuse_foreign(layout: OutputLayout, model: str, key: str, manifest: dict[st
 def survey_job(
     model: str, input_uri: str, output_uri: str, tenant: str, passthrough: list[str] | None,
     storage: StorageSettings, batch: BatchSettings, dask: DaskSettings, variant: str | None = None,
-    link_roots: list[str] | None = None, placement: PlacementSettings | None = None, custom_code: bool = True,
+    link_roots: list[str] | None = None, custom_code: bool = True,
 ) -> JobSurvey:
     """Every check of planning that reads and never writes: the model (alias, version, variant, custom code),
     the input's listing, the part names, and what the output holds (links out of it, another model's parts,
@@ -67,18 +67,15 @@ def survey_job(
 
     Raises:
         ModelNotFound: the model, alias, version or variant is not in the registry.
-        InvalidSetting: ``variant='auto'`` without ``placement``; the input is missing; a link leads out of
-            the input's allowed places or out of the output.
+        InvalidSetting: ``variant='auto'`` and the price table is wrong; the input is missing; a link leads out
+            of the input's allowed places or out of the output.
         EmptyInput: the input holds no shard.
         InvalidInput: two shards would write one part.
         AccessDenied: the model carries its own code and the tenant may not run it.
         OutputInUse: the output holds another model's (or passthrough's) parts.
     """
     registry = ModelRegistry.from_settings(storage)
-    if variant == "auto" and placement is None:
-        raise InvalidSetting("variant 'auto' weighs profiles by price: pass the placement settings")
-    costs = CostTable(per_hour=placement.costs_per_hour if placement is not None else {})
-    resolved, note = choose_variant(registry, registry.resolve(model), variant, dask.cluster == "local", costs)
+    resolved, note = choose_variant(registry, registry.resolve(model), variant, dask.cluster == "local")
     check_custom_code(resolved.manifest.runtime, resolved.pinned, tenant, custom_code)
     retry = RetryPolicy(batch.retry_attempts, batch.retry_base_s, max(batch.retry_cap_s, batch.retry_base_s))
     shards = call_with_retries(
@@ -119,13 +116,26 @@ def check_output_free(survey: JobSurvey) -> None:
     refuse_foreign(layout, survey.model.pinned, survey.key, None, ledger)
 
 
+def machine_prices() -> Pricing:
+    """The price of a machine kind's device-hour from the one price table (``shardline cost report``'s: the
+    file SHARDLINE_METERING_PRICES_FILE names, else ``<home>/prices.yaml``, else the example's list prices).
+
+    Raises:
+        InvalidSetting: the price table cannot be read.
+    """
+    from shardline.capacity.prices import load_prices, prices_path
+
+    return load_prices(prices_path()).per_machine_hour
+
+
 def choose_variant(
-    registry: ModelRegistry, model: ResolvedModel, variant: str | None, local: bool, costs: CostTable
+    registry: ModelRegistry, model: ResolvedModel, variant: str | None, local: bool, price: Pricing | None = None
 ) -> tuple[ResolvedModel, str | None]:
     """The model a job runs, and for 'auto' why (for the run's log): fp32 unless a variant is named.
 
     'auto' weighs the version's profiles (measured on this machine kind when the
-    cluster is local, on every kind otherwise) by rows/s per cost (``costs``) and takes the best
+    cluster is local, on every kind otherwise) by rows/s per cost (``price``; the price table's, read now,
+    when None) and takes the best
     variant. A variant changes the numbers (within the golden-set delta its gate
     allowed), so a job only runs one when asked to.
     """
@@ -135,7 +145,7 @@ def choose_variant(
         return model.variant(variant), None
     here = machine_kind()
     profiles = {k: p for k, p in registry.profiles(model.name, model.version).items() if not local or p.get("machine") == here}
-    candidates = candidates_from_profiles(profiles, costs)
+    candidates = candidates_from_profiles(profiles, price or machine_prices())
     known = [c for c in candidates if c.variant == "fp32" or c.variant in model.variants]
     if not known:
         return model, f"variant auto: {model.pinned} has no profile on {here}; running fp32"

@@ -17,13 +17,15 @@ _WARM: dict[str, str] = {}
 
 
 @contextlib.contextmanager
-def dask_scheduler(settings: DaskSettings, job_id: str | None = None) -> Iterator[str]:
+def dask_scheduler(settings: DaskSettings, job_id: str | None = None,
+                   capacity_type: str | None = None) -> Iterator[str]:
     """Yield a scheduler address: a new LocalCluster, an existing one, or the job's own dask-kubernetes cluster.
 
     A cluster this function started is closed on exit; an existing one is left alone. With
     ``SHARDLINE_DASK_CLUSTER=local``, a cluster this process keeps warm for these settings
     (``warm_cluster``) is used instead of a new one. ``SHARDLINE_DASK_CLUSTER=kubernetes`` needs the
-    ``job_id``: the cluster is named from it (``shardline.tasks.kube_cluster``).
+    ``job_id``: the cluster is named from it (``shardline.tasks.kube_cluster``), its workers on ``capacity_type``
+    nodes when given (a local or shared cluster runs where it runs: ``fairness.job_capacity``).
     """
     if settings.cluster == "address":
         if not settings.address:
@@ -33,7 +35,7 @@ def dask_scheduler(settings: DaskSettings, job_id: str | None = None) -> Iterato
         yield settings.address
         return
     if settings.cluster == "kubernetes":
-        with _kubernetes_cluster(settings, job_id) as address:
+        with _kubernetes_cluster(settings, job_id, capacity_type) as address:
             yield address
         return
     if settings.cluster == "local" and (warm := _WARM.get(settings.model_dump_json())) is not None:
@@ -132,7 +134,7 @@ def warm_cluster(settings: DaskSettings) -> Iterator[str | None]:
 
 
 @contextlib.contextmanager
-def _kubernetes_cluster(settings: DaskSettings, job_id: str | None) -> Iterator[str]:
+def _kubernetes_cluster(settings: DaskSettings, job_id: str | None, capacity_type: str | None) -> Iterator[str]:
     if not settings.kubernetes_spec or not Path(settings.kubernetes_spec).is_file():
         raise InvalidSetting(
             f"SHARDLINE_DASK_KUBERNETES_SPEC={settings.kubernetes_spec!r} is not a file; point it at "
@@ -144,7 +146,8 @@ def _kubernetes_cluster(settings: DaskSettings, job_id: str | None) -> Iterator[
 
     from shardline.tasks.kube_cluster import job_cluster
 
-    with job_cluster(settings, job_id, yaml.safe_load(Path(settings.kubernetes_spec).read_text())) as address:
+    template = yaml.safe_load(Path(settings.kubernetes_spec).read_text())
+    with job_cluster(settings, job_id, template, capacity_type) as address:
         yield address
 
 

@@ -14,10 +14,11 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from shardline.capacity.prices import load_prices, prices_path
-from shardline.cost.report import build_report, render_html, render_markdown
+from shardline.cost.report import build_report, render_html, render_markdown, teachers_in
 from shardline.settings import StorageSettings
 from shardline.storage.fs import atomic_write_bytes, join, open_fs
 from shardline.storage.ledger import LedgerStore, check_month, previous_month
+from shardline.storage.registry import ModelRegistry
 
 
 def report_month(month: str | None) -> str:
@@ -36,7 +37,8 @@ def publish_cost_report_task(storage: StorageSettings, month: str, prices: str |
     table = store.read(month)
     if table.num_rows == 0:
         return None
-    report = build_report(table.to_pylist(), load_prices(prices_path(prices)), month)
+    report = build_report(table.to_pylist(), load_prices(prices_path(prices)), month, None,
+                          teachers_in(ModelRegistry.from_settings(storage)))
     fs, base = open_fs(join(str(storage.home), "reports", "cost"), storage.storage_options)
     page = join(base, f"{month}.html")
     atomic_write_bytes(fs, page, render_html(report).encode(), join(base, "_staging"))

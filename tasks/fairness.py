@@ -2,6 +2,8 @@
 
 - Isolation: a job's input and output must lie under its tenant's storage prefixes;
   checked before anything is read or written.
+- Capacity type: a job may ask for spot (or on-demand) capacity (a tenant past its budget's soft limit runs on
+  spot); its own Kubernetes cluster gives it (``job_capacity``), a local or shared one runs where it runs.
 - GPU-hours: a job that would run on a GPU is refused when its tenant's batch GPU-hours
   of the UTC day (the metering ledger, ``storage/ledger.py``) reached ``gpu_hours_per_day``.
 - Fair share: while its shards are on the cluster a job holds one slot of its
@@ -18,6 +20,7 @@ In single-tenant mode (no tenants file) none of this applies.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -154,6 +157,21 @@ def fair_share(
             yield in_flight
 
 
+def cluster_capacity(asked: str | None, dask: DaskSettings) -> str | None:
+    """The capacity type the job's own cluster puts its workers on (``kube_cluster.on_capacity``): the one it asks
+    for, on Kubernetes (spot only where the cluster has spot nodes, ``SHARDLINE_DASK_KUBERNETES_SPOT``); None: where
+    the cluster places them (a local or shared cluster cannot move)."""
+    if asked is None or dask.cluster != "kubernetes" or (asked == "spot" and not dask.kubernetes_spot):
+        return None
+    return asked
+
+
+def job_capacity(asked: str | None, dask: DaskSettings, metering: MeteringSettings) -> str:
+    """The capacity type a job's workers run on (what its ledger rows say): the one its own cluster is put on
+    (``cluster_capacity``), else what the metering settings say this capacity is (``SHARDLINE_METERING_CAPACITY_TYPE``)."""
+    return cluster_capacity(asked, dask) or metering.capacity_type
+
+
 def batch_slots(dask: DaskSettings, max_in_flight: int | None, shards: int) -> int:
     """Device slots a job holds while its shards are scored (what the ledger's capacity row prices): the cluster's
     worker threads that this process starts (a local or a Kubernetes cluster), no more than the job's shards in
@@ -167,9 +185,10 @@ def batch_slots(dask: DaskSettings, max_in_flight: int | None, shards: int) -> i
 
 def meter_run(ledger: LedgerStore, plan: "JobPlan", metering: MeteringSettings, device: DeviceKind,
               records: list[PartRecord], shards: Sequence[ShardInfo], window: tuple[datetime, datetime],
-              slots: int) -> float:
+              slots: int, capacity_type: str | None = None) -> float:
     """Write this run's use to the metering ledger: its settled shards' rows, device-seconds (their own scoring
-    time) and bytes, and what it held (``slots`` for the scoring ``window``); returns the device-seconds."""
+    time) and bytes, and what it held (``slots`` for the scoring ``window``), on ``capacity_type`` (``job_capacity``;
+    None: the metering settings'); returns the device-seconds."""
     seconds = sum(r.seconds for r in records)
     if not records:
         return seconds
@@ -181,6 +200,8 @@ def meter_run(ledger: LedgerStore, plan: "JobPlan", metering: MeteringSettings, 
             with contextlib.suppress(OSError):
                 written += int(layout.fs.size(layout.part_path(record.relative)))
     holding = holding_of(metering, "batch", device, 1.0)
+    if capacity_type is not None:
+        holding = dataclasses.replace(holding, capacity_type=capacity_type)
     rows = sum(r.rows_out for r in records)
     measures = {"rows": rows, "device_seconds": seconds, "cpu_seconds": 0.0 if device == "gpu" else seconds,
                 "bytes_read": sum(sizes.get(r.relative, 0) for r in records), "bytes_written": written}

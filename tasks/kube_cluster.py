@@ -9,6 +9,10 @@ reads them from the cluster itself.
 Everything goes through kr8s, the client dask-kubernetes itself uses, to the same resources its operator watches.
 ``KubeCluster`` is not used: outside the cluster it port-forwards, and its ``scale()`` deletes the DaskAutoscaler.
 
+A job may ask for its capacity type (``capacity_type``: a tenant past its budget's soft limit runs on ``spot``):
+:func:`on_capacity` makes its worker group *require* nodes of that type (the template's workers only prefer spot),
+with the spot node pools' tolerations; the scheduler stays where the template puts it (never on spot).
+
 Scaling (:func:`scale_job_cluster`, what the SLA response calls) patches the default worker group's replicas, and the
 autoscaler's minimum with them, so the autoscaler does not take back what was added. It never goes below the job's
 minimum nor above its maximum, and never scales down while a worker is busy: dask-kubernetes' own autoscaler (2026.3)
@@ -35,6 +39,17 @@ JOB_LABEL = "shardline.dev/job"
 JOB_ANNOTATION = "shardline.dev/job-id"
 MIN_ANNOTATION = "shardline.dev/min-workers"
 MAX_ANNOTATION = "shardline.dev/max-workers"
+CAPACITY_ANNOTATION = "shardline.dev/capacity-type"
+# How the clouds mark a spot (or preemptible) node, as deploy/k8s/base/tenant/dask/cluster-*.yaml name them: the label
+# and its value, and whether spot node pools carry it as a NoSchedule taint too (AKS always; GKE and Karpenter when
+# configured). EKS managed node groups label only.
+SPOT_NODE_LABELS: tuple[tuple[str, str, bool], ...] = (
+    ("karpenter.sh/capacity-type", "spot", True),
+    ("eks.amazonaws.com/capacityType", "SPOT", False),
+    ("cloud.google.com/gke-spot", "true", True),
+    ("cloud.google.com/gke-preemptible", "true", False),
+    ("kubernetes.azure.com/scalesetpriority", "spot", True),
+)
 _SLUG_LEN = 24  # shardline- + 24 + -8 hex = 43 characters: room for "-scheduler" and "-default" within 63
 
 
@@ -56,14 +71,38 @@ def job_cluster_name(job_id: str) -> str:
     return name
 
 
+def on_capacity(pod_spec: dict[str, Any], capacity_type: str) -> dict[str, Any]:
+    """A copy of a worker pod spec that runs only on nodes of ``capacity_type``: ``spot`` requires a node a cloud
+    marks as spot (any one of ``SPOT_NODE_LABELS``, each with the template's own required terms, such as its GPU
+    nodes) and tolerates the spot pools' taints; ``on-demand`` requires a node none marks as spot."""
+    spec = copy.deepcopy(pod_spec)
+    required = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {}).setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = [list(t.get("matchExpressions", [])) for t in required.get("nodeSelectorTerms", [])] or [[]]
+    if capacity_type == "spot":  # terms are ORed, a term's expressions ANDed: one term per cloud's mark
+        required["nodeSelectorTerms"] = [{"matchExpressions": [*term, {"key": key, "operator": "In", "values": [value]}]}
+                                         for term in terms for key, value, _ in SPOT_NODE_LABELS]
+        tolerations = spec.setdefault("tolerations", [])
+        for key, value, tainted in SPOT_NODE_LABELS:
+            toleration = {"key": key, "operator": "Equal", "value": value, "effect": "NoSchedule"}
+            if tainted and toleration not in tolerations:
+                tolerations.append(toleration)
+    else:  # NotIn also matches a node without the label: "on no node that a cloud marks as spot"
+        required["nodeSelectorTerms"] = [{"matchExpressions": [*term, *(
+            {"key": key, "operator": "NotIn", "values": [value]} for key, value, _ in SPOT_NODE_LABELS)]}
+            for term in terms]
+    return spec
+
+
 def job_cluster_resources(
-    template: dict[str, Any], job_id: str, workers: int, max_workers: int
+    template: dict[str, Any], job_id: str, workers: int, max_workers: int, capacity_type: str | None = None
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The job's DaskCluster (a copy of ``template`` named for the job) and its DaskAutoscaler (None: fixed size).
 
     The scheduler service's selector is rewritten to the new name (it selects the scheduler pod by cluster name),
     the default worker group starts at ``workers``, and the bounds are written as annotations (``max_workers`` 0:
-    fixed at ``workers``; ``DaskSettings`` has checked that ``max_workers`` is not below ``workers``).
+    fixed at ``workers``; ``DaskSettings`` has checked that ``max_workers`` is not below ``workers``). With a
+    ``capacity_type``, the workers run only on nodes of that type (:func:`on_capacity`), said in an annotation.
 
     Raises:
         InvalidSetting: the template is not a DaskCluster.
@@ -83,6 +122,9 @@ def job_cluster_resources(
                            MAX_ANNOTATION: str(max_workers or workers)}
     spec = cluster.setdefault("spec", {})
     spec.setdefault("worker", {})["replicas"] = workers
+    if capacity_type is not None:
+        spec["worker"]["spec"] = on_capacity(spec["worker"].get("spec", {}), capacity_type)
+        meta["annotations"][CAPACITY_ANNOTATION] = capacity_type
     selector = spec.get("scheduler", {}).get("service", {}).get("selector", {})
     if "dask.org/cluster-name" in selector:
         selector["dask.org/cluster-name"] = name
@@ -166,9 +208,11 @@ def _namespace(settings: DaskSettings) -> str:
 
 
 @contextlib.contextmanager
-def job_cluster(settings: DaskSettings, job_id: str, template: dict[str, Any]) -> Iterator[str]:
-    """Create the job's DaskCluster (and DaskAutoscaler), wait until the operator says it runs, yield the
-    scheduler's in-cluster address, and delete both when the block ends (however it ends).
+def job_cluster(settings: DaskSettings, job_id: str, template: dict[str, Any],
+                capacity_type: str | None = None) -> Iterator[str]:
+    """Create the job's DaskCluster (and DaskAutoscaler), its workers on ``capacity_type`` nodes when given (None:
+    as the template places them), wait until the operator says it runs, yield the scheduler's in-cluster address,
+    and delete both when the block ends (however it ends).
 
     Raises:
         InvalidSetting: the template or the bounds are wrong.
@@ -176,7 +220,7 @@ def job_cluster(settings: DaskSettings, job_id: str, template: dict[str, Any]) -
     """
     cluster_kind, _, autoscaler_kind = _kinds()
     body, scaler_body = job_cluster_resources(template, job_id, settings.kubernetes_workers,
-                                              settings.kubernetes_max_workers)
+                                              settings.kubernetes_max_workers, capacity_type)
     namespace = _namespace(settings)
     name = body["metadata"]["name"]
     cluster = _create_or_adopt(cluster_kind, body, namespace)

@@ -49,7 +49,7 @@ from shardline.online.edge import (
     read_body,
 )
 from shardline.online.errors import shown
-from shardline.online.headers import TENANT_HEADER, VARIANT_HEADER
+from shardline.online.headers import TENANT_HEADER
 from shardline.online.logs import current
 from shardline.online.protocols.forms import v2_error_body
 from shardline.online.protocols.v2_fast import fast_rows
@@ -68,7 +68,6 @@ PROTOCOL = "v2"
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
 _TENANT_KEY = TENANT_HEADER.encode()
-VARIANT_KEY = VARIANT_HEADER.encode()
 JSON = b"application/json"
 GZIP_MIN_BYTES = 1024  # answers this large are gzipped for clients that accept it (as GZipMiddleware does)
 # 6.3 MB of JSON answer (floats, labels) measured: level 1 0.12 s -> 2.62 MB, 5 0.30 s -> 2.37 MB, 9 4.4 s -> 2.29 MB.
@@ -368,9 +367,7 @@ class InferEndpoint:
             info.tenant = tenant.name
         params = scope["path_params"]
         with plane.admit(tenant):
-            variant = headers.get(VARIANT_KEY)  # a router's fallback: the version's precision variant
-            served = await plane.model(tenant, params["name"], params.get("version"),
-                                       variant=variant.decode("latin-1") if variant else None)
+            served = await plane.model(tenant, params["name"], params.get("version"))  # + X-Shardline-Variant
             note_model(served)
             body = await read_body(receive, _text(headers, b"content-length"), _text(headers, b"content-encoding"), plane)
             header_length = _text(headers, _HEADER_LENGTH_KEY)

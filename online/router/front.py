@@ -64,13 +64,18 @@ class Front(Protocol):
 def desired_pins(router: Router) -> dict[str, str]:
     """``tenant/model`` -> ``model/versions/V`` for each model a tenant calls whose version the router would
     pin the same for every caller now: none while the router hedges or has the activator (scaled to zero);
-    for an alias, only once read and while no rollout runs on it; none for a model with a fallback variant."""
+    for an alias, only once read and while no rollout runs on it; none for a model with a fallback variant;
+    none for a tenant past its budget's soft limit (its requests go to the router, which refuses them at the hard
+    limit and sends them to the model's cheaper group at the soft one: ``Router._check_budget``)."""
     if router.settings.hedge_after_ms > 0 or router.activator is not None:
         return {}
     book = router.rollouts
     fallbacks = {model for model, _ in router.fallbacks}
+    degraded = {name for name, state in router.budgets.states.items() if state.state in ("soft", "hard")}
     pins = {}
     for tenant in router.tenants.tenants.values():
+        if tenant.name in degraded:
+            continue
         for name, ref in tenant.models.items():
             if name in fallbacks or not PLAIN_NAME.match(name):
                 continue  # a name a path would carry escaped: the router's

@@ -11,6 +11,15 @@
 -- pin's usual answer time when that is longer, to answer; past it the replica is held out like one whose
 -- connection failed and the request goes to the next replica. So a hung replica (stopped, or its loop blocked)
 -- costs a request one bound, not its deadline. A pin not answered yet (its model may be loading) is not bounded.
+--
+-- With a quota store (settings.store: SHARDLINE_TENANCY_QUOTA_STORE) the tenants' rate and concurrency are held in
+-- Redis for every router and its lane together, by the router's own scripts (online/quota_store.py's ADMIT and
+-- RENEW, their text and SHA1 in the settings; EVALSHA, EVAL when Redis does not have them): the same local
+-- allowance of rate tokens, a lease per request in flight (released from the log phase by a timer: no cosocket
+-- there; renewed every third of its TTL while the request runs). On any Redis error (refused, reset, no answer
+-- within STORE_TIMEOUTS) the lane holds 1/N of each quota in this worker (quota.share) for settings.store.retry
+-- seconds, counts each request so admitted and tells the router in GET /counts ("store" line); no request fails
+-- because of Redis.
 local ffi = require "ffi"
 local balancer = require "ngx.balancer"
 
@@ -20,7 +29,8 @@ local now = ngx.now
 local ceil, max, min = math.ceil, math.max, math.min
 local concat = table.concat
 
-ffi.cdef [[unsigned char *SHA256(const unsigned char *d, size_t n, unsigned char *md);]]
+ffi.cdef [[unsigned char *SHA256(const unsigned char *d, size_t n, unsigned char *md);
+int RAND_bytes(unsigned char *buf, int num);]]
 local crypto
 do
   local ok, lib = pcall(ffi.load, "libcrypto.so.3")
@@ -31,6 +41,8 @@ local HEX = {}
 for i = 0, 255 do HEX[i] = string.format("%02x", i) end
 
 local settings = require "front_settings"
+local store = settings.store
+local redis = store and require "nginx.redis"  -- Debian's lua-nginx-redis (lua-resty-redis)
 local S = {pins = {}, replicas = {}, order = {}, active = nil, retries_off = false, generation = 0}
 
 local known, known_n = {}, 0    -- an Authorization header -> its tenant, or false (a key's digest is a pure function)
@@ -42,6 +54,13 @@ local group_taken, group_retried = {}, {}
 local failed_until = {}         -- replica url -> until when a failed connection keeps it out
 local pin_ms = {}               -- pin -> its answers' moving average, ms (each answer weighs EWMA)
 local STALL_FACTOR, EWMA = 8, 0.1
+local STORE_TIMEOUTS = {50, 250, 250}  -- ms: connect, send, read (a pooled connection skips the connect)
+local STORE_POOL, STORE_IDLE_MS = 64, 10000
+local allowances = {}           -- tenant -> rate tokens taken from Redis and not yet spent (quota_store.allowance)
+local leases = {}               -- tenant -> {lease -> true}: this worker's leases in Redis, renewed while held
+local lease_prefix, lease_n = nil, 0
+local store_down_until, store_down = 0, false
+local store_fallbacks, store_outages = 0, 0
 
 local _M = {}
 
@@ -79,36 +98,154 @@ local function refuse(message, wait)
   return ngx.exit(ngx.HTTP_OK)
 end
 
--- The tenant's quotas (TenantGate's order and messages: concurrency, then a token of the rate); an admitted
--- request is counted in flight until its log phase. Returns whether it was admitted.
+-- The tenant's quotas in this worker (TenantGate's order and messages: concurrency, then a token of the rate):
+-- the whole quota, or with a quota store its share while Redis cannot be reached. Returns whether it admitted.
+local function admit_here(tenant, quota, held)
+  if quota.most > 0 and held >= quota.most then
+    refuse("tenant '" .. tenant .. "' has " .. held .. " requests in flight, its max_concurrent; "
+           .. "wait for one to finish or ask for a larger quota", 1)
+    return false
+  end
+  local rate = quota.rate
+  if rate > 0 then
+    local t = now()
+    local b = buckets[tenant]
+    if b == nil then
+      b = {tokens = quota.burst, at = t}
+      buckets[tenant] = b
+    elseif t > b.at then
+      b.tokens = min(quota.burst, b.tokens + (t - b.at) * rate)
+      b.at = t
+    end
+    if b.tokens < 1 then
+      local wait = max(1, ceil((1 - b.tokens) / rate))
+      refuse("tenant '" .. tenant .. "' is over its rate of " .. quota.shown .. " requests/s (burst "
+             .. settings.quotas[tenant].burst .. "); retry after " .. wait .. " s", wait)
+      return false
+    end
+    b.tokens = b.tokens - 1
+  end
+  return true
+end
+
+-- A connection to the quota store (pooled: set_keepalive once answered), or nil, err.
+local function store_connect()
+  local red, err = redis:new()
+  if not red then return nil, err end
+  red._sock:settimeouts(STORE_TIMEOUTS[1], STORE_TIMEOUTS[2], STORE_TIMEOUTS[3])
+  local ok
+  ok, err = red:connect(store.host, store.port, {pool_size = STORE_POOL})
+  if not ok then return nil, err end
+  if red:get_reused_times() == 0 then  -- a new connection: its credentials and database
+    if store.password then
+      if store.username then ok, err = red:auth(store.username, store.password)
+      else ok, err = red:auth(store.password) end
+      if not ok then red:close() return nil, err end
+    end
+    if store.db ~= 0 then
+      ok, err = red:select(store.db)
+      if not ok then red:close() return nil, err end
+    end
+  end
+  return red
+end
+
+-- One of the router's scripts (store[name], store[name .. "_sha"]) on a connection: EVALSHA, EVAL when Redis does
+-- not have it (started anew, or SCRIPT FLUSH). Returns its answer, or nil, err (the connection closed).
+local function store_script(red, name, nkeys, ...)
+  local res, err = red:evalsha(store[name .. "_sha"], nkeys, ...)
+  if not res and err and err:sub(1, 8) == "NOSCRIPT" then res, err = red:eval(store[name], nkeys, ...) end
+  if not res then
+    red:close()
+    return nil, err
+  end
+  red:set_keepalive(STORE_IDLE_MS, STORE_POOL)
+  return res
+end
+
+local function new_lease()
+  if not lease_prefix then
+    local bytes = ffi.new("unsigned char[8]")
+    if crypto.RAND_bytes(bytes, 8) ~= 1 then
+      for i = 0, 7 do bytes[i] = math.random(0, 255) end
+    end
+    local hex = {}
+    for i = 0, 7 do hex[i + 1] = HEX[bytes[i]] end
+    lease_prefix = "nginx-" .. concat(hex) .. "-"
+  end
+  lease_n = lease_n + 1
+  return lease_prefix .. lease_n
+end
+
+-- The tenant's rate and concurrency in Redis (QuotaStore.admit's steps and messages). Returns true (admitted),
+-- false (refused: answered), or nil, err (Redis did not answer: the caller holds the share here). A token of the
+-- local allowance is taken before the call (others run while it waits) and given back if the request is not
+-- admitted by Redis; tokens Redis gives are added to what the allowance holds then.
+local function admit_shared(tenant, quota)
+  local want = 0
+  local have = allowances[tenant] or 0
+  local mine = quota.rate > 0 and have > 0  -- a token of the allowance taken here
+  if mine then allowances[tenant] = have - 1 elseif quota.rate > 0 then want = quota.allowance end
+  if want == 0 and quota.most == 0 then return true end
+  local lease = quota.most > 0 and new_lease() or ""
+  local red, err = store_connect()
+  local res
+  if red then
+    res, err = store_script(red, "admit", 2, quota.keys.rate, quota.keys.inflight, quota.rate, quota.burst, want,
+                            quota.most, lease, store.lease_ttl_ms)
+  end
+  local status, value = res and tonumber(res[1]), res and tonumber(res[2])
+  if not res or status == -1 then
+    if mine then allowances[tenant] = (allowances[tenant] or 0) + 1 end
+    if not res then return nil, err end
+    refuse("tenant '" .. tenant .. "' has " .. value .. " requests in flight, its max_concurrent; "
+           .. "wait for one to finish or ask for a larger quota", 1)
+    return false
+  elseif status == -2 then
+    local wait = max(1, ceil(value))
+    refuse("tenant '" .. tenant .. "' is over its rate of " .. quota.shown .. " requests/s (burst "
+           .. quota.burst .. "); retry after " .. wait .. " s", wait)
+    return false
+  end
+  if want > 0 then allowances[tenant] = (allowances[tenant] or 0) + status - 1 end
+  if lease ~= "" then
+    local held = leases[tenant]
+    if not held then
+      held = {}
+      leases[tenant] = held
+    end
+    held[lease] = true
+    var.sl_lease = lease
+  end
+  return true
+end
+
+-- The tenant's quotas: in Redis with a quota store (its share here while Redis cannot be reached), else this
+-- worker's; an admitted request is counted in flight until its log phase. Returns whether it was admitted.
 local function admit(tenant)
   local quota = settings.quotas[tenant]
   local held = busy[tenant] or 0
   if quota then
-    if quota.most > 0 and held >= quota.most then
-      refuse("tenant '" .. tenant .. "' has " .. held .. " requests in flight, its max_concurrent; "
-             .. "wait for one to finish or ask for a larger quota", 1)
-      return false
-    end
-    local rate = quota.rate
-    if rate > 0 then
-      local t = now()
-      local b = buckets[tenant]
-      if b == nil then
-        b = {tokens = quota.burst, at = t}
-        buckets[tenant] = b
-      elseif t > b.at then
-        b.tokens = min(quota.burst, b.tokens + (t - b.at) * rate)
-        b.at = t
+    local admitted, err
+    if store and now() >= store_down_until then
+      admitted, err = admit_shared(tenant, quota)
+      if admitted == nil then
+        if not store_down then
+          store_down, store_outages = true, store_outages + 1
+          ngx.log(ngx.WARN, "shardline: quota store ", store.host, ":", store.port, " unreachable (", err,
+                  "): this lane holds 1/", store.routers, " of every quota until it answers")
+        end
+        store_down_until = now() + store.retry
+      elseif store_down then
+        store_down = false
+        ngx.log(ngx.NOTICE, "shardline: quota store ", store.host, ":", store.port, " answers again")
       end
-      if b.tokens < 1 then
-        local wait = max(1, ceil((1 - b.tokens) / rate))
-        refuse("tenant '" .. tenant .. "' is over its rate of " .. quota.shown .. " requests/s (burst "
-               .. quota.burst .. "); retry after " .. wait .. " s", wait)
-        return false
-      end
-      b.tokens = b.tokens - 1
     end
+    if admitted == nil then
+      admitted = admit_here(tenant, store and quota.share or quota, held)
+      if admitted and store then store_fallbacks = store_fallbacks + 1 end
+    end
+    if not admitted then return false end
   end
   busy[tenant] = held + 1
   var.sl_tenant = tenant
@@ -234,9 +371,62 @@ function _M.balance()
   end
 end
 
+-- Leases given back to Redis by a timer (the log phase has no cosockets): those the requests that ended meanwhile
+-- gave back, one ZREM per tenant; best effort, a lease Redis does not hear about expires by itself.
+local releasing, release_due = {}, false  -- lease set key -> its leases to give back; whether a timer is due
+
+local function release(premature)
+  local due = releasing
+  releasing, release_due = {}, false
+  if now() < store_down_until then return end
+  for key, ids in pairs(due) do
+    for i = 1, #ids, 1000 do
+      local red = store_connect()
+      if not red then return end
+      if red:zrem(key, unpack(ids, i, min(#ids, i + 999))) then red:set_keepalive(STORE_IDLE_MS, STORE_POOL)
+      else red:close() end
+    end
+  end
+end
+
+-- Every third of the lease TTL: the leases of the requests this worker still holds, renewed (RENEW).
+local function renew(premature)
+  if premature then return end
+  local due = {}  -- {lease set key, its leases}, listed before the first call yields (requests go on meanwhile)
+  for tenant, held in pairs(leases) do
+    local ids = {}
+    for lease in pairs(held) do ids[#ids + 1] = lease end
+    if #ids == 0 then leases[tenant] = nil else due[#due + 1] = {settings.quotas[tenant].keys.inflight, ids} end
+  end
+  for _, set in ipairs(due) do
+    local key, ids = set[1], set[2]
+    for i = 1, #ids, 1000 do  -- again next round when Redis does not answer; the requests go on regardless
+      local red = store_connect()
+      if not red or not store_script(red, "renew", 1, key, store.lease_ttl_ms, unpack(ids, i, min(#ids, i + 999)))
+      then return end
+    end
+  end
+end
+
+-- The worker's start (init_worker_by_lua): with a quota store, the leases' renewal.
+function _M.start()
+  if store then ngx.timer.every(store.lease_ttl_ms / 3000, renew) end
+end
+
 function _M.done()
   local tenant = var.sl_tenant
-  if tenant ~= "" then busy[tenant] = (busy[tenant] or 1) - 1 end
+  if tenant ~= "" then
+    busy[tenant] = (busy[tenant] or 1) - 1
+    local lease = var.sl_lease
+    if lease ~= "" then
+      local held = leases[tenant]
+      if held then held[lease] = nil end
+      local key = settings.quotas[tenant].keys.inflight
+      local ids = releasing[key]
+      if ids then ids[#ids + 1] = lease else releasing[key] = {lease} end
+      if not release_due then release_due = ngx.timer.at(0, release) and true or false end
+    end
+  end
   local pin = var.sl_pin
   if pin ~= "" then
     pin_busy[pin] = (pin_busy[pin] or 1) - 1
@@ -284,6 +474,9 @@ function _M.control()
     end
     for group, n in pairs(group_taken) do
       lines[#lines + 1] = "group " .. group .. " " .. n .. " " .. (group_retried[group] or 0)
+    end
+    if store then  -- requests admitted on this lane's share while Redis was unreachable, outages, Redis up now
+      lines[#lines + 1] = "store " .. store_fallbacks .. " " .. store_outages .. " " .. (store_down and 0 or 1)
     end
     return ngx.say(concat(lines, "\n"))
   end

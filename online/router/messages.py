@@ -33,6 +33,7 @@ class Incoming:
     query: bytes
     headers: list[tuple[bytes, bytes]]
     body: bytes = b""
+    budget: str = ""  # the tenant's budget state when past a threshold (warn, soft), as the router read it
 
     def header(self, name: bytes) -> str | None:
         """The first value of a header (``name`` lower-case)."""

@@ -8,6 +8,8 @@ Per request, counted as it is answered:
 - ``shardline_router_request_seconds{model}``: the router's whole time for it, retries included;
 - ``shardline_router_retries_total{model}``: tries on another replica;
 - ``shardline_router_fallbacks_total{model, variant}``: answers a model's fallback variant gave;
+- ``shardline_router_budget_requests_total{tenant, state}``: requests of tenants past a threshold of their monthly
+  budget (docs/cost.md, "Budgets"): warn and soft (sent on, marked; soft to the model's cheaper group), hard (429);
 - ``shardline_router_hedges_total{winner}``: hedged requests (a second copy sent), by whose answer was used;
 - ``shardline_router_ejections_total{group, replica}``: replicas ejected for latency;
 - ``shardline_router_hung_total{group, replica}``: replicas taken out because a stalled try's health probe went
@@ -72,6 +74,9 @@ class RouterMetrics:
                               ["model", "agree"], registry=self.registry)
         self.fallbacks = Counter("shardline_router_fallbacks_total", "Answers a model's fallback variant gave",
                                  ["model", "variant"], registry=self.registry)
+        self.budget_requests = Counter("shardline_router_budget_requests_total", "Requests of tenants past a "
+                                       "threshold of their monthly budget, by state: warn, soft (sent on, marked), "
+                                       "hard (refused, 429)", ["tenant", "state"], registry=self.registry)
         self.hedges = Counter("shardline_router_hedges_total", "Second copies sent after the hedge delay, by which "
                               "copy's answer was used", ["winner"], registry=self.registry)
         self.ejections = Counter("shardline_router_ejections_total", "Replicas ejected for latency", ["group", "replica"],

@@ -10,7 +10,8 @@ runs ``front_lane.lua``:
 - **every request**: the ``Bearer`` key's sha256 looked up among the tenants file's digests (each header's
   tenant remembered in the worker: the digest is a pure function of the key), the tenant's ``max_concurrent``
   and token bucket held (``admission.TokenBucket``'s refill, ``TenantGate``'s messages; 429 in the V2 or OpenAI
-  form by the path), and the admitted tenant named to the router (``GATED_HEADER``); a client's copies of the
+  form by the path; with a quota store, in Redis by ``quota_store``'s scripts, 1/N here while it is unreachable),
+  and the admitted tenant named to the router (``GATED_HEADER``); a client's copies of the
   router's headers are dropped;
 - **the fast lane**: ``POST /v2/models/{name}/infer`` of a pinned tenant/model (``desired_pins``), without a
   deadline or a route key, with a ``Content-Length`` body of at most ``FAST_BODY_BYTES`` (buffered, so a failed
@@ -48,7 +49,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from shardline.errors import ChildNotReady, InvalidSetting
+from shardline.online.admission import worker_share
 from shardline.online.headers import GATED_HEADER, TENANT_HEADER, VARIANT_HEADER
+from shardline.online.quota_store import allowance, lane_store
+from shardline.online.quota_store import key as quota_key
 from shardline.online.router.front import ERRORS, FAST_BODY_BYTES, desired_pins
 from shardline.online.router.placement import rank
 from shardline.online.tenants import TenantDirectory
@@ -64,6 +68,7 @@ START_TIMEOUT_S = 10.0  # for nginx to make its control socket
 MODULES = Path("/usr/lib/nginx/modules")
 LUA_MODULES = ("ndk_http_module.so", "ngx_http_lua_module.so")
 RESTY_CORE = Path("/usr/share/lua/5.1/resty/core.lua")  # lua-resty-core, which the Lua module needs
+REDIS_CLIENT = Path("/usr/share/lua/5.1/nginx/redis.lua")  # lua-nginx-redis: the lane's quotas in a quota store
 # The configuration's files in nginx's folder, by the template (package data beside this module) each is made of.
 CONFIG_FILES = {"nginx.conf": "nginx_front.conf", "fast.conf": "nginx_front_fast.conf",
                 "router.conf": "nginx_front_router.conf"}
@@ -116,6 +121,8 @@ class NginxLayout:
     max_timeout_s: float
     hold_s: float  # how long a replica whose connection failed (or whose try stalled) is kept out of the fast lane
     stall_s: float = 0.0  # a try's bound (all but the last), at least: ``RouterSettings.stall_ms``
+    quota_store: str | None = None  # SHARDLINE_TENANCY_QUOTA_STORE: the lane holds the quotas there (Redis)
+    quota_routers: int = 1  # SHARDLINE_TENANCY_QUOTA_STORE_ROUTERS: the lane's share while Redis is unreachable
 
     @property
     def router_socket(self) -> Path:
@@ -151,20 +158,33 @@ def lua_literal(value: Any) -> str:
 
 
 def lua_settings(layout: NginxLayout, tenants: TenantDirectory) -> str:
-    """front_settings.lua: the tenants' key digests and quotas, and the lane's settings (fixed for nginx's life)."""
+    """front_settings.lua: the tenants' key digests and quotas, and the lane's settings (fixed for nginx's life).
+
+    With a quota store (``layout.quota_store``) also the store (``quota_store.lane_store``: its server and the
+    scripts) and, for each tenant, its keys there, its local allowance (``quota_store.allowance``) and its share of
+    each quota while Redis cannot be reached (``TenantGate``'s 1/N: ``worker_share``)."""
+    store, routers = layout.quota_store, layout.quota_routers
     quotas = {}
     for tenant in tenants.tenants.values():
         rate = tenant.rate
         if rate is None and tenant.max_concurrent is None:
             continue
-        quotas[tenant.name] = {"rate": float(rate.requests_per_second) if rate else 0.0,
-                               "burst": rate.burst if rate else 0, "most": tenant.max_concurrent or 0,
-                               "shown": f"{rate.requests_per_second if rate else 0:g}"}
+        quota: dict[str, Any] = {"rate": float(rate.requests_per_second) if rate else 0.0,
+                                 "burst": rate.burst if rate else 0, "most": tenant.max_concurrent or 0,
+                                 "shown": f"{rate.requests_per_second if rate else 0:g}"}
+        if store is not None:
+            quota["share"] = {"rate": quota["rate"] / routers, "shown": quota["shown"],
+                              "burst": worker_share(rate.burst, routers) if rate else 0,
+                              "most": worker_share(tenant.max_concurrent, routers) if tenant.max_concurrent else 0}
+            quota["keys"] = {"rate": quota_key(tenant.name, "rate"), "inflight": quota_key(tenant.name, "inflight")}
+            quota["allowance"] = allowance(rate.requests_per_second, rate.burst) if rate else 0
+        quotas[tenant.name] = quota
     return "return " + lua_literal({
         "tenants": dict(tenants.digests()), "quotas": quotas, "retries": layout.retries,
         "balance": layout.balance, "fast_body": FAST_BODY_BYTES, "hold": layout.hold_s,
         "stall": layout.stall_s, "request_timeout": layout.request_timeout_s,
-        "router": f"unix:{layout.router_socket}"}) + "\n"
+        "router": f"unix:{layout.router_socket}",
+        "store": None if store is None else lane_store(store, routers)}) + "\n"
 
 
 def _v2_error(message: str) -> str:
@@ -199,7 +219,7 @@ def render_config(layout: NginxLayout) -> dict[str, str]:
         "tenant_header": TENANT_HEADER, "gated_header": GATED_HEADER, "variant_header": VARIANT_HEADER,
         "error_pages": "\n".join(f"        error_page {code} @e{code};" for code in ERRORS),
         "error_locations": "\n".join(
-            f"        location @e{code} {{ default_type application/json; "
+            f"        location @e{code} {{ default_type application/json; log_by_lua_block {{ lane.done() }} "
             + ("add_header Retry-After 1 always; " if retry else "") + f"return {code} {_v2_error(message)}; }}"
             for code, (message, retry) in ERRORS.items()),
     }
@@ -247,6 +267,7 @@ class NginxFront:
         self._totals: dict[str, tuple[int, int]] = {}  # group -> the lane's (requests, retries), as last read
         self._pins: dict[str, str] = {}  # as last logged
         self._budget_off = False  # as last logged
+        self._store = (0, 0, True)  # the lane's quota store counts as last read: fallbacks, outages, Redis up
 
     @property
     def folder(self) -> Path:
@@ -276,6 +297,7 @@ class NginxFront:
         self.write_files()
         self._pushed = _Pushed(generation=self._pushed.generation)
         self._totals = {}  # a new nginx counts from zero
+        self._store = (0, 0, True)
         folder, fd, ready = self.layout.folder, self.layout.listen_fd, self.layout.control_socket
         ready.unlink(missing_ok=True)  # a dead one's: the new one's tells it is up
         # Its own session: a terminal's Ctrl-C reaches the router, which stops it gracefully.
@@ -369,13 +391,14 @@ class NginxFront:
             name, _, version = pin.partition("/versions/")
             order[pin] = [url for group in groups for url in rank(f"{name}:{version}", members[group])]
         return lua_literal({"pins": pins, "replicas": replicas, "order": order, "active": active,
-                            "retries_off": not router.budget.has_room(now)})
+                            "retries_off": not router.retry_budget.has_room(now)})
 
     async def _read_counts(self, router: Router) -> int:
         """The lane's requests in flight and taken by pinned version (name:version), in flight by replica, into the
         router's metrics (``front_*``); each group's requests and retries since the last read into its retry budget.
         Returns the worker's state generation."""
         generation = -1
+        store: tuple[int, int, bool] | None = None
         in_flight, requests, replicas = {}, {}, {}
         taken: dict[str, tuple[int, int]] = {}
         for line in (await self.control("GET", "/counts")).splitlines():
@@ -390,19 +413,41 @@ class NginxFront:
                 replicas[cells[0]] = int(cells[1])
             elif kind == "group" and len(cells) == 3:
                 taken[cells[0]] = (int(cells[1]), int(cells[2]))
+            elif kind == "store" and len(cells) == 3:  # fallbacks, outages, Redis up (1/0)
+                store = (int(cells[0]), int(cells[1]), cells[2] == "1")
         metrics = router.metrics
         metrics.front_in_flight, metrics.front_requests, metrics.front_replicas = in_flight, requests, replicas
         now = time.monotonic()
         if generation != self._pushed.generation:
             self._totals = {}  # a worker nginx started anew counts from zero
+            self._store = (0, 0, True)
+        if store is not None:
+            self._store_counts(router, store)
         for group, (requested, retried) in taken.items():
             before_taken, before_retried = self._totals.get(group, (0, 0))
-            router.budget.record(now, max(0, requested - before_taken), max(0, retried - before_retried))
+            router.retry_budget.record(now, max(0, requested - before_taken), max(0, retried - before_retried))
             self._totals[group] = (requested, retried)
         metrics.front_retries = {group: retried for group, (_, retried) in self._totals.items()}
-        budget_off = not router.budget.has_room(now)
+        budget_off = not router.retry_budget.has_room(now)
         if budget_off != self._budget_off:
             self._budget_off = budget_off
             log.warning("fast lane: out of the retry budget, answers are passed on unretried" if budget_off else
                         "fast lane: within the retry budget again, answers are retried")
         return generation
+
+    def _store_counts(self, router: Router, store: tuple[int, int, bool]) -> None:
+        """The lane's requests admitted on its share while Redis was unreachable, into the router's
+        ``shardline_router_quota_store_fallbacks_total``; each outage the lane saw logged once (a warning), and Redis
+        answering again (info)."""
+        fallbacks, outages, up = store
+        before_fallbacks, before_outages, was_up = self._store
+        if router.quotas is not None and fallbacks > before_fallbacks:
+            router.quotas.fallbacks.inc(fallbacks - before_fallbacks)
+        if outages > before_outages:
+            log.warning("quota store %s unreachable from nginx's lane: it holds 1/%d of every quota until Redis "
+                        "answers", self.layout.quota_store, self.layout.quota_routers)
+        if up and (not was_up or outages > before_outages):
+            log.info("quota store %s answers nginx's lane again: quotas are shared again", self.layout.quota_store)
+        if router.quotas is not None and (outages > before_outages or up != was_up):
+            router.quotas.up.set(1 if up else 0)
+        self._store = (fallbacks, outages, up)

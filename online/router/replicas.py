@@ -146,12 +146,13 @@ class ReplicaSet:
         """The group taking traffic now (None: no replica is available)."""
         return self._update_groups(self._clock())
 
-    def order(self, key: str) -> list[Replica]:
+    def order(self, key: str, prefer: str | None = None) -> list[Replica]:
         """The available replicas to try for ``key``: the active group's in the key's order, then the
-        other groups' (by priority, each in the key's order)."""
+        other groups' (by priority, each in the key's order); with ``prefer``, that group's first (a model's
+        cheaper group, for a tenant past its budget's soft limit)."""
         now = self._clock()
         active = self._update_groups(now)
-        groups = sorted(self._groups, key=lambda g: g.name != active)  # stable: the rest stay by priority
+        groups = sorted(self._groups, key=lambda g: (g.name != prefer, g.name != active))  # stable: the rest by priority
         found: list[Replica] = []
         for g in groups:
             for url in self._ranked(key, g):

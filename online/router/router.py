@@ -1,4 +1,5 @@
-"""The router's request path: authenticate, hold the tenant's quotas, pin the version (a rollout's
+"""The router's request path: authenticate, ask the tenant's budget (hard: 429; soft: the model's cheaper group,
+``router.yaml``'s ``fallbacks:``), hold the tenant's quotas, pin the version (a rollout's
 pick for the caller, ``rollouts``), pick a replica (held by the activator while one starts from
 zero, ``scaling``), forward (hedged when set), retry elsewhere within the budget and the deadline,
 and mirror a shadow copy in the background.
@@ -34,6 +35,7 @@ import orjson
 from shardline.agreement import compare
 from shardline.bundle import ModelRef
 from shardline.errors import (
+    BudgetExceeded,
     DeadlineExceeded,
     InvalidInput,
     ReplicasUnavailable,
@@ -41,9 +43,11 @@ from shardline.errors import (
 )
 from shardline.online.admission import TenantGate
 from shardline.online.bodies import decode_body
+from shardline.online.budgets import BudgetBoard
 from shardline.online.errors import error_status, shown
 from shardline.online.generation import LlmGate
 from shardline.online.headers import (
+    BUDGET_HEADER,
     FALLBACK_HEADER,
     GATED_HEADER,
     REQUEST_ID_HEADER,
@@ -89,7 +93,7 @@ _NOT_ANSWERED = _HOP | {b"date", b"server"}  # the router's server writes its ow
 _SET_HERE = frozenset({b"authorization", TENANT_HEADER.encode(), TIMEOUT_HEADER.encode(), VARIANT_HEADER.encode(),
                        REQUEST_ID_HEADER.encode(), GATED_HEADER.encode()})
 _NOT_SENT = _HOP | _SET_HERE
-_TENANT, _VARIANT = TENANT_HEADER.encode(), VARIANT_HEADER.encode()
+_TENANT, _VARIANT, _BUDGET = TENANT_HEADER.encode(), VARIANT_HEADER.encode(), BUDGET_HEADER.encode()
 _ROUTE_KEY, _TIMEOUT, _GATED = ROUTE_KEY_HEADER.encode(), TIMEOUT_HEADER.encode(), GATED_HEADER.encode()
 _MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/infer|/ready)?/?$")
 MAX_REMEMBERED = 65_536  # (replica, version) pairs known to have answered (past it, none counts as first)
@@ -121,7 +125,7 @@ class Router:
         self._draw = draw
         self._gates: dict[str, TenantGate] = {}
         self._llm_gates: dict[str, LlmGate] = {}  # tenants' generations in flight and token quotas
-        self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_min_per_s)
+        self.retry_budget = RetryBudget(settings.retry_budget_ratio, settings.retry_min_per_s)
         self._pools: dict[str, UpstreamPool] = {}
         self.metrics = RouterMetrics(replicas, clock, settings.target_in_flight)
         self.rollouts = rollouts
@@ -133,10 +137,12 @@ class Router:
         self.fallbacks: dict[tuple[str, str], str] = {}  # (model name, group) -> the variant that group answers with
         self.behind_edge = False  # nginx in front: it holds the rate and concurrency quotas it marks
         self.quotas: QuotaStore | None = None  # set: every router holds the tenants' quotas in one Redis
+        self.budgets = BudgetBoard(None, 60.0)  # the tenants' budget states (docs/cost.md); none: no tenant past one
 
     async def start(self) -> None:
-        """Ready the connection pools (connections open on first use)."""
+        """Ready the connection pools (connections open on first use); read the budget states (then on a thread)."""
         self._pools = {}
+        self.budgets.start()
 
     async def stop(self) -> None:
         """Let the shadow copies in flight finish (a few seconds at most), then close the pools' idle connections."""
@@ -145,6 +151,7 @@ class Router:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        self.budgets.stop()
         if self.quotas is not None:
             await self.quotas.close()
 
@@ -162,9 +169,12 @@ class Router:
         request_id = request.header(REQUEST_ID) or new_request_id()
         openai = request.path.startswith("/v1/")
         try:
-            return await self._route(request, request_id)
+            answer = await self._route(request, request_id)
         except ShardlineError as e:
             return error_answer(e, openai, request_id)
+        if request.budget and not any(k == _BUDGET for k, _ in answer.headers):  # a replica may have said it
+            answer.headers.append((_BUDGET, request.budget.encode()))
+        return answer
 
     async def _route(self, request: Incoming, request_id: str) -> Answer:
         path = request.path
@@ -186,6 +196,8 @@ class Router:
             name, version, tail = matched.group(1), matched.group(2), matched.group(3)
             if tenant.reference_for(name) is None:
                 raise not_available(tenant, name)
+            if tail == "/infer":
+                self._check_budget(tenant, request)
             route = mirror = None
             if tail == "/infer" and version is None:  # pin the version here, so every replica serves the same one
                 route = await self._version_for(tenant, request, tenant.models[name])
@@ -196,6 +208,7 @@ class Router:
             key = f"{name}:{version}" if version else str(tenant.models[name])
             return await self._admitted(tenant, request, path, request.body, key, request_id, route, mirror)
         if path in _BODY_MODEL_PATHS and request.method == "POST":
+            self._check_budget(tenant, request)
             pinned = await self._pin_body_model(tenant, request)
             route = pinned.route
             model = pinned.key.split("|", 1)[0]
@@ -206,6 +219,28 @@ class Router:
         if path.startswith(("/v2", "/v1/")):
             return await self._admitted(tenant, request, path, request.body, path, request_id)
         return json_answer(404, {"error": f"no route {shown(path)}; the router serves /v2 and /v1 as `shardline serve` does"})
+
+    def _check_budget(self, tenant: Tenant, request: Incoming) -> None:
+        """The tenant's budget, as the states published for both tiers say (``online/budgets.py``, read on a
+        thread): warn and soft are noted on the request (its answer says so; soft goes to the model's cheaper
+        group, ``forward``).
+
+        Raises:
+            BudgetExceeded: the tenant is at its hard limit (429 with the figures, Retry-After to the month's end).
+        """
+        try:
+            state = self.budgets.check(tenant.name)
+        except BudgetExceeded:
+            self.metrics.budget_requests.labels(tenant.name, "hard").inc()
+            raise
+        if state is not None:
+            self.metrics.budget_requests.labels(tenant.name, state.state).inc()
+            request.budget = state.state
+
+    def _cheaper_group(self, model: str) -> str | None:
+        """The group ``router.yaml``'s ``fallbacks:`` names for the model (``name:version``), None without one."""
+        name = model.split(":", 1)[0]
+        return next((group for (fallback, group) in self.fallbacks if fallback == name), None)
 
     def _edge_tenant(self, request: Incoming) -> Tenant | None:
         """Behind nginx: the tenant of a fast-lane request it could not place (no replica left to try),
@@ -410,7 +445,7 @@ class Router:
             (REQUEST_ID, request_id.encode("latin-1"))])  # as it came: header values are Latin-1
         target = path + ("?" + request.query.decode("latin-1") if request.query else "")
         if retry:
-            self.budget.request(now)
+            self.retry_budget.request(now)
         tried: set[str] = set()
         last: Answer | None = None
         attempt = 0
@@ -421,11 +456,12 @@ class Router:
             stream=stream)
         if self.fallbacks:
             send = functools.partial(self._fallback_send, send, model)
+        prefer = self._cheaper_group(model) if request.budget == "soft" else None  # past a budget's soft limit
         while True:
-            replica = self._pick(key, tried)
+            replica = self._pick(key, tried, prefer)
             if replica is None and not tried and self.activator is not None:
                 while replica is None and await self.activator.wait(model, deadline.left(self._clock())):
-                    replica = self._pick(key, tried)
+                    replica = self._pick(key, tried, prefer)
             if replica is None:
                 break
             tried.add(replica.url)
@@ -433,7 +469,7 @@ class Router:
                 tries.count += 1
             sent = self._clock()
             if hedge > 0:
-                answer, replica = await self._hedged(send, replica, key, tried, tries, hedge)
+                answer, replica = await self._hedged(send, replica, key, tried, tries, hedge, prefer)
             else:
                 answer = await send(replica)
             if answer is not None and answer.status not in RETRY_STATUSES:
@@ -455,7 +491,7 @@ class Router:
                 break
             if answer is None and replica.hung_at >= sent:
                 continue  # its replica hung: the try was given up, not failed; the request moves on at once
-            if not self.budget.try_retry(now):
+            if not self.retry_budget.try_retry(now):
                 break
             await asyncio.sleep(min(backoff_s(attempt, self._draw()), max(0.0, deadline.left(now))))
         if last is not None:
@@ -480,10 +516,10 @@ class Router:
                     "check passes, %d waiting requests moved to other replicas", replica.url, len(waiting))
         return len(waiting)
 
-    def _pick(self, key: str, tried: set[str]) -> Replica | None:
+    def _pick(self, key: str, tried: set[str], prefer: str | None = None) -> Replica | None:
         now = self._clock()
         while True:
-            order = self.replicas.order(key)
+            order = self.replicas.order(key, prefer)
             url = choose([r.url for r in order], {r.url: r.in_flight for r in order}, self.settings.balance, tried)
             if url is None:
                 return None
@@ -496,15 +532,16 @@ class Router:
             tried.add(url)  # half-open with its probes out: the next one
 
     async def _hedged(self, send: Callable[[Replica], Awaitable[Answer | None]], replica: Replica, key: str,
-                      tried: set[str], tries: Tries | None, after_s: float) -> tuple[Answer | None, Replica]:
+                      tried: set[str], tries: Tries | None, after_s: float,
+                      prefer: str | None = None) -> tuple[Answer | None, Replica]:
         """Send to ``replica``; if it has not answered after ``after_s``, send a copy to the next replica too
         (within the retry budget): the first good answer wins and the other copy is cancelled."""
         first = asyncio.ensure_future(send(replica))
         done, _ = await asyncio.wait({first}, timeout=after_s)
         if done:
             return first.result(), replica
-        other = self._pick(key, tried)
-        if other is None or not self.budget.try_retry(self._clock()):
+        other = self._pick(key, tried, prefer)
+        if other is None or not self.retry_budget.try_retry(self._clock()):
             return await first, replica
         tried.add(other.url)
         if tries is not None:

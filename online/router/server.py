@@ -24,21 +24,29 @@ from pathlib import Path
 from typing import Any
 
 from shardline.errors import InvalidSetting
+from shardline.online.budgets import BudgetBoard
 from shardline.online.logs import log_config
 from shardline.online.models import ModelDirectory
-from shardline.online.quota_store import QuotaStore
+from shardline.online.quota_store import QuotaStore, lane_reaches
 from shardline.online.router.config import RouterConfig, load_router_config, local_config
 from shardline.online.router.events import RouterEvents
 from shardline.online.router.health import BreakerPolicy
 from shardline.online.router.local import LocalReplicas
-from shardline.online.router.nginx_front import NginxFront, NginxLayout, choose_front, listen_address
+from shardline.online.router.nginx_front import (
+    REDIS_CLIENT,
+    NginxFront,
+    NginxLayout,
+    choose_front,
+    listen_address,
+)
 from shardline.online.router.replicas import ReplicaSet
 from shardline.online.router.rollouts import RolloutBook
 from shardline.online.router.router import Router
 from shardline.online.router.scaling import Activator, ScalePolicy, Scaler
 from shardline.online.router.service import RouterService, router_app
 from shardline.online.tenants import load_tenants
-from shardline.settings import OnlineSettings, RouterSettings, StorageSettings, TenancySettings
+from shardline.settings import MeteringSettings, OnlineSettings, RouterSettings, StorageSettings, TenancySettings
+from shardline.storage.ledger import LedgerStore
 from shardline.storage.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -92,6 +100,7 @@ def build_service(settings: RouterSettings, storage: StorageSettings, tenancy: T
     activator = Activator(settings.activator_queue) if scaler is not None and settings.min_replicas == 0 else None
     router = Router(settings, tenants, directory, replicas, key, rollouts=book, activator=activator)
     router.fallbacks = {(f.model, f.group): f.variant for f in config.fallbacks}
+    router.budgets = BudgetBoard(LedgerStore(storage.home, storage.storage_options), MeteringSettings().budget_refresh_s)
     if tenancy.quota_store:
         router.quotas = QuotaStore(tenancy.quota_store, tenancy.quota_store_routers, time.monotonic,
                                    router.metrics.registry)
@@ -114,15 +123,34 @@ def _listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def _nginx_layout(settings: RouterSettings, key: str, listener: socket.socket) -> NginxLayout:
+def _front_with_store(plane: str, store: str) -> str | None:
+    """nginx (``plane``) when its lane can hold the quotas in the store too (Redis's Lua client installed, a plain
+    ``redis://`` URL); else None, logged: every request passes the router's shared quotas."""
+    if not lane_reaches(store):
+        log.info("quotas in %s: nginx's fast lane is not started (its Lua speaks plain TCP to Redis, not TLS); every "
+                 "request passes the router's shared quotas", store)
+        return None
+    if not REDIS_CLIENT.exists():
+        log.warning("quotas in %s: nginx's fast lane is not started (Redis's Lua client is not installed: apt-get "
+                    "install lua-nginx-redis); every request passes the router's shared quotas", store)
+        return None
+    log.info("quotas in %s: nginx's fast lane is on and holds the rate and concurrency quotas there with every "
+             "router", store)
+    return plane
+
+
+def _nginx_layout(settings: RouterSettings, tenancy: TenancySettings, key: str,
+                  listener: socket.socket) -> NginxLayout:
     """nginx's layout: the router's failure settings; a replica whose connection failed stays out of the fast lane
-    until the router's next health check could have seen it (``health_interval_s``, at least 0.25 s)."""
+    until the router's next health check could have seen it (``health_interval_s``, at least 0.25 s); the quota
+    store the lane holds the quotas in with every router (unset: in its own memory)."""
     host, port = listener.getsockname()[:2]
     return NginxLayout(
         folder=Path(tempfile.mkdtemp(prefix="shardline-front-")), listen_fd=listener.fileno(),
         listen=listen_address(host, port), router_key=key, balance=settings.balance, retries=settings.retries,
         request_timeout_s=settings.request_timeout_s, max_timeout_s=settings.max_timeout_s,
-        hold_s=max(0.25, settings.health_interval_s * 1.5), stall_s=settings.stall_ms / 1000)
+        hold_s=max(0.25, settings.health_interval_s * 1.5), stall_s=settings.stall_ms / 1000,
+        quota_store=tenancy.quota_store, quota_routers=tenancy.quota_store_routers)
 
 
 def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: TenancySettings) -> None:
@@ -157,9 +185,7 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     service = build_service(settings, storage, tenancy, config, key, local)
     plane = choose_front(settings.data_plane)
     if plane is not None and tenancy.quota_store:
-        log.info("quotas in %s: nginx's fast lane is not started (its Lua holds quotas in nginx's own memory); "
-                 "every request passes the router's shared quotas", tenancy.quota_store)
-        plane = None
+        plane = _front_with_store(plane, tenancy.quota_store)
     online = OnlineSettings()
     limits = resolve_limits(online, open_files_limit())
     metrics = (bind_metrics_listener(settings.metrics_host, settings.metrics_port, settings.port,
@@ -169,7 +195,7 @@ def run_router(settings: RouterSettings, storage: StorageSettings, tenancy: Tena
     listener = None
     if plane is not None:
         listener = _listen(settings.host, settings.port)
-        service.front = NginxFront(plane, _nginx_layout(settings, key, listener), service.router.tenants)
+        service.front = NginxFront(plane, _nginx_layout(settings, tenancy, key, listener), service.router.tenants)
         service.router.behind_edge = True
         server_config = uvicorn.Config(app, uds=str(service.front.router_socket), log_config=config_log,
                                        timeout_graceful_shutdown=10, **uvicorn_options(limits, apps))

@@ -6,7 +6,7 @@ environment at import time. Import them from here (``from shardline.settings imp
 
 from __future__ import annotations
 
-from shardline.settings.batch import BatchSettings, DaskSettings, PlacementSettings, PrefectServerSettings
+from shardline.settings.batch import BatchSettings, DaskSettings, PrefectServerSettings
 from shardline.settings.controller import ControllerSettings
 from shardline.settings.drift import DriftSettings
 from shardline.settings.metering import MeteringSettings
@@ -17,5 +17,5 @@ from shardline.settings.storage import StorageSettings
 from shardline.settings.tenancy import TenancySettings
 
 __all__ = ["BatchSettings", "ControllerSettings", "DaskSettings", "DriftSettings", "MeteringSettings", "ModelServing",
-           "OnlineSettings", "PlacementSettings", "PrefectServerSettings", "RouterSettings", "RuntimeSettings",
+           "OnlineSettings", "PrefectServerSettings", "RouterSettings", "RuntimeSettings",
            "StorageSettings", "TenancySettings", "VllmSettings", "port_or_off"]

@@ -45,6 +45,12 @@ class DaskSettings(BaseSettings):
         description="Namespace of the jobs' DaskClusters; unset: the client's own (the flow-run pod's namespace "
         "in a cluster, the kubeconfig context's outside).",
     )
+    kubernetes_spot: bool = Field(
+        default=True,
+        description="The Kubernetes cluster has spot node pools: a job that asks for spot capacity (a tenant past its "
+        "budget's soft limit) gets workers that require a spot node. false: none is spot; such a job runs where "
+        "the template places its workers, metered as SHARDLINE_METERING_CAPACITY_TYPE says.",
+    )
     kubernetes_ready_timeout_s: float = Field(
         default=600.0, gt=0,
         description="How long a job waits for the dask-kubernetes operator to report its new cluster Running.",
@@ -217,15 +223,4 @@ class PrefectServerSettings(BaseSettings):
     )
     start_timeout_s: float = Field(
         default=120.0, gt=0, description="How long a run waits for the local server it started to answer."
-    )
-
-
-class PlacementSettings(BaseSettings):
-    """Prices the placement decision weighs measured profiles with (see docs/placement.md)."""
-
-    model_config = SettingsConfigDict(env_prefix="SHARDLINE_PLACEMENT_", extra="ignore")
-
-    costs_per_hour: dict[str, float] = Field(
-        default_factory=lambda: {"cpu": 0.20, "cuda": 4.00, "cuda-nvidia-h200-mig": 0.60},
-        description="Machine kind (or a prefix of it, longest wins) -> price of one device per hour (JSON).",
     )

@@ -39,8 +39,8 @@ class TenancySettings(BaseSettings):
         pattern=r"^rediss?://",
         description="Where every router holds the tenants' rate, concurrency and LLM token and stream quotas "
         "together: a Redis URL (redis://host:port/db). Unset: each router holds them in its own process (one "
-        "router: as before; N routers: N times each quota). Set, nginx's fast lane is not started: every request "
-        "passes the shared quotas (docs/routing.md, Quotas for many routers).",
+        "router: as before; N routers: N times each quota). nginx's fast lane holds them there too (a redis:// "
+        "store; with rediss:// the lane is not started) (docs/routing.md, Quotas for many routers).",
     )
     quota_store_routers: int = Field(
         default=1, ge=1,

@@ -1,5 +1,6 @@
 """Two routers, one Redis, the tiny LLM: a tenant's token quota and its streams held for both routers together
-(SHARDLINE_TENANCY_QUOTA_STORE, online/quota_store.py)."""
+(SHARDLINE_TENANCY_QUOTA_STORE, online/quota_store.py); with each data plane (nginx's lane passes every stream on
+to its router, which charges the tokens and holds the streams in Redis)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ import pytest
 from shardline.local_ports import reserve_port as free_port
 from tests.e2e.conftest import SHARDLINE
 from tests.support.redis_server import redis_server
-from tests.support.routers import _env, _stop, _wait_ready, tiny_llm_home
+from tests.support.routers import PLANES, _env, _stop, _wait_ready, tiny_llm_home
 
 pytestmark = pytest.mark.timeout(240)
 TOKENS, STREAMS = "sk-shared-tokens", "sk-shared-streams"
 
 
-@pytest.fixture(scope="module")
-def urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    home = tmp_path_factory.mktemp("llm-shared-quotas")
+@pytest.fixture(scope="module", params=PLANES)
+def urls(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    home = tmp_path_factory.mktemp(f"llm-shared-quotas-{request.param}")
     tenants = tiny_llm_home(home, [("tokens", TOKENS, "tokens_per_minute: 80"), ("streams", STREAMS, "max_streams: 2")])
     redis = redis_server(home)
     routers: list[subprocess.Popen[bytes]] = []
@@ -37,7 +38,8 @@ def urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
                 routers.append(subprocess.Popen(
                     [*SHARDLINE, "router", "--local-replicas", "1", "--tenants", str(tenants), "--port", str(port),
                      "--metrics-port", "off"],
-                    env=_env(home, SHARDLINE_TENANCY_QUOTA_STORE=redis.url, SHARDLINE_TENANCY_QUOTA_STORE_ROUTERS="2"),
+                    env=_env(home, SHARDLINE_TENANCY_QUOTA_STORE=redis.url, SHARDLINE_TENANCY_QUOTA_STORE_ROUTERS="2",
+                             SHARDLINE_ROUTER_DATA_PLANE=request.param),
                     stdout=sink, stderr=subprocess.STDOUT, cwd=home))
             found.append(f"http://127.0.0.1:{port}")
         for i, (url, router) in enumerate(zip(found, routers)):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Callable
 
 import pyarrow.parquet as pq
+import pytest
 
 from shardline.build.examples import breast_cancer, golden_table, split
 
@@ -107,3 +109,18 @@ def test_optimize_profile_and_place(shardline: Shardline, tmp_path: Path) -> Non
     assert "cpu" in placed
     impossible = shardline("model", "place", "mlp:1", "--p99-ms", "0.000001", "--rps", "100")
     assert impossible.returncode == 2 and "error:" in impossible.stderr
+    # priced by the one price table (`cost report`'s): twice the core-hour, half the rows/s per unit of cost
+    per_cost = []
+    for core_hour in (1.0, 2.0):
+        table = tmp_path / f"prices-{core_hour}.yaml"
+        table.write_text(f"currency: USD\nclasses:\n  cpu: {{unit: core, on-demand: {core_hour}}}\n")
+        line = _ok(shardline("model", "place", "mlp:1", "--rows-per-s", "1000", "--prices", str(table)))
+        found = re.search(r"([\d,]+) rows/s per unit of cost/h", line)
+        assert found, line
+        per_cost.append(float(found.group(1).replace(",", "")))
+    assert per_cost[0] == pytest.approx(2 * per_cost[1], rel=0.01)
+    gpus_only = tmp_path / "gpus.yaml"
+    gpus_only.write_text("classes:\n  h200: {unit: gpu, on-demand: 4.0}\n")
+    unpriced = shardline("model", "place", "mlp:1", "--rows-per-s", "1000", "--prices", str(gpus_only))
+    assert unpriced.returncode == 2 and "no price for machine kind 'cpu-" in unpriced.stderr, unpriced.stderr
+    assert len(unpriced.stderr.strip().splitlines()) == 1

@@ -28,7 +28,6 @@ import pytest
 import tritonclient.http as triton
 
 from shardline.local_ports import reserve_port as free_port
-from shardline.online.router.nginx_front import find_nginx
 from shardline.online.router.placement import rank
 from shardline.storage.registry import AliasMove, ModelRegistry
 from tests.conftest import BuiltModel
@@ -37,6 +36,7 @@ from tests.support.routers import (
     CHURN,
     KEY,
     MODEL,
+    PLANES,
     TIGHT_KEY,
     _churn,
     _env,
@@ -187,11 +187,8 @@ def test_a_replica_killed_under_load_loses_no_request_and_its_breaker_recovers(
     assert series[("shardline_router_in_flight", (("model", f"{MODEL}:1"),))] == 0.0
 
 
-# The tests that also run with nginx in front: failover (nginx's fast lane follows the router's active group),
-# and scaling from zero (every request left to the router's activator).
-PLANES = [pytest.param("python"),
-          pytest.param("nginx", marks=pytest.mark.skipif(find_nginx() is None, reason=(
-              "nginx's Lua module is not installed (apt-get install nginx-light libnginx-mod-http-lua)")))]
+# The tests that also run with nginx in front (PLANES): failover (nginx's fast lane follows the router's active
+# group), and scaling from zero (every request left to the router's activator).
 
 
 @pytest.mark.parametrize("plane", PLANES)

@@ -1,5 +1,6 @@
 """Two routers, one Redis: a tenant's quotas held for both together (SHARDLINE_TENANCY_QUOTA_STORE,
-online/quota_store.py), and Redis stopped mid-load losing no request."""
+online/quota_store.py), and Redis stopped mid-load losing no request; with each data plane: the routers alone, and
+each with nginx in front, whose lane holds the quotas in the same Redis (online/router/front_lane.lua)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,12 @@ import orjson
 import pytest
 
 from shardline.local_ports import reserve_port as free_port
-from shardline.online.router.nginx_front import find_nginx
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
 from tests.support.redis_server import RedisServer, redis_server
-from tests.support.routers import MODEL, _env, _scrape, _stop, _wait_ready
+from tests.support.routers import MODEL, PLANES, _env, _scrape, _stop, _wait_ready
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,16 +33,19 @@ OFFERED = 300  # what the test sends, both routers together
 
 @dataclass
 class Pair:
+    plane: str
     urls: list[str]
     metrics: list[str]
     logs: list[Path]
     redis: RedisServer
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory, breast_cancer_model: BuiltModel) -> Iterator[Pair]:
-    """Two `shardline router --local-replicas 1` on one tenants file and one redis-server."""
-    home = tmp_path_factory.mktemp("shared-quotas")
+@pytest.fixture(scope="module", params=PLANES)
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+         breast_cancer_model: BuiltModel) -> Iterator[Pair]:
+    """Two `shardline router --local-replicas 1` on one tenants file and one redis-server, with the data plane."""
+    plane = request.param
+    home = tmp_path_factory.mktemp(f"shared-quotas-{plane}")
     registry = ModelRegistry(str(home / "registry"))
     registry.set_alias(MODEL, "prod", registry.push(breast_cancer_model.bundle_dir).version or 1)
     tenants = home / "tenants.yaml"
@@ -65,18 +68,17 @@ def pair(tmp_path_factory: pytest.TempPathFactory, breast_cancer_model: BuiltMod
                 routers.append(subprocess.Popen(
                     [*SHARDLINE, "router", "--local-replicas", "1", "--tenants", str(tenants), "--port", str(port),
                      "--metrics-port", str(metrics_port)],
-                    # nginx asked for where it is installed: with a quota store its fast lane is not started
                     env=_env(home, SHARDLINE_TENANCY_QUOTA_STORE=redis.url, SHARDLINE_TENANCY_QUOTA_STORE_ROUTERS="2",
-                             SHARDLINE_ROUTER_DATA_PLANE="nginx" if find_nginx() else "python"),
+                             SHARDLINE_ROUTER_DATA_PLANE=plane),
                     stdout=sink, stderr=subprocess.STDOUT, cwd=home))
             urls.append(f"http://127.0.0.1:{port}")
             metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
             logs.append(log)
         for url, router, log in zip(urls, routers, logs):
             _wait_ready(url, router, log, available=1)
-            if find_nginx():
-                assert "nginx's fast lane is not started" in log.read_text()
-        yield Pair(urls, metrics, logs, redis)
+            if plane == "nginx":  # its lane holds the quotas in Redis too
+                assert "nginx's fast lane is on and holds the rate and concurrency quotas there" in log.read_text()
+        yield Pair(plane, urls, metrics, logs, redis)
     finally:
         for router in routers:
             _stop(router)
@@ -144,24 +146,26 @@ def test_redis_stopped_mid_load_loses_no_request_and_each_router_holds_its_share
         pair: Pair, breast_cancer_model: BuiltModel) -> None:
     time.sleep(0.2)  # the last test's bucket refills past its burst
     logged = [log.read_text().count("unreachable") for log in pair.logs]
+    done: list[float] = []
 
     def stop_redis(elapsed: float) -> None:
         if elapsed >= 1.0 and pair.redis.process is not None:
             pair.redis.stop()
 
     try:
-        outcomes = asyncio.run(_paced(pair.urls, _body(breast_cancer_model), 4.0, stop_redis))
+        outcomes = asyncio.run(_paced(pair.urls, _body(breast_cancer_model), 4.0, stop_redis, done))
     finally:
         if pair.redis.process is None:
             pair.redis.start()
     assert [o for o in outcomes if o[1] not in (200, 429)] == []  # no 5xx, no dropped connection
     assert all(o[2] is not None and int(o[2]) >= 1 for o in outcomes if o[1] == 429)
     # Redis gone (from 1 s on, after the outage is seen): each router admits its half of the rate, so together
-    # about the quota still, never the double that a whole quota per router would give
+    # about the quota still, never the double that a whole quota per router would give (the window runs to the
+    # last answer: on a loaded machine a router may take the last requests late)
     after = [o for o in outcomes if o[0] >= 1.5]
     span = max(o[0] for o in after) - 1.5
     admitted = sum(o[1] == 200 for o in after)
-    assert 0.8 * RATE * span <= admitted <= 2 * 5 + 1.2 * RATE * span, (admitted, span)
+    assert 0.8 * RATE * span <= admitted <= 2 * 5 + 1.2 * RATE * max(span, done[0] - 1.5), (admitted, span, done)
     for url, log, before in zip(pair.metrics, pair.logs, logged):
         assert _scrape(url).get(("shardline_router_quota_store_fallbacks_total", ()), 0) > 0
         assert log.read_text().count("unreachable") == before + 1  # logged once per outage

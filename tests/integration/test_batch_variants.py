@@ -8,12 +8,12 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
+from shardline.capacity.prices import load_prices
 from shardline.flows.batch_inference import batch_inference
-from shardline.placement import BatchWorkload, CostTable, candidates_from_profiles, choose_placement
+from shardline.placement import BatchWorkload, candidates_from_profiles, choose_placement
 from shardline.quality.model_profiles import profile_version
 from shardline.quality.variants import make_variant
 from shardline.runtimes import RuntimeOptions
-from shardline.settings import PlacementSettings
 from shardline.storage.model_cache import ModelCache
 from shardline.storage.registry import ModelRegistry
 
@@ -61,7 +61,7 @@ def test_auto_takes_what_placement_chooses_from_the_stored_profiles(
 ) -> None:
     resolved = mlp_registry.resolve("mlp:1")
     candidates = candidates_from_profiles(mlp_registry.profiles("mlp", 1),
-                                          CostTable(per_hour=PlacementSettings().costs_per_hour))
+                                          load_prices().per_machine_hour)  # the example's: no other in the home
     expected = choose_placement(BatchWorkload(), candidates).candidate.variant
 
     state = batch_inference(model="mlp@prod", input_uri=str(input_shards), output_uri=str(tmp_path / "out"),

@@ -1,5 +1,7 @@
-"""Budgets in batch: `shardline batch run` warns, degrades to low priority and refuses at a tenant's budget, with
-the figures, over a ledger that real jobs and earlier runs wrote; a job accepted before still runs."""
+"""Budgets in batch: `shardline batch run` warns, degrades (low priority, on spot capacity where there is some: said
+in one line, the job's ledger rows priced as what it ran on) and refuses at a tenant's budget, with the figures, over
+a ledger that real jobs and earlier runs wrote; a job accepted before still runs. The spot worker group a soft job
+gets on Kubernetes is tested against an API server in test_dask_kubernetes.py."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import yaml
 
 from shardline.cost.budgets import spend_by_tenant
 from shardline.capacity.prices import load_prices
+from shardline.storage.job_records import JobRecords
 from shardline.storage.ledger import LedgerStore
 from tests.support.budgets import spend, write_prices
 
@@ -58,14 +61,18 @@ def test_a_batch_job_warns_degrades_and_is_refused_at_its_tenants_budget(
         "budget": {"monthly": 1000.0, "warn_at": 0.8, "soft_at": 0.9}}]}))
     monkeypatch.setenv("SHARDLINE_TENANTS_FILE", str(tenants))
 
-    def run(*args: str) -> tuple[int, str]:  # the command as a user runs it, in its own process
+    def run(*args: str, **env: str) -> tuple[int, str]:  # the command as a user runs it, in its own process
         ran = subprocess.run([sys.executable, "-m", "shardline.cli", *args], capture_output=True, text=True,
-                             timeout=240, env={**os.environ, "DO_NOT_TRACK": "1"})
+                             timeout=240, env={**os.environ, "DO_NOT_TRACK": "1", **env})
         return ran.returncode, ran.stdout + ran.stderr
 
-    def batch(out: str) -> tuple[int, str]:
+    def batch(out: str, **env: str) -> tuple[int, str]:
         return run("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards), "--output",
-                   str(tmp_path / out), "--tenant", "acme", "--json")
+                   str(tmp_path / out), "--tenant", "acme", "--json", **env)
+
+    def capacity_of(job_id: str) -> set[str]:  # the capacity types of the job's ledger rows
+        rows = LedgerStore(str(shardline_home)).read(month).to_pylist()
+        return {r["capacity_type"] for r in rows if r["writer"].startswith(f"batch-{job_id}-")}
 
     # warn: 850 of 1,000 spent this month (an earlier run's rows in the ledger): the job runs, says so, and a
     # Prefect event says it too
@@ -77,19 +84,30 @@ def test_a_batch_job_warns_degrades_and_is_refused_at_its_tenants_budget(
            f"{month}); the job runs" in output
     first = last_json(output)
     assert first["rows_out"] == 12_000
+    assert capacity_of(first["job_id"]) == {"on-demand"}
     events = _warnings(api_url, "acme", 1)
     assert [(e["payload"]["state"], e["payload"]["tier"], e["payload"]["spent"]) for e in events] == [
         ("warn", "batch", 850.0)]
     after_job = _spent(shardline_home, "acme")
     assert after_job > 850.0  # the job's own use was metered and priced: the budget sees it
 
-    # soft: past 90%: the job runs at low priority, said in one line
+    # soft: past 90%: the job runs at low priority on spot capacity; a local cluster on on-demand capacity has
+    # none, so it runs there, said in one line, and its ledger rows are priced as on-demand
     spend(shardline_home, "acme", 950.0 - after_job)
     code, output = batch("degraded")
     assert code == 0, output
     assert "tenant 'acme' is past its budget's soft limit: work is degraded (spent 950.00 USD" in output
-    assert "; this job runs at low priority" in output
+    assert "; this job runs at low priority on on-demand capacity, because none is spot here " \
+           "(SHARDLINE_DASK_CLUSTER=address cannot move it; on kubernetes its workers would run on spot nodes)" in output
     assert json.loads((tmp_path / "degraded" / "_manifest.json").read_text())["priority"] == "low"
+    degraded = last_json(output)["job_id"]
+    assert JobRecords(str(shardline_home)).find(degraded).parameters.capacity_type == "spot"  # asked again on resume
+    assert capacity_of(degraded) == {"on-demand"}
+    # where the capacity is spot (SHARDLINE_METERING_CAPACITY_TYPE), the soft job runs and is metered there
+    code, output = batch("degraded-on-spot", SHARDLINE_METERING_CAPACITY_TYPE="spot")
+    assert code == 0, output
+    assert "; this job runs at low priority on spot capacity" in output
+    assert capacity_of(last_json(output)["job_id"]) == {"spot"}
 
     # hard: at the budget: refused before any flow run, with the figures, exit code 2
     spend(shardline_home, "acme", 1000.0 - _spent(shardline_home, "acme") + 25.0)

@@ -102,6 +102,31 @@ def test_the_job_creates_its_own_named_cluster_gpu_workers_on_spot_and_an_autosc
     assert api.get(CLUSTERS, NAMESPACE, name) is None and api.get(SCALERS, NAMESPACE, name) is None
 
 
+def test_a_spot_jobs_cluster_puts_its_workers_on_spot_gpu_nodes_only(api: KubeApi) -> None:
+    """What `batch run` asks for a tenant past its budget's soft limit (``capacity_type`` spot): the DaskCluster's
+    workers, and the worker group the operator makes from it, require a spot node (any cloud's mark) that is a GPU
+    node; the scheduler stays off spot."""
+    job = "feedfacecafe0004"
+    name = f"shardline-{job}"
+    operator = play_operator(name)
+    with dask_scheduler(settings(), job, "spot"):
+        cluster = api.get(CLUSTERS, NAMESPACE, name)
+        assert cluster["metadata"]["annotations"]["shardline.dev/capacity-type"] == "spot"
+        operator.join(5)
+        group = api.get(GROUPS, NAMESPACE, f"{name}-default")
+        for worker in (cluster["spec"]["worker"]["spec"], group["spec"]["worker"]["spec"]):
+            terms = worker["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+                "nodeSelectorTerms"]
+            assert {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]} in terms[0]["matchExpressions"]
+            marks = {(e["key"], e["values"][0]) for t in terms for e in t["matchExpressions"] if e["operator"] == "In"}
+            assert ("karpenter.sh/capacity-type", "spot") in marks and ("cloud.google.com/gke-spot", "true") in marks
+            assert all(len(t["matchExpressions"]) == 2 for t in terms)  # each: a GPU node and one cloud's spot mark
+        scheduler = cluster["spec"]["scheduler"]["spec"]["affinity"]["nodeAffinity"]
+        assert {"key": "karpenter.sh/capacity-type", "operator": "NotIn", "values": ["spot"]} in \
+            scheduler["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"]
+    assert api.get(CLUSTERS, NAMESPACE, name) is None
+
+
 def replicas(api: KubeApi, name: str) -> tuple[int, int, int]:
     group = api.get(GROUPS, NAMESPACE, f"{name}-default")
     scaler = api.get(SCALERS, NAMESPACE, name)

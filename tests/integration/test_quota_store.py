@@ -97,6 +97,24 @@ def test_two_routers_share_rate_and_concurrency(server: RedisServer) -> None:
     asyncio.run(run())
 
 
+def test_concurrent_requests_spend_the_local_allowance_once(server: RedisServer) -> None:
+    """200 requests at once on a router that holds 4 rate tokens of its allowance: each waits on Redis for its
+    lease, and each token is spent by one of them only (not 200 admitted on 4 tokens)."""
+    async def run() -> None:
+        store = QuotaStore(server.url, 1, time.monotonic)
+        tenant = _tenant(rate=RateQuota(requests_per_second=100, burst=5), max_concurrent=1000)
+        started = time.monotonic()
+        assert await _refused(store, tenant) is None  # 5 tokens taken (the allowance), one spent
+        refused = await asyncio.gather(*(_refused(store, tenant) for _ in range(200)))
+        elapsed = time.monotonic() - started
+        admitted = 1 + sum(r is None for r in refused)
+        assert admitted <= 5 + 100 * elapsed + allowance(100, 5), (admitted, elapsed)
+        assert all("over its rate of 100 requests/s" in r for r in refused if r is not None)
+        await store.close()
+
+    asyncio.run(run())
+
+
 def test_streams_and_tokens_are_shared(server: RedisServer) -> None:
     async def run() -> None:
         one = QuotaStore(server.url, 2, time.monotonic)

@@ -7,6 +7,8 @@ errors in the V2 form."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import hashlib
 import http.server
 import os
 import re
@@ -14,18 +16,23 @@ import socket
 import socketserver
 import subprocess
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+import redis as redis_py
 
 from shardline.errors import InvalidSetting
 from shardline.local_ports import reserve_port
+from shardline.online import quota_store
+from shardline.online.quota_store import ADMIT, RENEW, key, lane_store
 from shardline.online.router.nginx_front import (
-    NginxFront,
     CONFIG_FILES,
+    REDIS_CLIENT,
+    NginxFront,
     NginxLayout,
     choose_front,
     find_nginx,
@@ -35,6 +42,7 @@ from shardline.online.router.nginx_front import (
     render_config,
 )
 from shardline.online.tenants import TenantDirectory, hash_api_key
+from tests.support.redis_server import redis_server
 
 NGINX = find_nginx()
 needs_nginx = pytest.mark.skipif(NGINX is None, reason=(
@@ -47,10 +55,12 @@ TENANTS = TenantDirectory.from_config({"tenants": [
 ]})
 
 
-def _layout(folder: Path, listener: socket.socket, key: str = "router-key-0123456789") -> NginxLayout:
+def _layout(folder: Path, listener: socket.socket, key: str = "router-key-0123456789",
+            store: str | None = None) -> NginxLayout:
     host, port = listener.getsockname()[:2]
     return NginxLayout(folder=folder, listen_fd=listener.fileno(), listen=listen_address(host, port), router_key=key,
-                       balance=1.25, retries=2, request_timeout_s=30.0, max_timeout_s=300.0, hold_s=1.5)
+                       balance=1.25, retries=2, request_timeout_s=30.0, max_timeout_s=300.0, hold_s=1.5,
+                       quota_store=store, quota_routers=3)
 
 
 def _unescaped(literal: str) -> str:
@@ -77,6 +87,24 @@ def test_the_settings_hold_key_digests_and_quotas_never_keys(tmp_path: Path) -> 
     assert '["free"]' not in text.split('["quotas"]')[1]  # free has no quota: not checked
 
 
+def test_with_a_quota_store_the_settings_hold_the_routers_scripts_keys_and_shares(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        text = lua_settings(_layout(tmp_path, listener, store="redis://:s3cret@redis.internal:6380/2"), TENANTS)
+    assert lua_literal(ADMIT) in text and lua_literal(RENEW) in text  # the router's own scripts, and their SHA1
+    assert f'["admit_sha"] = "{hashlib.sha1(ADMIT.encode()).hexdigest()}"' in text
+    assert f'["renew_sha"] = "{hashlib.sha1(RENEW.encode()).hexdigest()}"' in text
+    for part in ('["host"] = "redis.internal"', '["port"] = 6380', '["db"] = 2', '["password"] = "s3cret"',
+                 '["routers"] = 3', '["lease_ttl_ms"] = 30000'):
+        assert part in text
+    # acme: 2.5 requests/s, burst 5, 4 in flight; while Redis is unreachable a third of each (rounded up)
+    assert ('["share"] = {["rate"] = 0.8333333333333334, ["shown"] = "2.5", ["burst"] = 2, ["most"] = 2}, '
+            f'["keys"] = {{["rate"] = {lua_literal(key("acme", "rate"))}, '
+            f'["inflight"] = {lua_literal(key("acme", "inflight"))}}}, '
+            '["allowance"] = 1') in text
+    with pytest.raises(ValueError, match="TLS"):
+        lane_store("rediss://redis.internal:6380/0", 3)
+
+
 def test_the_templates_and_their_renderer_are_in_step(tmp_path: Path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:  # a KeyError here: a template names an unknown value
         files = render_config(_layout(tmp_path, listener, "k{{ listen }}$x"))
@@ -87,12 +115,17 @@ def test_the_templates_and_their_renderer_are_in_step(tmp_path: Path) -> None:
 
 
 @needs_nginx
-@pytest.mark.parametrize("key", ["router-key-0123456789", 'a"quote\\back$dollar%percent-key'])
-def test_nginx_accepts_the_configuration(tmp_path: Path, key: str) -> None:
+@pytest.mark.parametrize(("key", "store"), [("router-key-0123456789", None),
+                                            ('a"quote\\back$dollar%percent-key', None),
+                                            ("router-key-0123456789", "redis://127.0.0.1:6379/0")])
+def test_nginx_accepts_the_configuration(tmp_path: Path, key: str, store: str | None) -> None:
+    """Also with a quota store: the lane then loads Redis's Lua client (lua-nginx-redis) when nginx starts."""
     assert NGINX is not None
+    if store is not None and not REDIS_CLIENT.exists():
+        pytest.skip("Redis's Lua client is not installed (apt-get install lua-nginx-redis)")
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.set_inheritable(True)
-        edge = NginxFront(NGINX, _layout(tmp_path, listener, key), TENANTS)
+        edge = NginxFront(NGINX, _layout(tmp_path, listener, key, store), TENANTS)
         edge.write_files()
         checked = subprocess.run([NGINX, "-t", "-p", str(tmp_path), "-e", str(tmp_path / "nginx.log"), "-c",
                                   str(tmp_path / "nginx.conf")], capture_output=True, text=True,
@@ -116,10 +149,11 @@ def _router() -> SimpleNamespace:
     recorded: list[tuple[int, int]] = []
     return SimpleNamespace(
         settings=SimpleNamespace(hedge_after_ms=0.0), activator=None, fallbacks={}, tenants=TENANTS,
+        budgets=SimpleNamespace(states={}),  # no tenant past its budget's soft limit
         rollouts=SimpleNamespace(moves={("churn", "prod"): SimpleNamespace(version=2, action="set", rollout=None)}),
         replicas=SimpleNamespace(groups=lambda: groups, replicas=replicas, active_group=lambda: "gpu",
                                  available=lambda replica, now: replica.url != "http://127.0.0.1:9102"),
-        budget=SimpleNamespace(has_room=lambda now: True, record=lambda now, n, r: recorded.append((n, r))),
+        retry_budget=SimpleNamespace(has_room=lambda now: True, record=lambda now, n, r: recorded.append((n, r))),
         metrics=SimpleNamespace(front_in_flight={}, front_requests={}, front_replicas={}, front_retries={}),
         recorded=recorded)
 
@@ -312,3 +346,72 @@ def test_with_no_replica_left_to_try_a_request_goes_to_the_router(tmp_path: Path
         ("/v2/models/churn/versions/2/infer", "Bearer router-key-0123456789", "acme"),  # after both replicas failed
         ("/v2/models/churn/infer", "Bearer k-acme", None),  # straight to the router: both are out for a while
     ]
+
+
+class _SlowRouter(_Recording):
+    """The router behind nginx, taking ``hold`` seconds over each request."""
+
+    seen: list[tuple[str, str | None, str | None]] = []
+    hold = 1.5
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        time.sleep(self.hold)
+        super().do_POST()
+
+
+@needs_nginx
+def test_with_a_quota_store_the_lane_holds_leases_in_redis_renews_them_and_falls_back_to_its_share(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_concurrent 2 in Redis: of 3 requests at once the third is refused; their leases outlive the TTL (0.9 s
+    here) while they run, renewed, and are given back when they end; with Redis gone the lane admits on its share
+    (a third of 2: 1) and counts it."""
+    assert NGINX is not None
+    if not REDIS_CLIENT.exists():
+        pytest.skip("Redis's Lua client is not installed (apt-get install lua-nginx-redis)")
+    monkeypatch.setattr(quota_store, "LEASE_TTL_S", 0.9)  # renewed every 0.3 s
+    redis = redis_server(tmp_path)
+    tenants = TenantDirectory.from_config({"tenants": [
+        {"name": "capped", "api_keys_sha256": [hash_api_key("k-capped")], "models": ["churn"], "max_concurrent": 2}]})
+    leases = key("capped", "inflight")
+    client = redis_py.Redis(port=redis.port)
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            listener.set_inheritable(True)
+            edge = NginxFront(NGINX, _layout(tmp_path, listener, store=redis.url), tenants)
+            stub = _UnixServer(str(edge.layout.router_socket), _SlowRouter)
+            threading.Thread(target=stub.serve_forever, daemon=True).start()
+            edge.start()
+            url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/embeddings"
+
+            def post() -> httpx.Response:
+                return httpx.post(url, content=b"{}", headers={"Authorization": "Bearer k-capped"}, timeout=10)
+
+            try:
+                with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                    started = [pool.submit(post) for _ in range(3)]
+                    time.sleep(1.2)  # past the leases' TTL: renewed, still held
+                    held = client.zrange(leases, 0, -1, withscores=True)
+                    redis_ms = client.time()[0] * 1000
+                    answers = sorted((f.result() for f in started), key=lambda a: a.status_code)
+                time.sleep(0.2)
+                after = client.zcard(leases)
+                counts = asyncio.run(edge.control("GET", "/counts"))
+                redis.stop()
+                _SlowRouter.hold = 0.0
+                alone = post()
+                down = asyncio.run(edge.control("GET", "/counts"))
+            finally:
+                _SlowRouter.hold = 1.5
+                edge.stop()
+                stub.shutdown()
+    finally:
+        redis.stop()
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    assert "tenant 'capped' has 2 requests in flight, its max_concurrent" in answers[2].text
+    assert answers[2].headers["retry-after"] == "1"
+    assert len(held) == 2 and all(score > redis_ms for _, score in held)  # renewed past their first expiry
+    assert all(member.startswith(b"nginx-") for member, _ in held)
+    assert after == 0  # given back as each request ended
+    assert "store 0 0 1" in counts.splitlines()
+    assert alone.status_code == 200  # Redis gone: admitted on the lane's share
+    assert "store 1 1 0" in down.splitlines()

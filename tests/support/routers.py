@@ -19,6 +19,7 @@ import orjson
 import pytest
 import tritonclient.http as triton
 
+from shardline.online.router.nginx_front import find_nginx
 from shardline.online.tenants import hash_api_key
 from shardline.storage.registry import ModelRegistry
 from tests.conftest import BuiltModel
@@ -28,6 +29,10 @@ KEY = "sk-router-e2e"
 TIGHT_KEY = "sk-router-tight"
 MODEL = "breast-cancer"
 CHURN = "churn"
+# The router's data planes, for the tests that run with each: the router alone, nginx in front (where installed).
+PLANES = [pytest.param("python"),
+          pytest.param("nginx", marks=pytest.mark.skipif(find_nginx() is None, reason=(
+              "nginx's Lua module is not installed (apt-get install nginx-light libnginx-mod-http-lua)")))]
 
 
 def _churn(folder: Path, kind: str, fails_from: float | None = None) -> Path:

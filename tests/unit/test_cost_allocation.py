@@ -135,3 +135,30 @@ def test_recommendations_name_idle_hardware_the_cheaper_class_and_spot_with_thei
     quiet = [row("capacity", "gpu-1", units=1.0, reserved_seconds=3600.0),
              row("usage", "gpu-1", tenant="acme", model="churn", device_seconds=3500.0, rows=10)]
     assert recommend(allocate(quiet, PRICES), PRICES) == []  # busy, one class, online: nothing to say
+
+
+def test_a_distilled_student_is_set_beside_its_teacher_per_1k_rows() -> None:
+    from shardline.cost.report import build_report, render_html, render_markdown, render_text
+
+    rows = [
+        row("capacity", "cpu-1", hw="cpu", units=2.0, reserved_seconds=3600.0),  # 2 cores for the hour: 0.10
+        row("usage", "cpu-1", hw="cpu", tenant="acme", model="mlp", device_seconds=4800.0, rows=40_000),
+        row("usage", "cpu-1", hw="cpu", tenant="globex", model="mlp-lite", device_seconds=1800.0, rows=30_000),
+        row("usage", "cpu-1", hw="cpu", tenant="acme", model="gbt-lite", device_seconds=600.0, rows=1_000),
+    ]
+    teachers = {"mlp-lite:1": "mlp:1", "gbt-lite:1": "gbt:3", "unused-lite:1": "mlp:1"}
+    report = build_report(rows, PRICES, "2026-11", teachers=teachers)
+
+    # the cores' 7,200 core-seconds are all used: mlp 4,800 of them for 40,000 rows, mlp-lite 1,800 for 30,000
+    [gbt, mlp] = report.students  # by student name; a student with no rows is left out
+    assert (mlp.student, mlp.teacher) == ("mlp-lite:1", "mlp:1")
+    lines = {line.model: line for line in report.lines}
+    assert mlp.per_1k_rows == pytest.approx(lines["mlp-lite"].per_1k_rows) == pytest.approx(0.10 * 1800 / 7200 / 30)
+    assert mlp.teacher_per_1k_rows == pytest.approx(lines["mlp"].per_1k_rows) == pytest.approx(0.10 * 4800 / 7200 / 40)
+    assert mlp.text("USD").endswith(": 0.50x the teacher's")
+    assert gbt.teacher_per_1k_rows is None and gbt.text("USD").endswith("its teacher gbt:3 scored no rows this month")
+    for rendered in (render_text(report), render_markdown(report), render_html(report)):
+        assert "istilled students beside their teachers" in rendered and "mlp-lite:1" in rendered
+    # one tenant's report: its own rows only (globex ran the student, acme the teacher)
+    assert [s.teacher_per_1k_rows for s in build_report(rows, PRICES, "2026-11", "globex", teachers).students] == [None]
+    assert "distilled" not in render_text(build_report(rows, PRICES, "2026-11"))

@@ -7,6 +7,7 @@ mean and covariance, unlabeled), and are scored and gated on the teacher's golde
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ from shardline.capacity.prices import load_prices
 from shardline.cost.prices import cost_per_1k_rows
 from shardline.errors import GateFailed, InvalidBundle, InvalidInput, InvalidSetting, ModelNotFound
 from shardline.quality.distillation import distill
-from shardline.runtimes import RuntimeOptions, create_runtime
+from shardline.runtimes import RuntimeOptions
+from shardline.storage.ledger import Holding, LedgerStore
 from shardline.storage.model_cache import ModelCache
 from shardline.storage.registry import ModelRegistry
 
@@ -164,6 +166,18 @@ def test_the_command_pushes_a_student_and_prices_both_or_refuses_in_one_line(
     assert f"at {price:g} USD/core-hour" in ok.output
     assert "teacher mlp:1" in ok.output and "student mlp-lite:1" in ok.output and ok.output.count("per 1k rows") == 3
     assert ModelRegistry(str(shardline_home / "registry")).resolve("mlp-lite:1").manifest.lineage.parent == "mlp:1"
+    # the month's cost report sets the student beside its teacher: two metered jobs of 10,000 rows each, the
+    # student's in half the teacher's CPU time
+    started = datetime.now(timezone.utc)
+    for model, seconds in (("mlp", 2.0), ("mlp-lite", 1.0)):
+        LedgerStore(str(shardline_home)).record_batch(Holding("batch", "cpu", "on-demand", 1.0), "acme", model, "1",
+                                                      f"job-{model}", started, {"device_seconds": seconds, "rows": 10_000},
+                                                      seconds, seconds)
+    report = runner.invoke(app, ["cost", "report", "--month", f"{started:%Y-%m}"])
+    assert report.exit_code == 0, report.output
+    beside = report.output.split("distilled students beside their teachers:\n", 1)[1].splitlines()[0]
+    assert beside.startswith("- mlp-lite:1 ") and "per 1k rows; its teacher mlp:1 " in beside, beside
+    assert beside.endswith(": 0.50x the teacher's"), beside
 
     refused = runner.invoke(app, ["model", "distill", "mlp:1", "--data", str(tmp_path / "rows.parquet"),
                                   "--student", "gbt", "--trees", "1", "--max-depth", "1", "--name", "mlp-stump"])

@@ -11,7 +11,9 @@ from pydantic import ValidationError
 
 from shardline.errors import InvalidInput, InvalidSetting
 from shardline.settings import DaskSettings
-from shardline.tasks.kube_cluster import job_cluster_name, job_cluster_resources, plan_scale
+from shardline.settings import MeteringSettings
+from shardline.tasks.fairness import cluster_capacity, job_capacity
+from shardline.tasks.kube_cluster import SPOT_NODE_LABELS, job_cluster_name, job_cluster_resources, plan_scale
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "deploy/k8s/base/tenant/dask"
 
@@ -46,6 +48,70 @@ def test_the_job_cluster_is_the_template_renamed_with_its_bounds_and_an_autoscal
     assert template["metadata"]["name"] == "shardline-batch-gpu"  # the template itself is untouched
     fixed, none = job_cluster_resources(template, "0123456789abcdef", 3, 0)
     assert none is None and fixed["metadata"]["annotations"]["shardline.dev/max-workers"] == "3"
+
+
+def _required(cluster: dict) -> list[list[dict]]:
+    affinity = cluster["spec"]["worker"]["spec"]["affinity"]["nodeAffinity"]
+    return [t["matchExpressions"] for t in affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]]
+
+
+def test_a_spot_job_requires_spot_nodes_with_the_templates_own_requirements() -> None:
+    """A tenant past its budget's soft limit: its workers only on nodes some cloud marks as spot (the template's
+    workers merely prefer them), GPU nodes still required, the spot pools' taints tolerated; the scheduler stays
+    off spot."""
+    gpu = yaml.safe_load((TEMPLATES / "cluster-gpu.yaml").read_text())
+    cluster, _ = job_cluster_resources(gpu, "0123456789abcdef", 2, 12, "spot")
+    gpu_node = {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}
+    terms = _required(cluster)
+    assert len(terms) == len(SPOT_NODE_LABELS)  # ORed: a spot node of any cloud, each one a GPU node
+    assert all(term[0] == gpu_node and term[1]["operator"] == "In" for term in terms)
+    assert {(t[1]["key"], t[1]["values"][0]) for t in terms} == {(k, v) for k, v, _ in SPOT_NODE_LABELS}
+    tolerations = cluster["spec"]["worker"]["spec"]["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+    assert {"key": "kubernetes.azure.com/scalesetpriority", "operator": "Equal", "value": "spot",
+            "effect": "NoSchedule"} in tolerations
+    assert cluster["metadata"]["annotations"]["shardline.dev/capacity-type"] == "spot"
+    assert cluster["spec"]["scheduler"]["spec"] == gpu["spec"]["scheduler"]["spec"]
+    assert gpu == yaml.safe_load((TEMPLATES / "cluster-gpu.yaml").read_text())  # the template itself is untouched
+
+    cpu = yaml.safe_load((TEMPLATES / "cluster-cpu.yaml").read_text())
+    spot, _ = job_cluster_resources(cpu, "j1", 2, 0, "spot")
+    assert [len(term) for term in _required(spot)] == [1] * len(SPOT_NODE_LABELS)
+    on_demand, _ = job_cluster_resources(cpu, "j1", 2, 0, "on-demand")
+    [term] = _required(on_demand)
+    assert {(e["key"], e["operator"], e["values"][0]) for e in term} == {(k, "NotIn", v) for k, v, _ in SPOT_NODE_LABELS}
+    plain, _ = job_cluster_resources(cpu, "j1", 2, 0)
+    assert plain["spec"]["worker"]["spec"] == cpu["spec"]["worker"]["spec"]  # asked for none: as the template says
+    assert "shardline.dev/capacity-type" not in plain["metadata"]["annotations"]
+
+
+def test_the_spot_marks_are_the_ones_the_templates_keep_the_scheduler_off() -> None:
+    """One list of how clouds mark spot nodes: the code's and the templates' (their scheduler's NotIn terms and the
+    workers' tolerations) agree."""
+    for name in ("cluster-cpu.yaml", "cluster-gpu.yaml"):
+        template = yaml.safe_load((TEMPLATES / name).read_text())
+        required = template["spec"]["scheduler"]["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert {(e["key"], e["values"][0]) for t in required for e in t["matchExpressions"]} == \
+            {(k, v) for k, v, _ in SPOT_NODE_LABELS}, name
+        tolerated = {(t["key"], t.get("value")) for t in template["spec"]["worker"]["spec"]["tolerations"]}
+        assert {(k, v) for k, v, tainted in SPOT_NODE_LABELS if tainted} <= tolerated, name
+
+
+def test_a_job_runs_on_spot_where_its_own_cluster_can_be_put_there() -> None:
+    on_demand, spot = MeteringSettings(capacity_type="on-demand"), MeteringSettings(capacity_type="spot")
+    kube, local = DaskSettings(cluster="kubernetes"), DaskSettings(cluster="local")
+    assert job_capacity("spot", kube, on_demand) == "spot"
+    assert job_capacity("on-demand", kube, spot) == "on-demand"
+    assert job_capacity(None, kube, on_demand) == "on-demand"  # the template's preference: metered as configured
+    assert job_capacity("spot", local, on_demand) == "on-demand"  # a local cluster cannot move
+    assert job_capacity("spot", local, spot) == "spot"  # it runs on spot already
+    assert job_capacity("spot", DaskSettings(cluster="address", address="tcp://x:8786"), on_demand) == "on-demand"
+    no_spot = DaskSettings(cluster="kubernetes", kubernetes_spot=False)  # a cluster with no spot node pool
+    assert job_capacity("spot", no_spot, on_demand) == "on-demand" and cluster_capacity("spot", no_spot) is None
+    assert cluster_capacity("on-demand", no_spot) == "on-demand"
+    assert cluster_capacity("spot", kube) == "spot" and cluster_capacity(None, kube) is None
+    assert cluster_capacity("spot", local) is None
 
 
 def test_a_template_that_is_not_a_dask_cluster_is_refused() -> None:

@@ -23,7 +23,7 @@ from shardline.build.examples import Dataset, breast_cancer
 from shardline.build.optimize import convert_fp16, quantize_int8
 from shardline.quality.variants import make_variant
 from shardline.build.packaging import GoldenSet, package_sklearn
-from shardline.placement import CostTable, OnlineWorkload, candidates_from_profiles, choose_placement
+from shardline.placement import OnlineWorkload, candidates_from_profiles, choose_placement
 from shardline.build.profiling import profile_model
 from shardline.machines import machine_kind
 from shardline.quality.model_profiles import profile_version
@@ -235,7 +235,7 @@ def test_profiles_are_stored_per_machine_kind_and_variant_and_feed_placement(mlp
     for profile in (fp32, int8):
         assert [b["batch_size"] for b in profile["batches"]] == [1, 64] and profile["threads"] == 1
         assert all(0 < b["p50_ms"] <= b["p99_ms"] and b["rows_per_s"] > 0 for b in profile["batches"])
-    candidates = candidates_from_profiles(stored, CostTable(per_hour={"cpu": 0.1}))
+    candidates = candidates_from_profiles(stored, lambda machine: 0.1)
     assert {(c.variant, c.batch_size) for c in candidates} == {("fp32", 1), ("fp32", 64), ("int8", 1), ("int8", 64)}
     placement = choose_placement(OnlineWorkload(p99_ms=1_000, rps=10), candidates)
     assert placement.candidate.device == "cpu" and placement.replicas == 1

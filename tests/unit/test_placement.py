@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from shardline.capacity.prices import ClassPrice, PriceTable
 from shardline.errors import InvalidSetting
 from shardline.placement import (
     BatchWorkload,
     Candidate,
-    CostTable,
     DeviceKind,
     NoPlacement,
     OnlineWorkload,
@@ -150,12 +150,18 @@ def test_candidates_from_stored_profiles_are_priced_by_machine_kind() -> None:
         "cuda-nvidia-h200-mig-1g.18gb.fp16": {"machine": MIG, "device": "cuda", "variant": "fp16",
                                                "batches": [{"batch_size": 64, "p99_ms": 8.0, "rows_per_s": 8.4e3}]},
     }
-    costs = CostTable(per_hour={"cpu-x86_64": 0.4, "cuda-nvidia-h200": 4.0, "cuda-nvidia-h200-mig-1g": 0.6})
+    prices = PriceTable(classes={"cpu": ClassPrice(unit="core", on_demand=0.05, spot=0.02),
+                                 "h100": ClassPrice(unit="gpu", on_demand=7.0),
+                                 "h200": ClassPrice(unit="gpu", on_demand=4.2, spot=2.1)})
 
-    found = candidates_from_profiles(profiles, costs)
+    found = candidates_from_profiles(profiles, prices.per_machine_hour)
 
+    # the one price table: 8 cores at the core-hour; a 1g slice at 1/7 of its H200's GPU-hour
     assert [(c.machine, c.device, c.variant, c.batch_size, c.cost_per_hour) for c in found] == [
-        (CPU, "cpu", "fp32", 1, 0.4), (MIG, "mig", "fp16", 64, 0.6),
+        (CPU, "cpu", "fp32", 1, pytest.approx(0.4)), (MIG, "mig", "fp16", 64, pytest.approx(0.6)),
     ]
-    with pytest.raises(InvalidSetting, match="no price for machine kind 'cuda-nvidia-a100'"):
-        CostTable(per_hour={"cpu": 1.0}).cost("cuda-nvidia-a100")
+    assert prices.per_machine_hour(GPU) == 4.2 and prices.per_machine_hour(GPU, "spot") == 2.1
+    assert prices.per_machine_hour("cuda-nvidia-h100-80gb-hbm3") == 7.0  # the GPU's name holds its class
+    assert prices.per_machine_hour(CPU, "spot") == pytest.approx(0.16)
+    with pytest.raises(InvalidSetting, match="no price for machine kind 'cuda-nvidia-a100'.*add that class"):
+        prices.per_machine_hour("cuda-nvidia-a100")

@@ -185,6 +185,22 @@ def test_traffic_fails_over_by_priority_and_comes_back_only_after_failback() -> 
     assert [r.url for r in replicas.order("m:1")][0] == "http://e1:8000"
 
 
+def test_a_preferred_group_comes_first_and_the_rest_stay_in_their_order() -> None:
+    """A tenant past its budget's soft limit prefers the model's cheaper group; without one up, the usual order."""
+    config = RouterConfig(groups=(
+        ReplicaGroup(name="gpu", priority=0, replicas=("http://g1:8000", "http://g2:8000")),
+        ReplicaGroup(name="cpu", priority=1, replicas=("http://c1:8000",)),
+        ReplicaGroup(name="far", priority=2, replicas=("http://f1:8000",)),
+    ))
+    replicas = ReplicaSet(config, BreakerPolicy(), 0.0, Clock())
+    for r in replicas.replicas.values():
+        r.healthy = True
+    assert [r.group for r in replicas.order("m:1", prefer="cpu")] == ["cpu", "gpu", "gpu", "far"]
+    assert [r.group for r in replicas.order("m:1")] == ["gpu", "gpu", "cpu", "far"]
+    replicas.replicas["http://c1:8000"].healthy = False
+    assert [r.group for r in replicas.order("m:1", prefer="cpu")] == ["gpu", "gpu", "far"]
+
+
 def test_set_members_keeps_the_state_of_replicas_that_stay() -> None:
     config = RouterConfig(groups=(ReplicaGroup(name="dns", replicas=("http://a:1", "http://b:1")),))
     replicas = ReplicaSet(config, BreakerPolicy(), 0.0, Clock())

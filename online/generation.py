@@ -21,12 +21,14 @@ one JSON answer.
   tenant and model, and streams in flight.
 
 The engine runs on its own thread and calls back from it; events hop to the event loop with
-``call_soon_threadsafe`` (sync core, async edge).
+``call_soon_threadsafe`` (sync core, async edge). An engine whose requests run on the event loop itself (the
+``vllm`` runtime's streams to vLLM) calls back on it: its events are queued without a hop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
@@ -42,6 +44,8 @@ from shardline.online.models import ServedModel
 from shardline.online.tenants import Tenant
 from shardline.openai_wire import GenerationRequest
 from shardline.runtimes import generates
+
+TOKENIZE_WEIGHT = 64  # a character to tokenize costs about what 64 bytes of a body to decode do (edge.runs_off_loop)
 
 if TYPE_CHECKING:
     from shardline.online.dataplane import DataPlane
@@ -162,7 +166,13 @@ class Generations:
         params = SamplingParams(max_tokens=request.max_tokens or default, temperature=request.temperature,
                                 top_p=request.top_p, seed=request.seed, stop=request.stop)
         prompt = request.prompt if request.messages is None else engine.chat_prompt(request.messages)
-        prompt_ids = await plane.off_loop(lambda: engine.check_prompt(engine.tokenize(prompt or "")))
+        from shardline.online.edge import runs_off_loop  # (edge imports the data plane, which imports this module)
+
+        text = prompt or ""
+        if runs_off_loop(len(text) * TOKENIZE_WEIGHT, False, plane.settings.offload_min_bytes):
+            prompt_ids = await plane.off_loop(lambda: engine.check_prompt(engine.tokenize(text)))
+        else:  # a prompt of a few thousand characters takes about a millisecond: a hop to a thread costs more
+            prompt_ids = engine.check_prompt(engine.tokenize(text))
         gate = self.gate(tenant)  # a prompt refused above took nothing from the tenant's quotas
         gate.open(len(prompt_ids))
         released = False
@@ -183,7 +193,12 @@ class Generations:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
-        def on_event(event: Any) -> None:  # the engine's thread
+        loop_thread = threading.get_ident()
+
+        def on_event(event: Any) -> None:  # the engine's thread, or this loop (the vllm runtime's streams)
+            if threading.get_ident() == loop_thread:
+                queue.put_nowait(event)
+                return
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, event)
             except RuntimeError:  # the loop is closed: nobody is left to tell

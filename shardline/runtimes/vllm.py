@@ -27,12 +27,21 @@ with ``SamplingParams`` and token events, ``generate_many``), so the HTTP tier a
 the bundle's tokenizer, checked, and sent to vLLM as token ids (so a tenant's prompt tokens are counted
 before anything is sent); vLLM streams back text with its token ids (``return_token_ids``) and running
 usage (``continuous_usage_stats``), and closing the stream aborts the request in vLLM.
+
+How the streams run: each request is a task on an event loop, never a thread of its own. Submitted from a
+running loop (``serve``'s, for the HTTP tier), it runs on that loop and its events are there for the response
+without a hop between threads (before, a thread per request read vLLM's stream and handed each token to the
+loop: with the GIL and a busy machine, first tokens waited up to hundreds of milliseconds; bench/README.md,
+"llm_serving.py"); batch generation's requests run on the engine's own loop thread. The connections to vLLM are
+kept alive and reused: a stream is read to vLLM's ``[DONE]`` after its last token, so that its connection serves
+the next request instead of a new one per request.
 ``tests/support/vllm_server.py`` answers as vLLM does, so this path runs in every test run
 (``tests/integration/test_vllm_openai.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -40,16 +49,18 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from shardline.bundle import Manifest
 from shardline.errors import ChildNotReady, RuntimeUnavailable
 from shardline.local_ports import release, reserve_port
 from shardline.processes import Child, restart_delay, spawn, start_on_port
 from shardline.runtimes.base import RuntimeOptions
-from shardline.runtimes.generation import EngineConfig, SamplingParams, TokenEvent
+from shardline.runtimes.generation import EngineConfig, RequestHandle, SamplingParams, TokenEvent
 from shardline.runtimes.generation.base import LLM_EXTRA, EngineBase, Request
 from shardline.runtimes.generation.runtime import GeneratingRuntime
 
@@ -58,26 +69,39 @@ STOP_GRACE_S = 30.0  # longer than processes.GRACE_S: vLLM shuts its engine's wo
 
 
 class RemoteHandle:
-    """A request sent to vLLM (a ``RequestHandle``): ``cancel()`` closes its stream, which makes vLLM abort it."""
+    """A request sent to vLLM (a ``RequestHandle``): ``cancel()`` cancels its task, which closes its stream (its
+    connection), and vLLM aborts it."""
 
-    def __init__(self, engine: RemoteEngine) -> None:
-        self._engine = engine
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.task: asyncio.Task[None] | None = None
+        self.started = False  # its task runs (a task cancelled before its first step would never say "cancelled")
         self.cancelled = False
-        self.response: Any = None
         self.done = False
 
     def cancel(self) -> None:
-        """Stop it; harmless after its end."""
+        """Stop it; harmless after its end, and from any thread."""
         if self.done or self.cancelled:
             return
-        self.cancelled = True
-        response = self.response
-        if response is not None:
-            response.close()
+        self.cancelled = True  # a task not started yet sees it first thing
+        if _running_loop() is self.loop:
+            self._cancel_task()
+        else:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs there any more
+                self.loop.call_soon_threadsafe(self._cancel_task)
+
+    def _cancel_task(self) -> None:
+        if self.task is not None and self.started and not self.task.done():
+            self.task.cancel()
 
 
 class RemoteEngine(EngineBase):
-    """An ``Engine`` over a vLLM OpenAI server: the bundle's text side here, the tokens from vLLM."""
+    """An ``Engine`` over a vLLM OpenAI server: the bundle's text side here, the tokens from vLLM.
+
+    Its requests are tasks on an event loop, each a stream read as it comes over keep-alive connections
+    (``_VllmClient``), never a thread per request: a stream submitted from a running event loop (``serve``'s) runs
+    on that loop, so its events reach the HTTP tier without a hop between threads; one submitted from elsewhere
+    (batch generation's ``generate_many``, whose caller waits) runs on the engine's own loop thread."""
 
     def __init__(self, model_dir: Path, config: EngineConfig, base_url: str, served_name: str,
                  api_key: str | None = None) -> None:
@@ -85,35 +109,47 @@ class RemoteEngine(EngineBase):
         self.base_url = base_url.rstrip("/")
         self.served_name = served_name
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client: Any = None
+        self._running = False
+        self._clients: dict[asyncio.AbstractEventLoop, _VllmClient] = {}
+        self._own_loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._active: set[RemoteHandle] = set()
         self._counts = {"requests": 0, "tokens_generated": 0}
 
     def start(self) -> None:
-        """Read the tokenizer and generation config; open the HTTP client.
+        """Read the tokenizer and generation config.
 
         Raises:
             RuntimeUnavailable: tokenizers or httpx is missing.
             InvalidBundle: the tokenizer or a config is unreadable.
         """
         try:
-            import httpx
+            import httpx  # noqa: F401 - the client (_VllmClient)
             from tokenizers import Tokenizer
         except ImportError as e:
             raise RuntimeUnavailable(f"the vllm runtime needs {e.name}; {LLM_EXTRA}") from e
         self.read_bundle_text(Tokenizer)
-        self._client = httpx.Client(timeout=httpx.Timeout(30.0, read=None))
+        self._running = True
 
     def close(self) -> None:
-        """Cancel what runs and close the client. Twice is harmless."""
+        """Cancel what runs, close the connections and stop the engine's own loop. Twice is harmless."""
         with self._lock:
+            self._running = False
             active = list(self._active)
-            client, self._client = self._client, None
+            clients, self._clients = list(self._clients.items()), {}
+            own, self._own_loop = self._own_loop, None
         for handle in active:
             handle.cancel()
-        if client is not None:
-            client.close()
+        for loop, client in clients:
+            if loop is not own and not loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # closed meanwhile
+                    loop.call_soon_threadsafe(client.close)
+        if own is not None:  # its requests end (each says "cancelled") before it stops
+            ending = [h for h in active if h.loop is own]
+            own_client = dict(clients).get(own)
+            with contextlib.suppress(RuntimeError, TimeoutError):
+                asyncio.run_coroutine_threadsafe(_wind_down(ending, own_client), own).result(STOP_GRACE_S)
+            own.call_soon_threadsafe(own.stop)
 
     def stats(self) -> dict[str, int]:
         """Requests in flight (``slots_busy``, as the CPU engine says it), sent so far and tokens generated."""
@@ -121,26 +157,58 @@ class RemoteEngine(EngineBase):
             return {"slots_busy": len(self._active), **self._counts}
 
     def _check_running(self) -> None:
-        if self._client is None:
+        if not self._running:
             raise RuntimeError("submit() before start() or after close()")
 
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               on_event: Callable[[TokenEvent], None]) -> RequestHandle:
+        """As every engine's (``EngineBase.submit``), but called on a running event loop the request runs on that
+        loop, and ``on_event`` is called there (never before ``submit`` returns)."""
+        self._check_running()
+        return self._send([(self.check_prompt(prompt_ids), on_event)], params, _running_loop())[0]
+
     def _enqueue(self, requests: list[Request], params: SamplingParams) -> list[RemoteHandle]:
-        """Send each checked prompt to vLLM on a thread of its own, which calls its ``on_event`` for each piece and
-        once with a ``finish_reason`` ("cancelled" after ``cancel()``, "error" when vLLM fails or goes away)."""
+        """``generate_many``'s prompts, on the engine's own loop (its caller waits for them)."""
+        return self._send(requests, params, None)
+
+    def _send(self, requests: list[Request], params: SamplingParams,
+              loop: asyncio.AbstractEventLoop | None) -> list[RemoteHandle]:
+        """Start each checked prompt's stream as a task on ``loop`` (None: the engine's own), which calls its
+        ``on_event`` for each piece and once with a ``finish_reason`` ("cancelled" after ``cancel()``, "error"
+        when vLLM fails or goes away)."""
+        loop = loop or self._engine_loop()
         handles = []
         for prompt, on_event in requests:
-            handle = RemoteHandle(self)
+            handle = RemoteHandle(loop)
             with self._lock:
-                client = self._client
                 self._active.add(handle)
                 self._counts["requests"] += 1
-            threading.Thread(target=self._stream, args=(client, handle, prompt, params, on_event), daemon=True,
-                             name="vllm-request").start()
+            if _running_loop() is loop:
+                _start(handle, self._stream(handle, prompt, params, on_event))
+            else:
+                loop.call_soon_threadsafe(_start, handle, self._stream(handle, prompt, params, on_event))
             handles.append(handle)
         return handles
 
-    def _stream(self, client: Any, handle: RemoteHandle, prompt: list[int], params: SamplingParams,
-                on_event: Callable[[TokenEvent], None]) -> None:
+    def _engine_loop(self) -> asyncio.AbstractEventLoop:
+        """The engine's own event loop, on a daemon thread started on first use."""
+        with self._lock:
+            if self._own_loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=_run_forever, args=(loop,), name="vllm-client", daemon=True).start()
+                self._own_loop = loop
+            return self._own_loop
+
+    def _client(self, loop: asyncio.AbstractEventLoop) -> _VllmClient:
+        """The client of ``loop`` (a client's connections belong to one loop); those of closed loops forgotten."""
+        with self._lock:
+            client = self._clients.get(loop)
+            if client is None:
+                self._clients = {known: c for known, c in self._clients.items() if not known.is_closed()}
+                client = self._clients[loop] = _VllmClient()
+            return client
+
+    def _body(self, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
         # vLLM takes top_p in (0, 1] only, greedy or not; top_p 0 keeps the most likely token: greedy, as on the CPU
         greedy = params.temperature == 0 or params.top_p == 0
         body: dict[str, Any] = {
@@ -153,23 +221,30 @@ class RemoteEngine(EngineBase):
             body["seed"] = params.seed
         if params.stop:
             body["stop"] = list(params.stop)
+        return body
+
+    async def _stream(self, handle: RemoteHandle, prompt: list[int], params: SamplingParams,
+                      on_event: Callable[[TokenEvent], None]) -> None:
+        handle.started = True
         completion, finish, error = 0, None, None
         try:
-            with client.stream("POST", f"{self.base_url}/v1/completions", json=body, headers=self._headers) as response:
-                handle.response = response
-                if response.status_code != 200:
-                    error = f"vLLM answered {response.status_code}: {_error_message(response.read())}"
+            if handle.cancelled:
+                raise asyncio.CancelledError
+            client = self._client(asyncio.get_running_loop())
+            status, lines = await client.stream(f"{self.base_url}/v1/completions",
+                                                orjson.dumps(self._body(prompt, params)), self._headers)
+            try:
+                if status != 200:
+                    error = f"vLLM answered {status}: {_error_message(''.join([line async for line in lines]).encode())}"
                 else:
-                    for line in response.iter_lines():
-                        if handle.cancelled:
-                            break
-                        if not line.startswith("data: {"):
-                            continue
-                        chunk = json.loads(line[6:])
+                    async for line in lines:
+                        if finish is not None or not line.startswith("data: {"):
+                            continue  # after the last token: read to [DONE], so that the connection is kept
+                        chunk = orjson.loads(line[6:])
                         if "error" in chunk:  # vLLM failed mid-stream: its error object, then [DONE]
                             error = f"vLLM failed: {_error_message(line[6:].encode())}"
                             break
-                        choices = chunk.get("choices") or []
+                        choices = chunk.get("choices")
                         if not choices:
                             continue
                         choice = choices[0]
@@ -182,8 +257,10 @@ class RemoteEngine(EngineBase):
                         if finish is not None:
                             self._release(handle)  # free before its last event, as the CPU engine's slot is
                         on_event(TokenEvent(choice.get("text") or "", tokens, finish, len(prompt), completion))
-                        if finish is not None:
-                            break
+            finally:
+                await lines.aclose()  # read to its end: the connection goes back to the pool; else it is closed
+        except asyncio.CancelledError:
+            handle.cancelled = True
         except Exception as e:  # noqa: BLE001 - the stream's end says what happened
             if not handle.cancelled:
                 error = f"{type(e).__name__}: {e}"
@@ -202,6 +279,70 @@ class RemoteEngine(EngineBase):
         handle.done = True
         with self._lock:
             self._active.discard(handle)
+
+
+class _VllmClient:
+    """httpx's async client on one event loop: keep-alive connections to vLLM (TCP_NODELAY, as anyio opens them),
+    as many as there are streams (vLLM batches them all; a bound here would queue them)."""
+
+    def __init__(self) -> None:
+        import httpx
+
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None),
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+
+    async def stream(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, AsyncGenerator[str, None]]:
+        """POST ``body`` (JSON); the answer's status and its lines as they come. Closing the lines before their end
+        closes the connection (vLLM then aborts the request); read to their end, it serves the next request."""
+        request = self._client.build_request("POST", url, content=body,
+                                             headers={**headers, "content-type": "application/json"})
+        response = await self._client.send(request, stream=True)
+
+        async def lines() -> AsyncGenerator[str, None]:
+            try:
+                async for line in response.aiter_lines():
+                    yield line
+            finally:
+                await response.aclose()
+
+        return response.status_code, lines()
+
+    def close(self) -> None:
+        """Close every connection (called on the client's loop)."""
+        asyncio.ensure_future(self.aclose())
+
+    async def aclose(self) -> None:
+        """Close every connection."""
+        await self._client.aclose()
+
+
+async def _wind_down(handles: list[RemoteHandle], client: _VllmClient | None) -> None:
+    """Wait for cancelled requests to end, then close the connections (the engine's own loop, at close; their
+    tasks exist by now: each was started by a callback queued before this)."""
+    await asyncio.gather(*(h.task for h in handles if h.task is not None), return_exceptions=True)
+    if client is not None:
+        await client.aclose()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, if any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _start(handle: RemoteHandle, stream: Coroutine[Any, Any, None]) -> None:
+    """Run a request's stream as a task on the loop of this thread (its handle's)."""
+    handle.task = asyncio.get_running_loop().create_task(stream)
+
+
+def _run_forever(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
 
 
 def _error_message(body: bytes) -> str:

@@ -15,6 +15,9 @@ The real vLLM runs in ``test_vllm_runtime.py``, where it is installed.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,7 +34,7 @@ from shardline.errors import ContextLengthExceeded, InferenceFailed
 from shardline.online.dataplane import DataPlane
 from shardline.online.tenants import TenantDirectory, hash_api_key
 from shardline.runtimes import RuntimeOptions, create_runtime
-from shardline.runtimes.generation import Engine, EngineConfig, SamplingParams
+from shardline.runtimes.generation import Engine, EngineConfig, SamplingParams, TokenEvent
 from shardline.runtimes.vllm import RemoteEngine, VllmModel
 from shardline.storage.registry import ModelRegistry
 from tests.engine_conformance import GREEDY, PROMPT, EngineConformance, Recorder, wait_until
@@ -110,6 +113,39 @@ def test_a_cancelled_request_is_aborted_in_vllm(remote: RemoteEngine, vllm: Vllm
     handle.cancel()
     wait_until(lambda: (vllm.aborted, vllm.running, vllm.engine.stats()["slots_busy"]) == (before + 1, 0, 0))
     assert recorder.finished.wait(10) and recorder.events[-1].finish_reason == "cancelled"
+
+
+def test_requests_one_after_another_reuse_one_kept_alive_connection_to_vllm(remote: RemoteEngine,
+                                                                           vllm: VllmCompatibleServer) -> None:
+    for _ in range(3):  # each stream is read to vLLM's [DONE], so that its connection serves the next one
+        remote.generate(remote.tokenize(PROMPT), SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(set(vllm.peers[-3:])) == 1
+
+
+def test_streams_submitted_on_an_event_loop_run_on_it_without_a_thread_each(remote: RemoteEngine) -> None:
+    async def four_streams() -> tuple[set[int], int, int]:
+        threads: set[int] = set()
+        done = asyncio.Event()
+        finished = [0]
+
+        def on_event(event: TokenEvent) -> None:
+            threads.add(threading.get_ident())
+            if event.finish_reason is not None:
+                finished[0] += 1
+                if finished[0] == 4:
+                    done.set()
+
+        before = threading.active_count()
+        for i in range(4):
+            remote.submit(remote.tokenize(f"{PROMPT} {i}"), SamplingParams(max_tokens=6, temperature=0.0), on_event)
+        await asyncio.sleep(0.05)
+        during = threading.active_count()
+        await asyncio.wait_for(done.wait(), 30)
+        return threads, before, during
+
+    threads, before, during = asyncio.run(four_streams())
+    assert threads == {threading.get_ident()}  # every event on the loop that submitted it: no hop, no thread
+    assert during == before
 
 
 def test_a_prompt_refused_here_never_reaches_vllm(remote: RemoteEngine, vllm: VllmCompatibleServer) -> None:
@@ -226,6 +262,49 @@ def test_a_client_gone_mid_stream_aborts_the_request_in_vllm(served: tuple[str, 
         assert time.monotonic() < deadline, "the request still runs in vLLM after its client went away"
         time.sleep(0.02)
     assert plane.llm.gate(plane.tenants.tenants["acme"]).streams == 0
+
+
+def test_serve_passes_the_first_token_on_while_vllm_holds_the_next(served: tuple[str, DataPlane],
+                                                                    vllm: VllmCompatibleServer) -> None:
+    url = served[0]
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 6, "stream": True, "temperature": 0}
+    vllm.hold.set()  # vLLM sends the first token, then nothing until released
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": f"Bearer {TENANT_KEY}"},
+                          json=body, timeout=httpx.Timeout(30, read=10)) as answer:
+            lines = answer.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))  # a ReadTimeout if it was held back
+            assert vllm.hold.is_set() and json.loads(first[6:])["choices"][0]["finish_reason"] is None
+            vllm.hold.clear()
+            rest = [line for line in lines if line.startswith("data: ")]
+    finally:
+        vllm.hold.clear()
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    peers = len(vllm.peers)
+    with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": f"Bearer {TENANT_KEY}"},
+                      json=body, timeout=30) as answer:
+        answer.read()
+    assert len(vllm.peers) == peers + 1 and vllm.peers[-1] == vllm.peers[-2]  # the same kept-alive connection
+
+
+def test_a_short_prompt_is_tokenized_on_the_loop_a_long_one_on_the_codec_threads(
+        served: tuple[str, DataPlane], monkeypatch: pytest.MonkeyPatch) -> None:
+    url, plane = served
+    hops: list[str] = []
+    off_loop = plane.off_loop
+
+    async def recorded(call: Any) -> Any:
+        hops.append("codec")
+        return await off_loop(call)
+
+    monkeypatch.setattr(plane, "off_loop", recorded)
+    headers = {"Authorization": f"Bearer {TENANT_KEY}"}
+    answer = httpx.post(f"{url}/v1/completions", headers=headers, timeout=30,
+                        json={"model": "tiny", "prompt": "The river " * 50, "max_tokens": 2})
+    assert answer.status_code == 200 and hops == []  # ~500 characters: no hop to a thread for a millisecond's work
+    refused = httpx.post(f"{url}/v1/completions", headers=headers, timeout=30,
+                         json={"model": "tiny", "prompt": "word " * 1000, "max_tokens": 2})
+    assert refused.status_code == 400 and hops == ["codec"]  # 5,000 characters: tokenized off the loop, then refused
 
 
 def test_batch_predict_gives_what_the_cpu_runtime_gives_on_the_same_weights(

@@ -27,13 +27,17 @@ same for a greedy or seeded request every time. What it answers follows vLLM's `
 - ``api_key`` (``vllm serve --api-key``): a ``/v1`` request without ``Authorization: Bearer <key>`` is a 401
   ``{"error": "Unauthorized"}``.
 
-``bodies`` keeps every completions body received, in order: what the runtime sent.
+``bodies`` keeps every completions body received, in order: what the runtime sent; ``peers`` the address each came
+from (one per connection: a client that keeps its connections alive sends many from one). ``hold`` set, a stream
+stops after its first chunk until ``hold`` is cleared: what reached the client meanwhile was not held back on the
+way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -91,6 +95,8 @@ class VllmCompatibleServer:
         self.max_model_len = engine.config.max_context
         self.url = ""
         self.bodies: list[dict[str, Any]] = []  # every completions body received, in order
+        self.peers: list[tuple[str, int]] = []  # the client address of each (one per connection)
+        self.hold = threading.Event()  # set: streams pause after their first chunk until it is cleared
         self.running = 0  # generations under way now
         self.aborted = 0  # streams whose client went away before the end: aborted in the engine
 
@@ -124,6 +130,7 @@ class VllmCompatibleServer:
         except ValueError:
             return Refused(400, "the body is not JSON").response()
         self.bodies.append(body)
+        self.peers.append((request.client.host, request.client.port) if request.client else ("?", 0))
         try:
             prompt, params = self._read(body)
         except Refused as refused:
@@ -246,6 +253,8 @@ class _Answer:
                 chunk = self._document([self._choice(event, params, event.text, first)],
                                        self._usage(completion) if continuous else None)
                 yield f"data: {json.dumps(chunk)}\n\n"
+                while first and self.server.hold.is_set():
+                    await asyncio.sleep(0.005)
                 first = False
                 if event.finish_reason is not None:
                     break

@@ -19,6 +19,8 @@ from pathlib import Path
 root = Path(sys.argv[1]); bad = []
 for folder in sys.argv[2:]:
     for path in sorted((root / folder).rglob("*.py")):
+        if any(part.startswith(".") for part in path.relative_to(root).parts):
+            continue  # git-ignored: bench/.peers holds peers' own environments (vLLM's, guidellm's), bench/.data data
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("shardline")):

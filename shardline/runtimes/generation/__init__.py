@@ -53,7 +53,9 @@ class Engine(Protocol):
           (``ContextLengthExceeded``, with both lengths) and ids outside the vocabulary (``InvalidInput``),
           before anything is generated: ``submit`` and ``generate_many`` raise what it raises, and
           ``generate_many`` then queues none of its prompts.
-        - ``submit`` calls ``on_event`` from another thread with the tokens as they come, in order, and
+        - ``submit`` calls ``on_event`` from another thread (or, for an engine whose requests run on an event loop,
+          ``RemoteEngine`` submitted from a running loop, on that loop, never before ``submit`` returns) with the
+          tokens as they come, in order, and
           exactly once with a ``finish_reason``, last: "stop" (end of sequence, or a stop string, whose text
           is left out), "length" (``max_tokens``, or the context is full), "cancelled" or "error". The
           events' texts add up to the completion; their ``completion_tokens`` grow to the tokens generated.

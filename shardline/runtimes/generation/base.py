@@ -143,8 +143,8 @@ class EngineBase(ABC):
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
                on_event: Callable[[TokenEvent], None]) -> RequestHandle:
-        """Queue a request; ``on_event`` is then called from the engine's thread for each piece and once with a
-        ``finish_reason`` (keep it cheap; it may call the handle's ``cancel``).
+        """Queue a request; ``on_event`` is then called from the engine's thread (or its event loop: see ``Engine``)
+        for each piece and once with a ``finish_reason`` (keep it cheap; it may call the handle's ``cancel``).
 
         Raises:
             ContextLengthExceeded: the prompt is longer than ``max_prompt_tokens`` (the message says both).

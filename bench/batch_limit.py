@@ -1,8 +1,8 @@
 """The machine's limit for batch scoring, on the same shards and model as ``batch_throughput.py``.
 
-Three measures, each on every core of the machine at once (one Python thread per core, each with its
-own onnxruntime session of one intra-op thread, not spinning; onnxruntime and pyarrow release the GIL
-for their work, so the threads run side by side as worker processes would):
+Four measures, each on every core of the machine at once: one worker process per core (forked from
+this one once, as Dask's local workers are one per core), each with its own onnxruntime session of one
+intra-op thread, not spinning, and pyarrow on its own thread (``use_threads=False``), so no GIL is shared:
 
 - **onnxruntime alone**: the shards' feature matrices (float32, in batches of 65,536 rows) held in
   memory beforehand (at most ``IN_MEMORY_ROWS`` rows, cycled to the cell's rows), scored and dropped.
@@ -12,8 +12,8 @@ for their work, so the threads run side by side as worker processes would):
 - **read + write alone**: each shard read in batches of 65,536 rows (``id`` and the features, as the
   platform reads them) and a part of the same rows written with the platform's output schema and
   encoding (``id``, ``label``, ``probabilities``; the model's answers to a batch computed once
-  beforehand and written for every batch, so no scoring happens), one shard per thread at a time.
-- **pipelined**: read -> stack the features -> score -> write, one shard per thread at a time,
+  beforehand and written for every batch, so no scoring happens), one shard per worker at a time.
+- **pipelined**: read -> stack the features -> score -> write, one shard per worker at a time,
   nothing else (no checks, no ledger, no capture, no commit): what the machine does with both.
 
 Then ``combined = 1 / (1/onnxruntime + 1/stacking + 1/read+write)`` (the parts sharing the cores, one
@@ -31,10 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -72,33 +70,68 @@ def _matrix(batch: pa.RecordBatch, features: list[str]) -> np.ndarray:
     return x
 
 
-def _on_every_core(work: list[Any], do: Callable[[int, Any], int], cores: int) -> int:
-    """``do(thread, item)`` for every item, ``cores`` threads taking items in turn; returns the rows they did."""
-    items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    for item in work:
-        items.put(item)
-    done = [0] * cores
-    errors: list[BaseException] = []
+_STATE: "Limits | None" = None  # the measures' inputs, set before the worker processes fork from this one
+_SESSION: list[Any] = []  # in a worker process: its onnxruntime session
 
-    def run(me: int) -> None:
-        try:
-            while True:
-                try:
-                    item = items.get_nowait()
-                except queue.Empty:
-                    return
-                done[me] += do(me, item)
-        except BaseException as e:  # raised again in the caller
-            errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(cores)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return sum(done)
+def _start_worker(bundle: Path) -> None:
+    _SESSION.append(_session(bundle))
+
+
+def _score_matrices(span: tuple[int, int]) -> int:
+    state, rows = _STATE, 0
+    assert state is not None
+    for i in range(*span):
+        x = state.matrices[i % len(state.matrices)]
+        _SESSION[0].run(["label", "probabilities"], {state.feed: x})
+        rows += int(x.shape[0])
+    return rows
+
+
+def _stack_batches(span: tuple[int, int]) -> int:
+    state, rows = _STATE, 0
+    assert state is not None
+    for i in range(*span):
+        rows += int(_matrix(state.batches[i % len(state.batches)], state.features).shape[0])
+    return rows
+
+
+def _copy_shard(shard: Path) -> int:
+    """Read a shard and write a part of its rows with the model's answers to one batch (no scoring)."""
+    state, rows = _STATE, 0
+    assert state is not None
+    with pq.ParquetWriter(state.output_dir / shard.name, state.schema, use_dictionary=state.dictionary) as out:
+        for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=["id", *state.features],
+                                                        use_threads=False):
+            n = batch.num_rows
+            answers = state.answers if n == state.answers.num_rows else state.answers.slice(0, n)
+            out.write_batch(pa.RecordBatch.from_arrays([batch.column(0), *answers.columns], schema=state.schema))
+            rows += n
+    return rows
+
+
+def _score_shard(shard: Path) -> int:
+    """Read a shard, stack, score and write its part: nothing else."""
+    state, rows = _STATE, 0
+    assert state is not None
+    with pq.ParquetWriter(state.output_dir / shard.name, state.schema, use_dictionary=state.dictionary) as out:
+        for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=["id", *state.features],
+                                                        use_threads=False):
+            label, probabilities = _SESSION[0].run(["label", "probabilities"],
+                                                   {state.feed: _matrix(batch, state.features)})
+            answers = _answers(label, probabilities)
+            out.write_batch(pa.RecordBatch.from_arrays([batch.column(0), *answers.columns], schema=state.schema))
+            rows += batch.num_rows
+    return rows
+
+
+def _answers(label: np.ndarray, probabilities: np.ndarray) -> pa.RecordBatch:
+    flat = pa.array(np.ascontiguousarray(probabilities, dtype=np.float32).ravel())
+    return pa.RecordBatch.from_arrays(
+        [pa.array(label), pa.FixedSizeListArray.from_arrays(flat, 2)],
+        schema=pa.schema([pa.field("label", pa.int64(), nullable=False),
+                          pa.field("probabilities", pa.list_(pa.float32(), 2), nullable=False)]),
+    )
 
 
 def _best_rate(one_pass: Callable[[], int]) -> float:
@@ -117,106 +150,73 @@ def _best_rate(one_pass: Callable[[], int]) -> float:
 
 
 class Limits:
-    """The three measures over one folder of shards (see the module docstring)."""
+    """The measures' inputs over one folder of shards (see the module docstring), read in this process; the
+    measures run in one worker process per core, forked from it, each with its own session."""
 
-    def __init__(self, bundle: Path, input_dir: Path, output_dir: Path, rows: int, cores: int) -> None:
+    def __init__(self, bundle: Path, input_dir: Path, output_dir: Path, rows: int) -> None:
         from shardline.storage.shards import dictionary_columns
 
+        self.bundle = bundle
         self.feed, self.features = _features(bundle)
         self.shards = sorted(input_dir.glob("*.parquet"))
         self.output_dir = output_dir
         self.rows = rows
-        self.cores = cores
-        self.sessions = [_session(bundle) for _ in range(cores)]
-        first = next(pq.ParquetFile(self.shards[0]).iter_batches(batch_size=BATCH_ROWS, columns=self.features))
-        label, probabilities = self.sessions[0].run(["label", "probabilities"], {self.feed: _matrix(first, self.features)})
-        self.answers = self._answers(label, probabilities)
+        self.batches: list[pa.RecordBatch] = []
+        held = 0
+        for shard in self.shards:
+            for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=self.features,
+                                                            use_threads=False):
+                self.batches.append(batch)
+                held += batch.num_rows
+                if held >= min(rows, IN_MEMORY_ROWS):
+                    break
+            if held >= min(rows, IN_MEMORY_ROWS):
+                break
+        self.matrices = [_matrix(batch, self.features) for batch in self.batches]
+        self.repeat = max(1, round(rows / held * len(self.batches)))  # batches a pass over in-memory rows
+        # The model's answers to the first batch, written for every batch by read + write alone. (This process's
+        # session runs no thread: one intra-op thread, not spinning, so the workers may fork from it.)
+        label, probabilities = _session(bundle).run(["label", "probabilities"], {self.feed: self.matrices[0]})
+        self.answers = _answers(label, probabilities)
         self.schema = pa.schema([pa.field("id", pa.int64()), *self.answers.schema])
         self.dictionary = dictionary_columns(self.schema, ["id"])  # the platform's encoding of its parts
 
-    def _answers(self, label: np.ndarray, probabilities: np.ndarray) -> pa.RecordBatch:
-        flat = pa.array(np.ascontiguousarray(probabilities, dtype=np.float32).ravel())
-        return pa.RecordBatch.from_arrays(
-            [pa.array(label), pa.FixedSizeListArray.from_arrays(flat, 2)],
-            schema=pa.schema([pa.field("label", pa.int64(), nullable=False),
-                              pa.field("probabilities", pa.list_(pa.float32(), 2), nullable=False)]),
-        )
+    def measure(self, cores: int) -> dict[str, float]:
+        """Every measure, on ``cores`` worker processes."""
+        import multiprocessing
 
-    def _shard_passes(self, shard_job: Callable[[int, Path], int]) -> Callable[[], int]:
-        """One pass: every shard once (at least the cell's rows: the folder holds them)."""
-        def one_pass() -> int:
-            shutil.rmtree(self.output_dir, ignore_errors=True)
-            self.output_dir.mkdir(parents=True)
-            return _on_every_core(self.shards, shard_job, self.cores)
-        return one_pass
+        global _STATE
+        _STATE = self  # the workers inherit it (fork): the in-memory batches are not copied to them
+        with multiprocessing.get_context("fork").Pool(cores, _start_worker, (self.bundle,)) as pool:
+            spans = _spans(self.repeat, cores * 4)
 
-    def in_memory(self) -> tuple[float, float]:
-        """Rows/s of the sessions alone on in-memory matrices, and of stacking in-memory batches into them."""
-        batches, held = [], 0
-        for shard in self.shards:
-            for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=self.features):
-                batches.append(batch)
-                held += batch.num_rows
-                if held >= min(self.rows, IN_MEMORY_ROWS):
-                    break
-            if held >= min(self.rows, IN_MEMORY_ROWS):
-                break
-        matrices = [_matrix(batch, self.features) for batch in batches]
-        repeat = max(1, round(self.rows / held * len(batches)))
+            def shards_pass(work: Callable[[Path], int]) -> Callable[[], int]:
+                def one_pass() -> int:
+                    shutil.rmtree(self.output_dir, ignore_errors=True)
+                    self.output_dir.mkdir(parents=True)
+                    return sum(pool.map(work, self.shards, chunksize=1))
+                return one_pass
 
-        def score(me: int, x: np.ndarray) -> int:
-            self.sessions[me].run(["label", "probabilities"], {self.feed: x})
-            return int(x.shape[0])
+            return {
+                "onnxruntime": _best_rate(lambda: sum(pool.map(_score_matrices, spans, chunksize=1))),
+                "stacking": _best_rate(lambda: sum(pool.map(_stack_batches, spans, chunksize=1))),
+                "read_write": _best_rate(shards_pass(_copy_shard)),
+                "pipelined": _best_rate(shards_pass(_score_shard)),
+            }
 
-        def stack(me: int, batch: pa.RecordBatch) -> int:
-            return int(_matrix(batch, self.features).shape[0])
 
-        scored = _best_rate(lambda: _on_every_core([matrices[i % len(matrices)] for i in range(repeat)], score,
-                                                   self.cores))
-        stacked = _best_rate(lambda: _on_every_core([batches[i % len(batches)] for i in range(repeat)], stack,
-                                                    self.cores))
-        return scored, stacked
-
-    def read_write(self) -> float:
-        """Rows/s of reading each shard and writing a part of its rows, no scoring."""
-        def copy(me: int, shard: Path) -> int:
-            rows = 0
-            with pq.ParquetWriter(self.output_dir / shard.name, self.schema, use_dictionary=self.dictionary) as out:
-                for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=["id", *self.features],
-                                                                use_threads=False):
-                    n = batch.num_rows
-                    answers = self.answers if n == self.answers.num_rows else self.answers.slice(0, n)
-                    out.write_batch(pa.RecordBatch.from_arrays([batch.column(0), *answers.columns], schema=self.schema))
-                    rows += n
-            return rows
-
-        return _best_rate(self._shard_passes(copy))
-
-    def pipelined(self) -> float:
-        """Rows/s of read -> stack -> score -> write, nothing else."""
-        def score(me: int, shard: Path) -> int:
-            rows = 0
-            with pq.ParquetWriter(self.output_dir / shard.name, self.schema, use_dictionary=self.dictionary) as out:
-                for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=["id", *self.features],
-                                                                use_threads=False):
-                    label, probabilities = self.sessions[me].run(["label", "probabilities"],
-                                                                 {self.feed: _matrix(batch, self.features)})
-                    answers = self._answers(label, probabilities)
-                    out.write_batch(pa.RecordBatch.from_arrays([batch.column(0), *answers.columns], schema=self.schema))
-                    rows += batch.num_rows
-            return rows
-
-        return _best_rate(self._shard_passes(score))
+def _spans(items: int, parts: int) -> list[tuple[int, int]]:
+    """``range(items)`` in about ``parts`` consecutive spans."""
+    step = max(1, -(-items // parts))
+    return [(i, min(items, i + step)) for i in range(0, items, step)]
 
 
 def measure(bundle: Path, input_dir: Path, output_dir: Path, rows: int, cores: int) -> dict[str, Any]:
-    """The three measures and the limit, as a dict (rows/s)."""
-    limits = Limits(bundle, input_dir, output_dir, rows, cores)
-    (ort_rate, stacking), io_rate, pipelined = limits.in_memory(), limits.read_write(), limits.pipelined()
+    """The measures and the limit, as a dict (rows/s)."""
+    found = Limits(bundle, input_dir, output_dir, rows).measure(cores)
     shutil.rmtree(output_dir, ignore_errors=True)
-    combined = 1.0 / (1.0 / ort_rate + 1.0 / stacking + 1.0 / io_rate)
-    return {"onnxruntime": ort_rate, "stacking": stacking, "read_write": io_rate, "combined": combined,
-            "pipelined": pipelined, "limit": max(combined, pipelined), "cores": cores}
+    combined = 1.0 / (1.0 / found["onnxruntime"] + 1.0 / found["stacking"] + 1.0 / found["read_write"])
+    return {**found, "combined": combined, "limit": max(combined, found["pipelined"]), "cores": cores}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ import os
 import shutil
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -96,32 +97,22 @@ def _stack_batches(span: tuple[int, int]) -> int:
     return rows
 
 
-def _copy_shard(shard: Path) -> int:
-    """Read a shard and write a part of its rows with the model's answers to one batch (no scoring)."""
+def _write_part(shard: Path, score: bool) -> int:
+    """Read a shard and write its part: stacked and scored (``score``: the pipelined measure), or with the model's
+    answers to one batch (read + write alone)."""
     state, rows = _STATE, 0
     assert state is not None
     with pq.ParquetWriter(state.output_dir / shard.name, state.schema, use_dictionary=state.dictionary) as out:
         for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=["id", *state.features],
                                                         use_threads=False):
             n = batch.num_rows
-            answers = state.answers if n == state.answers.num_rows else state.answers.slice(0, n)
+            if score:
+                answers = _answers(*_SESSION[0].run(["label", "probabilities"],
+                                                    {state.feed: _matrix(batch, state.features)}))
+            else:
+                answers = state.answers if n == state.answers.num_rows else state.answers.slice(0, n)
             out.write_batch(pa.RecordBatch.from_arrays([batch.column(0), *answers.columns], schema=state.schema))
             rows += n
-    return rows
-
-
-def _score_shard(shard: Path) -> int:
-    """Read a shard, stack, score and write its part: nothing else."""
-    state, rows = _STATE, 0
-    assert state is not None
-    with pq.ParquetWriter(state.output_dir / shard.name, state.schema, use_dictionary=state.dictionary) as out:
-        for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=["id", *state.features],
-                                                        use_threads=False):
-            label, probabilities = _SESSION[0].run(["label", "probabilities"],
-                                                   {state.feed: _matrix(batch, state.features)})
-            answers = _answers(label, probabilities)
-            out.write_batch(pa.RecordBatch.from_arrays([batch.column(0), *answers.columns], schema=state.schema))
-            rows += batch.num_rows
     return rows
 
 
@@ -200,8 +191,8 @@ class Limits:
             return {
                 "onnxruntime": _best_rate(lambda: sum(pool.map(_score_matrices, spans, chunksize=1))),
                 "stacking": _best_rate(lambda: sum(pool.map(_stack_batches, spans, chunksize=1))),
-                "read_write": _best_rate(shards_pass(_copy_shard)),
-                "pipelined": _best_rate(shards_pass(_score_shard)),
+                "read_write": _best_rate(shards_pass(partial(_write_part, score=False))),
+                "pipelined": _best_rate(shards_pass(partial(_write_part, score=True))),
             }
 
 

@@ -426,11 +426,17 @@ def run_child(side: str, bundle: Path, input_dir: Path) -> Run:
     return Run(side, result["rows"], wall, result["steady_seconds"], usage)
 
 
-def run_limit(bundle: Path, input_dir: Path) -> dict[str, float]:
-    """The machine's limit on ``input_dir`` (bench/batch_limit.py), in a child process like the contenders."""
+def run_limit(bundle: Path, input_dir: Path, retries: int) -> dict[str, float]:
+    """The machine's limit on ``input_dir`` (bench/batch_limit.py), in a child process like the contenders: measured
+    again (up to ``retries`` times) while other processes used over ``NOISY_CORES``; each measure's best."""
     command = [sys.executable, str(HERE / "batch_limit.py"), str(bundle), str(input_dir), str(_output("limit"))]
-    _, out, _ = _run_measured(command, _env())
-    return _last_json(out)
+    found: list[dict[str, float]] = []
+    while True:
+        _, out, usage = _run_measured(command, _env())
+        found.append(_last_json(out))
+        if usage.rest_cores <= NOISY_CORES or len(found) > retries:
+            return {key: max(f[key] for f in found) for key in found[0]}
+        print(f"  ({usage.rest_cores:.2f} cores used by other processes: measuring the limit again)", flush=True)
 
 
 def run_platform(kind: str, input_dir: Path) -> Run:
@@ -621,7 +627,7 @@ def run_cell(kind: str, bundle: Path, input_dir: Path, shards: int, rows: int, r
     runs: dict[str, list[Run]] = {side: [] for side in CONTENDERS}
     limits: list[dict[str, float]] = []
     for i in range(repeats):  # interleaved, so that a change in the machine's load hits every side
-        limits.append(run_limit(bundle, input_dir))
+        limits.append(run_limit(bundle, input_dir, retries))
         print(f"  {kind} {rows:,}-row shards, machine's limit run {i + 1}: {limits[-1]['limit']:,.0f} rows/s "
               f"(onnxruntime alone {limits[-1]['onnxruntime']:,.0f}, stacking alone {limits[-1]['stacking']:,.0f}, "
               f"read + write alone {limits[-1]['read_write']:,.0f}, combined {limits[-1]['combined']:,.0f}, "

@@ -32,8 +32,8 @@ of the limit and its ratios to the tight loop and to Dask, with the targets (ste
 the limit, >= 1.2x the tight loop and >= 1.5x Dask; peak tree PSS <= Dask's and flat across
 the cells; start-up plus tear-down <= 2 s) and MISSED where one is not met.
 
-    .venv/bin/python bench/batch_throughput.py            # 4M rows a cell, 2 runs each: ~6 min on 2 quiet cores
-    .venv/bin/python bench/batch_throughput.py --quick    # 0.8-2M rows a cell, 1 run: ~3 min (shards written once more)
+    .venv/bin/python bench/batch_throughput.py            # 4M rows a cell, 2 runs each: ~8 min on 2 quiet cores
+    .venv/bin/python bench/batch_throughput.py --quick    # 0.8-2M rows a cell, 1 run: ~4 min (shards written once more)
 
 Data lives under bench/.data/batch/ (git-ignored): the shards are written once and
 reused; bundles, registry and outputs are made afresh on every run.

@@ -23,8 +23,9 @@ take comparable time), each with the breast-cancer logistic regression (I/O-boun
 the model is a few multiply-adds a row) and the 100-tree GBT (compute-bound) of
 ``shardline.build.examples``. Each contender runs in its own process, sampled with psutil
 for the memory (PSS) of its whole process tree. Each cell also measures the machine's limit on
-its shards (``batch_limit.py``: onnxruntime alone on in-memory batches, reading and writing
-alone, the two combined, and a bare read->score->write pipeline, each on every core). Printed
+its shards (``batch_limit.py``: onnxruntime alone on in-memory batches, stacking the features
+alone, reading and writing alone, the three combined, and a bare read->stack->score->write
+pipeline, each on every core). Printed
 per cell: rows/s end to end (process start to exit, start-ups included) and in steady state
 (first shard started to last part written), peak tree memory, the platform's seconds outside
 the steady window (start-up plus tear-down); then the platform's steady rows/s as a fraction

@@ -579,6 +579,34 @@ def open_loop(url: str, body: bytes, rate: float, seconds: float,
     return asyncio.run(run())
 
 
+def _stop_between(pid: int, start_s: float, end_s: float, stopped: list[int]) -> Any:
+    """``open_loop``'s ``during``: SIGSTOP ``pid`` at ``start_s``, SIGCONT at ``end_s``, each noted in ``stopped``
+    (the pid, then -1)."""
+    def during(elapsed: float) -> None:
+        if elapsed >= start_s and not stopped:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        elif elapsed >= end_s and stopped[-1] != -1:
+            os.kill(pid, signal.SIGCONT)
+            stopped.append(-1)
+
+    return during
+
+
+def _local_router(home: Path, name: str, replicas: int, plane: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """``shardline router --local-replicas N`` on the plane, logging to ``router-<name>-<plane>.log``; its
+    process, URL and log."""
+    tenants = _tenants(home / f"tenants-{name}-{plane}.yaml")
+    port = free_port()
+    log = home / f"router-{name}-{plane}.log"
+    with open(log, "wb") as sink:
+        router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", str(replicas), "--tenants", str(tenants),
+                                   "--port", str(port), "--metrics-port", "off"],
+                                  env=_env(home, SHARDLINE_ROUTER_DATA_PLANE=plane), stdout=sink,
+                                  stderr=subprocess.STDOUT, cwd=home)
+    return router, f"http://127.0.0.1:{port}", log
+
+
 @pytest.mark.parametrize("plane", PLANES)
 def test_a_hung_replica_costs_a_request_a_bounded_delay_not_its_deadline(home: Path, breast_cancer_model: BuiltModel,
                                                                          plane: str) -> None:
@@ -588,14 +616,8 @@ def test_a_hung_replica_costs_a_request_a_bounded_delay_not_its_deadline(home: P
     requests waited for the stopped replica, the first in its order for most of them, hundreds would have taken
     seconds; a share, not the slowest one, so that a machine loaded by other tests (a client that lags, a try's
     bound that grows with the model's usual time) does not fail it. Then the router took the replica out, and back."""
-    tenants = _tenants(home / f"tenants-hung-{plane}.yaml")
-    port = free_port()
-    log = home / f"router-hung-{plane}.log"
-    with open(log, "wb") as sink:
-        router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "3", "--tenants", str(tenants), "--port",
-                                   str(port), "--metrics-port", "off"], env=_env(home, SHARDLINE_ROUTER_DATA_PLANE=plane),
-                                  stdout=sink, stderr=subprocess.STDOUT, cwd=home)
-    url, body = f"http://127.0.0.1:{port}", _infer_body(breast_cancer_model)
+    router, url, log = _local_router(home, "hung", 3, plane)
+    body = _infer_body(breast_cancer_model)
     stopped: list[int] = []
     try:
         _wait_ready(url, router, log, available=3)
@@ -608,15 +630,7 @@ def test_a_hung_replica_costs_a_request_a_bounded_delay_not_its_deadline(home: P
         warm = open_loop(url, body, 50, 2)  # every replica loads the model; the lane learns its usual time
         assert {status for status, _ in warm} == {200}
 
-        def stop_and_go(elapsed: float) -> None:
-            if elapsed >= 1.0 and not stopped:
-                os.kill(victim, signal.SIGSTOP)
-                stopped.append(victim)
-            elif elapsed >= 9.0 and stopped[-1] != -1:
-                os.kill(victim, signal.SIGCONT)
-                stopped.append(-1)
-
-        results = open_loop(url, body, 50, 10, stop_and_go)
+        results = open_loop(url, body, 50, 10, _stop_between(victim, 1.0, 9.0, stopped))
         assert stopped == [victim, -1]
         statuses = {status for status, _ in results}
         late = sorted(seconds for _, seconds in results if seconds > 2.0)
@@ -647,14 +661,8 @@ def test_a_stalled_only_replica_is_waited_for_not_taken_out(home: Path, breast_c
                                                            plane: str) -> None:
     """One replica, stopped for 1.5 s under 20 requests/s (as an overloaded machine's only replica stalls): with
     nowhere to move its requests the router keeps it, and every request is answered 200, late, not 503."""
-    tenants = _tenants(home / f"tenants-only-{plane}.yaml")
-    port = free_port()
-    log = home / f"router-only-{plane}.log"
-    with open(log, "wb") as sink:
-        router = subprocess.Popen([*SHARDLINE, "router", "--local-replicas", "1", "--tenants", str(tenants), "--port",
-                                   str(port), "--metrics-port", "off"], env=_env(home, SHARDLINE_ROUTER_DATA_PLANE=plane),
-                                  stdout=sink, stderr=subprocess.STDOUT, cwd=home)
-    url, body = f"http://127.0.0.1:{port}", _infer_body(breast_cancer_model)
+    router, url, log = _local_router(home, "only", 1, plane)
+    body = _infer_body(breast_cancer_model)
     stopped: list[int] = []
     try:
         _wait_ready(url, router, log, available=1)
@@ -663,15 +671,7 @@ def test_a_stalled_only_replica_is_waited_for_not_taken_out(home: Path, breast_c
             _eventually(lambda: f"fast lane: acme/{MODEL} ->" in log.read_text(), 20, "the model was never pinned")
         assert {status for status, _ in open_loop(url, body, 20, 1)} == {200}
 
-        def stop_and_go(elapsed: float) -> None:
-            if elapsed >= 0.5 and not stopped:
-                os.kill(only, signal.SIGSTOP)
-                stopped.append(only)
-            elif elapsed >= 2.0 and stopped[-1] != -1:
-                os.kill(only, signal.SIGCONT)
-                stopped.append(-1)
-
-        results = open_loop(url, body, 20, 4, stop_and_go)
+        results = open_loop(url, body, 20, 4, _stop_between(only, 0.5, 2.0, stopped))
         assert stopped == [only, -1]
         assert [r for r in results if r[0] != 200] == [], log.read_text()[-3000:]
         assert max(seconds for _, seconds in results) >= 1.0  # they did wait for it

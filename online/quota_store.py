@@ -170,6 +170,7 @@ class QuotaStore:
         self._charge = self.redis.register_script(CHARGE)
         self._renew = self.redis.register_script(RENEW)
         self._allowance: dict[str, int] = {}  # tenant -> rate tokens this router holds
+        self._refilling: set[str] = set()  # tenants whose allowance a request is refilling from Redis now
         self._leases: dict[str, set[str]] = {}  # lease set key -> the leases this router holds there
         self._local: dict[str, TenantGate] = {}  # Redis unreachable: 1/N of the quotas here
         self._local_llm: dict[str, LlmGate] = {}
@@ -221,14 +222,20 @@ class QuotaStore:
             name = tenant.name
             # A token of the allowance is taken before the call (other requests run while it waits) and given back
             # if Redis does not admit the request; the tokens Redis gives are added to what the allowance holds then.
+            # One request at a time refills the allowance; the others waiting on Redis meanwhile ask for their own
+            # token only, so that what a router holds unspent stays under one allowance (a refill per request in
+            # flight left dozens stranded when Redis was slow).
             have = self._allowance.get(name, 0)
             mine = rate is not None and have > 0
             if mine:
                 self._allowance[name] = have - 1
-            want = allowance(rate.requests_per_second, rate.burst) if rate is not None and not mine else 0
+            refill = rate is not None and not mine and name not in self._refilling
+            want = 0 if rate is None or mine else allowance(rate.requests_per_second, rate.burst) if refill else 1
             if want or most is not None:
                 lease = uuid.uuid4().hex if most is not None else ""
                 leases = key(name, "inflight")
+                if refill:
+                    self._refilling.add(name)
                 try:
                     status, value = await self._call(self._admit, [key(name, "rate"), leases], [
                         rate.requests_per_second if rate else 0, rate.burst if rate else 0, want, most or 0, lease,
@@ -258,6 +265,9 @@ class QuotaStore:
                         self._leases.setdefault(leases, set()).add(lease)
                         return Held(self, None, leases, lease)
                     return Held(self, None, None, None)
+                finally:
+                    if refill:
+                        self._refilling.discard(name)
             else:
                 return Held(self, None, None, None)  # a token of the allowance, taken above
         gate = self._local_gate(tenant)

@@ -57,6 +57,7 @@ local STALL_FACTOR, EWMA = 8, 0.1
 local STORE_TIMEOUTS = {50, 250, 250}  -- ms: connect, send, read (a pooled connection skips the connect)
 local STORE_POOL, STORE_IDLE_MS = 64, 10000
 local allowances = {}           -- tenant -> rate tokens taken from Redis and not yet spent (quota_store.allowance)
+local refilling = {}            -- tenant -> true while a request refills its allowance (one at a time)
 local leases = {}               -- tenant -> {lease -> true}: this worker's leases in Redis, renewed while held
 local lease_prefix, lease_n = nil, 0
 local store_down_until, store_down = 0, false
@@ -180,20 +181,29 @@ end
 -- The tenant's rate and concurrency in Redis (QuotaStore.admit's steps and messages). Returns true (admitted),
 -- false (refused: answered), or nil, err (Redis did not answer: the caller holds the share here). A token of the
 -- local allowance is taken before the call (others run while it waits) and given back if the request is not
--- admitted by Redis; tokens Redis gives are added to what the allowance holds then.
+-- admitted by Redis; tokens Redis gives are added to what the allowance holds then. One request at a time refills
+-- the allowance; the others meanwhile ask for their own token, so what the lane holds unspent stays under one.
 local function admit_shared(tenant, quota)
-  local want = 0
+  local want, refill = 0, false
   local have = allowances[tenant] or 0
   local mine = quota.rate > 0 and have > 0  -- a token of the allowance taken here
-  if mine then allowances[tenant] = have - 1 elseif quota.rate > 0 then want = quota.allowance end
+  if mine then
+    allowances[tenant] = have - 1
+  elseif quota.rate > 0 and refilling[tenant] then
+    want = 1  -- another request refills the allowance: this one asks for its own token only
+  elseif quota.rate > 0 then
+    want, refill = quota.allowance, true
+  end
   if want == 0 and quota.most == 0 then return true end
   local lease = quota.most > 0 and new_lease() or ""
+  if refill then refilling[tenant] = true end
   local red, err = store_connect()
   local res
   if red then
     res, err = store_script(red, "admit", 2, quota.keys.rate, quota.keys.inflight, quota.rate, quota.burst, want,
                             quota.most, lease, store.lease_ttl_ms)
   end
+  if refill then refilling[tenant] = nil end
   local status, value = res and tonumber(res[1]), res and tonumber(res[2])
   if not res or status == -1 then
     if mine then allowances[tenant] = (allowances[tenant] or 0) + 1 end

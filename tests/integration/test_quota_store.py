@@ -115,6 +115,27 @@ def test_concurrent_requests_spend_the_local_allowance_once(server: RedisServer)
     asyncio.run(run())
 
 
+def test_requests_at_once_refill_the_allowance_once(server: RedisServer) -> None:
+    """40 requests at once on a router whose allowance is empty: one refills it (5 tokens), the others each take
+    their own token, so the tenant's bucket loses 44 tokens, not 40 refills' 200 (a router left holding dozens
+    unspent, taken from the tenant and never used: the shared rate under-admitted under load)."""
+    async def run() -> None:
+        store = QuotaStore(server.url, 1, time.monotonic)
+        tenant = _tenant(rate=RateQuota(requests_per_second=100, burst=200))
+        step = allowance(100, 200)
+        assert step == 5
+        started = time.monotonic()
+        refused = await asyncio.gather(*(_refused(store, tenant) for _ in range(40)))
+        elapsed = time.monotonic() - started
+        assert refused == [None] * 40
+        left = float(redis.Redis.from_url(server.url).hget(key("acme", "rate"), "tokens") or 0)
+        taken = 40 + step - 1  # the requests' own, and the rest of one allowance
+        assert 200 - taken <= left <= 200 - taken + 100 * elapsed + 1, (left, elapsed)  # (the rate refills it)
+        await store.close()
+
+    asyncio.run(run())
+
+
 def test_streams_and_tokens_are_shared(server: RedisServer) -> None:
     async def run() -> None:
         one = QuotaStore(server.url, 2, time.monotonic)

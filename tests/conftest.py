@@ -108,3 +108,45 @@ def no_batch_runner_outlives_the_test(request: pytest.FixtureRequest) -> Iterato
         runner = find(folder.parent)
         if runner is not None and folder == runner_dir(folder.parent):
             os.killpg(runner.pid, signal.SIGKILL)  # it leads its session: its scheduler and workers go with it
+
+
+# Disk: a full run made ~3.5 GB of temporary folders (a copy of the embedding model in many of them), and CI's
+# machine ran out of space at 97%. pyproject's tmp_path_retention_policy = "failed" removes a passing test's
+# tmp_path at its end; these hooks remove what a module- or session-scoped fixture made with
+# tmp_path_factory.mktemp once that fixture is torn down (its servers stopped first), unless a test failed
+# meanwhile: then its logs stay to be read.
+_fixture_dirs: dict[int, tuple[int, list[Path]]] = {}  # id(fixturedef): (failures when set up, its folders)
+_claimed_dirs: set[Path] = set()
+_failures = 0
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Iterator[Any]:
+    factory = getattr(request.config, "_tmp_path_factory", None)
+    if fixturedef.scope == "function" or factory is None:
+        return (yield)
+    base = factory.getbasetemp()
+    before = set(base.iterdir())
+    try:
+        return (yield)
+    finally:
+        made = [path for path in base.iterdir() if path not in before and path not in _claimed_dirs]
+        if made:  # a fixture this one asked for while it ran has claimed its own folders already
+            _claimed_dirs.update(made)
+            _fixture_dirs[id(fixturedef)] = (_failures, made)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    global _failures
+    if report.failed:
+        _failures += 1
+
+
+def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> None:
+    import shutil
+
+    failures, made = _fixture_dirs.pop(id(fixturedef), (_failures, []))
+    for path in made:
+        _claimed_dirs.discard(path)
+        if failures == _failures:
+            shutil.rmtree(path, ignore_errors=True)

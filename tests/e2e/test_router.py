@@ -368,8 +368,10 @@ def test_a_good_canary_steps_to_all_traffic_and_is_promoted(
     routed: Routed, home: Path, shardline: Any, breast_cancer_model: BuiltModel, prefect_api: str
 ) -> None:
     since = time.time()
+    # No latency verdict: a p99 spike on the other xdist worker's load would roll the canary back (the p99
+    # criterion has its own tests in tests/unit/test_rollouts.py); this test is about stepping and promotion.
     rollout_id = _start(shardline, home, "--candidate", "2", "--steps", "50,100", "--interval", "2s",
-                        "--min-requests", "10")
+                        "--min-requests", "10", "--max-p99-ratio", "1000")
     body = _rows_body(breast_cancer_model.data.features[:3].astype(np.float32), breast_cancer_model.data.names)
     versions: set[str] = set()
 
@@ -381,7 +383,7 @@ def test_a_good_canary_steps_to_all_traffic_and_is_promoted(
                 versions.add(answer.json()["model_version"])
         return _churn_history(home)[-1].action == "promote"
 
-    _eventually(promoted, 60, "the canary never reached promotion")
+    _eventually(promoted, 60, lambda: f"the canary never reached promotion: {_churn_history(home)[-3:]}")
     moves = [m for m in _churn_history(home) if m.rollout is not None and m.rollout.id == rollout_id]
     assert [(m.action, m.rollout.weight if m.rollout else None) for m in moves] == [
         ("canary", 50), ("canary", 100), ("promote", 100)]

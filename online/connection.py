@@ -28,6 +28,10 @@ make the kernel send a reset that can destroy the answer before the client reads
 These answers are written below the app (no middleware, no access-log line, no request metrics):
 ``{"error": "..."}`` JSON, the V2 error form. ``limited_protocol`` also serves other apps on
 other listeners of the same server (the metrics port), chosen once per connection.
+
+An answer's head and body leave in one send (``_HeadWithBody``): uvicorn writes the head as soon as the app
+sends it, so each answer was two system calls and two packets, and a client that reads the head, then the
+body (http.client, requests) woke twice; a stream's head still leaves at once.
 """
 
 from __future__ import annotations
@@ -180,6 +184,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
 
     def on_headers_complete(self) -> None:
+        self._on_head_complete()
+        if self.cycle is not None and self.cycle.transport is self.transport:
+            self.cycle.transport = _HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
+
+    def _on_head_complete(self) -> None:
         self._unset_keepalive_if_required()  # the head timer
         self._in_head = False
         self.listeners.waiting.pop(self, None)
@@ -247,6 +256,49 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"retry-after", str(self.limits.retry_after_s).encode()), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+class _HeadWithBody:
+    """The transport one request's cycle writes its answer to. uvicorn writes a response's head as soon as the
+    app sends it and the body after: two system calls and, with TCP_NODELAY, two packets the client reads one
+    after the other. Here the head is held until the next write in the same turn of the loop (the body of an
+    answer whose length is known: the app sends it right after) and goes out with it, in one send. A head
+    whose body does not follow in that turn (a stream's) goes out at the end of the turn."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+    _COALESCE_MAX = 64 * 1024  # a larger body is sent after the head: copying it would cost more than a call
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = b""  # b"": nothing written yet; None: the head has gone out
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is None:
+            self._transport.write(data)
+        elif not held:
+            self._held = bytes(data)
+            self._loop.call_soon(self._flush)
+        else:
+            self._held = None
+            if len(data) <= self._COALESCE_MAX:
+                self._transport.write(held + data)
+            else:
+                self._transport.write(held)
+                self._transport.write(data)
+
+    def _flush(self) -> None:
+        held, self._held = self._held, None
+        if held and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, ...: the connection's own
+        return getattr(self._transport, name)
 
 
 def uvicorn_options(limits: ConnectionLimits, apps_by_port: dict[int, ASGIApp] | None = None) -> dict[str, Any]:

@@ -21,8 +21,10 @@ one Parquet file per shard (or partition) with the model's outputs:
 Cells: shards of about 50k, 200k and 1M rows (about the same rows per run, so runs
 take comparable time), each with the breast-cancer logistic regression (I/O-bound:
 the model is a few multiply-adds a row) and the 100-tree GBT (compute-bound) of
-``shardline.build.examples``. Each contender runs in its own process, sampled with psutil
-for the memory (PSS) of its whole process tree. Each cell also measures the machine's limit on
+``shardline.build.examples``. Each contender runs in its own process; its rates and CPU come
+from runs left alone, and the memory (PSS) of its whole process tree from one more run sampled
+with psutil (reading PSS costs the kernel a walk of each process's page tables: sampled, the
+platform's six processes lost a sixth of the cores to the sampler). Each cell also measures the machine's limit on
 its shards (``batch_limit.py``: onnxruntime alone on in-memory batches, stacking the features
 alone, reading and writing alone, the three combined, and a bare read->stack->score->write
 pipeline, each on every core). Printed
@@ -33,8 +35,8 @@ of the limit and its ratios to the tight loop and to Dask, with the targets (ste
 the limit, >= 1.2x the tight loop and >= 1.5x Dask; peak tree PSS <= Dask's and flat across
 the cells; start-up plus tear-down <= 2 s) and MISSED where one is not met.
 
-    .venv/bin/python bench/batch_throughput.py            # 4M rows a cell, 2 runs each: ~8 min on 2 quiet cores
-    .venv/bin/python bench/batch_throughput.py --quick    # 0.8-2M rows a cell, 1 run: ~4 min (shards written once more)
+    .venv/bin/python bench/batch_throughput.py            # 4M rows a cell, 2 runs each + 1 for memory: ~10 min on 2 quiet cores
+    .venv/bin/python bench/batch_throughput.py --quick    # 0.8-2M rows a cell, 1 run + 1 for memory: ~5 min (shards written once more)
 
 Data lives under bench/.data/batch/ (git-ignored): the shards are written once and
 reused; bundles, registry and outputs are made afresh on every run.
@@ -349,9 +351,15 @@ class Run:
 
 
 def _run_measured(command: list[str], env: dict[str, str], interval: float = 0.1,
-                  runner: bool = False) -> tuple[float, str, Usage]:
-    """Run a command to its end, sampling its process tree (and with ``runner``, the home's batch runner's,
-    started by the command or before it); returns (wall seconds, stdout, usage)."""
+                  runner: bool = False, memory: bool = False) -> tuple[float, str, Usage]:
+    """Run a command to its end; returns (wall seconds, stdout, usage): the CPU of its process tree (and with
+    ``runner``, of the home's batch runner's, started by the command or before it), and with ``memory`` the
+    peak PSS of those trees, sampled every ``interval``.
+
+    Reading a process's PSS costs the kernel a walk of its page tables (/proc/PID/smaps_rollup: ~5 ms of CPU
+    for a Dask worker here), which competes with the run measured: sampling the platform's six processes
+    every 0.1 s took 0.25-0.35 of the 2 cores, and the tight loop's one process a sixth of that. So the rates
+    come from runs without it, and the memory from a run of its own (``run_cell``)."""
     usage, done = Usage(), threading.Event()
     wait_for_quiet()
     runner_before = _runner_pid() if runner else None
@@ -367,11 +375,13 @@ def _run_measured(command: list[str], env: dict[str, str], interval: float = 0.1
         return [proc.pid, *([found[0]] if found[0] is not None else [])]
 
     sampler = threading.Thread(target=_sample, args=(roots, usage, done, interval), daemon=True)
-    sampler.start()
+    if memory:
+        sampler.start()
     out, err = proc.communicate()
     wall = time.perf_counter() - started
     done.set()
-    sampler.join()
+    if memory:
+        sampler.join()
     after, busy_after = resource.getrusage(resource.RUSAGE_CHILDREN), _busy_cpu_seconds()
     # RUSAGE_CHILDREN counts every descendant that was waited for (Dask workers of a cold run, Prefect's
     # temporary server); the runner is no child of this process: its tree's CPU is counted from psutil
@@ -416,11 +426,11 @@ def _output(side: str) -> Path:
     return output
 
 
-def run_child(side: str, bundle: Path, input_dir: Path) -> Run:
+def run_child(side: str, bundle: Path, input_dir: Path, memory: bool = False) -> Run:
     """The tight loop or the plain Dask script in a child process over ``input_dir``."""
     flag = "--tight-loop" if side == "tight loop" else "--dask-script"
     command = [sys.executable, str(Path(__file__).resolve()), flag, str(bundle), str(input_dir), str(_output(side))]
-    wall, out, usage = _run_measured(command, _env())
+    wall, out, usage = _run_measured(command, _env(), memory=memory)
     result = _last_json(out)
     if side == "tight loop":
         usage.worker = usage.tree  # one process: it is its own worker
@@ -440,11 +450,11 @@ def run_limit(bundle: Path, input_dir: Path, retries: int) -> dict[str, float]:
         print(f"  ({usage.rest_cores:.2f} cores used by other processes: measuring the limit again)", flush=True)
 
 
-def run_platform(kind: str, input_dir: Path) -> Run:
+def run_platform(kind: str, input_dir: Path, memory: bool = False) -> Run:
     """``shardline batch run`` in a child process over ``input_dir``, from a clean output."""
     command = [sys.executable, "-m", "shardline.cli", "batch", "run", "--model", f"{model_name(kind)}@prod",
                "--input", str(input_dir), "--output", str(_output("platform")), "--json"]
-    wall, out, usage = _run_measured(command, _env(), runner=True)
+    wall, out, usage = _run_measured(command, _env(), runner=True, memory=memory)
     summary = _last_json(out)
     if summary["rows_out"] != summary["rows_in"] or summary["shards_quarantined"]:
         raise SystemExit(f"the platform did not score every row: {summary}")
@@ -587,12 +597,13 @@ def summary(cells: list[Cell]) -> bool:
     return ok
 
 
-def best(runs: list[Run]) -> Run:
-    """One line for a contender: best steady and end-to-end times, worst memory, least CPU."""
+def best(runs: list[Run], memory: Run) -> Run:
+    """One line for a contender: best steady and end-to-end times and least CPU of ``runs``, the memory of the
+    ``memory`` run."""
     top = max(runs, key=lambda r: r.steady_rate)
     usage = Usage(
-        tree=max(r.usage.tree for r in runs),
-        worker=max(r.usage.worker for r in runs),
+        tree=memory.usage.tree,
+        worker=memory.usage.worker,
         cpu_seconds=min(r.usage.cpu_seconds for r in runs),
         rest_cores=top.usage.rest_cores,
     )
@@ -620,10 +631,10 @@ def quietest(measure: Callable[[], Run], retries: int) -> Run:
 def run_cell(kind: str, bundle: Path, input_dir: Path, shards: int, rows: int, repeats: int, retries: int) -> Cell:
     """Every contender over one input, ``repeats`` times interleaved; the best of each."""
     warm_page_cache(input_dir)
-    measures: dict[str, Callable[[], Run]] = {
-        "tight loop": lambda: run_child("tight loop", bundle, input_dir),
-        "plain dask": lambda: run_child("plain dask", bundle, input_dir),
-        "platform": lambda: run_platform(kind, input_dir),
+    measures: dict[str, Callable[[bool], Run]] = {
+        "tight loop": lambda memory: run_child("tight loop", bundle, input_dir, memory),
+        "plain dask": lambda memory: run_child("plain dask", bundle, input_dir, memory),
+        "platform": lambda memory: run_platform(kind, input_dir, memory),
     }
     runs: dict[str, list[Run]] = {side: [] for side in CONTENDERS}
     limits: list[dict[str, float]] = []
@@ -635,15 +646,20 @@ def run_cell(kind: str, bundle: Path, input_dir: Path, shards: int, rows: int, r
               f"pipelined {limits[-1]['pipelined']:,.0f}; load average "
               f"{os.getloadavg()[0]:.2f})", flush=True)
         for side in CONTENDERS:
-            run = quietest(measures[side], retries)
+            run = quietest(lambda: measures[side](False), retries)
             runs[side].append(run)
             print(f"  {kind} {rows:,}-row shards, {side} run {i + 1}: {run.steady_rate:,.0f} rows/s steady, "
-                  f"{run.e2e_seconds:.1f} s end to end, {_mib(run.usage.tree)} MiB "
-                  f"(rest of the machine: {run.usage.rest_cores:.2f} cores)", flush=True)
+                  f"{run.e2e_seconds:.1f} s end to end (rest of the machine: {run.usage.rest_cores:.2f} cores)",
+                  flush=True)
+    memories = {}
+    for side in CONTENDERS:  # a run of each with its memory sampled, its rates not counted (see _run_measured)
+        memories[side] = measures[side](True)
+        print(f"  {kind} {rows:,}-row shards, {side} memory run: peak PSS {_mib(memories[side].usage.tree)} MiB "
+              f"(tree), {_mib(memories[side].usage.worker)} MiB (largest worker)", flush=True)
     mismatch, largest = same_output(DATA / "out-tight-loop", DATA / "out-platform")
     if mismatch:
         raise SystemExit(f"OUTPUTS DIFFER ({kind}, {rows:,}-row shards): {mismatch}")
-    return Cell(kind, shards, rows, {side: best(r) for side, r in runs.items()},
+    return Cell(kind, shards, rows, {side: best(r, memories[side]) for side, r in runs.items()},
                 {key: max(m[key] for m in limits) for key in limits[0]})
 
 

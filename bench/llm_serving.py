@@ -236,7 +236,10 @@ def run_guidellm(python: Path, port: int, bundle: Path, key: str | None, seed: i
         "benchmarks": [{"profile.streams": s} for s in VLLM_STREAMS]}
     spec = out.with_suffix(".scenario.json")
     spec.write_text(json.dumps(scenario))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+    # guidellm's default is 10 worker processes, each an event loop polling its queue: on 2 cores they took the
+    # CPU the servers measured needed (load average 14-31 during a run). One worker drives 16 streams.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
+           "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
     with open(out.with_suffix(".log"), "wb") as log:  # a session of its own: its worker processes end with it
         child = subprocess.Popen([str(python.parent / "guidellm"), "run", "--scenario", str(spec), "--disable-console"],
                                  env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out.parent, start_new_session=True)

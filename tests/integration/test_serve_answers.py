@@ -74,10 +74,10 @@ def test_an_answer_of_known_length_leaves_in_one_send_head_and_body(plain_server
 
 
 def test_a_streams_head_is_not_held_for_its_first_chunk(plain_server: int) -> None:
+    """The head arrives alone: held for the next write, it would have come with the chunk 0.5 s later."""
     client = _ask(plain_server, "/stream")
-    started = time.monotonic()
     head = client.recv(65536)
-    assert head.startswith(b"HTTP/1.1 200") and b"late" not in head and time.monotonic() - started < 0.4, head
+    assert head.startswith(b"HTTP/1.1 200") and b"late" not in head, head
     rest = b""
     while not rest.endswith(b"0\r\n\r\n"):
         rest += client.recv(65536)

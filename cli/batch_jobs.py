@@ -186,10 +186,10 @@ def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None]:
 def soft_line() -> str:
     """Where a job past its tenant's soft limit runs: on spot capacity when its cluster can give it
     (``fairness.job_capacity``: its own Kubernetes cluster, or one the metering settings call spot), else said."""
+    from pydantic import ValidationError
+
     from shardline.settings import DaskSettings, MeteringSettings
     from shardline.tasks.fairness import job_capacity
-
-    from pydantic import ValidationError
 
     try:
         dask, metering = DaskSettings(), MeteringSettings()

@@ -134,15 +134,16 @@ def tenant_budget_state(tenant: str) -> Any:
     Raises:
         ShardlineError: the tenants file or the price table is wrong (the job is refused, exit code 2).
     """
+    from shardline.settings import StorageSettings, TenancySettings
+
+    tenants_file = TenancySettings().tenants_file
+    if not tenants_file:  # (before the imports below: the ledger's pull in pyarrow, a fifth of a second a run)
+        return None
     from shardline.capacity.prices import load_prices, prices_path
     from shardline.cost.budgets import current_states
-    from shardline.settings import StorageSettings, TenancySettings
     from shardline.storage.ledger import LedgerStore
     from shardline.tenants import load_tenants_file
 
-    tenants_file = TenancySettings().tenants_file
-    if not tenants_file:
-        return None
     budget = load_tenants_file(tenants_file).budgets().get(tenant)
     if budget is None:
         return None

@@ -12,7 +12,8 @@ its earliest row.
 
 The online tier keeps a ``CaptureBuffer`` per model version: ``add`` only appends to a
 list under a lock (microseconds, no I/O, no Arrow work), and a daemon thread builds
-and writes the files. Batch jobs call ``write_capture`` once per shard.
+and writes the files. Batch workers call ``write_captures`` once per task: one file for its shards'
+samples.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
@@ -369,7 +370,7 @@ def write_capture(
     root: str, model: str, version: int, tier: str, inputs: Rows, outputs: Rows, *,
     tenant: str, source: str, storage_options: dict[str, Any] | None = None, captured_at: datetime | None = None,
 ) -> str | None:
-    """Write one capture file now (batch jobs: one sample file per shard).
+    """Write one capture file now.
 
     Args:
         captured_at: the rows' capture time (default: now), e.g. to backfill a job's sample.
@@ -380,19 +381,55 @@ def write_capture(
     Raises:
         InvalidInput: inputs and outputs have different row counts.
     """
+    sample = CaptureSample(inputs, outputs, captured_at if captured_at is not None else datetime.now(timezone.utc))
+    urls = write_captures(root, model, version, tier, [sample], tenant=tenant, source=source,
+                          storage_options=storage_options)
+    return urls[0] if urls else None
+
+
+@dataclass(frozen=True)
+class CaptureSample:
+    """Rows of model inputs, the outputs the model gave for them, and when (``write_captures``)."""
+
+    inputs: Rows
+    outputs: Rows
+    captured_at: datetime
+
+
+def write_captures(
+    root: str, model: str, version: int, tier: str, samples: Sequence[CaptureSample], *,
+    tenant: str, source: str, storage_options: dict[str, Any] | None = None,
+) -> list[str]:
+    """Write many samples now, as few files as their schemas allow: one for each run of samples whose inputs and
+    outputs share their schemas (batch: one for a task's shards). A file has a fixed cost of about 3 ms (33
+    column chunks, a staged write and a move), which a file per 50,000-row shard made a tenth of its work.
+
+    Returns:
+        The files' URLs (none when no sample has rows).
+
+    Raises:
+        InvalidInput: a sample's inputs and outputs have different row counts (nothing is written).
+    """
     check_model_name(model)
     _check_version(version)
     _check_tier(tier)
-    _check_rows(inputs, outputs)
-    if inputs.num_rows == 0:
-        return None
+    items = []
+    for sample in samples:
+        _check_rows(sample.inputs, sample.outputs)
+        if sample.inputs.num_rows:
+            at = _utc(sample.captured_at, "captured_at")
+            assert at is not None
+            at_us = (at - _EPOCH) // timedelta(microseconds=1)
+            items.append(_Pending(sample.inputs, sample.outputs, tenant, source, at_us))
+    if not items:
+        return []
     fs, base = open_fs(root, storage_options)
-    at = _utc(captured_at, "captured_at")
-    now_us = (at - _EPOCH) // timedelta(microseconds=1) if at is not None else int(time.time() * 1_000_000)
-    table = _capture_table([_Pending(inputs, outputs, tenant, source, now_us)], tier)
-    path = _file_path(base, model, version, tier, now_us)
-    _write_file(fs, base, path, table)
-    return str(fs.unstrip_protocol(path))
+    urls = []
+    for group in _group_by_schema(items):
+        path = _file_path(base, model, version, tier, min(i.captured_at_us for i in group))
+        _write_file(fs, base, path, _capture_table(group, tier))
+        urls.append(str(fs.unstrip_protocol(path)))
+    return urls
 
 
 # -- reading ---------------------------------------------------------------------

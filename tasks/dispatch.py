@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from shardline.errors import JobStopped
 from shardline.storage.output import PartRecord
-from shardline.storage.scoring import ScoringJob, score_shard
+from shardline.storage.scoring import ScoringJob, ShardSamples, score_shard
 from shardline.storage.shards import ShardInfo
 from shardline.tasks.batch_telemetry import CURRENT, JobTelemetry
 
@@ -88,13 +88,18 @@ def group_shards(shards: Sequence[ShardInfo], threads: int) -> list[list[ShardIn
 
 def score_group(job: ScoringJob, shards: list[ShardInfo]) -> list[tuple[PartRecord | None, BaseException | None]]:
     """Score a group's shards one after the other (each committed as ``score_shard`` commits it): each one's
-    record, or the error that failed it, which does not stop the shards after it."""
+    record, or the error that failed it, which does not stop the shards after it. Their capture samples are
+    written together at the end, one file for the group (``ShardSamples``)."""
     settled: list[tuple[PartRecord | None, BaseException | None]] = []
-    for shard in shards:
-        try:
-            settled.append((score_shard(job, shard), None))
-        except Exception as e:  # noqa: BLE001 - the shard's own failure, reported for it alone
-            settled.append((None, _portable(e)))
+    captured = ShardSamples(job)
+    try:
+        for shard in shards:
+            try:
+                settled.append((score_shard(job, shard, captured), None))
+            except Exception as e:  # noqa: BLE001 - the shard's own failure, reported for it alone
+                settled.append((None, _portable(e)))
+    finally:
+        captured.write()
     return settled
 
 

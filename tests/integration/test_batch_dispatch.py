@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 from dask.utils import key_split
 
@@ -18,7 +19,6 @@ from shardline.storage.registry import ModelRegistry
 from shardline.storage.scoring import ScoringJob
 from shardline.storage.shards import ShardInfo, list_shards
 from shardline.tasks.dispatch import dispatch_shards, group_shards, job_task_key, score_group
-
 from tests.conftest import BuiltModel
 
 
@@ -140,11 +140,11 @@ def test_a_stop_withdraws_only_tasks_no_worker_was_handed(dask_address: str) -> 
 
 def test_a_local_cluster_started_here_has_its_workers_profiler_off_and_arrows_jemalloc_pool(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import dask
     import mmap
-    from distributed import Client
 
+    import dask
     import pyarrow as pa
+    from distributed import Client
 
     from shardline.settings import DaskSettings
     from shardline.tasks.cluster import dask_scheduler
@@ -236,3 +236,27 @@ def test_a_shard_failing_in_a_group_fails_alone(breast_cancer_model: BuiltModel,
     assert [r is not None and r.status for r, _ in outcomes] == ["committed", False, "committed"]
     assert outcomes[1][1] is not None and outcomes[0][1] is None and outcomes[2][1] is None
     assert OutputLayout(job.output_uri).present_parts() == {shards[0].relative, shards[2].relative}
+
+
+def test_a_groups_capture_samples_are_one_file_of_each_committed_shards_rows(
+    breast_cancer_model: BuiltModel, tmp_path: Path
+) -> None:
+    from dataclasses import replace
+
+    from shardline.storage.capture import scan_capture
+    from shardline.storage.scoring import ShardCapture
+
+    job, shards = scoring_job(breast_cancer_model.bundle_dir, tmp_path, 3, 1_000, "captured")
+    job = replace(job, capture=ShardCapture(str(tmp_path / "capture"), 150, "acme", "captured"))
+    gone = replace(shards[1], uri="nope://nowhere/part.parquet")
+
+    outcomes = score_group(job, [shards[0], gone, shards[2]])
+
+    assert [r is not None and r.status for r, _ in outcomes] == ["committed", False, "committed"]
+    files = list((tmp_path / "capture").rglob("*.parquet"))
+    assert len(files) == 1, files  # one file for the group, not one a shard
+    captured = scan_capture(str(tmp_path / "capture"), job.model.name).collect()
+    assert captured.height == 300 and set(captured["_source"]) == {"captured"} and set(captured["_tenant"]) == {"acme"}
+    first = pq.read_table(shards[0].uri.removeprefix("file://")).slice(0, 150)
+    assert captured["mean radius"].to_list()[:150] == first.column("mean radius").to_pylist()
+    assert captured["_captured_at"].is_sorted()  # each shard's rows at its own time, in order

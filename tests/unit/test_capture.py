@@ -13,7 +13,15 @@ import pytest
 
 from shardline.errors import InvalidInput, InvalidSetting
 from shardline.settings import StorageSettings
-from shardline.storage.capture import CAPTURE_META, CaptureBuffer, capture_root, scan_capture, write_capture
+from shardline.storage.capture import (
+    CAPTURE_META,
+    CaptureBuffer,
+    CaptureSample,
+    capture_root,
+    scan_capture,
+    write_capture,
+    write_captures,
+)
 
 NEVER = 3600.0  # a flush interval no test waits for
 
@@ -150,6 +158,32 @@ def test_empty_scans_are_empty_frames_not_errors(tmp_path: Path) -> None:
     future = datetime.now(timezone.utc) + timedelta(days=2)
     assert scan_capture(str(tmp_path), "churn", since=future).collect().height == 0
     assert write_capture(str(tmp_path), "churn", 1, "batch", *rows(0), tenant="t", source="s") is None
+
+
+def test_samples_written_together_are_one_file_per_schema_with_each_ones_time(tmp_path: Path) -> None:
+    earlier = datetime(2026, 12, 4, 23, 59, 59, tzinfo=timezone.utc)
+    later = earlier + timedelta(seconds=2)  # past midnight: the file's folder is the earliest row's date
+    wide = pa.record_batch({"id": [7], "x": [1.0], "c": ["a"], "extra": [1]})
+    urls = write_captures(str(tmp_path), "churn", 1, "batch", [
+        CaptureSample(*rows(3), earlier), CaptureSample(*rows(2, start=10), later), CaptureSample(*rows(0), later),
+        CaptureSample(wide, rows(1)[1], later),
+    ], tenant="acme", source="job-1")
+
+    assert len(urls) == 2 and "/batch/date=2026-12-04/" in urls[0] and "/batch/date=2026-12-05/" in urls[1]
+    first = pq.read_table(urls[0].removeprefix("file://"))
+    assert first.column("x").to_pylist() == [0.0, 1.0, 2.0, 10.0, 11.0]
+    assert [t.astimezone(timezone.utc) for t in first.column("_captured_at").to_pylist()] == [earlier] * 3 + [later] * 2
+    assert set(first.column("_tenant").to_pylist()) == {"acme"}
+    assert set(first.column("_source").to_pylist()) == {"job-1"}
+    assert pq.read_table(urls[1].removeprefix("file://")).column("extra").to_pylist() == [1]
+    assert write_captures(str(tmp_path), "churn", 1, "batch", [CaptureSample(*rows(0), later)], tenant="t",
+                          source="s") == []
+    inputs, _ = rows(3)
+    with pytest.raises(InvalidInput, match="3 input rows but 2 output rows"):
+        write_captures(str(tmp_path / "other"), "churn", 1, "batch",
+                       [CaptureSample(*rows(1), later), CaptureSample(inputs, rows(2)[1], later)],
+                       tenant="t", source="s")
+    assert not (tmp_path / "other").exists()  # nothing written when one sample is wrong
 
 
 def test_bad_input_is_refused_with_a_clear_error(tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from shardline.storage.output import OutputLayout, PartRecord, check_part_names,
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.scoring import ScoringJob, score_shard
 from shardline.storage.shards import ShardInfo, dictionary_columns, iter_batches, list_shards, read_footer
-
 from tests.conftest import BuiltModel
 
 
@@ -230,3 +229,19 @@ def test_a_part_dictionary_encodes_labels_and_text_not_floats_or_carried_ids() -
     chosen = dictionary_columns(schema, carried=["id", "country", "weight", "tags"])
 
     assert chosen == ["country", "tags", "label", "name"]
+
+
+def test_a_shards_capture_sample_holds_its_own_rows_not_the_batch_it_came_from() -> None:
+    from shardline.storage.scoring import _Sample
+
+    batch = pa.record_batch({"x": np.arange(65_536, dtype=np.float64), "y": np.ones(65_536)})
+    answers = pa.record_batch({"label": np.zeros(65_536, dtype=np.int64)})
+    sample = _Sample(1_000)
+    sample.take(batch, answers)
+    sample.take(batch, answers)  # full: nothing more is kept
+
+    assert sample.rows == 1_000 and [b.num_rows for b in sample.inputs] == [1_000]
+    assert sample.inputs[0].column("x").to_pylist() == list(range(1_000))
+    # kept while the task's other shards are scored: a slice would hold the whole batch's buffers (1.5 MB here)
+    assert sample.inputs[0].get_total_buffer_size() <= 2 * 8 * 1_000 + 64
+    assert sample.outputs[0].get_total_buffer_size() <= 8 * 1_000 + 64

@@ -36,8 +36,10 @@ MIN_IN_FLIGHT = 8
 # handed to the cluster again this many times before the job counts it as failed.
 LOST_WORKER_RESUBMITS = 2
 # Shards are grouped up to this many compressed bytes a task (a shard this large or larger goes alone),
-# at most MAX_GROUP a task.
-GROUP_BYTES = 64 * 1024 * 1024
+# at most MAX_GROUP a task. A task costs the runner's scheduler and client ~6 ms of CPU and its worker some more:
+# at 64 MiB, 200k-row shards of 30 float features (58 MB) went one a task, and the logistic regression scored
+# 2.9-3.2M rows/s on 2 cores against 3.1-3.4M at 128 MiB (two a task; bench/README.md).
+GROUP_BYTES = 128 * 1024 * 1024
 MAX_GROUP = 8
 
 Settled = Callable[[ShardInfo, PartRecord | None, BaseException | None], None]
@@ -46,7 +48,7 @@ Settled = Callable[[ShardInfo, PartRecord | None, BaseException | None], None]
 # cli/batch_runner.py, when the command that sent the job is interrupted or killed). The
 # dispatcher then hands out no more shards, withdraws the tasks the cluster has not started, lets the
 # running ones finish (a worker commits each part and ledger record, so the lease is held until
-# then; a group scores the rest of its shards, 64 MiB at most) and raises JobStopped; a re-run
+# then; a group scores the rest of its shards, 128 MiB at most) and raises JobStopped; a re-run
 # resumes from the parts committed.
 STOP_REQUEST: ContextVar[threading.Event | None] = ContextVar("shardline_dispatch_stop", default=None)
 

@@ -137,7 +137,7 @@ def tenant_budget_state(tenant: str) -> Any:
     from shardline.settings import StorageSettings, TenancySettings
 
     tenants_file = TenancySettings().tenants_file
-    if not tenants_file:  # (before the imports below: the ledger's pull in pyarrow, a fifth of a second a run)
+    if not tenants_file:  # (before the imports below: through the ledger they load pyarrow, ~0.2 s a command)
         return None
     from shardline.capacity.prices import load_prices, prices_path
     from shardline.cost.budgets import current_states

@@ -33,7 +33,7 @@ per cell: rows/s end to end (process start to exit, start-ups included) and in s
 the steady window (start-up plus tear-down); then the platform's steady rows/s as a fraction
 of the limit and its ratios to the tight loop and to Dask, with the targets (steady >= 0.9 of
 the limit, >= 1.2x the tight loop and >= 1.5x Dask; peak tree PSS <= Dask's and flat across
-the cells; start-up plus tear-down <= 2 s) and MISSED where one is not met.
+the cells; start-up plus tear-down <= 1 s on the warm runner) and MISSED where one is not met.
 
     .venv/bin/python bench/batch_throughput.py            # 4M rows a cell, 2 runs each + 1 for memory: ~10 min on 2 quiet cores
     .venv/bin/python bench/batch_throughput.py --quick    # 0.8-2M rows a cell, 1 run + 1 for memory: ~5 min (shards written once more)

@@ -31,6 +31,7 @@ from shardline.errors import (
 from shardline.rows import Rows, check_rows, schema_mismatch
 from shardline.runtimes import RuntimeOptions
 from shardline.runtimes.base import Answer, concat_answers, split_out_of_memory
+from shardline.storage.capture import CaptureSample, write_captures
 from shardline.storage.checkpoint import ShardCheckpoint, plan_ranges, row_group_sizes
 from shardline.storage.fs import commit_file, ensure_dir, io_threads, open_file, open_fs, staging_path
 from shardline.storage.model_cache import get_model_cache
@@ -218,13 +219,11 @@ class ShardSamples:
     def __init__(self, job: ScoringJob) -> None:
         self.job = job
         self.shards: list[str] = []
-        self.samples: list[Any] = []
+        self.samples: list[CaptureSample] = []
 
     def add(self, shard: ShardInfo, sample: _Sample | None) -> None:
         if self.job.capture is None or sample is None or not sample.rows:
             return
-        from shardline.storage.capture import CaptureSample
-
         self.shards.append(shard.relative)
         self.samples.append(CaptureSample(pa.Table.from_batches(sample.inputs), pa.Table.from_batches(sample.outputs),
                                           datetime.now(timezone.utc)))
@@ -234,8 +233,6 @@ class ShardSamples:
         if capture is None or not self.samples:
             return
         try:
-            from shardline.storage.capture import write_captures
-
             write_captures(capture.root, job.model.name, job.model.version, "batch", self.samples,
                            tenant=capture.tenant, source=capture.source, storage_options=job.storage_options)
         except Exception as e:  # capture serves drift checks; the parts are committed
@@ -395,11 +392,10 @@ def score_shard(job: ScoringJob, shard: ShardInfo, captured: ShardSamples | None
             retries, model missing). Nothing is committed then, and a re-run scores
             the shard again.
     """
-    own = captured is None
-    samples = ShardSamples(job) if captured is None else captured
+    samples = captured if captured is not None else ShardSamples(job)
     record = call_with_retries(lambda: _score_shard_once(job, shard, samples), job.retry,
                                what=f"shard {shard.relative}")
-    if own:
+    if captured is None:
         samples.write()
     return record
 

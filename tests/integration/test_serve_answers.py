@@ -6,13 +6,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-import time
 from typing import Any, Iterator
 
 import pytest
-
-from shardline.online.limits import resolve_limits
-from shardline.settings import OnlineSettings
 
 
 async def _answer(scope: Any, receive: Any, send: Any) -> None:
@@ -31,18 +27,11 @@ async def _answer(scope: Any, receive: Any, send: Any) -> None:
 
 @pytest.fixture(scope="module")
 def plain_server() -> Iterator[int]:
-    """``_answer`` under uvicorn with serve's protocol, on a real socket in a thread of this process."""
-    from shardline.online.server import _start_in_thread
+    """``_answer`` under uvicorn with serve's protocol and bounds, on a real socket in a thread of this process."""
+    from shardline.online.testing import serve_in_thread
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server, thread = _start_in_thread(_answer, sock, resolve_limits(OnlineSettings(), 1024))
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(_answer) as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 def _ask(port: int, path: str) -> socket.socket:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pyarrow as pa
 
+from shardline.arrays import arrow_array, numpy_values
 from shardline.errors import InvalidInput, NonFiniteValues, NullValues, SchemaMismatch
 from shardline.signature import is_compatible, leaf_type, non_finite_counts, row_shape, schema_problems, type_name
 
@@ -96,9 +97,9 @@ class SignaturePlan:
         columns = []
         for array, column in zip(arrays, self.columns):
             if array.ndim == 1:
-                columns.append(pa.array(array, type=column.arrow_type))
+                columns.append(arrow_array(array).cast(column.arrow_type))
             else:
-                flat = pa.array(np.ascontiguousarray(array).ravel(), type=column.value_type)
+                flat = arrow_array(array.ravel()).cast(column.value_type)
                 columns.append(pa.FixedSizeListArray.from_arrays(flat, type=column.arrow_type))
         return pa.Table.from_arrays(columns, schema=self.input_schema)
 
@@ -118,10 +119,10 @@ class SignaturePlan:
         for field in self.output_schema:
             values = np.asarray(answer[field.name])
             if values.ndim == 2 and pa.types.is_fixed_size_list(field.type):
-                flat = pa.array(np.ascontiguousarray(values).ravel()).cast(field.type.value_type)
+                flat = arrow_array(values.ravel()).cast(field.type.value_type)
                 arrays.append(pa.FixedSizeListArray.from_arrays(flat, type=field.type))
             else:
-                array = pa.array(values)
+                array = arrow_array(values)
                 arrays.append(array if array.type == field.type else array.cast(field.type))
         return pa.RecordBatch.from_arrays(arrays, schema=self.output_schema)
 
@@ -195,7 +196,7 @@ class _StackedTables:
         return pa.Table.from_batches([batch], schema=self.schema)
 
     def _slow(self, matrix: np.ndarray) -> pa.Table:
-        values = pa.array(np.ascontiguousarray(matrix.T, dtype=self.dtype).ravel())
+        values = arrow_array(np.ascontiguousarray(matrix.T, dtype=self.dtype).ravel())
         rows = matrix.shape[0]
         columns = [values.slice(j * rows, rows) for j in range(len(self.schema))]
         return pa.Table.from_arrays(columns, schema=self.schema)
@@ -363,7 +364,7 @@ def _stacked_rows(rows: pa.Table | pa.RecordBatch, given: pa.Schema, plan: Signa
             return None
         if isinstance(values, pa.ChunkedArray):
             values = values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)
-        matrix[:, j] = values.to_numpy(zero_copy_only=False)  # float64 -> float32 rounds as Arrow's cast does
+        matrix[:, j] = numpy_values(values)  # float64 -> float32 rounds as Arrow's cast does
     return float_rows(plan, (matrix,), model)
 
 

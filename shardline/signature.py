@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from shardline.arrays import numpy_values
 from shardline.errors import InvalidBundle
 
 if TYPE_CHECKING:
@@ -337,7 +338,7 @@ def non_finite_counts(batch: pa.RecordBatch | pa.Table, inputs: Iterable[ColumnS
         if not pa.types.is_floating(values.type) or len(values) == 0:
             continue
         if values.null_count == 0:
-            array = values.to_numpy(zero_copy_only=False)
+            array = numpy_values(values)
             with np.errstate(over="ignore", invalid="ignore"):
                 if math.isfinite(array.sum(dtype=np.float64)):
                     continue

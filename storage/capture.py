@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shardline.arrays import arrow_array, string_array
 from shardline.bundle import check_model_name
 from shardline.errors import InvalidInput, InvalidSetting
 from shardline.storage.fs import commit_file, ensure_dir, join, open_file, open_fs, staging_path
@@ -98,7 +99,7 @@ def _assemble(ins: pa.Table, outs: pa.Table, tier: str, captured_at_us: pa.Array
             columns.append(outs.column(name))
     meta = [
         captured_at_us.cast(CAPTURED_AT_TYPE),
-        pa.repeat(pa.scalar(tier, type=pa.string()), ins.num_rows),
+        string_array([tier]).take(arrow_array(np.zeros(ins.num_rows, dtype=np.int32))),
         tenant.cast(pa.string()),
         source.cast(pa.string()),
     ]
@@ -118,12 +119,12 @@ def _capture_table(items: list["_Pending"], tier: str) -> pa.Table:
     ins = pa.Table.from_batches([b for i in items for b in _batches(i.inputs)], schema=items[0].inputs.schema)
     outs = pa.Table.from_batches([b for i in items for b in _batches(i.outputs)], schema=items[0].outputs.schema)
     counts = np.fromiter((i.inputs.num_rows for i in items), dtype=np.int64, count=len(items))
-    which = pa.array(np.repeat(np.arange(len(items)), counts))
+    which = arrow_array(np.repeat(np.arange(len(items), dtype=np.int32), counts))
     table = _assemble(
         ins, outs, tier,
-        pa.array(np.repeat(np.fromiter((i.captured_at_us for i in items), dtype=np.int64, count=len(items)), counts)),
-        pa.array([i.tenant for i in items], type=pa.string()).take(which),
-        pa.array([i.source for i in items], type=pa.string()).take(which),
+        arrow_array(np.repeat(np.fromiter((i.captured_at_us for i in items), np.int64, len(items)), counts)),
+        string_array([i.tenant for i in items]).take(which),
+        string_array([i.source for i in items]).take(which),
     )
     return table.combine_chunks() if len(items) > 1 else table
 

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Generator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shardline.arrays import arrow_array
 from shardline.errors import (
     CorruptShard,
     DataContractFailed,
@@ -204,7 +206,7 @@ class _Sample:
         whole batch of rows) are not held while the sample waits for its task's other shards."""
         wanted = min(self.limit - self.rows, inputs.num_rows)
         if wanted > 0:
-            head = pa.array(range(wanted), type=pa.int32())
+            head = arrow_array(np.arange(wanted, dtype=np.int32))
             self.inputs.append(inputs.take(head))
             self.outputs.append(outputs.take(head))
             self.rows += wanted

@@ -28,6 +28,7 @@ from typing import Any, Callable, overload
 import numpy as np
 import pyarrow as pa
 
+from shardline.arrays import arrow_array, numpy_values
 from shardline.bundle import Manifest
 from shardline.errors import InvalidBundle, InvalidInput, RuntimeUnavailable
 from shardline.rows import FloatLayout, Rows, SignaturePlan
@@ -70,7 +71,7 @@ def _column_matrix(
                 pass  # mixed or non-numeric types, or nulls: the per-column copy below casts them
     out = np.empty((batch.num_rows, len(columns)), dtype=dtype)
     for j, name in enumerate(columns):
-        out[:, j] = batch.column(name).to_numpy()
+        out[:, j] = numpy_values(batch.column(name))
     return out
 
 
@@ -119,11 +120,11 @@ def column_tensor(column: pa.Array | pa.ChunkedArray, dtype: np.dtype, rank: int
             dims.append(values.type.list_size)
             values = values.flatten()
         if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
-            flat = values.to_numpy(zero_copy_only=False)
+            flat = numpy_values(values)
             return flat.astype(dtype, copy=False).reshape(dims)
     if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(column.type):
         return np.asarray(column.to_pylist(), dtype=dtype)
-    values = column.to_numpy(zero_copy_only=False)
+    values = numpy_values(column)
     if dtype != np.dtype(object):
         values = values.astype(dtype, copy=False)
     return values.reshape(-1, 1) if rank == 2 else values
@@ -133,12 +134,12 @@ def _to_arrow(values: Any, dtype: pa.DataType) -> pa.Array:
     """A model output (ndarray) as an Arrow array of the signature's type."""
     values = np.asarray(values)
     if values.ndim == 1:
-        return _cast(pa.array(values), dtype)
+        return _cast(arrow_array(values), dtype)
     if values.ndim == 2 and pa.types.is_fixed_size_list(dtype):
-        flat = _cast(pa.array(np.ascontiguousarray(values).ravel()), dtype.value_type)
+        flat = _cast(arrow_array(values.ravel()), dtype.value_type)
         return pa.FixedSizeListArray.from_arrays(flat, values.shape[1])
     if values.ndim == 2 and values.shape[1] == 1:
-        return _cast(pa.array(values[:, 0]), dtype)
+        return _cast(arrow_array(values[:, 0]), dtype)
     return pa.array(list(values)).cast(dtype)
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+import subprocess
+import sys
 import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -16,7 +20,7 @@ from shardline.runtimes import RuntimeOptions
 from shardline.storage.job_identity import job_id, job_key, summarize
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, part_name, split_done
 from shardline.storage.registry import ModelRegistry
-from shardline.storage.scoring import ScoringJob, score_shard
+from shardline.storage.scoring import ScoringJob, ShardCapture, score_shard
 from shardline.storage.shards import ShardInfo, dictionary_columns, iter_batches, list_shards, read_footer
 from tests.conftest import BuiltModel
 
@@ -245,3 +249,25 @@ def test_a_shards_capture_sample_holds_its_own_rows_not_the_batch_it_came_from()
     # kept while the task's other shards are scored: a slice would hold the whole batch's buffers (1.5 MB here)
     assert sample.inputs[0].get_total_buffer_size() <= 2 * 8 * 1_000 + 64
     assert sample.outputs[0].get_total_buffer_size() <= 8 * 1_000 + 64
+
+
+def test_a_worker_scores_and_captures_without_importing_pandas(
+    scoring_job: ScoringJob, input_shards: Path, tmp_path: Path
+) -> None:
+    """pyarrow imports pandas at its first conversion of numpy or Python values (~45 MiB of private memory in each
+    worker, a tenth of the job's); the worker's float path, its answers and its capture samples make their Arrow
+    arrays from buffers instead. The job is shipped pickled, as Dask ships it, to a fresh interpreter."""
+    job = dataclasses.replace(scoring_job, capture=ShardCapture(str(tmp_path / "capture"), 300, "acme", "j1"))
+    shipped = tmp_path / "job.pickle"
+    shipped.write_bytes(pickle.dumps((job, list_shards(str(input_shards))[:3])))
+    script = ("import pickle, sys; from shardline.tasks.dispatch import score_group; "
+              f"job, shards = pickle.loads(open({str(shipped)!r}, 'rb').read()); "
+              "settled = score_group(job, shards); "
+              "print(sorted(r.status for r, _ in settled), 'pandas' in sys.modules)")
+    found = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+
+    assert found.split() == ["['committed',", "'committed',", "'committed']", "False"]
+    captured = pq.read_table(next((tmp_path / "capture").rglob("*.parquet")))
+    assert captured.num_rows == 900 and set(captured.column("_tenant").to_pylist()) == {"acme"}
+    assert captured.column("_tier").to_pylist() == ["batch"] * 900
+    assert set(captured.column("_source").to_pylist()) == {"j1"}

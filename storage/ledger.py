@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from shardline.arrays import records_table
 from shardline.budgets import BudgetStates
 from shardline.errors import InvalidSetting
 from shardline.settings import MeteringSettings
@@ -129,7 +130,7 @@ class LedgerStore:
 
     def write(self, rows: list[dict[str, Any]], name: str) -> str:
         """Write ``rows`` as one Parquet file ``name`` in the month of their first bucket; returns its path."""
-        table = pa.Table.from_pylist(rows, schema=SCHEMA)
+        table = records_table(rows, SCHEMA)
         sink = io.BytesIO()
         pq.write_table(table, sink)
         path = join(self.root, f"month={month_of(rows[0]['bucket_start'])}", f"{name}.parquet")

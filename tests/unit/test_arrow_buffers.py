@@ -3,11 +3,16 @@ arrays ``pa.array`` and ``to_numpy`` give, for every layout a worker or replica 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from shardline.arrays import arrow_array, numpy_values, string_array
+from shardline.arrays import arrow_array, numpy_values, records_table, string_array
 
 
 @pytest.mark.parametrize("values", [
@@ -51,3 +56,43 @@ def test_strings_to_arrow_are_pyarrows_conversion(values: list[str]) -> None:
     made.validate(full=True)
     assert made.type == pa.string() and made.to_pylist() == values
     assert made.equals(pa.array(values, type=pa.string()))
+
+
+def _ledger_rows() -> list[dict]:
+    from shardline.storage.ledger import Holding, _row
+
+    holding = Holding("batch", "cpu", "spot", 2.0)
+    started = datetime(2026, 12, 6, 1, 2, 3, 987_654, tzinfo=timezone.utc).timestamp()  # within a second
+    return [_row(started, 1.5, "w-1", "usage", holding, "acme", "bc", "3", [1, 2_000, 0, 0, 0.25, 1.5, 10, 20]),
+            _row(started, 1.5, "w-1", "capacity", holding, reserved=3.25)]
+
+
+def test_records_are_pyarrows_table_of_them() -> None:
+    from shardline.storage.ledger import SCHEMA
+
+    rows = _ledger_rows()
+    made = records_table(rows, SCHEMA)
+    made.validate(full=True)
+    assert made.equals(pa.Table.from_pylist(rows, schema=SCHEMA))
+    assert made.column("bucket_start")[0].as_py() == datetime(2026, 12, 6, 1, 2, 3, tzinfo=timezone.utc)
+    # what it does not make itself, pyarrow makes: a None, a time without its zone
+    rows[1]["tenant"] = None
+    assert records_table(rows, SCHEMA).equals(pa.Table.from_pylist(rows, schema=SCHEMA))
+    naive = [dict(rows[0], bucket_start=datetime(2026, 12, 6, 1, 2, 3))]
+    assert records_table(naive, SCHEMA).equals(pa.Table.from_pylist(naive, schema=SCHEMA))
+
+
+def test_the_batch_runners_ledger_file_is_written_without_importing_pandas(tmp_path: Path) -> None:
+    """The warm runner writes each run's ledger file; pandas (~32 MB of its memory) came with that alone."""
+    script = ("import sys; from datetime import datetime, timezone; "
+              "from shardline.storage.ledger import Holding, LedgerStore; "
+              f"store = LedgerStore({str(tmp_path)!r}); "
+              "store.record_batch(Holding('batch', 'cpu'), 'acme', 'bc', '1', 'j1', datetime.now(timezone.utc), "
+              "{'rows': 2000.0, 'cpu_seconds': 1.5}, 2.0, 1.0); "
+              "print('pandas' in sys.modules)")
+    found = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert found.split() == ["False"]
+    from shardline.storage.ledger import LedgerStore
+
+    table = LedgerStore(str(tmp_path)).read(datetime.now(timezone.utc).strftime("%Y-%m"))
+    assert sorted(zip(table["kind"].to_pylist(), table["rows"].to_pylist())) == [("capacity", 0), ("usage", 2000)]

@@ -253,18 +253,19 @@ def resolve_location(uri: str, storage_options: dict[str, Any] | None = None) ->
     return str(fs.unstrip_protocol(path))
 
 
-def inside(fs: AbstractFileSystem, root: str, path: str) -> str:
+def inside(fs: AbstractFileSystem, root: str, path: str, resolved_root: str | None = None) -> str:
     """``path``, once it is sure the OS will not lead it out of ``root`` through a symbolic link below root.
 
     A job was admitted to ``root`` (resolved, links and all, by :func:`resolve_location`);
     a link that someone put *below* it (``out/_ledger -> /elsewhere``) would carry the
     job's writes outside. Object stores have no links: there ``path`` is as given.
+    ``resolved_root``: ``root`` resolved, where the caller keeps it (an output layout resolves its root once).
 
     Raises:
         InvalidSetting: naming the link's target and what to do.
     """
     if isinstance(fs, LocalFileSystem):
-        base, where = os.path.realpath(root), os.path.realpath(path)
+        base, where = resolved_root or os.path.realpath(root), os.path.realpath(path)
         if not is_within(where, base):
             raise InvalidSetting(
                 f"{path!r} leads outside the output folder {root!r} (to {where!r}) through a symbolic link "

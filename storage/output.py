@@ -19,10 +19,12 @@ folder sees committed parts only.
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Literal
 
+from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, Field
 
 from shardline.errors import InvalidInput, InvalidSetting
@@ -138,10 +140,13 @@ class OutputLayout:
         self.storage_options = storage_options or {}
         self.job_id = job_id
         self.fs, self.root = open_fs(output_uri, self.storage_options)
+        self._resolved_root: str | None = None  # the root as the OS resolves it (local disk), once
 
     def _inside(self, *parts: str) -> str:
         """A path below the output that no symbolic link leads out of it (``storage.fs.inside``)."""
-        return inside(self.fs, self.root, join(self.root, *parts))
+        if self._resolved_root is None and isinstance(self.fs, LocalFileSystem):
+            self._resolved_root = os.path.realpath(self.root)
+        return inside(self.fs, self.root, join(self.root, *parts), self._resolved_root)
 
     def refuse_links_out(self) -> None:
         """Refuse an output folder holding a symbolic link that leads out of it (a job's writes would follow it).

@@ -272,13 +272,13 @@ def _check_contract(job: ScoringJob, shard: ShardInfo, opened: _Opened) -> None:
 
 
 def _score_into(
-    job: ScoringJob, shard: ShardInfo, opened: _Opened, path: str, row_groups: list[int] | None,
+    job: ScoringJob, shard: ShardInfo, opened: _Opened, out: OutputLayout, path: str, row_groups: list[int] | None,
     sample: _Sample | None = None,
 ) -> tuple[int, int]:
-    """Score the shard's rows (or only ``row_groups``) into a Parquet file; returns (rows in, rows out)."""
+    """Score the shard's rows (or only ``row_groups``) into a Parquet file of ``out``'s file system; returns (rows
+    in, rows out)."""
     model = get_model_cache(job.cache_dir, job.cache_capacity).get(job.model, job.runtime, job.storage_options)
     signature = job.model.manifest.signature
-    out = OutputLayout(job.output_uri, job.storage_options, job.job_id)
     rows_in = rows_out = 0
     batches = _read(opened.parquet, opened.columns, job.batch_rows, shard, row_groups)
     # closing(): the read-ahead thread stops before the source file closes, even
@@ -348,7 +348,7 @@ def _score_to_part(job: ScoringJob, shard: ShardInfo, out: OutputLayout, final: 
         if len(ranges) == 1:
             staged = staging_path(final, out.staging_dir)
             try:
-                rows_in, rows_out = _score_into(job, shard, opened, staged, None, sample)
+                rows_in, rows_out = _score_into(job, shard, opened, out, staged, None, sample)
             except BaseException:
                 if out.fs.exists(staged):
                     out.fs.rm(staged)
@@ -363,7 +363,7 @@ def _score_to_part(job: ScoringJob, shard: ShardInfo, out: OutputLayout, final: 
                     continue
                 chunk = checkpoint.new_chunk_path(start, end)
                 try:
-                    rows_in, rows_out = _score_into(job, shard, opened, chunk, list(range(start, end)), sample)
+                    rows_in, rows_out = _score_into(job, shard, opened, out, chunk, list(range(start, end)), sample)
                 except BaseException:
                     if out.fs.exists(chunk):
                         out.fs.rm(chunk)

@@ -87,9 +87,9 @@ def test_killed_midway_resumes_from_the_last_finished_range(
     scored_groups: list[int] = []
     score_into = scoring._score_into
 
-    def spy(job, shard, opened, path, row_groups, *rest):  # type: ignore[no-untyped-def]
+    def spy(job, shard, opened, out, path, row_groups, *rest):  # type: ignore[no-untyped-def]
         scored_groups.extend(row_groups or range(opened.parquet.metadata.num_row_groups))
-        return score_into(job, shard, opened, path, row_groups, *rest)
+        return score_into(job, shard, opened, out, path, row_groups, *rest)
 
     monkeypatch.setattr(scoring, "_score_into", spy)
     record = score_shard(job, shard)

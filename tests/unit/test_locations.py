@@ -178,5 +178,12 @@ def test_a_write_below_the_output_never_follows_a_link_out_of_it(lake: Path) -> 
     assert inside(fs, str(out), str(out / "same" / "a.json")) == str(out / "same" / "a.json")
     with pytest.raises(InvalidSetting, match=r"_ledger/x.json' leads outside the output folder .* \(to '.*globex/x.json'\)"):
         inside(fs, str(out), str(out / "_ledger" / "x.json"))
+    from shardline.storage.output import OutputLayout
+
+    layout = OutputLayout(str(out), job_id="j1")
+    assert layout.part_path("same/a.parquet") == str(out / "same" / "a.parquet")
+    for _ in range(2):  # a layout resolves its root once, and still checks every path it gives
+        with pytest.raises(InvalidSetting, match=r"_ledger/x.json' leads outside the output folder"):
+            layout.ledger_path("x")
     memory = fsspec.filesystem("memory")
     assert links_out(memory, "/out") == [] and inside(memory, "/out", "/out/_ledger/x") == "/out/_ledger/x"

@@ -52,16 +52,19 @@ def numpy_values(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 
 def records_table(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> pa.Table:
-    """``pa.Table.from_pylist(rows, schema=schema)`` for a schema of strings, ints, floats and timestamps whose
-    rows hold every column, none of them None (a ledger's or a report's rows); pyarrow's own otherwise."""
+    """``pa.Table.from_pylist(rows, schema=schema)`` where every row holds every column as a value of its type (a
+    ``str``, an ``int``, a ``float``, a zoned ``datetime`` for seconds): a ledger's rows; pyarrow's own otherwise
+    (a None, another type: pyarrow converts it or says what is wrong)."""
     columns = []
     for field in schema:
         values: list[Any] = [row.get(field.name) for row in rows]
         if None in values:
             return pa.Table.from_pylist(list(rows), schema=schema)
-        if pa.types.is_string(field.type):
+        kinds = set(map(type, values))
+        if pa.types.is_string(field.type) and kinds <= {str}:
             columns.append(string_array(values))
-        elif pa.types.is_integer(field.type) or pa.types.is_floating(field.type):
+        elif (pa.types.is_integer(field.type) and kinds <= {int}) or (pa.types.is_floating(field.type)
+                                                                       and kinds <= {int, float}):
             columns.append(arrow_array(np.array(values, dtype=field.type.to_pandas_dtype())))
         elif (pa.types.is_timestamp(field.type) and field.type.unit == "s" and field.type.tz is not None
               and all(value.tzinfo is not None for value in values)):  # naive times: as pyarrow reads them

@@ -80,6 +80,8 @@ def test_records_are_pyarrows_table_of_them() -> None:
     assert records_table(rows, SCHEMA).equals(pa.Table.from_pylist(rows, schema=SCHEMA))
     naive = [dict(rows[0], bucket_start=datetime(2026, 12, 6, 1, 2, 3))]
     assert records_table(naive, SCHEMA).equals(pa.Table.from_pylist(naive, schema=SCHEMA))
+    other = [dict(rows[0], rows=2.5)]  # a value of another type: as pyarrow converts it
+    assert records_table(other, SCHEMA).equals(pa.Table.from_pylist(other, schema=SCHEMA))
 
 
 def test_the_batch_runners_ledger_file_is_written_without_importing_pandas(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@ but without pandas.
 
 pyarrow asks whether a value is a pandas object before it converts numpy arrays or Python values
 (``pa.array``, ``pa.scalar``, ``Array.to_numpy``), and the first question imports pandas when it is
-installed: ~30-45 MiB of private memory and ~0.2 s in every process that asks. A batch worker, the warm
+installed: ~0.2 s and 27-32 MB of memory (PSS) in every process that asks. A batch worker, the warm
 batch runner and a replica only move numbers (and a few strings) between numpy and Arrow, so their paths
 make their arrays from buffers here and never pay for pandas. Anything else falls back to pyarrow's own
 conversion.

@@ -362,8 +362,6 @@ def _stacked_rows(rows: pa.Table | pa.RecordBatch, given: pa.Schema, plan: Signa
         values = rows.column(index)
         if values.null_count:
             return None
-        if isinstance(values, pa.ChunkedArray):
-            values = values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)
         matrix[:, j] = numpy_values(values)  # float64 -> float32 rounds as Arrow's cast does
     return float_rows(plan, (matrix,), model)
 

@@ -254,10 +254,12 @@ def test_a_shards_capture_sample_holds_its_own_rows_not_the_batch_it_came_from()
 def test_a_worker_scores_and_captures_without_importing_pandas(
     scoring_job: ScoringJob, input_shards: Path, tmp_path: Path
 ) -> None:
-    """pyarrow imports pandas at its first conversion of numpy or Python values (~45 MiB of private memory in each
-    worker, a tenth of the job's); the worker's float path, its answers and its capture samples make their Arrow
-    arrays from buffers instead. The job is shipped pickled, as Dask ships it, to a fresh interpreter."""
-    job = dataclasses.replace(scoring_job, capture=ShardCapture(str(tmp_path / "capture"), 300, "acme", "j1"))
+    """pyarrow imports pandas at its first conversion of numpy or Python values (~27 MB of each worker's memory);
+    the row check, the answers and the capture samples make their Arrow arrays from buffers instead, on both row
+    paths: batches of 1,500 rows (stacked into one matrix) and the shards' last 500 (Arrow columns). The job is
+    shipped pickled, as Dask ships it, to a fresh interpreter."""
+    job = dataclasses.replace(scoring_job, batch_rows=1_500,
+                              capture=ShardCapture(str(tmp_path / "capture"), 300, "acme", "j1"))
     shipped = tmp_path / "job.pickle"
     shipped.write_bytes(pickle.dumps((job, list_shards(str(input_shards))[:3])))
     script = ("import pickle, sys; from shardline.tasks.dispatch import score_group; "

@@ -398,6 +398,8 @@ class DataPlane:
         the same way, down to one row; the model's batch limit is lowered to the half that fit, so the
         next batches are cut smaller before they are tried. Counted in ``shardline_oom_splits`` and
         logged. Only a single row that does not fit fails (InferenceFailed)."""
+        if inputs.num_rows <= 1:  # nothing to split (most online requests): no closures made per call
+            return self._timed(served, runtime, inputs)
         resolved = served.resolved
 
         def split(rows: int, half: int) -> None:
@@ -409,11 +411,12 @@ class DataPlane:
                 "model": resolved.pinned, "rows": rows, "max_batch_size": served.batcher.limits.max_batch_size}})
 
         return split_out_of_memory(
-            lambda rows: self._timed(served, runtime, rows.num_rows, lambda: runtime.predict(rows)), inputs, split,
+            lambda rows: self._timed(served, runtime, rows), inputs, split,
             lambda e: isinstance(e, InferenceFailed) and out_of_memory(e.__cause__))
 
-    def _timed(self, served: ServedModel, runtime: Any, rows: int, score: Callable[[], T]) -> T:
-        """A scoring call, timed into ``served.seconds_per_row``; a failure not the request's is InferenceFailed.
+    def _timed(self, served: ServedModel, runtime: Any, inputs: Rows) -> Any:
+        """``runtime.predict(inputs)``, timed into ``served.seconds_per_row``; a failure not the request's is
+        InferenceFailed.
 
         On a CPU runtime the time is the calling thread's CPU time: what the call would hold the
         event loop for, without the time the thread waited for the GIL or for a core (a pool
@@ -426,15 +429,16 @@ class DataPlane:
             clock = served.clock = time.thread_time if getattr(runtime, "device", "cpu") == "cpu" else time.perf_counter
         started = clock()
         try:
-            output = score()
+            output = runtime.predict(inputs)
         except InvalidInput:
             raise
         except Exception as e:  # an eviction meanwhile cannot cause it: the cache drops models, never closes them
             raise InferenceFailed(
-                f"model {served.resolved.pinned} failed on {rows} rows that passed its signature check "
+                f"model {served.resolved.pinned} failed on {inputs.num_rows} rows that passed its signature check "
                 f"({type(e).__name__}: {e}); this is a fault of the model or the server, not of the request"
             ) from e
-        served.seconds_per_row = next_seconds_per_row(served.seconds_per_row, (clock() - started) / max(1, rows))
+        served.seconds_per_row = next_seconds_per_row(served.seconds_per_row,
+                                                      (clock() - started) / max(1, inputs.num_rows))
         return output
 
     async def count_tokens(self, served: ServedModel, texts: list[str]) -> int:

@@ -55,7 +55,7 @@ from shardline.online.generation import Generations
 from shardline.online.headers import TIMEOUT_HEADER
 from shardline.online.logs import CURRENT, deadline_left
 from shardline.online.metrics import Metrics, ModelState, Snapshot
-from shardline.online.models import ModelDirectory, ModelStatus, ServedModel
+from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, version_label
 from shardline.online.served import ServedModels
 from shardline.online.tenants import Tenant, TenantDirectory
 from shardline.rows import Rows, check_rows
@@ -255,7 +255,7 @@ class DataPlane:
 
     def _batcher_for(self, resolved: ResolvedModel, key: tuple[str, int, str], limits: Any) -> Batcher:
         """A served version's batcher: its batches scored by this plane (inline when fast, else on the pool)."""
-        version = _version_label(resolved)
+        version = version_label(resolved)
 
         def observe(rows: int, requests: int, seconds: float) -> None:
             self.metrics.observe_batch(resolved.name, version, rows, requests, seconds)
@@ -335,7 +335,7 @@ class DataPlane:
                     timer.cancel()
         served.last_used = self._clock()
         if self.metrics.ledger is not None:
-            self.metrics.observe_rows(served.name, _version_label(served.resolved), tenant.name, rows.num_rows,
+            self.metrics.observe_rows(served.name, served.version_label, tenant.name, rows.num_rows,
                                       rows.nbytes, _answer_nbytes(answer))
         return answer
 
@@ -406,7 +406,7 @@ class DataPlane:
             limits = served.batcher.limits
             if limits.max_batch_size > half:
                 served.batcher.limits = dataclasses.replace(limits, max_batch_size=max(1, half))
-            self.metrics.oom_splits.labels(resolved.name, _version_label(resolved)).inc()
+            self.metrics.oom_splits.labels(resolved.name, served.version_label).inc()
             log.warning("out of memory on a batch: split in two, the batch limit lowered", extra={"fields": {
                 "model": resolved.pinned, "rows": rows, "max_batch_size": served.batcher.limits.max_batch_size}})
 
@@ -518,7 +518,3 @@ def _answer_nbytes(answer: Any) -> int:
         return sum(int(getattr(a, "nbytes", 0)) for a in answer.values())
     return int(getattr(answer, "nbytes", 0))
 
-
-def _version_label(resolved: ResolvedModel) -> str:
-    """A served version's ``version`` metrics label: ``3``, or ``3#int8`` for a precision variant."""
-    return f"{resolved.version}#{resolved.variant_name}" if resolved.variant_name else str(resolved.version)

@@ -335,7 +335,7 @@ class Metrics:
     def observe_rows(self, model: str, version: str, tenant: str, rows: int, bytes_in: int, bytes_out: int) -> None:
         """Meter rows a tenant had scored (and their bytes in and out of the model); the ledger only."""
         if self.ledger is not None:
-            self.ledger.add(tenant, model, version, rows=rows, bytes_read=bytes_in, bytes_written=bytes_out)
+            self.ledger.add_rows(tenant, model, version, rows, bytes_in, bytes_out)
 
     def observe_capture(self, model: str, version: str, rows: int, kept: bool) -> None:
         """Count rows handed to capture (``kept``) or dropped by a full buffer."""

@@ -18,6 +18,7 @@ batcher, when it was last used, and whether it is being unloaded.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import logging
 import time
@@ -99,10 +100,20 @@ class ServedModel:
         """``name:version``."""
         return self.resolved.pinned
 
+    @functools.cached_property
+    def version_label(self) -> str:
+        """Its ``version`` metrics and metering label (``version_label``), made once."""
+        return version_label(self.resolved)
+
     @property
     def signature(self) -> Signature:
         """What the model reads and writes."""
         return self.resolved.manifest.signature
+
+
+def version_label(resolved: ResolvedModel) -> str:
+    """A served version's ``version`` metrics label: ``3``, or ``3#int8`` for a precision variant."""
+    return f"{resolved.version}#{resolved.variant_name}" if resolved.variant_name else str(resolved.version)
 
 
 @dataclass(frozen=True)

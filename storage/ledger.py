@@ -43,6 +43,7 @@ Tier = Literal["online", "batch"]
 MEASURES = ("requests", "rows", "prompt_tokens", "completion_tokens", "device_seconds", "cpu_seconds",
             "bytes_read", "bytes_written")
 _INDEX = {name: i for i, name in enumerate(MEASURES)}
+_ROWS, _BYTES_READ, _BYTES_WRITTEN = _INDEX["rows"], _INDEX["bytes_read"], _INDEX["bytes_written"]
 _COUNTS = frozenset({"requests", "rows", "prompt_tokens", "completion_tokens", "bytes_read", "bytes_written"})
 UNATTRIBUTED = "(unattributed)"  # device time a server measured that no tenant's rows of the bucket explain
 
@@ -244,6 +245,16 @@ class LedgerWriter:
             values = self._values(bucket, (tenant, model, version))
             for name, amount in measures.items():
                 values[_INDEX[name]] += amount
+
+    def add_rows(self, tenant: str, model: str, version: str, rows: int, bytes_read: int, bytes_written: int) -> None:
+        """Add rows a tenant had scored and their bytes: ``add(..., rows=, bytes_read=, bytes_written=)`` without
+        the keywords (it runs once per online request)."""
+        bucket = int(self._clock() // self.bucket_s)
+        with self._lock:
+            values = self._values(bucket, (tenant, model, version))
+            values[_ROWS] += rows
+            values[_BYTES_READ] += bytes_read
+            values[_BYTES_WRITTEN] += bytes_written
 
     def add_request(self, tenant: str, model: str, version: str) -> None:
         """Count one request: ``add(..., requests=1)`` without the keywords (it runs once per request)."""

@@ -128,3 +128,19 @@ def test_a_report_month_is_checked_and_the_first_of_january_reports_december() -
             check_month(wrong)
     assert previous_month(datetime(2027, 1, 1, 6, tzinfo=timezone.utc)) == "2026-12"
     assert previous_month(datetime(2026, 12, 1, 6, tzinfo=timezone.utc)) == "2026-11"
+
+
+def test_the_per_request_shortcuts_add_what_add_with_keywords_adds() -> None:
+    fast, fast_clock, _ = writer()
+    slow, slow_clock, _ = writer()
+    fast.add_request("acme", "churn", "3")
+    fast.add_rows("acme", "churn", "3", 4, 480, 64)
+    fast.add_rows("acme", "churn", "3", 1, 120, 16)
+    slow.add("acme", "churn", "3", requests=1, rows=5, bytes_read=600, bytes_written=80)
+    fast_clock.now += 61
+    slow_clock.now += 61
+    fast.flush()
+    slow.flush()
+    made = [{k: v for k, v in r.items() if k != "writer"} for w in (fast, slow) for r in usage(w.store)]
+    assert made[0] == made[1]
+    assert (made[0]["requests"], made[0]["rows"], made[0]["bytes_read"], made[0]["bytes_written"]) == (1, 5, 600, 80)

@@ -38,16 +38,16 @@ test: setup typecheck test-services
 	$(PY) -m pytest tests -n 2 --dist loadfile --durations=15
 
 # What the tests run for real beside the product (Debian's packages, when missing and this is root with apt):
-# redis-server behind routers sharing quotas, prometheus and promtool for the SLO rules. Without them those
-# tests skip, saying which package to install.
-TEST_PACKAGES := redis-server prometheus
+# redis-server behind routers sharing quotas, prometheus and promtool for the SLO rules, headless chromium laying
+# out the drift report (~10 s to install here). Without them those tests skip, saying which package to install.
+TEST_PACKAGES := redis-server prometheus chromium
 test-services:
-	@command -v redis-server >/dev/null && command -v promtool >/dev/null || \
+	@command -v redis-server >/dev/null && command -v promtool >/dev/null && command -v chromium >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    { apt-get install -y -qq --no-install-recommends $(TEST_PACKAGES) >/dev/null 2>&1 || \
 	      { apt-get update -qq >/dev/null 2>&1 && \
 	        apt-get install -y -qq --no-install-recommends $(TEST_PACKAGES) >/dev/null 2>&1; }; }; } || \
-	  echo "note: apt-get install $(TEST_PACKAGES) failed or is not allowed here: the shared-quota and SLO tests skip"
+	  echo "note: apt-get install $(TEST_PACKAGES) failed or is not allowed here: the shared-quota, SLO and browser tests skip"
 
 test-fast: setup
 	$(PY) -m pytest tests/unit

@@ -13,14 +13,18 @@ export MLFLOW_DISABLE_TELEMETRY := true
 
 setup: $(VENV)/.installed dataplane
 
+# Installs Debian packages ($(1), with apt-get's options $(2)) when this is root with apt, updating the package
+# lists once if the first try fails; false otherwise.
+apt_install = [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	{ apt-get install -y -qq $(2) $(1) >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $(2) $(1) >/dev/null 2>&1; }; }
+
 # The data plane in front of `shardline router` (docs/routing.md "The data plane"): Debian's nginx with its Lua
 # module, installed when missing and this is root with apt; without it the router relays every request itself (slower).
 DATAPLANE_PACKAGES := nginx-light libnginx-mod-http-lua lua-nginx-redis lua-nginx-redis-connector
 dataplane:
 	@{ test -f /usr/lib/nginx/modules/ngx_http_lua_module.so && test -f /usr/share/lua/5.1/nginx/redis.lua; } || \
-	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	    { apt-get install -y -qq $(DATAPLANE_PACKAGES) >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
-	      apt-get install -y -qq $(DATAPLANE_PACKAGES) >/dev/null 2>&1; }; }; } || \
+	  { $(call apt_install,$(DATAPLANE_PACKAGES)); } || \
 	  echo "note: apt-get install $(DATAPLANE_PACKAGES) failed or is not allowed here: shardline router will relay every request itself (docs/routing.md)"
 
 $(VENV)/.installed: pyproject.toml
@@ -38,16 +42,16 @@ test: setup typecheck test-services
 	$(PY) -m pytest tests -n 2 --dist loadfile --durations=15
 
 # What the tests run for real beside the product (Debian's packages, when missing and this is root with apt):
-# redis-server behind routers sharing quotas, prometheus and promtool for the SLO rules, headless chromium laying
-# out the drift report (~10 s to install here). Without them those tests skip, saying which package to install.
-TEST_PACKAGES := redis-server prometheus chromium
+# redis-server behind routers sharing quotas, prometheus and promtool for the SLO rules; headless chromium laying
+# out the drift report (~10 s to install here), on its own so that a failure leaves the others in. Without them
+# those tests skip, saying which package to install.
+TEST_PACKAGES := redis-server prometheus
+BROWSER_PACKAGES := chromium
 test-services:
-	@command -v redis-server >/dev/null && command -v promtool >/dev/null && command -v chromium >/dev/null || \
-	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	    { apt-get install -y -qq --no-install-recommends $(TEST_PACKAGES) >/dev/null 2>&1 || \
-	      { apt-get update -qq >/dev/null 2>&1 && \
-	        apt-get install -y -qq --no-install-recommends $(TEST_PACKAGES) >/dev/null 2>&1; }; }; } || \
-	  echo "note: apt-get install $(TEST_PACKAGES) failed or is not allowed here: the shared-quota, SLO and browser tests skip"
+	@command -v redis-server >/dev/null && command -v promtool >/dev/null || { $(call apt_install,$(TEST_PACKAGES),--no-install-recommends); } || \
+	  echo "note: apt-get install $(TEST_PACKAGES) failed or is not allowed here: the shared-quota and SLO tests skip"
+	@command -v chromium >/dev/null || { $(call apt_install,$(BROWSER_PACKAGES),--no-install-recommends); } || \
+	  echo "note: apt-get install $(BROWSER_PACKAGES) failed or is not allowed here: the drift report's browser test skips"
 
 test-fast: setup
 	$(PY) -m pytest tests/unit

@@ -8,7 +8,8 @@ intra-op thread, not spinning, and pyarrow on its own thread (``use_threads=Fals
   memory beforehand (at most ``IN_MEMORY_ROWS`` rows, cycled to the cell's rows), scored and dropped.
 - **stacking alone**: the same batches held as read (the shards' float64 columns), each stacked into
   the float32 ``(rows, 30)`` matrix the model takes: work neither of the two other parts does, and
-  every contender must (the tight loop, the Dask script and the platform each do it their way).
+  every contender must (the tight loop, the Dask script and the platform each do it their way; here the
+  fastest way measured, a block of rows at a time, ``shardline.arrays.stack_columns``).
 - **read + write alone**: each shard read in batches of 65,536 rows (``id`` and the features, as the
   platform reads them) and a part of the same rows written with the platform's output schema and
   encoding (``id``, ``label``, ``probabilities``; the model's answers to a batch computed once
@@ -42,6 +43,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shardline.arrays import stack_columns
+
 BATCH_ROWS = 65_536
 IN_MEMORY_ROWS = 524_288  # onnxruntime and stacking alone: at most this many rows held (~190 MiB)
 WINDOWS = 3
@@ -65,10 +68,9 @@ def _session(bundle: Path) -> Any:
 
 
 def _matrix(batch: pa.RecordBatch, features: list[str]) -> np.ndarray:
-    x = np.empty((batch.num_rows, len(features)), dtype=np.float32)
-    for j, name in enumerate(features):
-        x[:, j] = batch.column(name).to_numpy()
-    return x
+    """The features as the model's float32 matrix, stacked the fastest way measured (a block of rows at a time
+    through a transposed buffer, ``stack_columns``: a quarter of the CPU of filling it column by column)."""
+    return stack_columns([batch.column(name).to_numpy() for name in features], batch.num_rows, np.float32)
 
 
 _STATE: "Limits | None" = None  # the measures' inputs, set before the worker processes fork from this one

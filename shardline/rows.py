@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pyarrow as pa
 
-from shardline.arrays import arrow_array, numpy_values
+from shardline.arrays import arrow_array, numpy_values, stack_columns
 from shardline.errors import InvalidInput, NonFiniteValues, NullValues, SchemaMismatch
 from shardline.signature import is_compatible, leaf_type, non_finite_counts, row_shape, schema_problems, type_name
 
@@ -354,16 +354,16 @@ def _stacked_rows(rows: pa.Table | pa.RecordBatch, given: pa.Schema, plan: Signa
     path below names what is wrong)."""
     layout = plan.layout
     assert layout is not None
-    matrix = np.empty((rows.num_rows, len(plan.columns)), dtype=layout.dtypes[0])
-    for j, column in enumerate(plan.columns):
+    columns = []
+    for column in plan.columns:
         index = given.get_field_index(column.name)  # -1 when missing or repeated
         if index < 0 or not pa.types.is_floating(given.field(index).type):
             return None
         values = rows.column(index)
         if values.null_count:
             return None
-        matrix[:, j] = numpy_values(values)  # float64 -> float32 rounds as Arrow's cast does
-    return float_rows(plan, (matrix,), model)
+        columns.append(numpy_values(values))
+    return float_rows(plan, (stack_columns(columns, rows.num_rows, layout.dtypes[0]),), model)
 
 
 def _cast_columns(rows: pa.Table | pa.RecordBatch, given: pa.Schema, signature: Signature, model: str) -> pa.Table:

@@ -28,7 +28,7 @@ from typing import Any, Callable, overload
 import numpy as np
 import pyarrow as pa
 
-from shardline.arrays import arrow_array, numpy_values
+from shardline.arrays import arrow_array, numpy_values, stack_columns
 from shardline.bundle import Manifest
 from shardline.errors import InvalidBundle, InvalidInput, RuntimeUnavailable
 from shardline.rows import FloatLayout, Rows, SignaturePlan
@@ -69,10 +69,7 @@ def _column_matrix(
                 return np.asarray(selected.to_tensor(row_major=True)).astype(dtype, copy=False)
             except (pa.ArrowException, ValueError):
                 pass  # mixed or non-numeric types, or nulls: the per-column copy below casts them
-    out = np.empty((batch.num_rows, len(columns)), dtype=dtype)
-    for j, name in enumerate(columns):
-        out[:, j] = numpy_values(batch.column(name))
-    return out
+    return stack_columns([numpy_values(batch.column(name)) for name in columns], batch.num_rows, dtype)
 
 
 class _ColumnPlan:

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from shardline.arrays import arrow_array, numpy_values, records_table, string_array
+from shardline.arrays import arrow_array, numpy_values, records_table, stack_columns, string_array
 
 
 @pytest.mark.parametrize("values", [
@@ -56,6 +56,42 @@ def test_strings_to_arrow_are_pyarrows_conversion(values: list[str]) -> None:
     made.validate(full=True)
     assert made.type == pa.string() and made.to_pylist() == values
     assert made.equals(pa.array(values, type=pa.string()))
+
+
+def _column_by_column(columns: list[np.ndarray], rows: int, dtype: type) -> np.ndarray:
+    out = np.empty((rows, len(columns)), dtype=dtype)
+    for j, values in enumerate(columns):
+        out[:, j] = values
+    return out
+
+
+@pytest.mark.parametrize("rows, width, source, dtype", [
+    (6_569, 30, np.float64, np.float32),  # three blocks of 2,184 rows and 17 over: the batch tier's layout
+    (65_536, 30, np.float64, np.float32),
+    (70_000, 1, np.float64, np.float32),  # one column: blocks of 65,536 rows
+    (5_000, 7, np.int64, np.float32),  # integers cast as the assignment casts them
+    (3_000, 12, np.float32, np.float64),
+    (1, 30, np.float64, np.float32),
+    (0, 30, np.float64, np.float32),
+])
+def test_stacked_columns_are_the_matrix_filled_column_by_column(rows: int, width: int, source: type,
+                                                                dtype: type) -> None:
+    """Blocked through a transposed buffer, every value lands where the column-by-column fill puts it, cast
+    alike: float64 -> float32 rounds as Arrow's cast does, and NaN and infinities stay what they are."""
+    generator = np.random.default_rng(7)
+    columns = [(generator.normal(size=rows) * 1e3).astype(source) for _ in range(width)]
+    if rows > 2 and source == np.float64:
+        columns[-1][-1], columns[0][rows // 2] = np.nan, -np.inf
+    stacked = stack_columns(columns, rows, dtype)
+    assert stacked.shape == (rows, width) and stacked.dtype == dtype and stacked.flags.c_contiguous
+    np.testing.assert_array_equal(stacked, _column_by_column(columns, rows, dtype))
+    if source == np.float64 and dtype == np.float32 and rows:
+        cast = pa.array(columns[3 % width]).cast(pa.float32(), safe=False).to_numpy()
+        np.testing.assert_array_equal(stacked[:, 3 % width], cast)
+
+
+def test_no_columns_stack_into_a_matrix_of_no_columns() -> None:
+    assert stack_columns([], 4, np.float32).shape == (4, 0)
 
 
 def _ledger_rows() -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -136,3 +137,25 @@ def test_non_finite_values_are_counted_per_float_column_unless_declared() -> Non
     assert non_finite_counts(batch, specs) == {"a": 1, "b": 1, "v": 3}
     assert ColumnSpec(name="t", type="float32", non_finite=True).model_dump()["non_finite"] is True
     assert "non_finite" not in ColumnSpec(name="a", type="float32").model_dump()  # old manifests keep their digest
+
+
+@pytest.mark.parametrize("where", [0, 2_183, 2_184, 65_535])
+def test_a_nan_in_any_block_of_a_large_batch_is_refused_with_its_column_and_count(where: int) -> None:
+    """Batches past 1,024 rows are stacked into the model's matrix a block of rows at a time; a NaN in the first,
+    a middle or the last block (or on a block's edge) is refused as a small batch's is, naming its column."""
+    from shardline.build.examples import breast_cancer
+    from shardline.errors import NonFiniteValues
+    from shardline.rows import check_rows
+
+    names = breast_cancer().names
+    signature = Signature(inputs=[ColumnSpec(name=n, type="float32") for n in names],
+                          outputs=[ColumnSpec(name="label", type="int64")])
+    columns = {n: np.full(65_536, float(i)) for i, n in enumerate(names)}
+    matrix = check_rows(pa.table(columns), signature, "breast-cancer:1").arrays[0]
+    assert matrix.shape == (65_536, 30) and (matrix[where] == np.arange(30, dtype=np.float32)).all()
+
+    columns[names[29]][where] = np.nan
+    columns[names[4]][where] = np.inf
+    with pytest.raises(NonFiniteValues) as refused:
+        check_rows(pa.table(columns), signature, "breast-cancer:1")
+    assert f"{{'{names[4]}': 1, '{names[29]}': 1}}" in str(refused.value)

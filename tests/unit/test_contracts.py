@@ -113,6 +113,9 @@ def test_the_fast_screen_and_great_expectations_give_the_same_verdicts(site_mode
     screened, judged = ShardContract(manifest, profile), ShardContract(manifest, profile)
     judged.screen = False  # great-expectations validates every sample
     far = profile["columns"]["mean radius"]["max"] * 10
+    between = {kwargs["column"]: kwargs for kind, kwargs in contracts._screen_checks(manifest, profile, ContractRules())
+               if kind == "expect_column_values_to_be_between"}
+    low, high = between["mean radius"]["min_value"], between["mean texture"]["max_value"]
     samples = {
         "like the reference": _sample(20),
         "another fresh sample": _sample(21, rows=300),
@@ -123,6 +126,11 @@ def test_the_fast_screen_and_great_expectations_give_the_same_verdicts(site_mode
         "one null": shifted_table(_sample(26), nulls={"worst area": 0.001}),
         "a missing column": _sample(27).drop_columns(["mean texture"]),
         "strings for numbers": _sample(28).set_column(2, _sample(28).schema.field(2).name, pa.array(["x"] * 1_000)),
+        "one NaN": _outside(_sample(29), "mean radius", 0.001, float("nan")),
+        "every value NaN": _outside(_sample(30), "mean radius", 1.0, float("nan")),
+        "values on the reference's bounds": _outside(_outside(_sample(31), "mean radius", 0.01, low), "mean texture",
+                                                      0.01, high),
+        "0.5% just under the lower bound": _outside(_sample(32), "mean radius", 0.005, low - 1e-6),
     }
     for what, sample in samples.items():
         assert screened(sample) == judged(sample), what

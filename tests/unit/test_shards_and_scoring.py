@@ -215,6 +215,70 @@ def test_bad_shards_are_quarantined_with_their_reason(
     assert layout.read_ledger()["bad.parquet"].status == "quarantined"
 
 
+class _Contract:
+    """A data contract that keeps the samples it is given and fails every one when ``fail``."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.samples: list[pa.Table] = []
+        self.fail = fail
+
+    def __call__(self, sample: pa.Table) -> list[str]:
+        self.samples.append(sample)
+        return ["column 'mean radius' fails expect_column_values_to_be_between"] if self.fail else []
+
+
+@pytest.mark.parametrize("batch_rows", [300, 700, 5_000])
+def test_the_contract_checks_the_shards_first_rows_and_every_row_is_scored_once(
+    scoring_job: ScoringJob, input_shards: Path, batch_rows: int
+) -> None:
+    """The contract's sample is the first 1,000 rows of the read that scores the shard (held until it passes:
+    over several batches, within one, or one batch of the whole shard), and no held row is lost or scored twice."""
+    contract = _Contract()
+    job = dataclasses.replace(scoring_job, batch_rows=batch_rows, sample_check=contract)
+
+    record = score_shard(job, _shard(input_shards / "part-00002.parquet"))
+
+    assert (record.status, record.rows_in, record.rows_out) == ("committed", 2_000, 2_000)
+    shard = pq.read_table(input_shards / "part-00002.parquet")
+    names = job.model.manifest.signature.input_names
+    [sample] = contract.samples
+    assert sample.column_names == names and sample.equals(shard.select(names).slice(0, 1_000))
+    part = pq.read_table(record.part.removeprefix("file://"))
+    assert part.column("id").to_pylist() == shard.column("id").to_pylist()
+
+
+def test_a_shard_in_ranges_is_checked_once_on_its_first_ranges_rows(scoring_job: ScoringJob,
+                                                                     input_shards: Path) -> None:
+    contract = _Contract()
+    job = dataclasses.replace(scoring_job, sample_check=contract, checkpoint_bytes=1)  # a range a row group
+
+    record = score_shard(job, _shard(input_shards / "part-00002.parquet"))
+
+    assert (record.status, record.rows_out, record.ranges) == ("committed", 2_000, 4)
+    [sample] = contract.samples  # the first range's 500 rows (one row group here; ~1 GiB by default)
+    names = job.model.manifest.signature.input_names
+    assert sample.equals(pq.read_table(input_shards / "part-00002.parquet", columns=names).slice(0, 500))
+
+
+@pytest.mark.parametrize("checkpoint_bytes", [1 << 30, 1], ids=["one-pass", "ranges"])
+def test_a_shard_failing_its_contract_is_quarantined_with_nothing_written(
+    scoring_job: ScoringJob, input_shards: Path, checkpoint_bytes: int
+) -> None:
+    job = dataclasses.replace(scoring_job, sample_check=_Contract(fail=True), checkpoint_bytes=checkpoint_bytes)
+
+    record = score_shard(job, _shard(input_shards / "part-00001.parquet"))
+
+    assert record.status == "quarantined" and record.part is None
+    rows = 1_000 if checkpoint_bytes > 1 else 500
+    assert record.reason == (
+        f"DataContract: the first {rows} rows fail 1 expectation(s) of breast-cancer:1's data contract: column "
+        "'mean radius' fails expect_column_values_to_be_between; fix the data or check the model's reference profile"
+    )
+    layout = OutputLayout(job.output_uri)
+    assert layout.present_parts() == set() and layout.read_ledger()["part-00001.parquet"].status == "quarantined"
+    assert not list(Path(job.output_uri).rglob("*.parquet"))  # no staged part, no range's chunk
+
+
 def test_footer_reader_says_the_file_is_not_parquet(tmp_path: Path) -> None:
     from shardline.errors import CorruptShard
 

@@ -196,8 +196,13 @@ def dask_script(bundle: Path, input_dir: Path, output_dir: Path) -> dict[str, An
 
 
 def prepare_models() -> dict[str, Path]:
-    """Bundles of both models and a registry holding them at @prod, made anew; returns kind -> bundle."""
-    from shardline.build.examples import package_breast_cancer
+    """Bundles of both models and a registry holding them at @prod, made anew; returns kind -> bundle.
+
+    Each bundle carries the training rows' reference profile, as ``shardline demo``'s does (and a bundle packaged
+    with a sample): every shard's first rows are then checked against the model's data contract, as a user's are.
+    """
+    from shardline.build.examples import breast_cancer, golden_table, package_breast_cancer, split
+    from shardline.quality.profile import attach_reference_profile
     from shardline.storage.registry import ModelRegistry
 
     home = DATA / "home"
@@ -209,6 +214,7 @@ def prepare_models() -> dict[str, Path]:
         bundle = DATA / f"bundle-{kind}"
         shutil.rmtree(bundle, ignore_errors=True)
         package_breast_cancer(bundle, name=model_name(kind), kind=kind)
+        attach_reference_profile(bundle, golden_table(split(breast_cancer())[0]).drop(["target"]))
         pushed = registry.push(bundle)
         registry.set_alias(pushed.name, "prod", pushed.version or 1, reason="bench")
         bundles[kind] = bundle

@@ -244,36 +244,51 @@ class ShardSamples:
         self.shards, self.samples = [], []
 
 
-def _contract_checked(job: ScoringJob, shard: ShardInfo, opened: _Opened, batches: Iterator[pa.RecordBatch]
-                      ) -> Iterator[pa.RecordBatch]:
+def _contract_checked(job: ScoringJob, opened: _Opened, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``batches`` (the shard's from its first row), once the data contract has passed on their first
     ``contract_sample_rows`` rows: those batches are held until then, so the sample is the rows the shard is scored
     from, not a second read of them (which decoded each column's dictionary page again: half the reading of a
-    50,000-row shard).
+    50,000-row shard). Each held batch is let go as it is handed on, so none outlives its scoring.
 
     Raises:
         DataContractFailed: the sample fails expectations (the shard is quarantined; nothing was written).
     """
-    assert job.sample_check is not None
-    names = job.model.manifest.signature.input_names
-    held, rows = [], 0
+    held = _first_batches(batches, job.contract_sample_rows)
+    _check_contract(job, opened, held)
+    held.reverse()
+    while held:
+        yield held.pop()
+    yield from batches
+
+
+def _first_batches(batches: Iterator[pa.RecordBatch], rows: int) -> list[pa.RecordBatch]:
+    """The batches that hold the first ``rows`` rows (all of them when there are fewer)."""
+    held, found = [], 0
     for batch in batches:
         held.append(batch)
-        rows += batch.num_rows
-        if rows >= job.contract_sample_rows:
+        found += batch.num_rows
+        if found >= rows:
             break
+    return held
+
+
+def _check_contract(job: ScoringJob, opened: _Opened, held: list[pa.RecordBatch]) -> None:
+    """Run the data contract on the first ``contract_sample_rows`` rows of ``held``.
+
+    Raises:
+        DataContractFailed: the sample fails expectations.
+    """
+    assert job.sample_check is not None
+    names = job.model.manifest.signature.input_names
     schema = pa.schema([opened.parquet.schema_arrow.field(n) for n in names])
-    sample = pa.Table.from_batches([b.select(names) for b in held], schema=schema)
-    failures = job.sample_check(sample.slice(0, job.contract_sample_rows))
+    sample = pa.Table.from_batches([b.select(names) for b in held], schema=schema).slice(0, job.contract_sample_rows)
+    failures = job.sample_check(sample)
     if failures:
         raise DataContractFailed(
-            f"the first {min(sample.num_rows, job.contract_sample_rows)} rows fail {len(failures)} expectation(s) of "
-            f"{job.model.pinned}'s data contract: {'; '.join(failures)}; fix the data or check the model's reference "
-            "profile",
+            f"the first {sample.num_rows} rows fail {len(failures)} expectation(s) of {job.model.pinned}'s data "
+            f"contract: {'; '.join(failures)}; fix the data or check the model's reference profile",
             failures,
         )
-    yield from held
-    yield from batches
 
 
 def _score_into(
@@ -292,7 +307,7 @@ def _score_into(
     # closing(): the read-ahead thread stops before the source file closes, even
     # when a check below raises while the generator is suspended.
     with contextlib.closing(batches), PartWriter(out.fs, path, opened.target, opened.dictionary) as part:
-        for batch in _contract_checked(job, shard, opened, batches) if contract else batches:
+        for batch in _contract_checked(job, opened, batches) if contract else batches:
             rows = check_rows(batch, signature, job.model.pinned)  # the one row check, as the online tier's
             predicted = signature.plan.answer_batch(_within_memory(model, rows, job.model.pinned))  # (numpy for floats)
             scored = pa.RecordBatch.from_arrays(

@@ -9,6 +9,7 @@ import sys
 import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -258,6 +259,35 @@ def test_a_shard_in_ranges_is_checked_once_on_its_first_ranges_rows(scoring_job:
     [sample] = contract.samples  # the first range's 500 rows (one row group here; ~1 GiB by default)
     names = job.model.manifest.signature.input_names
     assert sample.equals(pq.read_table(input_shards / "part-00002.parquet", columns=names).slice(0, 500))
+
+
+def test_a_batch_held_for_the_contract_is_let_go_once_it_is_handed_on(scoring_job: ScoringJob,
+                                                                       input_shards: Path) -> None:
+    """The batches held until the contract passes are not kept for the rest of the shard (a 1M-row shard's first
+    batch is ~16 MB a worker): once the scorer has moved past one, Arrow has freed it."""
+    import pyarrow.compute as pc
+
+    from shardline.storage.scoring import _contract_checked, _open_shard
+
+    checked: list[int] = []  # rows of each sample (keeping the sample would keep its batch's buffers)
+    job = dataclasses.replace(scoring_job, sample_check=lambda sample: checked.append(sample.num_rows) or [])
+    names = job.model.manifest.signature.input_names
+    ones = pa.array(np.ones(50_000))
+
+    def fresh_batches() -> Iterator[pa.RecordBatch]:  # each allocated from Arrow's pool, as a read's are
+        for _ in range(4):
+            yield pa.record_batch([pc.multiply(ones, 2.0) for _ in names], names=names)
+
+    size = 50_000 * 8 * len(names)
+    with _open_shard(job, _shard(input_shards / "part-00000.parquet")) as opened:
+        before = pa.total_allocated_bytes()
+        held = []
+        for i, batch in enumerate(_contract_checked(job, opened, fresh_batches())):
+            if i == 2:
+                held.append(pa.total_allocated_bytes() - before)
+            del batch
+    assert checked == [1_000]
+    assert held and held[0] < 1.5 * size  # the batch in hand, not the first one too
 
 
 @pytest.mark.parametrize("checkpoint_bytes", [1 << 30, 1], ids=["one-pass", "ranges"])

@@ -136,9 +136,11 @@ def test_a_tenants_rate_is_held_for_both_routers_together(pair: Pair, breast_can
     assert len(outcomes) / seconds > 2.2 * RATE  # each router was offered more than the whole quota
     admitted = sum(o[1] == 200 for o in outcomes)
     # the burst, then the rate while requests came in (the last may reach a busy router late: the window runs
-    # to the last answer): 410 for 4 s, where a quota per router would give ~820
+    # to the last answer): 410 for 4 s, where a quota per router would give ~820. Fewer on a loaded machine (the
+    # suite's other process beside it): a router or the client stalled for a moment loses the tokens past the
+    # burst of 10 that refilled meanwhile (366 seen, 0.89 of it), so the floor is 0.85, as the next test's is 0.8.
     allowed = (10 + RATE * seconds, 10 + RATE * max(seconds, done[0]))
-    assert 0.95 * allowed[0] <= admitted <= 1.05 * allowed[1], (admitted, allowed)
+    assert 0.85 * allowed[0] <= admitted <= 1.05 * allowed[1], (admitted, allowed)
     assert all(o[2] is not None and int(o[2]) >= 1 for o in outcomes if o[1] == 429)
 
 

@@ -28,6 +28,10 @@ pytestmark = pytest.mark.timeout(180)
 
 METERED_KEY = "sk-shared-metered"
 RATE = 100  # the tenant's requests a second, for both routers together
+# Its burst: half a second of the rate, so that a router or the client stalled for a moment by a loaded machine (the
+# suite's other process beside it) loses none of the tokens that refill meanwhile. With a burst of 10 they did: 366
+# admitted where 410 were due, and 197 where 0.8 x 251 were, once each in full runs.
+BURST = 50
 OFFERED = 300  # what the test sends, both routers together
 
 
@@ -54,7 +58,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         "  - name: metered\n"
         f"    api_keys_sha256: [\"{hash_api_key(METERED_KEY)}\"]\n"
         f"    models: [\"{MODEL}@prod\"]\n"
-        f"    rate: {{requests_per_second: {RATE}, burst: 10}}\n"
+        f"    rate: {{requests_per_second: {RATE}, burst: {BURST}}}\n"
         "    max_concurrent: 200\n"
     )
     redis = redis_server(home)
@@ -136,17 +140,15 @@ def test_a_tenants_rate_is_held_for_both_routers_together(pair: Pair, breast_can
     assert len(outcomes) / seconds > 2.2 * RATE  # each router was offered more than the whole quota
     admitted = sum(o[1] == 200 for o in outcomes)
     # the burst, then the rate while requests came in (the last may reach a busy router late: the window runs
-    # to the last answer): 410 for 4 s, where a quota per router would give ~820. Fewer on a loaded machine (the
-    # suite's other process beside it): a router or the client stalled for a moment loses the tokens past the
-    # burst of 10 that refilled meanwhile (366 seen, 0.89 of it), so the floor is 0.85, as the next test's is 0.8.
-    allowed = (10 + RATE * seconds, 10 + RATE * max(seconds, done[0]))
-    assert 0.85 * allowed[0] <= admitted <= 1.05 * allowed[1], (admitted, allowed)
+    # to the last answer): 450 for 4 s, where a quota per router would give ~900
+    allowed = (BURST + RATE * seconds, BURST + RATE * max(seconds, done[0]))
+    assert 0.9 * allowed[0] <= admitted <= 1.05 * allowed[1], (admitted, allowed)
     assert all(o[2] is not None and int(o[2]) >= 1 for o in outcomes if o[1] == 429)
 
 
 def test_redis_stopped_mid_load_loses_no_request_and_each_router_holds_its_share(
         pair: Pair, breast_cancer_model: BuiltModel) -> None:
-    time.sleep(0.2)  # the last test's bucket refills past its burst
+    time.sleep(BURST / RATE + 0.2)  # the last test's bucket refills past its burst
     logged = [log.read_text().count("unreachable") for log in pair.logs]
     done: list[float] = []
 
@@ -167,7 +169,9 @@ def test_redis_stopped_mid_load_loses_no_request_and_each_router_holds_its_share
     after = [o for o in outcomes if o[0] >= 1.5]
     span = max(o[0] for o in after) - 1.5
     admitted = sum(o[1] == 200 for o in after)
-    assert 0.8 * RATE * span <= admitted <= 2 * 5 + 1.2 * RATE * max(span, done[0] - 1.5), (admitted, span, done)
+    local_burst = -(-BURST // 2)  # each router's share of the burst while it cannot reach Redis
+    assert 0.8 * RATE * span <= admitted <= 2 * local_burst + 1.2 * RATE * max(span, done[0] - 1.5), \
+        (admitted, span, done)
     for url, log, before in zip(pair.metrics, pair.logs, logged):
         assert _scrape(url).get(("shardline_router_quota_store_fallbacks_total", ()), 0) > 0
         assert log.read_text().count("unreachable") == before + 1  # logged once per outage

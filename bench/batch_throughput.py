@@ -27,7 +27,8 @@ with psutil (reading PSS costs the kernel a walk of each process's page tables: 
 platform's six processes lost a sixth of the cores to the sampler). Each cell also measures the machine's limit on
 its shards (``batch_limit.py``: onnxruntime alone on in-memory batches, stacking the features
 alone, reading and writing alone, the three combined, and a bare read->stack->score->write
-pipeline, each on every core). Printed
+pipeline, each on every core), and once more with the variables the platform's Dask workers start with
+(``worker_variables``: information beside the target, not the target). Printed
 per cell: rows/s end to end (process start to exit, start-ups included) and in steady state
 (first shard started to last part written), peak tree memory, the platform's seconds outside
 the steady window (start-up plus tear-down); then the platform's steady rows/s as a fraction
@@ -443,17 +444,33 @@ def run_child(side: str, bundle: Path, input_dir: Path, memory: bool = False) ->
     return Run(side, result["rows"], wall, result["steady_seconds"], usage)
 
 
-def run_limit(bundle: Path, input_dir: Path, retries: int) -> dict[str, float]:
+def run_limit(bundle: Path, input_dir: Path, retries: int, variables: dict[str, str] | None = None
+              ) -> dict[str, float]:
     """The machine's limit on ``input_dir`` (bench/batch_limit.py), in a child process like the contenders: measured
-    again (up to ``retries`` times) while other processes used over ``NOISY_CORES``; each measure's best."""
+    again (up to ``retries`` times) while other processes used over ``NOISY_CORES``; each measure's best.
+    ``variables``: set for it besides the contenders' environment (``worker_variables``)."""
     command = [sys.executable, str(HERE / "batch_limit.py"), str(bundle), str(input_dir), str(_output("limit"))]
     found: list[dict[str, float]] = []
     while True:
-        _, out, usage = _run_measured(command, _env())
+        _, out, usage = _run_measured(command, {**_env(), **(variables or {})})
         found.append(_last_json(out))
         if usage.rest_cores <= NOISY_CORES or len(found) > retries:
             return {key: max(f[key] for f in found) for key in found[0]}
         print(f"  ({usage.rest_cores:.2f} cores used by other processes: measuring the limit again)", flush=True)
+
+
+def worker_variables() -> dict[str, str]:
+    """The variables the platform's local Dask workers start with besides the command's, from the same config the
+    runner's cluster reads: Dask's own (``MALLOC_TRIM_THRESHOLD_``: every allocation past 128 KiB a fresh mapping;
+    one thread for OpenMP, MKL and OpenBLAS) and Arrow's jemalloc pool (``tasks/cluster.py``)."""
+    import dask
+    import distributed  # noqa: F401  (its defaults join dask.config on import)
+
+    from shardline.tasks.cluster import worker_memory_pool_config
+
+    found = {**dask.config.get("distributed.nanny.pre-spawn-environ"),
+             **{key.rsplit(".", 1)[1]: value for key, value in worker_memory_pool_config().items()}}
+    return {name: str(value) for name, value in found.items() if value is not None}
 
 
 def run_platform(kind: str, input_dir: Path, memory: bool = False) -> Run:
@@ -511,11 +528,18 @@ class Cell:
     rows_per_shard: int
     runs: dict[str, Run]
     limit: dict[str, float]  # bench/batch_limit.py's measures (rows/s), the best of the repeats
+    # the same measures with the platform's workers' variables (``worker_variables``): information, not a target
+    limit_as_workers: dict[str, float]
 
     @property
     def of_limit(self) -> float:
         """The platform's steady rows/s as a fraction of the machine's limit."""
         return self.runs["platform"].steady_rate / self.limit["limit"]
+
+    @property
+    def of_limit_as_workers(self) -> float:
+        """The platform's steady rows/s as a fraction of the limit measured in its workers' environment."""
+        return self.runs["platform"].steady_rate / self.limit_as_workers["limit"]
 
     def ratio(self, what: str, against: str) -> float:
         """platform / ``against`` for 'steady', 'e2e' (rows/s) or 'memory' (peak tree PSS)."""
@@ -548,7 +572,9 @@ def print_cell(cell: Cell) -> None:
           f"features alone {lim['stacking']:,.0f}, read + write alone {lim['read_write']:,.0f}; combined "
           f"1/(1/a+1/s+1/b) {lim['combined']:,.0f}, pipelined read->stack->score->write {lim['pipelined']:,.0f}; "
           f"limit (the higher) {lim['limit']:,.0f} rows/s")
-    print(f"platform steady / limit: {cell.of_limit:.2f}{_mark(cell.of_limit >= STEADY_VS_LIMIT)}")
+    print(f"platform steady / limit: {cell.of_limit:.2f}{_mark(cell.of_limit >= STEADY_VS_LIMIT)}; / the limit "
+          f"with the workers' variables ({', '.join(sorted(worker_variables()))}): {cell.of_limit_as_workers:.2f} "
+          f"(information: the target is the limit's)")
     print(f"platform start-up + tear-down (e2e - steady): {outside:.2f} s{_mark(outside <= OUTSIDE_STEADY_S)}")
     print(f"platform / tight loop: steady {steady_t:.2f}x{_mark(steady_t >= STEADY_VS_TIGHT)}, "
           f"e2e {cell.ratio('e2e', 'tight loop'):.2f}x;  platform / plain dask: steady {steady_d:.2f}x"
@@ -562,7 +588,8 @@ def _mark(met: bool) -> str:
 
 def summary(cells: list[Cell]) -> bool:
     """The ratios of every cell in one table, memory flatness per model; returns whether every target is met."""
-    header = (f"{'model':<8}{'shard rows':>11}{'shards':>7} | {'limit rows/s':>13}{'of limit':>9}{'steady/tight':>13}"
+    header = (f"{'model':<8}{'shard rows':>11}{'shards':>7} | {'limit rows/s':>13}{'of limit':>9}{'(workers)':>10}"
+              f"{'steady/tight':>13}"
               f"{'steady/dask':>12}{'e2e/tight':>10}{'e2e/dask':>9}{'tree/dask':>10}{'outside s':>10} | "
               f"{'tree MiB':>9}{'dask MiB':>9}")
     print(f"\nplatform ratios (targets: steady/limit >= {STEADY_VS_LIMIT}, steady/tight >= {STEADY_VS_TIGHT}, "
@@ -578,7 +605,8 @@ def summary(cells: list[Cell]) -> bool:
                  c.of_limit >= STEADY_VS_LIMIT]
         ok = ok and all(marks)
         print(f"{c.kind:<8}{c.rows_per_shard:>11,}{c.shards:>7} | {c.limit['limit']:>13,.0f}"
-              f"{c.of_limit:>8.2f}{' ' if marks[4] else '!'}{st:>12.2f}{' ' if marks[0] else '!'}"
+              f"{c.of_limit:>8.2f}{' ' if marks[4] else '!'}{c.of_limit_as_workers:>10.2f}"
+              f"{st:>12.2f}{' ' if marks[0] else '!'}"
               f"{sd:>11.2f}{' ' if marks[1] else '!'}{c.ratio('e2e', 'tight loop'):>10.2f}"
               f"{c.ratio('e2e', 'plain dask'):>9.2f}{mem:>9.2f}{' ' if marks[2] else '!'}"
               f"{outside:>9.2f}{' ' if marks[3] else '!'} | "
@@ -599,7 +627,9 @@ def summary(cells: list[Cell]) -> bool:
           "end-to-end seconds less its steady window (start-up and tear-down), on the warm batch runner.\n"
           "limit: the machine's, on the cell's shards (bench/batch_limit.py): the higher of onnxruntime alone,\n"
           "stacking the features alone and read + write alone combined, 1/(1/a+1/s+1/b), and a measured\n"
-          "read->stack->score->write pipeline on every core; of limit: the platform's steady rows/s / limit.")
+          "read->stack->score->write pipeline on every core; of limit: the platform's steady rows/s / limit.\n"
+          "(workers): the same, of the limit measured once more with the variables the platform's Dask workers\n"
+          "start with (Dask's MALLOC_TRIM_THRESHOLD_ and thread counts, Arrow's jemalloc pool): information only.")
     return ok
 
 
@@ -665,8 +695,12 @@ def run_cell(kind: str, bundle: Path, input_dir: Path, shards: int, rows: int, r
     mismatch, largest = same_output(DATA / "out-tight-loop", DATA / "out-platform")
     if mismatch:
         raise SystemExit(f"OUTPUTS DIFFER ({kind}, {rows:,}-row shards): {mismatch}")
+    as_workers = run_limit(bundle, input_dir, retries, worker_variables())
+    print(f"  {kind} {rows:,}-row shards, machine's limit with the workers' variables: {as_workers['limit']:,.0f} "
+          f"rows/s (read + write alone {as_workers['read_write']:,.0f}, pipelined {as_workers['pipelined']:,.0f})",
+          flush=True)
     return Cell(kind, shards, rows, {side: best(r, memories[side]) for side, r in runs.items()},
-                {key: max(m[key] for m in limits) for key in limits[0]})
+                {key: max(m[key] for m in limits) for key in limits[0]}, as_workers)
 
 
 def main(argv: list[str] | None = None) -> int:

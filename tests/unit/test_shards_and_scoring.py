@@ -281,13 +281,13 @@ def test_a_batch_held_for_the_contract_is_let_go_once_it_is_handed_on(scoring_jo
     size = 50_000 * 8 * len(names)
     with _open_shard(job, _shard(input_shards / "part-00000.parquet")) as opened:
         before = pa.total_allocated_bytes()
-        held = []
+        in_use = []  # Arrow's bytes in use while the third batch is in hand
         for i, batch in enumerate(_contract_checked(job, opened, fresh_batches())):
             if i == 2:
-                held.append(pa.total_allocated_bytes() - before)
+                in_use.append(pa.total_allocated_bytes() - before)
             del batch
     assert checked == [1_000]
-    assert held and held[0] < 1.5 * size  # the batch in hand, not the first one too
+    assert in_use and in_use[0] < 1.5 * size  # the batch in hand, not the first one too
 
 
 @pytest.mark.parametrize("checkpoint_bytes", [1 << 30, 1], ids=["one-pass", "ranges"])

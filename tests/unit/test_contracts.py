@@ -131,6 +131,14 @@ def test_the_fast_screen_and_great_expectations_give_the_same_verdicts(site_mode
         "values on the reference's bounds": _outside(_outside(_sample(31), "mean radius", 0.01, low), "mean texture",
                                                       0.01, high),
         "0.5% just under the lower bound": _outside(_sample(32), "mean radius", 0.005, low - 1e-6),
+        "one infinity": _outside(_sample(33), "mean radius", 0.001, float("inf")),
+        "one minus infinity and one NaN": _outside(_outside(_sample(34), "mean radius", 0.001, float("-inf")),
+                                                    "mean texture", 0.001, float("nan")),
+        "in two chunks, 2% out of range in the second": pa.concat_tables(
+            [_sample(35).slice(0, 500), _outside(_sample(35), "mean radius", 0.02, far).slice(0, 500)]),
+        "float32 columns": _sample(36).cast(pa.schema(
+            [pa.field(f.name, pa.float32()) if pa.types.is_floating(f.type) else f for f in _sample(36).schema])),
+        "no rows": _sample(37).slice(0, 0),
     }
     for what, sample in samples.items():
         assert screened(sample) == judged(sample), what

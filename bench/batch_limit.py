@@ -9,7 +9,8 @@ intra-op thread, not spinning, and pyarrow on its own thread (``use_threads=Fals
 - **stacking alone**: the same batches held as read (the shards' float64 columns), each stacked into
   the float32 ``(rows, 30)`` matrix the model takes: work neither of the two other parts does, and
   every contender must (the tight loop, the Dask script and the platform each do it their way; here the
-  fastest way measured, a block of rows at a time, ``shardline.arrays.stack_columns``).
+  fastest way measured, a block of rows at a time into a matrix kept from batch to batch, as the platform's workers
+  stack: ``shardline.arrays.stack_columns`` with a ``MatrixScratch``).
 - **read + write alone**: each shard read in batches of 65,536 rows (``id`` and the features, as the
   platform reads them) and a part of the same rows written with the platform's output schema and
   encoding (``id``, ``label``, ``probabilities``; the model's answers to a batch computed once
@@ -43,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardline.arrays import stack_columns
+from shardline.arrays import MatrixScratch, stack_columns
 
 BATCH_ROWS = 65_536
 IN_MEMORY_ROWS = 524_288  # onnxruntime and stacking alone: at most this many rows held (~190 MiB)
@@ -67,18 +68,21 @@ def _session(bundle: Path) -> Any:
     return ort.InferenceSession(str(bundle / "model.onnx"), options, providers=["CPUExecutionProvider"])
 
 
-def _matrix(batch: pa.RecordBatch, features: list[str]) -> np.ndarray:
+def _matrix(batch: pa.RecordBatch, features: list[str], scratch: MatrixScratch | None = None) -> np.ndarray:
     """The features as the model's float32 matrix, stacked the fastest way measured (a block of rows at a time
-    through a transposed buffer, ``stack_columns``: a quarter of the CPU of filling it column by column)."""
-    return stack_columns([batch.column(name).to_numpy() for name in features], batch.num_rows, np.float32)
+    through a transposed buffer, ``stack_columns``: a quarter of the CPU of filling it column by column), into
+    ``scratch``'s matrices when given (no fresh array a batch, as the platform's workers stack)."""
+    return stack_columns([batch.column(name).to_numpy() for name in features], batch.num_rows, np.float32, scratch)
 
 
 _STATE: "Limits | None" = None  # the measures' inputs, set before the worker processes fork from this one
 _SESSION: list[Any] = []  # in a worker process: its onnxruntime session
+_SCRATCH: list[MatrixScratch] = []  # in a worker process: the matrices it stacks batches into
 
 
 def _start_worker(bundle: Path) -> None:
     _SESSION.append(_session(bundle))
+    _SCRATCH.append(MatrixScratch())
 
 
 def _score_matrices(span: tuple[int, int]) -> int:
@@ -95,7 +99,7 @@ def _stack_batches(span: tuple[int, int]) -> int:
     state, rows = _STATE, 0
     assert state is not None
     for i in range(*span):
-        rows += int(_matrix(state.batches[i % len(state.batches)], state.features).shape[0])
+        rows += int(_matrix(state.batches[i % len(state.batches)], state.features, _SCRATCH[0]).shape[0])
     return rows
 
 
@@ -110,7 +114,7 @@ def _write_part(shard: Path, score: bool) -> int:
             n = batch.num_rows
             if score:
                 answers = _answers(*_SESSION[0].run(["label", "probabilities"],
-                                                    {state.feed: _matrix(batch, state.features)}))
+                                                    {state.feed: _matrix(batch, state.features, _SCRATCH[0])}))
             else:
                 answers = state.answers if n == state.answers.num_rows else state.answers.slice(0, n)
             out.write_batch(pa.RecordBatch.from_arrays([batch.column(0), *answers.columns], schema=state.schema))

@@ -59,10 +59,15 @@ def numpy_values(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
 _STACK_BLOCK_BYTES = 256 * 1024
 
 
-def stack_columns(columns: Sequence[np.ndarray], rows: int, dtype: Any) -> np.ndarray:
+def stack_columns(columns: Sequence[np.ndarray], rows: int, dtype: Any, scratch: "MatrixScratch | None" = None
+                  ) -> np.ndarray:
     """The 1-D ``columns`` (each ``rows`` long) as one C-ordered ``(rows, len(columns))`` matrix of ``dtype``, each
-    value cast as numpy's assignment casts it (float64 -> float32 rounds as Arrow's cast does)."""
-    out = np.empty((rows, len(columns)), dtype=dtype)
+    value cast as numpy's assignment casts it (float64 -> float32 rounds as Arrow's cast does). With ``scratch``,
+    filled into the matrix it hands out (see there for how long that matrix stays the caller's)."""
+    if scratch is not None:
+        out = scratch.take(rows, len(columns), dtype)
+    else:
+        out = np.empty((rows, len(columns)), dtype=dtype)
     if not columns or not rows:
         return out
     step = max(64, _STACK_BLOCK_BYTES // (len(columns) * out.itemsize))
@@ -74,6 +79,31 @@ def stack_columns(columns: Sequence[np.ndarray], rows: int, dtype: Any) -> np.nd
             block[j] = values[start:end]
         out[start:end] = block.T
     return out
+
+
+class MatrixScratch:
+    """Two matrices that ``stack_columns`` fills in turn, for a loop that stacks one batch of rows after another
+    (a batch worker's): each batch's matrix is one the loop has filled before, not a fresh array of ~8 MiB a batch.
+    A fresh one is a new mapping (past glibc's mmap threshold, which Dask's ``MALLOC_TRIM_THRESHOLD_`` pins at 128
+    KiB): its pages faulted in and zeroed on every batch, 4-7% of the logistic regression's CPU a row (figures:
+    bench/README.md, "Figures behind the code").
+
+    A matrix taken is the caller's until the second ``take`` after it: the next one lands in the other matrix, so
+    the batch before may still be in use meanwhile (its answers being written by another thread). Not for rows
+    whose lifetimes are not so ordered (an online server's requests): those take fresh arrays. One per thread.
+    """
+
+    def __init__(self) -> None:
+        self._matrices: list[np.ndarray | None] = [None, None]
+        self._turn = 0
+
+    def take(self, rows: int, width: int, dtype: Any) -> np.ndarray:
+        """A C-ordered ``(rows, width)`` matrix of ``dtype`` (its values left as they were)."""
+        self._turn ^= 1
+        held = self._matrices[self._turn]
+        if held is None or held.shape[0] < rows or held.shape[1] != width or held.dtype != np.dtype(dtype):
+            held = self._matrices[self._turn] = np.empty((rows, width), dtype=dtype)
+        return held[:rows]  # (the first rows of a C-ordered matrix: one contiguous block)
 
 
 def records_table(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> pa.Table:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pyarrow as pa
 
-from shardline.arrays import arrow_array, numpy_values, stack_columns
+from shardline.arrays import MatrixScratch, arrow_array, numpy_values, stack_columns
 from shardline.errors import InvalidInput, NonFiniteValues, NullValues, SchemaMismatch
 from shardline.signature import is_compatible, leaf_type, non_finite_counts, row_shape, schema_problems, type_name
 
@@ -308,10 +308,12 @@ def schema_mismatch(schema: pa.Schema, signature: Signature, model: str) -> Sche
     return SchemaMismatch("; ".join(problems), problems) if problems else None
 
 
-def check_rows(rows: pa.Table | pa.RecordBatch, signature: Signature, model: str) -> Rows:
+def check_rows(rows: pa.Table | pa.RecordBatch, signature: Signature, model: str,
+               scratch: MatrixScratch | None = None) -> Rows:
     """The one row check: the signature's input columns of ``rows``, cast to its types, as ``Rows``.
 
-    Other columns are left out. Rows that already have the input schema are not copied.
+    Other columns are left out. Rows that already have the input schema are not copied. ``scratch``: where a batch
+    stacked into one matrix is stacked (a batch loop's, ``MatrixScratch``); else a fresh array.
 
     Raises:
         SchemaMismatch: a column is missing or of a type that cannot feed the model.
@@ -323,7 +325,7 @@ def check_rows(rows: pa.Table | pa.RecordBatch, signature: Signature, model: str
     schema = plan.input_schema
     given = rows.schema  # (a new object on every access: read it once)
     if plan.layout is not None and plan.layout.stacked and rows.num_rows > _STACK_ROWS:
-        stacked = _stacked_rows(rows, given, plan, model)
+        stacked = _stacked_rows(rows, given, plan, model, scratch)
         if stacked is not None:
             return stacked
     if given.equals(schema):  # the protocol adapters build rows this way
@@ -348,7 +350,8 @@ def check_rows(rows: pa.Table | pa.RecordBatch, signature: Signature, model: str
 _STACK_ROWS = 1024
 
 
-def _stacked_rows(rows: pa.Table | pa.RecordBatch, given: pa.Schema, plan: SignaturePlan, model: str) -> Rows | None:
+def _stacked_rows(rows: pa.Table | pa.RecordBatch, given: pa.Schema, plan: SignaturePlan, model: str,
+                  scratch: MatrixScratch | None) -> Rows | None:
     """Float columns of a stacked float signature as ``Rows`` of the one matrix, checked as ``check_rows``
     checks them; None when a column is missing, repeated, not a float column, or holds nulls (the Arrow
     path below names what is wrong)."""
@@ -363,7 +366,7 @@ def _stacked_rows(rows: pa.Table | pa.RecordBatch, given: pa.Schema, plan: Signa
         if values.null_count:
             return None
         columns.append(numpy_values(values))
-    return float_rows(plan, (stack_columns(columns, rows.num_rows, layout.dtypes[0]),), model)
+    return float_rows(plan, (stack_columns(columns, rows.num_rows, layout.dtypes[0], scratch),), model)
 
 
 def _cast_columns(rows: pa.Table | pa.RecordBatch, given: pa.Schema, signature: Signature, model: str) -> pa.Table:

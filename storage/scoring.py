@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardline.arrays import arrow_array
+from shardline.arrays import MatrixScratch, arrow_array
 from shardline.errors import (
     CorruptShard,
     DataContractFailed,
@@ -309,7 +310,10 @@ def _score_into(
     # when a check below raises while the generator is suspended.
     with contextlib.closing(batches), PartWriter(out.fs, path, opened.target, opened.dictionary) as part:
         for batch in _contract_checked(job, opened, batches) if contract else batches:
-            rows = check_rows(batch, signature, job.model.pinned)  # the one row check, as the online tier's
+            # the one row check, as the online tier's; a batch it stacks lands in this thread's scratch, whose other
+            # matrix the batch before may still hold: that batch's part.write below is done once the next one is
+            # handed to the writer (``PartWriter.write``), before the batch after that is stacked
+            rows = check_rows(batch, signature, job.model.pinned, _scratch())
             predicted = signature.plan.answer_batch(_within_memory(model, rows, job.model.pinned))  # (numpy for floats)
             scored = pa.RecordBatch.from_arrays(
                 [batch.column(c) for c in opened.carried] + predicted.columns, schema=opened.target
@@ -320,6 +324,17 @@ def _score_into(
             rows_in += batch.num_rows
             rows_out += scored.num_rows
     return rows_in, rows_out
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch() -> MatrixScratch:
+    """This thread's matrices for stacking batches (``MatrixScratch``): kept from shard to shard."""
+    scratch = getattr(_SCRATCH, "matrices", None)
+    if scratch is None:
+        scratch = _SCRATCH.matrices = MatrixScratch()
+    return scratch
 
 
 _FITS: dict[str, int] = {}  # per model in this worker: the most rows a call has taken since the device ran out

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from shardline.arrays import arrow_array, numpy_values, records_table, stack_columns, string_array
+from shardline.arrays import MatrixScratch, arrow_array, numpy_values, records_table, stack_columns, string_array
 
 
 @pytest.mark.parametrize("values", [
@@ -92,6 +92,28 @@ def test_stacked_columns_are_the_matrix_filled_column_by_column(rows: int, width
 
 def test_no_columns_stack_into_a_matrix_of_no_columns() -> None:
     assert stack_columns([], 4, np.float32).shape == (4, 0)
+
+
+def test_a_scratch_stacks_each_batch_into_the_matrix_two_batches_back() -> None:
+    """A batch loop's matrices: the next batch never lands where the one before it is (it may still be in use),
+    the one after does, and every batch is the matrix filled column by column whatever the scratch held."""
+    generator = np.random.default_rng(11)
+    scratch = MatrixScratch()
+    sizes = [6_569, 6_569, 6_569, 17, 7_000, 0]  # a shard's last, smaller batch; then a larger one; then none
+    batches = [[generator.normal(size=rows) for _ in range(30)] for rows in sizes]
+    stacked = []
+    for columns, rows in zip(batches, sizes):
+        matrix = stack_columns(columns, rows, np.float32, scratch)
+        assert matrix.shape == (rows, 30) and matrix.dtype == np.float32 and matrix.flags.c_contiguous
+        np.testing.assert_array_equal(matrix, _column_by_column(columns, rows, np.float32))
+        if stacked:
+            assert not np.shares_memory(matrix, stacked[-1])  # the batch before is left alone
+            np.testing.assert_array_equal(stacked[-1], _column_by_column(batches[len(stacked) - 1],
+                                                                          sizes[len(stacked) - 1], np.float32))
+        stacked.append(matrix)
+    assert np.shares_memory(stacked[2], stacked[0]) and np.shares_memory(stacked[3], stacked[1])  # kept, not new
+    assert not np.shares_memory(stacked[4], stacked[2])  # 7,000 rows: past what it held, a larger one
+    assert stack_columns(batches[0][:7], 100, np.float64, scratch).shape == (100, 7)  # another width or dtype
 
 
 def _ledger_rows() -> list[dict]:

@@ -159,6 +159,28 @@ def test_score_shard_commits_a_part_and_records_it(
     assert not list(Path(layout.staging_dir).glob("*"))
 
 
+def test_batches_stacked_into_the_workers_kept_matrices_score_as_their_own_rows(
+    scoring_job: ScoringJob, breast_cancer_model: BuiltModel, tmp_path: Path
+) -> None:
+    """A worker thread stacks every batch into one of two matrices it keeps from batch to batch and shard to shard
+    (``MatrixScratch``), while the batch before is still being written: each part holds its own rows' answers,
+    as scikit-learn gives them, over shards of several batches and of one."""
+    from shardline.build.examples import write_shards
+
+    write_shards(tmp_path / "long", 2, 6_000, row_group_rows=500)
+    write_shards(tmp_path / "short", 3, 1_500, row_group_rows=500)
+    job = dataclasses.replace(scoring_job, batch_rows=1_500)  # past the 1,024 rows from which batches are stacked
+    shards = list_shards(str(tmp_path / "long")) + list_shards(str(tmp_path / "short"))
+    for shard in shards:
+        record = score_shard(job, shard)
+        assert record.status == "committed"
+        part = pq.read_table(record.part.removeprefix("file://"))
+        labels, probabilities = breast_cancer_model.expected(pq.read_table(shard.uri.removeprefix("file://")))
+        assert np.array_equal(part.column("label").to_numpy(), labels)
+        scored = np.stack(part.column("probabilities").to_numpy(zero_copy_only=False))
+        np.testing.assert_allclose(scored, probabilities, atol=1e-5)
+
+
 def _write(path: Path, table: pa.Table) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)

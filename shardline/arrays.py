@@ -90,7 +90,8 @@ class MatrixScratch:
 
     A matrix taken is the caller's until the second ``take`` after it: the next one lands in the other matrix, so
     the batch before may still be in use meanwhile (its answers being written by another thread). Not for rows
-    whose lifetimes are not so ordered (an online server's requests): those take fresh arrays. One per thread.
+    whose lifetimes are not so ordered (an online server's requests): those take fresh arrays. One per thread,
+    dropped when its loop ends (it keeps two of the largest batch it was asked for).
     """
 
     def __init__(self) -> None:

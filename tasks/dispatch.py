@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from shardline.errors import JobStopped
 from shardline.storage.output import PartRecord
-from shardline.storage.scoring import ScoringJob, ShardSamples, score_shard
+from shardline.storage.scoring import ScoringJob, ShardSamples, release_scratch, score_shard
 from shardline.storage.shards import ShardInfo
 from shardline.tasks.batch_telemetry import CURRENT, JobTelemetry
 
@@ -91,7 +91,8 @@ def group_shards(shards: Sequence[ShardInfo], threads: int) -> list[list[ShardIn
 def score_group(job: ScoringJob, shards: list[ShardInfo]) -> list[tuple[PartRecord | None, BaseException | None]]:
     """Score a group's shards one after the other (each committed as ``score_shard`` commits it): each one's
     record, or the error that failed it, which does not stop the shards after it. Their capture samples are
-    written together at the end, one file for the group (``ShardSamples``)."""
+    written together at the end, one file for the group (``ShardSamples``). The matrices the shards' batches were
+    stacked into are kept from shard to shard and let go at the end (``release_scratch``)."""
     settled: list[tuple[PartRecord | None, BaseException | None]] = []
     captured = ShardSamples(job)
     try:
@@ -101,6 +102,7 @@ def score_group(job: ScoringJob, shards: list[ShardInfo]) -> list[tuple[PartReco
             except Exception as e:  # noqa: BLE001 - the shard's own failure, reported for it alone
                 settled.append((None, _portable(e)))
     finally:
+        release_scratch()
         captured.write()
     return settled
 

@@ -163,17 +163,21 @@ def test_batches_stacked_into_the_workers_kept_matrices_score_as_their_own_rows(
     scoring_job: ScoringJob, breast_cancer_model: BuiltModel, tmp_path: Path
 ) -> None:
     """A worker thread stacks every batch into one of two matrices it keeps from batch to batch and shard to shard
-    (``MatrixScratch``), while the batch before is still being written: each part holds its own rows' answers,
-    as scikit-learn gives them, over shards of several batches and of one."""
+    of a task (``MatrixScratch``), while the batch before is still being written: each part holds its own rows'
+    answers, as scikit-learn gives them, over shards of several batches and of one. The task lets them go."""
     from shardline.build.examples import write_shards
+    from shardline.storage import scoring
+    from shardline.tasks.dispatch import score_group
 
-    write_shards(tmp_path / "long", 2, 6_000, row_group_rows=500)
-    write_shards(tmp_path / "short", 3, 1_500, row_group_rows=500)
+    write_shards(tmp_path / "in", 2, 6_000, row_group_rows=500)
+    for path in write_shards(tmp_path / "short", 3, 1_500, row_group_rows=500, seed=9):
+        path.rename(tmp_path / "in" / f"short-{path.name}")
     job = dataclasses.replace(scoring_job, batch_rows=1_500)  # past the 1,024 rows from which batches are stacked
-    shards = list_shards(str(tmp_path / "long")) + list_shards(str(tmp_path / "short"))
-    for shard in shards:
-        record = score_shard(job, shard)
-        assert record.status == "committed"
+    shards = list_shards(str(tmp_path / "in"))  # part-00000, part-00001, then short-part-00000 ... 00002
+    settled = score_group(job, shards)
+    assert getattr(scoring._SCRATCH, "matrices", None) is None  # let go with the task
+    for shard, (record, error) in zip(shards, settled):
+        assert error is None and record is not None and record.status == "committed"
         part = pq.read_table(record.part.removeprefix("file://"))
         labels, probabilities = breast_cancer_model.expected(pq.read_table(shard.uri.removeprefix("file://")))
         assert np.array_equal(part.column("label").to_numpy(), labels)

@@ -85,7 +85,7 @@ class MatrixScratch:
     """Two matrices that ``stack_columns`` fills in turn, for a loop that stacks one batch of rows after another
     (a batch worker's): each batch's matrix is one the loop has filled before, not a fresh array of ~8 MiB a batch.
     A fresh one is a new mapping (past glibc's mmap threshold, which Dask's ``MALLOC_TRIM_THRESHOLD_`` pins at 128
-    KiB): its pages faulted in and zeroed on every batch, 4-7% of the logistic regression's CPU a row (figures:
+    KiB): its pages faulted in and zeroed on every batch, ~4% of the logistic regression's CPU a row (figures:
     bench/README.md, "Figures behind the code").
 
     A matrix taken is the caller's until the second ``take`` after it: the next one lands in the other matrix, so

@@ -11,8 +11,9 @@ checks: KL divergence on the reference's decile bins and quantile ranges.
 
 ``ShardContract`` is what batch jobs call on a sample of each shard: picklable (it
 holds the manifest and the profile, nothing of great-expectations). A sample is
-first screened with vectorized Arrow checks of the same expectations (the same code
-lists them, as plain parameters), under great-expectations' rules; only a sample
+first screened with vectorized Arrow and numpy checks of the same expectations (the same
+code lists them, as plain parameters; every float column's range from one matrix of the
+sample), under great-expectations' rules; only a sample
 the screen cannot pass (or a suite with distribution expectations) is validated by
 great-expectations, whose verdict and details the contract reports. So a job whose
 shards all pass never imports it, and a passing sample costs a hundredth of a validation (figures: bench/README.md, "Figures behind the code"). great-expectations is imported on the
@@ -310,7 +311,7 @@ def _screen_in_set(column: pa.ChunkedArray, kwargs: dict[str, Any]) -> bool:
     return _share_ok(len(values) - (pc.sum(known).as_py() or 0), len(values), kwargs.get("mostly"))
 
 
-# What a passing sample must satisfy, per expectation type, as vectorized Arrow checks
+# What a passing sample must satisfy, per expectation type, as vectorized Arrow and numpy checks
 # with great-expectations' rules on the pandas view it validates (NaN counts as null;
 # value checks leave nulls out; `mostly` is the share of the rest that must pass).
 # They only decide that a sample passes: when any of them fails, or the suite has an

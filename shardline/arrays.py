@@ -59,7 +59,7 @@ def numpy_values(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
 _STACK_BLOCK_BYTES = 256 * 1024
 
 
-def stack_columns(columns: Sequence[np.ndarray], rows: int, dtype: Any, scratch: "MatrixScratch | None" = None
+def stack_columns(columns: Sequence[np.ndarray], rows: int, dtype: Any, scratch: MatrixScratch | None = None
                   ) -> np.ndarray:
     """The 1-D ``columns`` (each ``rows`` long) as one C-ordered ``(rows, len(columns))`` matrix of ``dtype``, each
     value cast as numpy's assignment casts it (float64 -> float32 rounds as Arrow's cast does). With ``scratch``,

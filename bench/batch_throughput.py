@@ -462,14 +462,15 @@ def run_limit(bundle: Path, input_dir: Path, retries: int, variables: dict[str, 
 def worker_variables() -> dict[str, str]:
     """The variables the platform's local Dask workers start with besides the command's, from the same config the
     runner's cluster reads: Dask's own (``MALLOC_TRIM_THRESHOLD_``: every allocation past 128 KiB a fresh mapping;
-    one thread for OpenMP, MKL and OpenBLAS) and Arrow's jemalloc pool (``tasks/cluster.py``)."""
+    one thread for OpenMP, MKL and OpenBLAS) and ours: Arrow's jemalloc pool and glibc's 32 MiB mmap threshold
+    (``tasks/cluster.py``)."""
     import dask
     import distributed  # noqa: F401  (its defaults join dask.config on import)
 
-    from shardline.tasks.cluster import worker_memory_pool_config
+    from shardline.tasks.cluster import worker_memory_config
 
     found = {**dask.config.get("distributed.nanny.pre-spawn-environ"),
-             **{key.rsplit(".", 1)[1]: value for key, value in worker_memory_pool_config().items()}}
+             **{key.rsplit(".", 1)[1]: value for key, value in worker_memory_config().items()}}
     return {name: str(value) for name, value in found.items() if value is not None}
 
 
@@ -629,7 +630,8 @@ def summary(cells: list[Cell]) -> bool:
           "stacking the features alone and read + write alone combined, 1/(1/a+1/s+1/b), and a measured\n"
           "read->stack->score->write pipeline on every core; of limit: the platform's steady rows/s / limit.\n"
           "(workers): the same, of the limit measured once more with the variables the platform's Dask workers\n"
-          "start with (Dask's MALLOC_TRIM_THRESHOLD_ and thread counts, Arrow's jemalloc pool): information only.")
+          "start with (Dask's MALLOC_TRIM_THRESHOLD_ and thread counts, Arrow's jemalloc pool, glibc's mmap threshold): "
+          "information only.")
     return ok
 
 

@@ -3,6 +3,9 @@ the clusters this platform starts go without the dashboard's sampling, their wor
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -138,8 +141,31 @@ def test_a_stop_withdraws_only_tasks_no_worker_was_handed(dask_address: str) -> 
             waiting.result(timeout=30)
 
 
-def test_a_local_cluster_started_here_has_its_workers_profiler_off_and_arrows_jemalloc_pool(
+# How many more blocks glibc maps on their own (``mallinfo2().hblks``, glibc >= 2.33) while a 1 MiB numpy array is
+# alive: 1 under Dask's pinned 128 KiB mmap threshold, 0 when the array comes from the heap. Run as a process of its
+# own, in the environment it is given.
+_MAPPED_BLOCKS = """
+import ctypes
+import numpy as np
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
+before = mallinfo2().hblks
+array = np.ones(1 << 20, dtype=np.uint8)
+print(mallinfo2().hblks - before)
+"""
+
+
+def _mapped_blocks(env: dict[str, str] | None = None) -> str:
+    return subprocess.run([sys.executable, "-c", _MAPPED_BLOCKS], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_a_local_cluster_started_here_has_quiet_workers_with_arrows_jemalloc_pool_and_a_heap_for_numpy(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
     import mmap
 
     import dask
@@ -149,14 +175,28 @@ def test_a_local_cluster_started_here_has_its_workers_profiler_off_and_arrows_je
     from shardline.settings import DaskSettings
     from shardline.tasks.cluster import dask_scheduler
 
-    monkeypatch.delenv("ARROW_DEFAULT_MEMORY_POOL", raising=False)
+    # The nanny sets its pre-spawn variables in this process's own environment: each is set and then deleted, so that
+    # monkeypatch takes it away again after the test (as it was: absent, or the value it had).
+    for name in ("ARROW_DEFAULT_MEMORY_POOL", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     with dask_scheduler(DaskSettings(n_workers=1)) as address, Client(address) as client:
         on_workers = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
         on_scheduler = client.run_on_scheduler(lambda: dask.config.get("distributed.admin.tick.interval"))
         pools = client.run(lambda: __import__("pyarrow").default_memory_pool().backend_name)
+        variables = client.run(lambda: {k: os.environ.get(k) for k in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")})
+        mapped = client.run(lambda: subprocess.run([sys.executable, "-c", _MAPPED_BLOCKS], capture_output=True,
+                                                   text=True, check=True).stdout.strip())  # the worker's environment
     assert list(on_workers.values()) == [False] and on_scheduler == "1s"
     assert mmap.PAGESIZE == 4096 and pa.jemalloc_memory_pool()  # this machine allows it, so it is used
     assert list(pools.values()) == ["jemalloc"]
+    # Dask's trim threshold is kept; glibc takes the mmap threshold, so a megabyte comes from the heap, where in a
+    # process with Dask's variable alone it is a mapping of its own.
+    assert list(variables.values()) == [{"MALLOC_TRIM_THRESHOLD_": "65536", "MALLOC_MMAP_THRESHOLD_": "33554432"}]
+    assert hasattr(ctypes.CDLL(None), "mallinfo2")  # glibc >= 2.33, as on the machines this runs on
+    assert list(mapped.values()) == ["0"]
+    dask_alone = {name: value for name, value in os.environ.items() if name != "MALLOC_MMAP_THRESHOLD_"}
+    assert _mapped_blocks({**dask_alone, "MALLOC_TRIM_THRESHOLD_": "65536"}) == "1"
 
 
 def test_a_job_of_few_shards_is_split_evenly_over_the_workers(

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from shardline.errors import InvalidSetting, RuntimeUnavailable
 from shardline.settings import DaskSettings, StorageSettings
-from shardline.tasks.cluster import dask_scheduler, threads_per_call, worker_memory_pool_config
+from shardline.tasks.cluster import dask_scheduler, threads_per_call, worker_memory_config
 
 
 def test_storage_defaults_follow_home_and_options_parse_from_json(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -121,11 +121,24 @@ def test_the_clusters_started_here_go_without_the_dashboards_sampling_unless_the
     assert chosen["distributed.worker.profile.enabled"] is False
 
 
-def test_local_workers_get_arrows_jemalloc_pool_unless_the_user_chose_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_workers_get_arrows_jemalloc_pool_and_a_heap_for_numpy_unless_the_user_chose(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import dask
+
+    pool = "distributed.nanny.pre-spawn-environ.ARROW_DEFAULT_MEMORY_POOL"
+    threshold = "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_"
     monkeypatch.delenv("ARROW_DEFAULT_MEMORY_POOL", raising=False)
-    assert worker_memory_pool_config() == {"distributed.nanny.pre-spawn-environ.ARROW_DEFAULT_MEMORY_POOL": "jemalloc"}
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert worker_memory_config() == {pool: "jemalloc", threshold: "33554432"}  # glibc's largest: 32 MiB
     monkeypatch.setenv("ARROW_DEFAULT_MEMORY_POOL", "mimalloc")  # the user's choice wins
-    assert worker_memory_pool_config() == {}
+    assert worker_memory_config() == {threshold: "33554432"}
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")  # so does this one
+    assert worker_memory_config() == {}
     monkeypatch.delenv("ARROW_DEFAULT_MEMORY_POOL")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    with dask.config.set({threshold: 4194304}):  # or in Dask's config, where Dask's own variables are
+        assert worker_memory_config() == {pool: "jemalloc"}
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+        assert worker_memory_config() == {pool: "jemalloc"}  # glibc's adaptive threshold is on: nothing to undo
     monkeypatch.setattr("mmap.PAGESIZE", 65536)  # a 64 KiB-page kernel: jemalloc's build must not run
-    assert worker_memory_pool_config() == {}
+    assert worker_memory_config() == {threshold: "33554432"}

@@ -88,19 +88,31 @@ def group_shards(shards: Sequence[ShardInfo], threads: int) -> list[list[ShardIn
     return groups
 
 
-def score_group(job: ScoringJob, shards: list[ShardInfo]) -> list[tuple[PartRecord | None, BaseException | None]]:
+# Called as each shard of a group starts (its index in the group, the shard); what it returns is called with the
+# shard's outcome once it is settled. ``score_traced`` makes each shard's span with it.
+ShardHook = Callable[[int, ShardInfo], Callable[[PartRecord | None, BaseException | None], None]]
+
+
+def score_group(job: ScoringJob, shards: list[ShardInfo], hook: ShardHook | None = None
+                ) -> list[tuple[PartRecord | None, BaseException | None]]:
     """Score a group's shards one after the other (each committed as ``score_shard`` commits it): each one's
     record, or the error that failed it, which does not stop the shards after it. Their capture samples are
     written together at the end, one file for the group (``ShardSamples``). The matrices the shards' batches were
-    stacked into are kept from shard to shard and let go at the end (``release_scratch``)."""
+    stacked into are kept from shard to shard and let go at the end (``release_scratch``). ``hook``: see
+    ``ShardHook``."""
     settled: list[tuple[PartRecord | None, BaseException | None]] = []
     captured = ShardSamples(job)
     try:
-        for shard in shards:
+        for index, shard in enumerate(shards):
+            done = hook(index, shard) if hook is not None else None
+            outcome: tuple[PartRecord | None, BaseException | None]
             try:
-                settled.append((score_shard(job, shard, captured), None))
+                outcome = (score_shard(job, shard, captured), None)
             except Exception as e:  # noqa: BLE001 - the shard's own failure, reported for it alone
-                settled.append((None, _portable(e)))
+                outcome = (None, _portable(e))
+            if done is not None:
+                done(*outcome)
+            settled.append(outcome)
     finally:
         release_scratch()
         captured.write()
@@ -111,22 +123,27 @@ def score_traced(job: ScoringJob, shards: list[ShardInfo], traceparents: list[st
                  ) -> list[tuple[PartRecord | None, BaseException | None]]:
     """``score_group`` with each shard's work a span on this worker (``shardline.batch.score``), the child of the
     shard span its ``traceparent`` names; the spans are exported before the task returns (a worker may be closed
-    right after). Tracing is configured here, on the worker, from its ``OTEL_*`` variables, once per process."""
+    right after). Tracing is configured here, on the worker, from its ``OTEL_*`` variables, once per process.
+    The group is scored as one, as without tracing: one capture file, the matrices kept from shard to shard."""
     from shardline.observability import tracing
 
     tracing.configure("shardline-batch-worker")
-    settled: list[tuple[PartRecord | None, BaseException | None]] = []
-    for shard, parent in zip(shards, traceparents):
-        span = tracing.start("shardline.batch.score", parent=tracing.parent_from(parent),
+
+    def traced(index: int, shard: ShardInfo) -> Callable[[PartRecord | None, BaseException | None], None]:
+        span = tracing.start("shardline.batch.score", parent=tracing.parent_from(traceparents[index]),
                              attributes={"shardline.batch.shard": shard.relative, "process.pid": os.getpid()})
-        [(record, error)] = score_group(job, [shard])
-        if record is not None:
-            span.set_attribute("shardline.batch.rows", record.rows_out)
-            span.set_attribute("shardline.batch.outcome", record.status)
-        tracing.end(span, error=error)
-        settled.append((record, error))
-    tracing.flush()
-    return settled
+
+        def end(record: PartRecord | None, error: BaseException | None) -> None:
+            if record is not None:
+                span.set_attribute("shardline.batch.rows", record.rows_out)
+                span.set_attribute("shardline.batch.outcome", record.status)
+            tracing.end(span, error=error)
+        return end
+
+    try:
+        return score_group(job, shards, traced)
+    finally:
+        tracing.flush()
 
 
 def _portable(error: BaseException) -> BaseException:

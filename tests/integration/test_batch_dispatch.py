@@ -21,7 +21,7 @@ from shardline.storage.output import OutputLayout, PartRecord
 from shardline.storage.registry import ModelRegistry
 from shardline.storage.scoring import ScoringJob
 from shardline.storage.shards import ShardInfo, list_shards
-from shardline.tasks.dispatch import dispatch_shards, group_shards, job_task_key, score_group
+from shardline.tasks.dispatch import dispatch_shards, group_shards, job_task_key, score_group, score_traced
 from tests.conftest import BuiltModel
 
 
@@ -279,8 +279,9 @@ def test_a_shard_failing_in_a_group_fails_alone(breast_cancer_model: BuiltModel,
     assert OutputLayout(job.output_uri).present_parts() == {shards[0].relative, shards[2].relative}
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["plain", "traced"])
 def test_a_groups_capture_samples_are_one_file_of_each_committed_shards_rows(
-    breast_cancer_model: BuiltModel, tmp_path: Path
+    breast_cancer_model: BuiltModel, tmp_path: Path, traced: bool
 ) -> None:
     from dataclasses import replace
 
@@ -291,7 +292,10 @@ def test_a_groups_capture_samples_are_one_file_of_each_committed_shards_rows(
     job = replace(job, capture=ShardCapture(str(tmp_path / "capture"), 150, "acme", "captured"))
     gone = replace(shards[1], uri="nope://nowhere/part.parquet")
 
-    outcomes = score_group(job, [shards[0], gone, shards[2]])
+    group = [shards[0], gone, shards[2]]
+    # with tracing on (a span a shard: tests/integration/test_batch_observability.py), the group is still one
+    outcomes = score_traced(job, group, [f"00-{'1' * 32}-{i:016x}-01" for i in range(1, 4)]) if traced else (
+        score_group(job, group))
 
     assert [r is not None and r.status for r, _ in outcomes] == ["committed", False, "committed"]
     files = list((tmp_path / "capture").rglob("*.parquet"))

@@ -16,6 +16,7 @@ import json
 import platform
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -183,10 +184,15 @@ _SAMPLE_ROWS = 16  # rows of the sample the model is run on to learn (and check)
 
 def _output_type(name: str, values: Any) -> str:
     array = np.asarray(values)
+    if array.dtype.kind in "OU" and array.size and all(isinstance(v, str) for v in array.flat):
+        if array.ndim == 1 or (array.ndim == 2 and array.shape[1] == 1):
+            return "string"  # a classifier's labels, when it was trained on strings
+        raise InvalidInput(f"ONNX output {name!r} holds several strings a row; bundles hold one string per row")
     if array.dtype == object:
         raise InvalidInput(
-            f"ONNX output {name!r} is not a tensor (a map or sequence, e.g. scikit-learn's ZipMap); "
-            "convert the model with options={'zipmap': False}"
+            f"ONNX output {name!r} is not a tensor (a map or sequence); export it as a tensor of one value or one "
+            "vector a row (scikit-learn's ZipMap is unwrapped when onnx is installed: pip install 'shardline[package]'; "
+            "or convert the model with options={'zipmap': False})"
         )
     base = _NUMPY_TO_TYPE.get(array.dtype)
     if base is None:
@@ -421,6 +427,45 @@ def onnx_signature(onnx_file: str | Path) -> Signature:
     return Signature(inputs=tuple(inputs), outputs=tuple(_run_outputs(session, feeds, "two rows of zeros")))
 
 
+def unwrap_zipmaps(onnx_file: str | Path) -> tuple[bytes, list[str]] | None:
+    """The model with each ZipMap that makes a graph output taken out, and a line for each saying what became of it;
+    None when it has none, or when onnx (``shardline[package]``) is not installed to rewrite it.
+
+    A classifier converted by skl2onnx with its defaults answers its probabilities through a ZipMap: a map of class
+    to probability a row, which is neither a column nor a V2 tensor. The map's own input, the ``[N, classes]``
+    probability tensor in the order of the ZipMap's class labels, becomes the output under the same name, as
+    ``options={'zipmap': False}`` would have converted it (there it is named ``probabilities``).
+    """
+    try:
+        import onnx
+        from onnx import helper
+    except ImportError:
+        return None
+    model = onnx.load(str(onnx_file), load_external_data=False)  # its weights stay where they are until it is rewritten
+    graph = model.graph
+    outputs = {output.name: output for output in graph.output}
+    if not any(n.op_type == "ZipMap" and n.output[0] in outputs for n in graph.node):
+        return None
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer):
+        return None  # weights in files beside it, which a rewritten copy would lose (converted classifiers have none)
+    notes = []
+    for index, node in enumerate(list(graph.node)):
+        if node.op_type != "ZipMap" or node.domain != "ai.onnx.ml" or node.output[0] not in outputs:
+            continue
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        labels = [v.decode() if isinstance(v, bytes) else v for v in
+                  attributes.get("classlabels_strings") or attributes.get("classlabels_int64s") or []]
+        graph.node.remove(node)
+        graph.node.insert(index, helper.make_node("Identity", [node.input[0]], [node.output[0]],
+                                                  name=f"{node.name or node.output[0]}_unwrapped"))
+        output = outputs[node.output[0]]
+        output.type.CopyFrom(helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, [None, len(labels) or None]))
+        shown_labels = ", ".join(map(str, labels[:10])) + (f" and {len(labels) - 10} more" if len(labels) > 10 else "")
+        notes.append(f"output {output.name!r} was a ZipMap (a map a row): packaged as its probability tensor, "
+                     f"a column a class in the order {shown_labels}")
+    return (model.SerializeToString(), notes) if notes else None
+
+
 def package_onnx(
     onnx_file: str | Path,
     out_dir: str | Path,
@@ -435,6 +480,7 @@ def package_onnx(
     reference_profile: dict[str, Any] | None = None,
     image: str | None = None,
     input_layout: InputLayout = "columns",
+    notes: list[str] | None = None,
 ) -> Manifest:
     """Copy an ONNX file into a new bundle folder with its manifest.
 
@@ -442,17 +488,25 @@ def package_onnx(
     from (a pyarrow Table, a pandas DataFrame or a Parquet file's path: ``sample_table``), or
     neither: the signature is then the model's own (``onnx_signature``, whose inputs V2 clients send as
     the model's own tensors). ``input_layout`` applies to a signature inferred from feature columns
-    (``infer_onnx_signature``).
+    (``infer_onnx_signature``). A ZipMap output is unwrapped into its probability tensor (``unwrap_zipmaps``);
+    ``notes`` gets a line for each such change to the file.
     """
     check_input_layout(input_layout)
-    if signature is None:
-        if sample is None:
-            signature = onnx_signature(onnx_file)
-        else:
-            signature, inferred = infer_onnx_signature(onnx_file, sample_table(sample), exclude, input_layout)
-            runtime_config = {**inferred, **(runtime_config or {})}
-    out = new_bundle_dir(out_dir)
-    shutil.copyfile(onnx_file, out / "model.onnx")
+    with tempfile.TemporaryDirectory(prefix="shardline-package-") as scratch:
+        unwrapped = unwrap_zipmaps(onnx_file)
+        if unwrapped is not None:
+            onnx_file = Path(scratch) / "model.onnx"
+            onnx_file.write_bytes(unwrapped[0])
+            if notes is not None:
+                notes.extend(unwrapped[1])
+        if signature is None:
+            if sample is None:
+                signature = onnx_signature(onnx_file)
+            else:
+                signature, inferred = infer_onnx_signature(onnx_file, sample_table(sample), exclude, input_layout)
+                runtime_config = {**inferred, **(runtime_config or {})}
+        out = new_bundle_dir(out_dir)
+        shutil.copyfile(onnx_file, out / "model.onnx")
     manifest = Manifest(
         name=name,
         runtime="onnx",

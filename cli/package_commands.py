@@ -186,11 +186,15 @@ def _package_python(request: _Packaging, entry: str | None, files: list[Path], r
 def _package_onnx(request: _Packaging, input_layout: str) -> Any:
     from shardline.build.packaging import package_onnx
 
-    return package_onnx(
+    notes: list[str] = []
+    manifest = package_onnx(
         request.source, request.folder, name=request.name, sample=request.sample, exclude=request.exclude,
         lineage=request.lineage, golden=request.golden, image=request.image,
-        input_layout=input_layout,  # type: ignore[arg-type]
+        input_layout=input_layout, notes=notes,  # type: ignore[arg-type]
     )
+    for note in notes:
+        typer.echo(f"note: {note}")
+    return manifest
 
 
 def _say_packaged(name: str, folder: Path, manifest: Any, profiled: bool) -> None:

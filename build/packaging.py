@@ -191,8 +191,8 @@ def _output_type(name: str, values: Any) -> str:
     if array.dtype == object:
         raise InvalidInput(
             f"ONNX output {name!r} is not a tensor (a map or sequence); export it as a tensor of one value or one "
-            "vector a row (scikit-learn's ZipMap is unwrapped when onnx is installed: pip install 'shardline[package]'; "
-            "or convert the model with options={'zipmap': False})"
+            "vector a row (scikit-learn's ZipMap is unwrapped when onnx is installed: pip install "
+            "'shardline[package]'; or convert the model with options={'zipmap': False})"
         )
     base = _NUMPY_TO_TYPE.get(array.dtype)
     if base is None:
@@ -444,7 +444,7 @@ def unwrap_zipmaps(onnx_file: str | Path) -> tuple[bytes, list[str]] | None:
     model = onnx.load(str(onnx_file), load_external_data=False)  # its weights stay where they are until it is rewritten
     graph = model.graph
     outputs = {output.name: output for output in graph.output}
-    if not any(n.op_type == "ZipMap" and n.output[0] in outputs for n in graph.node):
+    if not any(n.op_type == "ZipMap" and n.domain == "ai.onnx.ml" and n.output[0] in outputs for n in graph.node):
         return None
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer):
         return None  # weights in files beside it, which a rewritten copy would lose (converted classifiers have none)

@@ -89,9 +89,9 @@ ARROW_POOL_VARIABLE = "ARROW_DEFAULT_MEMORY_POOL"
 # allocation past 128 KiB is then a mapping of its own, its pages faulted in and zeroed on every batch (onnxruntime's
 # answers, the finite check's masks: what numpy allocates; Arrow's buffers are jemalloc's). At glibc's largest
 # threshold, 32 MiB, they come from the heap and are reused. Measured on 2 cores, 4M rows a job on a warm runner, two
-# rounds: the logistic regression 1-5% more rows/s at every shard size in both rounds, peak tree memory the same
-# within 1% (bench/README.md, "Figures behind the code"). Left out where the user set it, and where no
-# MALLOC_TRIM_THRESHOLD_ is set for the workers (glibc's own adaptive threshold then does this).
+# rounds: the logistic regression 1-5% more rows/s at every shard size in both rounds, the GBT the same within the
+# noise, peak tree memory the same within 2% (bench/README.md, "Figures behind the code"). Left out where the user
+# set it, and where no MALLOC_TRIM_THRESHOLD_ is set for the workers (glibc's own adaptive threshold then does this).
 MMAP_THRESHOLD_VARIABLE = "MALLOC_MMAP_THRESHOLD_"
 WORKER_MMAP_THRESHOLD = 32 * 1024 * 1024
 _SPAWN_ENVIRON = "distributed.nanny.pre-spawn-environ"

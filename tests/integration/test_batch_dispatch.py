@@ -184,7 +184,8 @@ def test_a_local_cluster_started_here_has_quiet_workers_with_arrows_jemalloc_poo
         on_workers = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
         on_scheduler = client.run_on_scheduler(lambda: dask.config.get("distributed.admin.tick.interval"))
         pools = client.run(lambda: __import__("pyarrow").default_memory_pool().backend_name)
-        variables = client.run(lambda: {k: os.environ.get(k) for k in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")})
+        variables = client.run(lambda: {k: os.environ.get(k)
+                                        for k in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")})
         mapped = client.run(lambda: subprocess.run([sys.executable, "-c", _MAPPED_BLOCKS], capture_output=True,
                                                    text=True, check=True).stdout.strip())  # the worker's environment
     assert list(on_workers.values()) == [False] and on_scheduler == "1s"

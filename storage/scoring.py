@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -106,17 +106,24 @@ def _check_schema(schema: pa.Schema, job: ScoringJob, carried: list[str]) -> Non
         raise SchemaMismatch("; ".join(problems), problems)
 
 
-def output_schema(job: ScoringJob, input_schema: pa.Schema, carried: list[str]) -> pa.Schema:
-    """Passthrough columns (as they are in the input) followed by the model's outputs."""
-    fields = [input_schema.field(c) for c in carried]
-    outputs = list(job.model.manifest.signature.output_schema())
-    clashing = {f.name for f in fields} & {f.name for f in outputs}
+def check_passthrough(passthrough: Sequence[str], model: ResolvedModel) -> None:
+    """Refuse passthrough columns named like the model's outputs (a part cannot hold two columns of one name).
+
+    Raises:
+        InvalidInput: naming them and what to do.
+    """
+    clashing = set(passthrough) & set(model.manifest.signature.output_names)
     if clashing:
         raise InvalidInput(
             f"passthrough columns {sorted(clashing)} have the names of model outputs; "
             "rename them or leave them out of --passthrough"
         )
-    return pa.schema(fields + outputs)
+
+
+def output_schema(job: ScoringJob, input_schema: pa.Schema, carried: list[str]) -> pa.Schema:
+    """Passthrough columns (as they are in the input) followed by the model's outputs."""
+    check_passthrough(carried, job.model)
+    return pa.schema([input_schema.field(c) for c in carried] + list(job.model.manifest.signature.output_schema()))
 
 
 class PartWriter:

@@ -20,6 +20,7 @@ from shardline.storage.lease import OutputLease
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, split_done
 from shardline.storage.registry import ModelRegistry, ResolvedModel
 from shardline.storage.retry import RetryPolicy, call_with_retries
+from shardline.storage.scoring import check_passthrough
 from shardline.storage.shards import ShardInfo, list_shards
 from shardline.tenants import check_custom_code
 
@@ -70,13 +71,15 @@ def survey_job(
         InvalidSetting: ``variant='auto'`` and the price table is wrong; the input is missing; a link leads out
             of the input's allowed places or out of the output.
         EmptyInput: the input holds no shard.
-        InvalidInput: two shards would write one part.
+        InvalidInput: two shards would write one part; a passthrough column has the name of a model output.
         AccessDenied: the model carries its own code and the tenant may not run it.
         OutputInUse: the output holds another model's (or passthrough's) parts.
     """
     registry = ModelRegistry.from_settings(storage)
     resolved, note = choose_variant(registry, registry.resolve(model), variant, dask.cluster == "local")
     check_custom_code(resolved.manifest.runtime, resolved.pinned, tenant, custom_code)
+    if passthrough is not None:
+        check_passthrough(passthrough, resolved)
     retry = RetryPolicy(batch.retry_attempts, batch.retry_base_s, max(batch.retry_cap_s, batch.retry_base_s))
     shards = call_with_retries(
         lambda: list_shards(input_uri, storage.storage_options, batch.shard_suffixes, link_roots), retry,

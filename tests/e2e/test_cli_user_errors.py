@@ -94,6 +94,8 @@ def wrong_requests(tmp_path: Path) -> list[tuple[tuple[str, ...], dict[str, str]
         ((*RUN, *bc, "--output", str(shards / "scored")), {}, "lies inside the input"),
         ((*RUN, *bc, "--output", str(in_use)), {}, f"the output {in_use} is in use by job job-elsewhere"),
         ((*RUN, *bc, "--output", str(other_model)), {}, "holds the parts of job 0123abcd (model churn:2"),
+        ((*RUN, *bc, "--output", out, "--passthrough", "label"), {},
+         "passthrough columns ['label'] have the names of model outputs; rename them or leave them out"),
         ((*RUN, *bc, "--output", out, "--sla", "2x"), {}, "SLA '2x' is not a duration"),
         ((*RUN, *bc, "--output", out, "--deadline", "2020-01-01T00:00Z"), {}, "is already past"),
         ((*RUN, *bc, "--output", out, "--priority", "urgent"), {}, "priority 'urgent' is not one of high"),

@@ -60,6 +60,8 @@ def test_a_right_request_passes_and_nothing_is_written(shards: Path, tmp_path: P
     ({"priority": "urgent"}, InvalidSetting, "priority 'urgent' is not one of high, normal, low"),
     ({"input_uri": "/nowhere/in"}, InvalidSetting, "the input '/nowhere/in' does not exist"),
     ({"input_uri": "/tmp/in?x=1"}, InvalidSetting, "holds '?' or '#'"),
+    ({"passthrough": ["id", "label"]}, InvalidInput,
+     "have the names of model outputs; rename them or leave them out of --passthrough"),
 ])
 def test_a_wrong_request_is_refused_before_anything_starts(
     shards: Path, tmp_path: Path, changes: dict[str, object], error: type, message: str

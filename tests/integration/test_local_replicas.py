@@ -112,6 +112,9 @@ def test_every_replica_serves_when_each_pick_first_tries_a_port_already_taken(
 
     monkeypatch.setattr(local_ports, "_listening", listening)
     monkeypatch.setattr(local_ports, "tries", colliding)
+    # None of the ports other tests in this process reserved: once out of TIME_WAIT the OS may hand one out
+    # again, and a pick passes it over (bound, recorded above, then closed), so later picks skip it unrefused.
+    monkeypatch.setattr(local_ports, "_reserved", set())
     try:
         local = _replicas(3, tenants, tmp_path)
         stopped.append(local)

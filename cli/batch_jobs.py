@@ -265,5 +265,9 @@ def _print_summary(summary: dict[str, Any], message: str) -> None:
         typer.echo(f"{key.rjust(width)}  {value}")
     for shard, reason in summary["quarantined"].items():
         typer.secho(f"quarantined {shard}: {reason}", fg="yellow")
+    if summary.get("shadowed_columns"):
+        from shardline.storage.scoring import shadowed_note
+
+        typer.secho(f"note: {shadowed_note(summary['shadowed_columns'])}", fg="yellow")
     if message:
         typer.echo(message)

@@ -59,6 +59,9 @@ class JobSummary(BaseModel):
     steady_seconds: float
     quarantined: dict[str, str] = Field(default_factory=dict)  # shard's relative path -> reason
     manifest: str | None = None
+    # input columns auto passthrough left out for a model output of their name (``storage.scoring.shadowed_columns``,
+    # of the first shard this run read)
+    shadowed_columns: list[str] = Field(default_factory=list)
 
     @property
     def steady_rows_per_second(self) -> float:
@@ -76,9 +79,9 @@ class JobSummary(BaseModel):
 
 def summarize(
     *, job_id: str, model: str, tenant: str, output: str, total_shards: int,
-    new: Sequence[PartRecord], skipped: Sequence[PartRecord],
+    new: Sequence[PartRecord], skipped: Sequence[PartRecord], shadowed: Sequence[str] = (),
 ) -> JobSummary:
-    """Add up the ledger records of one job; ``new`` were settled by this run."""
+    """Add up the ledger records of one job; ``new`` were settled by this run. ``shadowed``: see ``JobSummary``."""
     records = [*new, *skipped]
     quarantined = {r.relative: r.reason or "" for r in records if r.status == "quarantined"}
     committed_now = [r for r in new if r.status == "committed"]
@@ -104,6 +107,7 @@ def summarize(
         rows_scored=sum(r.rows_out for r in committed_now),
         steady_seconds=steady,
         quarantined=quarantined,
+        shadowed_columns=list(shadowed),
     )
 
 

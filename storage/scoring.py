@@ -94,6 +94,22 @@ def carried_columns(job: ScoringJob, schema: pa.Schema) -> list[str]:
     return [n for n in schema.names if n not in inputs and n not in outputs]
 
 
+def shadowed_columns(job: ScoringJob, schema: pa.Schema) -> list[str]:
+    """The input columns auto passthrough leaves out because a model output has their name (a ``label`` of known
+    answers, say: the part holds the model's); none when the job names its passthrough columns."""
+    if job.passthrough is not None:
+        return []
+    signature = job.model.manifest.signature
+    inputs, outputs = set(signature.input_names), set(signature.output_names)
+    return [n for n in schema.names if n in outputs and n not in inputs]
+
+
+def shadowed_note(columns: Sequence[str]) -> str:
+    """The one line that tells a user about ``shadowed_columns`` (the run's log, the command's summary)."""
+    return (f"input columns {list(columns)} have the names of model outputs: the parts hold the model's, not the "
+            "input's (rename them in the input to keep them)")
+
+
 def _check_schema(schema: pa.Schema, job: ScoringJob, carried: list[str]) -> None:
     """Refuse a shard the model cannot read, before any row is read: the kernel's message (``schema_mismatch``),
     as the online tier gives it, and passthrough columns the shard lacks."""

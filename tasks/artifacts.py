@@ -19,6 +19,7 @@ from typing import Any
 from shardline.bundle import ModelRef
 from shardline.figures import moment, rate, rows_quarantined, span
 from shardline.storage.job_identity import JobSummary
+from shardline.storage.scoring import shadowed_note
 
 MAX_NAME = 60  # characters of the job name in a key; the rest of a long name is cut
 MAX_QUARANTINED_LISTED = 20  # quarantined shards listed by name in the summary; the manifest has all
@@ -112,6 +113,8 @@ def summary_markdown(summary: JobSummary, planned: dict[str, Any] | None = None)
         more = len(summary.quarantined) - len(shown)
         if more > 0:
             lines.append(f"- and {more} more: every one is in the manifest")
+    if summary.shadowed_columns:
+        lines += ["", f"**Note:** {shadowed_note(summary.shadowed_columns)}."]
     return "\n".join(lines) + "\n"
 
 

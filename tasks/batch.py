@@ -43,7 +43,7 @@ from shardline.storage.output import (
 )
 from shardline.storage.registry import ModelRegistry, ResolvedModel
 from shardline.storage.retry import call_with_retries
-from shardline.storage.scoring import ScoringJob, ShardCapture
+from shardline.storage.scoring import ScoringJob, ShardCapture, shadowed_columns, shadowed_note
 from shardline.storage.shards import ShardInfo, read_footer
 from shardline.tasks.artifacts import batch_artifact_key, current_deployment, summary_markdown, totals_table
 from shardline.tasks.batch_survey import JobSurvey, refuse_foreign, survey_job
@@ -80,6 +80,7 @@ class JobPlan:
     preemption: PreemptionPlugin | None = None
     lease: OutputLease | None = None
     finished: bool = False  # the output already holds this job's finished manifest: nothing is written
+    shadowed: list[str] = field(default_factory=list)  # input columns an output's name keeps out (validate_shards)
 
 
 def _take_output(survey: JobSurvey, terms: LeaseTerms) -> tuple[OutputLease, list[ShardInfo], list[PartRecord]]:
@@ -201,14 +202,31 @@ def shard_contract(registry: ModelRegistry, model: ResolvedModel) -> Callable[[p
     return ShardContract(model.manifest, profile)
 
 
-def _footer_problem(shard: ShardInfo, plan: JobPlan) -> tuple[str | None, int | None]:
-    """(why the model cannot read the shard or None, rows its footer declares)."""
+def _footer_problem(shard: ShardInfo, plan: JobPlan) -> tuple[str | None, int | None, pa.Schema | None]:
+    """(why the model cannot read the shard or None, rows its footer declares, its schema when it could be read)."""
     try:
         footer = read_footer(shard.uri, plan.job.storage_options)
     except CorruptShard as e:
-        return f"CorruptShard: {e}", None
+        return f"CorruptShard: {e}", None, None
     problems = schema_problems(footer.schema, plan.job.model.manifest.signature.inputs, plan.job.model.pinned)
-    return (f"SchemaMismatch: {'; '.join(problems)}" if problems else None), footer.num_rows
+    return (f"SchemaMismatch: {'; '.join(problems)}" if problems else None), footer.num_rows, footer.schema
+
+
+def _shadowed(plan: JobPlan, schema: pa.Schema | None) -> list[str]:
+    """Input columns auto passthrough leaves out of the parts for a model output of their name, in ``schema`` (the
+    first shard's, read here when not given), told once in the run's log; the summary carries them to the command.
+    Best effort: a shard that cannot be read here is the workers' to quarantine."""
+    if plan.job.passthrough is not None or not plan.todo:
+        return []
+    if schema is None:
+        try:
+            schema = read_footer(plan.todo[0].uri, plan.job.storage_options).schema
+        except (CorruptShard, pa.ArrowException, OSError, ValueError):  # a transient error too: only a note is lost
+            return []
+    shadowed = shadowed_columns(plan.job, schema)
+    if shadowed:
+        run_logger().warning("%s", shadowed_note(shadowed))
+    return shadowed
 
 
 @task(name="validate", cache_policy=NO_CACHE)
@@ -224,12 +242,13 @@ def validate_shards(plan: JobPlan) -> JobPlan:
         run_logger().info(
             "%d shards to score: their schemas are checked on the workers as each is opened", len(plan.todo)
         )
-        return plan
+        return replace(plan, shadowed=_shadowed(plan, None))
     layout = OutputLayout(plan.job.output_uri, plan.job.storage_options, plan.job_id)
     with ThreadPoolExecutor(16) as pool:
         verdicts = list(pool.map(lambda s: _footer_problem(s, plan), plan.todo))
+    shadowed = _shadowed(plan, next((schema for _, _, schema in verdicts if schema is not None), pa.schema([])))
     keep, rejected = [], []
-    for shard, (problem, rows) in zip(plan.todo, verdicts):
+    for shard, (problem, rows, _) in zip(plan.todo, verdicts):
         if problem is None:
             keep.append(shard)
             continue
@@ -241,7 +260,7 @@ def validate_shards(plan: JobPlan) -> JobPlan:
         layout.record(record)
         rejected.append(record)
         log_quarantined(record)
-    return replace(plan, todo=keep, new=[*plan.new, *rejected])
+    return replace(plan, todo=keep, new=[*plan.new, *rejected], shadowed=shadowed)
 
 
 def log_quarantined(record: PartRecord) -> None:
@@ -334,6 +353,7 @@ def commit_job(plan: JobPlan, sla: dict[str, Any] | None = None, priority: str |
     summary = summarize(
         job_id=plan.job_id, model=plan.job.model.pinned, tenant=plan.tenant,
         output=plan.job.output_uri, total_shards=plan.total_shards, new=plan.new, skipped=plan.done,
+        shadowed=plan.shadowed,
     )
     if plan.failed:
         first = next(iter(plan.failed.items()))

@@ -93,3 +93,33 @@ def test_named_passthrough_columns_are_copied(input_shards: Path, tmp_path: Path
     assert state.is_completed()
     assert scored.column_names == ["id", "mean radius", "label", "probabilities"]
     assert scored.column("mean radius").equals(inputs.column("mean radius"))
+
+
+@pytest.mark.parametrize("footers", ["read by the flow", "left to the workers"])
+@pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_an_input_column_named_like_an_output_is_told_and_the_parts_hold_the_models(
+    input_shards: Path, tmp_path: Path, breast_cancer_model: BuiltModel, footers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A `label` of known answers in the input: auto passthrough leaves it out (the part holds the model's label),
+    # and the run says so once, in its summary, whether the flow reads the footers (small jobs) or not (large ones).
+    if footers == "left to the workers":
+        monkeypatch.setattr("shardline.tasks.batch.FLOW_FOOTER_CHECK_MAX", 0)
+    shards = tmp_path / "in"
+    shards.mkdir()
+    for shard in sorted(input_shards.glob("*.parquet"))[:2]:
+        table = pq.read_table(shard)
+        pq.write_table(table.append_column("label", pa.array(np.full(table.num_rows, 7), pa.int64())), shards / shard.name)
+    out = tmp_path / "out"
+
+    summary = run(shards, out).result()
+
+    assert summary["shadowed_columns"] == ["label"] and summary["rows_out"] == 4_000
+    scored = scored_table(out).sort_by("id")
+    inputs = ds.dataset(shards).to_table().sort_by("id")
+    assert scored.column_names == ["id", "label", "probabilities"]
+    labels, _ = breast_cancer_model.expected(inputs)
+    assert np.array_equal(scored.column("label").to_numpy(), labels) and 7 not in set(labels.tolist())
+
+    # named passthrough columns: nothing is left out that was not asked for, so nothing to tell
+    named = run(shards, tmp_path / "named", passthrough=["id"]).result()
+    assert named["shadowed_columns"] == []

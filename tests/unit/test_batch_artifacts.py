@@ -116,3 +116,19 @@ def test_a_clean_run_and_a_long_quarantine_list() -> None:
     many = {f"s{i:03}.parquet": "CorruptShard: bad" for i in range(25)}
     text = summary_markdown(_summary(shards_quarantined=25, quarantined=many))
     assert text.count("CorruptShard: bad") == 20 and "and 5 more: every one is in the manifest" in text
+
+
+def test_input_columns_an_output_kept_out_are_told_in_the_summary_and_by_the_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from shardline.cli.batch_jobs import JobOutcome, present
+
+    note = ("input columns ['label'] have the names of model outputs: the parts hold the model's, not the input's "
+            "(rename them in the input to keep them)")
+    told = _summary(shadowed_columns=["label"])
+    assert f"**Note:** {note}." in summary_markdown(told) and "Note" not in summary_markdown(_summary())
+
+    assert present(JobOutcome(0, told.as_dict()), json_out=False) == 0
+    assert f"note: {note}\n" in capsys.readouterr().out
+    present(JobOutcome(0, _summary().as_dict()), json_out=False)
+    assert "note:" not in capsys.readouterr().out

@@ -58,7 +58,8 @@ def test_the_summary_is_typed_and_its_plain_data_is_what_batch_run_json_prints()
     data = summary.as_dict()
     assert list(data) == ["job_id", "model", "tenant", "output", "shards", "shards_committed", "shards_skipped",
                           "shards_quarantined", "shards_unreadable", "rows_in", "rows_out", "rows_quarantined",
-                          "rows_scored", "steady_seconds", "quarantined", "manifest", "steady_rows_per_second"]
+                          "rows_scored", "steady_seconds", "quarantined", "manifest", "shadowed_columns",
+                          "steady_rows_per_second"]
     assert data["steady_rows_per_second"] == 6.7 and json.loads(json.dumps(data))["quarantined"] == {
         "c.parquet": "CorruptShard: x"}
     assert summary.totals() == {"shards": 3, "shards_committed": 2, "shards_skipped": 1, "shards_quarantined": 1,

@@ -159,3 +159,15 @@ def mlp_bundle(folder: Path, name: str = "mlp") -> tuple[Path, Any]:
     golden = GoldenSet(golden_table(data), "target", "accuracy", "label", 0.95, max_variant_delta=0.02)
     package_sklearn(estimator, folder / name, name=name, feature_names=data.names, golden=golden)
     return folder / name, estimator
+
+
+def string_pair_model(path: Path) -> Path:
+    """Input x [-1, 2] (FP32); output names [-1, 2]: each value cast to a string (two strings a row)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["names"], to=TensorProto.STRING)], "string_pair",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2])],
+        [helper.make_tensor_value_info("names", TensorProto.STRING, ["batch", 2])],
+    )
+    return _save(graph, path)

@@ -19,7 +19,9 @@ from shardline.online.protocols.kserve_v2 import decode_infer_request, model_met
 from shardline.rows import float_rows
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.signature import ColumnSpec, Signature
-from tests.tensor_models import cube_model, feature_column, fixed_batch_model, list_classifier, two_tensor_model
+from tests.tensor_models import (
+    cube_model, feature_column, fixed_batch_model, list_classifier, string_pair_model, two_tensor_model,
+)
 
 
 def signature_of(manifest_signature: Signature) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -129,6 +131,8 @@ def refusal(tmp_path: Path, case: str) -> str:
                          sample=pa.table({"a": feature_column(np.ones((2, 3)))}))
         elif case == "fixed batch":
             package_onnx(fixed_batch_model(tmp_path / "fixed.onnx"), tmp_path / "b", name="fixed")
+        elif case == "strings a row":
+            package_onnx(string_pair_model(tmp_path / "pair.onnx"), tmp_path / "b", name="pair")
         else:
             package_onnx(onnx_file, tmp_path / "b", name="vec", sample=samples[case])
     return str(refused.value)
@@ -143,6 +147,7 @@ def refusal(tmp_path: Path, case: str) -> str:
     ("missing input", "the sample has no column ['b']: name one column after each input"),
     ("fixed batch", "a fixed batch of 1; both tiers feed a model any number of rows: export it with a dynamic "
                     "first dimension"),
+    ("strings a row", "ONNX output 'names' holds several strings a row; bundles hold one string per row"),
 ])
 def test_each_packaging_refusal_says_what_to_do(tmp_path: Path, case: str, says: str) -> None:
     message = refusal(tmp_path, case)

@@ -115,6 +115,7 @@ class Router:
         draw: Callable[[], float] = random.random,
         rollouts: RolloutBook | None = None,
         activator: Activator | None = None,
+        budgets: BudgetBoard | None = None,
     ) -> None:
         self.settings = settings
         self.tenants = tenants
@@ -137,7 +138,8 @@ class Router:
         self.fallbacks: dict[tuple[str, str], str] = {}  # (model name, group) -> the variant that group answers with
         self.behind_edge = False  # nginx in front: it holds the rate and concurrency quotas it marks
         self.quotas: QuotaStore | None = None  # set: every router holds the tenants' quotas in one Redis
-        self.budgets = BudgetBoard(None, 60.0)  # the tenants' budget states (docs/cost.md); none: no tenant past one
+        # the tenants' budget states (docs/cost.md); without a ledger store, every tenant is within its budget
+        self.budgets = budgets if budgets is not None else BudgetBoard(None, 0.0)
 
     async def start(self) -> None:
         """Ready the connection pools (connections open on first use); read the budget states (then on a thread)."""

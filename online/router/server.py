@@ -98,9 +98,9 @@ def build_service(settings: RouterSettings, storage: StorageSettings, tenancy: T
         scaler = Scaler(ScalePolicy(settings.target_in_flight, settings.min_replicas, settings.local_replicas,
                                     settings.scale_up_delay_s, settings.scale_down_delay_s))
     activator = Activator(settings.activator_queue) if scaler is not None and settings.min_replicas == 0 else None
-    router = Router(settings, tenants, directory, replicas, key, rollouts=book, activator=activator)
+    budgets = BudgetBoard(LedgerStore(storage.home, storage.storage_options), MeteringSettings().budget_refresh_s)
+    router = Router(settings, tenants, directory, replicas, key, rollouts=book, activator=activator, budgets=budgets)
     router.fallbacks = {(f.model, f.group): f.variant for f in config.fallbacks}
-    router.budgets = BudgetBoard(LedgerStore(storage.home, storage.storage_options), MeteringSettings().budget_refresh_s)
     if tenancy.quota_store:
         router.quotas = QuotaStore(tenancy.quota_store, tenancy.quota_store_routers, time.monotonic,
                                    router.metrics.registry)

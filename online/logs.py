@@ -177,7 +177,7 @@ class BufferedLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
             self._pending.append(line)
             self._size += len(line)
             full = self._size >= self._max_bytes
-        if full:
+        if full and not self._wake.is_set():  # set once: until the writer runs, every later line is past the mark
             self._wake.set()
 
     def _take(self) -> str:

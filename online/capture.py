@@ -15,9 +15,11 @@ import logging
 import random
 from typing import Any, Awaitable, Callable, TypeVar
 
+import numpy as np
 import pyarrow as pa
 
 from shardline.online.logs import current
+from shardline.rows import Rows
 from shardline.online.metrics import Metrics
 from shardline.storage.capture import CaptureBuffer
 
@@ -54,17 +56,24 @@ class OnlineCapture:
         rate = self.rate
         return bool(rate) and (rate >= 1.0 or random.random() < rate)
 
-    def sample(self, name: str, version: int, tenant: str, rows: pa.Table, answer: pa.Table,
-               drawn: bool | None = None) -> None:
-        """Capture this request when ``drawn`` (None: draw now) (never fails the request)."""
+    def sample(self, name: str, version: int, tenant: str, rows: Rows,
+               answer: pa.Table | pa.RecordBatch | dict[str, np.ndarray], drawn: bool | None = None) -> None:
+        """Capture this request when ``drawn`` (None: draw now) (never fails the request): float rows and a numpy
+        answer as they are (made into Arrow on the buffer's thread, many requests at once), else as tables."""
         if not (self.draw() if drawn is None else drawn):
             return
         buffer = self._buffers.get((name, version))
         if buffer is None:
             return
         info = current()
+        source = info.request_id if info is not None else ""
         try:
-            kept = buffer.add(rows, answer, tenant=tenant, source=info.request_id if info is not None else "")
+            if rows.arrays is not None and isinstance(answer, dict):
+                kept = buffer.add_arrays(rows.plan, rows.arrays, answer, tenant=tenant, source=source)
+            else:
+                table = rows.table()
+                kept = buffer.add(table if isinstance(table, pa.Table) else pa.Table.from_batches([table]),
+                                  rows.plan.answer_table(answer), tenant=tenant, source=source)
         except Exception:  # noqa: BLE001 - capture must never fail a request
             log.exception("a sample could not be captured")
             kept = False

@@ -301,10 +301,7 @@ class DataPlane:
         if captured is None:
             captured = self.capture.draw()
         if captured:
-            table = checked.table()
-            self.capture.sample(served.name, served.version, tenant.name,
-                                table if isinstance(table, pa.Table) else pa.Table.from_batches([table]),
-                                plan.answer_table(answer), True)
+            self.capture.sample(served.name, served.version, tenant.name, checked, answer, True)
         return answer  # type: ignore[no-any-return]
 
     async def _score_rows(self, tenant: Tenant, served: ServedModel, rows: Rows) -> Any:

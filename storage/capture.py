@@ -10,9 +10,11 @@ four ``CAPTURE_META`` columns. Files are written to ``<root>/_staging`` and move
 place, so a reader sees whole files or none. A file's folder date is the UTC date of
 its earliest row.
 
-The online tier keeps a ``CaptureBuffer`` per model version: ``add`` only appends to a
-list under a lock (microseconds, no I/O, no Arrow work), and a daemon thread builds
-and writes the files. Batch workers call ``write_captures`` once per task: one file for its shards'
+The online tier keeps a ``CaptureBuffer`` per model version: ``add`` (Arrow rows) and
+``add_arrays`` (a request's float arrays and numpy answers, as the float path scored them) only
+append to a list under a lock (microseconds, no I/O, no Arrow work), and a daemon thread builds
+and writes the files: the float samples of a file as one concatenation per column, so that a
+file of thousands of one-row requests costs milliseconds, not the GIL for a tenth of a second. Batch workers call ``write_captures`` once per task: one file for its shards'
 samples.
 """
 
@@ -37,6 +39,7 @@ import pyarrow.parquet as pq
 from shardline.arrays import arrow_array, string_array
 from shardline.bundle import check_model_name
 from shardline.errors import InvalidInput, InvalidSetting
+from shardline.rows import SignaturePlan
 from shardline.storage.fs import commit_file, ensure_dir, join, open_file, open_fs, staging_path
 from shardline.storage.shards import dictionary_columns
 
@@ -87,6 +90,27 @@ class _Pending:
     source: str
     captured_at_us: int
 
+    @property
+    def rows(self) -> int:
+        return int(self.inputs.num_rows)
+
+
+@dataclass(frozen=True)
+class _FloatPending:
+    """One ``add_arrays`` call: float arrays in ``plan``'s layout and the numpy answer, made into Arrow on the writer
+    thread together with the other float samples of the file."""
+
+    plan: SignaturePlan
+    arrays: tuple[np.ndarray, ...]
+    answer: dict[str, np.ndarray]
+    tenant: str
+    source: str
+    captured_at_us: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.arrays[0].shape[0])
+
 
 def _assemble(ins: pa.Table, outs: pa.Table, tier: str, captured_at_us: pa.Array, tenant: pa.Array,
               source: pa.Array) -> pa.Table:
@@ -118,26 +142,44 @@ def _capture_table(items: list["_Pending"], tier: str) -> pa.Table:
     """
     ins = pa.Table.from_batches([b for i in items for b in _batches(i.inputs)], schema=items[0].inputs.schema)
     outs = pa.Table.from_batches([b for i in items for b in _batches(i.outputs)], schema=items[0].outputs.schema)
-    counts = np.fromiter((i.inputs.num_rows for i in items), dtype=np.int64, count=len(items))
+    table = _with_meta(ins, outs, items, tier)
+    return table.combine_chunks() if len(items) > 1 else table
+
+
+def _float_capture_table(items: list["_FloatPending"], tier: str) -> pa.Table:
+    """One table of many ``add_arrays`` calls of one plan: each input array and each answer column concatenated
+    once, then made into Arrow as the float path makes one request's (``SignaturePlan.table_of``, ``answer_table``)."""
+    plan = items[0].plan
+    width = len(items[0].arrays)
+    arrays = tuple(np.concatenate([i.arrays[k] for i in items]) for k in range(width))
+    answer = {name: np.concatenate([np.asarray(i.answer[name]) for i in items]) for name in plan.output_names}
+    return _with_meta(plan.table_of(arrays), plan.answer_table(answer), items, tier)
+
+
+def _with_meta(ins: pa.Table, outs: pa.Table, items: Sequence["_Pending | _FloatPending"], tier: str) -> pa.Table:
+    """The samples' inputs and outputs with each row's meta columns (its sample's time, tenant and source)."""
+    counts = np.fromiter((i.rows for i in items), dtype=np.int64, count=len(items))
     which = arrow_array(np.repeat(np.arange(len(items), dtype=np.int32), counts))
-    table = _assemble(
+    return _assemble(
         ins, outs, tier,
         arrow_array(np.repeat(np.fromiter((i.captured_at_us for i in items), np.int64, len(items)), counts)),
         string_array([i.tenant for i in items]).take(which),
         string_array([i.source for i in items]).take(which),
     )
-    return table.combine_chunks() if len(items) > 1 else table
 
 
-def _group_by_schema(items: list["_Pending"]) -> list[list["_Pending"]]:
-    """Runs of samples whose inputs and outputs share their schemas (they almost always all do)."""
-    groups: list[list[_Pending]] = []
+def _group_by_schema(items: Sequence["_Pending | _FloatPending"]) -> list[list[Any]]:
+    """Runs of samples that make one table: Arrow rows whose inputs and outputs share their schemas, or float
+    samples of one plan (a server's samples of a version almost always all do)."""
+    groups: list[list[Any]] = []
     for item in items:
-        if (
-            groups
-            and groups[-1][0].inputs.schema.equals(item.inputs.schema)
-            and groups[-1][0].outputs.schema.equals(item.outputs.schema)
-        ):
+        last = groups[-1][0] if groups else None
+        if isinstance(item, _FloatPending):
+            same = isinstance(last, _FloatPending) and last.plan is item.plan
+        else:
+            same = (isinstance(last, _Pending) and last.inputs.schema.equals(item.inputs.schema)
+                    and last.outputs.schema.equals(item.outputs.schema))
+        if same:
             groups[-1].append(item)
         else:
             groups.append([item])
@@ -223,7 +265,7 @@ class CaptureBuffer:
         self.written_files = 0
         self.dropped = 0
         self.write_errors = 0
-        self._pending: list[_Pending] = []
+        self._pending: list[_Pending | _FloatPending] = []
         self._pending_rows = 0
         self._oldest = 0.0
         self._closed = False
@@ -258,35 +300,57 @@ class CaptureBuffer:
         if n == 0:
             return True
         now = time.time()
+        return self._queue(_Pending(inputs, outputs, tenant, source, int(now * 1_000_000)), n, now)
+
+    def add_arrays(self, plan: SignaturePlan, arrays: tuple[np.ndarray, ...], answer: dict[str, np.ndarray], *,
+                   tenant: str, source: str) -> bool:
+        """Queue one sample of float rows as the float path scored them: ``arrays`` in ``plan``'s layout
+        (``Rows.arrays``) and the runtime's answer, a numpy array per output (kept, not copied: neither may be
+        written to afterwards). As ``add``; the file holds what ``add`` of their tables would have written.
+
+        Raises:
+            InvalidInput: an answer column has another row count than the arrays.
+        """
+        n = int(arrays[0].shape[0])
+        if any(len(answer[name]) != n for name in plan.output_names):
+            raise InvalidInput(f"capture got {n} input rows but an answer of "
+                               f"{sorted({len(answer[name]) for name in plan.output_names})} rows; pass the outputs of "
+                               "exactly these inputs, row for row")
+        if n == 0:
+            return True
+        now = time.time()
+        return self._queue(_FloatPending(plan, arrays, answer, tenant, source, int(now * 1_000_000)), n, now)
+
+    def _queue(self, item: "_Pending | _FloatPending", n: int, now: float) -> bool:
         with self._lock:
             if self._closed or self._pending_rows + n > self.max_pending_rows:
                 self.dropped += n
                 return False
             if not self._pending:
                 self._oldest = now
-            self._pending.append(_Pending(inputs, outputs, tenant, source, int(now * 1_000_000)))
+            self._pending.append(item)
             self._pending_rows += n
             full = self._pending_rows >= self.flush_rows
-        if full:
+        if full and not self._wake.is_set():
             self._wake.set()
         return True
 
-    def _take(self) -> list[_Pending]:
+    def _take(self) -> list["_Pending | _FloatPending"]:
         with self._lock:
             taken, self._pending, self._pending_rows = self._pending, [], 0
         return taken
 
-    def _give_back(self, items: list[_Pending]) -> None:
+    def _give_back(self, items: list["_Pending | _FloatPending"]) -> None:
         if not items:
             return
         with self._lock:
             first = items[0].captured_at_us / 1e6
             self._oldest = min(self._oldest, first) if self._pending else first
             self._pending = items + self._pending
-            self._pending_rows += sum(i.inputs.num_rows for i in items)
+            self._pending_rows += sum(i.rows for i in items)
 
-    def _drop(self, items: list[_Pending], error: Exception) -> None:
-        rows = sum(i.inputs.num_rows for i in items)
+    def _drop(self, items: list["_Pending | _FloatPending"], error: Exception) -> None:
+        rows = sum(i.rows for i in items)
         with self._lock:
             self.dropped += rows
         logger.warning("capture of %s:%s (%s): %d rows cannot be made into a table and were dropped: %s",
@@ -305,7 +369,10 @@ class CaptureBuffer:
             groups = _group_by_schema(self._take())
             for i, group in enumerate(groups):
                 try:
-                    table = _capture_table(group, self.tier)
+                    if isinstance(group[0], _FloatPending):
+                        table = _float_capture_table(group, self.tier)
+                    else:
+                        table = _capture_table(group, self.tier)
                 except (pa.ArrowException, ValueError, TypeError) as e:
                     self._drop(group, e)
                     continue
@@ -356,9 +423,9 @@ class CaptureBuffer:
         except Exception as e:
             lost = self._take()
             with self._lock:
-                self.dropped += sum(i.inputs.num_rows for i in lost)
+                self.dropped += sum(i.rows for i in lost)
             logger.warning("capture of %s:%s (%s): %d rows could not be written at close: %s",
-                           self.model, self.version, self.tier, sum(i.inputs.num_rows for i in lost), e)
+                           self.model, self.version, self.tier, sum(i.rows for i in lost), e)
 
     def __enter__(self) -> "CaptureBuffer":
         return self

@@ -204,3 +204,52 @@ def test_bad_input_is_refused_with_a_clear_error(tmp_path: Path) -> None:
 def test_capture_root_follows_the_settings(tmp_path: Path) -> None:
     assert capture_root(StorageSettings(home=str(tmp_path))) == f"{tmp_path}/capture"
     assert capture_root(StorageSettings(home=str(tmp_path), capture_url="s3://bucket/cap")) == "s3://bucket/cap"
+
+
+@pytest.mark.parametrize("layout", ["columns", "a list column"])
+def test_float_samples_are_written_as_their_tables_would_be_among_table_samples(tmp_path: Path, layout: str) -> None:
+    # What the online float path hands over (Rows.arrays and the runtime's numpy answer): the file holds what add()
+    # of the same rows' tables writes, in the order they came, with table samples between them in files of their own.
+    import numpy as np
+
+    from shardline.rows import float_rows
+    from shardline.signature import ColumnSpec, Signature
+
+    if layout == "columns":
+        inputs = [ColumnSpec(name="a", type="float32"), ColumnSpec(name="b", type="float32")]
+    else:
+        inputs = [ColumnSpec(name="v", type="fixed_size_list<float32>[3]")]
+    signature = Signature(inputs=inputs, outputs=[ColumnSpec(name="label", type="int64"),
+                                                  ColumnSpec(name="scores", type="fixed_size_list<float32>[2]")])
+    plan = signature.plan
+    rng = np.random.default_rng(3)
+
+    def request(n: int) -> tuple[tuple[np.ndarray, ...], dict[str, np.ndarray]]:
+        # float columns come as one (rows, columns) matrix; a list column as its (rows, k) array
+        arrays = (rng.random((n, 2 if layout == "columns" else 3), dtype=np.float32),)
+        return arrays, {"label": rng.integers(0, 2, n), "scores": rng.random((n, 2), dtype=np.float32)}
+
+    sent = [request(n) for n in (1, 1, 3, 1)]
+    with CaptureBuffer(str(tmp_path / "floats"), "churn", 1, "online", flush_seconds=NEVER) as floats, \
+            CaptureBuffer(str(tmp_path / "tables"), "churn", 1, "online", flush_seconds=NEVER) as tables:
+        for i, (arrays, answer) in enumerate(sent):
+            assert floats.add_arrays(plan, arrays, answer, tenant="acme", source=f"req-{i}")
+            checked = float_rows(plan, arrays, "churn")
+            table = checked.table()
+            tables.add(table if isinstance(table, pa.Table) else pa.Table.from_batches([table]),
+                       plan.answer_table(answer), tenant="acme", source=f"req-{i}")
+        assert floats.pending_rows == 6
+        floats.add(*rows(2), tenant="zeta", source="req-t")  # a table sample between float ones: its own file
+        floats.add_arrays(plan, *request(1), tenant="acme", source="req-5")
+        with pytest.raises(InvalidInput, match="capture got 2 input rows but an answer of \\[1\\] rows"):
+            floats.add_arrays(plan, request(2)[0], request(1)[1], tenant="acme", source="req-x")
+
+    assert (floats.written_rows, floats.written_files, floats.dropped) == (9, 3, 0)
+    written = sorted((tmp_path / "floats").rglob("*.parquet"), key=lambda p: p.name)
+    first = pq.read_table(written[0])
+    expected = pq.read_table(next((tmp_path / "tables").rglob("*.parquet")))
+    assert first.schema.equals(expected.schema)
+    data = [name for name in first.column_names if name != "_captured_at"]
+    assert first.select(data).equals(expected.select(data))
+    assert first.column("_source").to_pylist() == ["req-0", "req-1", "req-2", "req-2", "req-2", "req-3"]
+    assert [pq.read_metadata(p).num_rows for p in written] == [6, 2, 1]

@@ -556,6 +556,18 @@ def capture_files(
     return found
 
 
+def _arrow_filesystem(fs: "AbstractFileSystem") -> Any:
+    """The file system pyarrow's dataset reads ``fs``'s paths through: Arrow's own for local disk (faster, and its I/O
+    threads never call into Python), else fsspec's behind ``PyFileSystem``. An Arrow thread that needs the GIL while the
+    interpreter shuts down is stopped inside C++ and aborts the process ("terminate called without an active
+    exception", apache/arrow#45017): ``drift check`` exited so once, after printing its verdicts, in CI. Which thread
+    it was is not known; on local disk this takes the Python calls out of Arrow's threads."""
+    from fsspec.implementations.local import LocalFileSystem as FsspecLocal
+    from pyarrow.fs import FSSpecHandler, LocalFileSystem, PyFileSystem
+
+    return LocalFileSystem() if isinstance(fs, FsspecLocal) else PyFileSystem(FSSpecHandler(fs))
+
+
 def scan_capture(
     root: str, model: str, *, version: int | None = None, tier: str | None = None,
     since: datetime | None = None, until: datetime | None = None, storage_options: dict[str, Any] | None = None,
@@ -571,7 +583,6 @@ def scan_capture(
     """
     import polars as pl
     import pyarrow.dataset as ds
-    from pyarrow.fs import FSSpecHandler, PyFileSystem
 
     since, until = _utc(since, "since"), _utc(until, "until")
     if since is not None and until is not None and since >= until:
@@ -583,7 +594,7 @@ def scan_capture(
             CAPTURE_META[2]: pl.String, CAPTURE_META[3]: pl.String,
         })
     fs, _ = open_fs(root, storage_options)
-    filesystem = PyFileSystem(FSSpecHandler(fs))
+    filesystem = _arrow_filesystem(fs)
     firsts: dict[tuple[int, str], str] = {}
     for v, path in files:
         firsts.setdefault((v, path.rsplit("/", 3)[-3]), path)

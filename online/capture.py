@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 
 from shardline.online.logs import current
-from shardline.rows import Rows
 from shardline.online.metrics import Metrics
+from shardline.rows import Rows
 from shardline.storage.capture import CaptureBuffer
 
 log = logging.getLogger("shardline.online")

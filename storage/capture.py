@@ -14,8 +14,8 @@ The online tier keeps a ``CaptureBuffer`` per model version: ``add`` (Arrow rows
 ``add_arrays`` (a request's float arrays and numpy answers, as the float path scored them) only
 append to a list under a lock (microseconds, no I/O, no Arrow work), and a daemon thread builds
 and writes the files: the float samples of a file as one concatenation per column, so that a
-file of thousands of one-row requests costs milliseconds, not the GIL for a tenth of a second. Batch workers call ``write_captures`` once per task: one file for its shards'
-samples.
+file of thousands of one-row requests costs milliseconds, not the GIL for a tenth of a second.
+Batch workers call ``write_captures`` once per task: one file for its shards' samples.
 """
 
 from __future__ import annotations

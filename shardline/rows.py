@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 
 _FLOATS = (pa.float32(), pa.float64())
 _MAX_TEMPLATES = 256  # row counts remembered per signature (a bound: requests choose the row count)
+# Past this many rows a table is built column by column, with no template: the template's one IPC read stops paying
+# (30 float32 columns: 58 against 65 us at 2,048 rows, 186 against 104 at 5,000) and making one costs milliseconds
+# (2.7 ms at 5,000 rows, 41 at 50,000), for a row count a large request or a capture file seldom repeats
+# (figures: bench/README.md, "Figures behind the code").
+_TEMPLATE_MAX_ROWS = 2048
 
 
 @dataclass(frozen=True)
@@ -168,10 +173,10 @@ class _StackedTables:
     """Builds tables of one schema (every column the same float type) from ``(N, columns)`` matrices.
 
     Building the table column by column costs a slice and a wrapper per column (figures: bench/README.md, "Figures behind the code");
-    reading it as an Arrow IPC record batch costs one call. For each row count a template is made once
-    from a table built the slow way: the IPC message's metadata (which depends only on the schema and
-    the row count) and its body layout, checked to be one buffer per column of ``rows * itemsize`` bytes
-    padded to 8. Only the body is written per table.
+    reading it as an Arrow IPC record batch costs one call. For each row count up to ``_TEMPLATE_MAX_ROWS`` (past it,
+    column by column) a template is made once from a table built the slow way: the IPC message's metadata (which
+    depends only on the schema and the row count) and its body layout, checked to be one buffer per column of
+    ``rows * itemsize`` bytes padded to 8. Only the body is written per table.
     """
 
     def __init__(self, schema: pa.Schema, dtype: np.dtype) -> None:
@@ -184,6 +189,8 @@ class _StackedTables:
         """The rows of ``matrix`` (shape ``(rows, len(schema))``) as a table of the schema."""
         matrix = matrix.astype(self.dtype, copy=False)
         rows = matrix.shape[0]
+        if rows > _TEMPLATE_MAX_ROWS:
+            return self._slow(matrix)
         template = self._templates.get(rows)
         if template is None and rows not in self._templates:
             template = self._template(rows)

@@ -79,7 +79,7 @@ def test_matrix_rows_are_the_table_built_column_by_column(arrow_type: pa.DataTyp
     plan = signature.plan
     schema = plan.input_schema
     rng = np.random.default_rng(1)
-    for rows in (1, 2, 3, 5, 64, 1, 3):  # again: from the remembered templates
+    for rows in (1, 2, 3, 5, 64, 1, 3, 2048, 2049, 5000):  # again: from the remembered templates; then past them
         matrix = rng.normal(size=(rows, 7)).astype(arrow_type.to_pandas_dtype())
         table = float_rows(plan, (matrix,), "m:1").table()
         expected = pa.table({f"f{j}": pa.array(matrix[:, j]) for j in range(7)}, schema=schema)

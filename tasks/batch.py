@@ -212,18 +212,21 @@ def _footer_problem(shard: ShardInfo, plan: JobPlan) -> tuple[str | None, int | 
     return (f"SchemaMismatch: {'; '.join(problems)}" if problems else None), footer.num_rows, footer.schema
 
 
-def _shadowed(plan: JobPlan, schema: pa.Schema | None) -> list[str]:
-    """Input columns auto passthrough leaves out of the parts for a model output of their name, in ``schema`` (the
-    first shard's, read here when not given), told once in the run's log; the summary carries them to the command.
-    Best effort: a shard that cannot be read here is the workers' to quarantine."""
+def _first_schema(plan: JobPlan) -> pa.Schema | None:
+    """The first pending shard's schema, or None: best effort, for ``_shadowed`` only (a shard that cannot be read
+    here is the workers' to quarantine; a transient error loses only the note)."""
     if plan.job.passthrough is not None or not plan.todo:
-        return []
-    if schema is None:
-        try:
-            schema = read_footer(plan.todo[0].uri, plan.job.storage_options).schema
-        except (CorruptShard, pa.ArrowException, OSError, ValueError):  # a transient error too: only a note is lost
-            return []
-    shadowed = shadowed_columns(plan.job, schema)
+        return None
+    try:
+        return read_footer(plan.todo[0].uri, plan.job.storage_options).schema
+    except (CorruptShard, pa.ArrowException, OSError, ValueError):
+        return None
+
+
+def _shadowed(plan: JobPlan, schema: pa.Schema | None) -> list[str]:
+    """Input columns auto passthrough leaves out of the parts for a model output of their name, in ``schema`` (a
+    pending shard's; none without one), told once in the run's log; the summary carries them to the command."""
+    shadowed = shadowed_columns(plan.job, schema) if schema is not None else []
     if shadowed:
         run_logger().warning("%s", shadowed_note(shadowed))
     return shadowed
@@ -242,11 +245,11 @@ def validate_shards(plan: JobPlan) -> JobPlan:
         run_logger().info(
             "%d shards to score: their schemas are checked on the workers as each is opened", len(plan.todo)
         )
-        return replace(plan, shadowed=_shadowed(plan, None))
+        return replace(plan, shadowed=_shadowed(plan, _first_schema(plan)))
     layout = OutputLayout(plan.job.output_uri, plan.job.storage_options, plan.job_id)
     with ThreadPoolExecutor(16) as pool:
         verdicts = list(pool.map(lambda s: _footer_problem(s, plan), plan.todo))
-    shadowed = _shadowed(plan, next((schema for _, _, schema in verdicts if schema is not None), pa.schema([])))
+    shadowed = _shadowed(plan, next((schema for _, _, schema in verdicts if schema is not None), None))
     keep, rejected = [], []
     for shard, (problem, rows, _) in zip(plan.todo, verdicts):
         if problem is None:

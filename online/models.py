@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable, Literal, TypeVar
 
 from shardline.bundle import MANIFEST, ModelRef
 from shardline.errors import ModelNotFound
+from shardline.online.background import stop_tasks
 from shardline.online.batcher import Batcher, BatchLimits
 from shardline.settings import OnlineSettings
 from shardline.signature import Signature
@@ -230,10 +231,7 @@ class ModelDirectory:
 
     async def close(self) -> None:
         """Stop the background re-reads (the server is stopping)."""
-        tasks = list(self._refreshing.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(list(self._refreshing.values()), "the model directory")
 
     async def _version(self, name: str, version: int) -> ResolvedModel:
         found = self._versions.get((name, version))

@@ -205,7 +205,8 @@ class QuotaStore:
             self._renewer = asyncio.get_running_loop().create_task(self._renew_leases())
 
     async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        return await asyncio.wait_for(script(keys=keys, args=args), TIMEOUT_S * 2)
+        async with asyncio.timeout(TIMEOUT_S * 2):
+            return await script(keys=keys, args=args)
 
     # -- rate and concurrency ----------------------------------------------------------------
 
@@ -291,7 +292,8 @@ class QuotaStore:
     def _later(self, call: Any, timeout: float | None = TIMEOUT_S * 2) -> None:
         async def run() -> None:
             try:
-                await asyncio.wait_for(call, timeout)
+                async with asyncio.timeout(timeout):
+                    await call
             except (RedisError, OSError, asyncio.TimeoutError):
                 pass  # the lease expires by itself
 

@@ -325,7 +325,8 @@ class NginxFront:
             writer.write(f"{method} {path} HTTP/1.0\r\nHost: control\r\nContent-Length: {len(body)}\r\n\r\n".encode()
                          + body)
             await writer.drain()
-            answer = await asyncio.wait_for(reader.read(), CONTROL_TIMEOUT_S)
+            async with asyncio.timeout(CONTROL_TIMEOUT_S):
+                answer = await reader.read()
         finally:
             writer.close()
         head, _, text = answer.partition(b"\r\n\r\n")

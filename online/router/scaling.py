@@ -101,7 +101,8 @@ class Activator:
             return False
         self.waiting[model] += 1
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._ready.wait()
             return True
         except asyncio.TimeoutError:
             return False

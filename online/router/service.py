@@ -29,6 +29,7 @@ from opentelemetry.trace import SpanKind
 
 from shardline.errors import PayloadTooLarge
 from shardline.observability import tracing
+from shardline.online.background import stop_tasks
 from shardline.online.bodies import ClientGone, receive_body
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig
 from shardline.online.router.front import SYNC_S, Front
@@ -66,6 +67,7 @@ class RouterService:
         self._checks: dict[str, UpstreamPool] = {}  # a pool of its own per replica: checks never wait behind requests
         self.front: Front | None = None  # the proxy in front (nginx: ``nginx_front``), kept true every SYNC_S
         self._kept: set[str] = set()  # silent replicas kept in because no other was up (said once a silence)
+        self._stopping = False
 
     async def start(self) -> None:
         """Open the pools, check every replica once, then keep checking in the background."""
@@ -74,34 +76,33 @@ class RouterService:
         for group in self.config.groups:
             if group.dns is not None:
                 await self._resolve(group.name)
-                self._tasks.append(loop.create_task(self._every(group.dns.refresh_s, functools.partial(self._resolve, group.name))))
+                self._repeat(f"resolve {group.name}", group.dns.refresh_s, functools.partial(self._resolve, group.name))
         await self.check_all()
-        self._tasks.append(loop.create_task(self._every(self.router.settings.health_interval_s, self._check_round)))
+        self._repeat("health checks", self.router.settings.health_interval_s, self._check_round)
         stall_s = self.router.settings.stall_ms / 1000
         if stall_s > 0:
-            self._tasks.append(loop.create_task(self._every(stall_s / 2, self._watch_stalls)))
+            self._repeat("stall watch", stall_s / 2, self._watch_stalls)
         book = self.router.rollouts
         if book is not None and self.front is not None:
             book.after_read = functools.partial(self.front.sync_pins, self.router)
         if book is not None:
             await book.refresh()  # the aliases' versions and rollouts known before the first request
-            self._tasks.append(loop.create_task(self._every(self.router.settings.rollout_refresh_s, book.refresh)))
+            self._repeat("rollout refresh", self.router.settings.rollout_refresh_s, book.refresh)
         if self.front is not None:
             await loop.run_in_executor(None, self.front.start)
             await self.front.sync(self.router)
-            self._tasks.append(loop.create_task(self._every(SYNC_S, functools.partial(self.front.sync, self.router))))
+            self._repeat("front sync", SYNC_S, functools.partial(self.front.sync, self.router))
         if self.local is not None:
-            self._tasks.append(loop.create_task(self._every(0.5, self._watch_local)))
-            self._tasks.append(loop.create_task(self._every(STARTING_CHECK_S, self._check_starting)))
+            self._repeat("local replicas", 0.5, self._watch_local)
+            self._repeat("replicas starting", STARTING_CHECK_S, self._check_starting)
             now = time.monotonic()
             self._starting.update({url: now for url in self.local.urls if not self.router.replicas.replicas[url].healthy})
 
     async def stop(self) -> None:
         """Stop the background tasks, close the pools, stop nginx and the local replicas and remove their temporary
         folders (uvicorn ends the process by re-raising the signal that stopped it, so nothing after its run would)."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._stopping = True
+        await stop_tasks(self._tasks, "the router")
         self._tasks.clear()
         for pool in self._checks.values():
             pool.close()
@@ -115,8 +116,12 @@ class RouterService:
             await loop.run_in_executor(None, self.local.stop)
             shutil.rmtree(self.local.log_dir, ignore_errors=True)
 
+    def _repeat(self, name: str, seconds: float, work: Callable[[], Awaitable[None]]) -> None:
+        """Run ``work`` every ``seconds`` in a background task called ``name`` until ``stop``."""
+        self._tasks.append(asyncio.get_running_loop().create_task(self._every(seconds, work), name=name))
+
     async def _every(self, seconds: float, work: Callable[[], Awaitable[None]]) -> None:
-        while True:
+        while not self._stopping:  # also ends a loop whose cancel was lost
             await asyncio.sleep(seconds)
             try:
                 await work()

@@ -4,6 +4,7 @@ answers, a replica that closes a kept-alive connection, one that dies mid-answer
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from typing import Awaitable, Callable
@@ -316,3 +317,48 @@ def test_a_callers_request_id_reaches_the_replica_byte_for_byte_and_one_is_made_
            for head in heads]
     assert ids[0] == [b"caller-\xe9-7"]  # once, as the caller sent it
     assert len(ids[1]) == 1 and re.fullmatch(rb"[0-9a-f]{32}", ids[1][0])
+
+
+def test_the_router_stops_its_background_loops_even_when_one_loses_its_cancel(caplog: pytest.LogCaptureFixture) -> None:
+    """Python 3.11's ``asyncio.wait_for`` returns a result that came in the same turn as a cancel, which is then
+    lost (CPython gh-86296): a router's front sync loop went on and its stop hung until it was killed. A loop ends
+    at ``stop`` all the same, and ``stop`` waits for none of them past its bound."""
+    from shardline.local_ports import reserve_port as free_port
+    from shardline.online.models import ModelDirectory
+    from shardline.online.router.config import ReplicaGroup, RouterConfig
+    from shardline.online.router.health import BreakerPolicy
+    from shardline.online.router.replicas import ReplicaSet
+    from shardline.online.router.router import Router
+    from shardline.online.router.service import RouterService
+    from shardline.online.tenants import TenantDirectory
+    from shardline.settings import RouterSettings
+
+    config = RouterConfig(groups=(ReplicaGroup(name="svc", replicas=(f"http://127.0.0.1:{free_port()}",)),))
+    replicas = ReplicaSet(config, BreakerPolicy(), 0.0, time.monotonic)
+    router = Router(RouterSettings(), TenantDirectory([], []), ModelDirectory(None, None, 5.0), replicas, "k" * 16)  # type: ignore[arg-type]
+    service = RouterService(router, config)
+    rounds: list[float] = []
+
+    async def swallows_a_cancel() -> None:
+        rounds.append(time.monotonic())
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if len(rounds) > 1:
+                raise
+            # the first cancel is lost, as wait_for loses one that meets its answer
+
+    async def main() -> list[asyncio.Task[None]]:
+        await service.start()
+        service._repeat("stubborn", 0.01, swallows_a_cancel)
+        tasks = list(service._tasks)
+        while not rounds:
+            await asyncio.sleep(0.01)
+        await service.stop()
+        return tasks
+
+    with caplog.at_level(logging.WARNING):
+        tasks = asyncio.run(main())
+    assert tasks and all(task.done() for task in tasks)  # every loop ended within stop, none left behind
+    assert len(rounds) == 1  # the stubborn one did not go round again after its lost cancel
+    assert "did not stop" not in caplog.text

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("shardline", "build", "storage", "quality", "observability", "capacity", "tasks", "flows", "online", "cli",
-           "tests", "bench")
+FOLDERS = ("shardline", "build", "storage", "quality", "observability", "capacity", "controller", "cost", "tasks",
+           "flows", "online", "cli", "tests", "bench")
 
 CHECK = r"""
 import ast, importlib, sys

@@ -12,8 +12,8 @@ cold run prints and exits with the same code. The command itself imports next to
 
 A job belongs to the command that sent it: when the command is interrupted (Ctrl-C, SIGTERM,
 SIGHUP) or killed (its connection closes), the job stops (``tasks.dispatch.STOP_REQUEST``): no
-shard is handed out any more, the running ones finish and commit, the lease on the output is
-given back, and a re-run resumes.
+shard is handed out any more, the running ones finish and commit (a group of small shards stops
+after the one under way), the lease on the output is given back, and a re-run resumes.
 
 When it is used: with ``SHARDLINE_PREFECT_SERVER=local`` (the default) and
 ``SHARDLINE_BATCH_RUNNER_IDLE_S`` above 0 (default 900 s, after which an idle runner exits). A

@@ -18,6 +18,7 @@ import os
 import pickle
 import threading
 import time
+import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -48,9 +49,32 @@ Settled = Callable[[ShardInfo, PartRecord | None, BaseException | None], None]
 # cli/batch_runner.py, when the command that sent the job is interrupted or killed). The
 # dispatcher then hands out no more shards, withdraws the tasks the cluster has not started, lets the
 # running ones finish (a worker commits each part and ledger record, so the lease is held until
-# then; a group scores the rest of its shards, 128 MiB at most) and raises JobStopped; a re-run
+# then; a group stops after the shard under way, ``StopSignal``) and raises JobStopped; a re-run
 # resumes from the parts committed.
 STOP_REQUEST: ContextVar[threading.Event | None] = ContextVar("shardline_dispatch_stop", default=None)
+# How often, at most, a group task asks whether its job was stopped (a round trip to the scheduler, ~0.5 ms
+# here): before its first shard, then before the next shard once this long has passed. A group of small shards
+# that are slow to score (text for an embedding model, prompts) took minutes to stop when it scored them all.
+STOP_CHECK_S = 1.0
+STOP_WATCH_S = 0.1  # how often the dispatcher's watcher looks for the stop request while no task ends
+
+
+@dataclass(frozen=True)
+class StopSignal:
+    """Where a group task on a worker learns that its job was stopped: a Dask ``Event`` named ``event``, set by
+    the dispatcher on a stop request, read at most every ``every_s`` (``STOP_CHECK_S``)."""
+
+    event: str
+    every_s: float
+
+    def requested(self) -> bool:
+        """Whether the job was stopped; False when the scheduler cannot be asked (the shards go on)."""
+        from distributed import Event
+
+        try:
+            return bool(Event(self.event).is_set())
+        except Exception:  # noqa: BLE001 - no client on this worker, or no answer: score, as before stop signals
+            return False
 
 
 def in_flight_target(threads: int, requested: int | None) -> int:
@@ -93,17 +117,23 @@ def group_shards(shards: Sequence[ShardInfo], threads: int) -> list[list[ShardIn
 ShardHook = Callable[[int, ShardInfo], Callable[[PartRecord | None, BaseException | None], None]]
 
 
-def score_group(job: ScoringJob, shards: list[ShardInfo], hook: ShardHook | None = None
-                ) -> list[tuple[PartRecord | None, BaseException | None]]:
+def score_group(job: ScoringJob, shards: list[ShardInfo], hook: ShardHook | None = None,
+                stop: StopSignal | None = None) -> list[tuple[PartRecord | None, BaseException | None]]:
     """Score a group's shards one after the other (each committed as ``score_shard`` commits it): each one's
     record, or the error that failed it, which does not stop the shards after it. Their capture samples are
     written together at the end, one file for the group (``ShardSamples``). The matrices the shards' batches were
     stacked into are kept from shard to shard and let go at the end (``release_scratch``). ``hook``: see
-    ``ShardHook``."""
+    ``ShardHook``. With ``stop``, the group ends early once its job is stopped: the outcomes of the shards it
+    scored, fewer than it was given (the rest stay to do)."""
     settled: list[tuple[PartRecord | None, BaseException | None]] = []
     captured = ShardSamples(job)
+    ask_at = 0.0
     try:
         for index, shard in enumerate(shards):
+            if stop is not None and time.monotonic() >= ask_at:
+                if stop.requested():
+                    break
+                ask_at = time.monotonic() + stop.every_s
             done = hook(index, shard) if hook is not None else None
             outcome: tuple[PartRecord | None, BaseException | None]
             try:
@@ -119,7 +149,7 @@ def score_group(job: ScoringJob, shards: list[ShardInfo], hook: ShardHook | None
     return settled
 
 
-def score_traced(job: ScoringJob, shards: list[ShardInfo], traceparents: list[str]
+def score_traced(job: ScoringJob, shards: list[ShardInfo], traceparents: list[str], stop: StopSignal | None = None
                  ) -> list[tuple[PartRecord | None, BaseException | None]]:
     """``score_group`` with each shard's work a span on this worker (``shardline.batch.score``), the child of the
     shard span its ``traceparent`` names; the spans are exported before the task returns (a worker may be closed
@@ -141,7 +171,7 @@ def score_traced(job: ScoringJob, shards: list[ShardInfo], traceparents: list[st
         return end
 
     try:
-        return score_group(job, shards, traced)
+        return score_group(job, shards, traced, stop)
     finally:
         tracing.flush()
 
@@ -203,26 +233,33 @@ def dispatch_shards(
     run = _Dispatch(client, shared, key_prefix, limit, stop, iter(group_shards(shards, threads)), CURRENT.get())
     attempts: dict[str, int] = {}
     settled_count = 0
-    run.top_up()
-    for future in run.pending:  # ``submit`` adds to ``pending`` while it is iterated
-        traced = future.key in run.traced
-        group = run.taken(future)
-        if future.status == "cancelled":  # withdrawn on a stop request before it started: it stays to do
-            future.release()
-            continue
-        if future.status == "error" and run.resubmitted(future, group, attempts, resubmits):
-            continue
-        for shard, (record, failure) in zip(group, _outcomes(future, group, traced)):
-            if failure is not None:
-                run.stats.failures[shard.relative] = f"{type(failure).__name__}: {failure}"
-            if run.telemetry is not None:
-                run.telemetry.settled(shard, record, failure)
-            on_settled(shard, record, failure)
-        settled_count += len(group)
-        future.release()
-        if max_in_flight is None:
-            run.resize()
+    run.watch()
+    try:
         run.top_up()
+        for future in run.pending:  # ``submit`` adds to ``pending`` while it is iterated
+            traced = future.key in run.traced
+            group = run.taken(future)
+            if future.status == "cancelled":  # withdrawn on a stop request before it started: it stays to do
+                future.release()
+                continue
+            if future.status == "error" and run.resubmitted(future, group, attempts, resubmits):
+                continue
+            outcomes = _outcomes(future, group, traced)
+            if len(outcomes) < len(group) and not run.stop_requested():  # only a stop ends a group early
+                outcomes += [(None, RuntimeError("its task ended without scoring it"))] * (len(group) - len(outcomes))
+            for shard, (record, failure) in zip(group, outcomes):  # on a stop, a group's unscored shards stay to do
+                if failure is not None:
+                    run.stats.failures[shard.relative] = f"{type(failure).__name__}: {failure}"
+                if run.telemetry is not None:
+                    run.telemetry.settled(shard, record, failure)
+                on_settled(shard, record, failure)
+            settled_count += len(outcomes)
+            future.release()
+            if max_in_flight is None:
+                run.resize()
+            run.top_up()
+    finally:
+        run.close()
     shared.release()
     run.stats.seconds = time.perf_counter() - started
     if run.stopping:
@@ -265,6 +302,11 @@ class _Dispatch:
         self.by_key: dict[str, list[ShardInfo]] = {}
         self.counter = itertools.count()
         self.last_sized = time.monotonic()
+        # where the groups look for a stop; a name of its own per dispatch (jobs share a warm runner's cluster)
+        self.signal = None if stop is None else StopSignal(f"{key_prefix}-stop-{uuid.uuid4().hex}", STOP_CHECK_S)
+        self._ended = threading.Event()
+        self._lock = threading.Lock()
+        self._signalled = False
 
     def submit(self, group: list[ShardInfo]) -> None:
         """Hand one task (a shard, or a group of them) to the cluster."""
@@ -273,11 +315,13 @@ class _Dispatch:
         parents = self.telemetry.submitting(group) if self.telemetry is not None else None
         if parents is not None:
             self.traced.add(key)
-            self.futures[key] = self.client.submit(score_traced, self.shared, group, parents, key=key, pure=False)
+            self.futures[key] = self.client.submit(score_traced, self.shared, group, parents, self.signal, key=key,
+                                                   pure=False)
         elif len(group) == 1:
             self.futures[key] = self.client.submit(score_shard, self.shared, group[0], key=key, pure=False)
         else:
-            self.futures[key] = self.client.submit(score_group, self.shared, group, key=key, pure=False)
+            self.futures[key] = self.client.submit(score_group, self.shared, group, None, self.signal, key=key,
+                                                   pure=False)
         self.pending.add(self.futures[key])
         self.stats.submitted += len(group)
         self.stats.tasks += 1
@@ -292,6 +336,48 @@ class _Dispatch:
         for group in itertools.islice(self.queue, max(0, self.limit - self.pending.count())):
             self.submit(group)
         self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.pending.count())
+
+    def stop_requested(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    def watch(self) -> None:
+        """Raise the groups' stop signal as soon as the stop request comes, from a thread of its own: the
+        dispatcher's loop hears of it only when a task ends, and a group is a task."""
+        stop, signal = self.stop, self.signal
+        if stop is None or signal is None:
+            return
+
+        def watch() -> None:
+            while not stop.wait(STOP_WATCH_S):
+                if self._ended.is_set():
+                    return
+            with self._lock:
+                if not self._ended.is_set():
+                    self._signal(True)
+
+        threading.Thread(target=watch, name="shardline-stop-watch", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop watching (the watcher ends by itself within ``STOP_WATCH_S``; nothing waits for it), and take the
+        stop signal off the scheduler (every task has ended)."""
+        with self._lock:
+            self._ended.set()
+            if self._signalled:
+                self._signal(False)
+
+    def _signal(self, stopped: bool) -> None:
+        from distributed import Event
+
+        assert self.signal is not None
+        self._signalled = self._signalled or stopped
+        try:
+            event = Event(self.signal.event, client=self.client)
+            if stopped:
+                event.set()
+            else:
+                event.clear()
+        except Exception:  # noqa: BLE001 - no answer from the scheduler: the groups finish their shards, as before
+            pass
 
     def taken(self, future: Any) -> list[ShardInfo]:
         """The shards a task that has ended held, no longer in flight."""

@@ -104,6 +104,55 @@ def test_a_stop_request_withdraws_unstarted_shards_and_returns_once_the_running_
     assert layout.present_parts() == committed
 
 
+def test_a_stop_ends_each_running_group_after_its_current_shard(
+    breast_cancer_model: BuiltModel, dask_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A group of small shards that are slow to score ran to its end after a stop: minutes for an embedding model.
+    # 64 shards: groups of 8 on the two worker threads, each shard 200 batches; the stop comes as the first part
+    # is committed, so a group that scored every shard given would settle 8 (and two running, 16).
+    import threading
+
+    from distributed import Client
+
+    from shardline.errors import JobStopped
+    from shardline.tasks import dispatch
+
+    monkeypatch.setattr(dispatch, "STOP_CHECK_S", 0.0)  # read here, sent with the tasks: ask before every shard
+    job, shards = scoring_job(breast_cancer_model.bundle_dir, tmp_path, 64, 100, "groups-stopped")
+    assert [len(g) for g in group_shards(shards, 2)] == [8] * 8
+    layout, stop, settled = OutputLayout(job.output_uri), threading.Event(), []
+
+    def stop_at_the_first_commit() -> None:
+        while not layout.present_parts() and not stop.is_set():
+            time.sleep(0.005)
+        stop.set()
+
+    def on_settled(shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:
+        assert error is None and record is not None, error
+        settled.append(record.relative)
+
+    watcher = threading.Thread(target=stop_at_the_first_commit)
+    token = dispatch.STOP_REQUEST.set(stop)
+    try:
+        with Client(dask_address) as client:
+            watcher.start()
+            with pytest.raises(JobStopped, match=r"stopped on request with (\d+) of 64 shards not scored") as stopped:
+                dispatch_shards(client, job, shards, on_settled, key_prefix="shard-groups-stopped")
+            events = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.extensions["events"]._events))
+            assert not [e for e in events if "groups-stopped" in e]  # the signal was taken off the scheduler
+    finally:
+        stop.set()
+        watcher.join()
+        dispatch.STOP_REQUEST.reset(token)
+
+    committed = layout.present_parts()
+    assert 1 <= len(settled) < 8  # each running group stopped after the shard it was scoring
+    assert committed == set(settled)  # what a group scored before it stopped settled here: nothing behind the job
+    assert f"with {64 - len(settled)} of 64 shards not scored" in str(stopped.value)
+    time.sleep(1.0)
+    assert layout.present_parts() == committed
+
+
 def test_a_stop_withdraws_only_tasks_no_worker_was_handed(dask_address: str) -> None:
     # A task that finished before its result reached the dispatcher has committed its parts: withdrawing it too
     # (as a snapshot of the tasks processing, then a cancel, did) left those parts committed but never settled.

@@ -15,6 +15,7 @@ from typing import Any, Literal, Sequence
 from prefect import flow
 from prefect.states import State
 
+from shardline.tasks.arguments import whole
 from shardline.tasks.batch import ProgressWatcher, plan_batch_job, validate_shards
 from shardline.tasks.batch_job import (
     BatchJobSettings,
@@ -79,7 +80,7 @@ def batch_inference(
                           settings.batch, settings.runtime, settings.dask, variant, admitted.link_roots,
                           admitted.tenant is None or admitted.tenant.custom_code)
     with holding_output(plan), track_job(plan, admitted, settings) as tracker:
-        plan = validate_shards(plan)
+        plan = validate_shards(whole(plan))
         plan = score_shards(plan, admitted, settings, watchers=[tracker, *watchers])
         summary = finish_job(plan, admitted, tracker)
     return job_outcome(summary, tracker)

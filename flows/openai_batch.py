@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from prefect import flow
 from prefect.states import State
 
+from shardline.tasks.arguments import whole
 from shardline.tasks.openai_batch import (
     OpenAIBatchSettings,
     PartWatcher,
@@ -48,6 +49,6 @@ def openai_batch(
     settings = OpenAIBatchSettings.read()
     plan = plan_openai_batch(input_uri, output_uri, lines_per_part, tenant, settings)
     with holding_output(plan):
-        plan = answer_openai_parts(plan, settings, watchers)
-        summary = finish_openai_batch(plan)
+        plan = answer_openai_parts(whole(plan), settings, watchers)
+        summary = finish_openai_batch(whole(plan))
     return openai_batch_outcome(summary)

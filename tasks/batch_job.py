@@ -32,6 +32,7 @@ from shardline.storage.job_identity import JobSummary
 from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
 from shardline.storage.lease import holding_output  # noqa: F401 - the flow holds the lease its plan took with it
 from shardline.storage.ledger import LedgerStore
+from shardline.tasks.arguments import whole
 from shardline.tasks.batch import JobPlan, ProgressWatcher, commit_job, infer_shards, report_job, tell_watchers
 from shardline.tasks.batch_survey import check_output_free, survey_job
 from shardline.tasks.batch_telemetry import CURRENT, JobTelemetry, job_span, serve_metrics, watching
@@ -208,7 +209,7 @@ def score_shards(
         placed = cluster_capacity(admitted.request.capacity_type, settings.dask)
         with dask_scheduler(settings.dask, plan.job_id, placed) as address:
             began = datetime.now(timezone.utc)
-            plan = infer_shards(plan, address, watchers=watchers, max_in_flight=max_in_flight)
+            plan = infer_shards(whole(plan), address, watchers=watchers, max_in_flight=max_in_flight)
             window = (began, datetime.now(timezone.utc))
     if settings.metering.enabled:
         ledger = LedgerStore(settings.storage.home, settings.storage.storage_options)
@@ -224,7 +225,7 @@ def finish_job(plan: JobPlan, admitted: Admission, tracker: SlaTracker) -> dict[
     rows = sum(r.rows_out for r in plan.new)
     finished = datetime.now(timezone.utc)
     planned = planned_vs_actual(admitted.sla, finished, plan.total_shards, rows)
-    summary = commit_job(plan, sla=planned, priority=admitted.priority)
+    summary = commit_job(whole(plan), sla=planned, priority=admitted.priority)
     tracker.settled(finished)
     return report_job(summary, planned)
 

@@ -57,6 +57,24 @@ def test_every_row_scored_once_with_sklearns_prediction(
 
 
 @pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_the_run_graph_links_each_step_to_the_one_whose_plan_it_takes(input_shards: Path, tmp_path: Path) -> None:
+    # The plan goes to each task whole (``tasks.arguments.whole``: Prefect does not walk its records), and the
+    # Prefect UI's graph still shows plan -> validate -> infer-shards -> commit.
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    state = run(input_shards, tmp_path / "out")
+    assert state.is_completed()
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    by_name = {r.name.rsplit("-", 1)[0]: r for r in runs}
+    assert {"plan", "validate", "infer-shards", "commit"} <= set(by_name), sorted(by_name)
+    for step, upstream in (("validate", "plan"), ("infer-shards", "validate"), ("commit", "infer-shards")):
+        linked = {getattr(i, "id", None) for i in by_name[step].task_inputs["plan"]}
+        assert linked == {by_name[upstream].id}, (step, by_name[step].task_inputs)
+
+
+@pytest.mark.usefixtures("on_cluster", "local_registry")
 def test_second_run_commits_nothing_new(input_shards: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert run(input_shards, out).is_completed()

@@ -53,8 +53,9 @@ Settled = Callable[[ShardInfo, PartRecord | None, BaseException | None], None]
 # resumes from the parts committed.
 STOP_REQUEST: ContextVar[threading.Event | None] = ContextVar("shardline_dispatch_stop", default=None)
 # How often, at most, a group task asks whether its job was stopped (a round trip to the scheduler, ~0.5 ms
-# here): before its first shard, then before the next shard once this long has passed. A group of small shards
-# that are slow to score (text for an embedding model, prompts) took minutes to stop when it scored them all.
+# here): before the next shard once this long has passed since it began or last asked, so that a group done
+# within it never asks. A group of small shards that are slow to score (text for an embedding model, prompts)
+# took minutes to stop when it scored them all.
 STOP_CHECK_S = 1.0
 STOP_WATCH_S = 0.1  # how often the dispatcher's watcher looks for the stop request while no task ends
 
@@ -127,7 +128,7 @@ def score_group(job: ScoringJob, shards: list[ShardInfo], hook: ShardHook | None
     scored, fewer than it was given (the rest stay to do)."""
     settled: list[tuple[PartRecord | None, BaseException | None]] = []
     captured = ShardSamples(job)
-    ask_at = 0.0
+    ask_at = time.monotonic() + (stop.every_s if stop is not None else 0.0)
     try:
         for index, shard in enumerate(shards):
             if stop is not None and time.monotonic() >= ask_at:

@@ -66,7 +66,8 @@ def test_the_run_graph_links_each_step_to_the_one_whose_plan_it_takes(input_shar
     state = run(input_shards, tmp_path / "out")
     assert state.is_completed()
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        flow_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        runs = client.read_task_runs(flow_run_filter=flow_run)
     by_name = {r.name.rsplit("-", 1)[0]: r for r in runs}
     assert {"plan", "validate", "infer-shards", "commit"} <= set(by_name), sorted(by_name)
     for step, upstream in (("validate", "plan"), ("infer-shards", "validate"), ("commit", "infer-shards")):

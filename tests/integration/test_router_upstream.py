@@ -335,7 +335,8 @@ def test_the_router_stops_its_background_loops_even_when_one_loses_its_cancel(ca
 
     config = RouterConfig(groups=(ReplicaGroup(name="svc", replicas=(f"http://127.0.0.1:{free_port()}",)),))
     replicas = ReplicaSet(config, BreakerPolicy(), 0.0, time.monotonic)
-    router = Router(RouterSettings(), TenantDirectory([], []), ModelDirectory(None, None, 5.0), replicas, "k" * 16)  # type: ignore[arg-type]
+    directory = ModelDirectory(None, None, 5.0)  # type: ignore[arg-type]
+    router = Router(RouterSettings(), TenantDirectory([], []), directory, replicas, "k" * 16)
     service = RouterService(router, config)
     rounds: list[float] = []
 

@@ -15,7 +15,8 @@ import pytest
 from shardline.online.background import stop_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = sorted(set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()))
+PACKAGE_DIRS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+PRODUCT = sorted(set(PACKAGE_DIRS.values()))  # the product's folders
 
 
 def test_stop_tasks_ends_the_tasks_and_leaves_one_that_keeps_its_cancel_behind_named(

@@ -137,11 +137,14 @@ def test_a_tenants_rate_is_held_for_both_routers_together(pair: Pair, breast_can
     done: list[float] = []
     outcomes = asyncio.run(_paced(pair.urls, _body(breast_cancer_model), seconds, finished=done))
     assert [o for o in outcomes if o[1] not in (200, 429)] == []
-    assert len(outcomes) / seconds > 2.2 * RATE  # each router was offered more than the whole quota
     admitted = sum(o[1] == 200 for o in outcomes)
     # the burst, then the rate while requests came in (the last may reach a busy router late: the window runs
     # to the last answer): 450 for 4 s, where a quota per router would give ~900
     allowed = (BURST + RATE * seconds, BURST + RATE * max(seconds, done[0]))
+    # enough was offered that a quota held per router would show: each router admitting up to `allowed` would
+    # admit at least 1.5x it together (the offered 300/s came to 216/s on a loaded CI machine: the bound is on
+    # what the test needs, not on the client's pace)
+    assert len(outcomes) >= 1.5 * allowed[1], (len(outcomes), allowed)
     assert 0.9 * allowed[0] <= admitted <= 1.05 * allowed[1], (admitted, allowed)
     assert all(o[2] is not None and int(o[2]) >= 1 for o in outcomes if o[1] == 429)
 

@@ -13,6 +13,7 @@ scheduler and the worker each handle it): a quarter of a 50,000-row shard's (fig
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import pickle
@@ -53,9 +54,11 @@ Settled = Callable[[ShardInfo, PartRecord | None, BaseException | None], None]
 # resumes from the parts committed.
 STOP_REQUEST: ContextVar[threading.Event | None] = ContextVar("shardline_dispatch_stop", default=None)
 # How often, at most, a group task asks whether its job was stopped (a round trip to the scheduler, ~0.5 ms
-# here): before the next shard once this long has passed since it began or last asked, so that a group done
-# within it never asks. A group of small shards that are slow to score (text for an embedding model, prompts)
-# took minutes to stop when it scored them all.
+# here): before the next shard once this long has passed since the task was handed to the cluster or last asked, so
+# that a task handed out and done within it never asks. A group of small shards that are slow to score (text for an
+# embedding model, prompts) took minutes to stop when it scored them all; and tasks the scheduler had already sent to
+# a worker, waiting there behind the one running, cannot be withdrawn (the scheduler does not know they have not
+# started), so they ran to their end after a stop: a task that waited this long asks before its first shard.
 STOP_CHECK_S = 1.0
 STOP_WATCH_S = 0.1  # how often the dispatcher's watcher looks for the stop request while no task ends
 
@@ -63,10 +66,13 @@ STOP_WATCH_S = 0.1  # how often the dispatcher's watcher looks for the stop requ
 @dataclass(frozen=True)
 class StopSignal:
     """Where a group task on a worker learns that its job was stopped: a Dask ``Event`` named ``event``, set by
-    the dispatcher on a stop request, read at most every ``every_s`` (``STOP_CHECK_S``)."""
+    the dispatcher on a stop request, read at most every ``every_s`` (``STOP_CHECK_S``), counted from
+    ``handed_at`` (the wall clock, ``time.time()``, when the dispatcher handed the task to the cluster; workers
+    may be other machines, whose monotonic clocks differ)."""
 
     event: str
     every_s: float
+    handed_at: float = 0.0
 
     def requested(self) -> bool:
         """Whether the job was stopped; False when the scheduler cannot be asked (the shards go on)."""
@@ -128,13 +134,13 @@ def score_group(job: ScoringJob, shards: list[ShardInfo], hook: ShardHook | None
     scored, fewer than it was given (the rest stay to do)."""
     settled: list[tuple[PartRecord | None, BaseException | None]] = []
     captured = ShardSamples(job)
-    ask_at = time.monotonic() + (stop.every_s if stop is not None else 0.0)
+    ask_at = (stop.handed_at or time.time()) + stop.every_s if stop is not None else 0.0
     try:
         for index, shard in enumerate(shards):
-            if stop is not None and time.monotonic() >= ask_at:
+            if stop is not None and time.time() >= ask_at:
                 if stop.requested():
                     break
-                ask_at = time.monotonic() + stop.every_s
+                ask_at = time.time() + stop.every_s
             done = hook(index, shard) if hook is not None else None
             outcome: tuple[PartRecord | None, BaseException | None]
             try:
@@ -238,14 +244,14 @@ def dispatch_shards(
     try:
         run.top_up()
         for future in run.pending:  # ``submit`` adds to ``pending`` while it is iterated
-            traced = future.key in run.traced
+            listed = future.key in run.listed
             group = run.taken(future)
             if future.status == "cancelled":  # withdrawn on a stop request before it started: it stays to do
                 future.release()
                 continue
             if future.status == "error" and run.resubmitted(future, group, attempts, resubmits):
                 continue
-            outcomes = _outcomes(future, group, traced)
+            outcomes = _outcomes(future, group, listed)
             if len(outcomes) < len(group) and not run.stop_requested():  # only a stop ends a group early
                 outcomes += [(None, RuntimeError("its task ended without scoring it"))] * (len(group) - len(outcomes))
             for shard, (record, failure) in zip(group, outcomes):  # on a stop, a group's unscored shards stay to do
@@ -295,7 +301,7 @@ class _Dispatch:
         self.client, self.shared, self.key_prefix, self.limit, self.stop, self.queue = (
             client, shared, key_prefix, limit, stop, queue)
         self.telemetry = telemetry
-        self.traced: set[str] = set()  # keys of the tasks that carry their shards' traceparents
+        self.listed: set[str] = set()  # keys of the tasks that answer a list of outcomes (a group's), not a record
         self.stats = DispatchStats()
         self.stopping = False
         self.pending = as_completed()
@@ -314,15 +320,18 @@ class _Dispatch:
         key = f"{self.key_prefix}-{next(self.counter)}"
         self.by_key[key] = group
         parents = self.telemetry.submitting(group) if self.telemetry is not None else None
+        # each task's own stop signal, counted from now: one that waits on a worker behind another asks first
+        signal = None if self.signal is None else dataclasses.replace(self.signal, handed_at=time.time())
         if parents is not None:
-            self.traced.add(key)
-            self.futures[key] = self.client.submit(score_traced, self.shared, group, parents, self.signal, key=key,
+            self.futures[key] = self.client.submit(score_traced, self.shared, group, parents, signal, key=key,
                                                    pure=False)
-        elif len(group) == 1:
+        elif len(group) == 1 and signal is None:
             self.futures[key] = self.client.submit(score_shard, self.shared, group[0], key=key, pure=False)
         else:
-            self.futures[key] = self.client.submit(score_group, self.shared, group, None, self.signal, key=key,
+            self.futures[key] = self.client.submit(score_group, self.shared, group, None, signal, key=key,
                                                    pure=False)
+        if parents is not None or len(group) > 1 or signal is not None:
+            self.listed.add(key)
         self.pending.add(self.futures[key])
         self.stats.submitted += len(group)
         self.stats.tasks += 1
@@ -383,7 +392,7 @@ class _Dispatch:
     def taken(self, future: Any) -> list[ShardInfo]:
         """The shards a task that has ended held, no longer in flight."""
         del self.futures[future.key]
-        self.traced.discard(future.key)
+        self.listed.discard(future.key)
         return self.by_key.pop(future.key)
 
     def resubmitted(self, future: Any, group: list[ShardInfo], attempts: dict[str, int], resubmits: int) -> bool:
@@ -404,13 +413,13 @@ class _Dispatch:
             self.last_sized = time.monotonic()
 
 
-def _outcomes(future: Any, group: list[ShardInfo], traced: bool = False
+def _outcomes(future: Any, group: list[ShardInfo], listed: bool
               ) -> list[tuple[PartRecord | None, BaseException | None]]:
     """Each shard's record or error from a task that has ended (a failed task fails all of its shards)."""
     if future.status == "error":
         return [(None, future.exception())] * len(group)
     result = future.result()
-    return [(result, None)] if len(group) == 1 and not traced else list(result)
+    return list(result) if listed else [(result, None)]
 
 
 # The scheduler's states of a task no worker has been handed: withdrawing one of these loses no work.

@@ -231,19 +231,20 @@ def progress_bar(enabled: bool) -> tuple[Any, Watcher]:
 
 
 def present(outcome: JobOutcome, json_out: bool) -> int:
-    """Print how the job ended (the error line, or the summary and message, then the JSON); returns the exit code."""
+    """Print how the job ended (the error line, or the summary and message, then the JSON); returns the exit code.
+    With ``json_out`` the JSON is all that goes to stdout (the summary goes to stderr), so that it pipes to jq."""
     import json
 
     if outcome.error is not None:
         typer.secho(f"error: {outcome.error}", fg="red", err=True)
     if outcome.summary is not None:
-        _print_summary(outcome.summary, outcome.message)
+        _print_summary(outcome.summary, outcome.message, err=json_out)
         if json_out:
             typer.echo(json.dumps(outcome.summary, default=str))
     return outcome.code
 
 
-def _print_summary(summary: dict[str, Any], message: str) -> None:
+def _print_summary(summary: dict[str, Any], message: str, err: bool = False) -> None:
     from shardline.figures import rate, rows_quarantined, span
 
     scored, seconds = summary["rows_scored"], summary["steady_seconds"]
@@ -262,12 +263,12 @@ def _print_summary(summary: dict[str, Any], message: str) -> None:
     ]
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
-        typer.echo(f"{key.rjust(width)}  {value}")
+        typer.echo(f"{key.rjust(width)}  {value}", err=err)
     for shard, reason in summary["quarantined"].items():
-        typer.secho(f"quarantined {shard}: {reason}", fg="yellow")
+        typer.secho(f"quarantined {shard}: {reason}", fg="yellow", err=err)
     if summary.get("shadowed_columns"):
         from shardline.storage.scoring import shadowed_note
 
-        typer.secho(f"note: {shadowed_note(summary['shadowed_columns'])}", fg="yellow")
+        typer.secho(f"note: {shadowed_note(summary['shadowed_columns'])}", fg="yellow", err=err)
     if message:
-        typer.echo(message)
+        typer.echo(message, err=err)

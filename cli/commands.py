@@ -176,7 +176,7 @@ def batch_run(
     priority: Optional[str] = typer.Option(
         None, "--priority", help="high, normal or low (backfills) \\[default: the tenant's, else normal]."
     ),
-    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON, alone on stdout."),
 ) -> None:
     """Score every row of the input shards and write Parquet parts to the output.
 
@@ -271,7 +271,7 @@ def batch_status(
 @batch_app.command("resume")
 def batch_resume(
     job: str = typer.Argument(..., help="Job id (or the start of one) to run again."),
-    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON, alone on stdout."),
 ) -> None:
     """Run a job again with its recorded parameters and deadline; committed parts are kept, only the rest runs.
 
@@ -297,7 +297,7 @@ def batch_openai(
     lines_per_part: int = typer.Option(100, "--lines-per-part", min=1, help="Lines answered and committed together; "
                                        "a re-run answers only the parts not yet committed."),
     tenant: str = typer.Option("default", help="Tenant the job runs for."),
-    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON, alone on stdout."),
 ) -> None:
     """Answer an OpenAI Batch file (/v1/chat/completions, /v1/completions, /v1/embeddings lines) with the one
     model it names; run it again to resume.

@@ -55,13 +55,13 @@ def run_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenan
         typer.secho(f"error: {error_line(result)}", fg="red", err=True)
         return exit_code(result)
     summary: dict[str, Any] = result
-    _print_summary(summary)
+    _print_summary(summary, err=json_out)  # with --json, stdout holds the JSON alone
     if json_out:
         typer.echo(json.dumps(summary))
     return EXIT_QUARANTINED if summary["failed"] else EXIT_OK
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
+def _print_summary(summary: dict[str, Any], err: bool = False) -> None:
     lines = [
         ("batch", summary["batch_id"]),
         ("model", summary["model"]),
@@ -74,4 +74,4 @@ def _print_summary(summary: dict[str, Any]) -> None:
     ]
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
-        typer.echo(f"{key.rjust(width)}  {value}")
+        typer.echo(f"{key.rjust(width)}  {value}", err=err)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, get_args
@@ -125,10 +126,15 @@ def model_package(
     from shardline.bundle import write_manifest
     from shardline.quality.profile import attach_reference_profile
 
+    from shardline.bundle import check_model_name
+
+    folder = out or Path(f"{name}-bundle")
+    fresh = not folder.exists() or not any(folder.iterdir())  # a refusal below leaves such a folder as it was
     try:
+        check_model_name(name)  # before anything is written
         sample = sample_rows(signature_from, exclude, ", or leave out --exclude to package from the ONNX file alone")
         lineage = sample_lineage(signature_from, source_commit)
-        request = _Packaging(source, out or Path(f"{name}-bundle"), name, sample, exclude or [], lineage,
+        request = _Packaging(source, folder, name, sample, exclude or [], lineage,
                              _golden_set(golden, label, metric, prediction, threshold), image)
         _check_framework_options(framework, source, bool(entry or file or requirement), input_layout)
         if framework == "python":
@@ -142,8 +148,12 @@ def model_package(
         if tag:
             manifest = manifest.model_copy(update={"tags": {**manifest.tags, **parse_tags(tag)}})
             write_manifest(request.folder, manifest)
-    except ShardlineError as e:
-        raise fail(e) from e
+    except BaseException as e:
+        if fresh and folder.is_dir():  # no half-written bundle left behind (a second try would find it "not empty")
+            shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(e, ShardlineError):
+            raise fail(e) from e
+        raise
     _say_packaged(name, request.folder, manifest, sample is not None)
 
 

@@ -56,10 +56,12 @@ def span(seconds: float) -> str:
 
 def rows_quarantined(rows: int, unreadable_shards: int = 0) -> str:
     """The quarantined rows as a report says them: ``5,000 rows``; with shards that could not be read at all
-    (their rows are unknown, and counted nowhere), ``5,000 rows + 1 unreadable shard (rows unknown)``."""
+    (their rows are unknown, and counted nowhere), ``5,000 rows + 1 unreadable shard, rows unknown``, or, with no
+    rows besides, ``1 unreadable shard, rows unknown`` (never "0 rows": what they held is not known)."""
     text = f"{rows:,} row{'s' if rows != 1 else ''}"
     if unreadable_shards:
-        text += f" + {unreadable_shards:,} unreadable shard{'s' if unreadable_shards != 1 else ''}, rows unknown"
+        unreadable = f"{unreadable_shards:,} unreadable shard{'s' if unreadable_shards != 1 else ''}, rows unknown"
+        text = f"{text} + {unreadable}" if rows else unreadable
     return text
 
 

@@ -47,7 +47,8 @@ def test_batch_run_prints_a_summary_and_exit_codes_tell_the_outcome(
     partial = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards),
                         "--output", str(tmp_path / "out"), "--json")
     assert partial.returncode == 3, partial.stderr[-2000:]
-    summary = json.loads(partial.stdout.strip().splitlines()[-1])
+    summary = json.loads(partial.stdout)  # the JSON alone on stdout (for jq), the summary table on stderr
+    assert "shards  7 (6 committed, 6 already done, 1 quarantined)" in partial.stderr, partial.stderr[-3000:]
     assert summary["shards_skipped"] == 6 and summary["shards_quarantined"] == 1
     assert "broken.parquet" in summary["quarantined"]
     assert summary["shards_unreadable"] == 1 and summary["rows_in"] == summary["rows_out"] == 12_000
@@ -57,7 +58,7 @@ def test_batch_run_prints_a_summary_and_exit_codes_tell_the_outcome(
                       "--output", str(tmp_path / "fresh"))
     assert fresh.returncode == 3, fresh.stderr[-2000:]
     assert " 7/7 12,000 rows " in fresh.stdout, fresh.stdout
-    assert "rows quarantined  0 rows + 1 unreadable shard, rows unknown" in fresh.stdout
+    assert "rows quarantined  1 unreadable shard, rows unknown" in fresh.stdout
     reasons = [line for line in (fresh.stdout + fresh.stderr).splitlines() if "not a readable Parquet file" in line]
     assert reasons == [line for line in fresh.stdout.splitlines() if line.startswith("quarantined broken.parquet: ")]
     assert "quarantined broken.parquet (CorruptShard)" in fresh.stderr  # the log line names it, once without why

@@ -81,6 +81,27 @@ def test_package_push_promote_show_and_roll_back(shardline: Shardline, breast_ca
     assert again.returncode == 2 and "churn@dev was never set" in again.stderr
 
 
+def test_a_refused_package_writes_nothing(shardline: Shardline, breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
+    # A name the registry refuses came back as pydantic's traceback, after model.onnx was copied into the folder: the
+    # second try then said the folder was not empty.
+    onnx_file = breast_cancer_model.bundle_dir / "model.onnx"
+    refused = shardline("model", "package", str(onnx_file), "--name", "Churn_Bad", "--out", str(tmp_path / "b"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        "error: model name 'Churn_Bad' is not allowed; use 1-64 lower-case letters, digits, '.', '_' or '-', "
+        "starting with a letter or digit"]
+    assert not (tmp_path / "b").exists()
+
+    # refused after the model was copied in (a golden set without its label column): the new folder goes too
+    pq.write_table(golden_table(breast_cancer()).drop(["target"]), tmp_path / "golden.parquet")
+    late = shardline("model", "package", str(onnx_file), "--name", "churn", "--golden", str(tmp_path / "golden.parquet"),
+                     "--out", str(tmp_path / "b"))
+    assert late.returncode == 2 and "the golden set has no column ['target']" in late.stderr, late.stderr
+    assert not (tmp_path / "b").exists()
+    assert "packaged churn" in _ok(shardline("model", "package", str(onnx_file), "--name", "churn",
+                                             "--out", str(tmp_path / "b")))
+
+
 def test_optimize_profile_and_place(shardline: Shardline, tmp_path: Path) -> None:
     from sklearn.neural_network import MLPClassifier
     from sklearn.pipeline import make_pipeline

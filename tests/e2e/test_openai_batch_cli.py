@@ -100,9 +100,9 @@ def test_a_batch_file_killed_midway_and_run_again_answers_every_custom_id_exactl
     resumed = subprocess.run(command, env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
     assert resumed.returncode == 3, resumed.stderr[-3000:]  # two lines failed: batch run's quarantine code
-    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    summary = json.loads(resumed.stdout)  # --json: the JSON alone on stdout, the summary table on stderr
     assert summary["parts_skipped"] == len(first) and summary["parts_answered"] == parts - len(first)
-    assert "80 answered, 2 failed" in resumed.stdout and str(out / "output.jsonl") in resumed.stdout
+    assert "80 answered, 2 failed" in resumed.stderr and str(out / "output.jsonl") in resumed.stderr
     after = committed(out)
     assert {name: after[name] for name in first} == first  # the first run's parts were not redone
     answers = [json.loads(x) for x in (out / "output.jsonl").read_text().splitlines()]

@@ -79,9 +79,9 @@ def test_a_shard_that_could_not_be_read_is_reported_unreadable_not_as_zero_rows(
     assert "| rows quarantined | 5,000 rows + 1 unreadable shard, rows unknown |" in summary_markdown(summary)
     only = _summary(shards_quarantined=1, shards_unreadable=1, rows_quarantined=0, rows_in=15_000,
                     quarantined={"b/corrupt.parquet": "CorruptShard: not a Parquet file"})
-    assert "| rows quarantined | 0 rows + 1 unreadable shard, rows unknown |" in summary_markdown(only)
+    assert "| rows quarantined | 1 unreadable shard, rows unknown |" in summary_markdown(only)
     table = {row["measure"]: row["value"] for row in totals_table(only)}
-    assert table["rows quarantined"] == "0 rows + 1 unreadable shard, rows unknown"
+    assert table["rows quarantined"] == "1 unreadable shard, rows unknown"
     assert table["shards unreadable (rows unknown)"] == "1"
 
 

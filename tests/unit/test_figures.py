@@ -30,5 +30,6 @@ def test_a_span_reads_as_a_duration(seconds: float, text: str) -> None:
 def test_amounts_counts_and_moments() -> None:
     assert [amount(v) for v in (200_000.0, 14.63, 0.333, 0.0)] == ["200,000", "14.6", "0.33", "0"]
     assert rows_quarantined(5_000) == "5,000 rows" and rows_quarantined(1) == "1 row"
-    assert rows_quarantined(0, 2) == "0 rows + 2 unreadable shards, rows unknown"
+    assert rows_quarantined(0, 2) == "2 unreadable shards, rows unknown"
+    assert rows_quarantined(7, 1) == "7 rows + 1 unreadable shard, rows unknown"
     assert moment("2026-12-01T06:00:00+00:00") == "2026-12-01 06:00:00 UTC" and moment("soon") == "soon"

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shardline.observability import tracing
 from shardline.online.admission import asked_timeout_s
+from shardline.online.bodies import CLIENT_GONE
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import json_response
 from shardline.online.headers import BUDGET_HEADER, FALLBACK_HEADER, TIMEOUT_HEADER, VARIANT_HEADER
@@ -121,10 +122,12 @@ class RequestMiddleware:
         status = 500
         encoded_id = info.request_id.encode("latin-1")
 
+        answered = False
+
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, answered = message["status"], True
                 message["headers"] = [*message.get("headers", []), (_REQUEST_ID, encoded_id)]
                 if info.budget:
                     message["headers"].append((_BUDGET, info.budget.encode()))
@@ -134,6 +137,8 @@ class RequestMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+            if status == 500 and not answered:
+                status = CLIENT_GONE  # no answer, and no error: the client went away first (a body that never came)
         finally:
             seconds = time.perf_counter() - started
             self.metrics.observe_request(info.protocol or "http", info.model, info.version, info.tenant, status, seconds)

@@ -30,6 +30,12 @@ class ClientGone(Exception):
     """The client went away while its request was read: nobody is left to answer."""
 
 
+# The status the access log and the request metrics give a request whose client went away before it was answered
+# (its body cut off, or too slow: the connection's own 408 is written below the app): nginx's 499, "client closed
+# request". Not the server's fault, so not a 5xx in the error ratio an SLO alerts on; not the client's 400 either.
+CLIENT_GONE = 499
+
+
 async def receive_body(receive: Callable[[], Awaitable[dict[str, Any]]], content_length: str | None, limit: int) -> bytes:
     """The request's body from an ASGI ``receive``, as sent (not decompressed), at most ``limit`` bytes.
 

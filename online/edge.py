@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from shardline.errors import ShardlineError
-from shardline.online.bodies import ClientGone, decode_body, receive_body
+from shardline.online.bodies import CLIENT_GONE, ClientGone, decode_body, receive_body
 from shardline.online.dataplane import DataPlane
 from shardline.online.errors import error_status
 from shardline.online.headers import TENANT_HEADER
@@ -63,8 +63,8 @@ def endpoint(protocol: str, error_body: ErrorBody) -> Callable[[Handler], Handle
                 info.protocol = protocol
             try:
                 return await handler(request)
-            except ClientGone:
-                return Response(status_code=400)  # nobody is left to read it; not a fault of the server
+            except ClientGone:  # nobody is left to read an answer; not a fault of the server (nor a bad request)
+                return Response(status_code=CLIENT_GONE)
             except Exception as e:  # noqa: BLE001 - a domain error by the table; a bug answers 500, logged
                 status, body, headers = error_answer(e, error_body)
                 return json_response(body, status, headers)

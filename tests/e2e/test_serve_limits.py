@@ -5,6 +5,7 @@ answers), the in-flight cap (503 + Retry-After), and /metrics only on its own lo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -158,6 +159,24 @@ def test_a_slow_body_is_answered_408_and_closed(impatient: Server, breast_cancer
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert b"body did not arrive within 1 s" in answer
     assert infer(impatient, breast_cancer_model).status_code == 200
+
+    # and one whose client hangs up mid-body: neither is the server's fault, and neither counts as its 5xx (both
+    # did, as 500s, in the error ratio an SLO alerts on): nginx's 499, "client closed request"
+    gone = impatient.connect(b"POST /v2/models/breast-cancer/infer HTTP/1.1\r\nHost: x\r\n"
+                             b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 5000\r\n\r\n{\"inp")
+    time.sleep(0.2)
+    gone.close()
+    deadline, codes = time.monotonic() + 15, {}
+    while time.monotonic() < deadline:
+        scraped = httpx.get(f"{impatient.metrics_url}/metrics").text
+        codes = {}
+        for labels, value in re.findall(r"^shardline_requests_total\{([^}]*)\} (\S+)$", scraped, re.M):
+            code = re.search(r'code="(\d+)"', labels).group(1)  # type: ignore[union-attr]
+            codes[code] = codes.get(code, 0.0) + float(value)
+        if codes.get("499") == 2:
+            break
+        time.sleep(0.2)
+    assert codes.get("499") == 2 and "500" not in codes, codes
 
 
 # -- connection and in-flight caps ----------------------------------------------------------------

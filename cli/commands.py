@@ -15,7 +15,7 @@ from typer.core import TyperCommand
 
 from shardline.cli import mlflow_commands  # noqa: E402,F401 - adds model import and model watch-mlflow to model_app
 from shardline.cli.batch_jobs import JobOutcome, JobRequest, apply_budget, present
-from shardline.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, OFF_THE_NETWORK, open_registry
+from shardline.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, OFF_THE_NETWORK, open_registry, unparsed_setting
 from shardline.cli.help_text import ParagraphHelp
 from shardline.cli.model_commands import model_app
 from shardline.errors import ShardlineError
@@ -59,12 +59,13 @@ def runner_applies() -> bool:
     if _PROCESS["supervised_child"] or not hasattr(os, "fork"):
         return False
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from shardline.settings import BatchSettings, PrefectServerSettings
 
     try:
         return PrefectServerSettings().server == "local" and BatchSettings().runner_idle_s > 0
-    except ValidationError:  # a bad setting: the cold path reports it as it reports any
+    except (ValidationError, SettingsError):  # a bad setting: the cold path reports it as it reports any
         return False
 
 
@@ -599,10 +600,15 @@ def main() -> None:
 
 def _run_app() -> None:
     """The command line's command; a Shardline error that reaches here is one `error:` line and exit code 2."""
+    from pydantic_settings import SettingsError
+
     try:
         app()
     except ShardlineError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
+        sys.exit(EXIT_USAGE)
+    except SettingsError as e:  # a SHARDLINE_* variable read as JSON that is not (a ValidationError is each command's)
+        typer.secho(f"error: {unparsed_setting(e)}", fg="red", err=True)
         sys.exit(EXIT_USAGE)
 
 

@@ -70,21 +70,46 @@ def settings_error(error: "ValidationError") -> InvalidSetting:
     return InvalidSetting(f"a setting is not valid: {problems}; fix or unset the variable (README.md, Settings)")
 
 
+def unparsed_setting(error: Exception) -> InvalidSetting:
+    """pydantic-settings' refusal of a variable whose value is not JSON where JSON is read (a dict, a list), which
+    names the field and not the variable, as one line that names the variable(s) and what the parser said."""
+    import re
+
+    from pydantic_settings import BaseSettings
+
+    from shardline import settings
+
+    match = re.search(r'field "([^"]+)"', str(error))
+    field = match.group(1) if match else "?"
+    variables = sorted(
+        f"{area.model_config.get('env_prefix', '')}{field}".upper() for area in vars(settings).values()
+        if isinstance(area, type) and issubclass(area, BaseSettings) and field in area.model_fields)
+    named = " or ".join(variables) or f"the variable of setting {field!r}"
+    return InvalidSetting(f"a setting is not valid: {named} is not valid JSON ({error.__cause__ or error}); fix or "
+                          "unset the variable (README.md, Settings)")
+
+
 def exit_code(error: BaseException) -> int:
     """1 for a job a re-run resumes (some shards failed, or an unexpected fault); 2 for a request to change."""
+    from pydantic_settings import SettingsError
+
     from shardline.storage.lease import refuses_writes
 
     if isinstance(error, (JobFailed, PrefectServerUnavailable)):  # a server that did not start may next time
         return EXIT_FAILED
-    if isinstance(error, ShardlineError) or refuses_writes(error):  # re-running cannot cure a refused write
+    if isinstance(error, (ShardlineError, SettingsError)) or refuses_writes(error):  # a re-run cannot cure these
         return EXIT_USAGE
     return EXIT_FAILED
 
 
 def error_line(error: BaseException) -> str:
     """The one line that tells the user what went wrong and what to do."""
+    from pydantic_settings import SettingsError
+
     from shardline.storage.lease import refuses_writes
 
+    if isinstance(error, SettingsError):
+        return str(unparsed_setting(error))
     if refuses_writes(error) and not isinstance(error, ShardlineError):
         return (f"{type(error).__name__}: {error}; the output (or a file under it) cannot be written: make it "
                 "writable or choose another --output (running again will not help)")

@@ -172,7 +172,8 @@ def describe_failure(expectation: str, kwargs: dict[str, Any], result: dict[str,
     elif expectation == "expect_column_values_to_be_in_type_list":
         text = f"column {column!r} holds {result.get('observed_value')}, the model takes one of {kwargs.get('type_list')}"
     elif expectation == "expect_column_values_to_not_be_null":
-        text = f"column {column!r} has {result.get('unexpected_count')} nulls ({share:.1f}% of rows); the model takes none"
+        text = (f"column {column!r} has {result.get('unexpected_count')} nulls or NaN values ({share:.1f}% of rows); "
+                "the model takes neither")  # (the contract reads the rows as pandas does: NaN counts as null)
     elif expectation == "expect_column_values_to_be_between":
         text = (f"column {column!r}: {share:.1f}% of values lie outside {kwargs.get('min_value'):.6g}.."
                 f"{kwargs.get('max_value'):.6g} (the reference range with its tolerance), e.g. {examples}")

@@ -278,13 +278,19 @@ def schema_problems(schema: pa.Schema, inputs: Iterable[ColumnSpec], model: str)
     specs = list(inputs)
     missing: list[ColumnSpec] = []
     mistyped: list[tuple[ColumnSpec, pa.DataType]] = []
+    repeated: list[str] = []
     for spec in specs:
-        index = schema.get_field_index(spec.name)
-        if index < 0:
+        index = schema.get_field_index(spec.name)  # -1 for a name the schema holds twice, too
+        if index < 0 and len(schema.get_all_field_indices(spec.name)) > 1:
+            repeated.append(spec.name)
+        elif index < 0:
             missing.append(spec)
         elif not is_compatible(schema.field(index).type, spec.arrow_type):
             mistyped.append((spec, schema.field(index).type))
     problems = []
+    if repeated:
+        problems.append(f"{named_columns(repeated)} {'is' if len(repeated) == 1 else 'are'} in the data more than "
+                        f"once; keep one column of each name the model {model!r} reads")
     if len(mistyped) == 1:
         spec, got = mistyped[0]
         problems.append(

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Literal
 
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from shardline.errors import InvalidInput, InvalidSetting
 from shardline.storage.fs import atomic_write_bytes, inside, join, links_out, open_fs
@@ -130,6 +130,13 @@ class PartRecord(BaseModel):
     settled_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     ranges: int = 1
     ranges_resumed: int = 0
+
+    @field_validator("reason")
+    @classmethod
+    def _one_line(cls, reason: str | None) -> str | None:
+        """A quarantine reason is one line wherever it is shown (summary, manifest, logs): the errors it quotes
+        (pyarrow's, say) may span several."""
+        return None if reason is None else " ".join(reason.split())
 
 
 class OutputLayout:

@@ -49,6 +49,12 @@ def refuse_foreign(layout: OutputLayout, model: str, key: str, manifest: dict[st
         OutputInUse: naming the job and model the folder holds.
     """
     foreign = foreign_parts(manifest, ledger, key)
+    if foreign is not None and manifest is not None and (manifest.get("model") or {}).get("pinned") == model:
+        raise OutputInUse(  # the same model: what differs is the columns carried along (--passthrough)
+            f"the output {layout.uri} holds {foreign}, with other passthrough columns than this job's; parts with "
+            "different columns in one folder would corrupt it: give the --passthrough that job had, choose another "
+            "--output, or delete the folder to score it anew", layout.uri, manifest.get("job_id"),
+        )
     if foreign is not None:
         raise OutputInUse(
             f"the output {layout.uri} holds {foreign}; this job runs {model}, and mixing two models' parts "

@@ -73,6 +73,10 @@ def wrong_requests(tmp_path: Path) -> list[tuple[tuple[str, ...], dict[str, str]
     other_model.mkdir()
     (other_model / "_manifest.json").write_text(json.dumps(
         {"job_id": "0123abcd", "job_key": "another-model", "model": {"pinned": "churn:2", "digest": "d"}}))
+    other_columns = tmp_path / "other-columns"  # the same model's parts, with other passthrough columns
+    other_columns.mkdir()
+    (other_columns / "_manifest.json").write_text(json.dumps(
+        {"job_id": "4567cdef", "job_key": "other-columns", "model": {"pinned": "breast-cancer:1", "digest": "d"}}))
     twins = tmp_path / "twins"
     write_shards(twins, 1, 10)
     (twins / "part-00000.pq").write_bytes((twins / "part-00000.parquet").read_bytes())
@@ -94,6 +98,8 @@ def wrong_requests(tmp_path: Path) -> list[tuple[tuple[str, ...], dict[str, str]
         ((*RUN, *bc, "--output", str(shards / "scored")), {}, "lies inside the input"),
         ((*RUN, *bc, "--output", str(in_use)), {}, f"the output {in_use} is in use by job job-elsewhere"),
         ((*RUN, *bc, "--output", str(other_model)), {}, "holds the parts of job 0123abcd (model churn:2"),
+        ((*RUN, *bc, "--output", str(other_columns)), {}, "with other passthrough columns than this job's; parts "
+         "with different columns in one folder would corrupt it: give the --passthrough that job had"),
         ((*RUN, *bc, "--output", out, "--passthrough", "label"), {},
          "passthrough columns ['label'] have the names of model outputs; rename them or leave them out"),
         ((*RUN, *bc, "--output", out, "--sla", "2x"), {}, "SLA '2x' is not a duration"),
@@ -105,6 +111,11 @@ def wrong_requests(tmp_path: Path) -> list[tuple[tuple[str, ...], dict[str, str]
          "tenant 'acme' may not use"),
         ((*RUN, *bc, "--output", out), {"SHARDLINE_BATCH_BATCH_ROWS": "many"},
          "a setting is not valid: SHARDLINE_BATCH_BATCH_ROWS"),
+        # settings read as JSON: pydantic-settings' own error named the field, not the variable (or was a traceback)
+        ((*RUN, *bc, "--output", out), {"SHARDLINE_STORAGE_STORAGE_OPTIONS": '{"endpoint_url": '},
+         "a setting is not valid: SHARDLINE_STORAGE_STORAGE_OPTIONS is not valid JSON (Expecting value"),
+        ((*RUN, *bc, "--output", out), {"SHARDLINE_DASK_PREEMPTION_NOTICES": "{"},
+         "a setting is not valid: SHARDLINE_DASK_PREEMPTION_NOTICES is not valid JSON"),
     ]
 
 

@@ -47,7 +47,8 @@ def test_failures_name_the_column_and_the_expectation(site_model: tuple[Manifest
     assert len(failures) == 4, failures
     text = "\n".join(failures)
     assert "column 'mean texture' is missing (expect_column_to_exist)" in text
-    assert "'worst area' has" in text and "nulls (2" in text and "(expect_column_values_to_not_be_null)" in text
+    assert "'worst area' has" in text and "nulls or NaN values (2" in text and "the model takes neither" in text
+    assert "(expect_column_values_to_not_be_null)" in text
     assert "'mean radius':" in text and "(expect_column_values_to_be_between)" in text
     assert "'site':" in text and "'mars'" in text and "(expect_column_values_to_be_in_set)" in text
 

@@ -201,6 +201,8 @@ def _write(path: Path, table: pa.Table) -> Path:
         ("missing", "SchemaMismatch: column 'worst symmetry' is missing"),
         ("truncated", "CorruptShard: .*re-export it"),
         ("pages", "CorruptShard: .*has data that cannot be read \\(Corrupt snappy compressed data.\\)"),
+        ("header", "CorruptShard: .*has data that cannot be read \\(Couldn't deserialize thrift: .* Deserializing page "
+                   "header failed. \\); re-export it"),
     ],
 )
 def test_bad_shards_are_quarantined_with_their_reason(
@@ -222,10 +224,11 @@ def test_bad_shards_are_quarantined_with_their_reason(
         data = (input_shards / "part-00000.parquet").read_bytes()
         bad.parent.mkdir()
         bad.write_bytes(data[: len(data) // 2])
-    else:  # the footer is fine, a data page in the third row group is not
+    else:  # the footer is fine, a data page in the third row group is not (or its header: a three-line error)
         data = bytearray((input_shards / "part-00000.parquet").read_bytes())
         column = pq.read_metadata(input_shards / "part-00000.parquet").row_group(2).column(5)
-        data[column.data_page_offset + 40 : column.data_page_offset + 240] = bytes(200)
+        start = column.data_page_offset + (40 if damage == "pages" else 0)
+        data[start : start + 200] = bytes(200) if damage == "pages" else b"\xff" * 200
         bad.parent.mkdir()
         bad.write_bytes(bytes(data))
 
@@ -235,6 +238,7 @@ def test_bad_shards_are_quarantined_with_their_reason(
     import re
 
     assert re.search(reason, record.reason or ""), record.reason
+    assert "\n" not in (record.reason or "")  # one line (pyarrow's own messages may span several)
     expected_rows = None if damage == "truncated" else 2_000
     assert record.rows_in == expected_rows and record.rows_quarantined == (expected_rows or 0)
     layout = OutputLayout(scoring_job.output_uri)

@@ -71,6 +71,10 @@ def test_schema_problems_say_what_got_and_do() -> None:
         "data was made for",
     ]
     assert schema_problems(pa.schema([("age", pa.float64()), ("city", pa.string())]), inputs, "m") == []
+    # a column the data holds twice was said to be missing
+    twice = pa.schema([("age", pa.float64()), ("city", pa.string()), ("age", pa.float64())])
+    assert schema_problems(twice, inputs, "churn:3") == [
+        "'age' is in the data more than once; keep one column of each name the model 'churn:3' reads"]
 
 
 def test_many_missing_or_mistyped_columns_are_one_line_each_not_one_sentence_per_column() -> None:

@@ -472,7 +472,7 @@ def serve(
     metrics_fd: Optional[int] = typer.Option(
         None, min=0, help="The same for the /metrics listener \\[SHARDLINE_ONLINE_METRICS_FD]."),
 ) -> None:
-    """Serve the tenants' models over HTTP: Open Inference Protocol (/v2) and OpenAI-style /v1/embeddings.
+    """Serve the tenants' models over HTTP: Open Inference Protocol (/v2) and OpenAI-style /v1 (embeddings, completions).
 
     Models come from the registry (SHARDLINE_STORAGE_HOME or SHARDLINE_STORAGE_REGISTRY_URL)
     through the same model cache as batch jobs; idle models are unloaded and load on

@@ -187,7 +187,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     if status == 404:
         message = (f"no endpoint {request.method} {request.url.path}; this server speaks the Open Inference "
-                   "Protocol under /v2 and OpenAI-style /v1/embeddings")
+                   "Protocol under /v2 and OpenAI's under /v1 (models, embeddings, completions, chat/completions)")
     elif status == 405:
         message = f"{request.url.path} does not take {request.method}"
     else:

@@ -210,8 +210,7 @@ def _decode(body: bytes, header_length: str | None, signature: Signature, model:
     else:
         rows = float_rows(plan, tuple(ordered), model)
     outputs, binary_out = _requested_outputs(doc, signature, model)
-    request_id = doc.get("id")
-    return InferRequest(rows, request_id if isinstance(request_id, str) else None, outputs, binary_out)
+    return InferRequest(rows, _request_id(doc.get("id")), outputs, binary_out)
 
 
 _MAX_RANK = 8  # a shape longer than this is refused before anything reads it (models take [N] or [N, k])
@@ -226,14 +225,22 @@ def _fast_request(body: bytes, signature: Signature, model: str) -> InferRequest
         return None
     rows, request_id, requested, parameters = fast
     outputs, binary_out = _requested_outputs({"outputs": requested, "parameters": parameters}, signature, model)
-    return InferRequest(rows, request_id if isinstance(request_id, str) else None, outputs, binary_out)
+    return InferRequest(rows, _request_id(request_id), outputs, binary_out)
+
+
+def _request_id(value: Any) -> str | None:
+    """The request's ``id``, echoed in the answer: a string (the protocol's type), or none. Another type was dropped
+    from the answer without a word."""
+    if value is None or isinstance(value, str):
+        return value
+    raise InvalidInput(f"field 'id' is {type(value).__name__}, not a string; send the id as a JSON string")
 
 
 def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) -> tuple[list[str], dict[str, bool]]:
     parameters = doc.get("parameters") or {}
     default = bool(parameters.get("binary_data_output", False)) if isinstance(parameters, dict) else False
     requested = doc.get("outputs")
-    if requested is None:  # every output (most requests): the plan's names, read-only
+    if requested is None or requested == []:  # every output (most requests; [] as Triton takes it): read-only
         every = signature.plan.every_output[default]
         return signature.plan.output_names, every
     if not isinstance(requested, list):
@@ -246,6 +253,8 @@ def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) ->
             raise InvalidInput(f"outputs[{i}] has no name")
         if name not in signature.output_names:
             raise InvalidInput(f"output {shown(name)} is not an output of the model {model!r}; it gives {signature.output_names}")
+        if name in binary:  # (the answer held it twice)
+            raise InvalidInput(f"output {shown(name)} is asked for twice in 'outputs'; name each output once")
         own = output.get("parameters") or {}
         names.append(name)
         binary[name] = bool(own.get("binary_data", default)) if isinstance(own, dict) else default

@@ -208,6 +208,10 @@ def test_an_unknown_version_is_404_naming_the_versions_and_a_bad_one_is_400(url:
     assert unknown.json()["error"] == f"{MODEL}:9 does not exist; model '{MODEL}' has versions [1, 2]"
     bad = httpx.post(f"{url}/v2/models/{MODEL}/versions/latest/infer", headers=key(), content=b"{}")
     assert bad.status_code == 400 and "version 'latest'" in bad.json()["error"]
+    nowhere = httpx.get(f"{url}/v3/models", headers=key())  # says what the server speaks: /v1 is more than embeddings
+    assert nowhere.status_code == 404 and nowhere.json()["error"] == (
+        "no endpoint GET /v3/models; this server speaks the Open Inference Protocol under /v2 and OpenAI's under /v1 "
+        "(models, embeddings, completions, chat/completions)")
 
 
 def bad_requests(model: BuiltModel) -> list[tuple[str, bytes, dict[str, str], int, str]]:

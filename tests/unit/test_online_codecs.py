@@ -145,6 +145,10 @@ def json_request(**changes: Any) -> bytes:
         (json_request(a={"parameters": {"binary_data_size": 8}, "data": None}), None,
          r"input 'a': binary_data_size 8 runs past the end of the body"),
         (orjson.dumps({**orjson.loads(json_request()), "outputs": [{"name": "nope"}]}), None, r"output 'nope' is not an output of the model 'toy:1'"),
+        (orjson.dumps({**orjson.loads(json_request()), "outputs": [{"name": "probs"}, {"name": "probs"}]}), None,
+         r"output 'probs' is asked for twice in 'outputs'; name each output once"),
+        (orjson.dumps({**orjson.loads(json_request()), "id": 5}), None,
+         r"field 'id' is int, not a string; send the id as a JSON string"),
     ],
     ids=lambda v: v if isinstance(v, str) and len(v) < 20 else None,
 )
@@ -164,6 +168,13 @@ def test_binary_tensors_of_the_wrong_size_or_bad_text_are_refused() -> None:
     body, header = request_bytes(v2_inputs(True, text=("BYTES", bad_text)))
     with pytest.raises(InvalidInput, match="input 'text': element 0 is not UTF-8 text"):
         decode_infer_request(body, header, SIGNATURE, "toy:1")
+
+
+def test_an_empty_outputs_list_asks_for_every_output_as_triton_takes_it() -> None:
+    # it answered no output at all
+    decoded = decode_infer_request(orjson.dumps({**orjson.loads(json_request()), "outputs": [], "id": "r1"}), None,
+                                   SIGNATURE, "toy:1")
+    assert decoded.outputs == SIGNATURE.output_names and decoded.request_id == "r1"
 
 
 def test_flat_json_data_for_a_two_dimensional_input_is_read_row_major() -> None:

@@ -90,8 +90,16 @@ def parent(path: str) -> str:
     return posixpath.dirname(path.rstrip("/"))
 
 
+# Object stores: no folders to make (a key is written where it is named), and making one would create the bucket a
+# mistyped URL names (s3fs's makedirs does): a write to a bucket that does not exist fails instead, saying so.
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+
+
 def ensure_dir(fs: AbstractFileSystem, path: str) -> None:
-    """Create a folder and its parents where the file system has folders."""
+    """Create a folder and its parents where the file system has folders (never a bucket)."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if protocols & _OBJECT_STORES:
+        return
     fs.makedirs(path, exist_ok=True)
 
 

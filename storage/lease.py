@@ -121,15 +121,23 @@ def describe_holder(record: LeaseRecord) -> str:
 
 
 def refuses_writes(error: BaseException) -> bool:
-    """Whether a storage error says the place cannot be written at all (a file, read-only, denied): not transient."""
-    return isinstance(error, (PermissionError, NotADirectoryError, FileExistsError)) or (
+    """Whether a storage error says the place cannot be written at all (a file, read-only, denied, a bucket that
+    does not exist): not transient."""
+    return isinstance(error, (PermissionError, NotADirectoryError, FileExistsError)) or _no_bucket(error) or (
         isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
     )
+
+
+def _no_bucket(error: BaseException) -> bool:
+    """s3fs's (and the like's) answer to a write into a bucket that does not exist (Shardline makes none)."""
+    return isinstance(error, FileNotFoundError) and "bucket" in str(error).lower()
 
 
 def _not_writable(output: str, error: OSError) -> OutputNotWritable:
     if isinstance(error, (NotADirectoryError, FileExistsError)):
         why, do = "is a file, not a folder", "choose a folder for --output"
+    elif _no_bucket(error):
+        why, do = f"cannot be written ({error})", "check the bucket's name in --output: Shardline creates no bucket"
     else:
         why, do = f"cannot be written ({error.strerror or type(error).__name__})", (
             "make it writable for this user or choose another --output"

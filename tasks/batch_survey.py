@@ -17,7 +17,7 @@ from shardline.placement import BatchWorkload, Pricing, candidates_from_profiles
 from shardline.settings import BatchSettings, DaskSettings, StorageSettings
 from shardline.storage.job_identity import foreign_parts, job_id, job_key, up_to_date
 from shardline.storage.lease import OutputLease
-from shardline.storage.output import OutputLayout, PartRecord, check_part_names, split_done
+from shardline.storage.output import OutputLayout, PartRecord, check_part_names, part_name, split_done
 from shardline.storage.registry import ModelRegistry, ResolvedModel
 from shardline.storage.retry import RetryPolicy, call_with_retries
 from shardline.storage.scoring import check_passthrough
@@ -60,6 +60,26 @@ def refuse_foreign(layout: OutputLayout, model: str, key: str, manifest: dict[st
             f"the output {layout.uri} holds {foreign}; this job runs {model}, and mixing two models' parts "
             "in one folder would corrupt it: choose another --output, or delete the folder to score it anew",
             layout.uri, manifest.get("job_id") if manifest else None,
+        )
+
+
+def refuse_strays(layout: OutputLayout, shards: list[ShardInfo], ledger: dict[str, PartRecord],
+                  present: set[str]) -> None:
+    """Refuse an output holding parts of shards this input does not have (an earlier job's input, another folder's
+    or one whose shards were removed since): a reader of the folder would read those rows with this job's, while
+    the manifest and ``_SUCCESS`` speak of this job's alone.
+
+    Raises:
+        OutputInUse: naming how many such parts there are, and the first.
+    """
+    ours = {shard.relative for shard in shards}
+    strays = sorted(r.relative for r in ledger.values()
+                    if r.status == "committed" and r.relative not in ours and part_name(r.relative) in present)
+    if strays:
+        raise OutputInUse(
+            f"the output {layout.uri} holds the parts of {len(strays)} shard{'s' if len(strays) != 1 else ''} this "
+            f"input does not have (first: {strays[0]}), from an earlier job's input; a reader of the folder would read "
+            "them with this job's: choose another --output, or delete the folder to score it anew", layout.uri, None,
         )
 
 
@@ -123,6 +143,7 @@ def check_output_free(survey: JobSurvey) -> None:
     OutputLease.check_free(layout.fs, layout.root, layout.uri, survey.job_id)
     ledger = call_with_retries(layout.read_ledger, survey.retry, what="reading the job's ledger")
     refuse_foreign(layout, survey.model.pinned, survey.key, None, ledger)
+    refuse_strays(layout, survey.shards, ledger, layout.present_parts())
 
 
 def machine_prices() -> Pricing:

@@ -191,3 +191,27 @@ def test_an_output_that_cannot_be_written_exits_2_and_a_finished_read_only_outpu
     assert summary["shards_skipped"] == 6 and summary["rows_scored"] == 0 and summary["rows_out"] == 12_000
     assert summary["manifest"] == f"file://{out}/_manifest.json"
     assert snapshot(out) == before
+
+
+@pytest.mark.usefixtures("local_registry")
+def test_an_output_holding_parts_of_shards_another_input_had_is_refused(
+    shardline: Shardline, input_shards: Path, tmp_path: Path
+) -> None:
+    # Another input into the same output (the same model) scored its own shards and left the earlier job's parts in
+    # the folder, while the manifest and _SUCCESS listed this job's alone: a reader of the folder read both.
+    run = ("batch", "run", "--model", "breast-cancer@prod", "--output", str(tmp_path / "out"), "--input")
+    assert shardline(*run, str(input_shards)).returncode == 0
+    before = snapshot(tmp_path / "out")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "part-00000.parquet").write_bytes((input_shards / "part-00001.parquet").read_bytes())
+
+    refused = shardline(*run, str(other))
+
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: the output {tmp_path / 'out'} holds the parts of 5 shards this input does not have (first: "
+        "part-00001.parquet), from an earlier job's input; a reader of the folder would read them with this job's: "
+        "choose another --output, or delete the folder to score it anew")
+    assert snapshot(tmp_path / "out") == before  # nothing written
+    assert shardline(*run, str(input_shards)).returncode == 0  # its own input still resumes there (all done)

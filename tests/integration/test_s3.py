@@ -231,6 +231,26 @@ def test_batch_flow_reads_and_writes_s3_and_reruns_idempotently(
 
 
 @pytest.mark.usefixtures("on_cluster")
+def test_an_output_in_a_bucket_that_does_not_exist_is_refused_and_no_bucket_is_made(
+    s3_server: S3Server, s3_prefix: str, s3_registry: ModelRegistry, input_shards: Path,
+) -> None:
+    # s3fs's makedirs, called before each write, created the bucket a mistyped output URL named
+    import boto3
+
+    input_url = s3_server.url(s3_prefix, "input")
+    upload(s3_server, input_shards, input_url)
+    missing = f"nobucket-{s3_prefix}"
+
+    state = run(f"{MODEL}@prod", input_url, f"s3://{missing}/out/", tenant="acme")
+
+    assert state.is_failed(), state.message
+    assert f"the output s3://{missing}/out cannot be written" in str(state.message), state.message
+    assert "check the bucket's name in --output: Shardline creates no bucket" in str(state.message)
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint, region_name="us-east-1")
+    assert missing not in [b["Name"] for b in client.list_buckets()["Buckets"]]
+
+
+@pytest.mark.usefixtures("on_cluster")
 def test_corrupt_shard_on_s3_is_quarantined_and_the_rest_completes(
     s3_server: S3Server, s3_prefix: str, s3_registry: ModelRegistry, input_shards: Path
 ) -> None:

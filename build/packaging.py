@@ -533,7 +533,8 @@ def package_sklearn(
 ) -> Manifest:
     """Convert a fitted scikit-learn classifier or regressor to ONNX and bundle it.
 
-    Classifiers yield ``label`` (int64) and ``probabilities`` (one float32 per class);
+    Classifiers yield ``label`` (int64, or string for a classifier fitted on string classes) and
+    ``probabilities`` (one float32 per class);
     regressors yield ``prediction`` (float32). Features are float32 columns; with
     ``input_layout="tensor"`` V2 clients send them as the model's one input ``X``, ``[N, k]``.
     """
@@ -555,8 +556,11 @@ def package_sklearn(
     )
     inputs = [ColumnSpec(name=f, type="float32") for f in features]
     if is_classifier:
+        # skl2onnx gives the label the classes' type: text classes are a string tensor (an int64 label refused every
+        # row: "Failed to parse string: 'virginica' as a scalar of type int64")
+        label = "string" if np.asarray(estimator.classes_).dtype.kind in "OUS" else "int64"
         outputs = [
-            ColumnSpec(name="label", type="int64"),
+            ColumnSpec(name="label", type=label),
             ColumnSpec(name="probabilities", type=f"fixed_size_list<float32>[{len(estimator.classes_)}]"),
         ]
         rename = {"label": "label", "probabilities": "probabilities"}

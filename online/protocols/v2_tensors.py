@@ -117,6 +117,9 @@ def _from_json(name: str, datatype: str, data: Any, shape: list[int]) -> np.ndar
             return pa.array(flat, type=pa.string())
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise InvalidInput(f"input {name!r} is declared BYTES but holds values that are not strings: {e}") from e
+    if datatype != "BOOL" and bool in set(map(type, flat)):  # numpy reads [true, 5.0] as [1.0, 5.0]: say it
+        raise InvalidInput(f"input {name!r} is declared {datatype} but its data holds bool values (true or false); "
+                           f"send {datatype} values")
     try:
         values = np.array(flat)
     except (ValueError, TypeError, OverflowError) as e:  # e.g. [1, [2]]: lists below single values

@@ -132,6 +132,9 @@ def json_request(**changes: Any) -> bytes:
         (json_request(b={"datatype": "FP32", "data": [1.5, 2]}), None, r"input 'b' is FP32, the model takes INT64: send datatype INT64"),
         (json_request(b={"data": [1.5, 2]}), None, r"input 'b' is declared INT64 but its data holds floating-point values"),
         (json_request(a={"data": ["x", 1]}), None, r"input 'a' is declared FP32 but its data holds string values"),
+        # numpy read a bool among numbers as 1 or 0, where all bools were refused
+        (json_request(a={"data": [True, 5.0]}), None, r"input 'a' is declared FP32 but its data holds bool values"),
+        (json_request(b={"data": [True, 0]}), None, r"input 'b' is declared INT64 but its data holds bool values"),
         (json_request(a={"datatype": "FP8"}), None, r"input 'a': datatype 'FP8' is not a V2 datatype"),
         (json_request(a={"shape": "2"}), None, r"input 'a': 'shape' is '2'"),
         (json_request(text=None), None, r"inputs missing: the model 'toy:1' needs 'text' \(BYTES, shape \[-1\]\)"),

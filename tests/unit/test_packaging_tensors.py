@@ -279,3 +279,23 @@ def test_a_scikit_learn_model_packaged_with_the_tensor_layout_takes_x(tmp_path: 
     rows = decode_infer_request(body, None, manifest.signature, "bc:1").rows
     assert scored(tmp_path / "bundle", rows.table()).column("label").to_pylist() == \
         estimator.predict(features[:3]).tolist()
+
+
+def test_a_scikit_learn_classifier_of_text_classes_is_packaged_with_a_string_label(tmp_path: Path) -> None:
+    # package_sklearn declared every label int64: a classifier fitted on names packaged, and then refused every row
+    from sklearn.datasets import load_iris
+    from sklearn.linear_model import LogisticRegression
+
+    from shardline.build.packaging import package_sklearn
+
+    iris = load_iris()
+    names = [str(n).replace(" (cm)", "").replace(" ", "_") for n in iris.feature_names]
+    classes = np.array(iris.target_names)[iris.target]
+    estimator = LogisticRegression(max_iter=500).fit(iris.data, classes)
+
+    manifest = package_sklearn(estimator, tmp_path / "bundle", name="iris-names", feature_names=names)
+
+    assert signature_of(manifest.signature)[1] == [("label", "string"), ("probabilities", "fixed_size_list<float32>[3]")]
+    rows = pa.table({n: iris.data[:, i].astype(np.float32) for i, n in enumerate(names)})
+    out = scored(tmp_path / "bundle", rows)
+    assert out.column("label").to_pylist() == estimator.predict(iris.data.astype(np.float32)).tolist()

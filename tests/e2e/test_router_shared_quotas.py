@@ -173,7 +173,9 @@ def test_redis_stopped_mid_load_loses_no_request_and_each_router_holds_its_share
     span = max(o[0] for o in after) - 1.5
     admitted = sum(o[1] == 200 for o in after)
     local_burst = -(-BURST // 2)  # each router's share of the burst while it cannot reach Redis
-    assert 0.8 * RATE * span <= admitted <= 2 * local_burst + 1.2 * RATE * max(span, done[0] - 1.5), \
+    # The floor is for a router that refuses everything without Redis: a loaded machine's stalls longer than the
+    # burst lose tokens (a CI run admitted 211 of the 280 that 0.8x the rate asked, the 4 s run taking 5 s)
+    assert 0.5 * RATE * span <= admitted <= 2 * local_burst + 1.2 * RATE * max(span, done[0] - 1.5), \
         (admitted, span, done)
     for url, log, before in zip(pair.metrics, pair.logs, logged):
         assert _scrape(url).get(("shardline_router_quota_store_fallbacks_total", ()), 0) > 0

@@ -1,4 +1,5 @@
-"""OpenAI-style REST: ``POST /v1/embeddings`` and ``GET /v1/models``; text generation is ``openai_llm``.
+"""OpenAI-style REST: ``POST /v1/embeddings``, ``GET /v1/models`` and ``GET /v1/models/{model}``; text generation
+is ``openai_llm``.
 
 An embedding model is one whose signature reads one string column and writes one
 list of floats (``fixed_size_list<float32>[k]``), like the MiniLM bundle. ``model`` in
@@ -26,6 +27,7 @@ from shardline.online.edge import authenticate, endpoint, json_response, note_mo
 from shardline.online.models import ServedModel
 from shardline.online.protocols import openai_llm
 from shardline.online.protocols.forms import openai_error_body
+from shardline.online.tenants import not_available
 
 PROTOCOL = "openai"
 
@@ -48,6 +50,11 @@ def embedding_columns(served: ServedModel) -> tuple[str, str, int]:
 
 
 embedding_response = embedding_answer  # the name this module's callers know
+
+
+def _model_object(name: str) -> dict[str, object]:
+    """A model as OpenAI's ``/v1/models`` describes one."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "shardline"}
 
 
 def routes(plane: DataPlane) -> list[BaseRoute]:
@@ -83,8 +90,17 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
     @wrap
     async def models(request: Request) -> Response:
         tenant = authenticate(request, plane)
-        listed = [{"id": name, "object": "model", "created": 0, "owned_by": "shardline"} for name in sorted(tenant.models)]
+        listed = [_model_object(name) for name in sorted(tenant.models)]
         return json_response({"object": "list", "data": listed})
+
+    @wrap
+    async def model(request: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{model}`` (the client's ``models.retrieve``): one of the tenant's models."""
+        tenant = authenticate(request, plane)
+        name = request.path_params["model"]
+        if tenant.reference_for(name) is None:
+            raise not_available(tenant, name)  # the same 404 whether or not the model exists
+        return json_response(_model_object(name))
 
     async def health(request: Request) -> Response:
         """vLLM's ``GET /health`` (LLM load clients and gateways probe it first): 200, no body, while serving."""
@@ -94,5 +110,6 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
         Route("/health", health, methods=["GET"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model}", model, methods=["GET"]),
         *openai_llm.routes(plane),
     ]

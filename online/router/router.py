@@ -198,10 +198,11 @@ class Router:
             name, version, tail = matched.group(1), matched.group(2), matched.group(3)
             if tenant.reference_for(name) is None:
                 raise not_available(tenant, name)
-            if tail == "/infer":
+            infer = tail == "/infer" and request.method == "POST"  # (another method: the replica's 405, path as sent)
+            if infer:
                 self._check_budget(tenant, request)
             route = mirror = None
-            if tail == "/infer" and version is None:  # pin the version here, so every replica serves the same one
+            if infer and version is None:  # pin the version here, so every replica serves the same one
                 route = await self._version_for(tenant, request, tenant.models[name])
                 version = str(route.version)
                 path = f"/v2/models/{name}/versions/{version}/infer"

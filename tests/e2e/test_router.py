@@ -129,12 +129,19 @@ def test_the_openai_client_through_the_router(routed: Routed) -> None:
     one = client.embeddings.create(model="minilm", input="the router pins minilm@prod")
     assert one.model == "minilm:1" and len(one.data[0].embedding) == 384
     assert {m.id for m in client.models.list()} >= {"minilm", MODEL}
+    assert client.models.retrieve("minilm").id == "minilm"  # GET /v1/models/{model}, passed on to a replica
     with pytest.raises(openai.NotFoundError, match="model 'gpt-4' is not available to tenant 'acme'"):
         client.embeddings.create(model="gpt-4", input="hi")
     with pytest.raises(openai.BadRequestError, match="breast-cancer:1 is not an embedding model"):
         client.embeddings.create(model=MODEL, input="hi")
     with pytest.raises(openai.AuthenticationError, match="the API key is not valid"):
         openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_a_get_on_infer_is_the_replicas_405_naming_the_path_as_sent(routed: Routed) -> None:
+    # the router pinned the version of any /infer, a GET's too: the 405 named a path the client never sent
+    got = httpx.get(f"{routed.url}/v2/models/{MODEL}/infer", headers=key())
+    assert got.status_code == 405 and got.json()["error"] == f"/v2/models/{MODEL}/infer does not take GET"
 
 
 def test_replicas_take_requests_only_through_the_router(routed: Routed, breast_cancer_model: BuiltModel) -> None:

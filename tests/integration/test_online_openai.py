@@ -130,6 +130,10 @@ def test_an_empty_text_is_a_400_naming_the_field_as_openai_answers(client: opena
 
 def test_models_lists_what_the_tenant_may_call(client: openai.OpenAI) -> None:
     assert sorted(m.id for m in client.models.list()) == ["breast-cancer", "minilm"]
+    # the client's models.retrieve (GET /v1/models/{model}) was a 404 for every model
+    assert client.models.retrieve("minilm").id == "minilm"
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4' is not available to tenant 'search'"):
+        client.models.retrieve("gpt-4")
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])

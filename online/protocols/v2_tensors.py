@@ -117,7 +117,8 @@ def _from_json(name: str, datatype: str, data: Any, shape: list[int]) -> np.ndar
             return pa.array(flat, type=pa.string())
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise InvalidInput(f"input {name!r} is declared BYTES but holds values that are not strings: {e}") from e
-    if datatype != "BOOL" and bool in set(map(type, flat)):  # numpy reads [true, 5.0] as [1.0, 5.0]: say it
+    kinds = set(map(type, flat))
+    if datatype != "BOOL" and bool in kinds:  # numpy reads [true, 5.0] as [1.0, 5.0]: say it
         raise InvalidInput(f"input {name!r} is declared {datatype} but its data holds bool values (true or false); "
                            f"send {datatype} values")
     try:
@@ -127,6 +128,10 @@ def _from_json(name: str, datatype: str, data: Any, shape: list[int]) -> np.ndar
     if values.size == 0:
         return values.astype(_NUMPY[datatype])
     kind = values.dtype.kind
+    if datatype.startswith(("INT", "UINT")) and kinds <= {int} and (kind in "fO" or not _fits(values, datatype)):
+        # (numpy fell back to floats past 64 bits; within them a cast would wrap: 2**63 as INT64 is -2**63)
+        raise InvalidInput(f"input {name!r} is declared {datatype} but its data holds integers outside its range; "
+                           f"send {datatype} values")
     if not (
         (datatype == "BOOL" and kind == "b")
         or (datatype.startswith(("INT", "UINT")) and kind in "iu")
@@ -137,6 +142,12 @@ def _from_json(name: str, datatype: str, data: Any, shape: list[int]) -> np.ndar
             f"values; send {datatype} values"
         )
     return values
+
+
+def _fits(values: np.ndarray, datatype: str) -> bool:
+    """Whether integer ``values`` lie within ``datatype``'s range."""
+    bounds = np.iinfo(_NUMPY[datatype])
+    return bool(values.min() >= bounds.min and values.max() <= bounds.max)
 
 
 def _split_bytes(raw: bytes | bytearray | memoryview, name: str) -> list[str]:

@@ -135,6 +135,8 @@ def json_request(**changes: Any) -> bytes:
         # numpy read a bool among numbers as 1 or 0, where all bools were refused
         (json_request(a={"data": [True, 5.0]}), None, r"input 'a' is declared FP32 but its data holds bool values"),
         (json_request(b={"data": [True, 0]}), None, r"input 'b' is declared INT64 but its data holds bool values"),
+        (json_request(b={"data": [2**63, -1]}), None, r"input 'b' is declared INT64 but its data holds integers outside"),
+        (json_request(b={"data": [2**63, 1]}), None, r"input 'b' is declared INT64 but its data holds integers outside"),
         (json_request(a={"datatype": "FP8"}), None, r"input 'a': datatype 'FP8' is not a V2 datatype"),
         (json_request(a={"shape": "2"}), None, r"input 'a': 'shape' is '2'"),
         (json_request(text=None), None, r"inputs missing: the model 'toy:1' needs 'text' \(BYTES, shape \[-1\]\)"),

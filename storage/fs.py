@@ -15,6 +15,7 @@ import errno
 import os
 import posixpath
 import re
+import socket
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -34,11 +35,16 @@ def open_fs(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[Ab
 
     Raises:
         InvalidSetting: the URL's scheme is unknown or its package is missing.
+        ConnectionError: a file system that connects when it is made (ftp, sftp) could not reach its server: said
+            with the URL (the bare error named neither it nor what to do); transient, as the error it replaces.
     """
     if not uri or not uri.strip():
         raise InvalidSetting("an empty URL was given; pass a local path or a URL such as s3://bucket/prefix")
     try:
         fs, path = fsspec.url_to_fs(uri, **(storage_options or {}))
+    except (ConnectionError, TimeoutError, socket.gaierror) as e:
+        raise ConnectionError(f"the location {uri} cannot be reached ({type(e).__name__}: {e}): check its URL and "
+                              "that its server answers, then run again") from e
     except ImportError as e:
         raise InvalidSetting(
             f"the URL {uri!r} needs a package that is not installed ({e}); for s3:// "

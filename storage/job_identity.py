@@ -60,7 +60,7 @@ class JobSummary(BaseModel):
     quarantined: dict[str, str] = Field(default_factory=dict)  # shard's relative path -> reason
     manifest: str | None = None
     # input columns auto passthrough left out for a model output of their name (``storage.scoring.shadowed_columns``,
-    # of the first shard this run read)
+    # of every shard whose footer the flow read: all of a job it checks, else the first)
     shadowed_columns: list[str] = Field(default_factory=list)
 
     @property

@@ -226,10 +226,13 @@ def _first_schema(plan: JobPlan) -> pa.Schema | None:
         return None
 
 
-def _shadowed(plan: JobPlan, schema: pa.Schema | None) -> list[str]:
-    """Input columns auto passthrough leaves out of the parts for a model output of their name, in ``schema`` (a
-    pending shard's; none without one), told once in the run's log; the summary carries them to the command."""
-    shadowed = shadowed_columns(plan.job, schema) if schema is not None else []
+def _shadowed(plan: JobPlan, schemas: list[pa.Schema | None]) -> list[str]:
+    """Input columns auto passthrough leaves out of the parts for a model output of their name, in any of
+    ``schemas`` (the pending shards' read here: every one of a job the flow checks, else the first), told once in
+    the run's log; the summary carries them to the command. (The first shard's alone missed a column only later
+    shards had.)"""
+    shadowed = list(dict.fromkeys(column for schema in schemas if schema is not None
+                                  for column in shadowed_columns(plan.job, schema)))
     if shadowed:
         run_logger().warning("%s", shadowed_note(shadowed))
     return shadowed
@@ -248,11 +251,11 @@ def validate_shards(plan: JobPlan) -> JobPlan:
         run_logger().info(
             "%d shards to score: their schemas are checked on the workers as each is opened", len(plan.todo)
         )
-        return replace(plan, shadowed=_shadowed(plan, _first_schema(plan)))
+        return replace(plan, shadowed=_shadowed(plan, [_first_schema(plan)]))
     layout = OutputLayout(plan.job.output_uri, plan.job.storage_options, plan.job_id)
     with ThreadPoolExecutor(16) as pool:
         verdicts = list(pool.map(lambda s: _footer_problem(s, plan), plan.todo))
-    shadowed = _shadowed(plan, next((schema for _, _, schema in verdicts if schema is not None), None))
+    shadowed = _shadowed(plan, [schema for _, _, schema in verdicts])
     keep, rejected = [], []
     for shard, (problem, rows, _) in zip(plan.todo, verdicts):
         if problem is None:

@@ -142,3 +142,13 @@ def test_an_input_column_named_like_an_output_is_told_and_the_parts_hold_the_mod
     # named passthrough columns: nothing is left out that was not asked for, so nothing to tell
     named = run(shards, tmp_path / "named", passthrough=["id"]).result()
     assert named["shadowed_columns"] == []
+
+    if footers == "read by the flow":  # every footer read: a column only a later shard has is told too
+        later = tmp_path / "later"
+        later.mkdir()
+        for i, shard in enumerate(sorted(input_shards.glob("*.parquet"))[:2]):
+            table = pq.read_table(shard)
+            if i == 1:
+                table = table.append_column("label", pa.array(np.full(table.num_rows, 7), pa.int64()))
+            pq.write_table(table, later / shard.name)
+        assert run(later, tmp_path / "later-out").result()["shadowed_columns"] == ["label"]

@@ -104,12 +104,10 @@ def test_a_stop_request_withdraws_unstarted_shards_and_returns_once_the_running_
     assert layout.present_parts() == committed
 
 
-def test_a_stop_ends_each_running_group_after_its_current_shard(
-    breast_cancer_model: BuiltModel, dask_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A group of small shards that are slow to score ran to its end after a stop: minutes for an embedding model.
-    # 64 shards: groups of 8 on the two worker threads, each shard 200 batches; the stop comes as the first part
-    # is committed, so a group that scored every shard given would settle 8 (and two running, 16).
+def dispatch_stopped_at_the_first_commit(dask_address: str, job: ScoringJob, shards: list[ShardInfo],
+                                         key_prefix: str) -> tuple[list[str], str, list[str]]:
+    """Dispatch ``shards`` with a stop requested as the first part is committed: the shards settled (each
+    committed), the ``JobStopped`` message, and the names of the Events the scheduler holds afterwards."""
     import threading
 
     from distributed import Client
@@ -117,9 +115,6 @@ def test_a_stop_ends_each_running_group_after_its_current_shard(
     from shardline.errors import JobStopped
     from shardline.tasks import dispatch
 
-    monkeypatch.setattr(dispatch, "STOP_CHECK_S", 0.0)  # read here, sent with the tasks: ask before every shard
-    job, shards = scoring_job(breast_cancer_model.bundle_dir, tmp_path, 64, 100, "groups-stopped")
-    assert [len(g) for g in group_shards(shards, 2)] == [8] * 8
     layout, stop, settled = OutputLayout(job.output_uri), threading.Event(), []
 
     def stop_at_the_first_commit() -> None:
@@ -136,21 +131,37 @@ def test_a_stop_ends_each_running_group_after_its_current_shard(
     try:
         with Client(dask_address) as client:
             watcher.start()
-            with pytest.raises(JobStopped, match=r"stopped on request with (\d+) of 64 shards not scored") as stopped:
-                dispatch_shards(client, job, shards, on_settled, key_prefix="shard-groups-stopped")
+            refused = rf"stopped on request with (\d+) of {len(shards)} shards not scored"
+            with pytest.raises(JobStopped, match=refused) as stopped:
+                dispatch_shards(client, job, shards, on_settled, key_prefix=key_prefix)
             events = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.extensions["events"]._events))
-            assert not [e for e in events if "groups-stopped" in e]  # the signal was taken off the scheduler
     finally:
         stop.set()
         watcher.join()
         dispatch.STOP_REQUEST.reset(token)
+    assert layout.present_parts() == set(settled)  # what was scored before the stop settled here: nothing behind it
+    return settled, str(stopped.value), [str(e) for e in events]
 
-    committed = layout.present_parts()
+
+def test_a_stop_ends_each_running_group_after_its_current_shard(
+    breast_cancer_model: BuiltModel, dask_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A group of small shards that are slow to score ran to its end after a stop: minutes for an embedding model.
+    # 64 shards: groups of 8 on the two worker threads, each shard 200 batches; the stop comes as the first part
+    # is committed, so a group that scored every shard given would settle 8 (and two running, 16).
+    from shardline.tasks import dispatch
+
+    monkeypatch.setattr(dispatch, "STOP_CHECK_S", 0.0)  # read here, sent with the tasks: ask before every shard
+    job, shards = scoring_job(breast_cancer_model.bundle_dir, tmp_path, 64, 100, "groups-stopped")
+    assert [len(g) for g in group_shards(shards, 2)] == [8] * 8
+
+    settled, stopped, events = dispatch_stopped_at_the_first_commit(dask_address, job, shards, "shard-groups-stopped")
+
     assert 1 <= len(settled) < 8  # each running group stopped after the shard it was scoring
-    assert committed == set(settled)  # what a group scored before it stopped settled here: nothing behind the job
-    assert f"with {64 - len(settled)} of 64 shards not scored" in str(stopped.value)
+    assert f"with {64 - len(settled)} of 64 shards not scored" in stopped
+    assert not [e for e in events if "groups-stopped" in e]  # the signal was taken off the scheduler
     time.sleep(1.0)
-    assert layout.present_parts() == committed
+    assert OutputLayout(job.output_uri).present_parts() == set(settled)  # no group commits behind the job
 
 
 def test_a_stop_keeps_tasks_waiting_on_a_worker_from_scoring(
@@ -159,45 +170,18 @@ def test_a_stop_keeps_tasks_waiting_on_a_worker_from_scoring(
     # The scheduler sends a task to a worker as soon as it is handed out, where it waits behind the one running: it
     # cannot be withdrawn, and every shard handed out ran to its end after a stop (a user's Ctrl-C at 30 of 60
     # shards saw all 60 scored). 12 shards, one a task: 8 handed out at once, 2 running, 6 waiting on the workers.
-    import threading
-
-    from distributed import Client
-
-    from shardline.errors import JobStopped
     from shardline.tasks import dispatch
 
     monkeypatch.setattr(dispatch, "STOP_CHECK_S", 0.2)  # a task that waited longer asks before its first shard
     job, shards = scoring_job(breast_cancer_model.bundle_dir, tmp_path, 12, 25, "waiting-stopped")
     assert [len(g) for g in group_shards(shards, 2)] == [1] * 12
-    layout, stop, settled = OutputLayout(job.output_uri), threading.Event(), []
 
-    def stop_at_the_first_commit() -> None:
-        while not layout.present_parts() and not stop.is_set():
-            time.sleep(0.005)
-        stop.set()
+    settled, stopped, _ = dispatch_stopped_at_the_first_commit(dask_address, job, shards, "shard-waiting-stopped")
 
-    def on_settled(shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:
-        assert error is None and record is not None, error
-        settled.append(record.relative)
-
-    watcher = threading.Thread(target=stop_at_the_first_commit)
-    token = dispatch.STOP_REQUEST.set(stop)
-    try:
-        with Client(dask_address) as client:
-            watcher.start()
-            with pytest.raises(JobStopped, match=r"stopped on request with (\d+) of 12 shards not scored") as stopped:
-                dispatch_shards(client, job, shards, on_settled, key_prefix="shard-waiting-stopped")
-    finally:
-        stop.set()
-        watcher.join()
-        dispatch.STOP_REQUEST.reset(token)
-
-    committed = layout.present_parts()
     # the two running when it came, and at most one more a worker started before the signal was up (ms); before,
     # each task on a worker ran (5 of the 8 handed out here: the scheduler withdrew 3 it had not yet sent)
     assert 1 <= len(settled) <= 4
-    assert committed == set(settled)
-    assert f"with {12 - len(settled)} of 12 shards not scored" in str(stopped.value)
+    assert f"with {12 - len(settled)} of 12 shards not scored" in stopped
 
 
 def test_a_stop_withdraws_only_tasks_no_worker_was_handed(dask_address: str) -> None:

@@ -123,10 +123,8 @@ def model_package(
 ) -> None:
     """Make a bundle from an ONNX model (an XGBoost or LightGBM model file, or custom model code): signature,
     checksums, environment, lineage, golden set, profile."""
-    from shardline.bundle import write_manifest
+    from shardline.bundle import check_model_name, write_manifest
     from shardline.quality.profile import attach_reference_profile
-
-    from shardline.bundle import check_model_name
 
     folder = out or Path(f"{name}-bundle")
     fresh = not folder.exists() or not any(folder.iterdir())  # a refusal below leaves such a folder as it was

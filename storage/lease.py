@@ -130,7 +130,8 @@ def refuses_writes(error: BaseException) -> bool:
 
 def _no_bucket(error: BaseException) -> bool:
     """s3fs's (and the like's) answer to a write into a bucket that does not exist (Shardline makes none)."""
-    return isinstance(error, FileNotFoundError) and "bucket" in str(error).lower()
+    text = str(error)
+    return isinstance(error, FileNotFoundError) and ("bucket does not exist" in text or "NoSuchBucket" in text)
 
 
 def _not_writable(output: str, error: OSError) -> OutputNotWritable:

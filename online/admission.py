@@ -67,10 +67,13 @@ class TokenBucket:
         return waited
 
     def spend(self, now: float, count: float) -> bool:
-        """Take up to ``count`` tokens (all there are when fewer); whether all ``count`` were there."""
+        """Take ``count`` tokens that were used already (an LLM's tokens, generated or read), going below zero when
+        fewer are there, down to ``-burst``, as the shared quota store's ``CHARGE`` does; whether all ``count`` were
+        there. The debt is waited out before the next ``take``: a router, which charges an answer's tokens once it
+        has them, let a tenant of 300 tokens a minute use 1,166 in 10 s when the bucket stopped at zero."""
         if self.take(now, count) == 0.0:
             return True
-        self.tokens = 0.0
+        self.tokens = max(self.tokens - count, -self.burst)
         return False
 
 

@@ -262,6 +262,23 @@ def test_a_prompt_over_the_context_is_refused_before_the_stream_and_takes_nothin
     assert fine.usage is not None and fine.usage.completion_tokens >= 1
 
 
+def test_tokens_answers_used_past_the_quota_are_owed_at_the_router(three: Routed) -> None:
+    """The router charges an answer's tokens once it has them. Its bucket stopped at zero, forgiving the rest, so
+    each answer was admitted on one token whatever it cost: a tenant of 300 tokens a minute used 1,166 in 10 s.
+    Now what an answer used past the bucket is owed, and the next request waits it out (Retry-After says how long,
+    not 1 s)."""
+    client = openai.OpenAI(base_url=f"{three.url}/v1", api_key=BUDGET, max_retries=0)
+    prompt = "word " * 400  # ~401 tokens a request against 1,500 a minute (25 a second)
+    for _ in range(8):
+        try:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=40)
+        except openai.RateLimitError as refused:
+            assert int(refused.response.headers["retry-after"]) >= 5, refused.response.headers
+            assert "tenant 'budget' is over its 1500 tokens per minute" in refused.message
+            return
+    pytest.fail("8 answers of ~440 tokens each passed a quota of 1,500 tokens a minute")
+
+
 def test_get_health_answers_200_without_a_key(three: Routed) -> None:
     answer = httpx.get(f"{three.url}/health", timeout=10)
     assert answer.status_code == 200 and "budget" not in answer.text and "pair" not in answer.text

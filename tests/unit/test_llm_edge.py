@@ -77,15 +77,31 @@ def test_the_token_quota_is_checked_before_a_stream_and_spent_during_it() -> Non
     assert gate.spend(90) and not gate.spend(20)  # 10 left: the stream that asked for 20 must stop
     gate.close()
     with pytest.raises(RateLimited) as waited:
-        gate.open(50)  # empty now: 50 tokens come back in 5 s
-    assert waited.value.retry_after == 5
-    now[0] = 5.0
+        gate.open(50)  # the 20 were used all the same: 10 in debt, so 50 tokens come back in 6 s (not 5)
+    assert waited.value.retry_after == 6
+    now[0] = 6.0
     gate.open(50)
     with pytest.raises(InvalidInput, match="more than the whole quota of tenant 'acme', 600 tokens per minute"):
         gate.open(601)
     unlimited = LlmGate(_tenant(), lambda: 0.0)
     unlimited.open(10**6)
     assert unlimited.spend(10**6)
+
+
+def test_tokens_used_past_the_bucket_are_owed_as_the_shared_store_owes_them() -> None:
+    # A router charges an answer's tokens once it has them: a bucket that stopped at zero forgave the rest, and a
+    # tenant of 300 tokens a minute used 1,166 in 10 s through the router (each answer admitted on one token).
+    now = [0.0]
+    gate = LlmGate(_tenant(tpm=300), lambda: now[0])  # 5 tokens a second
+    gate.open(0)
+    assert not gate.spend(404)  # the bucket held 300: 104 owed
+    gate.close()
+    now[0] = 3.0  # 15 back: still 89 owed
+    with pytest.raises(RateLimited) as waited:
+        gate.open(0)
+    assert waited.value.retry_after == 18  # (89 + 1) / 5 s until one token is there
+    bucket = TokenBucket(1.0, 10)
+    assert not bucket.spend(0.0, 50) and bucket.tokens == -10  # never more than a burst in debt
 
 
 def test_a_bucket_tells_how_long_until_tokens_are_there_without_taking_them() -> None:

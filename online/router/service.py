@@ -25,12 +25,14 @@ import time
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
+import orjson
 from opentelemetry.trace import SpanKind
 
 from shardline.errors import PayloadTooLarge
 from shardline.observability import tracing
 from shardline.online.background import stop_tasks
 from shardline.online.bodies import ClientGone, receive_body
+from shardline.online.protocols.forms import openai_error_body
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig
 from shardline.online.router.front import SYNC_S, Front
 from shardline.online.router.health import OutlierPolicy, stalled
@@ -321,10 +323,22 @@ async def _write_stream(send: Send, receive: Receive, answer: Answer) -> None:
     pieces = answer.stream
     headers = [(k, v) for k, v in answer.headers if k != b"content-length"]
 
+    events = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+
     async def relay() -> None:
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-        async for piece in pieces:
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        try:
+            async for piece in pieces:
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        except Exception as e:  # noqa: BLE001 - the replica failed once the stream ran: said as serve says it
+            if not events:
+                raise  # (a body that is not events cannot say it: cut, so the client sees it incomplete)
+            log.warning("a stream from its replica failed midway (%s: %s); ended with an error event",
+                        type(e).__name__, e)
+            failed = openai_error_body(f"the replica generating this stream failed midway ({type(e).__name__}); send "
+                                       "the request again", 502)
+            ending = b"data: " + orjson.dumps(failed) + b"\n\ndata: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": ending, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def client_gone() -> None:

@@ -187,6 +187,34 @@ def test_eight_streams_through_the_router_share_their_forward_passes(routed: Rou
     assert steps < 4 * 32, f"8 streams of 32 tokens took {steps} decode steps: they were not batched"
 
 
+def test_a_replica_lost_mid_stream_ends_it_with_an_error_event_not_a_cut(routed: Routed) -> None:
+    """Both replicas SIGKILLed while one streams: the client's stream ends as serve ends one whose model failed, with
+    an error event (OpenAI's clients raise on it) and [DONE]. The router cut the connection instead (a new user's
+    test: "peer closed connection without sending complete message body"). The last test of this router: its
+    replicas are restarted, not waited for."""
+    import os
+    import signal
+
+    import orjson
+
+    pids = [int(pid) for pid in re.findall(r"started replica \d \(pid (\d+)\)", routed.log.read_text())]
+    lines: list[str] = []
+    with httpx.stream("POST", f"{routed.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "tell me more"}],
+                            "max_tokens": 400, "temperature": 0, "stream": True}, timeout=60) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():  # a cut connection raises here
+            lines.append(line)
+            if len(lines) == 6:
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+    events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]", lines[-4:]
+    failed = orjson.loads(events[-2].removeprefix("data: "))
+    assert "the replica generating this stream failed midway" in failed["error"]["message"], failed
+    assert failed["error"]["type"] == "server_error"
+
+
 PAIR, BUDGET = "sk-llm-pair", "sk-llm-budget"
 
 

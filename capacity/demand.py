@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardline.capacity.hardware import Hardware
 from shardline.capacity.problem import ModelDemand, Offer, PackingProblem, Unit, offers_from_profiles
-from shardline.errors import InvalidSetting
+from shardline.errors import InvalidSetting, yaml_problem
 from shardline.placement import BatchWorkload, OnlineWorkload, PlacementPolicy, Workload
 
 # The replica groups deploy/k8s/components/production runs (docs/kubernetes.md): hardware class -> group.
@@ -107,7 +107,7 @@ def _yaml(text: str, source: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise InvalidSetting(f"{source} is not YAML ({str(e).splitlines()[0]}); fix its syntax") from e
+        raise InvalidSetting(f"{source} is not YAML ({yaml_problem(e)}); fix its syntax") from e
 
 
 def parse_demand(text: str, source: str = "the demand file") -> DemandFile:

@@ -27,7 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shardline.capacity.hardware import MIG_MARK, MIG_PROFILES, split_class
-from shardline.errors import InvalidSetting
+from shardline.errors import InvalidSetting, yaml_problem
 from shardline.machines import CPU_MACHINE
 
 EXAMPLE = Path(__file__).with_name("prices.yaml")
@@ -121,7 +121,7 @@ def load_prices(path: str | Path | None = None) -> PriceTable:
         raise InvalidSetting(f"cannot read the price table {str(where)!r} ({e.strerror or e}); give a YAML file "
                              f"like {EXAMPLE}") from e
     except yaml.YAMLError as e:
-        raise InvalidSetting(f"the price table {str(where)!r} is not YAML ({e}); see {EXAMPLE}") from e
+        raise InvalidSetting(f"the price table {str(where)!r} is not YAML ({yaml_problem(e)}); see {EXAMPLE}") from e
     try:
         return PriceTable.model_validate({**(data if isinstance(data, dict) else {"classes": data}),
                                           "source": str(where)})

@@ -60,12 +60,17 @@ def report(
     for path, text in ((output, render_html(result) if output else ""),
                        (prometheus, render_prometheus(result) if prometheus else "")):
         if path is not None:
-            try:
-                path.write_text(text)
-            except OSError as e:
-                raise fail(f"cannot write {str(path)!r} ({e.strerror or e}); choose another path") from e
+            _write(path, text)
             typer.echo(f"wrote {path}", err=True)
     raise typer.Exit(EXIT_OK)
+
+
+def _write(path: Path, text: str) -> None:
+    """Write a report's file, or exit with the one line that says why it cannot be written."""
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise fail(f"cannot write {str(path)!r} ({e.strerror or e}); choose another path") from e
 
 
 @cost_app.command("simulate")
@@ -145,5 +150,5 @@ def cost_simulate(
     for line in summary_lines(report):
         typer.echo(line)
     if output:
-        output.write_text(render_html(report))
+        _write(output, render_html(report))  # (a missing folder was a traceback)
         typer.echo(f"report written to {output}")

@@ -26,7 +26,7 @@ from typing import Any, Callable, TypeVar
 
 import yaml
 
-from shardline.errors import InvalidSetting
+from shardline.errors import InvalidSetting, yaml_problem
 from shardline.tenants import TenantConfig, parse_tenants_file
 
 T = TypeVar("T")
@@ -105,8 +105,8 @@ def read_document(path: Path, create: bool = False) -> _Document:
     try:
         data = _round_trip(text).load(text) if text else None
     except YAMLError as e:
-        raise InvalidSetting(f"the tenants file {path} is not valid YAML: {e}; fix it by hand, then run the "
-                             "command again") from e
+        raise InvalidSetting(f"the tenants file {path} is not valid YAML: {yaml_problem(e)}; fix it by hand, then run "
+                             "the command again") from e
     prefix = ""
     if data is None:  # no file yet (a new one starts with a header), or only comments (kept above the list)
         data = CommentedMap()

@@ -1,4 +1,4 @@
-"""Money as the cost reports write it, and a throughput priced per 1k rows.
+"""A throughput priced per 1k rows (money as every report writes it is the kernel's ``shardline.figures.money``).
 
 The price table itself (``PriceTable``, ``load_prices``, ``prices_path``) is ``shardline.capacity.prices``: the
 packer prices its hardware from it too.
@@ -7,13 +7,6 @@ packer prices its hardware from it too.
 from __future__ import annotations
 
 from shardline.errors import InvalidSetting
-
-
-def money(value: float | None, currency: str) -> str:
-    """An amount to read: four significant digits under 1, cents from 1 up; "-" for None."""
-    if value is None:
-        return "-"
-    return f"{value:.4g} {currency}" if abs(value) < 1 else f"{value:,.2f} {currency}"
 
 
 def cost_per_1k_rows(price_per_hour: float, rows_per_s: float) -> float:

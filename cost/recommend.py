@@ -19,7 +19,7 @@ from typing import Literal
 
 from shardline.capacity.prices import PriceTable
 from shardline.cost.allocation import IDLE, Allocation
-from shardline.cost.prices import money
+from shardline.figures import money
 
 Kind = Literal["idle", "hardware", "spot"]
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 from shardline.bundle import DISTILLATION_ROWS
 from shardline.capacity.prices import PriceTable
 from shardline.cost.allocation import IDLE, Allocation, Charge, Spend, allocate
-from shardline.cost.prices import money
+from shardline.figures import money
 from shardline.cost.recommend import Recommendation, recommend
 from shardline.storage.registry import ModelRegistry
 

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import pyarrow as pa
 
 from shardline import durations
 from shardline.bundle import DriftPolicy, ModelRef
-from shardline.errors import EmptyInput, InvalidBundle
+from shardline.errors import EmptyInput, InvalidBundle, InvalidSetting
 from shardline.quality.drift import DriftReport, drift_report
 from shardline.settings import DriftSettings, StorageSettings
 from shardline.storage.capture import CAPTURE_META, capture_root, scan_capture
 from shardline.storage.fs import atomic_write_bytes, join, open_fs
+from shardline.storage.ledger import Tier
 from shardline.storage.registry import ModelRegistry, ResolvedModel
 
 if TYPE_CHECKING:
@@ -128,7 +129,11 @@ def check_drift(
         ModelNotFound: unknown model, version or alias.
         InvalidBundle: the version has no reference profile.
         EmptyInput: nothing of the version was captured in the window.
+        InvalidSetting: ``tier`` is neither ``online`` nor ``batch`` (any other was searched for, found nothing, and
+            sent the user looking for a capture that was never missing).
     """
+    if tier is not None and tier not in get_args(Tier):
+        raise InvalidSetting(f"tier {tier!r} is not one of {', '.join(get_args(Tier))}; leave it out for both")
     registry = registry or ModelRegistry.from_settings(storage)
     target = load_target(registry, reference)
     since, end = window_bounds(window, until)

@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shardline.figures import money
+
 State = Literal["ok", "warn", "soft", "hard"]
 STATES: tuple[State, ...] = ("ok", "warn", "soft", "hard")  # in order of severity
 RETRY_AFTER_CAP_S = 3600.0  # a refused client is told to come back within the hour at most (the budget may grow)
@@ -67,7 +69,7 @@ class BudgetState:
 
     def figures(self) -> str:
         """'spent 512.30 USD of 500.00 USD (102%) in 2026-12'."""
-        return (f"spent {self.spent:,.2f} {self.currency} of {self.budget:,.2f} {self.currency} "
+        return (f"spent {money(self.spent, self.currency)} of {money(self.budget, self.currency)} "
                 f"({100 * self.fraction:.0f}%) in {self.month}")
 
     def line(self) -> str:

@@ -292,3 +292,14 @@ class ChildNotReady(ShardlineError, RuntimeError):
         super().__init__(message)
         self.returncode = returncode
         self.log_path = log_path
+
+
+def yaml_problem(error: Exception) -> str:
+    """A YAML parser's error (PyYAML's or ruamel's) in one line: what is wrong and where (``expected ',' or ']', but
+    got '<stream end>' at line 1, column 9``). Their own text spans several lines, with the source and a caret."""
+    problem = getattr(error, "problem", None)
+    mark = getattr(error, "problem_mark", None)
+    if not problem:
+        return " ".join(str(error).split())
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"

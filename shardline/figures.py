@@ -83,3 +83,11 @@ def inline_svg(figure: Any) -> str:
     plt.close(figure)
     text = buffer.getvalue()
     return text[text.index("<svg"):]
+
+
+def money(value: float | None, currency: str) -> str:
+    """An amount to read: four significant digits under 1, cents from 1 up; "-" for None. (Budgets' lines said
+    "spent 0.00 USD of 0.00 USD (146%)" for a budget of 0.00005.)"""
+    if value is None:
+        return "-"
+    return f"{value:.4g} {currency}" if abs(value) < 1 else f"{value:,.2f} {currency}"

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from shardline.budgets import Budget
 from shardline.bundle import ModelRef
-from shardline.errors import AccessDenied, InvalidSetting, ShardlineError
+from shardline.errors import AccessDenied, InvalidSetting, ShardlineError, yaml_problem
 from shardline.locations import check_separate, is_within
 
 Priority = Literal["high", "normal", "low"]
@@ -342,7 +342,7 @@ def read_yaml(path: str | Path, what: str, fix: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise InvalidSetting(f"{what} {path} is not valid YAML: {e}") from e
+        raise InvalidSetting(f"{what} {path} is not valid YAML: {yaml_problem(e)}") from e
 
 
 def batch_tenant(tenants_file: str | None, name: str) -> BatchTenant | None:

@@ -137,7 +137,7 @@ def test_a_file_of_chat_and_completions_lines_is_answered_once_per_custom_id(
     assert "field 'method' is 'GET'" in messages[2] and "field 'url'" in messages[3]
     assert "field 'temperature' is 5" in messages[4]
     assert "the prompt is" in messages[5] and "this model takes at most 511" in messages[5]
-    assert "messages[0].role must be one of" in messages[6]
+    assert "field 'messages[0].role' is 'tool'; this model's chat template takes one of" in messages[6]
     batch = json.loads((out / "batch.json").read_text())
     assert (batch["object"], batch["status"], batch["request_counts"]) == (
         "batch", "completed", {"total": 47, "completed": 40, "failed": 7})

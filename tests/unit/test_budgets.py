@@ -52,6 +52,13 @@ def test_the_line_gives_the_figures() -> None:
         "(spent 102.50 USD of 100.00 USD (102%) in 2026-12)")
 
 
+def test_small_amounts_keep_their_figures() -> None:
+    # cents hid them: "spent 0.00 USD of 0.00 USD (146%)" for a budget of 0.00005 (a test tenant, a pilot)
+    small = Budget(monthly=0.00005, warn_at=0.8, soft_at=0.9)
+    assert budget_state("acme", small, 7.287e-05, "2026-12").figures() == (
+        "spent 7.287e-05 USD of 5e-05 USD (146%) in 2026-12")
+
+
 def test_retry_after_runs_to_the_month_end_capped() -> None:
     assert seconds_to_month_end(datetime(2026, 12, 31, 23, 59, 30, tzinfo=timezone.utc)) == 30.0
     assert seconds_to_month_end(datetime(2026, 12, 2, tzinfo=timezone.utc)) == 3600.0

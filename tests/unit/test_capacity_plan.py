@@ -97,6 +97,23 @@ def test_a_wrong_demand_file_is_one_line_and_exit_2(tmp_path: Path, text: str, m
     assert "Traceback" not in result.output
 
 
+def test_yaml_errors_are_one_line_whichever_parser_read_them(tmp_path: Path) -> None:
+    # PyYAML's and ruamel's own texts span several lines (the source and a caret): a price table's error was 7 lines
+    from ruamel.yaml import YAML
+
+    from shardline.capacity.prices import load_prices
+    from shardline.errors import InvalidSetting, yaml_problem
+
+    (tmp_path / "prices.yaml").write_text("prices: [1,2\n")
+    with pytest.raises(InvalidSetting) as refused:
+        load_prices(tmp_path / "prices.yaml")
+    assert "is not YAML (expected ',' or ']', but got '<stream end>' at line 2, column 1); see " in str(refused.value)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(Exception) as ruamel:
+        YAML().load("tenants: [a,\n")
+    assert "\n" not in yaml_problem(ruamel.value) and " at line " in yaml_problem(ruamel.value)
+
+
 def test_a_missing_demand_file_says_so() -> None:
     result = CliRunner().invoke(app, ["plan", "capacity", "--demand", "/nonexistent/demand.yaml"])
     assert result.exit_code == 2 and "cannot read the demand file '/nonexistent/demand.yaml'" in result.output

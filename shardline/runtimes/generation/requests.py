@@ -124,8 +124,9 @@ class ChatTemplate:
         for i, message in enumerate(messages):
             role = message.get("role") if isinstance(message, Mapping) else None
             if role not in CHAT_ROLES:
-                raise InvalidParameter(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}",
-                                       f"messages[{i}].role")
+                # said as the request's own checks say it (a 'tool' message passes those, for vLLM's models)
+                raise InvalidParameter(f"field 'messages[{i}].role' is {role!r}; this model's chat template takes one "
+                                       f"of {sorted(CHAT_ROLES)}", f"messages[{i}].role")
             lines.append(self.message.replace("{role}", role).replace("{content}", _content(message, i)))
         return "".join(lines) + self.reply
 

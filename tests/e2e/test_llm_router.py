@@ -301,7 +301,8 @@ def test_tokens_answers_used_past_the_quota_are_owed_at_the_router(three: Routed
         try:
             client.completions.create(model="tiny", prompt=prompt, max_tokens=40)
         except openai.RateLimitError as refused:
-            assert int(refused.response.headers["retry-after"]) >= 5, refused.response.headers
+            # owed: at least a second's refill more than the 1 s that one missing token takes (~11 s here when quiet)
+            assert int(refused.response.headers["retry-after"]) >= 2, refused.response.headers
             assert "tenant 'budget' is over its 1500 tokens per minute" in refused.message
             return
     pytest.fail("8 answers of ~440 tokens each passed a quota of 1,500 tokens a minute")

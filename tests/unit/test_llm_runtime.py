@@ -95,7 +95,8 @@ def test_a_row_of_chat_messages_goes_through_the_chat_template(loaded: LlmModel)
     out = loaded.predict(pa.table({"prompt": [json.dumps(messages), as_text]}))
     assert out.column("completion")[0].as_py() == out.column("completion")[1].as_py()
     assert out.column("prompt_tokens")[0].as_py() == out.column("prompt_tokens")[1].as_py()
-    with pytest.raises(InvalidInput, match=r"row 1 of column 'prompt' is a list of chat messages, but messages\[0\]"):
+    with pytest.raises(InvalidInput, match=r"row 1 of column 'prompt' is a list of chat messages, but field "
+                                           r"'messages\[0\]\.role' is 'robot'"):
         loaded.predict(pa.table({"prompt": ["hello", json.dumps([{"role": "robot", "content": "x"}])]}))
 
 

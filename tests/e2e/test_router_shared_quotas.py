@@ -141,10 +141,11 @@ def test_a_tenants_rate_is_held_for_both_routers_together(pair: Pair, breast_can
     # the burst, then the rate while requests came in (the last may reach a busy router late: the window runs
     # to the last answer): 450 for 4 s, where a quota per router would give ~900
     allowed = (BURST + RATE * seconds, BURST + RATE * max(seconds, done[0]))
-    # enough was offered that a quota held per router would show: each router admitting up to `allowed` would
-    # admit at least 1.5x it together (the offered 300/s came to 216/s on a loaded CI machine: the bound is on
-    # what the test needs, not on the client's pace)
-    assert len(outcomes) >= 1.5 * allowed[1], (len(outcomes), allowed)
+    # enough was offered that a quota held per router would show: each router admitting up to the quota of the
+    # 4 s would admit at least 1.5x it together (the offered 300/s came to 216/s on a loaded CI machine: the bound
+    # is on what the test needs, not on the client's pace; and not on the window to the last answer, which a
+    # stalled router stretched to 9 s in another CI run: 1,197 offered in 4 s could never be 1.5x that window's)
+    assert len(outcomes) >= 1.5 * allowed[0], (len(outcomes), allowed)
     assert 0.9 * allowed[0] <= admitted <= 1.05 * allowed[1], (admitted, allowed)
     assert all(o[2] is not None and int(o[2]) >= 1 for o in outcomes if o[1] == 429)
 

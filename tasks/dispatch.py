@@ -244,14 +244,13 @@ def dispatch_shards(
     try:
         run.top_up()
         for future in run.pending:  # ``submit`` adds to ``pending`` while it is iterated
-            listed = future.key in run.listed
             group = run.taken(future)
             if future.status == "cancelled":  # withdrawn on a stop request before it started: it stays to do
                 future.release()
                 continue
             if future.status == "error" and run.resubmitted(future, group, attempts, resubmits):
                 continue
-            outcomes = _outcomes(future, group, listed)
+            outcomes = _outcomes(future, group)
             if len(outcomes) < len(group) and not run.stop_requested():  # only a stop ends a group early
                 outcomes += [(None, RuntimeError("its task ended without scoring it"))] * (len(group) - len(outcomes))
             for shard, (record, failure) in zip(group, outcomes):  # on a stop, a group's unscored shards stay to do
@@ -301,7 +300,6 @@ class _Dispatch:
         self.client, self.shared, self.key_prefix, self.limit, self.stop, self.queue = (
             client, shared, key_prefix, limit, stop, queue)
         self.telemetry = telemetry
-        self.listed: set[str] = set()  # keys of the tasks that answer a list of outcomes (a group's), not a record
         self.stats = DispatchStats()
         self.stopping = False
         self.pending = as_completed()
@@ -322,16 +320,13 @@ class _Dispatch:
         parents = self.telemetry.submitting(group) if self.telemetry is not None else None
         # each task's own stop signal, counted from now: one that waits on a worker behind another asks first
         signal = None if self.signal is None else dataclasses.replace(self.signal, handed_at=time.time())
+        # every task a group's (a single shard too): one answer shape, and each asks about a stop the same way
         if parents is not None:
             self.futures[key] = self.client.submit(score_traced, self.shared, group, parents, signal, key=key,
                                                    pure=False)
-        elif len(group) == 1 and signal is None:
-            self.futures[key] = self.client.submit(score_shard, self.shared, group[0], key=key, pure=False)
         else:
             self.futures[key] = self.client.submit(score_group, self.shared, group, None, signal, key=key,
                                                    pure=False)
-        if parents is not None or len(group) > 1 or signal is not None:
-            self.listed.add(key)
         self.pending.add(self.futures[key])
         self.stats.submitted += len(group)
         self.stats.tasks += 1
@@ -392,7 +387,6 @@ class _Dispatch:
     def taken(self, future: Any) -> list[ShardInfo]:
         """The shards a task that has ended held, no longer in flight."""
         del self.futures[future.key]
-        self.listed.discard(future.key)
         return self.by_key.pop(future.key)
 
     def resubmitted(self, future: Any, group: list[ShardInfo], attempts: dict[str, int], resubmits: int) -> bool:
@@ -413,13 +407,11 @@ class _Dispatch:
             self.last_sized = time.monotonic()
 
 
-def _outcomes(future: Any, group: list[ShardInfo], listed: bool
-              ) -> list[tuple[PartRecord | None, BaseException | None]]:
+def _outcomes(future: Any, group: list[ShardInfo]) -> list[tuple[PartRecord | None, BaseException | None]]:
     """Each shard's record or error from a task that has ended (a failed task fails all of its shards)."""
     if future.status == "error":
         return [(None, future.exception())] * len(group)
-    result = future.result()
-    return list(result) if listed else [(result, None)]
+    return list(future.result())
 
 
 # The scheduler's states of a task no worker has been handed: withdrawing one of these loses no work.

@@ -126,7 +126,8 @@ def test_the_token_quota_is_held_at_the_router_and_a_stream_past_it_ends_cleanly
     small = openai.OpenAI(base_url=f"{routed.url}/v1", api_key=SMALL, max_retries=0)
 
     chunks = list(small.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go on"}],
-                                                max_tokens=300, stream=True, stream_options={"include_usage": True}))
+                                                max_tokens=300, temperature=0, stream=True,  # greedy: no early end
+                                                stream_options={"include_usage": True}))
 
     last: Any = chunks[-2].choices[0]
     assert last.finish_reason == "length"

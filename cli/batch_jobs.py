@@ -66,7 +66,7 @@ class JobOutcome:
 
 def check_request(request: JobRequest) -> None:
     """The checks `batch run` and `batch resume` make before a flow run starts: every check the flow makes
-    before it writes (``tasks.batch_job.check_job``: the settings, SLA, priority, tenant, locations, GPU quota,
+    before it writes (``tasks.batch_admission.check_job``: the settings, SLA, priority, tenant, locations, GPU quota,
     model, input and output), so a wrong request starts no flow run. A resume keeps its recorded deadline,
     past or not.
 
@@ -75,7 +75,7 @@ def check_request(request: JobRequest) -> None:
     """
     from pydantic import ValidationError
 
-    from shardline.tasks.batch_job import BatchJobSettings, check_job
+    from shardline.tasks.batch_admission import BatchJobSettings, check_job
 
     try:
         settings = BatchJobSettings.read(request.batch_rows)

@@ -17,8 +17,8 @@ from prefect.states import State
 
 from shardline.tasks.arguments import whole
 from shardline.tasks.batch import ProgressWatcher, plan_batch_job, validate_shards
+from shardline.tasks.batch_admission import BatchJobSettings
 from shardline.tasks.batch_job import (
-    BatchJobSettings,
     JobParameters,
     admit_job,
     finish_job,

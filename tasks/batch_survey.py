@@ -2,7 +2,7 @@
 
 Plain functions (no Prefect task): the plan task (``tasks/batch.py``, ``plan_batch_job``) calls
 :func:`survey_job` and then takes the output; `batch run` and `batch resume` call it, with
-:func:`check_output_free`, before they start a flow run (``tasks/batch_job.py``, ``check_job``), so
+:func:`check_output_free`, before they start a flow run (``tasks/batch_admission.py``, ``check_job``), so
 a wrong request is refused without a flow run and without a write.
 """
 

@@ -20,7 +20,8 @@ from shardline.storage.output import (
     PartRecord,
 )
 from shardline.tasks import batch as batch_tasks
-from shardline.tasks.batch_job import BatchJobSettings, admit_job
+from shardline.tasks.batch_admission import BatchJobSettings
+from shardline.tasks.batch_job import admit_job
 
 
 def _manifest(**changes: object) -> JobManifest:

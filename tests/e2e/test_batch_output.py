@@ -15,29 +15,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import psutil
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from shardline.build.examples import breast_cancer, package_breast_cancer, write_shards
+from shardline.build.examples import write_shards
 from shardline.storage.registry import ModelRegistry
-from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
 from tests.support.batch_process import descendants_alive, read_only, wait_for
+from tests.support.gated_model import check_scores, package_gated
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
-# Slow on purpose (5 rows a batch): the first job must still run while a second starts.
-SLOW = ("--batch-rows", "5")
-
-
-@pytest.fixture(scope="session")
-def logreg_model(tmp_path_factory: pytest.TempPathFactory) -> BuiltModel:
-    """A second breast-cancer model (logistic regression): other predictions than the gradient-boosted one."""
-    folder = tmp_path_factory.mktemp("bundle-logreg") / "breast-cancer"
-    manifest, estimator = package_breast_cancer(folder, kind="logreg")
-    return BuiltModel(folder, manifest, estimator, breast_cancer())
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -45,31 +34,20 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
 
 
-def check_parts_are_the_models(out: Path, inputs: Path, model: BuiltModel, other: BuiltModel) -> None:
-    """Every part's probabilities are ``model``'s for its shard (and not ``other``'s)."""
-    parts = sorted(out.glob("*.parquet"))
-    assert parts and [p.name for p in parts] == sorted(p.name for p in inputs.glob("*.parquet"))
-    for part in parts:
-        shard = pq.read_table(inputs / part.name)
-        got = np.stack(pq.read_table(part).column("probabilities").to_numpy(zero_copy_only=False))
-        np.testing.assert_allclose(got, model.expected(shard)[1], atol=1e-5, err_msg=part.name)
-        assert not np.allclose(got, other.expected(shard)[1], atol=1e-3)
-
-
-@pytest.mark.usefixtures("local_registry")
 def test_a_second_job_on_a_running_jobs_output_is_refused_and_the_folder_stays_one_models(
-    cli_env: dict[str, str], shardline: Shardline, shardline_home: Path, tmp_path: Path,
-    breast_cancer_model: BuiltModel, logreg_model: BuiltModel,
+    cli_env: dict[str, str], shardline: Shardline, local_registry: ModelRegistry, tmp_path: Path,
 ) -> None:
-    assert ModelRegistry(str(shardline_home / "registry")).push(logreg_model.bundle_dir).version == 2
+    # breast-cancer:2, the gated model (tests/support/gated_model.py): each call waits 2 s while the gate is there,
+    # so the first job runs until the second command is refused, then at full speed
+    gate = tmp_path / "gate"
+    assert local_registry.push(package_gated(tmp_path / "gated", gate, 2.0, name="breast-cancer")).version == 2
+    gate.touch()
     inputs, out = tmp_path / "input", tmp_path / "out"
-    # 20,000 batches of one row on one worker: ~15 s of work on a quiet 2-core machine, several times what the
-    # second command takes (2,400 batches of 5 rows took 2.9 s once: the first job ended before the second was refused)
-    write_shards(inputs, 4, 5_000, row_group_rows=1_500)
+    write_shards(inputs, 40, 100)
     first_log = (tmp_path / "first.log").open("w")
     first = subprocess.Popen(
-        [*SHARDLINE, "batch", "run", "--model", "breast-cancer:1", "--input", str(inputs), "--output", str(out),
-         "--batch-rows", "1", "--json"],
+        [*SHARDLINE, "batch", "run", "--model", "breast-cancer:2", "--input", str(inputs), "--output", str(out),
+         "--json"],
         env={**cli_env, "SHARDLINE_DASK_N_WORKERS": "1"}, cwd=tmp_path, stdout=subprocess.PIPE,
         stderr=first_log, text=True,
     )
@@ -78,11 +56,12 @@ def test_a_second_job_on_a_running_jobs_output_is_refused_and_the_folder_stays_o
 
         # the first job's settings: its runner refuses the second job (a command with other settings would run
         # it cold, and the lease would refuse it the same way)
-        second = shardline("batch", "run", "--model", "breast-cancer:2", "--input", str(inputs), "--output", str(out),
+        second = shardline("batch", "run", "--model", "breast-cancer:1", "--input", str(inputs), "--output", str(out),
                            SHARDLINE_DASK_N_WORKERS="1")
 
         assert first.poll() is None, (f"the first job ended ({first.returncode}) before the second was refused: "
                                       f"{(tmp_path / 'first.log').read_text()[-3000:]}")
+        gate.unlink()
         stdout, _ = first.communicate(timeout=600)
     finally:
         if first.poll() is None:
@@ -92,37 +71,40 @@ def test_a_second_job_on_a_running_jobs_output_is_refused_and_the_folder_stays_o
     summary = json.loads(stdout.strip().splitlines()[-1])
     errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in second.stderr
-    assert f"the output {out} is in use by job {summary['job_id']} (model breast-cancer:1, on host " in errors[0]
+    assert f"the output {out} is in use by job {summary['job_id']} (model breast-cancer:2, on host " in errors[0]
     assert f"wait for it to finish (`shardline batch status {summary['job_id']}`) or choose another --output" in errors[0]
 
     manifest = json.loads((out / "_manifest.json").read_text())
-    assert manifest["model"]["pinned"] == "breast-cancer:1" and len(manifest["parts"]) == 4
+    assert manifest["model"]["pinned"] == "breast-cancer:2" and len(manifest["parts"]) == 40
     assert (out / "_SUCCESS").exists() and not (out / "_staging").exists()
-    check_parts_are_the_models(out, inputs, breast_cancer_model, logreg_model)
+    check_scores(out, inputs)
 
     # the folder is finished, but with the other model's parts: still refused, nothing touched
     before = snapshot(out)
-    later = shardline("batch", "run", "--model", "breast-cancer:2", "--input", str(inputs), "--output", str(out),
+    later = shardline("batch", "run", "--model", "breast-cancer:1", "--input", str(inputs), "--output", str(out),
                       SHARDLINE_DASK_N_WORKERS="1")
     assert later.returncode == 2, later.stderr[-2000:]
-    assert f"holds the parts of job {summary['job_id']} (model breast-cancer:1; its manifest is there)" in later.stderr
+    assert f"holds the parts of job {summary['job_id']} (model breast-cancer:2; its manifest is there)" in later.stderr
     assert "choose another --output, or delete the folder" in later.stderr
     assert snapshot(out) == before
 
 
-@pytest.mark.usefixtures("local_registry")
 def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_output_over(
-    cli_env: dict[str, str], tmp_path: Path, breast_cancer_model: BuiltModel, logreg_model: BuiltModel,
+    cli_env: dict[str, str], local_registry: ModelRegistry, tmp_path: Path,
 ) -> None:
+    gate = tmp_path / "gate"  # the gated model: each call waits 1 s while the gate is there
+    local_registry.set_alias("gated", "prod", local_registry.push(package_gated(tmp_path / "gated", gate, 1.0)).version
+                             or 1)
+    gate.touch()
     inputs, out = tmp_path / "input", tmp_path / "out"
     write_shards(inputs, 12, 5_000, row_group_rows=2_500)
-    args = [*SHARDLINE, "batch", "run", "--model", "breast-cancer@prod", "--input", str(inputs), "--output", str(out)]
+    args = [*SHARDLINE, "batch", "run", "--model", "gated@prod", "--input", str(inputs), "--output", str(out)]
     # no PREFECT_API_URL and SHARDLINE_PREFECT_SERVER=temporary: the command starts Prefect's temporary server,
     # which must not outlive it (the local server, the default, outlives runs on purpose: test_prefect_server.py)
     env = {k: v for k, v in cli_env.items() if k != "PREFECT_API_URL"}
     env.update(SHARDLINE_DASK_N_WORKERS="1", SHARDLINE_BATCH_LEASE_TTL_S="600", SHARDLINE_PREFECT_SERVER="temporary")
-    victim = subprocess.Popen([*args, *SLOW], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    victim = subprocess.Popen([*args, "--batch-rows", "5000"], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True, text=True)
     try:
         wait_for("two shards committed", lambda: len(list((out / "_ledger").glob("*.json"))) >= 2, victim)
         started = psutil.Process(victim.pid).children(recursive=True)
@@ -145,6 +127,7 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_out
     # the lease lasts 10 minutes, but its holder is a dead process of this host: taken over at once (on the
     # session's Prefect server: the takeover is the output's, whichever API the run uses, and a second
     # temporary server would cost the suite its start-up for nothing)
+    gate.unlink()
     resumed_env = {**env, "PREFECT_API_URL": cli_env["PREFECT_API_URL"]}
     resumed = subprocess.run([*args, "--json"], env=resumed_env, cwd=tmp_path, capture_output=True, text=True,
                              timeout=600)
@@ -156,7 +139,7 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_out
     assert (out / "_SUCCESS").exists() and not (out / "_staging").exists()
     assert [p.name for p in (out / "_lease").glob("*.json")] == ["0000000002.json"]
     assert json.loads((out / "_lease" / "0000000002.json").read_text())["released"] is True
-    check_parts_are_the_models(out, inputs, breast_cancer_model, logreg_model)
+    check_scores(out, inputs)
 
 
 @pytest.mark.usefixtures("local_registry")

@@ -22,8 +22,10 @@ import pytest
 from shardline.build.examples import write_shards
 from shardline.cli.batch_runner import find, runner_dir
 from shardline.storage.job_records import JobRecords
+from shardline.storage.registry import ModelRegistry
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
+from tests.support.gated_model import package_gated
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
 WARM: dict[str, str | None] = {"SHARDLINE_PREFECT_SERVER": None}  # the default, local: the runner applies
@@ -92,19 +94,24 @@ def test_runs_go_to_one_warm_runner_whose_cluster_stays_and_prefect_stop_stops_i
     assert gone(runner.pid) and all(gone(pid) for pid in workers) and find(shardline_home) is None
 
 
-@pytest.mark.usefixtures("local_registry")
 def test_a_killed_command_stops_its_job_a_busy_runner_with_other_settings_is_left_and_a_rerun_resumes(
-    cli_env: dict[str, str], shardline: Shardline, input_shards: Path, tmp_path: Path, shardline_home: Path,
+    cli_env: dict[str, str], shardline: Shardline, local_registry: ModelRegistry, tmp_path: Path,
+    shardline_home: Path,
 ) -> None:
-    # 80 shards of 30,000 rows in batches of 20 on one worker: a few seconds a shard, minutes in all, so that it
-    # still runs when the other command below (a small job run cold: seconds on a busy machine) is done and this
-    # one is killed; the resume below scores the rest in batches of 5,000 (the batch size is not the job's identity)
-    shards = write_shards(tmp_path / "big", 80, 30_000, row_group_rows=5_000)
+    # 60 shards of 500 rows, a shard a call, each call waiting 2 s while the gate is there: the job still runs when
+    # the other command below (a small job run cold: seconds on a busy machine) is done and this one is killed;
+    # the gate gone, the resume below scores the rest at full speed, in batches of 100 (the batch size is not the
+    # job's identity)
+    gate = tmp_path / "gate"
+    local_registry.set_alias("gated", "prod", local_registry.push(package_gated(tmp_path / "gated", gate, 2.0)).version
+                             or 1)
+    gate.touch()
+    shards = write_shards(tmp_path / "big", 60, 500)
     out = tmp_path / "out"
-    args = [*SHARDLINE, "batch", "run", "--model", "breast-cancer@prod", "--input", str(tmp_path / "big"),
+    args = [*SHARDLINE, "batch", "run", "--model", "gated@prod", "--input", str(tmp_path / "big"),
             "--output", str(out)]
     env = {k: v for k, v in {**cli_env, **WARM, "SHARDLINE_DASK_N_WORKERS": "1"}.items() if v is not None}
-    victim = subprocess.Popen([*args, "--batch-rows", "20"], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+    victim = subprocess.Popen([*args, "--batch-rows", "500"], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     try:
         wait_for("a first committed shard", lambda: victim.poll() is None and len(list(
@@ -139,14 +146,15 @@ def test_a_killed_command_stops_its_job_a_busy_runner_with_other_settings_is_lef
     assert settled < len(shards) and not (out / "_SUCCESS").exists()  # it stopped: it did not run on
     assert find(shardline_home) == runner  # the runner outlives the command it served
 
-    resumed = subprocess.run([*args, "--batch-rows", "5000", "--json"], env=env, cwd=tmp_path, capture_output=True,
+    gate.unlink()
+    resumed = subprocess.run([*args, "--batch-rows", "100", "--json"], env=env, cwd=tmp_path, capture_output=True,
                              text=True, timeout=300)
 
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
-    assert summary["shards_skipped"] == settled and summary["rows_out"] == len(shards) * 30_000
+    assert summary["shards_skipped"] == settled and summary["rows_out"] == len(shards) * 500
     ids = ds.dataset(out).to_table(columns=["id"]).column("id").to_numpy()
-    assert np.array_equal(np.sort(ids), np.arange(len(shards) * 30_000))  # every row exactly once
+    assert np.array_equal(np.sort(ids), np.arange(len(shards) * 500))  # every row exactly once
 
     os.rename(runner_dir(shardline_home), tmp_path / "moved-away")  # as `rm -rf` of the home would
     wait_for("the runner to exit without its home", lambda: gone(runner.pid), timeout=60)

@@ -29,7 +29,7 @@ def run_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenan
 
     from shardline.cli.prefect_commands import use_prefect_api
     from shardline.errors import PrefectServerUnavailable
-    from shardline.tasks.openai_batch import OpenAIBatchSettings, check_openai_batch
+    from shardline.tasks.openai_batch_survey import OpenAIBatchSettings, check_openai_batch
 
     try:
         try:

@@ -14,8 +14,8 @@ from prefect import flow
 from prefect.states import State
 
 from shardline.tasks.arguments import whole
+from shardline.tasks.openai_batch_survey import OpenAIBatchSettings
 from shardline.tasks.openai_batch import (
-    OpenAIBatchSettings,
     PartWatcher,
     answer_openai_parts,
     finish_openai_batch,

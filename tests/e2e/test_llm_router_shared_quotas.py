@@ -26,7 +26,9 @@ TOKENS, STREAMS = "sk-shared-tokens", "sk-shared-streams"
 @pytest.fixture(scope="module", params=PLANES)
 def urls(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     home = tmp_path_factory.mktemp(f"llm-shared-quotas-{request.param}")
-    tenants = tiny_llm_home(home, [("tokens", TOKENS, "tokens_per_minute: 80"), ("streams", STREAMS, "max_streams: 2")])
+    # 30 tokens a minute: one comes back every 2 s, so the second router's request finds none (at 80, one came back
+    # every 0.75 s, within a loaded machine's pause between the two requests)
+    tenants = tiny_llm_home(home, [("tokens", TOKENS, "tokens_per_minute: 30"), ("streams", STREAMS, "max_streams: 2")])
     redis = redis_server(home)
     routers: list[subprocess.Popen[bytes]] = []
     found: list[str] = []
@@ -62,10 +64,10 @@ def test_a_token_quota_spent_through_one_router_is_spent_at_the_other(urls: list
                                               stream_options={"include_usage": True}))
 
     last: Any = chunks[-2].choices[0]
-    assert "tenant 'tokens' used its 80 tokens per minute" in last.model_extra["stop_reason"]
+    assert "tenant 'tokens' used its 30 tokens per minute" in last.model_extra["stop_reason"]
     usage = chunks[-1].usage
-    assert usage is not None and 0 < usage.completion_tokens < 80
-    with pytest.raises(openai.RateLimitError, match="over its 80 tokens per minute"):  # a quota per router: 200
+    assert usage is not None and 0 < usage.completion_tokens < 30
+    with pytest.raises(openai.RateLimitError, match="over its 30 tokens per minute"):  # a quota per router: 200
         two.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "more"}], max_tokens=2)
 
 

@@ -14,7 +14,6 @@ from prefect import flow
 from prefect.states import State
 
 from shardline.tasks.arguments import whole
-from shardline.tasks.openai_batch_survey import OpenAIBatchSettings
 from shardline.tasks.openai_batch import (
     PartWatcher,
     answer_openai_parts,
@@ -23,6 +22,7 @@ from shardline.tasks.openai_batch import (
     openai_batch_outcome,
     plan_openai_batch,
 )
+from shardline.tasks.openai_batch_survey import OpenAIBatchSettings
 
 
 @flow(name="openai-batch", log_prints=True, validate_parameters=True)

@@ -1,7 +1,9 @@
-"""The batch flow's job-level steps: admission, the job's record and SLA tracker, fair share, metering, outcome.
+"""The batch flow's job-level steps: the admission task, the job's record and SLA tracker, fair share, metering,
+outcome.
 
 The flow (``flows/batch_inference.py``) wires these with the shard tasks of
-``tasks/batch.py``; settings are read once there (:meth:`BatchJobSettings.read`) and
+``tasks/batch.py``; settings are read once there (:meth:`BatchJobSettings.read`, in
+``tasks/batch_admission.py`` with admission itself, which the command's checks use without Prefect) and
 passed down, so no task reads the environment.
 """
 

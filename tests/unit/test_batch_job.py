@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import json
 from pathlib import Path
 
@@ -103,3 +104,39 @@ def test_progress_has_one_mechanism_watchers_passed_down_from_the_flow() -> None
     assert not hasattr(batch_tasks, "progress_listeners")  # no module-level list to append to
     assert "watchers" in inspect.signature(batch_inference.fn).parameters
     assert "watchers" in inspect.signature(batch_tasks.infer_shards.fn).parameters
+
+
+def test_the_commands_checks_refuse_wrong_requests_without_importing_prefect(tmp_path: Path) -> None:
+    """`batch run` and `batch openai` check a request in the command before any flow run; Prefect's imports
+    (~1.4 s on 2 cores) are for the flow, so a refusal comes without them."""
+    import subprocess
+    import sys
+
+    from shardline.build.examples import write_shards
+
+    write_shards(tmp_path / "input", 1, 10)
+    (tmp_path / "batch.jsonl").write_text(json.dumps({
+        "custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "churn", "messages": [{"role": "user", "content": "hi"}]}}) + "\n")
+    code = (
+        "import sys\n"
+        "from shardline.cli.batch_jobs import JobRequest, refused\n"
+        "from shardline.tasks.openai_batch_survey import OpenAIBatchSettings, check_openai_batch\n"
+        "from shardline.errors import ModelNotFound\n"
+        "folder = sys.argv[1]\n"
+        "outcome = refused(JobRequest(model='churn@prod', input_uri=folder + '/input', output_uri=folder + '/out'))\n"
+        "assert outcome is not None and outcome.code == 2 and \"model 'churn' is not\" in outcome.error, outcome\n"
+        "try:\n"
+        "    check_openai_batch(folder + '/batch.jsonl', folder + '/answers', 100, 'default', OpenAIBatchSettings.read())\n"
+        "except ModelNotFound:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('the batch file naming an unknown model passed')\n"
+        "assert 'prefect' not in sys.modules, 'the checks imported Prefect'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
+    env["SHARDLINE_STORAGE_HOME"] = str(tmp_path / "home")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "answers").exists()

@@ -621,7 +621,7 @@ def test_a_hung_replica_costs_a_request_a_bounded_delay_not_its_deadline(home: P
                                                                          plane: str) -> None:
     """50 requests/s through the router over 3 local replicas, and the replica first in the model's order is
     stopped (SIGSTOP: its socket takes connections, nothing answers) for 8 s: every answer is 200, and no more than
-    a straggler or two took over 2 s (bench/README.md has the figures: the slowest took well under 1 s). Had the
+    a tenth took over 2 s (bench/README.md has the figures: on a quiet machine the slowest took well under 1 s). Had the
     requests waited for the stopped replica, the first in its order for most of them, hundreds would have taken
     seconds; a share, not the slowest one, so that a machine loaded by other tests (a client that lags, a try's
     bound that grows with the model's usual time) does not fail it. Then the router took the replica out, and back."""
@@ -644,7 +644,10 @@ def test_a_hung_replica_costs_a_request_a_bounded_delay_not_its_deadline(home: P
         statuses = {status for status, _ in results}
         late = sorted(seconds for _, seconds in results if seconds > 2.0)
         assert statuses == {200}, f"{[r for r in results if r[0] != 200][:5]}"
-        assert len(late) <= 0.02 * len(results), (
+        # at most a tenth: a full run on a machine ~1.6x slower than usual had 25 of 500 between 2.0 and 3.6 s on
+        # the nginx plane (its try's bound grows with the model's usual time, 40-70 ms there); waiting for the
+        # stopped replica would make it hundreds
+        assert len(late) <= 0.1 * len(results), (
             f"{len(late)} of {len(results)} requests took over 2 s ({', '.join(f'{s:.2f}' for s in late[-5:])} the "
             f"slowest): they waited for the stopped replica; the router's log ends:\n{log.read_text()[-3000:]}")
 

@@ -24,7 +24,7 @@ from shardline.build.examples import write_shards
 from shardline.storage.registry import ModelRegistry
 from tests.e2e.conftest import SHARDLINE
 from tests.support.batch_process import descendants_alive, read_only, wait_for
-from tests.support.gated_model import check_scores, package_gated
+from tests.support.gated_model import check_scores, package_gated, push_gated
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -93,8 +93,7 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_out
     cli_env: dict[str, str], local_registry: ModelRegistry, tmp_path: Path,
 ) -> None:
     gate = tmp_path / "gate"  # the gated model: each call waits 1 s while the gate is there
-    local_registry.set_alias("gated", "prod", local_registry.push(package_gated(tmp_path / "gated", gate, 1.0)).version
-                             or 1)
+    push_gated(local_registry, tmp_path / "gated", gate, 1.0)
     gate.touch()
     inputs, out = tmp_path / "input", tmp_path / "out"
     write_shards(inputs, 12, 5_000, row_group_rows=2_500)

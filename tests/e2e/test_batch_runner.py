@@ -25,7 +25,7 @@ from shardline.storage.job_records import JobRecords
 from shardline.storage.registry import ModelRegistry
 from tests.conftest import BuiltModel
 from tests.e2e.conftest import SHARDLINE
-from tests.support.gated_model import package_gated
+from tests.support.gated_model import push_gated
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
 WARM: dict[str, str | None] = {"SHARDLINE_PREFECT_SERVER": None}  # the default, local: the runner applies
@@ -103,8 +103,7 @@ def test_a_killed_command_stops_its_job_a_busy_runner_with_other_settings_is_lef
     # the gate gone, the resume below scores the rest at full speed, in batches of 100 (the batch size is not the
     # job's identity)
     gate = tmp_path / "gate"
-    local_registry.set_alias("gated", "prod", local_registry.push(package_gated(tmp_path / "gated", gate, 2.0)).version
-                             or 1)
+    push_gated(local_registry, tmp_path / "gated", gate, 2.0)
     gate.touch()
     shards = write_shards(tmp_path / "big", 60, 500)
     out = tmp_path / "out"

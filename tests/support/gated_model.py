@@ -13,6 +13,7 @@ from pathlib import Path
 
 from shardline.build.code_bundles import package_python
 from shardline.build.examples import breast_cancer, shard_table
+from shardline.storage.registry import ModelRegistry
 
 CODE = '''
 """Scores the mean radius; each call waits {pause_s} s first while the test's gate file exists."""
@@ -40,6 +41,13 @@ def package_gated(folder: Path, gate: Path, pause_s: float, name: str = "gated")
     package_python(code, folder / "bundle", name=name, sample=shard_table(breast_cancer(), 8, 0, 0),
                    exclude=["id"])
     return folder / "bundle"
+
+
+def push_gated(registry: ModelRegistry, folder: Path, gate: Path, pause_s: float, name: str = "gated") -> int:
+    """Package the model (:func:`package_gated`), push it and point the alias ``prod`` at it; its version."""
+    version = registry.push(package_gated(folder, gate, pause_s, name)).version or 1
+    registry.set_alias(name, "prod", version)
+    return version
 
 
 def check_scores(out: Path, inputs: Path) -> None:

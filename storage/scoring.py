@@ -136,6 +136,23 @@ def check_passthrough(passthrough: Sequence[str], model: ResolvedModel) -> None:
         )
 
 
+def check_passthrough_present(passthrough: Sequence[str], shard: str, schema: pa.Schema) -> None:
+    """Refuse passthrough columns the input's first shard does not have: a misspelt ``--passthrough`` would
+    otherwise quarantine every shard of the job, one by one, for the same request error.
+
+    Raises:
+        InvalidInput: naming the columns, the shard and the columns it has.
+    """
+    missing = [c for c in passthrough if schema.get_field_index(c) < 0]
+    if missing:
+        names = list(schema.names)
+        shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+        raise InvalidInput(
+            f"passthrough columns {missing} are not in the input's first shard {shard} (its columns: {shown}); "
+            "check the names given to --passthrough"
+        )
+
+
 def output_schema(job: ScoringJob, input_schema: pa.Schema, carried: list[str]) -> pa.Schema:
     """Passthrough columns (as they are in the input) followed by the model's outputs."""
     check_passthrough(carried, job.model)

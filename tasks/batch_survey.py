@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.errors import OutputInUse
+from shardline.errors import CorruptShard, OutputInUse
 from shardline.machines import machine_kind
 from shardline.placement import BatchWorkload, Pricing, candidates_from_profiles, choose_placement
 from shardline.settings import BatchSettings, DaskSettings, StorageSettings
@@ -20,8 +20,8 @@ from shardline.storage.lease import OutputLease
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, part_name, split_done
 from shardline.storage.registry import ModelRegistry, ResolvedModel
 from shardline.storage.retry import RetryPolicy, call_with_retries
-from shardline.storage.scoring import check_passthrough
-from shardline.storage.shards import ShardInfo, list_shards
+from shardline.storage.scoring import check_passthrough, check_passthrough_present
+from shardline.storage.shards import ShardInfo, list_shards, read_footer
 from shardline.tenants import check_custom_code
 
 
@@ -97,7 +97,8 @@ def survey_job(
         InvalidSetting: ``variant='auto'`` and the price table is wrong; the input is missing; a link leads out
             of the input's allowed places or out of the output.
         EmptyInput: the input holds no shard.
-        InvalidInput: two shards would write one part; a passthrough column has the name of a model output.
+        InvalidInput: two shards would write one part; a passthrough column has the name of a model output or
+            is not in the first shard.
         AccessDenied: the model carries its own code and the tenant may not run it.
         OutputInUse: the output holds another model's (or passthrough's) parts.
     """
@@ -112,6 +113,8 @@ def survey_job(
         what="listing the input",
     )
     check_part_names(shards)
+    if passthrough:
+        _check_first_shard_carries(passthrough, shards[0], storage, retry)
     key = job_key(resolved.outputs_digest, passthrough)
     this_job = job_id(key, shards, output_uri)
     layout = OutputLayout(output_uri, storage.storage_options, this_job)
@@ -126,6 +129,22 @@ def survey_job(
     if settled is None:
         refuse_foreign(layout, resolved.pinned, key, layout.any_manifest(), {})
     return JobSurvey(registry, resolved, note, shards, key, this_job, layout, retry, settled)
+
+
+def _check_first_shard_carries(passthrough: list[str], first: ShardInfo, storage: StorageSettings,
+                               retry: RetryPolicy) -> None:
+    """Refuse ``passthrough`` columns the first shard lacks (one footer read). A first shard that is not readable
+    Parquet is left to the workers to quarantine, as any such shard is.
+
+    Raises:
+        InvalidInput: a passthrough column is not in the first shard.
+    """
+    try:
+        footer = call_with_retries(lambda: read_footer(first.uri, storage.storage_options), retry,
+                                   what="reading the first shard's footer")
+    except CorruptShard:
+        return
+    check_passthrough_present(passthrough, first.relative, footer.schema)
 
 
 def check_output_free(survey: JobSurvey) -> None:

@@ -102,6 +102,8 @@ def wrong_requests(tmp_path: Path) -> list[tuple[tuple[str, ...], dict[str, str]
          "with different columns in one folder would corrupt it: give the --passthrough that job had"),
         ((*RUN, *bc, "--output", out, "--passthrough", "label"), {},
          "passthrough columns ['label'] have the names of model outputs; rename them or leave them out"),
+        ((*RUN, *bc, "--output", out, "--passthrough", "id", "--passthrough", "idd"), {},
+         "passthrough columns ['idd'] are not in the input's first shard part-00000.parquet (its columns: id, "),
         ((*RUN, *bc, "--output", out, "--sla", "2x"), {}, "SLA '2x' is not a duration"),
         ((*RUN, *bc, "--output", out, "--deadline", "2020-01-01T00:00Z"), {}, "is already past"),
         ((*RUN, *bc, "--output", out, "--priority", "urgent"), {}, "priority 'urgent' is not one of high"),

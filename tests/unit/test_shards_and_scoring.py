@@ -21,7 +21,7 @@ from shardline.runtimes import RuntimeOptions
 from shardline.storage.job_identity import job_id, job_key, summarize
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, part_name, split_done
 from shardline.storage.registry import ModelRegistry
-from shardline.storage.scoring import ScoringJob, ShardCapture, score_shard
+from shardline.storage.scoring import ScoringJob, ShardCapture, check_passthrough_present, score_shard
 from shardline.storage.shards import ShardInfo, dictionary_columns, iter_batches, list_shards, read_footer
 from tests.conftest import BuiltModel
 
@@ -397,3 +397,14 @@ def test_a_worker_scores_and_captures_without_importing_pandas(
     assert captured.num_rows == 900 and set(captured.column("_tenant").to_pylist()) == {"acme"}
     assert captured.column("_tier").to_pylist() == ["batch"] * 900
     assert set(captured.column("_source").to_pylist()) == {"j1"}
+
+
+def test_passthrough_columns_missing_from_the_first_shard_are_a_wrong_request_naming_its_columns() -> None:
+    few = pa.schema([("id", pa.int64()), ("age", pa.float32())])
+    check_passthrough_present(["id"], "part-00000.parquet", few)
+    with pytest.raises(InvalidInput, match=r"passthrough columns \['idd'\] are not in the input's first shard "
+                                           r"part-00000.parquet \(its columns: id, age\); check the names"):
+        check_passthrough_present(["id", "idd"], "part-00000.parquet", few)
+    many = pa.schema([(f"c{i}", pa.float32()) for i in range(40)])
+    with pytest.raises(InvalidInput, match=r"its columns: c0, c1, .*, c11, \.\.\. \(40 in all\)\)"):
+        check_passthrough_present(["id"], "a/b.parquet", many)

@@ -152,14 +152,16 @@ def tenant_budget_state(tenant: str) -> Any:
     return current_states(store, {tenant: budget}, load_prices(prices_path()))[tenant]
 
 
-def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None]:
-    """What the tenant's budget makes of a new job, said in one line (docs/cost.md, "Budgets"): ``hard``
-    refuses it (exit code 2, the figures), ``soft`` runs it at low priority on spot capacity (``soft_line``: where
-    its cluster has none, on-demand, said so), ``warn`` runs it as asked; warn, soft and hard emit
-    ``shardline.budget.warning``. A resumed job was accepted before: it is never refused.
+def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None, str | None]:
+    """What the tenant's budget makes of a new job (docs/cost.md, "Budgets"): ``hard`` refuses it (exit code 2,
+    the figures), ``soft`` runs it at low priority on spot capacity (``soft_line``: where its cluster has none,
+    on-demand, said so), ``warn`` runs it as asked; warn, soft and hard emit ``shardline.budget.warning``. A
+    resumed job was accepted before: it is never refused.
 
     Returns:
-        The request to run (on soft: priority low, capacity type spot), and the refusal (None: run it).
+        The request to run (on soft: priority low, capacity type spot), the refusal (None: run it), and the
+        budget's line for a job that runs (None: nothing to say), which ``say_budget`` prints once the request's
+        own checks have passed: a request they refuse does not run, and is not told that it does.
     """
     from shardline.cli.common import EXIT_USAGE
     from shardline.errors import ShardlineError
@@ -167,21 +169,25 @@ def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None]:
     try:
         state = tenant_budget_state(request.tenant)
     except ShardlineError as e:
-        return request, JobOutcome(EXIT_USAGE, error=str(e))
+        return request, JobOutcome(EXIT_USAGE, error=str(e)), None
     if state is None or state.state == "ok":
-        return request, None
+        return request, None, None
     _announce(state)
     if state.state == "hard" and not request.resume:
         return request, JobOutcome(EXIT_USAGE, error=f"{state.line()}; the job was not started (raise the tenant's "
-                                   "budget in the tenants file, or wait for the next month)")
+                                   "budget in the tenants file, or wait for the next month)"), None
     if state.state == "hard":
-        typer.secho(f"{state.line()}; this job was accepted before, so it runs to the end", fg="yellow", err=True)
-    elif state.state == "soft":
-        typer.secho(f"{state.line()}; {soft_line()}", fg="yellow", err=True)
-        return request.model_copy(update={"priority": "low", "capacity_type": "spot"}), None
-    else:
-        typer.secho(f"{state.line()}; the job runs", fg="yellow", err=True)
-    return request, None
+        return request, None, f"{state.line()}; this job was accepted before, so it runs to the end"
+    if state.state == "soft":
+        degraded = request.model_copy(update={"priority": "low", "capacity_type": "spot"})
+        return degraded, None, f"{state.line()}; {soft_line()}"
+    return request, None, f"{state.line()}; the job runs"
+
+
+def say_budget(line: str | None) -> None:
+    """The budget's line from ``apply_budget``, in the warning's colour, when a job starts."""
+    if line is not None:
+        typer.secho(line, fg="yellow", err=True)
 
 
 def soft_line() -> str:

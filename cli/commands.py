@@ -69,32 +69,35 @@ def runner_applies() -> bool:
         return False
 
 
-def run_batch_job(request: JobRequest, progress: bool = True, check: bool = False) -> JobOutcome:
+def run_batch_job(request: JobRequest, progress: bool = True, check: bool = False,
+                  budget_line: str | None = None) -> JobOutcome:
     """Run a batch job: on the home's warm runner when it applies, else in this process (cold).
 
     ``check``: the checks the flow makes before it writes, first (``check_request``): a wrong request starts
-    no flow run. A command that ``main`` left unsupervised for the runner runs its job in a supervised
-    child when the runner cannot take it (busy with other settings, or it did not start).
+    no flow run. ``budget_line`` (``apply_budget``'s) is printed once those checks have passed. A command that
+    ``main`` left unsupervised for the runner runs its job in a supervised child when the runner cannot take it
+    (busy with other settings, or it did not start).
     """
     if runner_applies():
-        outcome = _run_on_runner(request, progress, check)
+        outcome = _run_on_runner(request, progress, check, budget_line)
         if outcome is not None:
             return outcome
         if _PROCESS["supervise_fallback"]:
             from shardline.cli.supervise import run_supervised
 
-            raise typer.Exit(run_supervised(sys.argv[1:]))
-    return _run_here(request, progress, check)
+            raise typer.Exit(run_supervised(sys.argv[1:]))  # the child says the budget's line itself
+    return _run_here(request, progress, check, budget_line)
 
 
-def _run_here(request: JobRequest, progress: bool, check: bool) -> JobOutcome:
-    from shardline.cli.batch_jobs import execute, progress_bar, refused
+def _run_here(request: JobRequest, progress: bool, check: bool, budget_line: str | None) -> JobOutcome:
+    from shardline.cli.batch_jobs import execute, progress_bar, refused, say_budget
     from shardline.errors import PrefectServerUnavailable
 
     if check:
         refusal = refused(request)  # a wrong request fails before Prefect starts (the flow checks it again)
         if refusal is not None:
             return refusal
+    say_budget(budget_line)
     try:
         use_prefect_api()  # the local Prefect server, unless PREFECT_API_URL or SHARDLINE_PREFECT_SERVER say otherwise
     except PrefectServerUnavailable as e:
@@ -104,10 +107,11 @@ def _run_here(request: JobRequest, progress: bool, check: bool) -> JobOutcome:
         return execute(request, [listen])
 
 
-def _run_on_runner(request: JobRequest, progress: bool, check: bool) -> JobOutcome | None:
-    """The job run by the home's warm runner; None when it cannot take it (the caller runs it cold)."""
+def _run_on_runner(request: JobRequest, progress: bool, check: bool, budget_line: str | None) -> JobOutcome | None:
+    """The job run by the home's warm runner; None when it cannot take it (the caller runs it cold). The
+    budget's line comes before the job's first line: the runner sends none for a request it refuses."""
     from shardline.cli import batch_runner as runner
-    from shardline.cli.batch_jobs import progress_bar
+    from shardline.cli.batch_jobs import progress_bar, say_budget
     from shardline.settings import StorageSettings
 
     def say(text: str) -> None:
@@ -130,6 +134,7 @@ def _run_on_runner(request: JobRequest, progress: bool, check: bool) -> JobOutco
         def started() -> None:  # the bar appears with the job's first line, as it does in a cold run
             if not entered[0]:
                 entered[0] = True
+                say_budget(budget_line)
                 shown.enter_context(bar)
 
         def line(text: str, err: bool) -> None:
@@ -145,7 +150,10 @@ def _run_on_runner(request: JobRequest, progress: bool, check: bool) -> JobOutco
                 record = runner.ensure(home, say)
                 if record is None:
                     return None
-                return JobOutcome.from_json(runner.submit(record, request.to_json(), check, line, moved))
+                outcome = JobOutcome.from_json(runner.submit(record, request.to_json(), check, line, moved))
+                if not entered[0] and outcome.summary is not None:
+                    say_budget(budget_line)  # a job that ran without a line (a finished one, run again)
+                return outcome
             except runner.RunnerGone as e:
                 if e.started:
                     return JobOutcome(EXIT_FAILED, error=str(e))
@@ -189,10 +197,11 @@ def batch_run(
     """
     request = JobRequest(model=model, input_uri=input, output_uri=output, tenant=tenant, passthrough=passthrough,
                          batch_rows=batch_rows, variant=variant, sla=sla, deadline=deadline, priority=priority)
-    request, refusal = apply_budget(request)  # before any flow run: a tenant at its hard limit starts nothing
+    request, refusal, budget_line = apply_budget(request)  # before any flow run: at its hard limit nothing starts
     if refusal is not None:
         raise typer.Exit(present(refusal, json_out))
-    raise typer.Exit(present(run_batch_job(request, progress=not json_out, check=True), json_out))
+    raise typer.Exit(present(run_batch_job(request, progress=not json_out, check=True, budget_line=budget_line),
+                             json_out))
 
 
 def _job_records() -> Any:
@@ -284,10 +293,11 @@ def batch_resume(
     # the pinned version, not the alias: were the alias moved since, the parts already made would not count
     request = JobRequest(**{**p.model_dump(), "model": record.model_pinned or p.model},
                          deadline=record.deadline.isoformat(), resume=True)
-    request, refusal = apply_budget(request)  # accepted before: said, never refused
+    request, refusal, budget_line = apply_budget(request)  # accepted before: said, never refused
     if refusal is not None:
         raise typer.Exit(present(refusal, json_out))
-    raise typer.Exit(present(run_batch_job(request, progress=not json_out, check=True), json_out))
+    raise typer.Exit(present(run_batch_job(request, progress=not json_out, check=True, budget_line=budget_line),
+                             json_out))
 
 
 @batch_app.command("openai")

@@ -90,6 +90,11 @@ def test_a_batch_job_warns_degrades_and_is_refused_at_its_tenants_budget(
         ("warn", "batch", 850.0)]
     after_job = _spent(shardline_home, "acme")
     assert after_job > 850.0  # the job's own use was metered and priced: the budget sees it
+    # a wrong request past the warning threshold gets its own error alone: it is not told that the job runs
+    code, output = run("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards), "--output",
+                       str(tmp_path / "wrong"), "--tenant", "acme", "--priority", "urgent")
+    assert code == 2, output
+    assert output.startswith("error: priority 'urgent' is not one of") and len(output.strip().splitlines()) == 1
 
     # soft: past 90%: the job runs at low priority on spot capacity; a local cluster on on-demand capacity has
     # none, so it runs there, said in one line, and its ledger rows are priced as on-demand

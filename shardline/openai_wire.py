@@ -124,6 +124,25 @@ def _object(body: bytes | dict[str, Any], example: str, not_object: str) -> dict
     return doc
 
 
+def request_object(body: bytes | dict[str, Any], generation: bool) -> dict[str, Any]:
+    """An embeddings (``generation`` False) or a completions request's body as a JSON object, and its ``model``
+    checked: what serve's parsers and the router (which reads no other field) both refuse, in the same words.
+
+    Raises:
+        InvalidInput: the body is not JSON, not an object, or names no model.
+    """
+    if generation:
+        doc = _object(body, "{\"model\": ..., ...}", "the request body is not a JSON object")
+    else:
+        doc = _object(body, "{\"model\": ..., \"input\": ...}",
+                      "the request body is not a JSON object with 'model' and 'input'")
+    model = doc.get("model")
+    if not isinstance(model, str) or not model.strip():
+        kind = "a text-generation" if generation else "an embedding"
+        raise InvalidInput(f"field 'model' is missing or not a string; name {kind} model you may call")
+    return doc
+
+
 def parse_generation_request(body: bytes | dict[str, Any], chat: bool) -> GenerationRequest:
     """A completions (``chat`` False) or chat completions request body (bytes, or the decoded object), checked
     field by field.
@@ -131,10 +150,8 @@ def parse_generation_request(body: bytes | dict[str, Any], chat: bool) -> Genera
     Raises:
         InvalidInput: naming the field that is wrong and what to send.
     """
-    doc = _object(body, "{\"model\": ..., ...}", "the request body is not a JSON object")
-    model = doc.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise InvalidInput("field 'model' is missing or not a string; name a text-generation model you may call")
+    doc = request_object(body, generation=True)
+    model = doc["model"]
     n = doc.get("n")
     if n not in (None, 1):
         raise InvalidInput(f"field 'n' is {shown(n)}; this server generates one choice per request: leave 'n' out")
@@ -178,11 +195,8 @@ def parse_embedding_request(body: bytes | dict[str, Any]) -> EmbeddingRequest:
     Raises:
         InvalidInput: naming the field that is wrong.
     """
-    doc = _object(body, "{\"model\": ..., \"input\": ...}",
-                  "the request body is not a JSON object with 'model' and 'input'")
-    model = doc.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise InvalidInput("field 'model' is missing or not a string; name an embedding model you may call")
+    doc = request_object(body, generation=False)
+    model = doc["model"]
     texts = doc.get("input")
     if texts == "":
         raise InvalidInput("field 'input' is an empty string; send the text to embed")

@@ -37,7 +37,6 @@ from shardline.bundle import ModelRef
 from shardline.errors import (
     BudgetExceeded,
     DeadlineExceeded,
-    InvalidInput,
     ReplicasUnavailable,
     ShardlineError,
 )
@@ -78,6 +77,7 @@ from shardline.online.router.scaling import Activator
 from shardline.online.router.streams import GENERATION_PATHS, PROMPT_TOKENS_HEADER, affinity, metered
 from shardline.online.router.upstream import Relay, UpstreamFailed, UpstreamPool, header_lines
 from shardline.online.tenants import Tenant, TenantDirectory, not_available
+from shardline.openai_wire import request_object
 from shardline.settings import RouterSettings
 from shardline.storage.rollouts import Rollout
 
@@ -276,18 +276,12 @@ class Router:
         to a shadow candidate (None: no mirror), and whether the answer is streamed."""
         encoding = request.header(b"content-encoding")
         body = decode_body(request.body, encoding, self.settings.max_body_bytes) if encoding else request.body
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError as e:
-            raise InvalidInput(f"the request body is not valid JSON ({e}); send {{\"model\": ..., ...}}") from e
-        model = doc.get("model") if isinstance(doc, dict) else None
-        if not isinstance(model, str) or not model:
-            raise InvalidInput("the request body has no 'model'; name the model to call, e.g. {\"model\": \"minilm\"}")
-        name, alias, version = ModelRef.split(model)
+        generation = request.path in GENERATION_PATHS
+        doc = request_object(body, generation)  # serve's words for a body that is not one, or names no model
+        name, alias, version = ModelRef.split(doc["model"].strip())
         listed = tenant.reference_for(name)
         if listed is None:
             raise not_available(tenant, name)
-        generation = request.path in GENERATION_PATHS
         stream = generation and doc.get("stream") is True
         options = doc.get("stream_options")
         usage = stream and isinstance(options, dict) and options.get("include_usage") is True

@@ -285,6 +285,44 @@ def test_an_openai_body_is_pinned_to_the_callers_canary_version_and_mirrored_in_
     assert compared["rows"] == 1 and compared["disagree"] == 0 and compared["min_cosine"] == 1.0
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/chat/completions"])
+def test_an_openai_body_the_router_cannot_pin_is_refused_in_serves_words(path: str) -> None:
+    """A body that is not JSON, not an object, or names no model: the router's 400 says what ``serve`` says (and
+    OpenAI's ``param`` names the field), before any replica is asked."""
+    import json
+
+    from shardline.errors import InvalidInput
+    from shardline.online.router.messages import Incoming
+    from shardline.openai_wire import parse_embedding_request, parse_generation_request
+
+    bodies = [b"{not json", b"[1, 2]", b'{"input": "hi"}', b'{"model": " ", "messages": []}']
+
+    def serves(body: bytes) -> str:
+        with pytest.raises(InvalidInput) as refused:
+            if path == "/v1/embeddings":
+                parse_embedding_request(body)
+            else:
+                parse_generation_request(body, chat=True)
+        return str(refused.value)
+
+    async def main() -> list[tuple[int, dict]]:
+        router, _ = _router(["http://127.0.0.1:9"], ("emb@prod",))  # nothing listens there: no replica is asked
+        answers = []
+        for body in bodies:
+            answer = await router.handle(Incoming(  # type: ignore[attr-defined]
+                "POST", path, b"", [(b"authorization", b"Bearer sk-acme")], body))
+            answers.append((answer.status, json.loads(answer.body)["error"]))
+        await router.stop()  # type: ignore[attr-defined]
+        return answers
+
+    answers = asyncio.run(main())
+    assert [status for status, _ in answers] == [400] * 4
+    assert [error["message"] for _, error in answers] == [serves(body) for body in bodies]
+    assert [error["param"] for _, error in answers] == [None, None, "model", "model"]
+    assert answers[2][1]["message"].startswith("field 'model' is missing or not a string; name "
+                                               f"{'an embedding' if path == '/v1/embeddings' else 'a text-generation'}")
+
+
 def test_a_callers_request_id_reaches_the_replica_byte_for_byte_and_one_is_made_when_none_came() -> None:
     from shardline.online.router.messages import Incoming
 

@@ -3,9 +3,12 @@ columns, flags show no value placeholder, and the help's escaped ``\\[default: .
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import re
 import subprocess
+import sys
 from collections import Counter
 from typing import Any, Iterator
 
@@ -30,14 +33,45 @@ def _command_paths(command: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[s
 COMMANDS = list(_command_paths(typer.main.get_command(app)))
 
 
-def _help(words: tuple[str, ...], width: int) -> str:
-    """`shardline WORDS --help` in a subprocess, in a terminal of ``width`` columns (rich reads COLUMNS)."""
+def _terminal(width: int) -> dict[str, str]:
+    """A user's environment in a terminal of ``width`` columns (rich reads COLUMNS), no colour forced."""
     drop = ("FORCE_COLOR", "PY_COLORS", "GITHUB_ACTIONS", "TERMINAL_WIDTH", "NO_COLOR")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_") and k not in drop}
     env.update(COLUMNS=str(width), PYTHONIOENCODING="utf-8")
-    done = subprocess.run([*SHARDLINE, *words, "--help"], env=env, capture_output=True, text=True, timeout=60)
+    return env
+
+
+def _help(words: tuple[str, ...], width: int) -> str:
+    """`shardline WORDS --help` in a subprocess, in a terminal of ``width`` columns."""
+    done = subprocess.run([*SHARDLINE, *words, "--help"], env=_terminal(width), capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 0 and not done.stderr, done.stderr
     return done.stdout
+
+
+# Every command's help, rendered by one process per width: the command's own click entry point, as
+# `shardline WORDS --help` runs it (108 processes took 75 s of the suite; each renders the same).
+_EVERY_HELP = """
+import contextlib, io, json, sys
+import typer.main
+from shardline.cli.commands import app
+command = typer.main.get_command(app)
+shown = {}
+for words in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = command.main([*words, "--help"], prog_name="shardline", standalone_mode=False)
+    shown[" ".join(words)] = [code or 0, out.getvalue(), err.getvalue()]
+print(json.dumps(shown))
+"""
+
+
+@functools.cache
+def _every_help(width: int) -> dict[str, list[Any]]:
+    done = subprocess.run([sys.executable, "-c", _EVERY_HELP, json.dumps(COMMANDS)], env=_terminal(width),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    return json.loads(done.stdout)
 
 
 def _cells(rows: list[str]) -> list[tuple[int, list[str]]]:
@@ -92,7 +126,8 @@ def _breaks_not_made_by_wrapping(width: int, paragraph: list[str]) -> list[tuple
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("words", COMMANDS, ids=lambda words: " ".join(words) or "shardline")
 def test_every_commands_help_reads_as_paragraphs_with_flags_as_flags(words: tuple[str, ...], width: int) -> None:
-    shown = _help(words, width)
+    code, shown, errors = _every_help(width)[" ".join(words)]
+    assert code == 0 and not errors, errors
     paragraphs = _paragraphs(shown)
     assert len(paragraphs) >= 3, shown  # usage, what the command does, its options
     broken = [b for wrapped, lines in paragraphs for b in _breaks_not_made_by_wrapping(wrapped, lines)]

@@ -24,6 +24,8 @@ Content-Type is not required (tritonclient's JSON mode sends none). Errors are
 from __future__ import annotations
 
 import gzip
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,10 +112,31 @@ def _json_header(body: bytes, header_length: str | None) -> tuple[Any, memoryvie
     try:
         doc = orjson.loads(json_part)
     except orjson.JSONDecodeError as e:
-        raise InvalidInput(f"the request body is not valid JSON ({e}); send an object such as {{\"inputs\": [...]}}") from e
+        doc = _with_non_finite(json_part, e)
     if not isinstance(doc, dict):
         raise InvalidInput(f"the request body is a JSON {type(doc).__name__}, not an object with 'inputs'")
     return doc, binary
+
+
+_NON_FINITE = re.compile(rb"(?<![\w\"])(?:-?Infinity|NaN)(?![\w\"])")  # as Python's json writes them
+
+
+def _with_non_finite(json_part: bytes, error: orjson.JSONDecodeError) -> Any:
+    """A body that is JSON but for ``NaN`` or ``Infinity`` (what Python's ``json.dumps`` writes for them, and so
+    tritonclient's JSON requests and any client sending its output), read as the floats they name: the row check then
+    says which input holds them, and a column that declares ``non_finite`` takes them. Any other invalid JSON is
+    refused with the parser's words.
+
+    Raises:
+        InvalidInput: the body is not JSON, even with NaN and Infinity.
+    """
+    if _NON_FINITE.search(json_part):
+        try:
+            return json.loads(bytes(json_part))
+        except (ValueError, RecursionError):
+            pass
+    raise InvalidInput(f"the request body is not valid JSON ({error}); send an object such as {{\"inputs\": [...]}}") \
+        from error
 
 
 def _tensor_fields(tensor: Any, i: int) -> tuple[str, str, list[int], dict[str, Any]]:

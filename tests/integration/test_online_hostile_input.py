@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+import tritonclient.http as triton
 
 from shardline.online.app import create_app
 from shardline.online.server import build_plane
@@ -116,6 +117,16 @@ def test_nan_and_infinity_are_refused_naming_the_input(url: str, breast_cancer_m
     assert refused.status_code == 400
     assert f"columns [{name!r}] hold NaN or infinite values ({{{name!r}: 2}} in 3 rows)" in refused.json()["error"]
 
+    # tritonclient's JSON (json.dumps) writes NaN and Infinity bare: read as such, refused by the row check
+    as_json = [triton.InferInput(n, [3], "FP32") for n in breast_cancer_model.data.names]
+    for j, tensor in enumerate(as_json):
+        tensor.set_data_from_numpy(rows[:, j].astype(np.float32), binary_data=False)
+    json_body, _ = triton.InferenceServerClient.generate_request_body(as_json)
+    assert b"NaN" in json_body and b"Infinity" in json_body
+    refused = httpx.post(f"{url}/v2/models/{MODEL}/infer", headers=AUTH, content=json_body)
+    assert refused.status_code == 400
+    assert f"columns [{name!r}] hold NaN or infinite values ({{{name!r}: 2}} in 3 rows)" in refused.json()["error"]
+
     doc = body_for(breast_cancer_model, breast_cancer_model.data.features[:2])
     doc["inputs"][4]["data"][0] = 1e39  # past float32's range: infinite once cast
     doc["inputs"][4]["datatype"] = "FP32"
@@ -168,6 +179,10 @@ def test_a_model_whose_signature_takes_nan_scores_it(url: str, breast_cancer_mod
     assert answer.status_code == 200, answer.text
     labels = {o["name"]: o for o in answer.json()["outputs"]}["label"]["data"]
     assert len(labels) == 3 and set(labels) <= {0, 1}
+    doc = body_for(breast_cancer_model, rows)  # the same rows as JSON, NaN written bare as json.dumps writes it
+    as_json = httpx.post(f"{url}/v2/models/{TAKES_NAN}/infer", headers=AUTH, content=json.dumps(doc).encode())
+    assert as_json.status_code == 200, as_json.text
+    assert {o["name"]: o for o in as_json.json()["outputs"]}["label"]["data"] == labels
 
 
 # -- item 10: gzip members ------------------------------------------------------------------------

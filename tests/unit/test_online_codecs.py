@@ -7,6 +7,7 @@ the wire format is the one Triton's clients speak.
 from __future__ import annotations
 
 import base64
+import json
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import pyarrow as pa
 import pytest
 import tritonclient.http as triton
 
-from shardline.errors import InvalidInput
+from shardline.errors import InvalidInput, NonFiniteValues
 from shardline.online.protocols.kserve_v2 import decode_infer_request, encode_infer_response, model_metadata
 from shardline.online.protocols.openai import embedding_response, parse_embedding_request
 from shardline.signature import ColumnSpec, Signature
@@ -160,6 +161,25 @@ def json_request(**changes: Any) -> bytes:
 def test_each_bad_request_is_refused_naming_the_field(body: bytes, header: str | None, message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
         decode_infer_request(body, header, SIGNATURE, "toy:1")
+
+
+def test_nan_and_infinity_as_pythons_json_writes_them_reach_the_row_check_not_a_parse_error() -> None:
+    """``json.dumps``, and so tritonclient's JSON requests, write NaN and Infinity bare: not JSON, but what they mean is
+    clear. A column that takes finite numbers only is refused naming it; one that declares ``non_finite`` gets
+    them; a body that is not JSON for another reason is still refused as such."""
+    doc = orjson.loads(json_request())
+    doc["inputs"][0]["data"] = [float("nan"), float("-inf")]
+    body = json.dumps(doc).encode()
+    assert b"NaN" in body and b"-Infinity" in body
+    with pytest.raises(NonFiniteValues, match=r"columns \['a'\] hold NaN or infinite values \(\{'a': 2\} in 2 rows\)"):
+        decode_infer_request(body, None, SIGNATURE, "toy:1")
+    takes = Signature(inputs=[ColumnSpec(name="a", type="float32", non_finite=True), *SIGNATURE.inputs[1:]],
+                      outputs=SIGNATURE.outputs)
+    a = decode_infer_request(body, None, takes, "toy:1").table.column("a").to_numpy()
+    assert np.isnan(a[0]) and a[1] == -np.inf
+    for broken in (body[:-1], body.replace(b'"text"', b"text", 1), b'{"inputs": [NaNa]}'):
+        with pytest.raises(InvalidInput, match=r"the request body is not valid JSON \("):
+            decode_infer_request(broken, None, SIGNATURE, "toy:1")
 
 
 def test_binary_tensors_of_the_wrong_size_or_bad_text_are_refused() -> None:

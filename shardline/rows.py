@@ -290,11 +290,13 @@ class Rows:
                                             for t in tables]))
 
 
-def non_finite_error(counts: dict[str, int], rows: int, model: str) -> NonFiniteValues:
-    """The one message for NaN or infinity in columns that do not take them (both tiers)."""
+def non_finite_error(counts: dict[str, int], rows: int, model: str, float32: bool = True) -> NonFiniteValues:
+    """The one message for NaN or infinity in columns that do not take them (both tiers). ``float32``: one of the
+    columns is float32, where a number past its range is infinite once cast (said only then)."""
+    cast = " (a number past float32's range is infinite too)" if float32 else ""
     return NonFiniteValues(
         f"columns {sorted(counts)} hold NaN or infinite values ({counts} in {rows} rows) where the model {model!r} "
-        "takes finite numbers only (a number past float32's range is infinite too); fill or drop those rows (a model "
+        f"takes finite numbers only{cast}; fill or drop those rows (a model "
         "that reads NaN as a missing value declares non_finite: true on the column in its signature)",
         counts,
     )
@@ -346,7 +348,8 @@ def check_rows(rows: pa.Table | pa.RecordBatch, signature: Signature, model: str
     if plan.finite_columns:
         bad = non_finite_counts(table, [plan.by_name[n].spec for n in plan.finite_columns])
         if bad:
-            raise non_finite_error(bad, table.num_rows, model)
+            float32 = any(pa.types.is_float32(table.schema.field(name).type) for name in bad)
+            raise non_finite_error(bad, table.num_rows, model, float32)
     return Rows(plan, table)
 
 
@@ -416,10 +419,12 @@ def float_rows(plan: SignaturePlan, arrays: tuple[np.ndarray, ...], model: str) 
 
 def _refuse_non_finite(plan: SignaturePlan, layout: FloatLayout, arrays: tuple[np.ndarray, ...], model: str) -> None:
     counts = {}
+    float32 = False
     for i in layout.finite:
         values = arrays[0][:, i] if layout.stacked else arrays[i]
         bad = int(np.count_nonzero(~np.isfinite(values)))
         if bad:
             counts[layout.names[i]] = bad
+            float32 = float32 or values.dtype == np.float32
     if counts:  # (none: the sum overflowed, or the NaN are in columns that take them)
-        raise non_finite_error(counts, int(arrays[0].shape[0]), model)
+        raise non_finite_error(counts, int(arrays[0].shape[0]), model, float32)

@@ -163,3 +163,23 @@ def test_a_nan_in_any_block_of_a_large_batch_is_refused_with_its_column_and_coun
     with pytest.raises(NonFiniteValues) as refused:
         check_rows(pa.table(columns), signature, "breast-cancer:1")
     assert f"{{'{names[4]}': 1, '{names[29]}': 1}}" in str(refused.value)
+
+
+@pytest.mark.parametrize("rows", [3, 2_000], ids=["small", "stacked"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_non_finite_message_speaks_of_float32s_range_only_for_a_float32_column(dtype: str, rows: int) -> None:
+    """A number past float32's range is infinite once cast: said for a float32 column, not for a float64 one,
+    on the table path, the stacked path and the online decoders' (``float_rows``)."""
+    from shardline.errors import NonFiniteValues
+    from shardline.rows import check_rows, float_rows
+
+    signature = Signature(inputs=[ColumnSpec(name=n, type=dtype) for n in ("x", "y")],
+                          outputs=[ColumnSpec(name="label", type="int64")])
+    columns = {"x": np.ones(rows), "y": np.ones(rows)}
+    columns["y"][1] = np.nan
+    matrix = np.stack([columns["x"], columns["y"]], axis=1).astype(dtype)
+    for refuse in (lambda: check_rows(pa.table(columns), signature, "m:1"),
+                   lambda: float_rows(signature.plan, (matrix,), "m:1")):
+        with pytest.raises(NonFiniteValues, match=r"columns \['y'\] hold NaN or infinite values") as refused:
+            refuse()
+        assert ("past float32's range" in str(refused.value)) is (dtype == "float32")

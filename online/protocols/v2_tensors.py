@@ -92,11 +92,16 @@ def _datatype(plan: ColumnPlan) -> str:
         return datatype_of(plan.value_type)  # (raises InferenceFailed: a type V2 has no datatype for)
 
 
-def _check_shape(name: str, shape: list[int], plan: ColumnPlan) -> None:
-    """The shape's rank is the model's, and each fixed dimension is its size (as Triton checks)."""
+def _check_shape(name: str, shape: list[int], plan: ColumnPlan) -> list[int]:
+    """The shape's rank is the model's, and each fixed dimension is its size (as Triton checks); returns the
+    shape the column reads. ``[N, 1]`` is taken for a column of one value a row (read as ``[N]``): an ONNX
+    model's ``[N, 1]`` input (skl2onnx's one text or number a row) becomes such a column, and its clients send
+    the ONNX shape."""
     row = plan.shape
     if len(shape) == len(row) + 1 and all(w < 0 or s == w for s, w in zip(shape[1:], row)):
-        return
+        return shape
+    if not row and len(shape) == 2 and shape[1] == 1:
+        return shape[:1]
     want = [-1, *row]
     send = ", ".join(["N", *("k" if w < 0 else str(w) for w in want[1:])])
     raise InvalidInput(
@@ -203,8 +208,10 @@ def _to_arrow(name: str, values: np.ndarray | pa.Array, plan: ColumnPlan) -> pa.
         raise InvalidInput(f"input {name!r}: its values do not fit {plan.spec.type} ({e})") from e
 
 
-def _decoded(name: str, datatype: str, shape: list[int], values: Any, plan: ColumnPlan) -> np.ndarray | pa.Array:
-    """The flat values of one V2 input, its datatype, shape and count checked against the column."""
+def _decoded(name: str, datatype: str, shape: list[int], values: Any,
+             plan: ColumnPlan) -> tuple[np.ndarray | pa.Array, list[int]]:
+    """The flat values of one V2 input, its datatype, shape and count checked against the column, and the
+    shape the column reads them as (``_check_shape``)."""
     want = _datatype(plan)
     if datatype != want:
         if datatype not in DATATYPES:
@@ -212,7 +219,7 @@ def _decoded(name: str, datatype: str, shape: list[int], values: Any, plan: Colu
                 f"input {name!r}: datatype {shown(datatype)} is not a V2 datatype; use one of {sorted(DATATYPES)}"
             )
         raise InvalidInput(f"input {name!r} is {datatype}, the model takes {want}: send datatype {want}")
-    _check_shape(name, shape, plan)
+    read_as = _check_shape(name, shape, plan)
     count = math.prod(shape)
     if isinstance(values, (bytes, bytearray, memoryview)):
         decoded = _from_binary(name, datatype, values, count, shape)
@@ -220,7 +227,7 @@ def _decoded(name: str, datatype: str, shape: list[int], values: Any, plan: Colu
         decoded = _from_json(name, datatype, values, shape)
     if len(decoded) != count:
         raise InvalidInput(f"input {name!r} holds {len(decoded)} values; its shape {shape} holds {count}")
-    return decoded
+    return decoded, read_as
 
 
 def tensor_to_array(name: str, datatype: str, shape: list[int], values: Any, plan: ColumnPlan) -> np.ndarray:
@@ -230,7 +237,8 @@ def tensor_to_array(name: str, datatype: str, shape: list[int], values: Any, pla
     Raises:
         InvalidInput: wrong datatype or shape, or a wrong count.
     """
-    array = np.asarray(_decoded(name, datatype, shape, values, plan))
+    decoded, shape = _decoded(name, datatype, shape, values, plan)
+    array = np.asarray(decoded)
     dtype = np.dtype(plan.value_type.to_pandas_dtype())
     if array.dtype != dtype:  # JSON numbers (binary tensors are of the type already: no errstate per input)
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is inf, refused by the row check
@@ -247,7 +255,7 @@ def tensor_to_column(name: str, datatype: str, shape: list[int], values: Any, pl
     Raises:
         InvalidInput: wrong datatype or shape, values that do not fit, or a wrong count.
     """
-    decoded = _decoded(name, datatype, shape, values, plan)
+    decoded, shape = _decoded(name, datatype, shape, values, plan)
     array = _to_arrow(name, decoded, plan)
     for level in range(len(shape) - 1, 0, -1):  # innermost first: [N, a, b] is N lists of a lists of b values
         size, lists = shape[level], math.prod(shape[:level])

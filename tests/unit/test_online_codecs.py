@@ -182,6 +182,19 @@ def test_nan_and_infinity_as_pythons_json_writes_them_reach_the_row_check_not_a_
             decode_infer_request(broken, None, SIGNATURE, "toy:1")
 
 
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_an_n_by_1_input_is_taken_for_a_column_of_one_value_a_row(binary: bool) -> None:
+    """An ONNX model's ``[N, 1]`` input becomes a column of one value a row (described as ``[-1]``); its clients
+    send the ONNX shape, ``[N, 1]``, which is read as ``[N]``. Any other second dimension is refused."""
+    as_rows = {"a": ("FP32", A.reshape(2, 1)), "b": ("INT64", B.reshape(2, 1)), "text": ("BYTES", TEXT.reshape(2, 1))}
+    decoded = decode_infer_request(*request_bytes(v2_inputs(binary, **as_rows)), SIGNATURE, "toy:1").table
+    assert decoded.column("a").to_pylist() == A.tolist() and decoded.column("b").to_pylist() == B.tolist()
+    assert decoded.column("text").to_pylist() == TEXT.tolist()
+    assert decoded.equals(decode_infer_request(*request_bytes(v2_inputs(binary)), SIGNATURE, "toy:1").table)
+    with pytest.raises(InvalidInput, match=r"input 'a' has shape \[1, 2\] \(rank 2\), the model takes \[-1\]"):
+        decode_infer_request(*request_bytes(v2_inputs(binary, a=("FP32", A.reshape(1, 2)))), SIGNATURE, "toy:1")
+
+
 def test_binary_tensors_of_the_wrong_size_or_bad_text_are_refused() -> None:
     inputs = v2_inputs(True)
     inputs[0].set_data_from_numpy(np.zeros(2, np.float32))

@@ -198,20 +198,26 @@ N = {"name": "n", "datatype": "INT64", "shape": [2], "data": [3, 4]}
     (body({**X, "datatype": "INT32", "data": [1, 2]}, N), COLUMNS, "input 'x' is INT32, the model takes FP32: send datatype FP32"),
     (body({**X, "datatype": "FP64"}, N), COLUMNS, "input 'x' is FP64, the model takes FP32: send datatype FP32"),
     (body(X, {**N, "datatype": "INT32"}), COLUMNS, "input 'n' is INT32, the model takes INT64: send datatype INT64"),
-    (body({**X, "shape": [2, 1]}, N), COLUMNS,
-     "input 'x' has shape [2, 1] (rank 2), the model takes [-1] (rank 1): send shape [N]"),
+    (body({**X, "shape": [1, 2]}, {**N, "shape": [1, 2]}), COLUMNS,
+     "input 'x' has shape [1, 2] (rank 2), the model takes [-1] (rank 1): send shape [N]"),
     (body({"name": "input", "datatype": "FP32", "shape": [8], "data": [0.5] * 8}), LIST,
      "input 'input' has shape [8] (rank 1), the model takes [-1, 4] (rank 2): send shape [N, 4]"),
     (body({"name": "input", "datatype": "FP32", "shape": [2, 3], "data": [0.5] * 6}), LIST,
      "input 'input' has shape [2, 3] (rank 2), the model takes [-1, 4] (rank 2): send shape [N, 4]"),
     (body({"name": "input", "datatype": "FP16", "shape": [1, 4], "data": [0.5] * 4}), LIST,
      "input 'input' is FP16, the model takes FP32: send datatype FP32"),
-], ids=["int32-for-fp32", "fp64-for-fp32", "int32-for-int64", "n1-for-n", "flat-for-n-k", "wrong-k", "fp16-for-fp32"])
+], ids=["int32-for-fp32", "fp64-for-fp32", "int32-for-int64", "1n-for-n", "flat-for-n-k", "wrong-k", "fp16-for-fp32"])
 def test_the_declared_datatype_and_rank_are_required_with_what_to_send(
         request_body: bytes, signature: Signature, message: str) -> None:
     with pytest.raises(InvalidInput) as refused:
         decode_infer_request(request_body, None, signature, "m:1")
     assert str(refused.value) == message
+
+
+def test_n_by_1_is_read_as_n_for_a_column_of_one_value_a_row() -> None:
+    """``[N, 1]`` (an ONNX ``[N, 1]`` input's own shape) is the same values as ``[N]``: read as such."""
+    as_rows = decode_infer_request(body({**X, "shape": [2, 1]}, {**N, "shape": [2, 1]}), None, COLUMNS, "m:1")
+    assert as_rows.table.equals(decode_infer_request(body(X, N), None, COLUMNS, "m:1").table)
 
 
 def test_json_numbers_without_a_fraction_are_fp32_values() -> None:

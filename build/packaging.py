@@ -214,6 +214,11 @@ def _session(onnx_file: str | Path) -> Any:
     try:
         return ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types for an unreadable file
+        from shardline.runtimes.onnx import locale_hint
+
+        hint = locale_hint(e)
+        if hint is not None:
+            raise InvalidInput(f"onnxruntime cannot load {onnx_file}: {hint}") from e
         raise InvalidInput(f"{onnx_file} is not an ONNX model onnxruntime loads ({e}); give the .onnx file") from e
 
 

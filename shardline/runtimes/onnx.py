@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, overload
 
@@ -33,9 +34,9 @@ from shardline.bundle import Manifest
 from shardline.errors import InvalidBundle, InvalidInput, RuntimeUnavailable
 from shardline.rows import FloatLayout, Rows, SignaturePlan
 from shardline.runtimes.base import Answer, Runtime, RuntimeOptions
+from shardline.signature import leaf_type, row_shape, tensor_type_name, type_name
 
 log = logging.getLogger(__name__)
-from shardline.signature import leaf_type, row_shape, tensor_type_name, type_name
 
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
@@ -46,6 +47,20 @@ _TEXT_KEYS = {"column", "tokenizer", "max_length"}
 # Up to this many rows, one C++ call (RecordBatch.to_tensor) beats a numpy copy per
 # column; past it the per-column copy is faster, as it casts while it copies (figures: bench/README.md, "Figures behind the code").
 _TENSOR_ROWS = 1024
+
+_LOCALE = re.compile(r"Failed to construct locale with name:\s*([^\s:]+)")
+
+
+def locale_hint(error: BaseException) -> str | None:
+    """What to do when onnxruntime cannot load a model because its text normalizer (``StringNormalizer``, which
+    skl2onnx's text vectorizers use, en_US.UTF-8 by default) asks for a locale this machine lacks; None for any
+    other reason."""
+    found = _LOCALE.search(str(error))
+    if found is None:
+        return None
+    return (f"its text normalizer (StringNormalizer) needs the locale {found.group(1)}, which this machine does not "
+            "have: install that locale here and wherever the model runs (Debian: the locales package and "
+            "locale-gen), or convert the model again with skl2onnx's option {'locale': 'C'} on its text vectorizer")
 
 
 def _column_matrix(
@@ -305,7 +320,10 @@ class OnnxModel(Runtime):
             self._session = ort.InferenceSession(str(self.bundle_dir / model_files[0]), sess_options=so,
                                                  providers=providers)
         except Exception as e:  # onnxruntime's own errors (NoSuchFile, InvalidProtobuf, Fail) share no public base
+            hint = locale_hint(e)
             raise InvalidBundle(
+                f"{self.manifest.reference}: onnxruntime could not load {model_files[0]} from {self.bundle_dir}: {hint}"
+                if hint is not None else
                 f"{self.manifest.reference}: onnxruntime could not load {model_files[0]} from {self.bundle_dir} "
                 f"({e}); check that the file is there and is an ONNX model, or re-package it with `shardline model package`"
             ) from e

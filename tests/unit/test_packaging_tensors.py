@@ -305,3 +305,43 @@ def test_a_scikit_learn_classifier_of_text_classes_is_packaged_with_a_string_lab
     rows = pa.table({n: iris.data[:, i].astype(np.float32) for i, n in enumerate(names)})
     out = scored(tmp_path / "bundle", rows)
     assert out.column("label").to_pylist() == estimator.predict(iris.data.astype(np.float32)).tolist()
+
+
+def _text_classifier(locale: str) -> bytes:
+    """skl2onnx's TfidfVectorizer + logistic regression on one text a row (``[None, 1]``), its normalizer in
+    ``locale``."""
+    from skl2onnx import to_onnx
+    from skl2onnx.common.data_types import StringTensorType
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+
+    texts, labels = ["good movie", "bad movie", "great film", "awful film"] * 5, [1, 0, 1, 0] * 5
+    pipe = make_pipeline(TfidfVectorizer(), LogisticRegression()).fit(texts, labels)
+    options = {id(pipe.steps[0][1]): {"locale": locale}, id(pipe.steps[1][1]): {"zipmap": False}}
+    return to_onnx(pipe, initial_types=[("text", StringTensorType([None, 1]))], options=options).SerializeToString()
+
+
+def test_a_text_model_of_one_text_a_row_takes_tritonclients_n_by_1_and_a_missing_locale_is_said(
+    tmp_path: Path,
+) -> None:
+    """skl2onnx's text models take ``[None, 1]`` strings: packaged from the file alone they are one string column,
+    and a tritonclient request of shape ``[N, 1]`` is scored. A normalizer whose locale this machine lacks is
+    refused naming the locale and what to do, when packaging and when a bundle loads."""
+    (tmp_path / "text.onnx").write_bytes(_text_classifier("C"))
+    manifest = package_onnx(tmp_path / "text.onnx", tmp_path / "bundle", name="sentiment")
+    assert signature_of(manifest.signature)[0] == [("text", "string")]
+    tensor = triton.InferInput("text", [2, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([["a good film"], ["an awful movie"]], dtype=object), binary_data=False)
+    body, _ = triton.InferenceServerClient.generate_request_body([tensor])
+    rows = decode_infer_request(body, None, manifest.signature, "sentiment:1").table
+    assert scored(tmp_path / "bundle", rows).column("label").to_pylist() == [1, 0]
+
+    (tmp_path / "nowhere.onnx").write_bytes(_text_classifier("xx_XX.UTF-8"))
+    hint = (r"needs the locale xx_XX.UTF-8, which this machine does not have: install that locale here and wherever "
+            r"the model runs .* skl2onnx's option \{'locale': 'C'\}")
+    with pytest.raises(InvalidInput, match=r"onnxruntime cannot load .*nowhere.onnx: its text normalizer .*" + hint):
+        package_onnx(tmp_path / "nowhere.onnx", tmp_path / "refused", name="sentiment")
+    (tmp_path / "bundle" / "model.onnx").write_bytes((tmp_path / "nowhere.onnx").read_bytes())
+    with pytest.raises(InvalidBundle, match=r"sentiment:?\S* onnxruntime could not load model.onnx .*" + hint):
+        create_runtime(tmp_path / "bundle", manifest, RuntimeOptions(device="cpu", intra_op_threads=1)).load()

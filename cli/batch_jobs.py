@@ -179,6 +179,10 @@ def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None, st
     if state.state == "hard":
         return request, None, f"{state.line()}; this job was accepted before, so it runs to the end"
     if state.state == "soft":
+        from shardline.tenants import PRIORITIES
+
+        if request.priority is not None and request.priority not in PRIORITIES:
+            return request, None, None  # a wrong priority is refused by the request's checks, not made 'low'
         degraded = request.model_copy(update={"priority": "low", "capacity_type": "spot"})
         return degraded, None, f"{state.line()}; {soft_line()}"
     return request, None, f"{state.line()}; the job runs"

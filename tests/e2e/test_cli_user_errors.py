@@ -23,6 +23,7 @@ from shardline.build.examples import write_shards
 from shardline.cli.batch_runner import find
 from shardline.storage.lease import LeaseTerms, OutputLease
 from tests.support.batch_process import read_only
+from tests.support.budgets import spend, write_prices
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
 RUN = ("batch", "run", "--model")
@@ -63,7 +64,7 @@ def refused_before_any_flow_run(shardline: Shardline, prefect_api: str,
 
 
 @pytest.fixture
-def wrong_requests(tmp_path: Path) -> list[tuple[tuple[str, ...], dict[str, str], str]]:
+def wrong_requests(tmp_path: Path, shardline_home: Path) -> list[tuple[tuple[str, ...], dict[str, str], str]]:
     """Every kind of wrong `batch run` request (README.md's exit code 2 list), with what its line must say."""
     shards = tmp_path / "input"
     write_shards(shards, 1, 100)
@@ -81,7 +82,13 @@ def wrong_requests(tmp_path: Path) -> list[tuple[tuple[str, ...], dict[str, str]
     write_shards(twins, 1, 10)
     (twins / "part-00000.pq").write_bytes((twins / "part-00000.parquet").read_bytes())
     tenants = tmp_path / "tenants.yaml"
-    tenants.write_text(f"tenants:\n  - name: acme\n    batch: {{storage_prefixes: ['{tmp_path / 'acme'}']}}\n")
+    tenants.write_text(f"tenants:\n  - name: acme\n    batch: {{storage_prefixes: ['{tmp_path / 'acme'}']}}\n"
+                       f"  - name: spent\n    batch: {{storage_prefixes: ['{tmp_path}']}}\n"
+                       "    budget: {monthly: 1000.0, warn_at: 0.8, soft_at: 0.9}\n")
+    write_prices(shardline_home)
+    # past its soft limit: a job of its runs at low priority, said in a line; a wrong priority is still refused
+    # (it was made 'low' and run), and alone: the budget's line is for a job that runs
+    spend(shardline_home, "spent", 950.0)
     out = str(tmp_path / "out")
     bc = ("breast-cancer@prod", "--input", str(shards))
     return [
@@ -111,6 +118,8 @@ def wrong_requests(tmp_path: Path) -> list[tuple[tuple[str, ...], dict[str, str]
          "tenant 'initech' is not in the tenants file"),
         ((*RUN, *bc, "--output", out, "--tenant", "acme"), {"SHARDLINE_TENANTS_FILE": str(tenants)},
          "tenant 'acme' may not use"),
+        ((*RUN, *bc, "--output", out, "--tenant", "spent", "--priority", "urgent"),
+         {"SHARDLINE_TENANTS_FILE": str(tenants)}, "priority 'urgent' is not one of high"),
         ((*RUN, *bc, "--output", out), {"SHARDLINE_BATCH_BATCH_ROWS": "many"},
          "a setting is not valid: SHARDLINE_BATCH_BATCH_ROWS"),
         # settings read as JSON: pydantic-settings' own error named the field, not the variable (or was a traceback)

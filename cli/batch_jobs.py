@@ -129,7 +129,7 @@ def refused(request: JobRequest) -> JobOutcome | None:
 
 def tenant_budget_state(tenant: str) -> Any:
     """The tenant's budget state now (``shardline.budgets.BudgetState``), or None: no tenants file, or no budget
-    for the tenant. Its spend is the month's ledger priced by the price table ``shardline cost report`` reads.
+    for the tenant (``cost.budgets.tenant_budget_state``, with this command's settings).
 
     Raises:
         ShardlineError: the tenants file or the price table is wrong (the job is refused, exit code 2).
@@ -139,17 +139,10 @@ def tenant_budget_state(tenant: str) -> Any:
     tenants_file = TenancySettings().tenants_file
     if not tenants_file:  # (before the imports below: through the ledger they load pyarrow, ~0.2 s a command)
         return None
-    from shardline.capacity.prices import load_prices, prices_path
-    from shardline.cost.budgets import current_states
-    from shardline.storage.ledger import LedgerStore
-    from shardline.tenants import load_tenants_file
+    from shardline.cost.budgets import tenant_budget_state as budget_state_of
 
-    budget = load_tenants_file(tenants_file).budgets().get(tenant)
-    if budget is None:
-        return None
     storage = StorageSettings()
-    store = LedgerStore(storage.home, storage.storage_options)
-    return current_states(store, {tenant: budget}, load_prices(prices_path()))[tenant]
+    return budget_state_of(tenants_file, tenant, storage.home, storage.storage_options)
 
 
 def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None, str | None]:

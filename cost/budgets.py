@@ -53,6 +53,27 @@ def current_states(store: LedgerStore, budgets: dict[str, Budget], prices: Price
     return budget_states(budgets, rows, prices, month)
 
 
+def tenant_budget_state(tenants_file: str | None, tenant: str, home: str,
+                        storage_options: dict[str, Any] | None = None) -> BudgetState | None:
+    """The tenant's budget state now, or None: no tenants file, or no budget for the tenant. Its spend is the
+    month's ledger under ``home`` priced by the price table ``shardline cost report`` reads. What `batch run` asks
+    before a job, and the batch flow before a deployment's job.
+
+    Raises:
+        ShardlineError: the tenants file or the price table is wrong.
+    """
+    if not tenants_file:
+        return None
+    from shardline.capacity.prices import load_prices, prices_path
+    from shardline.tenants import load_tenants_file
+
+    budget = load_tenants_file(tenants_file).budgets().get(tenant)
+    if budget is None:
+        return None
+    store = LedgerStore(home, storage_options)
+    return current_states(store, {tenant: budget}, load_prices(prices_path()))[tenant]
+
+
 def publish(store: LedgerStore, budgets: dict[str, Budget], prices: PriceTable) -> BudgetStates:
     """Compute the states now and write them where the online tier reads them (``LedgerStore.budgets_path``)."""
     states = BudgetStates(current_states(store, budgets, prices), time.time())

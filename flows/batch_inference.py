@@ -2,7 +2,8 @@
 
 Admission (before anything is read or written): the tenant is in the tenants file,
 the input and output lie under its storage prefixes, its GPU-hours of the day are
-not used up. While shards run, an SLA tracker projects the finish, keeps the job
+not used up, and a deployment's run meets the tenant's monthly budget (`batch run`
+meets it in the command). While shards run, an SLA tracker projects the finish, keeps the job
 record (`shardline batch status`) and emits the SLA events prefect.yaml answers.
 The flow only wires tasks (tasks/batch_job.py, tasks/batch.py); it reads the
 settings once and passes them down.
@@ -16,11 +17,13 @@ from prefect import flow
 from prefect.states import State
 
 from shardline.tasks.arguments import whole
+from shardline.tasks.artifacts import current_deployment
 from shardline.tasks.batch import ProgressWatcher, plan_batch_job, validate_shards
 from shardline.tasks.batch_admission import BatchJobSettings
 from shardline.tasks.batch_job import (
     JobParameters,
     admit_job,
+    apply_tenant_budget,
     finish_job,
     holding_output,
     job_outcome,
@@ -75,6 +78,7 @@ def batch_inference(
                             passthrough=passthrough, batch_rows=batch_rows, variant=variant, priority=priority,
                             capacity_type=capacity_type)
     admitted = admit_job(request, sla, deadline, settings)
+    admitted = apply_tenant_budget(admitted, settings, current_deployment())  # `batch run` applies its own
     job = admitted.request  # from here on the job uses the locations it was admitted with, as resolved
     plan = plan_batch_job(model, job.input_uri, job.output_uri, tenant, passthrough, settings.storage,
                           settings.batch, settings.runtime, settings.dask, variant, admitted.link_roots,

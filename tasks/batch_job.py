@@ -43,6 +43,64 @@ def admit_job(
     return admit(request, sla, deadline, settings)
 
 
+def apply_tenant_budget(admitted: Admission, settings: BatchJobSettings, deployment: str | None) -> Admission:
+    """A deployment's run under its tenant's monthly budget (docs/cost.md, "Budgets"), before anything is
+    written, as `batch run` applies it in the command to its own runs: ``hard`` refuses a job no earlier run
+    began (new work), ``soft`` runs it at the low priority on spot capacity (where its cluster has any), ``warn``
+    runs it as it is; each said in one line of the run's log and by the ``shardline.budget.warning`` event. A run
+    from no deployment (``deployment`` None: the command's, which applied the budget before it started) is left
+    as it is.
+
+    Raises:
+        BudgetExceeded: the tenant is at its hard limit and the job is new.
+        ShardlineError: the tenants file or the price table is wrong.
+    """
+    if deployment is None:
+        return admitted
+    from dataclasses import replace
+
+    from shardline.budgets import seconds_to_month_end
+    from shardline.cost.budgets import tenant_budget_state
+    from shardline.errors import BudgetExceeded
+    from shardline.event_catalog import BUDGET_WARNING, tenant_resource
+    from shardline.tasks.events import emit
+    from shardline.tasks.fairness import job_capacity
+    from shardline.tasks.logs import run_logger
+
+    tenant = admitted.request.tenant
+    state = tenant_budget_state(settings.tenancy.tenants_file, tenant, settings.storage.home,
+                                settings.storage.storage_options)
+    if state is None or state.state == "ok":
+        return admitted
+    emit(BUDGET_WARNING, tenant_resource(tenant), {**state.to_json(), "tier": "batch"})
+    logger = run_logger()
+    if state.state == "hard":
+        if not _begun(admitted, settings):
+            raise BudgetExceeded(f"{state.line()}; the job was not started (raise the tenant's budget in the "
+                                 "tenants file, or wait for the next month)", tenant, seconds_to_month_end())
+        logger.warning("%s; this job was begun before, so it runs to the end", state.line())
+        return admitted
+    if state.state == "soft":
+        capacity = job_capacity("spot", settings.dask, settings.metering)
+        logger.warning("%s; this job runs at low priority on %s capacity", state.line(), capacity)
+        request = admitted.request.model_copy(update={"priority": "low", "capacity_type": "spot"})
+        return replace(admitted, request=request, priority="low", capacity_type=capacity)
+    logger.warning("%s; the job runs", state.line())
+    return admitted
+
+
+def _begun(admitted: Admission, settings: BatchJobSettings) -> bool:
+    """Whether an earlier run began this job (its record is kept), read without writing (``survey_job``)."""
+    from shardline.tasks.batch_survey import survey_job
+
+    job = admitted.request
+    survey = survey_job(job.model, job.input_uri, job.output_uri, job.tenant, job.passthrough, settings.storage,
+                        settings.batch, settings.dask, job.variant, admitted.link_roots,
+                        admitted.tenant is None or admitted.tenant.custom_code)
+    records = JobRecords(settings.storage.home, settings.storage.storage_options)
+    return survey.settled is not None or records.find(survey.job_id) is not None
+
+
 def _run_context() -> tuple[str | None, str | None]:
     """(deployment name, flow run id) of this run, when Prefect knows them."""
     from prefect.runtime import flow_run

@@ -1,6 +1,6 @@
-"""Budgets in batch: `shardline batch run` warns, degrades (low priority, on spot capacity where there is some: said
-in one line, the job's ledger rows priced as what it ran on) and refuses at a tenant's budget, with the figures, over
-a ledger that real jobs and earlier runs wrote; a job accepted before still runs. The spot worker group a soft job
+"""Budgets in batch: `shardline batch run`, and a deployment's run, warn, degrade (low priority, on spot capacity where
+there is some: said in one line, the job's ledger rows priced as what it ran on) and refuse at a tenant's budget,
+with the figures, over a ledger that real jobs and earlier runs wrote; a job accepted before still runs. The spot worker group a soft job
 gets on Kubernetes is tested against an API server in test_dask_kubernetes.py."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+import pyarrow.dataset as pads
 import pytest
 import yaml
 
@@ -128,3 +129,59 @@ def test_a_batch_job_warns_degrades_and_is_refused_at_its_tenants_budget(
     assert code == 0, output
     assert "this job was accepted before, so it runs to the end" in output
     assert last_json(output)["shards_skipped"] == 6
+
+
+@pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_a_deployments_run_meets_its_tenants_budget_as_the_command_does(
+    input_shards: Path, tmp_path: Path, shardline_home: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """prefect.yaml's nightly deployment, run as a worker runs it (the flow run's own process, its parameters from
+    the API): a tenant at its hard limit has the job refused before anything is written, one past its soft limit
+    has it run at low priority; each says so and sends the event. (The command applies the budget to its own
+    runs, so the flow leaves a run from no deployment as it is: the test above.)"""
+    from prefect.settings import PREFECT_API_URL
+
+    from shardline.flows.batch_inference import batch_inference
+    from tests.integration.automations import deploy_with_triggers, run_flow_run_here
+
+    api_url = str(PREFECT_API_URL.value())
+    write_prices(shardline_home)
+    tenants = tmp_path / "tenants.yaml"
+    budget = {"monthly": 1000.0, "warn_at": 0.8, "soft_at": 0.9}
+    tenants.write_text(yaml.safe_dump({"tenants": [
+        {"name": name, "batch": {"storage_prefixes": [str(tmp_path)]}, "budget": budget} for name in ("zeta", "eta")]}))
+    monkeypatch.setenv("SHARDLINE_TENANTS_FILE", str(tenants))
+    spend(shardline_home, "zeta", 1025.0)
+    spend(shardline_home, "eta", 950.0)
+    nightly = deploy_with_triggers(api_url, ["nightly"])["nightly"]
+
+    def run(tenant: str, output: str = "") -> tuple[object, Path]:
+        out = tmp_path / (output or f"out-{tenant}")
+        parameters = {"model": "breast-cancer@prod", "input_uri": str(input_shards), "output_uri": str(out),
+                      "tenant": tenant}
+        created = httpx.post(f"{api_url}/deployments/{nightly['id']}/create_flow_run",
+                             json={"parameters": parameters}, timeout=30)
+        created.raise_for_status()
+        return run_flow_run_here(created.json()["id"]), out
+
+    refused, out = run("zeta")
+    assert refused.is_failed(), refused  # type: ignore[attr-defined]
+    assert "tenant 'zeta' is at its budget's hard limit: new work is refused until the month ends or the budget " \
+           "grows (spent 1,025.00 USD of 1,000.00 USD (102%)" in str(refused.message)  # type: ignore[attr-defined]
+    assert "the job was not started" in str(refused.message) and not out.exists()  # type: ignore[attr-defined]
+
+    degraded, out = run("eta")
+    assert degraded.is_completed(), degraded  # type: ignore[attr-defined]
+    assert json.loads((out / "_manifest.json").read_text())["priority"] == "low"
+    assert pads.dataset(out).count_rows() == 12_000
+    events = _warnings(api_url, "zeta", 1) + _warnings(api_url, "eta", 1)
+    assert sorted((e["payload"]["tenant"], e["payload"]["state"]) for e in events) == [("eta", "soft"),
+                                                                                       ("zeta", "hard")]
+
+    # a run from no deployment (what `batch run` starts, having applied the budget itself) is not refused again
+    state = batch_inference(model="breast-cancer@prod", input_uri=str(input_shards),
+                            output_uri=str(tmp_path / "out-command"), tenant="zeta", return_state=True)
+    assert state.is_completed(), state
+    # and a job begun before is no new work: the deployment's run of it goes on at the hard limit
+    again, _ = run("zeta", "out-command")
+    assert again.is_completed(), again  # type: ignore[attr-defined]

@@ -165,7 +165,7 @@ def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None, st
         return request, JobOutcome(EXIT_USAGE, error=str(e)), None
     if state is None or state.state == "ok":
         return request, None, None
-    _announce(state)
+    announce_budget(state)
     if state.state == "hard" and not request.resume:
         return request, JobOutcome(EXIT_USAGE, error=f"{state.line()}; the job was not started (raise the tenant's "
                                    "budget in the tenants file, or wait for the next month)"), None
@@ -206,7 +206,7 @@ def soft_line() -> str:
     return f"this job runs at low priority on {metering.capacity_type} capacity, because none is spot here ({why})"
 
 
-def _announce(state: Any) -> None:
+def announce_budget(state: Any) -> None:
     """``shardline.budget.warning`` to the Prefect API, when one is known (an event never stops the job)."""
     from shardline.event_catalog import BUDGET_WARNING, tenant_resource
     from shardline.events import post_event, prefect_api_url

@@ -36,10 +36,13 @@ def run_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenan
             settings = OpenAIBatchSettings.read()
         except ValidationError as e:
             raise settings_error(e) from e
-        check_openai_batch(input_uri, output_uri, lines_per_part, tenant, settings)
+        plan = check_openai_batch(input_uri, output_uri, lines_per_part, tenant, settings)
+        budget_line = _budget(tenant, begun=plan.recorded or plan.finished is not None)
     except Exception as e:
         typer.secho(f"error: {error_line(e)}", fg="red", err=True)
         return exit_code(e)
+    if budget_line is not None:
+        typer.secho(budget_line, fg="yellow", err=True)
     try:
         use_prefect_api()
     except PrefectServerUnavailable as e:
@@ -59,6 +62,32 @@ def run_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenan
     if json_out:
         typer.echo(json.dumps(summary))
     return EXIT_QUARANTINED if summary["failed"] else EXIT_OK
+
+
+def _budget(tenant: str, begun: bool) -> str | None:
+    """The tenant's monthly budget on this job (docs/cost.md, "Budgets"; its use is metered as a batch job's):
+    the line to say before it runs, or None. At the hard limit a job no earlier run began is new work, refused.
+
+    Raises:
+        BudgetExceeded: the tenant is at its hard limit and the job is new.
+        ShardlineError: the tenants file or the price table is wrong.
+    """
+    from shardline.budgets import seconds_to_month_end
+    from shardline.cli.batch_jobs import announce_budget, tenant_budget_state
+    from shardline.errors import BudgetExceeded
+
+    state = tenant_budget_state(tenant)
+    if state is None or state.state == "ok":
+        return None
+    announce_budget(state)
+    if state.state == "hard" and not begun:
+        raise BudgetExceeded(f"{state.line()}; the job was not started (raise the tenant's budget in the tenants "
+                             "file, or wait for the next month)", tenant, seconds_to_month_end())
+    if state.state == "hard":
+        return f"{state.line()}; this job was begun before, so it runs to the end"
+    if state.state == "soft":  # the file runs in this command's process: no priority class or capacity to lower
+        return f"{state.line()}; a batch file runs in the command as it is"
+    return f"{state.line()}; the job runs"
 
 
 def _print_summary(summary: dict[str, Any], err: bool = False) -> None:

@@ -7,6 +7,7 @@ this process (the ``llm`` runtime's engine batches the lines of a part itself; n
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
 
@@ -103,25 +104,77 @@ def answer_openai_parts(plan: OpenAIBatchPlan, settings: OpenAIBatchSettings,
     if not plan.pending:
         return plan
     logger = run_logger()
-    runtime = _load(plan, settings)
-    done, lines = len(plan.parts) - len(plan.pending), 0
-    for part in plan.pending:
-        try:
-            records = answer_part(runtime, plan, part)
-        except InferenceFailed as e:  # the model's fault, not the file's: a re-run redoes this part
-            raise JobFailed(f"{part.name} (lines {part.first + 1}-{part.stop}) failed: {e}; {done} of "
-                            f"{len(plan.parts)} parts are committed: run the same command again to answer the "
-                            "rest", {part.name: str(e)}) from e
-        if plan.lease is not None:
-            plan.lease.check()  # a job that lost the folder to another writes nothing more
-        plan.output.commit_part(part.name, records)
-        plan.answered.append(part.name)
-        done, lines = done + 1, lines + len(records)
-        logger.info("committed %s: lines %d-%d (%d of %d parts)", part.name, part.first + 1, part.stop, done,
-                    len(plan.parts))
-        for watcher in watchers:
-            watcher(done, len(plan.parts), lines)
+    began, use = datetime.now(timezone.utc), BatchUse()
+    try:
+        runtime = _load(plan, settings)
+        done, lines = len(plan.parts) - len(plan.pending), 0
+        for part in plan.pending:
+            started = time.perf_counter()
+            try:
+                records = answer_part(runtime, plan, part)
+            except InferenceFailed as e:  # the model's fault, not the file's: a re-run redoes this part
+                raise JobFailed(f"{part.name} (lines {part.first + 1}-{part.stop}) failed: {e}; {done} of "
+                                f"{len(plan.parts)} parts are committed: run the same command again to answer the "
+                                "rest", {part.name: str(e)}) from e
+            if plan.lease is not None:
+                plan.lease.check()  # a job that lost the folder to another writes nothing more
+            plan.output.commit_part(part.name, records)
+            use.add(records, time.perf_counter() - started)
+            plan.answered.append(part.name)
+            done, lines = done + 1, lines + len(records)
+            logger.info("committed %s: lines %d-%d (%d of %d parts)", part.name, part.first + 1, part.stop, done,
+                        len(plan.parts))
+            for watcher in watchers:
+                watcher(done, len(plan.parts), lines)
+    finally:
+        use.meter(plan, settings, began)  # what was committed, however the run ends
     return plan
+
+
+class BatchUse:
+    """What a run of the job used, part by committed part, for the metering ledger: the lines answered (requests),
+    their tokens, and the seconds the model took."""
+
+    def __init__(self) -> None:
+        self.requests = self.rows = self.prompt_tokens = self.completion_tokens = 0
+        self.seconds = 0.0
+
+    def add(self, records: list[dict[str, Any]], seconds: float) -> None:
+        """A committed part's records (answers and error records) and the seconds it took."""
+        self.rows += len(records)
+        self.seconds += seconds
+        for record in records:
+            response = record.get("response") or {}
+            if response.get("status_code") != 200:
+                continue
+            self.requests += 1
+            usage = (response.get("body") or {}).get("usage") or {}
+            self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens += int(usage.get("completion_tokens") or 0)
+
+    def meter(self, plan: OpenAIBatchPlan, settings: OpenAIBatchSettings, began: datetime) -> None:
+        """Write the run's use to the metering ledger (the batch tier, the job's tenant, model and version), as the
+        batch flow meters a run's shards: one usage row and one capacity row (one device held for the window). A
+        run that committed nothing writes nothing, nor one with ``SHARDLINE_METERING_ENABLED=false``."""
+        if not self.rows or not settings.metering.enabled:
+            return
+        from shardline.storage.ledger import LedgerStore, holding_of
+        from shardline.tasks.fairness import device_kind
+
+        device = device_kind(settings.runtime)
+        window = max(0.0, (datetime.now(timezone.utc) - began).total_seconds())
+        measures = {"requests": self.requests, "rows": self.rows, "prompt_tokens": self.prompt_tokens,
+                    "completion_tokens": self.completion_tokens, "device_seconds": self.seconds,
+                    "cpu_seconds": 0.0 if device == "gpu" else self.seconds}
+        model = plan.model
+        version = f"{model.version}#{model.variant_name}" if model.variant_name else str(model.version)
+        ledger = LedgerStore(settings.storage.home, settings.storage.storage_options)
+        try:
+            ledger.record_batch(holding_of(settings.metering, "batch", device, 1.0), plan.tenant, model.name,
+                                version, plan.job.job_id, began, measures, reserved_seconds=window,
+                                window_seconds=window)
+        except OSError as e:  # the answers are committed: a ledger that cannot be written must not fail the job
+            run_logger().error("the metering ledger could not be written (%s): this run's use is not in it", e)
 
 
 @task(name="finish-openai-batch", cache_policy=NO_CACHE)

@@ -21,7 +21,7 @@ from shardline.openai_batch import (
     identity_differences,
     plan_parts,
 )
-from shardline.settings import BatchSettings, RuntimeSettings, StorageSettings, TenancySettings
+from shardline.settings import BatchSettings, MeteringSettings, RuntimeSettings, StorageSettings, TenancySettings
 from shardline.storage.fs import resolve_location
 from shardline.storage.lease import OutputLease
 from shardline.storage.openai_batch import BatchOutputFolder, read_batch_input
@@ -37,11 +37,12 @@ class OpenAIBatchSettings:
     batch: BatchSettings
     runtime: RuntimeSettings
     tenancy: TenancySettings
+    metering: MeteringSettings
 
     @classmethod
     def read(cls) -> OpenAIBatchSettings:
         """The settings from the environment."""
-        return cls(StorageSettings(), BatchSettings(), RuntimeSettings(), TenancySettings())
+        return cls(StorageSettings(), BatchSettings(), RuntimeSettings(), TenancySettings(), MeteringSettings())
 
 
 @dataclass
@@ -54,7 +55,7 @@ class OpenAIBatchPlan:
     output: BatchOutputFolder
     parts: tuple[PartSpec, ...]
     pending: tuple[PartSpec, ...]
-    tenant: str | None
+    tenant: str  # who the job runs for (its use is metered to it)
     recorded: bool = False  # the folder held this job's record already (an earlier run's)
     lease: OutputLease | None = None
     finished: dict[str, Any] | None = None  # the folder's batch object when the job is already finished
@@ -119,7 +120,7 @@ def survey_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, te
         model_reference=checked.model, model=model.pinned, model_digest=model.content_digest,
         lines_per_part=lines_per_part, entries=len(checked.entries), parts=len(parts),
         created_at=datetime.now(timezone.utc))
-    plan = OpenAIBatchPlan(job, checked, model, output, parts, parts, allowed.name if allowed else None,
+    plan = OpenAIBatchPlan(job, checked, model, output, parts, parts, tenant,
                            recorded=recorded is not None)
     finished = output.read_batch()
     if recorded is not None and finished is not None and finished.get("id") == f"batch_{job.job_id}":
@@ -128,8 +129,9 @@ def survey_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, te
 
 
 def check_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenant: str,
-                       settings: OpenAIBatchSettings) -> None:
-    """What the plan task would refuse, found without writing (`batch openai`'s check before a flow run).
+                       settings: OpenAIBatchSettings) -> OpenAIBatchPlan:
+    """What the plan task would refuse, found without writing (`batch openai`'s check before a flow run); the
+    job as surveyed (``recorded``: an earlier run began it).
 
     Raises:
         ShardlineError: as :func:`survey_openai_batch`; also OutputInUse (another job runs on the folder) and
@@ -139,3 +141,4 @@ def check_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, ten
     if plan.finished is None:
         output = plan.output
         OutputLease.check_free(output.fs, output.root, output.uri, plan.job.job_id)
+    return plan

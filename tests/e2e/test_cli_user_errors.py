@@ -20,8 +20,10 @@ import httpx
 import pytest
 
 from shardline.build.examples import write_shards
+from shardline.build.llm_build import package_tiny_llm
 from shardline.cli.batch_runner import find
 from shardline.storage.lease import LeaseTerms, OutputLease
+from shardline.storage.registry import ModelRegistry
 from tests.support.batch_process import read_only
 from tests.support.budgets import spend, write_prices
 
@@ -208,7 +210,7 @@ def test_a_resume_whose_request_went_wrong_since_is_refused_before_any_flow_run(
 
 @pytest.mark.usefixtures("local_registry")
 def test_a_wrong_openai_batch_file_is_refused_before_any_flow_run(
-    shardline: Shardline, prefect_api: str, tmp_path: Path
+    shardline: Shardline, prefect_api: str, tmp_path: Path, shardline_home: Path
 ) -> None:
     line = {"method": "POST", "url": "/v1/completions", "body": {"model": "tiny@prod", "prompt": "x"}}
     twice = tmp_path / "twice.jsonl"
@@ -220,6 +222,24 @@ def test_a_wrong_openai_batch_file_is_refused_before_any_flow_run(
         (("batch", "openai", str(twice), "--output", out), {}, "custom_id 'a'"),
         (("batch", "openai", str(unknown), "--output", out), {}, "model 'tiny' is not in the registry"),
         (("batch", "openai", str(tmp_path / "none.jsonl"), "--output", out), {}, "does not exist"),
+    ])
+    assert not (tmp_path / "answers").exists()
+
+    # a right file from a tenant at its budget's hard limit: its lines are metered like a batch job's, so it is
+    # new work, refused as `batch run` refuses it
+    package_tiny_llm(tmp_path / "tiny", name="tiny")
+    registry = ModelRegistry(str(shardline_home / "registry"))
+    registry.set_alias("tiny", "prod", registry.push(tmp_path / "tiny").version or 1)
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(f"tenants:\n  - name: spent\n    batch: {{storage_prefixes: ['{tmp_path}']}}\n"
+                       "    budget: {monthly: 100.0}\n")
+    write_prices(shardline_home)
+    spend(shardline_home, "spent", 120.0)
+    refused_before_any_flow_run(shardline, prefect_api, [
+        (("batch", "openai", str(unknown), "--output", out, "--tenant", "spent"),
+         {"SHARDLINE_TENANTS_FILE": str(tenants)},
+         "tenant 'spent' is at its budget's hard limit: new work is refused until the month ends or the budget grows "
+         "(spent 120.00 USD of 100.00 USD (120%)"),
     ])
     assert not (tmp_path / "answers").exists()
 

@@ -9,6 +9,7 @@ writes nothing; a file the model cannot answer, and another file into the same f
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,6 +23,7 @@ from shardline.errors import InvalidInput, OutputInUse
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.runtimes.generation import EngineConfig, SamplingParams
 from shardline.runtimes.generation.engine import GenerationEngine
+from shardline.storage.ledger import LedgerStore, month_of
 from shardline.storage.registry import ModelRegistry
 from tests.integration.conftest import S3Server
 
@@ -90,7 +92,7 @@ def direct(engine: GenerationEngine, line: dict[str, Any]) -> tuple[str, str, in
 
 
 def test_a_file_of_chat_and_completions_lines_is_answered_once_per_custom_id(
-    registry: ModelRegistry, engine: GenerationEngine, tmp_path: Path,
+    registry: ModelRegistry, engine: GenerationEngine, tmp_path: Path, shardline_home: Path,
 ) -> None:
     from shardline.flows.openai_batch import openai_batch
 
@@ -145,11 +147,20 @@ def test_a_file_of_chat_and_completions_lines_is_answered_once_per_custom_id(
     assert batch["input_file_id"] == str(source) and batch["metadata"]["model"] == "tiny:1"
     assert not (out / "_staging").exists()
 
+    # the run's use is in the metering ledger, as a batch job's is: its lines, tokens and seconds, for its tenant
+    [usage] = [r for r in LedgerStore(str(shardline_home)).read(month_of(datetime.now(timezone.utc))).to_pylist()
+               if r["kind"] == "usage"]
+    assert (usage["tier"], usage["tenant"], usage["model"], usage["version"]) == ("batch", "default", "tiny", "1")
+    assert (usage["requests"], usage["rows"]) == (40, 47) and usage["device_seconds"] > 0
+    assert usage["prompt_tokens"] == sum(a["response"]["body"]["usage"]["prompt_tokens"] for a in answers)
+    assert usage["completion_tokens"] == sum(a["response"]["body"]["usage"]["completion_tokens"] for a in answers)
+
     before = {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
     again = openai_batch(str(source), str(out), lines_per_part=8, return_state=True)
 
     assert again.result()["parts_answered"] == 0 and again.result()["completed"] == 40
     assert {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before  # nothing written
+    assert len(LedgerStore(str(shardline_home)).read(month_of(datetime.now(timezone.utc)))) == 2  # nor metered
 
 
 def test_a_rerun_with_another_file_or_part_size_is_refused_and_a_resume_keeps_the_pinned_version(

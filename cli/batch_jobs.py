@@ -167,10 +167,9 @@ def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None, st
         return request, None, None
     announce_budget(state)
     if state.state == "hard" and not request.resume:
-        return request, JobOutcome(EXIT_USAGE, error=f"{state.line()}; the job was not started (raise the tenant's "
-                                   "budget in the tenants file, or wait for the next month)"), None
+        return request, JobOutcome(EXIT_USAGE, error=state.refusal()), None
     if state.state == "hard":
-        return request, None, f"{state.line()}; this job was accepted before, so it runs to the end"
+        return request, None, state.begun()
     if state.state == "soft":
         from shardline.tenants import PRIORITIES
 

@@ -81,10 +81,9 @@ def _budget(tenant: str, begun: bool) -> str | None:
         return None
     announce_budget(state)
     if state.state == "hard" and not begun:
-        raise BudgetExceeded(f"{state.line()}; the job was not started (raise the tenant's budget in the tenants "
-                             "file, or wait for the next month)", tenant, seconds_to_month_end())
+        raise BudgetExceeded(state.refusal(), tenant, seconds_to_month_end())
     if state.state == "hard":
-        return f"{state.line()}; this job was begun before, so it runs to the end"
+        return state.begun()
     if state.state == "soft":  # the file runs in this command's process: no priority class or capacity to lower
         return f"{state.line()}; a batch file runs in the command as it is"
     return f"{state.line()}; the job runs"

@@ -82,6 +82,16 @@ class BudgetState:
         }[self.state]
         return f"tenant {self.tenant!r} is {what} ({self.figures()})"
 
+    def refusal(self) -> str:
+        """The one line that refuses a new batch job at the hard limit (`batch run`, `batch openai`, a deployment's
+        run alike)."""
+        return (f"{self.line()}; the job was not started (raise the tenant's budget in the tenants file, or wait "
+                "for the next month)")
+
+    def begun(self) -> str:
+        """The line for a job an earlier run began, which runs to the end whatever the state."""
+        return f"{self.line()}; this job was begun before, so it runs to the end"
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -76,9 +76,8 @@ def apply_tenant_budget(admitted: Admission, settings: BatchJobSettings, deploym
     logger = run_logger()
     if state.state == "hard":
         if not _begun(admitted, settings):
-            raise BudgetExceeded(f"{state.line()}; the job was not started (raise the tenant's budget in the "
-                                 "tenants file, or wait for the next month)", tenant, seconds_to_month_end())
-        logger.warning("%s; this job was begun before, so it runs to the end", state.line())
+            raise BudgetExceeded(state.refusal(), tenant, seconds_to_month_end())
+        logger.warning("%s", state.begun())
         return admitted
     if state.state == "soft":
         capacity = job_capacity("spot", settings.dask, settings.metering)

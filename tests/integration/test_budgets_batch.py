@@ -127,7 +127,7 @@ def test_a_batch_job_warns_degrades_and_is_refused_at_its_tenants_budget(
     # nothing accepted before is lost: the first job, resumed, still runs (its parts kept)
     code, output = run("batch", "resume", first["job_id"], "--json")
     assert code == 0, output
-    assert "this job was accepted before, so it runs to the end" in output
+    assert "this job was begun before, so it runs to the end" in output
     assert last_json(output)["shards_skipped"] == 6
 
 

@@ -3,8 +3,9 @@
 Admission (before anything is read or written): the tenant is in the tenants file,
 the input and output lie under its storage prefixes, its GPU-hours of the day are
 not used up, and a deployment's run meets the tenant's monthly budget (`batch run`
-meets it in the command). While shards run, an SLA tracker projects the finish, keeps the job
-record (`shardline batch status`) and emits the SLA events prefect.yaml answers.
+meets it in the command). While shards run, an SLA tracker projects the finish,
+keeps the job record (`shardline batch status`) and emits the SLA events
+prefect.yaml answers.
 The flow only wires tasks (tasks/batch_job.py, tasks/batch.py); it reads the
 settings once and passes them down.
 """

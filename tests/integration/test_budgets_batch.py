@@ -1,7 +1,7 @@
 """Budgets in batch: `shardline batch run`, and a deployment's run, warn, degrade (low priority, on spot capacity where
 there is some: said in one line, the job's ledger rows priced as what it ran on) and refuse at a tenant's budget,
-with the figures, over a ledger that real jobs and earlier runs wrote; a job accepted before still runs. The spot worker group a soft job
-gets on Kubernetes is tested against an API server in test_dask_kubernetes.py."""
+with the figures, over a ledger that real jobs and earlier runs wrote; a job begun before still runs. The spot
+worker group a soft job gets on Kubernetes is tested against an API server in test_dask_kubernetes.py."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ from shardline.online.generation import Generations
 from shardline.online.headers import TIMEOUT_HEADER
 from shardline.online.logs import CURRENT, deadline_left
 from shardline.online.metrics import Metrics, ModelState, Snapshot
-from shardline.online.models import ModelDirectory, ModelStatus, ServedModel, version_label
+from shardline.online.models import ModelDirectory, ModelStatus, ServedModel
 from shardline.online.served import ServedModels
 from shardline.online.tenants import Tenant, TenantDirectory
 from shardline.rows import Rows, check_rows
@@ -255,7 +255,7 @@ class DataPlane:
 
     def _batcher_for(self, resolved: ResolvedModel, key: tuple[str, int, str], limits: Any) -> Batcher:
         """A served version's batcher: its batches scored by this plane (inline when fast, else on the pool)."""
-        version = version_label(resolved)
+        version = resolved.version_label
 
         def observe(rows: int, requests: int, seconds: float) -> None:
             self.metrics.observe_batch(resolved.name, version, rows, requests, seconds)

@@ -103,18 +103,13 @@ class ServedModel:
 
     @functools.cached_property
     def version_label(self) -> str:
-        """Its ``version`` metrics and metering label (``version_label``), made once."""
-        return version_label(self.resolved)
+        """Its ``version`` metrics and metering label (``ResolvedModel.version_label``), made once."""
+        return self.resolved.version_label
 
     @property
     def signature(self) -> Signature:
         """What the model reads and writes."""
         return self.resolved.manifest.signature
-
-
-def version_label(resolved: ResolvedModel) -> str:
-    """A served version's ``version`` metrics label: ``3``, or ``3#int8`` for a precision variant."""
-    return f"{resolved.version}#{resolved.variant_name}" if resolved.variant_name else str(resolved.version)
 
 
 @dataclass(frozen=True)

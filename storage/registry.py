@@ -122,6 +122,12 @@ class ResolvedModel(BaseModel):
         return self.reference.rsplit("#", 1)[1] if "#" in self.reference else ""
 
     @property
+    def version_label(self) -> str:
+        """The version as the metrics and the metering ledger label it: ``3``, or ``3#int8`` for a precision
+        variant."""
+        return f"{self.version}#{self.variant_name}" if self.variant_name else str(self.version)
+
+    @property
     def uri(self) -> str:
         """Where the version's manifest lives."""
         return f"{self.registry_url.rstrip('/')}/{self.name}/versions/{self.version}"

@@ -208,7 +208,6 @@ def meter_run(ledger: LedgerStore, plan: "JobPlan", metering: MeteringSettings, 
     began, ended = window
     span = max(0.0, (ended - began).total_seconds())
     model = plan.job.model
-    version = f"{model.version}#{model.variant_name}" if model.variant_name else str(model.version)
-    ledger.record_batch(holding, plan.tenant, model.name, version, plan.job_id, began, measures,
+    ledger.record_batch(holding, plan.tenant, model.name, model.version_label, plan.job_id, began, measures,
                         reserved_seconds=span * slots, window_seconds=span)
     return seconds

@@ -167,11 +167,10 @@ class BatchUse:
                     "completion_tokens": self.completion_tokens, "device_seconds": self.seconds,
                     "cpu_seconds": 0.0 if device == "gpu" else self.seconds}
         model = plan.model
-        version = f"{model.version}#{model.variant_name}" if model.variant_name else str(model.version)
         ledger = LedgerStore(settings.storage.home, settings.storage.storage_options)
         try:
             ledger.record_batch(holding_of(settings.metering, "batch", device, 1.0), plan.tenant, model.name,
-                                version, plan.job.job_id, began, measures, reserved_seconds=window,
+                                model.version_label, plan.job.job_id, began, measures, reserved_seconds=window,
                                 window_seconds=window)
         except OSError as e:  # the answers are committed: a ledger that cannot be written must not fail the job
             run_logger().error("the metering ledger could not be written (%s): this run's use is not in it", e)

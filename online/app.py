@@ -173,6 +173,9 @@ class InferFirst:
         self.infer = infer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if len(path) > 1 and path[-1] == "/":  # one trailing slash is the same path (no redirect, see create_app)
+            scope["path"] = path[:-1]
         if scope["type"] == "http" and scope["method"] == "POST":
             params = kserve_v2.infer_path_params(scope["path"])
             if params is not None:
@@ -223,5 +226,9 @@ def create_app(plane: DataPlane, *, log_requests: bool = True) -> ASGIApp:
                                                   compresslevel=kserve_v2.GZIP_LEVEL)],
         lifespan=lifespan, exception_handlers={HTTPException: _http_error},
     )
+    # Starlette would answer a trailing slash with a redirect to the path without it, built from the Host
+    # header: behind the router, the replica's own address, which takes no requests but the router's; and a
+    # POST's client seldom follows it. InferFirst reads the path without it instead, as the router does.
+    starlette.router.redirect_slashes = False
     infer = next(r.app for r in v2_routes if isinstance(r, Route) and r.path.endswith("/infer"))
     return RequestMiddleware(InferFirst(starlette, infer), plane.metrics, log_requests)

@@ -169,6 +169,8 @@ class Router:
     async def handle(self, request: Incoming) -> Answer:
         """Answer one request (never raises for a client's or a replica's fault)."""
         request_id = request.header(REQUEST_ID) or new_request_id()
+        if len(request.path) > 1 and request.path[-1] == "/":  # as serve reads it: /v1/embeddings/ is /v1/embeddings
+            request.path = request.path[:-1]
         openai = request.path.startswith("/v1/")
         try:
             answer = await self._route(request, request_id)

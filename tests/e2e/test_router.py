@@ -144,6 +144,30 @@ def test_a_get_on_infer_is_the_replicas_405_naming_the_path_as_sent(routed: Rout
     assert got.status_code == 405 and got.json()["error"] == f"/v2/models/{MODEL}/infer does not take GET"
 
 
+def test_head_and_a_trailing_slash_are_answered_as_serve_answers_them(routed: Routed,
+                                                                      breast_cancer_model: BuiltModel) -> None:
+    # HEAD was relayed as HEAD: the router's parser then waited for the body the answer's Content-Length
+    # promised until the replica closed the connection (~5 s), counted a failed try, tried another replica and
+    # fed both breakers, and answered 503 after 10 s. A trailing slash got the replica's redirect to its own
+    # address, which takes requests only from the router.
+    plain = {**key(), "Accept-Encoding": "identity"}
+    failures_before = routed.log.read_text().count("failed:")
+    started = time.monotonic()
+    head = httpx.head(f"{routed.url}/v2/models/{MODEL}", headers=plain, timeout=30)
+    metadata = httpx.get(f"{routed.url}/v2/models/{MODEL}", headers=plain)
+    assert head.status_code == 200 and head.content == b"" and time.monotonic() - started < 4
+    assert head.headers["content-length"] == metadata.headers["content-length"] == str(len(metadata.content))
+    assert httpx.head(f"{routed.url}/v1/models", headers=key(), timeout=30).status_code == 200
+    for path in ("/v2/", f"/v2/models/{MODEL}/", "/v1/models/"):
+        got = httpx.get(routed.url + path, headers=key())
+        assert got.status_code == 200 and got.json() == httpx.get(routed.url + path[:-1], headers=key()).json(), path
+    assert httpx.post(f"{routed.url}/v1/embeddings/", headers=key(),
+                      json={"model": "minilm", "input": "slash"}).json()["model"] == "minilm:1"  # pinned as without
+    scored = httpx.post(f"{routed.url}/v2/models/{MODEL}/infer/", content=_infer_body(breast_cancer_model), headers=key())
+    assert scored.status_code == 200 and scored.json()["model_version"] == "1"
+    assert routed.log.read_text().count("failed:") == failures_before  # no replica blamed
+
+
 def test_replicas_take_requests_only_through_the_router(routed: Routed, breast_cancer_model: BuiltModel) -> None:
     replica = next(iter(routed.replicas))
     direct = httpx.get(f"{replica}/v2/models/{MODEL}", headers=key())

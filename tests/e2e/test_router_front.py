@@ -166,6 +166,21 @@ def test_tritonclient_is_answered_by_the_fast_lane_like_scikit_learn(
     assert metadata["versions"] == ["1"] and [i["name"] for i in metadata["inputs"]] == breast_cancer_model.data.names
 
 
+def test_head_and_a_trailing_slash_through_the_front(edged: Edged, breast_cancer_model: BuiltModel) -> None:
+    # HEAD reached the router as HEAD and waited ~10 s for a body no answer to HEAD has (then 503)
+    plain = {**key(), "Accept-Encoding": "identity"}
+    started = time.monotonic()
+    head = httpx.head(f"{edged.url}/v2/models/{MODEL}", headers=plain, timeout=30)
+    assert head.status_code == 200 and head.content == b"" and time.monotonic() - started < 4
+    assert head.headers["content-length"] == httpx.get(f"{edged.url}/v2/models/{MODEL}", headers=plain).headers["content-length"]
+    rows = breast_cancer_model.data.features[:2]
+    body = {"inputs": [{"name": n, "datatype": "FP32", "shape": [2], "data": rows[:, j].tolist()}
+                       for j, n in enumerate(breast_cancer_model.data.names)]}
+    scored = httpx.post(f"{edged.url}/v2/models/{MODEL}/infer/", json=body, headers=key())
+    assert scored.status_code == 200 and scored.json()["model_version"] == "1"
+    assert scored.json()["outputs"][0]["data"] == breast_cancer_model.estimator.predict(rows.astype(np.float32)).tolist()
+
+
 def test_the_fast_lane_places_a_model_where_the_router_does(edged: Edged, breast_cancer_model: BuiltModel) -> None:
     """nginx's lane walks the router's own rendezvous order for the pinned version."""
 

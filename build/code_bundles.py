@@ -23,7 +23,7 @@ from shardline.bundle import Lineage, Manifest, describe_artifact
 from shardline.errors import InvalidBundle, InvalidInput, InvalidSetting, ShardlineError
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.runtimes.custom import CODE_DIR, answer_columns, import_entry
-from shardline.signature import ColumnSpec, Signature, non_finite_counts, parse_type, type_name
+from shardline.signature import ColumnSpec, Signature, parse_type, type_name, with_missing_values
 
 SAMPLE_ROWS = 256  # sample rows the packaged bundle is checked on
 _OUTPUT_ROWS = 16  # sample rows the class is first run on, to learn its outputs
@@ -118,8 +118,7 @@ def _inputs(sample: pa.Table, exclude: Sequence[str]) -> tuple[ColumnSpec, ...]:
         inputs.append(ColumnSpec(name=field.name, type=written, nullable=sample.column(field.name).null_count > 0))
     if not inputs:
         raise InvalidInput("the sample has no input column left after --exclude; give the rows the model reads")
-    taking = non_finite_counts(sample, inputs)  # a float column whose sample holds NaN or infinity takes them
-    return tuple(c.model_copy(update={"non_finite": True}) if c.name in taking else c for c in inputs)
+    return tuple(with_missing_values(sample, inputs))  # a float column whose sample holds NaN takes them
 
 
 def _copy_code(source: Path, out: Path) -> list[Any]:

@@ -33,10 +33,10 @@ from shardline.signature import (
     Signature,
     is_compatible,
     leaf_type,
-    non_finite_counts,
     row_shape,
     tensor_type_name,
     type_name,
+    with_missing_values,
 )
 
 if TYPE_CHECKING:
@@ -371,10 +371,9 @@ def infer_onnx_signature(
             f"{missing}: name one column after each input (a fixed_size_list<T>[k] column for an input [N, k]), "
             "or package from the ONNX file alone (leave out --signature-from)"
         )
-    # A sample that holds NaN or infinity in a float column is data the model is meant to take
-    # (a tree model's missing values): the column declares it, so neither tier refuses them.
-    takes_nan = non_finite_counts(sample, inputs)
-    inputs = [spec.model_copy(update={"non_finite": True}) if spec.name in takes_nan else spec for spec in inputs]
+    # A sample that holds NaN, infinity or nulls in a float column is data the model is meant to take (a tree
+    # model's missing values): the column declares it, so neither tier refuses them.
+    inputs = with_missing_values(sample, inputs)
     from shardline.runtimes.onnx import column_tensor
 
     feeds = {}

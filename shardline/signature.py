@@ -326,6 +326,23 @@ def schema_problems(schema: pa.Schema, inputs: Iterable[ColumnSpec], model: str)
     return problems
 
 
+def with_missing_values(sample: pa.Table, inputs: Sequence[ColumnSpec]) -> list[ColumnSpec]:
+    """``inputs`` declaring what ``sample`` shows the model takes: a float column whose sample holds NaN or
+    infinity declares ``non_finite``, and a primitive float column whose sample holds nulls or NaN declares both
+    ``non_finite`` and ``nullable`` (a missing value, as a tree model reads NaN: pandas writes NaN to Parquet as
+    null, and both tiers feed a null to the model as NaN). Other columns are left as they are."""
+    takes_nan = non_finite_counts(sample, inputs)
+    declared = []
+    for spec in inputs:
+        update: dict[str, bool] = {}
+        if spec.name in takes_nan:
+            update["non_finite"] = True
+        if pa.types.is_floating(spec.arrow_type) and (spec.name in takes_nan or sample.column(spec.name).null_count):
+            update.update(non_finite=True, nullable=True)
+        declared.append(spec.model_copy(update=update) if update else spec)
+    return declared
+
+
 def non_finite_counts(batch: pa.RecordBatch | pa.Table, inputs: Iterable[ColumnSpec]) -> dict[str, int]:
     """Input column -> how many NaN or infinite values it holds, for float columns (and lists of floats)
     whose spec does not declare ``non_finite``; columns without any are left out. Nulls do not count.

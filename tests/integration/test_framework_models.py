@@ -21,7 +21,7 @@ from shardline.online.testing import serve_listeners_in_thread
 from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
 from shardline.storage.registry import ModelRegistry
 
-from tests.framework_models import fitted, predictions, training_rows
+from tests.framework_models import fitted, predictions, training_frame, training_rows
 
 KINDS = ("xgboost-classifier", "lightgbm-classifier", "torch-mlp")
 KEY = "sk-frameworks-test-key"
@@ -102,3 +102,53 @@ def test_serve_answers_like_the_framework(kind: str, models: tuple[Path, dict[st
     assert answer.status_code == 200, answer.text
     outputs = {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in answer.json()["outputs"]}
     _assert_close(kind, outputs, predictions(kind, built[kind], rows))
+
+
+@pytest.mark.usefixtures("on_cluster")
+@pytest.mark.parametrize("kind", ["xgboost-classifier", "lightgbm-classifier"])
+def test_a_tree_model_fitted_with_missing_values_scores_them_as_pandas_and_pyarrow_write_them(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sample's NaN (nulls once pandas made it a table) declared nothing: every shard holding a missing value,
+    # the model's own training rows included, was quarantined as nulls, NaN, or by the contract's not-null rule.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shardline.bundle import read_manifest
+    from shardline.quality.profile import attach_reference_profile
+
+    _, labels, names, _ = training_rows()
+    frame = training_frame(dtype=np.float32)
+    frame = frame.mask(np.random.default_rng(7).random(frame.shape) < 0.05)  # ~5% missing, as NaN
+    if kind.startswith("xgboost"):
+        import xgboost
+
+        model: Any = xgboost.XGBClassifier(n_estimators=20, max_depth=3, n_jobs=1).fit(frame, labels)
+        package_xgboost(model, tmp_path / "bundle", name="missing", sample=frame)
+    else:
+        import lightgbm
+
+        model = lightgbm.LGBMClassifier(n_estimators=20, num_leaves=15, n_jobs=1, verbose=-1).fit(frame, labels)
+        package_lightgbm(model, tmp_path / "bundle", name="missing", sample=frame)
+    attach_reference_profile(tmp_path / "bundle", pa.Table.from_pandas(frame))  # so the data contract runs too
+    inputs = read_manifest(tmp_path / "bundle").signature.inputs
+    assert all(spec.nullable and spec.non_finite for spec in inputs)  # every column of the sample misses values
+    home = tmp_path / "home"
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias("missing", "prod", registry.push(tmp_path / "bundle").version or 1)
+    (tmp_path / "input").mkdir()
+    half = len(frame) // 2
+    frame.iloc[:half].assign(id=np.arange(half)).to_parquet(tmp_path / "input" / "pandas.parquet")  # NaN as null
+    rest = frame.iloc[half:]
+    nan_table = pa.table({**{n: pa.array(rest[n].to_numpy()) for n in names}, "id": np.arange(half, len(frame))})
+    assert nan_table.column(names[0]).null_count == 0 and rest[names[0]].isna().any()  # real NaN in the file
+    pq.write_table(nan_table, tmp_path / "input" / "nan.parquet")
+    monkeypatch.setenv("SHARDLINE_STORAGE_HOME", str(home))
+
+    state = batch_inference(model="missing@prod", input_uri=str(tmp_path / "input"), output_uri=str(tmp_path / "out"),
+                            return_state=True)
+
+    assert state.is_completed(), state.message
+    scored = ds.dataset(tmp_path / "out").to_table().sort_by("id")
+    assert scored.column("id").to_pylist() == list(range(len(frame)))  # no shard quarantined, every row once
+    got = {c: np.asarray(scored.column(c).to_pylist()) for c in ("label", "probabilities")}
+    _assert_close(kind, got, predictions(kind, model, frame))

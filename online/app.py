@@ -196,6 +196,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     else:
         message = str(getattr(exc, "detail", exc))
     body = (openai_error_body if request.url.path.startswith("/v1/") else v2_error_body)(message, status)
+    if status in (404, 405) and "error" in body and isinstance(body["error"], dict):
+        body["error"]["code"] = None  # no model is at fault (OpenAI's code for a 404): as OpenAI answers a wrong URL
     return json_response(body, status)
 
 

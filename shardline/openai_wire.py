@@ -208,7 +208,8 @@ def parse_embedding_request(body: bytes | dict[str, Any]) -> EmbeddingRequest:
         raise InvalidInput(f"field 'input' holds {len(texts)} texts; send at most {MAX_INPUTS} per request")
     for i, text in enumerate(texts):
         if not isinstance(text, str):
-            kind = "token ids" if isinstance(text, (int, list)) else type(text).__name__
+            ids = isinstance(text, int) or isinstance(text, list) and all(type(t) is int for t in text)
+            kind = "token ids" if ids else f"a JSON {_JSON_NAMES.get(type(text), type(text).__name__)}"
             raise InvalidInput(f"field 'input[{i}]' is {kind}; this server embeds text: send strings")
         if not text:
             raise InvalidInput(f"field 'input[{i}]' is an empty string; send the text to embed or leave the entry out")
@@ -277,6 +278,9 @@ _OPENAI_TYPES = {
     501: "not_implemented", 503: "overloaded_error",
 }
 _OPENAI_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded", 503: "overloaded"}
+
+
+_JSON_NAMES = {list: "array", dict: "object", bool: "boolean", float: "number", type(None): "null"}
 
 
 def error_object(message: str, status: int, code: str | None = None) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from shardline import __version__
-from shardline.errors import InvalidInput
+from shardline.errors import InvalidInput, NonFiniteValues
 from shardline.online.bodies import byte_count
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import (
@@ -112,7 +112,7 @@ def _json_header(body: bytes, header_length: str | None) -> tuple[Any, memoryvie
     try:
         doc = orjson.loads(json_part)
     except orjson.JSONDecodeError as e:
-        doc = _with_non_finite(json_part, e)
+        doc = _with_non_finite(json_part, e, header_length)
     if not isinstance(doc, dict):
         raise InvalidInput(f"the request body is a JSON {type(doc).__name__}, not an object with 'inputs'")
     return doc, binary
@@ -121,20 +121,28 @@ def _json_header(body: bytes, header_length: str | None) -> tuple[Any, memoryvie
 _NON_FINITE = re.compile(rb"(?<![\w\"])(?:-?Infinity|NaN)(?![\w\"])")  # as Python's json writes them
 
 
-def _with_non_finite(json_part: bytes, error: orjson.JSONDecodeError) -> Any:
+def _with_non_finite(json_part: bytes, error: orjson.JSONDecodeError, header_length: str | None = None) -> Any:
     """A body that is JSON but for ``NaN`` or ``Infinity`` (what Python's ``json.dumps`` writes for them, and so
     tritonclient's JSON requests and any client sending its output), read as the floats they name: the row check then
     says which input holds them, and a column that declares ``non_finite`` takes them. Any other invalid JSON is
     refused with the parser's words.
 
     Raises:
-        InvalidInput: the body is not JSON, even with NaN and Infinity.
+        InvalidInput: the body is not JSON, even with NaN and Infinity; where it names ``binary_data_size``, said as
+            binary tensors whose JSON part ``Inference-Header-Content-Length`` does not mark.
     """
     if _NON_FINITE.search(json_part):
         try:
             return json.loads(bytes(json_part))
         except (ValueError, RecursionError):
             pass
+    if b'"binary_data_size"' in json_part:  # binary tensors after the JSON: the parser's words would mislead
+        if header_length is None:
+            raise InvalidInput(f"the body holds binary tensors (an input has a binary_data_size parameter) but no "
+                               f"{HEADER_LENGTH} header says where its JSON ends; send that header with the JSON "
+                               "part's length in bytes, as tritonclient does") from error
+        raise InvalidInput(f"header {HEADER_LENGTH} says the JSON part is {header_length} bytes, but those bytes "
+                           f"are not a JSON object ({error}); send the JSON part's length in bytes") from error
     raise InvalidInput(f"the request body is not valid JSON ({error}); send an object such as {{\"inputs\": [...]}}") \
         from error
 
@@ -149,6 +157,9 @@ def _tensor_fields(tensor: Any, i: int) -> tuple[str, str, list[int], dict[str, 
     if not isinstance(datatype, str):
         raise InvalidInput(f"input {shown(name)}: 'datatype' is missing or not a string (e.g. \"FP32\", \"BYTES\")")
     shape = tensor.get("shape")
+    if shape is None:
+        raise InvalidInput(f"input {shown(name)}: 'shape' is missing; send it as a list of whole numbers such as [N] "
+                           "or [N, k]")
     if (not isinstance(shape, list) or not shape or len(shape) > _MAX_RANK
             or any(type(d) is not int or d < 0 for d in shape)):
         raise InvalidInput(f"input {shown(name)}: 'shape' is {shown(shape)}; it must be a list of whole numbers "
@@ -171,7 +182,10 @@ def decode_infer_request(body: bytes, header_length: str | None, signature: Sign
         return _decode(body, header_length, signature, model)
     decoded = _decode(body, header_length, view, model)
     assert decoded.rows.arrays is not None  # the view is a float signature: its rows are arrays
-    decoded.rows = float_rows(signature.plan, decoded.rows.arrays, model)  # the columns' own finite check
+    try:
+        decoded.rows = float_rows(signature.plan, decoded.rows.arrays, model)  # the columns' own finite check
+    except NonFiniteValues as e:  # named by the columns of the bundle's rows: say which input the client sent
+        raise NonFiniteValues(f"input {view.inputs[0].name!r} (the model's columns in order): {e}", e.columns) from e
     return decoded
 
 
@@ -261,7 +275,10 @@ def _request_id(value: Any) -> str | None:
 
 def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) -> tuple[list[str], dict[str, bool]]:
     parameters = doc.get("parameters") or {}
-    default = bool(parameters.get("binary_data_output", False)) if isinstance(parameters, dict) else False
+    if not isinstance(parameters, dict):
+        raise InvalidInput(f"field 'parameters' is {shown(parameters)}, not an object; send an object such as "
+                           "{\"binary_data_output\": true}")
+    default = bool(parameters.get("binary_data_output", False))
     requested = doc.get("outputs")
     if requested is None or requested == []:  # every output (most requests; [] as Triton takes it): read-only
         every = signature.plan.every_output[default]
@@ -279,6 +296,10 @@ def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) ->
         if name in binary:  # (the answer held it twice)
             raise InvalidInput(f"output {shown(name)} is asked for twice in 'outputs'; name each output once")
         own = output.get("parameters") or {}
+        if isinstance(own, dict) and own.get("classification") is not None:
+            raise InvalidInput(f"output {name!r}: the classification extension (top-k classes as strings) is not "
+                               "served here; leave out the 'classification' parameter and take the top classes from "
+                               "the output itself")
         names.append(name)
         binary[name] = bool(own.get("binary_data", default)) if isinstance(own, dict) else default
     return names, binary

@@ -121,7 +121,10 @@ def _from_json(name: str, datatype: str, data: Any, shape: list[int]) -> np.ndar
         try:
             return pa.array(flat, type=pa.string())
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            raise InvalidInput(f"input {name!r} is declared BYTES but holds values that are not strings: {e}") from e
+            other = next((v for v in flat if not isinstance(v, str)), None)
+            kind = {bool: "bool", int: "integer", float: "number", dict: "object"}.get(type(other), "non-string")
+            raise InvalidInput(f"input {name!r} is declared BYTES but its data holds {kind} values (such as "
+                               f"{shown(other)}); send each value as a JSON string") from e
     kinds = set(map(type, flat))
     if datatype != "BOOL" and bool in kinds:  # numpy reads [true, 5.0] as [1.0, 5.0]: say it
         raise InvalidInput(f"input {name!r} is declared {datatype} but its data holds bool values (true or false); "

@@ -231,6 +231,9 @@ def test_an_unknown_version_is_404_naming_the_versions_and_a_bad_one_is_400(url:
     assert nowhere.status_code == 404 and nowhere.json()["error"] == (
         "no endpoint GET /v3/models; this server speaks the Open Inference Protocol under /v2 and OpenAI's under /v1 "
         "(models, embeddings, completions, chat/completions)")
+    rerank = httpx.post(f"{url}/v1/rerank", headers=key(), json={"model": MODEL})  # a wrong URL, not a missing model
+    assert rerank.status_code == 404 and rerank.json()["error"]["code"] is None
+    assert rerank.json()["error"]["message"].startswith("no endpoint POST /v1/rerank;")
 
 
 def bad_requests(model: BuiltModel) -> list[tuple[str, bytes, dict[str, str], int, str]]:

@@ -155,6 +155,20 @@ def json_request(**changes: Any) -> bytes:
          r"output 'probs' is asked for twice in 'outputs'; name each output once"),
         (orjson.dumps({**orjson.loads(json_request()), "id": 5}), None,
          r"field 'id' is int, not a string; send the id as a JSON string"),
+        (json_request(a={"shape": None}), None, r"input 'a': 'shape' is missing; send it as a list of whole numbers"),
+        (json_request(text={"data": [1, 2]}), None,
+         r"input 'text' is declared BYTES but its data holds integer values \(such as 1\); send each value as a JSON"),
+        # Triton's classification extension is not served: a 200 with the raw output would not be what was asked
+        (orjson.dumps({**orjson.loads(json_request()), "outputs": [{"name": "probs", "parameters": {"classification": 2}}]}),
+         None, r"output 'probs': the classification extension \(top-k classes as strings\) is not served here"),
+        (orjson.dumps({**orjson.loads(json_request()), "parameters": [1]}), None, r"field 'parameters' is \[1\], not an object"),
+        # binary tensors sent without the header that says where the JSON ends: not "not valid JSON (... char 0)"
+        (json_request(a={"parameters": {"binary_data_size": 8}, "data": None}) + b"\x00\xd8" * 4, None,
+         r"the body holds binary tensors \(an input has a binary_data_size parameter\) but no "
+         r"Inference-Header-Content-Length header says where its JSON ends"),
+        (json_request(a={"parameters": {"binary_data_size": 8}, "data": None}) + b"\x00\xd8" * 4,
+         str(len(json_request(a={"parameters": {"binary_data_size": 8}, "data": None})) + 3),
+         r"header Inference-Header-Content-Length says the JSON part is \d+ bytes, but those bytes are not a JSON object"),
     ],
     ids=lambda v: v if isinstance(v, str) and len(v) < 20 else None,
 )
@@ -234,7 +248,8 @@ def test_an_embeddings_request_reads_a_string_or_a_list() -> None:
         ({"model": "m"}, "field 'input' must be a string or a non-empty list"),
         ({"model": "m", "input": []}, "field 'input' must be a string or a non-empty list"),
         ({"model": "m", "input": [[1, 2]]}, r"field 'input\[0\]' is token ids; this server embeds text"),
-        ({"model": "m", "input": ["a", None]}, r"field 'input\[1\]' is NoneType"),
+        ({"model": "m", "input": ["a", None]}, r"field 'input\[1\]' is a JSON null"),
+        ({"model": "m", "input": [["a"]]}, r"field 'input\[0\]' is a JSON array; this server embeds text"),
         ({"model": "m", "input": ""}, r"field 'input' is an empty string; send the text to embed"),
         ({"model": "m", "input": ["a", "b", "c", ""]}, r"field 'input\[3\]' is an empty string"),
         ({"model": "m", "input": "a", "encoding_format": "int8"}, "field 'encoding_format' is 'int8'"),

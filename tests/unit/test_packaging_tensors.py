@@ -4,6 +4,7 @@ datatypes and ranks taken as strictly as Triton takes them."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -285,6 +286,11 @@ def test_a_scikit_learn_model_packaged_with_the_tensor_layout_takes_x(tmp_path: 
     rows = decode_infer_request(body, None, manifest.signature, "bc:1").rows
     assert scored(tmp_path / "bundle", rows.table()).column("label").to_pylist() == \
         estimator.predict(features[:3]).tolist()
+    nan = features[:3].copy()
+    nan[1, 4] = np.nan
+    with pytest.raises(InvalidInput, match=r"^input 'X' \(the model's columns in order\): columns \['f4'\] hold NaN"):
+        decode_infer_request(json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [3, 30],  # named X, not f4
+                                                     "data": nan.tolist()}]}).encode(), None, manifest.signature, "bc:1")
 
 
 def test_a_scikit_learn_classifier_of_text_classes_is_packaged_with_a_string_label(tmp_path: Path) -> None:

@@ -211,8 +211,10 @@ def _session(onnx_file: str | Path) -> Any:
         import onnxruntime as ort
     except ImportError as e:
         raise RuntimeUnavailable("inferring a signature runs the model: pip install 'shardline[cpu]'") from e
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # a model it cannot load is said below, in one line: not also in its own log
     try:
-        return ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(onnx_file), sess_options=options, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types for an unreadable file
         from shardline.runtimes.onnx import locale_hint
 

@@ -329,7 +329,7 @@ def _text_classifier(locale: str) -> bytes:
 
 
 def test_a_text_model_of_one_text_a_row_takes_tritonclients_n_by_1_and_a_missing_locale_is_said(
-    tmp_path: Path,
+    tmp_path: Path, capfd: pytest.CaptureFixture[str],
 ) -> None:
     """skl2onnx's text models take ``[None, 1]`` strings: packaged from the file alone they are one string column,
     and a tritonclient request of shape ``[N, 1]`` is scored. A normalizer whose locale this machine lacks is
@@ -346,8 +346,10 @@ def test_a_text_model_of_one_text_a_row_takes_tritonclients_n_by_1_and_a_missing
     (tmp_path / "nowhere.onnx").write_bytes(_text_classifier("xx_XX.UTF-8"))
     hint = (r"needs the locale xx_XX.UTF-8, which this machine does not have: install that locale here and wherever "
             r"the model runs .* skl2onnx's option \{'locale': 'C'\}")
+    capfd.readouterr()
     with pytest.raises(InvalidInput, match=r"onnxruntime cannot load .*nowhere.onnx: its text normalizer .*" + hint):
         package_onnx(tmp_path / "nowhere.onnx", tmp_path / "refused", name="sentiment")
+    assert "onnxruntime" not in capfd.readouterr().err  # said once, in the error: not also in onnxruntime's log
     (tmp_path / "bundle" / "model.onnx").write_bytes((tmp_path / "nowhere.onnx").read_bytes())
     with pytest.raises(InvalidBundle, match=r"sentiment:?\S* onnxruntime could not load model.onnx .*" + hint):
         create_runtime(tmp_path / "bundle", manifest, RuntimeOptions(device="cpu", intra_op_threads=1)).load()

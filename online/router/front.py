@@ -19,9 +19,12 @@ if TYPE_CHECKING:
 FAST_BODY_BYTES = 24 * 1024  # larger bodies go to the router, which streams them
 SYNC_S = 0.5  # how often the router brings its front up to date and reads its counts
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9._-]+$")  # a model name the fast lane takes (others a path carries escaped)
-# The front's own errors, in the V2 form: status -> (message, whether it says Retry-After: 1).
+# The front's own errors, in the V2 form: status -> (message, whether it says Retry-After: 1). nginx's own 494 (a
+# request head past its buffers, which it would answer as a 400 HTML page) is answered as serve answers it: 431.
 ERRORS = {
     400: ("the request is not valid HTTP/1.1; check the client", False),
+    494: ("the request's head is too large (a header line over 64 KiB, or too many headers); send fewer or "
+          "shorter headers", False),
     408: ("the request took too long to arrive; send it again", False),
     500: ("the router's data plane could not send the request on; retry after the Retry-After seconds", True),
     502: ("no replica gave a valid answer; retry after the Retry-After seconds", True),
@@ -29,6 +32,7 @@ ERRORS = {
           "Retry-After seconds", True),
     504: ("no replica answered within the deadline; retry, or send a longer x-shardline-timeout-ms", False),
 }
+ANSWERED_AS = {494: 431}  # an error above answered with another status
 
 
 class Front(Protocol):

@@ -53,7 +53,7 @@ from shardline.online.admission import worker_share
 from shardline.online.headers import GATED_HEADER, TENANT_HEADER, VARIANT_HEADER
 from shardline.online.quota_store import allowance, lane_store
 from shardline.online.quota_store import key as quota_key
-from shardline.online.router.front import ERRORS, FAST_BODY_BYTES, desired_pins
+from shardline.online.router.front import ANSWERED_AS, ERRORS, FAST_BODY_BYTES, desired_pins
 from shardline.online.router.placement import rank
 from shardline.online.tenants import TenantDirectory
 from shardline.processes import Child, spawn
@@ -217,10 +217,12 @@ def render_config(layout: NginxLayout) -> dict[str, str]:
         "load_modules": "\n".join(f"load_module {MODULES / module};" for module in LUA_MODULES),
         "request_timeout": f"{layout.request_timeout_s:g}s", "stream_timeout": f"{layout.max_timeout_s + 10:g}s",
         "tenant_header": TENANT_HEADER, "gated_header": GATED_HEADER, "variant_header": VARIANT_HEADER,
-        "error_pages": "\n".join(f"        error_page {code} @e{code};" for code in ERRORS),
+        "error_pages": "\n".join(f"        error_page {code}{f' ={ANSWERED_AS[code]}' if code in ANSWERED_AS else ''} @e{code};"
+                                  for code in ERRORS),
         "error_locations": "\n".join(
             f"        location @e{code} {{ default_type application/json; log_by_lua_block {{ lane.done() }} "
-            + ("add_header Retry-After 1 always; " if retry else "") + f"return {code} {_v2_error(message)}; }}"
+            + ("add_header Retry-After 1 always; " if retry else "")
+            + f"return {ANSWERED_AS.get(code, code)} {_v2_error(message)}; }}"
             for code, (message, retry) in ERRORS.items()),
     }
     return {name: render(template, values) for name, template in CONFIG_FILES.items()}

@@ -179,6 +179,10 @@ def test_head_and_a_trailing_slash_through_the_front(edged: Edged, breast_cancer
     scored = httpx.post(f"{edged.url}/v2/models/{MODEL}/infer/", json=body, headers=key())
     assert scored.status_code == 200 and scored.json()["model_version"] == "1"
     assert scored.json()["outputs"][0]["data"] == breast_cancer_model.estimator.predict(rows.astype(np.float32)).tolist()
+    # a head past the limits: nginx answered its own 400 HTML page where serve and the router answer 431 JSON
+    huge = httpx.get(f"{edged.url}/v2/models/{MODEL}", headers={**key(), "X-Big": "x" * 70_000})
+    assert huge.status_code == 431, huge.text
+    assert huge.json()["error"].startswith("the request's head is too large")
 
 
 def test_the_fast_lane_places_a_model_where_the_router_does(edged: Edged, breast_cancer_model: BuiltModel) -> None:

@@ -75,13 +75,18 @@ def _gx() -> Any:
     return gx
 
 
+def _is_text(dtype: pa.DataType) -> bool:
+    """A string column of any width or layout (pandas shows each as str values)."""
+    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype)
+
+
 def _type_list(spec: ColumnSpec) -> list[str] | None:
     dtype = spec.arrow_type
     if pa.types.is_floating(dtype):
         return _FLOATS + _INTS
     if pa.types.is_integer(dtype):
         return _INTS + ["float64"]  # pandas shows an integer column with nulls as float64
-    if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+    if _is_text(dtype):
         return ["str", "object"]  # values of an object column are checked one by one: str
     if pa.types.is_boolean(dtype):
         return ["bool", "object"]
@@ -114,7 +119,7 @@ def _column_expectations(gxe: Any, spec: ColumnSpec, entry: dict[str, Any] | Non
         found.append(gxe.ExpectColumnValuesToBeBetween(
             column=name, min_value=low - margin, max_value=high + margin, mostly=rules.mostly))
     dtype = spec.arrow_type
-    categorical = pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_boolean(dtype)
+    categorical = _is_text(dtype) or pa.types.is_boolean(dtype)
     if categorical and entry.get("top") and entry.get("other", 0.0) <= 0.0:
         values: list[Any] = list(entry["top"])
         if pa.types.is_boolean(dtype):
@@ -249,7 +254,7 @@ _NUMPY_NAMES = {"halffloat": "float16", "float": "float32", "double": "float64"}
 def _screen_types(column: pa.ChunkedArray, kwargs: dict[str, Any]) -> bool:
     """The type check on the dtype pandas would give the column (what great-expectations looks at)."""
     kind, types = column.type, kwargs["type_list"]
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+    if _is_text(kind):
         return "str" in types  # an object column of str values
     if pa.types.is_boolean(kind):
         return ("bool" if column.null_count == 0 else "object") in types
@@ -403,7 +408,7 @@ class ShardContract:
         frame = sample.select(wanted).to_pandas()
         for name in wanted:
             dtype = sample.schema.field(name).type
-            if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+            if _is_text(dtype):
                 frame[name] = frame[name].astype(object)
         with _LOCK:
             validator = self._validator()

@@ -28,6 +28,22 @@ def arrow_array(values: np.ndarray) -> pa.Array:
     return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
 
 
+_VIEWS = {pa.string_view(): pa.string(), pa.binary_view(): pa.binary()}
+
+
+def decoded_type(dtype: pa.DataType) -> pa.DataType:
+    """The type of a column's values with its layout's encoding undone: ``string_view`` is ``string``,
+    ``binary_view`` is ``binary``; any other type is its own. (Arrow's compute kernels, ``take`` among them, and
+    pandas take the plain layout everywhere; the views only in some places.)"""
+    return _VIEWS.get(dtype, dtype)
+
+
+def decoded(column: pa.Array) -> pa.Array:
+    """``column``'s values in the plain layout of ``decoded_type`` (the column itself when it has no encoding)."""
+    target = decoded_type(column.type)
+    return column if target == column.type else column.cast(target)
+
+
 def string_array(values: Sequence[str]) -> pa.Array:
     """``pa.array(values, pa.string())``: the strings' UTF-8 bytes and their offsets as the array's buffers."""
     encoded = [value.encode() for value in values]

@@ -228,12 +228,16 @@ def _is_numeric(dtype: pa.DataType) -> bool:
     return pa.types.is_integer(dtype) or pa.types.is_floating(dtype)
 
 
+_TEXT_TYPES = ((pa.string(), pa.large_string(), pa.string_view()), (pa.binary(), pa.large_binary(), pa.binary_view()))
+
+
 def is_compatible(got: pa.DataType, expected: pa.DataType) -> bool:
     """Whether a column of type ``got`` can feed an input of type ``expected``.
 
     Equal types fit; any integer or float fits a float input (the cast every
-    scikit-learn model already does); strings fit strings of either width; lists
-    fit when their values do and fixed sizes agree.
+    scikit-learn model already does); strings fit strings of any width or layout
+    (``string_view``), binaries binaries; lists fit when their values do and fixed
+    sizes agree.
     """
     if got == expected:
         return True
@@ -241,9 +245,9 @@ def is_compatible(got: pa.DataType, expected: pa.DataType) -> bool:
         return True
     if pa.types.is_integer(expected) and pa.types.is_integer(got):
         return True
-    string_types = (pa.string(), pa.large_string(), pa.string_view())
-    if expected in string_types and got in string_types:
-        return True
+    for kinds in _TEXT_TYPES:
+        if expected in kinds and got in kinds:
+            return True
     if pa.types.is_fixed_size_list(expected):
         return (
             pa.types.is_fixed_size_list(got)

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardline.arrays import MatrixScratch, arrow_array
+from shardline.arrays import MatrixScratch, arrow_array, decoded, decoded_type
 from shardline.errors import (
     CorruptShard,
     DataContractFailed,
@@ -201,11 +201,12 @@ class _Opened:
     """A shard opened for scoring: its Parquet file and what the part will hold."""
 
     parquet: pq.ParquetFile
-    schema: pa.Schema  # the shard's (``parquet.schema_arrow`` builds it anew on every access: ~18 us)
+    schema: pa.Schema  # the shard's as read (``parquet.schema_arrow`` builds it anew on every access: ~18 us)
     carried: list[str]
     columns: list[str]
     target: pa.Schema
     dictionary: list[str]  # the part's dictionary-encoded columns (``dictionary_columns``)
+    decoded: list[str]  # the model's input columns read in another layout than their values' (``read_schema``)
 
 
 @contextlib.contextmanager
@@ -229,9 +230,31 @@ def _open_shard(job: ScoringJob, shard: ShardInfo) -> Generator[_Opened, None, N
         schema = parquet.schema_arrow
         carried = carried_columns(job, schema)
         _check_schema(schema, job, carried)
+        schema, decoding = read_schema(schema, job.model.manifest.signature.input_names)
         columns = list(dict.fromkeys([*carried, *job.model.manifest.signature.input_names]))
         target = output_schema(job, schema, carried)
-        yield _Opened(parquet, schema, carried, columns, target, dictionary_columns(target, carried))
+        yield _Opened(parquet, schema, carried, columns, target, dictionary_columns(target, carried), decoding)
+
+
+def read_schema(schema: pa.Schema, inputs: Sequence[str]) -> tuple[pa.Schema, list[str]]:
+    """The shard's schema as its batches are handed on (``_decoded``), and the input columns whose layout is undone
+    on read (``decoded_type``: ``string_view`` read as ``string``): the data contract, the row check and capture
+    then see the plain layout every Arrow kernel and pandas take. The schema check has passed: each input is there
+    once."""
+    decoding = [name for name in inputs if decoded_type(schema.field(name).type) != schema.field(name).type]
+    for name in decoding:
+        index = schema.get_field_index(name)
+        schema = schema.set(index, schema.field(index).with_type(decoded_type(schema.field(index).type)))
+    return schema, decoding
+
+
+def _decoded(batch: pa.RecordBatch, names: Sequence[str]) -> pa.RecordBatch:
+    """``batch`` with the columns ``names`` in their values' plain layout (``read_schema``)."""
+    for name in names:
+        index = batch.schema.get_field_index(name)
+        column = decoded(batch.column(index))
+        batch = batch.set_column(index, batch.schema.field(index).with_type(column.type), column)
+    return batch
 
 
 class _Sample:
@@ -243,15 +266,25 @@ class _Sample:
         self.inputs: list[pa.RecordBatch] = []
         self.outputs: list[pa.RecordBatch] = []
 
-    def take(self, inputs: pa.RecordBatch, outputs: pa.RecordBatch) -> None:
+    def take(self, inputs: pa.RecordBatch, outputs: pa.RecordBatch, shard: ShardInfo) -> None:
         """Keep the head of a scored batch while the sample is short: copied, so that the batch's buffers (a
-        whole batch of rows) are not held while the sample waits for its task's other shards."""
+        whole batch of rows) are not held while the sample waits for its task's other shards. Capture serves
+        drift checks: a sample that cannot be taken is logged and dropped (the shard has no sample), never
+        raised into the shard's scoring."""
         wanted = min(self.limit - self.rows, inputs.num_rows)
-        if wanted > 0:
+        if wanted <= 0:
+            return
+        try:
             head = arrow_array(np.arange(wanted, dtype=np.int32))
-            self.inputs.append(inputs.take(head))
-            self.outputs.append(outputs.take(head))
-            self.rows += wanted
+            taken = inputs.take(head), outputs.take(head)
+        except Exception as e:  # (an Arrow type without a take kernel, say)
+            logger.warning("capture of shard %s failed (%s: %s); the shard is scored without a capture sample",
+                           shard.relative, type(e).__name__, e)
+            self.limit, self.rows, self.inputs, self.outputs = 0, 0, [], []
+            return
+        self.inputs.append(taken[0])
+        self.outputs.append(taken[1])
+        self.rows += wanted
 
 
 class ShardSamples:
@@ -268,9 +301,15 @@ class ShardSamples:
     def add(self, shard: ShardInfo, sample: _Sample | None) -> None:
         if self.job.capture is None or sample is None or not sample.rows:
             return
+        try:
+            taken = CaptureSample(pa.Table.from_batches(sample.inputs), pa.Table.from_batches(sample.outputs),
+                                  datetime.now(timezone.utc))
+        except Exception as e:  # capture serves drift checks; the part is committed
+            logger.warning("capture of shard %s failed (%s: %s); its part is committed", shard.relative,
+                           type(e).__name__, e)
+            return
         self.shards.append(shard.relative)
-        self.samples.append(CaptureSample(pa.Table.from_batches(sample.inputs), pa.Table.from_batches(sample.outputs),
-                                          datetime.now(timezone.utc)))
+        self.samples.append(taken)
 
     def write(self) -> None:
         capture, job = self.job.capture, self.job
@@ -343,7 +382,7 @@ def _score_into(
     model = get_model_cache(job.cache_dir, job.cache_capacity).get(job.model, job.runtime, job.storage_options)
     signature = job.model.manifest.signature
     rows_in = rows_out = 0
-    batches = _read(opened.parquet, opened.columns, job.batch_rows, shard, row_groups)
+    batches = _read(opened.parquet, opened.columns, job.batch_rows, shard, row_groups, opened.decoded)
     from_first_row = row_groups is None or (len(row_groups) > 0 and row_groups[0] == 0)
     contract = job.sample_check is not None and job.contract_sample_rows > 0 and from_first_row
     # closing(): the read-ahead thread stops before the source file closes, even
@@ -360,7 +399,7 @@ def _score_into(
             )
             part.write(scored)
             if sample is not None and sample.rows < sample.limit:
-                sample.take(batch.select(signature.input_names), predicted)
+                sample.take(batch.select(signature.input_names), predicted, shard)
             rows_in += batch.num_rows
             rows_out += scored.num_rows
     return rows_in, rows_out
@@ -405,14 +444,20 @@ def _within_memory(model: Any, rows: Rows, pinned: str) -> Answer:
 
 
 def _read(
-    parquet: pq.ParquetFile, columns: list[str], batch_rows: int, shard: ShardInfo, row_groups: list[int] | None = None
+    parquet: pq.ParquetFile, columns: list[str], batch_rows: int, shard: ShardInfo, row_groups: list[int] | None = None,
+    decoding: Sequence[str] = (),
 ) -> Generator[pa.RecordBatch, None, None]:
+    """The shard's batches, the columns ``decoding`` in their values' plain layout (``read_schema``)."""
+    batches = iter_batches(parquet, columns, batch_rows, row_groups=row_groups)
     try:
-        yield from iter_batches(parquet, columns, batch_rows, row_groups=row_groups)
+        for batch in batches:
+            yield _decoded(batch, decoding) if decoding else batch
     except (pa.ArrowException, OSError) as e:
         if is_transient(e):
             raise
         raise CorruptShard(f"{shard.uri} has data that cannot be read ({e}); re-export it") from e
+    finally:
+        batches.close()  # its read-ahead stops before the shard's file closes (this generator closed early, too)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import queue
 import threading
 from concurrent.futures import wait
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Generator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -203,7 +203,7 @@ def iter_batches(
     batch_rows: int,
     prefetch: int = 1,
     row_groups: Sequence[int] | None = None,
-) -> Iterator[pa.RecordBatch]:
+) -> Generator[pa.RecordBatch, None, None]:
     """Record batches of at most ``batch_rows`` rows, read ``prefetch`` ahead on a thread (the process's kept
     readers, ``io_threads("read")``).
 

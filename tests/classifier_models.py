@@ -39,3 +39,33 @@ def species_classifier(folder: Path) -> DefaultConverted:
     rows = folder / "species.parquet"
     pq.write_table(pa.table({**{n: features[:, i] for i, n in enumerate(names)}, "species": species}), rows)
     return DefaultConverted(onnx_file, rows, estimator, features, names)
+
+
+REVIEWS = ["good movie great acting", "terrible plot bad acting", "great fun loved it", "awful boring waste",
+           "wonderful film", "bad bad bad", "excellent story", "horrible ending"]
+
+
+def review_classifier(folder: Path, name: str, profiled: bool) -> Path:
+    """A text model as users convert one: TF-IDF and a LogisticRegression (skl2onnx, its text normalizer in the C
+    locale), one ``string`` input ``text``; packaged as ``name`` with a reference profile of its training texts
+    (so batch jobs check a data contract) or without one. Returns the bundle's folder."""
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import StringTensorType
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline
+
+    from shardline.build.packaging import package_onnx
+    from shardline.quality.profile import profile_table
+
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = REVIEWS * 10
+    pipeline = Pipeline([("tfidf", TfidfVectorizer()), ("lr", LogisticRegression())])
+    pipeline.fit(texts, [1, 0] * (len(texts) // 2))
+    onnx_file = folder / "reviews.onnx"
+    onnx_file.write_bytes(convert_sklearn(pipeline, initial_types=[("text", StringTensorType([None, 1]))],
+                                          target_opset=17, options={TfidfVectorizer: {"locale": "C"}}).SerializeToString())
+    sample = pa.table({"text": texts})
+    package_onnx(onnx_file, folder / name, name=name, sample=sample,
+                 reference_profile=profile_table(sample) if profiled else None)
+    return folder / name

@@ -14,6 +14,9 @@ import pytest
 
 from shardline.flows.batch_inference import batch_inference
 
+from shardline.storage.registry import ModelRegistry
+
+from tests.classifier_models import REVIEWS, review_classifier
 from tests.conftest import BuiltModel
 
 
@@ -101,6 +104,54 @@ def test_changed_shard_is_scored_again_and_others_skipped(input_shards: Path, tm
     assert summary["shards_skipped"] == 5 and summary["rows_scored"] == 700
     assert pq.read_metadata(out / "part-00002.parquet").num_rows == 700
     assert scored_table(out).num_rows == 10_700
+
+
+@pytest.fixture(scope="module")
+def review_bundles(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The text model with a reference profile (its jobs check a data contract) and without one."""
+    folder = tmp_path_factory.mktemp("reviews")
+    return [review_classifier(folder, "reviews", profiled=True),
+            review_classifier(folder, "reviews-unprofiled", profiled=False)]
+
+
+def _text_column(texts: list[str], layout: str) -> pa.Array:
+    if layout == "string_view":  # as pyarrow writes a string_view array
+        return pa.array(texts).cast(pa.string_view())
+    raise AssertionError(layout)
+
+
+@pytest.mark.parametrize("layout", ["string_view"])
+@pytest.mark.parametrize("model", ["reviews@prod", "reviews-unprofiled@prod"])
+@pytest.mark.usefixtures("on_cluster")
+def test_text_in_another_arrow_layout_is_scored_as_string(
+    local_registry: ModelRegistry, review_bundles: list[Path], shardline_home: Path, tmp_path: Path, layout: str,
+    model: str,
+) -> None:
+    # The schema check takes these columns: the data contract, the row check and capture read them as strings
+    # (capture's sample once failed every shard of a job without a profile, and the contract quarantined a job
+    # with one for "column 'text' holds str, the model takes one of ['str', 'object']").
+    for bundle in review_bundles:
+        pushed = local_registry.push(bundle)
+        local_registry.set_alias(pushed.name, "prod", pushed.version or 1)
+    texts = (REVIEWS * 63)[:500]
+    shards = tmp_path / "in"
+    shards.mkdir()
+    pq.write_table(pa.table({"id": np.arange(500), "text": _text_column(texts, layout)}), shards / "reviews.parquet")
+    out = tmp_path / "out"
+
+    state = run(shards, out, model=model)
+
+    assert state.is_completed() and state.name == "Completed", state.message
+    summary = state.result()
+    assert (summary["rows_in"], summary["rows_out"], summary["shards_quarantined"]) == (500, 500, 0)
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(review_bundles[0] / "model.onnx"), providers=["CPUExecutionProvider"])
+    labels = session.run(["output_label"], {"text": np.array(texts, dtype=object).reshape(-1, 1)})[0]
+    scored = scored_table(out).sort_by("id")
+    assert scored.column("output_label").to_pylist() == labels.tolist()
+    captured = ds.dataset(shardline_home / "capture", format="parquet").to_table()
+    assert captured.num_rows == 500 and captured.column("text").to_pylist()[:3] == texts[:3]
 
 
 @pytest.mark.usefixtures("on_cluster", "local_registry")

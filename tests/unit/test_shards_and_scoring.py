@@ -365,14 +365,34 @@ def test_a_shards_capture_sample_holds_its_own_rows_not_the_batch_it_came_from()
     batch = pa.record_batch({"x": np.arange(65_536, dtype=np.float64), "y": np.ones(65_536)})
     answers = pa.record_batch({"label": np.zeros(65_536, dtype=np.int64)})
     sample = _Sample(1_000)
-    sample.take(batch, answers)
-    sample.take(batch, answers)  # full: nothing more is kept
+    shard = ShardInfo("memory://in/a.parquet", "a.parquet", 0, "f")
+    sample.take(batch, answers, shard)
+    sample.take(batch, answers, shard)  # full: nothing more is kept
 
     assert sample.rows == 1_000 and [b.num_rows for b in sample.inputs] == [1_000]
     assert sample.inputs[0].column("x").to_pylist() == list(range(1_000))
     # kept while the task's other shards are scored: a slice would hold the whole batch's buffers (1.5 MB here)
     assert sample.inputs[0].get_total_buffer_size() <= 2 * 8 * 1_000 + 64
     assert sample.outputs[0].get_total_buffer_size() <= 8 * 1_000 + 64
+
+
+def test_a_capture_sample_that_cannot_be_taken_is_logged_and_dropped_never_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from shardline.storage.scoring import _Sample
+
+    # Arrow has no take kernel for string_view: capture serves drift checks, and must not fail the shard's scoring
+    batch = pa.record_batch({"text": pa.array(["a", "b", "c"]).cast(pa.string_view())})
+    answers = pa.record_batch({"label": np.zeros(3, dtype=np.int64)})
+    sample = _Sample(2)
+    with caplog.at_level("WARNING", logger="shardline.scoring"):
+        sample.take(batch, answers, ShardInfo("memory://in/a.parquet", "a.parquet", 0, "f"))
+        sample.take(batch, answers, ShardInfo("memory://in/a.parquet", "a.parquet", 0, "f"))
+
+    assert (sample.rows, sample.inputs, sample.outputs) == (0, [], [])
+    assert [r.getMessage() for r in caplog.records] == [
+        "capture of shard a.parquet failed (ArrowNotImplementedError: Function 'array_take' has no kernel matching "
+        "input types (string_view, int32)); the shard is scored without a capture sample"]
 
 
 def test_a_worker_scores_and_captures_without_importing_pandas(

@@ -307,10 +307,13 @@ def write_refusal(fs: AbstractFileSystem, path: str) -> OSError | None:
 
     On local disk: a file where the folder (or the nearest of its parents that exists) should be, or a
     folder this user may not write (modes, a read-only mount), as the error the write would raise.
-    Elsewhere None: an object store answers only the write itself.
+    Elsewhere (an object store, where a key and keys below its name live side by side and a write is
+    refused only by permissions the write alone tells): an object where the folder or one of its parents
+    should be, as the ``NotADirectoryError`` local disk would raise (a job's parts written below an
+    earlier job's part would hide it).
     """
     if not isinstance(fs, LocalFileSystem):
-        return None
+        return _object_in_the_way(fs, path)
     probe = os.path.abspath(path)
     while not os.path.lexists(probe):
         parent = os.path.dirname(probe)
@@ -323,3 +326,19 @@ def write_refusal(fs: AbstractFileSystem, path: str) -> OSError | None:
         return None
     code = errno.EROFS if os.statvfs(probe).f_flag & os.ST_RDONLY else errno.EACCES
     return OSError(code, os.strerror(code), probe)  # EACCES makes a PermissionError, as the write would raise
+
+
+def _object_in_the_way(fs: AbstractFileSystem, path: str) -> OSError | None:
+    """An object store's object named as the folder ``path`` or one of its parents, as ``NotADirectoryError``."""
+    probe = fs._strip_protocol(path).rstrip("/")
+    while probe:
+        try:
+            if fs.isfile(probe):
+                return NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), fs.unstrip_protocol(probe))
+        except OSError:  # (denied, say) nothing says so; the write itself answers
+            return None
+        parent = posixpath.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return None

@@ -206,6 +206,9 @@ class OutputLease:
             OutputNotWritable: the output is a file, read-only or not permitted.
         """
         here = here or ThisProcess.here()
+        refusal = write_refusal(fs, join(root, LEASE_DIR))
+        if refusal is not None:
+            raise _not_writable(output, refusal)  # (an object store takes keys below an object's name)
         folder = inside(fs, root, join(root, LEASE_DIR))
         for _ in range(_ACQUIRE_ROUNDS):
             try:
@@ -247,7 +250,7 @@ class OutputLease:
         """What :meth:`acquire` would refuse now, found without writing (a request's check before it starts).
 
         Raises:
-            OutputNotWritable: the output is a file, or (on local disk) cannot be written.
+            OutputNotWritable: the output (or a folder above it) is a file, or (on local disk) cannot be written.
             OutputInUse: another process holds a live lease (the message names its job).
         """
         folder = join(root, LEASE_DIR)

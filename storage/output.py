@@ -215,6 +215,19 @@ class OutputLayout:
             if p.endswith(".parquet") and not posixpath.relpath(p, self.root).startswith("_")
         }
 
+    def enclosing_output(self) -> str | None:
+        """The nearest folder above this output that is another job's output (it holds a job's manifest or
+        ledger), named as the output is (a URL, or a path); None when none is. A reader of that folder would
+        read this job's parts as its rows."""
+        path = self.root.rstrip("/")
+        while True:
+            parent = posixpath.dirname(path)
+            if parent == path or not parent:
+                return None
+            path = parent
+            if any(self.fs.exists(join(path, name)) for name in (MANIFEST, LEDGER)):
+                return str(self.fs.unstrip_protocol(path)) if "://" in self.uri else path
+
     def clear_success(self) -> None:
         """Withdraw ``_SUCCESS`` while the output is being changed."""
         path = join(self.root, SUCCESS)

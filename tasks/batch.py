@@ -46,7 +46,14 @@ from shardline.storage.retry import call_with_retries
 from shardline.storage.scoring import ScoringJob, ShardCapture, shadowed_columns, shadowed_note
 from shardline.storage.shards import ShardInfo, read_footer
 from shardline.tasks.artifacts import batch_artifact_key, current_deployment, summary_markdown, totals_table
-from shardline.tasks.batch_survey import JobSurvey, refuse_foreign, refuse_strays, survey_job
+from shardline.tasks.batch_survey import (
+    JobSurvey,
+    refuse_foreign,
+    refuse_nested,
+    refuse_strays,
+    refuse_unknown_files,
+    survey_job,
+)
 from shardline.tasks.cluster import threads_per_call
 from shardline.tasks.dispatch import dispatch_shards
 from shardline.tasks.logs import run_logger
@@ -91,16 +98,18 @@ def _take_output(survey: JobSurvey, terms: LeaseTerms) -> tuple[OutputLease, lis
     model's parts is refused.
 
     Raises:
-        OutputInUse: another job holds the output, or the output holds another job's parts, or parts of shards
-            this input does not have.
+        OutputInUse: another job holds the output, or it is inside another job's output folder, or it holds
+            another job's parts, parts of shards this input does not have, or Parquet files no job wrote.
         OutputNotWritable: the output is a file, read-only, or not permitted.
     """
     layout, model = survey.layout, survey.model.pinned
     with OutputLease.taking(layout.fs, layout.root, layout.uri, survey.job_id, model, terms) as lease:
+        refuse_nested(layout)
         ledger = call_with_retries(layout.read_ledger, survey.retry, what="reading the job's ledger")
         refuse_foreign(layout, model, survey.key, layout.any_manifest(), ledger)
         present = layout.present_parts()
         refuse_strays(layout, survey.shards, ledger, present)
+        refuse_unknown_files(layout, survey.shards, ledger, present)
         todo, done = split_done(survey.shards, ledger, survey.key, present)
         if todo:
             layout.clear_success()

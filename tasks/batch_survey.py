@@ -83,6 +83,41 @@ def refuse_strays(layout: OutputLayout, shards: list[ShardInfo], ledger: dict[st
         )
 
 
+def refuse_nested(layout: OutputLayout) -> None:
+    """Refuse an output inside another job's output folder: a reader of that folder would read this job's parts
+    as rows of its own.
+
+    Raises:
+        OutputInUse: naming the outer job's folder.
+    """
+    outer = layout.enclosing_output()
+    if outer is not None:
+        raise OutputInUse(
+            f"the output {layout.uri} is inside {outer}, another job's output folder (it holds that job's manifest "
+            "or ledger), whose readers would read this job's parts as its rows: choose an --output outside it",
+            layout.uri, None,
+        )
+
+
+def refuse_unknown_files(layout: OutputLayout, shards: list[ShardInfo], ledger: dict[str, PartRecord],
+                         present: set[str]) -> None:
+    """Refuse an output holding Parquet files no Shardline job wrote there (none of its ledger's, nor the part of
+    a shard of this input: a part committed before its record was, which a resume writes again): a reader of the
+    folder would read their rows with this job's.
+
+    Raises:
+        OutputInUse: naming how many there are, and the first.
+    """
+    known = {part_name(r.relative) for r in ledger.values()} | {part_name(s.relative) for s in shards}
+    unknown = sorted(present - known)
+    if unknown:
+        raise OutputInUse(
+            f"the output {layout.uri} holds {len(unknown)} Parquet file{'s' if len(unknown) != 1 else ''} no "
+            f"Shardline job wrote (first: {unknown[0]}); a reader of the folder would read their rows with this "
+            "job's: choose an empty folder for --output, or move them out", layout.uri, None,
+        )
+
+
 def survey_job(
     model: str, input_uri: str, output_uri: str, tenant: str, passthrough: list[str] | None,
     storage: StorageSettings, batch: BatchSettings, dask: DaskSettings, variant: str | None = None,
@@ -149,20 +184,25 @@ def _check_first_shard_carries(passthrough: list[str], first: ShardInfo, storage
 
 def check_output_free(survey: JobSurvey) -> None:
     """What taking the output would refuse, found without writing (``batch run``'s check before a flow run):
-    another job holds it, it holds another model's settled parts, or it cannot be written.
+    another job holds it, it is inside another job's output, it holds another model's settled parts, parts of
+    shards this input lacks or Parquet files no job wrote, or it cannot be written.
 
     Raises:
-        OutputInUse: another job runs on it, or its ledger holds another model's parts.
-        OutputNotWritable: the output is a file or cannot be written (on local disk; elsewhere the flow's
-            first write, the lease, finds it).
+        OutputInUse: another job runs on it; it is inside another job's output folder; it holds another
+            model's parts, another input's, or Parquet files no Shardline job wrote.
+        OutputNotWritable: the output (or a folder above it) is a file, or it cannot be written (on local
+            disk; elsewhere the flow's first write, the lease, finds that).
     """
     if survey.settled is not None:
         return  # a finished job writes nothing: a read-only archive is fine
     layout = survey.layout
     OutputLease.check_free(layout.fs, layout.root, layout.uri, survey.job_id)
+    refuse_nested(layout)
     ledger = call_with_retries(layout.read_ledger, survey.retry, what="reading the job's ledger")
     refuse_foreign(layout, survey.model.pinned, survey.key, None, ledger)
-    refuse_strays(layout, survey.shards, ledger, layout.present_parts())
+    present = layout.present_parts()
+    refuse_strays(layout, survey.shards, ledger, present)
+    refuse_unknown_files(layout, survey.shards, ledger, present)
 
 
 def machine_prices() -> Pricing:

@@ -80,6 +80,9 @@ def wrong_requests(tmp_path: Path, shardline_home: Path) -> list[tuple[tuple[str
     other_columns.mkdir()
     (other_columns / "_manifest.json").write_text(json.dumps(
         {"job_id": "4567cdef", "job_key": "other-columns", "model": {"pinned": "breast-cancer:1", "digest": "d"}}))
+    not_ours = tmp_path / "not-ours"  # Parquet that no job's ledger records
+    not_ours.mkdir()
+    (not_ours / "scores.parquet").write_bytes(b"PAR1")
     twins = tmp_path / "twins"
     write_shards(twins, 1, 10)
     (twins / "part-00000.pq").write_bytes((twins / "part-00000.parquet").read_bytes())
@@ -107,6 +110,10 @@ def wrong_requests(tmp_path: Path, shardline_home: Path) -> list[tuple[tuple[str
         ((*RUN, *bc, "--output", str(shards / "scored")), {}, "lies inside the input"),
         ((*RUN, *bc, "--output", str(in_use)), {}, f"the output {in_use} is in use by job job-elsewhere"),
         ((*RUN, *bc, "--output", str(other_model)), {}, "holds the parts of job 0123abcd (model churn:2"),
+        ((*RUN, *bc, "--output", str(other_model / "more")), {},
+         f"the output {other_model / 'more'} is inside {other_model}, another job's output folder"),
+        ((*RUN, *bc, "--output", str(not_ours)), {}, f"the output {not_ours} holds 1 Parquet file no Shardline job "
+         "wrote (first: scores.parquet); a reader of the folder would read their rows with this job's"),
         ((*RUN, *bc, "--output", str(other_columns)), {}, "with other passthrough columns than this job's; parts "
          "with different columns in one folder would corrupt it: give the --passthrough that job had"),
         ((*RUN, *bc, "--output", out, "--passthrough", "label"), {},

@@ -251,6 +251,30 @@ def test_an_output_in_a_bucket_that_does_not_exist_is_refused_and_no_bucket_is_m
 
 
 @pytest.mark.usefixtures("on_cluster")
+def test_an_output_that_is_an_earlier_jobs_part_is_refused_as_a_file_and_the_part_kept(
+    s3_server: S3Server, s3_prefix: str, s3_registry: ModelRegistry, input_shards: Path,
+) -> None:
+    # an object store takes keys below an object's name: the new job's parts once hid the old part from readers
+    from shardline.cli.batch_jobs import JobRequest, check_request
+    from shardline.errors import OutputNotWritable
+
+    input_url, output_url = s3_server.url(s3_prefix, "input"), s3_server.url(s3_prefix, "out")
+    upload(s3_server, input_shards, input_url)
+    assert run(f"{MODEL}@prod", input_url, output_url).is_completed()
+    objects = keys_under(s3_server, output_url)
+    typo = f"{output_url}/part-00000.parquet"
+
+    with pytest.raises(OutputNotWritable, match=f"the output {typo} is a file, not a folder; running again will "
+                                                "not help: choose a folder for --output"):
+        check_request(JobRequest(model=f"{MODEL}@prod", input_uri=input_url, output_uri=typo))
+    state = run(f"{MODEL}@prod", input_url, typo)  # the flow's own check (a deployment's run)
+
+    assert state.is_failed() and f"the output {typo} is a file, not a folder" in str(state.message), state.message
+    assert keys_under(s3_server, output_url) == objects
+    assert read_scored(s3_server, output_url).num_rows == 12_000
+
+
+@pytest.mark.usefixtures("on_cluster")
 def test_corrupt_shard_on_s3_is_quarantined_and_the_rest_completes(
     s3_server: S3Server, s3_prefix: str, s3_registry: ModelRegistry, input_shards: Path
 ) -> None:

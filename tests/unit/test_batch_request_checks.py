@@ -96,6 +96,36 @@ def test_an_output_that_is_a_file_or_lies_in_the_input_is_refused(shards: Path, 
     assert a_file.read_bytes() == b"not a folder"
 
 
+def test_an_output_inside_another_jobs_output_is_refused_naming_that_folder(shards: Path, tmp_path: Path) -> None:
+    # a reader of the outer folder would read the inner job's parts as its own rows
+    for marker in ("_manifest.json", "_ledger"):
+        outer = tmp_path / f"outer-{marker}"
+        outer.mkdir()
+        (outer / marker).mkdir() if marker == "_ledger" else (outer / marker).write_text("{}")
+        with pytest.raises(OutputInUse, match=f"the output {outer}/more/scored is inside {outer}, another job's "
+                                              "output folder .*: choose an --output outside it"):
+            check_request(request(shards, outer / "more" / "scored"))
+        assert not (outer / "more").exists()
+
+
+def test_an_output_holding_parquet_files_no_job_wrote_is_refused_and_a_jobs_own_parts_are_not(
+    shards: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    (out / "old").mkdir(parents=True)
+    (out / "old" / "scores.parquet").write_bytes((shards / "part-00000.parquet").read_bytes())
+    with pytest.raises(OutputInUse, match=f"the output {out} holds 1 Parquet file no Shardline job wrote "
+                                          r"\(first: old/scores.parquet\); .*choose an empty folder for --output, "
+                                          "or move them out"):
+        check_request(request(shards, out))
+
+    # a part of this input's shard whose ledger record was not written yet (a crash between the two) is the job's:
+    # a resume writes it again
+    (out / "old" / "scores.parquet").unlink()
+    (out / "part-00001.parquet").write_bytes((shards / "part-00001.parquet").read_bytes())
+    check_request(request(shards, out))
+
+
 def test_an_output_another_job_runs_on_is_refused(shards: Path, tmp_path: Path) -> None:
     busy = tmp_path / "busy"
     lease = OutputLease.acquire(fsspec.filesystem("file"), str(busy), str(busy), "job-elsewhere", "bc:1", LeaseTerms())

@@ -61,7 +61,10 @@ class ScoringJob:
     """What every shard of one job shares; small enough to ship to each worker.
 
     ``passthrough`` None keeps every input column the model does not read (ids and
-    such), so each output part joins back to its shard. ``sample_check`` (picklable;
+    such), so each output part joins back to its shard: those of the input's first shard
+    (``first_columns``, read by planning from ``first_shard``'s footer), so that every part
+    of the job holds one column set; a shard whose other columns differ is quarantined
+    (None: not known, each shard keeps its own). ``sample_check`` (picklable;
     the data contract) gets the first ``contract_sample_rows`` rows of each shard's
     model inputs before scoring and answers the expectations they fail; any answer
     quarantines the shard. ``capture`` keeps a sample of inputs and outputs per shard
@@ -83,14 +86,24 @@ class ScoringJob:
     contract_sample_rows: int = 1_000
     capture: ShardCapture | None = None
     job_id: str = ""  # the job's staging folder under the output is _staging/<job_id>
+    first_columns: tuple[str, ...] | None = None  # auto passthrough: the first shard's columns the model does not read
+    first_shard: str = ""  # that shard's relative name (for the quarantine reason)
 
 
 def carried_columns(job: ScoringJob, schema: pa.Schema) -> list[str]:
-    """The input columns copied to the output for this shard."""
+    """The input columns copied to the output for this shard: the job's (``passthrough``, else ``first_columns``),
+    or with neither known the shard's own (``other_columns``)."""
     if job.passthrough is not None:
         return list(job.passthrough)
-    inputs = set(job.model.manifest.signature.input_names)
-    outputs = set(job.model.manifest.signature.output_names)
+    if job.first_columns is not None:
+        return list(job.first_columns)
+    return other_columns(job.model, schema)
+
+
+def other_columns(model: ResolvedModel, schema: pa.Schema) -> list[str]:
+    """The columns of a shard that auto passthrough copies: those the model neither reads nor writes."""
+    inputs = set(model.manifest.signature.input_names)
+    outputs = set(model.manifest.signature.output_names)
     return [n for n in schema.names if n not in inputs and n not in outputs]
 
 
@@ -115,8 +128,17 @@ def _check_schema(schema: pa.Schema, job: ScoringJob, carried: list[str]) -> Non
     as the online tier gives it, and passthrough columns the shard lacks."""
     mismatch = schema_mismatch(schema, job.model.manifest.signature, job.model.pinned)
     problems = list(mismatch.problems) if mismatch is not None else []
+    own = other_columns(job.model, schema) if job.passthrough is None and job.first_columns is not None else None
+    if own is not None and set(own) != set(carried):
+        common = [c for c in carried if c in own]
+        problems.append(
+            f"the shard's columns besides the model's are {own}, the job's (from its first shard {job.first_shard}) "
+            f"are {carried}; one job's parts hold one set of columns: name the columns to keep with --passthrough "
+            f"({f'both have {common}' if common else 'they have none in common'}), or score these shards in a job "
+            "of their own"
+        )
     missing = [c for c in carried if schema.get_field_index(c) < 0]
-    if missing:
+    if missing and own is None:
         problems.append(f"passthrough columns {missing} are not in the shard")
     if problems:
         raise SchemaMismatch("; ".join(problems), problems)

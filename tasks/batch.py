@@ -173,6 +173,8 @@ def plan_batch_job(
         contract_sample_rows=batch.contract_sample_rows,
         capture=capture,
         job_id=this_job,
+        first_columns=survey.first_columns,
+        first_shard=shards[0].relative,
     )
     run_logger().info(
         "job %s: %s pinned to %s; %d shards, %d already settled, %d to score%s",

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+
 from shardline.errors import CorruptShard, OutputInUse
 from shardline.machines import machine_kind
 from shardline.placement import BatchWorkload, Pricing, candidates_from_profiles, choose_placement
@@ -20,7 +22,7 @@ from shardline.storage.lease import OutputLease
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, part_name, split_done
 from shardline.storage.registry import ModelRegistry, ResolvedModel
 from shardline.storage.retry import RetryPolicy, call_with_retries
-from shardline.storage.scoring import check_passthrough, check_passthrough_present
+from shardline.storage.scoring import check_passthrough, check_passthrough_present, other_columns
 from shardline.storage.shards import ShardInfo, list_shards, read_footer
 from shardline.tenants import check_custom_code
 
@@ -39,6 +41,7 @@ class JobSurvey:
     layout: OutputLayout
     retry: RetryPolicy
     settled: list[PartRecord] | None
+    first_columns: tuple[str, ...] | None = None  # auto passthrough: the first shard's other columns (None: unread)
 
 
 def refuse_foreign(layout: OutputLayout, model: str, key: str, manifest: dict[str, Any] | None,
@@ -148,8 +151,9 @@ def survey_job(
         what="listing the input",
     )
     check_part_names(shards)
-    if passthrough:
-        _check_first_shard_carries(passthrough, shards[0], storage, retry)
+    first = _first_schema(shards[0], storage, retry)
+    if passthrough and first is not None:
+        check_passthrough_present(passthrough, shards[0].relative, first)
     key = job_key(resolved.outputs_digest, passthrough)
     this_job = job_id(key, shards, output_uri)
     layout = OutputLayout(output_uri, storage.storage_options, this_job)
@@ -163,23 +167,20 @@ def survey_job(
             settled = done  # a finished job's output is only read (a read-only archive re-run writes nothing)
     if settled is None:
         refuse_foreign(layout, resolved.pinned, key, layout.any_manifest(), {})
-    return JobSurvey(registry, resolved, note, shards, key, this_job, layout, retry, settled)
+    first_columns = tuple(other_columns(resolved, first)) if passthrough is None and first is not None else None
+    return JobSurvey(registry, resolved, note, shards, key, this_job, layout, retry, settled, first_columns)
 
 
-def _check_first_shard_carries(passthrough: list[str], first: ShardInfo, storage: StorageSettings,
-                               retry: RetryPolicy) -> None:
-    """Refuse ``passthrough`` columns the first shard lacks (one footer read). A first shard that is not readable
-    Parquet is left to the workers to quarantine, as any such shard is.
-
-    Raises:
-        InvalidInput: a passthrough column is not in the first shard.
-    """
+def _first_schema(first: ShardInfo, storage: StorageSettings, retry: RetryPolicy) -> pa.Schema | None:
+    """The first shard's schema (one footer read): what ``--passthrough`` is checked against, and without it
+    the columns every part of the job carries. None when it is not readable Parquet: the workers quarantine it,
+    as any such shard."""
     try:
         footer = call_with_retries(lambda: read_footer(first.uri, storage.storage_options), retry,
                                    what="reading the first shard's footer")
     except CorruptShard:
-        return
-    check_passthrough_present(passthrough, first.relative, footer.schema)
+        return None
+    return footer.schema
 
 
 def check_output_free(survey: JobSurvey) -> None:

@@ -155,6 +155,43 @@ def test_text_in_another_arrow_layout_is_scored_as_string(
 
 
 @pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_by_default_the_first_shards_other_columns_are_every_parts_and_a_shard_without_them_is_quarantined(
+    input_shards: Path, tmp_path: Path
+) -> None:
+    # one job writes one set of columns: parts of differing columns in one folder read as one dataset with nulls
+    # (and a later job with another --passthrough is refused for exactly that)
+    table = pq.read_table(input_shards / "part-00000.parquet")
+    shards = tmp_path / "in"
+    shards.mkdir()
+    pq.write_table(table.slice(0, 500), shards / "a.parquet")
+    pq.write_table(table.slice(500, 500).drop_columns(["id"]), shards / "b.parquet")
+    pq.write_table(table.slice(1_000, 500).append_column("site", pa.array(["north"] * 500)), shards / "c.parquet")
+    moved = table.slice(1_500, 500)
+    pq.write_table(moved.select([*moved.column_names[1:], "id"]), shards / "d.parquet")  # the same, in another order
+    out = tmp_path / "out"
+
+    state = run(shards, out)
+
+    assert state.name == "Quarantined", state.message
+    summary = state.result()
+    assert (summary["rows_in"], summary["rows_out"], summary["rows_quarantined"]) == (2_000, 1_000, 1_000)
+    reasons = {Path(q["shard"]).name: q["reason"]
+               for q in json.loads((out / "_manifest.json").read_text())["quarantined"]}
+    assert reasons == {
+        "b.parquet": "SchemaMismatch: the shard's columns besides the model's are [], the job's (from its first "
+                     "shard a.parquet) are ['id']; one job's parts hold one set of columns: name the columns to keep "
+                     "with --passthrough (they have none in common), or score these shards in a job of their own",
+        "c.parquet": "SchemaMismatch: the shard's columns besides the model's are ['id', 'site'], the job's (from its "
+                     "first shard a.parquet) are ['id']; one job's parts hold one set of columns: name the columns to "
+                     "keep with --passthrough (both have ['id']), or score these shards in a job of their own",
+    }
+    assert {pq.read_schema(p).names[0] for p in out.glob("*.parquet")} == {"id"}
+    scored = scored_table(out)
+    assert scored.column_names == ["id", "label", "probabilities"]
+    assert sorted(scored.column("id").to_pylist()) == sorted([*range(0, 500), *range(1_500, 2_000)])
+
+
+@pytest.mark.usefixtures("on_cluster", "local_registry")
 def test_named_passthrough_columns_are_copied(input_shards: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     state = run(input_shards, out, passthrough=["id", "mean radius"], batch_rows=300)

@@ -32,14 +32,19 @@ _VIEWS = {pa.string_view(): pa.string(), pa.binary_view(): pa.binary()}
 
 
 def decoded_type(dtype: pa.DataType) -> pa.DataType:
-    """The type of a column's values with its layout's encoding undone: ``string_view`` is ``string``,
-    ``binary_view`` is ``binary``; any other type is its own. (Arrow's compute kernels, ``take`` among them, and
-    pandas take the plain layout everywhere; the views only in some places.)"""
+    """The type of a column's values with its encoding undone: a dictionary's is its values' (a pandas
+    ``category``), ``string_view`` is ``string``, ``binary_view`` is ``binary``; any other type is its own.
+    (Arrow's compute kernels, ``take`` among them, and pandas take the plain layout everywhere; the others only
+    in some places.)"""
+    while pa.types.is_dictionary(dtype):
+        dtype = dtype.value_type
     return _VIEWS.get(dtype, dtype)
 
 
 def decoded(column: pa.Array) -> pa.Array:
     """``column``'s values in the plain layout of ``decoded_type`` (the column itself when it has no encoding)."""
+    if isinstance(column, pa.DictionaryArray):
+        return decoded(column.dictionary).take(column.indices)  # (a null index takes a null)
     target = decoded_type(column.type)
     return column if target == column.type else column.cast(target)
 

@@ -237,10 +237,12 @@ def is_compatible(got: pa.DataType, expected: pa.DataType) -> bool:
     Equal types fit; any integer or float fits a float input (the cast every
     scikit-learn model already does); strings fit strings of any width or layout
     (``string_view``), binaries binaries; lists fit when their values do and fixed
-    sizes agree.
+    sizes agree. A dictionary-encoded column (a pandas ``category``) fits where its values do.
     """
     if got == expected:
         return True
+    if pa.types.is_dictionary(got):
+        return is_compatible(got.value_type, expected)
     if pa.types.is_floating(expected) and _is_numeric(got):
         return True
     if pa.types.is_integer(expected) and pa.types.is_integer(got):

@@ -259,10 +259,10 @@ def _open_shard(job: ScoringJob, shard: ShardInfo) -> Generator[_Opened, None, N
 
 
 def read_schema(schema: pa.Schema, inputs: Sequence[str]) -> tuple[pa.Schema, list[str]]:
-    """The shard's schema as its batches are handed on (``_decoded``), and the input columns whose layout is undone
-    on read (``decoded_type``: ``string_view`` read as ``string``): the data contract, the row check and capture
-    then see the plain layout every Arrow kernel and pandas take. The schema check has passed: each input is there
-    once."""
+    """The shard's schema as its batches are handed on (``_decoded``), and the input columns whose encoding is undone
+    on read (``decoded_type``: a dictionary read as its values, ``string_view`` as ``string``): the data contract,
+    the row check and capture then see the plain layout every Arrow kernel and pandas take. The schema check has
+    passed: each input is there once."""
     decoding = [name for name in inputs if decoded_type(schema.field(name).type) != schema.field(name).type]
     for name in decoding:
         index = schema.get_field_index(name)

@@ -117,10 +117,12 @@ def review_bundles(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def _text_column(texts: list[str], layout: str) -> pa.Array:
     if layout == "string_view":  # as pyarrow writes a string_view array
         return pa.array(texts).cast(pa.string_view())
+    if layout == "dictionary":  # as pandas writes a `category` column
+        return pa.array(texts).dictionary_encode().cast(pa.dictionary(pa.int16(), pa.string()))
     raise AssertionError(layout)
 
 
-@pytest.mark.parametrize("layout", ["string_view"])
+@pytest.mark.parametrize("layout", ["string_view", "dictionary"])
 @pytest.mark.parametrize("model", ["reviews@prod", "reviews-unprofiled@prod"])
 @pytest.mark.usefixtures("on_cluster")
 def test_text_in_another_arrow_layout_is_scored_as_string(
@@ -129,7 +131,8 @@ def test_text_in_another_arrow_layout_is_scored_as_string(
 ) -> None:
     # The schema check takes these columns: the data contract, the row check and capture read them as strings
     # (capture's sample once failed every shard of a job without a profile, and the contract quarantined a job
-    # with one for "column 'text' holds str, the model takes one of ['str', 'object']").
+    # with one for "column 'text' holds str, the model takes one of ['str', 'object']"; a dictionary was
+    # quarantined as "column 'text' is dictionary<values=string, indices=int16>, the model expects string").
     for bundle in review_bundles:
         pushed = local_registry.push(bundle)
         local_registry.set_alias(pushed.name, "prod", pushed.version or 1)

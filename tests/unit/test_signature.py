@@ -52,6 +52,9 @@ def test_unknown_type_names_the_accepted_forms() -> None:
         (pa.string_view(), pa.string(), True),
         (pa.binary_view(), pa.binary(), True),
         (pa.binary(), pa.string(), False),
+        (pa.dictionary(pa.int16(), pa.string()), pa.string(), True),  # a pandas category
+        (pa.dictionary(pa.int8(), pa.int64()), pa.float32(), True),
+        (pa.dictionary(pa.int8(), pa.string()), pa.float32(), False),
         (pa.list_(pa.float64(), 4), pa.list_(pa.float32(), 4), True),
         (pa.list_(pa.float32(), 3), pa.list_(pa.float32(), 4), False),
         (pa.list_(pa.float32()), pa.list_(pa.float32(), 4), False),
@@ -60,6 +63,21 @@ def test_unknown_type_names_the_accepted_forms() -> None:
 )
 def test_compatibility_table(got: pa.DataType, expected: pa.DataType, fits: bool) -> None:
     assert is_compatible(got, expected) is fits
+
+
+def test_dictionary_encoded_columns_are_read_as_their_values_by_the_row_check() -> None:
+    from shardline.rows import check_rows
+
+    # a pandas category (Parquet restores it for text) and an encoded number, as both tiers read them
+    signature = Signature(inputs=[ColumnSpec(name="city", type="string"), ColumnSpec(name="age", type="float32")],
+                          outputs=[ColumnSpec(name="label", type="int64")])
+    city = pa.array(["oslo", "lima", "oslo"]).dictionary_encode().cast(pa.dictionary(pa.int16(), pa.string()))
+    rows = check_rows(pa.table({"city": city, "age": pa.array([30, 41, 30]).dictionary_encode()}), signature, "m:1")
+
+    table = rows.table()
+    assert table.schema == signature.plan.input_schema
+    assert table.column("city").to_pylist() == ["oslo", "lima", "oslo"]
+    assert table.column("age").to_pylist() == [30.0, 41.0, 30.0]
 
 
 def test_schema_problems_say_what_got_and_do() -> None:

@@ -32,6 +32,7 @@ from shardline.errors import (
     SchemaMismatch,
 )
 from shardline.rows import Rows, check_rows, schema_mismatch
+from shardline.signature import named_columns
 from shardline.runtimes import RuntimeOptions
 from shardline.runtimes.base import Answer, concat_answers, split_out_of_memory
 from shardline.storage.capture import CaptureSample, write_captures
@@ -104,7 +105,7 @@ def other_columns(model: ResolvedModel, schema: pa.Schema) -> list[str]:
     """The columns of a shard that auto passthrough copies: those the model neither reads nor writes."""
     inputs = set(model.manifest.signature.input_names)
     outputs = set(model.manifest.signature.output_names)
-    return [n for n in schema.names if n not in inputs and n not in outputs]
+    return list(dict.fromkeys(n for n in schema.names if n not in inputs and n not in outputs))
 
 
 def shadowed_columns(job: ScoringJob, schema: pa.Schema) -> list[str]:
@@ -137,7 +138,11 @@ def _check_schema(schema: pa.Schema, job: ScoringJob, carried: list[str]) -> Non
             f"({f'both have {common}' if common else 'they have none in common'}), or score these shards in a job "
             "of their own"
         )
-    missing = [c for c in carried if schema.get_field_index(c) < 0]
+    repeated = [c for c in carried if len(schema.get_all_field_indices(c)) > 1]
+    if repeated:
+        problems.append(f"{named_columns(repeated)} {'is' if len(repeated) == 1 else 'are'} in the data more than "
+                        "once; keep one column of each name the output carries")
+    missing = [c for c in carried if not schema.get_all_field_indices(c)]
     if missing and own is None:
         problems.append(f"passthrough columns {missing} are not in the shard")
     if problems:

@@ -258,6 +258,21 @@ class _Contract:
         return ["column 'mean radius' fails expect_column_values_to_be_between"] if self.fail else []
 
 
+@pytest.mark.parametrize("passthrough", [None, ("id",)])
+def test_a_carried_column_in_the_shard_twice_is_quarantined_saying_so(
+    scoring_job: ScoringJob, input_shards: Path, tmp_path: Path, passthrough: tuple[str, ...] | None
+) -> None:
+    table = pq.read_table(input_shards / "part-00002.parquet")
+    twice = pa.Table.from_arrays([table.column("id"), *table.columns], names=["id", *table.column_names])
+    shard = _write(tmp_path / "twice" / "part-00002.parquet", twice)
+
+    record = score_shard(dataclasses.replace(scoring_job, passthrough=passthrough), _shard(shard))
+
+    assert (record.status, record.rows_in, record.rows_quarantined) == ("quarantined", 2_000, 2_000)
+    assert record.reason == ("SchemaMismatch: 'id' is in the data more than once; keep one column of each name the "
+                             "output carries")
+
+
 @pytest.mark.parametrize("batch_rows", [300, 700, 5_000])
 def test_the_contract_checks_the_shards_first_rows_and_every_row_is_scored_once(
     scoring_job: ScoringJob, input_shards: Path, batch_rows: int

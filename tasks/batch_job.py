@@ -185,7 +185,8 @@ def finish_job(plan: JobPlan, admitted: Admission, tracker: SlaTracker) -> dict[
 
 def job_outcome(summary: dict[str, Any], tracker: SlaTracker) -> State[Any]:
     """The flow's final state (and the job record's): Completed, Completed "Quarantined", or Failed (every shard
-    quarantined: nothing was scored)."""
+    quarantined: nothing was scored). The job record says ``quarantined`` for both of the last: it settled, and a
+    re-run will not help (its ``failed`` is a fault a re-run resumes)."""
     done = JobSummary.model_validate(summary)
     if done.shards_quarantined == 0:
         tracker.finish("completed", f"{done.rows_out:,} rows scored", done.rows_scored)
@@ -195,7 +196,7 @@ def job_outcome(summary: dict[str, Any], tracker: SlaTracker) -> State[Any]:
     if done.shards_committed == 0:
         message = (f"every shard was quarantined: {message}; the data cannot be scored as it is (running again "
                    f"will not help): the reasons are in {done.manifest}")
-        tracker.finish("failed", message)
+        tracker.finish("quarantined", message, done.rows_scored)
         return Failed(message=message, data=summary)
     message += f"; reasons in {done.manifest}"
     tracker.finish("quarantined", message, done.rows_scored)

@@ -12,6 +12,7 @@ import pytest
 
 from shardline.errors import EmptyInput, InvalidSetting, ModelNotFound
 from shardline.flows.batch_inference import batch_inference
+from shardline.storage.job_records import JobRecords
 
 pytestmark = pytest.mark.usefixtures("on_cluster", "local_registry")
 
@@ -54,7 +55,7 @@ def test_bad_shards_are_quarantined_and_the_rest_completes(input_shards: Path, t
     assert again.name == "Quarantined" and again.result()["shards_skipped"] == 9
 
 
-def test_every_shard_quarantined_fails_the_run(input_shards: Path, tmp_path: Path) -> None:
+def test_every_shard_quarantined_fails_the_run(input_shards: Path, tmp_path: Path, shardline_home: Path) -> None:
     for shard in input_shards.glob("*.parquet"):
         pq.write_table(pq.read_table(shard).drop_columns(["mean area"]), shard)
 
@@ -62,7 +63,12 @@ def test_every_shard_quarantined_fails_the_run(input_shards: Path, tmp_path: Pat
 
     assert state.is_failed()
     assert "every shard was quarantined" in (state.message or "")
-    assert state.result(raise_on_failure=False)["rows_out"] == 0
+    summary = state.result(raise_on_failure=False)
+    assert summary["rows_out"] == 0
+    # `batch status` reads the job record: quarantined (the data; a re-run will not help), not failed (a fault
+    # that `batch resume` mends)
+    record = JobRecords(str(shardline_home)).read(summary["job_id"])
+    assert record.state == "quarantined" and "running again will not help" in (record.message or "")
 
 
 @pytest.mark.parametrize(

@@ -32,9 +32,9 @@ from shardline.errors import (
     SchemaMismatch,
 )
 from shardline.rows import Rows, check_rows, schema_mismatch
-from shardline.signature import named_columns
 from shardline.runtimes import RuntimeOptions
 from shardline.runtimes.base import Answer, concat_answers, split_out_of_memory
+from shardline.signature import named_columns
 from shardline.storage.capture import CaptureSample, write_captures
 from shardline.storage.checkpoint import ShardCheckpoint, plan_ranges, row_group_sizes
 from shardline.storage.fs import commit_file, ensure_dir, io_threads, open_file, open_fs, staging_path

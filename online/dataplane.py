@@ -288,10 +288,16 @@ class DataPlane:
             each output column as a numpy array.
 
         Raises:
-            ModelNotFound, InvalidInput (and its subclasses), Overloaded, InferenceFailed,
+            ModelNotFound, InvalidInput (and its subclasses; a model that generates text, whose tenants' token
+            quotas and metering only ``/v1``'s generation endpoints hold), Overloaded, InferenceFailed,
             RuntimeUnavailable.
         """
         served = model if isinstance(model, ServedModel) else await self.model_for_reference(tenant, model)
+        runtime = served.resolved.manifest.runtime
+        if generates(runtime):
+            raise InvalidInput(f"{served.pinned} generates text (runtime {runtime!r}): send its prompts to "
+                               "/v1/chat/completions or /v1/completions, where the tenant's token quotas and "
+                               "metering hold")
         plan = served.signature.plan
         checked = rows if isinstance(rows, Rows) and rows.plan is plan else check_rows(
             rows.table() if isinstance(rows, Rows) else rows, served.signature, served.pinned)

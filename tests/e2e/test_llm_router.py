@@ -159,6 +159,20 @@ def _decode_steps(routed: Routed) -> float:
                for m in routed.replica_metrics.values())
 
 
+def test_v2_inference_on_the_llm_through_the_router_is_refused_and_generates_nothing(routed: Routed) -> None:
+    """The router passes V2 inference on to a replica, which refuses it for a model that generates text: its
+    token quota and metering are held on the /v1 endpoints only."""
+    before = _decode_steps(routed)
+    body = {"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [4], "data": ["Once upon a time"] * 4}]}
+
+    refused = httpx.post(f"{routed.url}/v2/models/tiny/infer", headers={"Authorization": f"Bearer {SMALL}"},
+                         json=body, timeout=60)
+
+    assert refused.status_code == 400, refused.text
+    assert "generates text (runtime 'llm'): send its prompts to /v1/chat/completions" in refused.json()["error"]
+    assert _decode_steps(routed) == before
+
+
 def test_eight_streams_through_the_router_share_their_forward_passes(routed: Routed) -> None:
     import concurrent.futures
 

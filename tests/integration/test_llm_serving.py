@@ -264,3 +264,24 @@ def test_a_failure_after_the_stream_started_ends_it_with_an_error_event_and_done
     error = orjson.loads(events[-2][len("data: "):])["error"]
     assert error["type"] == "server_error" and "internal error (RuntimeError)" in error["message"]
     assert plane.llm.gate(plane.tenants.tenants["acme"]).streams == 0
+
+
+def test_v2_inference_on_a_text_model_is_refused_naming_the_v1_endpoints(served: tuple[str, DataPlane]) -> None:
+    """V2 inference would bypass the tenant's token quota, stream slots and token metering (which only the
+    generation endpoints hold): it is a 400 naming them, and nothing is generated or taken from the quota."""
+    url, plane = served
+    httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+               json={"model": "tiny", "prompt": "warm", "max_tokens": 1})  # loaded: its engine's steps are counted
+    served_model = next(iter(plane.models.values()))
+    runtime = plane.cache.held(served_model.content_digest, plane.runtime)
+    assert runtime is not None
+    steps = runtime.engine.stats()["decode_steps"]
+    body = {"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [16], "data": ["Once upon a time"] * 16}]}
+    for path in ("/v2/models/tiny/infer", "/v2/models/tiny/versions/1/infer"):
+        refused = httpx.post(f"{url}{path}", headers={"Authorization": f"Bearer {SMALL}"}, json=body, timeout=60)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"] == (
+            "tiny:1 generates text (runtime 'llm'): send its prompts to /v1/chat/completions or /v1/completions, "
+            "where the tenant's token quotas and metering hold")
+    assert runtime.engine.stats()["decode_steps"] == steps
+    assert plane.llm.gate(plane.tenants.tenants["small"]).streams == 0

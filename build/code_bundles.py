@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
-from shardline.build.packaging import GoldenSet, current_environment, finish_bundle, new_bundle_dir
+from shardline.build.packaging import GoldenSet, current_environment, finish_bundle, is_pickle, new_bundle_dir
 from shardline.bundle import Lineage, Manifest, describe_artifact
 from shardline.errors import InvalidBundle, InvalidInput, InvalidSetting, ShardlineError
 from shardline.runtimes import RuntimeOptions, create_runtime
@@ -28,7 +28,6 @@ from shardline.signature import ColumnSpec, Signature, parse_type, type_name, wi
 SAMPLE_ROWS = 256  # sample rows the packaged bundle is checked on
 _OUTPUT_ROWS = 16  # sample rows the class is first run on, to learn its outputs
 _OPTIONS = RuntimeOptions(device="cpu", intra_op_threads=1)
-_PICKLE_SUFFIXES = frozenset({".pkl", ".pickle", ".joblib"})
 
 
 def package_python(
@@ -155,11 +154,6 @@ def _copy_file(path: Path, out: Path) -> list[Any]:
     shutil.copytree(path, out / path.name, ignore=shutil.ignore_patterns("__pycache__"))
     found = sorted(p for p in (out / path.name).rglob("*") if p.is_file())
     return [describe_artifact(out, p.relative_to(out).as_posix(), role="model") for p in found]
-
-
-def is_pickle(path: Path) -> bool:
-    """Whether a file is named as a pickle (``.pkl``, ``.pickle``, ``.joblib``; compressed too: ``.pkl.gz``)."""
-    return any(suffix in _PICKLE_SUFFIXES for suffix in path.suffixes)
 
 
 def _outputs(out: Path, manifest: Manifest, sample: pa.Table) -> tuple[ColumnSpec, ...]:

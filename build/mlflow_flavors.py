@@ -215,7 +215,8 @@ def _from_pyfunc(request: ImportRequest) -> Manifest:
     import tempfile
 
     from shardline.build import mlflow_pyfunc
-    from shardline.build.code_bundles import is_pickle, package_python
+    from shardline.build.code_bundles import package_python
+    from shardline.build.packaging import is_pickle
 
     refused = mlflow_pyfunc.from_code_refusal(request.conf)
     if refused is not None:

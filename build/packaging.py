@@ -447,7 +447,11 @@ def unwrap_zipmaps(onnx_file: str | Path) -> tuple[bytes, list[str]] | None:
         from onnx import helper
     except ImportError:
         return None
-    model = onnx.load(str(onnx_file), load_external_data=False)  # its weights stay where they are until it is rewritten
+    try:  # its weights stay where they are until it is rewritten
+        model = onnx.load(str(onnx_file), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError, or onnx's own for a file it cannot read
+        raise InvalidInput(f"{onnx_file} is not an ONNX model ({first_line(e)}); give the .onnx file the "
+                           "framework's ONNX export wrote") from e
     graph = model.graph
     outputs = {output.name: output for output in graph.output}
     if not any(n.op_type == "ZipMap" and n.domain == "ai.onnx.ml" and n.output[0] in outputs for n in graph.node):
@@ -470,6 +474,22 @@ def unwrap_zipmaps(onnx_file: str | Path) -> tuple[bytes, list[str]] | None:
         notes.append(f"output {output.name!r} was a ZipMap (a map a row): packaged as its probability tensor, "
                      f"a column a class in the order {shown_labels}")
     return (model.SerializeToString(), notes) if notes else None
+
+
+_PICKLE_SUFFIXES = frozenset({".pkl", ".pickle", ".joblib"})
+
+
+def is_pickle(path: Path, *, sniff: bool = False) -> bool:
+    """Whether a file is named as a pickle (``.pkl``, ``.pickle``, ``.joblib``; compressed too: ``.pkl.gz``); with
+    ``sniff``, also whether it begins as one does whatever its name (protocol 2 to 5: ``0x80`` and the protocol),
+    for a file that must be something else (an ONNX file begins with a protobuf field tag, never ``0x80``)."""
+    if any(suffix in _PICKLE_SUFFIXES for suffix in path.suffixes):
+        return True
+    if not sniff or not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        head = f.read(2)
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 def package_onnx(
@@ -498,6 +518,10 @@ def package_onnx(
     ``notes`` gets a line for each such change to the file.
     """
     check_input_layout(input_layout)
+    if is_pickle(Path(onnx_file), sniff=True):
+        raise InvalidInput(f"{onnx_file} is a pickle, which bundles never hold (loading one runs its code); export "
+                           "the model to ONNX (scikit-learn: skl2onnx's to_onnx; PyTorch: torch.onnx.export) and "
+                           "package the .onnx file")
     with tempfile.TemporaryDirectory(prefix="shardline-package-") as scratch:
         unwrapped = unwrap_zipmaps(onnx_file)
         if unwrapped is not None:

@@ -102,6 +102,26 @@ def test_a_refused_package_writes_nothing(shardline: Shardline, breast_cancer_mo
                                              "--out", str(tmp_path / "b")))
 
 
+def test_a_pickle_or_other_bytes_given_as_the_model_is_one_line(shardline: Shardline, tmp_path: Path) -> None:
+    """A pickled estimator (named .pkl, or .onnx) or bytes that are no ONNX model: one `error:` line and exit 2, not
+    onnx's protobuf traceback."""
+    import pickle
+
+    (tmp_path / "model.pkl").write_bytes(pickle.dumps({"a": 1}, protocol=4))
+    (tmp_path / "disguised.onnx").write_bytes(pickle.dumps({"a": 1}, protocol=5))
+    (tmp_path / "hello.onnx").write_bytes(b"hello")
+    for model, message in (
+            ("model.pkl", "model.pkl is a pickle, which bundles never hold (loading one runs its code); export the "
+                          "model to ONNX (scikit-learn: skl2onnx's to_onnx; PyTorch: torch.onnx.export)"),
+            ("disguised.onnx", "disguised.onnx is a pickle, which bundles never hold"),
+            ("hello.onnx", "hello.onnx is not an ONNX model (Error parsing message with type 'onnx.ModelProto'")):
+        refused = shardline("model", "package", str(tmp_path / model), "--name", "ct", "--out", str(tmp_path / "ct"))
+        assert refused.returncode == 2, refused.stderr
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], refused.stderr
+        assert not (tmp_path / "ct").exists()
+
+
 def test_optimize_profile_and_place(shardline: Shardline, tmp_path: Path) -> None:
     from sklearn.neural_network import MLPClassifier
     from sklearn.pipeline import make_pipeline

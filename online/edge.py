@@ -34,7 +34,7 @@ from shardline.online.tenants import Tenant
 
 log = logging.getLogger("shardline.online")
 Handler = Callable[[Request], Awaitable[Response]]
-ErrorBody = Callable[[str, int, str | None], dict[str, Any]]  # message, status, the error's code
+ErrorBody = Callable[[str, int, str | None, str | None], dict[str, Any]]  # message, status, the error's code, param
 JSON = "application/json"
 COMPRESSION_RATIO = 32  # a compressed body this much smaller than offload_min_bytes may inflate past it
 
@@ -84,12 +84,12 @@ def error_answer(error: Exception, error_body: ErrorBody) -> tuple[int, dict[str
         status, headers = error_status(error)
         if status == 500:  # a fault of the model or the server; 501 and 503 are answers, not faults
             log.error("request failed", exc_info=error, extra={"fields": {"status": status}})
-        return status, error_body(str(error), status, error.code), headers
+        return status, error_body(str(error), status, error.code, error.param), headers
     log.error("unexpected error while handling a request", exc_info=error)
     info = current()
     request_id = info.request_id if info is not None else "?"
     message = f"internal error ({type(error).__name__}); the server logged it with request id {request_id}"
-    return 500, error_body(message, 500, None), {}
+    return 500, error_body(message, 500, None, None), {}
 
 
 def authenticate(request: Request, plane: DataPlane) -> Tenant:

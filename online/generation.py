@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable
 
 from opentelemetry.trace import Span, SpanKind
 
-from shardline.errors import DeadlineExceeded, InvalidInput, RateLimited
+from shardline.errors import ContextLengthExceeded, DeadlineExceeded, InvalidInput, RateLimited
 from shardline.observability import tracing
 from shardline.online.admission import TokenBucket, retry_after
 from shardline.online.headers import TIMEOUT_HEADER
@@ -169,10 +169,14 @@ class Generations:
         from shardline.online.edge import runs_off_loop  # (edge imports the data plane, which imports this module)
 
         text = prompt or ""
-        if runs_off_loop(len(text) * TOKENIZE_WEIGHT, False, plane.settings.offload_min_bytes):
-            prompt_ids = await plane.off_loop(lambda: engine.check_prompt(engine.tokenize(text)))
-        else:  # a prompt of a few thousand characters takes about a millisecond: a hop to a thread costs more
-            prompt_ids = engine.check_prompt(engine.tokenize(text))
+        try:
+            if runs_off_loop(len(text) * TOKENIZE_WEIGHT, False, plane.settings.offload_min_bytes):
+                prompt_ids = await plane.off_loop(lambda: engine.check_prompt(engine.tokenize(text)))
+            else:  # a prompt of a few thousand characters takes about a millisecond: a hop to a thread costs more
+                prompt_ids = engine.check_prompt(engine.tokenize(text))
+        except ContextLengthExceeded as e:
+            e.param = request.prompt_field
+            raise
         gate = self.gate(tenant)  # a prompt refused above took nothing from the tenant's quotas
         gate.open(len(prompt_ids))
         released = False

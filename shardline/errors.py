@@ -33,9 +33,11 @@ class ShardlineError(Exception):
     """Base of every error Shardline raises on purpose.
 
     ``code``: a short code a wire protocol may carry beside the message (OpenAI's error ``code``); None for most.
+    ``param``: the request field at fault, where one is (OpenAI's error ``param``); None for most.
     """
 
     code: str | None = None
+    param: str | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -58,10 +60,11 @@ class ContextLengthExceeded(InvalidInput):
 
     code = "context_length_exceeded"
 
-    def __init__(self, message: str, prompt_tokens: int, most: int) -> None:
+    def __init__(self, message: str, prompt_tokens: int, most: int, param: str | None = None) -> None:
         super().__init__(message)
         self.prompt_tokens = prompt_tokens
         self.most = most
+        self.param = param  # the request's prompt field (``messages`` or ``prompt``), where the wire knows it
 
 
 class SchemaMismatch(InvalidInput):

@@ -30,7 +30,7 @@ from typing import Any, Collection, Sequence
 import orjson
 from pydantic import BaseModel
 
-from shardline.errors import InvalidInput
+from shardline.errors import InvalidInput, ShardlineError
 from shardline.openai_wire import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -267,12 +267,14 @@ def answer_record(job_id: str, number: int, custom_id: str, body: dict[str, Any]
             "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
 
-def error_record(job_id: str, number: int, custom_id: str | None, message: str, status: int = 400) -> dict[str, Any]:
-    """A line of OpenAI's error file: the status and OpenAI's error body."""
+def error_record(job_id: str, number: int, custom_id: str | None, message: str, status: int = 400,
+                 error: ShardlineError | None = None) -> dict[str, Any]:
+    """A line of OpenAI's error file: the status and OpenAI's error body (with ``error``'s code and param, as the
+    HTTP endpoint answers them)."""
     record_id, request_id = _ids(job_id, number)
+    body = error_object(message, status, error.code if error else None, error.param if error else None)
     return {"id": record_id, "custom_id": custom_id,
-            "response": {"status_code": status, "request_id": request_id, "body": error_object(message, status)},
-            "error": None}
+            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
 
 
 def is_answered(record: dict[str, Any]) -> bool:

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardline.bundle import Manifest
-from shardline.errors import InferenceFailed, InvalidInput
+from shardline.errors import ContextLengthExceeded, InferenceFailed, InvalidInput
 from shardline.openai_batch import BatchLine, answer_id, answer_record, error_record
 from shardline.openai_wire import (
     CompletionAnswer,
@@ -93,7 +93,9 @@ def answer_generation_part(engine: Engine, lines: Sequence[BatchLine], job_id: s
                 collector = _Collector()
                 handles.append(engine.submit(prompt_ids, params, collector))
             except InvalidInput as e:
-                records[i] = error_record(job_id, line.number, line.custom_id, f"line {line.number}: {e}")
+                if isinstance(e, ContextLengthExceeded):
+                    e.param = line.request.prompt_field
+                records[i] = error_record(job_id, line.number, line.custom_id, f"line {line.number}: {e}", error=e)
                 continue
             running.append((i, collector))
         for i, collector in running:
@@ -167,7 +169,7 @@ def answer_embedding_part(runtime: Runtime, lines: Sequence[BatchLine], job_id: 
                 groups.append((i, request, _embed(runtime, request.texts)))
             except InvalidInput as e:
                 line = lines[i]
-                records[i] = error_record(job_id, line.number, line.custom_id, f"line {line.number}: {e}")
+                records[i] = error_record(job_id, line.number, line.custom_id, f"line {line.number}: {e}", error=e)
     for i, request, matrix in groups:
         line = lines[i]
         body = embedding_answer(model, matrix, request.encoding, sum(count(request.texts)))

@@ -23,13 +23,13 @@ import numpy as np
 import orjson
 
 from shardline.errors import InvalidInput, shown
-from shardline.runtimes.generation.requests import MAX_STOP_STRINGS
+from shardline.runtimes.generation.requests import CHAT_ROLES, MAX_STOP_STRINGS
 from shardline.signature import Signature
 
 CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 MAX_STOP = MAX_STOP_STRINGS  # OpenAI's limit on stop strings (the engine's too)
 MAX_INPUTS = 2048  # texts in one embeddings request
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_INT64 = (-2**63, 2**63 - 1)  # the range of a whole number the wire takes (OpenAI's, vLLM's)
 _FIELD = re.compile(r"\bfield '([A-Za-z_][\w.\[\]]*)'")
 
 
@@ -48,6 +48,11 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+
+    @property
+    def prompt_field(self) -> str:
+        """The field that holds the prompt (``messages`` or ``prompt``): the ``param`` of an error over it."""
+        return "prompt" if self.messages is None else "messages"
 
 
 class EmbeddingRequest(NamedTuple):
@@ -68,13 +73,53 @@ def _number(doc: dict[str, Any], name: str, default: float, low: float, high: fl
     return float(value)
 
 
-def _whole(doc: dict[str, Any], name: str, low: int) -> int | None:
+def _whole(doc: dict[str, Any], name: str, low: int, high: int = _INT64[1]) -> int | None:
     value = doc.get(name)
     if value is None:
         return None
-    if type(value) is not int or value < low:
-        raise InvalidInput(f"field '{name}' is {shown(value)}; send a whole number of at least {low}")
+    wanted = f"a whole number of at least {low}" if low > _INT64[0] else "a whole number"
+    # a whole number past 64 bits comes out of the JSON parser as a float: it is out of range, not a fraction
+    huge = isinstance(value, float) and value.is_integer() and not low <= value <= high
+    if type(value) is int and value < low and low > _INT64[0]:
+        raise InvalidInput(f"field '{name}' is {shown(value)}; send {wanted}")
+    if huge or (type(value) is int and not low <= value <= high):
+        raise InvalidInput(f"field '{name}' is out of range; send a whole number from {low} to {high}")
+    if type(value) is not int:
+        raise InvalidInput(f"field '{name}' is {shown(value)}; send {wanted}")
     return value
+
+
+# What OpenAI's endpoints take and this server does not do: each is refused by name (so a client that relies on it
+# learns so) unless it is sent as the value that asks for nothing (the client's own default).
+_NOT_OFFERED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
+    ("tools", (None, []), "tool calls are not supported"),
+    ("tool_choice", (None, "none"), "tool calls are not supported"),
+    ("parallel_tool_calls", (None,), "tool calls are not supported"),
+    ("functions", (None, []), "function calls are not supported"),
+    ("function_call", (None, "none"), "function calls are not supported"),
+    ("response_format", (None, {"type": "text"}), "this server answers plain text only, without JSON mode or schemas"),
+    ("logit_bias", (None, {}), "logit bias is not supported"),
+    ("presence_penalty", (None, 0), "penalties are not supported"),
+    ("frequency_penalty", (None, 0), "penalties are not supported"),
+    ("suffix", (None, ""), "a suffix (insertion) is not supported"),
+    ("logprobs", (None, False, 0), "log probabilities are not offered"),
+    ("top_logprobs", (None, 0), "log probabilities are not offered"),
+    ("echo", (None, False), "echoing the prompt is not offered"),
+    ("best_of", (None, 1), "this server generates one choice per request"),
+)
+
+
+def _asks_nothing(value: Any, nothing: tuple[Any, ...]) -> bool:
+    """Whether a value is one of ``nothing`` (None, true and false as themselves; no bool passes for 0)."""
+    return any(value is quiet if quiet is None or isinstance(quiet, bool) else
+               (not isinstance(value, bool) and value == quiet) for quiet in nothing)
+
+
+def _refuse_not_offered(doc: dict[str, Any]) -> None:
+    for name, nothing, why in _NOT_OFFERED:
+        value = doc.get(name)
+        if not _asks_nothing(value, nothing):
+            raise InvalidInput(f"field '{name}' is {shown(value)}; {why}: leave it out")
 
 
 def _stop(doc: dict[str, Any]) -> tuple[str, ...]:
@@ -94,8 +139,11 @@ def _messages(doc: dict[str, Any]) -> list[dict[str, Any]]:
     checked = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in _ROLES:
-            raise InvalidInput(f"field 'messages[{i}].role' is {shown(role)}; use one of {sorted(_ROLES)}")
+        if role in ("tool", "function"):
+            raise InvalidInput(f"field 'messages[{i}].role' is {shown(role)}; tool and function calls are not "
+                               f"supported: send messages of the roles {sorted(CHAT_ROLES)}")
+        if role not in CHAT_ROLES:
+            raise InvalidInput(f"field 'messages[{i}].role' is {shown(role)}; use one of {sorted(CHAT_ROLES)}")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text is read
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
@@ -155,19 +203,19 @@ def parse_generation_request(body: bytes | dict[str, Any], chat: bool) -> Genera
     n = doc.get("n")
     if n not in (None, 1):
         raise InvalidInput(f"field 'n' is {shown(n)}; this server generates one choice per request: leave 'n' out")
-    if doc.get("logprobs") not in (None, False, 0) or doc.get("echo") or doc.get("best_of") not in (None, 1):
-        raise InvalidInput("fields 'logprobs', 'echo' and 'best_of' are not offered; leave them out")
+    _refuse_not_offered(doc)
     options = doc.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidInput(f"field 'stream_options' is {shown(options)}; send {{\"include_usage\": true}}")
+    include_usage = (options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise InvalidInput(f"field 'stream_options.include_usage' is {shown(include_usage)}; send true or false")
     stream = doc.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidInput(f"field 'stream' is {shown(stream)}; send true or false")
     max_tokens = _whole(doc, "max_completion_tokens", 1) if chat else None
     max_tokens = max_tokens if max_tokens is not None else _whole(doc, "max_tokens", 1)
-    seed = doc.get("seed")
-    if seed is not None and type(seed) is not int:
-        raise InvalidInput(f"field 'seed' is {shown(seed)}; send a whole number")
+    seed = _whole(doc, "seed", *_INT64)
     user = doc.get("user")
     prompt: str | None = None
     messages = None
@@ -185,7 +233,7 @@ def parse_generation_request(body: bytes | dict[str, Any], chat: bool) -> Genera
         model=model.strip(), prompt=prompt, messages=messages, max_tokens=max_tokens,
         temperature=_number(doc, "temperature", 1.0, 0.0, 2.0), top_p=_number(doc, "top_p", 1.0, 0.0, 1.0),
         seed=seed, stop=_stop(doc), stream=stream,
-        include_usage=bool((options or {}).get("include_usage")), user=user if isinstance(user, str) else None,
+        include_usage=bool(include_usage), user=user if isinstance(user, str) else None,
     )
 
 
@@ -283,12 +331,13 @@ _OPENAI_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limi
 _JSON_NAMES = {list: "array", dict: "object", bool: "boolean", float: "number", type(None): "null"}
 
 
-def error_object(message: str, status: int, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error form; ``param`` is the request field a 400's message names first (``field 'x'``), ``code``
-    the error's own (``ShardlineError.code``, e.g. ``context_length_exceeded``), else the status's."""
-    named = _FIELD.search(message) if status == 400 else None
+def error_object(message: str, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error form; ``param`` the error's own (``ShardlineError.param``), else the request field a 400's
+    message names first (``field 'x'``); ``code`` the error's own (``ShardlineError.code``, e.g.
+    ``context_length_exceeded``), else the status's."""
+    named = _FIELD.search(message) if status == 400 and param is None else None
     return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
-                      "param": named.group(1) if named else None, "code": code or _OPENAI_CODES.get(status)}}
+                      "param": param or (named.group(1) if named else None), "code": code or _OPENAI_CODES.get(status)}}
 
 
 __all__ = ["CHAT_COMPLETIONS", "COMPLETIONS", "EMBEDDINGS", "MAX_INPUTS", "MAX_STOP", "CompletionAnswer",

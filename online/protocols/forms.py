@@ -1,7 +1,7 @@
 """Each protocol's error form, framework-free: the servers' adapters and the router answer errors alike.
 
-Both take ``(message, status, code)``; ``code`` is the error's own (``ShardlineError.code``), which only
-OpenAI's form carries. OpenAI's is ``shardline.openai_wire.error_object``, the one the batch tier's OpenAI
+Both take ``(message, status, code, param)``; ``code`` and ``param`` are the error's own (``ShardlineError.code``,
+``.param``), which only OpenAI's form carries. OpenAI's is ``shardline.openai_wire.error_object``, the one the batch tier's OpenAI
 files write too.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 from shardline.openai_wire import error_object as openai_error_body
 
 
-def v2_error_body(message: str, status: int, code: str | None = None) -> dict[str, Any]:
+def v2_error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     """The Open Inference Protocol's error form (a message only)."""
     return {"error": message}
 

@@ -83,7 +83,7 @@ def new_request_id() -> str:
 def error_answer(error: ShardlineError, openai: bool, request_id: str) -> Answer:
     """The router's own error, in the protocol's form (V2 ``{"error": ...}``, OpenAI's ``{"error": {...}}``)."""
     status, extra = error_status(error)
-    body = (openai_error_body if openai else v2_error_body)(str(error), status, error.code)
+    body = (openai_error_body if openai else v2_error_body)(str(error), status, error.code, error.param)
     headers = [(b"content-type", b"application/json"), (REQUEST_ID, request_id.encode("latin-1"))]
     headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
     return Answer(status, headers, orjson.dumps(body))

@@ -124,6 +124,13 @@ def test_errors_come_in_openais_shapes(served: tuple[str, DataPlane], client: op
     small = openai.OpenAI(base_url=f"{url}/v1", api_key=SMALL, max_retries=0)
     with pytest.raises(openai.BadRequestError, match="more than the whole quota of tenant 'small'"):
         small.completions.create(model="tiny", prompt="word " * 80, max_tokens=2)
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError, match="field 'tools' is .*; tool calls are not supported") as tools:
+        client.chat.completions.create(model="tiny", messages=CHAT, tools=[tool])  # type: ignore[list-item]
+    assert tools.value.param == "tools" and tools.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="json_object") as formatted:
+        client.chat.completions.create(model="tiny", messages=CHAT, response_format={"type": "json_object"})
+    assert formatted.value.param == "response_format"
 
 
 def _slots(plane: DataPlane) -> tuple[int, int]:
@@ -221,12 +228,12 @@ def test_a_prompt_over_the_context_is_a_400_context_length_exceeded_streamed_or_
             with pytest.raises(openai.BadRequestError) as refused:
                 answer = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=2, stream=stream)
                 list(answer) if stream else None  # type: ignore[call-overload]
-            assert refused.value.code == "context_length_exceeded"
+            assert refused.value.code == "context_length_exceeded" and refused.value.param == "prompt"
             assert "the prompt is 901 tokens; this model takes at most 511" in refused.value.message
             with pytest.raises(openai.BadRequestError) as chat_refused:
                 client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_prompt}],
                                                stream=stream)
-            assert chat_refused.value.code == "context_length_exceeded"
+            assert chat_refused.value.code == "context_length_exceeded" and chat_refused.value.param == "messages"
     acme = plane.llm.gate(plane.tenants.tenants["acme"])
     assert acme.streams == 0
 

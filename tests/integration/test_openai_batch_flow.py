@@ -139,7 +139,10 @@ def test_a_file_of_chat_and_completions_lines_is_answered_once_per_custom_id(
     assert "field 'method' is 'GET'" in messages[2] and "field 'url'" in messages[3]
     assert "field 'temperature' is 5" in messages[4]
     assert "the prompt is" in messages[5] and "this model takes at most 511" in messages[5]
-    assert "field 'messages[0].role' is 'tool'; this model's chat template takes one of" in messages[6]
+    assert "field 'messages[0].role' is 'tool'; tool and function calls are not supported" in messages[6]
+    long = errors[5]["response"]["body"]["error"]  # the code and param serve answers the same prompt with
+    assert (long["code"], long["param"]) == ("context_length_exceeded", "prompt")
+    assert errors[6]["response"]["body"]["error"]["param"] == "messages[0].role"
     batch = json.loads((out / "batch.json").read_text())
     assert (batch["object"], batch["status"], batch["request_counts"]) == (
         "batch", "completed", {"total": 47, "completed": 40, "failed": 7})

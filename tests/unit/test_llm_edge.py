@@ -49,10 +49,71 @@ def test_a_chat_request_is_read_with_every_field_the_openai_client_sends() -> No
     ({"prompt": "x", "seed": "7"}, False, "field 'seed'"),
     ({"prompt": "x", "stream": "yes"}, False, "field 'stream'"),
     ({"prompt": "x", "logprobs": 2}, False, "'logprobs'"),
+    ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, False,
+     "field 'stream_options.include_usage' is 'yes'; send true or false"),
 ])
 def test_a_wrong_field_is_a_400_naming_it(fields: dict[str, object], chat: bool, named: str) -> None:
     with pytest.raises(InvalidInput, match=named.replace("[", r"\[").replace("]", r"\]")):
         parse_generation_request(_body(**fields), chat)
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "tool calls are not supported"),
+    ("tool_choice", "auto", "tool calls are not supported"),
+    ("parallel_tool_calls", True, "tool calls are not supported"),
+    ("functions", [{"name": "f"}], "function calls are not supported"),
+    ("function_call", "auto", "function calls are not supported"),
+    ("response_format", {"type": "json_object"}, "without JSON mode or schemas"),
+    ("logit_bias", {"42": 100}, "logit bias is not supported"),
+    ("presence_penalty", 0.5, "penalties are not supported"),
+    ("frequency_penalty", -1, "penalties are not supported"),
+    ("suffix", "the end", "a suffix (insertion) is not supported"),
+    ("logprobs", True, "log probabilities are not offered"),
+    ("top_logprobs", 3, "log probabilities are not offered"),
+    ("echo", True, "echoing the prompt is not offered"),
+    ("best_of", 3, "this server generates one choice per request"),
+])
+def test_what_is_not_built_is_refused_by_name_with_its_param(field: str, value: object, why: str) -> None:
+    """Accepted and ignored, a client relying on them would get text it did not ask for: each is a 400 naming it
+    (OpenAI's ``param``), on both endpoints, while the value that asks for nothing passes."""
+    from shardline.openai_wire import error_object
+
+    for chat, fields in ((True, {"messages": [{"role": "user", "content": "hi"}]}), (False, {"prompt": "hi"})):
+        with pytest.raises(InvalidInput) as refused:
+            parse_generation_request(_body(**fields, **{field: value}), chat)
+        assert str(refused.value).startswith(f"field '{field}' is ") and f"{why}: leave it out" in str(refused.value)
+        assert error_object(str(refused.value), 400)["error"]["param"] == field
+    quiet = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {},
+             "presence_penalty": 0, "frequency_penalty": 0.0, "suffix": None, "logprobs": False, "echo": False,
+             "best_of": 1}
+    assert parse_generation_request(_body(prompt="hi", **quiet), False).prompt == "hi"
+
+
+def test_a_tool_message_is_refused_for_tool_calls_as_the_chat_template_would() -> None:
+    from shardline.runtimes.generation.requests import CHAT_ROLES
+
+    with pytest.raises(InvalidInput, match=r"field 'messages\[1\].role' is 'tool'; tool and function calls are not"):
+        parse_generation_request(_body(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]),
+                                 chat=True)
+    roles = [{"role": role, "content": "x"} for role in CHAT_ROLES]  # every role the wire takes, the template takes
+    assert [m["role"] for m in parse_generation_request(_body(messages=roles), chat=True).messages or []] == list(
+        CHAT_ROLES)
+
+
+@pytest.mark.parametrize("raw, field, message", [
+    (b'"seed": 1180591620717411303424', "seed",
+     "field 'seed' is out of range; send a whole number from -9223372036854775808 to 9223372036854775807"),
+    (b'"max_tokens": 1000000000000000000000000000000', "max_tokens",
+     "field 'max_tokens' is out of range; send a whole number from 1 to 9223372036854775807"),
+    (b'"seed": 9223372036854775808', "seed", "field 'seed' is out of range"),
+    (b'"seed": 1.5', "seed", "field 'seed' is 1.5; send a whole number"),
+    (b'"max_tokens": 0', "max_tokens", "field 'max_tokens' is 0; send a whole number of at least 1"),
+])
+def test_a_whole_number_past_64_bits_is_out_of_range_not_a_float(raw: bytes, field: str, message: str) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        parse_generation_request(b'{"model": "tiny", "prompt": "x", ' + raw + b"}", chat=False)
+    assert str(refused.value) == message or str(refused.value).startswith(message)
+    assert "e+" not in str(refused.value)
 
 
 def _tenant(tpm: int | None = None, streams: int | None = None) -> Tenant:

@@ -124,7 +124,7 @@ class ChatTemplate:
         for i, message in enumerate(messages):
             role = message.get("role") if isinstance(message, Mapping) else None
             if role not in CHAT_ROLES:
-                # said as the request's own checks say it (a 'tool' message passes those, for vLLM's models)
+                # said as the request's own checks say it (shardline.openai_wire reads the same CHAT_ROLES)
                 raise InvalidParameter(f"field 'messages[{i}].role' is {role!r}; this model's chat template takes one "
                                        f"of {sorted(CHAT_ROLES)}", f"messages[{i}].role")
             lines.append(self.message.replace("{role}", role).replace("{content}", _content(message, i)))

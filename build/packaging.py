@@ -34,6 +34,7 @@ from shardline.signature import (
     is_compatible,
     leaf_type,
     row_shape,
+    schema_problems,
     tensor_type_name,
     type_name,
     with_missing_values,
@@ -141,6 +142,13 @@ def finish_bundle(
                 f"the golden set compares output {golden.prediction_column!r}, the model's outputs are "
                 f"{manifest.signature.output_names}"
             )
+        if golden.table.num_rows == 0:
+            raise InvalidInput("the golden set has no rows; a score needs at least one")
+        # promotion scores the model on it (quality/evaluation.py checks the same): refused here, not at the gate
+        problems = schema_problems(golden.table.schema, manifest.signature.inputs, manifest.reference)
+        if problems:
+            raise InvalidInput(f"the golden set cannot feed the model: {'; '.join(problems)} (a golden set holds "
+                               "the model's input columns, as its signature names them, and the label)")
         pq.write_table(golden.table, folder / GOLDEN_FILE)
         artifacts.append(describe_artifact(folder, GOLDEN_FILE, role="golden"))
         update["evaluation"] = Evaluation(

@@ -20,8 +20,8 @@ _LABEL = typer.Option("target", help="Golden-set column with the expected answer
 _METRIC = typer.Option("accuracy", help="accuracy, rmse or cosine_min.")
 _PREDICTION = typer.Option("label", help="Model output compared with the label.")
 _THRESHOLD = typer.Option(0.9, help="Score promotion demands (at least; at most for rmse).")
-_GOLDEN_HELP = ("Golden Parquet set: inputs with known answers, which promotion's gate 'evaluation' scores (it refuses "
-                "a version without one)")
+_GOLDEN_HELP = ("Golden Parquet set: inputs with known answers (the columns the model reads, and the label), which "
+                "promotion's gate 'evaluation' scores (it refuses a version without one)")
 
 
 def _check_metric(metric: str) -> None:

@@ -77,8 +77,11 @@ def checksum_gate(bundle_dir: Path, manifest: Manifest) -> GateResult:
     return GateResult(CHECKSUMS, True, f"{len(manifest.artifacts)} artifacts match their sha256")
 
 
-def evaluation_gate(manifest: Manifest, score: float | None) -> GateResult:
-    """Refuse a version without a golden set, or whose golden-set score misses its threshold."""
+def evaluation_gate(manifest: Manifest, score: float | None, problem: str | None = None) -> GateResult:
+    """Refuse a version without a golden set, whose golden set could not be scored (``problem``: why, e.g. its
+    columns cannot feed the model), or whose golden-set score misses its threshold."""
+    if problem is not None:
+        return GateResult(EVALUATION, False, problem)
     evaluation = manifest.evaluation
     if evaluation is None or score is None:
         return GateResult(

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from shardline.errors import GateFailed
+from shardline.errors import GateFailed, InvalidBundle, InvalidInput
 from shardline.event_catalog import MODEL_PROMOTED, model_resource
 from shardline.quality.evaluation import evaluate
 from shardline.quality.gates import (
@@ -75,15 +75,17 @@ def run_gates(plan: PromotionPlan, allow_breaking: bool) -> list[GateResult]:
         bundle = Path(folder)
         fetch_bundle(plan.candidate, bundle, plan.storage_options, verify=False)  # the checksum gate checks it
         results.append(checksum_gate(bundle, manifest))
-        score = None
+        score, problem = None, None
         if results[-1].passed and manifest.evaluation is not None:
             model = create_runtime(bundle, manifest, RuntimeOptions(device="cpu"))
             model.load()
             try:
                 score = evaluate(model, manifest, pq.read_table(bundle / manifest.evaluation.golden))
+            except (InvalidBundle, InvalidInput) as e:  # a golden set the model cannot score: the gate's verdict
+                problem = str(e)
             finally:
                 model.close()
-        results.append(evaluation_gate(manifest, score))
+        results.append(evaluation_gate(manifest, score, problem))
         results.append(reference_profile_gate(bundle, manifest))
     logger = run_logger()
     for result in results:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Callable
@@ -100,6 +101,42 @@ def test_a_refused_package_writes_nothing(shardline: Shardline, breast_cancer_mo
     assert not (tmp_path / "b").exists()
     assert "packaged churn" in _ok(shardline("model", "package", str(onnx_file), "--name", "churn",
                                              "--out", str(tmp_path / "b")))
+
+
+def test_a_golden_set_that_cannot_feed_the_model_is_refused_at_package_and_at_promote(
+        shardline: Shardline, breast_cancer_model: BuiltModel, tmp_path: Path) -> None:
+    """Packaging refuses a golden set the model cannot read (one line, exit 2); a bundle made without that check
+    (an older Shardline, or by hand) is refused by promote's evaluation gate, in one line and without a
+    traceback."""
+    from shardline.bundle import describe_artifact, read_manifest, write_manifest
+
+    onnx_file = breast_cancer_model.bundle_dir / "model.onnx"
+    train, held_out = split(breast_cancer())
+    pq.write_table(golden_table(train), tmp_path / "train.parquet")
+    pq.write_table(golden_table(held_out).drop(["mean radius"]), tmp_path / "unfit.parquet")
+    refused = shardline("model", "package", str(onnx_file), "--name", "churn", "--signature-from",
+                        str(tmp_path / "train.parquet"), "--exclude", "target", "--golden", str(tmp_path / "unfit.parquet"),
+                        "--out", str(tmp_path / "unfit"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        "error: the golden set cannot feed the model: column 'mean radius' is missing; the model 'churn' needs it "
+        "(float32); add it or pick the model this data was made for (a golden set holds the model's input columns, "
+        "as its signature names them, and the label)"]
+    assert not (tmp_path / "unfit").exists()
+
+    folder = breast_cancer_model.bundle_dir.parent / "unfit-by-hand"
+    shutil.copytree(breast_cancer_model.bundle_dir, folder)
+    pq.write_table(pq.read_table(folder / "golden.parquet").drop(["mean radius"]), folder / "golden.parquet")
+    manifest = read_manifest(folder)
+    write_manifest(folder, manifest.model_copy(update={"artifacts": [
+        describe_artifact(folder, "golden.parquet", role="golden") if a.role == "golden" else a
+        for a in manifest.artifacts]}))
+    assert "pushed" in _ok(shardline("model", "push", str(folder)))
+    promoted = shardline("model", "promote", "breast-cancer:1", "--to", "staging")
+    assert promoted.returncode == 1 and "Traceback" not in promoted.stderr, promoted.stderr
+    error = [line for line in promoted.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and "gate evaluation refused" in error[0], promoted.stderr
+    assert "golden set 'golden.parquet' cannot feed the model: column 'mean radius' is missing" in error[0]
 
 
 def test_a_pickle_or_other_bytes_given_as_the_model_is_one_line(shardline: Shardline, tmp_path: Path) -> None:

@@ -69,6 +69,33 @@ def test_a_version_below_its_threshold_is_refused(registry: ModelRegistry, tmp_p
     assert registry.current_move("breast-cancer", "prod") is None
 
 
+def test_a_golden_set_that_cannot_feed_the_model_is_a_refused_evaluation_gate(registry: ModelRegistry,
+                                                                             tmp_path: Path) -> None:
+    """A bundle whose golden set lacks a column the model reads (packaging refuses one now; an older or hand-made
+    bundle may hold one) is the evaluation gate's verdict, not a failed task's traceback."""
+    import pyarrow.parquet as pq
+
+    from shardline.bundle import describe_artifact, read_manifest, write_manifest
+
+    folder = tmp_path / "unfit"
+    package_breast_cancer(folder, kind="logreg", reference_profile=_profile())
+    pq.write_table(pq.read_table(folder / "golden.parquet").drop(["mean radius"]), folder / "golden.parquet")
+    manifest = read_manifest(folder)
+    artifacts = [describe_artifact(folder, "golden.parquet", role="golden") if a.role == "golden" else a
+                 for a in manifest.artifacts]
+    write_manifest(folder, manifest.model_copy(update={"artifacts": artifacts}))
+    unfit = registry.push(folder)
+
+    state = _promote(unfit.reference, "staging")
+
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, GateFailed) and error.gate == "evaluation"
+    assert f"{unfit.reference}: golden set 'golden.parquet' cannot feed the model: column 'mean radius' is missing" in (
+        str(error))
+    assert registry.current_move("breast-cancer", "staging") is None
+
+
 def test_a_breaking_signature_is_refused_unless_allowed(registry: ModelRegistry, tmp_path: Path) -> None:
     from sklearn.linear_model import Ridge
 

@@ -17,6 +17,9 @@ answer's ``model`` is the version that generated it (``name:version``).
 A deadline (``X-Shardline-Timeout-Ms``, as the router sends it) bounds an answer that is not streamed:
 past it the generation is cancelled (the engine frees its slot) and the caller gets 504. A stream
 is refused only when it arrives past its deadline; once started it runs to its end or the client's.
+A client that goes away stops its generation, streamed or not: an answer that is not streamed is
+generated while its connection is watched (ASGI's ``http.disconnect``), and cancelled when it closes,
+so the engine's slot and the tenant's stream slot are free at once.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from starlette.routing import BaseRoute, Route
 
 from shardline import openai_wire
 from shardline.errors import DeadlineExceeded, InferenceFailed
+from shardline.online.bodies import ClientGone
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import authenticate, endpoint, error_answer, json_response, note_model, read_body
 from shardline.online.generation import Generation
@@ -147,6 +151,27 @@ async def _within_deadline(answer: Awaitable[dict[str, Any]]) -> dict[str, Any]:
                                f"ask for fewer max_tokens, stream it, or send a longer {TIMEOUT_HEADER}") from None
 
 
+async def _unless_gone(receive: Any, answer: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """The whole answer, or ClientGone once the client disconnects before it is done (its body read, the next ASGI
+    message is ``http.disconnect``): the answer is cancelled, and with it the generation."""
+    answering = asyncio.ensure_future(answer)
+
+    async def client_gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watching = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({answering, watching}, return_when=asyncio.FIRST_COMPLETED)
+        if answering.done():
+            return answering.result()
+        raise ClientGone("the client went away before its answer was generated")
+    finally:
+        for task in (answering, watching):
+            task.cancel()
+        await asyncio.gather(answering, watching, return_exceptions=True)
+
+
 class _Stream(StreamingResponse):
     """Server-sent events whose clean-up runs however the response ends: the client gone before the first
     byte (Starlette then never starts the body), mid-stream, or after ``[DONE]``."""
@@ -198,7 +223,8 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
             if parsed.stream:
                 return _Stream(_events(encoder, generation, plane.tenants.routed), cleanup, generation.prompt_tokens)
             try:
-                return json_response(await _within_deadline(_answer(encoder, generation)))
+                return json_response(await _unless_gone(request.receive,
+                                                        _within_deadline(_answer(encoder, generation))))
             finally:
                 await cleanup()
 

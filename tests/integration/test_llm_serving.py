@@ -155,6 +155,29 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slots_at_once(served: tupl
         time.sleep(0.02)
 
 
+def test_a_client_that_goes_away_before_its_whole_answer_frees_its_slots_at_once(
+        served: tuple[str, DataPlane]) -> None:
+    """Not streamed: the client's time-out closes the connection, which cancels the generation (its decode steps
+    stop) and gives the tenant's stream slot back, as a stream's does."""
+    url, plane = served
+    httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+               json={"model": "tiny", "prompt": "warm", "max_tokens": 1})  # loaded: its engine's steps are counted
+    served_model = next(iter(plane.models.values()))
+    runtime = plane.cache.held(served_model.content_digest, plane.runtime)
+    assert runtime is not None
+    for path, body in (("/v1/completions", {"prompt": "Once upon a time"}), ("/v1/chat/completions", {"messages": CHAT})):
+        steps = runtime.engine.stats()["decode_steps"]
+        with pytest.raises(httpx.ReadTimeout):  # 450 greedy tokens take about 2 s here
+            httpx.post(f"{url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3,
+                       json={"model": "tiny", **body, "max_tokens": 450, "temperature": 0})
+        deadline = time.monotonic() + 5
+        while _slots(plane) != (0, 0):
+            assert time.monotonic() < deadline, f"slots still held: {_slots(plane)}"
+            time.sleep(0.02)
+        ran = runtime.engine.stats()["decode_steps"] - steps
+        assert ran < 300, f"{ran} decode steps ran for a client that was gone"
+
+
 def test_a_stream_past_the_tenants_token_quota_ends_cleanly_saying_why(served: tuple[str, DataPlane]) -> None:
     url, _ = served
     small = openai.OpenAI(base_url=f"{url}/v1", api_key=SMALL, max_retries=0)

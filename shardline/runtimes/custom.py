@@ -80,7 +80,7 @@ class ModelContext:
         except KeyError as e:
             raise InvalidBundle(
                 f"{self.manifest.reference}'s code asks for file {relative!r}, which the bundle does not list "
-                f"({sorted(self.artifacts)}); package it with --artifact {relative}"
+                f"({sorted(self.artifacts)}); package it with --file {relative} (`model package --framework python`)"
             ) from e
 
     @property

@@ -128,6 +128,18 @@ def test_code_whose_import_fails_is_an_invalid_bundle_naming_the_error(custom: C
         create_runtime(folder, manifest, OPTIONS).load()
 
 
+def test_code_that_asks_for_a_file_the_bundle_lacks_is_told_the_option_that_adds_it(custom: CustomModel,
+                                                                                     tmp_path: Path) -> None:
+    folder, manifest = _with_code(custom, tmp_path, "class Model:\n    def load(self, context):\n"
+                                  "        context.path('w.json')\n\n    def predict(self, rows):\n        pass\n")
+
+    with pytest.raises(InvalidBundle) as caught:
+        create_runtime(folder, manifest, OPTIONS).load()
+
+    assert "code asks for file 'w.json', which the bundle does not list" in str(caught.value)
+    assert "package it with --file w.json (`model package --framework python`)" in str(caught.value)
+
+
 def test_two_bundles_with_modules_of_the_same_name_keep_their_own_code(custom: CustomModel, shard: pa.Table,
                                                                        tmp_path: Path) -> None:
     other = custom.manifest.model_copy(update={"name": "other"})

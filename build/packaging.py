@@ -256,13 +256,24 @@ def _row_dims(info: Any) -> list[int | None]:
     if not shape:
         raise InvalidInput(f"ONNX input {info.name!r} declares no shape; give sample rows (--signature-from) "
                            "or export the model with input shapes")
-    if isinstance(shape[0], int) and shape[0] > 0:
+    _check_dynamic_batch(info)
+    return [d if isinstance(d, int) and d >= 0 else None for d in shape[1:]]
+
+
+def _check_dynamic_batch(info: Any) -> None:
+    """Refuse an ONNX input whose first dimension is a fixed number (a graph exported for that many rows): checked
+    before the model is run on sample rows, whose own error would not say so.
+
+    Raises:
+        InvalidInput: saying how to export it with a dynamic first dimension.
+    """
+    shape = list(info.shape or [])
+    if shape and isinstance(shape[0], int) and shape[0] > 0:
         raise InvalidInput(
             f"ONNX input {info.name!r} has shape {shape}, a fixed batch of {shape[0]}; both tiers feed a model "
             "any number of rows: export it with a dynamic first dimension (skl2onnx: [None, k]; torch.onnx.export: "
             "dynamic_axes={'" + str(info.name) + "': {0: 'batch'}})"
         )
-    return [d if isinstance(d, int) and d >= 0 else None for d in shape[1:]]
 
 
 def _declared_input(info: Any) -> ColumnSpec:
@@ -367,6 +378,8 @@ def infer_onnx_signature(
     check_input_layout(input_layout)
     session = _session(onnx_file)
     onnx_inputs = session.get_inputs()
+    for info in onnx_inputs:
+        _check_dynamic_batch(info)
     columns = [c for c in sample.column_names if c not in set(exclude)]
     head = sample.slice(0, min(_SAMPLE_ROWS, sample.num_rows))
     config: dict[str, Any] = {}

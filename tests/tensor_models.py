@@ -88,14 +88,14 @@ def cube_model(path: Path) -> Path:
     return _save(graph, path)
 
 
-def fixed_batch_model(path: Path) -> Path:
-    """Input x [1, 4]: a graph exported for exactly one row."""
+def fixed_batch_model(path: Path, rows: int = 1) -> Path:
+    """Input x [rows, 4]: a graph exported for exactly that many rows (one by default)."""
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
         [helper.make_node("Identity", ["x"], ["y"])], "fixed",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, 4])],
     )
     return _save(graph, path)
 

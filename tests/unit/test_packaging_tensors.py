@@ -132,6 +132,12 @@ def refusal(tmp_path: Path, case: str) -> str:
                          sample=pa.table({"a": feature_column(np.ones((2, 3)))}))
         elif case == "fixed batch":
             package_onnx(fixed_batch_model(tmp_path / "fixed.onnx"), tmp_path / "b", name="fixed")
+        elif case == "fixed batch, feature columns":  # the sample's 4 columns stacked into x: run on 8 rows
+            package_onnx(fixed_batch_model(tmp_path / "fixed.onnx"), tmp_path / "b", name="fixed",
+                         sample=pa.table({f"f{i}": pa.array(np.ones(8, np.float32)) for i in range(4)}))
+        elif case == "fixed batch of 5, a list column":
+            package_onnx(fixed_batch_model(tmp_path / "fixed.onnx", rows=5), tmp_path / "b", name="fixed",
+                         sample=pa.table({"x": feature_column(np.ones((8, 4), np.float32))}))
         elif case == "strings a row":
             package_onnx(string_pair_model(tmp_path / "pair.onnx"), tmp_path / "b", name="pair")
         else:
@@ -148,6 +154,10 @@ def refusal(tmp_path: Path, case: str) -> str:
     ("missing input", "the sample has no column ['b']: name one column after each input"),
     ("fixed batch", "a fixed batch of 1; both tiers feed a model any number of rows: export it with a dynamic "
                     "first dimension"),
+    ("fixed batch, feature columns", "ONNX input 'x' has shape [1, 4], a fixed batch of 1; both tiers feed a "
+                                     "model any number of rows"),
+    ("fixed batch of 5, a list column", "ONNX input 'x' has shape [5, 4], a fixed batch of 5; both tiers feed a "
+                                        "model any number of rows"),
     ("strings a row", "ONNX output 'names' holds several strings a row; bundles hold one string per row"),
 ])
 def test_each_packaging_refusal_says_what_to_do(tmp_path: Path, case: str, says: str) -> None:

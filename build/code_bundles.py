@@ -18,7 +18,14 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
-from shardline.build.packaging import GoldenSet, current_environment, finish_bundle, is_pickle, new_bundle_dir
+from shardline.build.packaging import (
+    GoldenSet,
+    current_environment,
+    feature_columns,
+    finish_bundle,
+    is_pickle,
+    new_bundle_dir,
+)
 from shardline.bundle import Lineage, Manifest, describe_artifact
 from shardline.errors import InvalidBundle, InvalidInput, InvalidSetting, ShardlineError
 from shardline.runtimes import RuntimeOptions, create_runtime
@@ -99,14 +106,10 @@ def _check_files(paths: list[Path]) -> None:
 
 
 def _inputs(sample: pa.Table, exclude: Sequence[str]) -> tuple[ColumnSpec, ...]:
-    skipped = set(exclude)
-    unknown = skipped - set(sample.column_names)
-    if unknown:
-        raise InvalidInput(f"--exclude names {sorted(unknown)}, which the sample does not have "
-                           f"({sample.column_names})")
+    kept = set(feature_columns(sample, exclude))
     inputs = []
     for field in sample.schema:
-        if field.name in skipped:
+        if field.name not in kept:
             continue
         written = type_name(field.type)
         try:

@@ -33,6 +33,7 @@ from shardline.signature import (
     Signature,
     is_compatible,
     leaf_type,
+    named_columns,
     row_shape,
     schema_problems,
     tensor_type_name,
@@ -99,6 +100,26 @@ def sample_table(rows: SampleRows, what: str = "the sample") -> pa.Table:
             if got.__module__ == "numpy" else "")
     raise InvalidInput(f"{what} is a {shown_type}; give a pandas DataFrame, a pyarrow Table or the path of a "
                        f"Parquet file (str or pathlib.Path){hint}")
+
+
+def feature_columns(sample: pa.Table, exclude: Sequence[str]) -> list[str]:
+    """The sample's columns less ``exclude`` (its label and id columns), in order.
+
+    Raises:
+        InvalidInput: ``exclude`` names a column the sample does not have (a typo would leave the label in).
+    """
+    unknown = [name for name in dict.fromkeys(exclude) if name not in sample.column_names]
+    if unknown:
+        from difflib import get_close_matches
+
+        verb = "is not a column" if len(unknown) == 1 else "are not columns"
+        close = [m for name in unknown for m in get_close_matches(name, sample.column_names, n=1)]
+        meant = f"did you mean {named_columns(close)}? " if close else ""
+        raise InvalidInput(f"--exclude {named_columns(unknown)} {verb} of the sample ({meant}columns: "
+                           f"{named_columns(sample.column_names, 10)}); name the label and id columns as the "
+                           "sample spells them")
+    skipped = set(exclude)
+    return [c for c in sample.column_names if c not in skipped]
 
 
 def current_environment(image: str | None = None, packages: Sequence[str] = ()) -> dict[str, str]:
@@ -380,7 +401,7 @@ def infer_onnx_signature(
     onnx_inputs = session.get_inputs()
     for info in onnx_inputs:
         _check_dynamic_batch(info)
-    columns = [c for c in sample.column_names if c not in set(exclude)]
+    columns = feature_columns(sample, exclude)
     head = sample.slice(0, min(_SAMPLE_ROWS, sample.num_rows))
     config: dict[str, Any] = {}
     if all(i.name in columns for i in onnx_inputs):

@@ -59,12 +59,16 @@ _NO_PROFILE = (
 def sample_rows(signature_from: Path | None, exclude: list[str] | None, without_it: str = "") -> Any:
     """The --signature-from rows (None without the option); ``without_it`` ends the message when --exclude came
     alone."""
-    from shardline.build.packaging import sample_table
+    from shardline.build.packaging import feature_columns, sample_table
 
     if exclude and signature_from is None:
         raise ShardlineError(f"--exclude names columns of the sample data; give the sample with --signature-from"
                              f"{without_it}")
-    return sample_table(signature_from, "--signature-from") if signature_from is not None else None
+    if signature_from is None:
+        return None
+    sample = sample_table(signature_from, "--signature-from")
+    feature_columns(sample, exclude or [])  # an --exclude that names no column is refused before anything runs
+    return sample
 
 
 def sample_lineage(signature_from: Path | None, source_commit: str | None = None) -> Any:
@@ -222,6 +226,7 @@ def _say_packaged(name: str, folder: Path, manifest: Any, profiled: bool) -> Non
 
 def _package_framework(request: _Packaging, framework: str) -> Any:
     from shardline.build.frameworks import FRAMEWORKS, load_model_file, model_columns, package_lightgbm, package_xgboost
+    from shardline.build.packaging import feature_columns
 
     if framework not in FRAMEWORKS:
         raise ShardlineError(f"--framework {framework!r} is not one of onnx, {', '.join(FRAMEWORKS)}, python")
@@ -231,7 +236,7 @@ def _package_framework(request: _Packaging, framework: str) -> Any:
                              "fitted on (its feature columns, in order), which the converted model is checked on")
     model = load_model_file(request.source, framework)
     # the order the model was fitted in, where its file keeps the names
-    features = model_columns(model, sample) or [c for c in sample.column_names if c not in set(request.exclude)]
+    features = model_columns(model, sample) or feature_columns(sample, request.exclude)
     builder = package_xgboost if framework == "xgboost" else package_lightgbm
     return builder(model, request.folder, name=request.name, sample=sample, feature_names=features,
                    lineage=request.lineage, golden=request.golden, image=request.image)

@@ -92,6 +92,12 @@ def test_a_refused_package_writes_nothing(shardline: Shardline, breast_cancer_mo
         "error: model name 'Churn_Bad' is not allowed; use 1-64 lower-case letters, digits, '.', '_' or '-', "
         "starting with a letter or digit"]
     assert not (tmp_path / "b").exists()
+    pq.write_table(golden_table(breast_cancer()), tmp_path / "sample.parquet")
+    typo = shardline("model", "package", str(onnx_file), "--name", "churn", "--signature-from",
+                     str(tmp_path / "sample.parquet"), "--exclude", "targt", "--out", str(tmp_path / "b"))
+    assert typo.returncode == 2 and len(typo.stderr.strip().splitlines()) == 1, typo.stderr
+    assert "error: --exclude 'targt' is not a column of the sample (did you mean 'target'?" in typo.stderr
+    assert not (tmp_path / "b").exists()
 
     # refused after the model was copied in (a golden set without its label column): the new folder goes too
     pq.write_table(golden_table(breast_cancer()).drop(["target"]), tmp_path / "golden.parquet")

@@ -132,6 +132,9 @@ def refusal(tmp_path: Path, case: str) -> str:
                          sample=pa.table({"a": feature_column(np.ones((2, 3)))}))
         elif case == "fixed batch":
             package_onnx(fixed_batch_model(tmp_path / "fixed.onnx"), tmp_path / "b", name="fixed")
+        elif case == "excluded typo":  # the label would be taken for a feature
+            package_onnx(onnx_file, tmp_path / "b", name="vec", exclude=["targt"],
+                         sample=pa.table({"input": feature_column(features), "target": pa.array([0] * len(features))}))
         elif case == "fixed batch, feature columns":  # the sample's 4 columns stacked into x: run on 8 rows
             package_onnx(fixed_batch_model(tmp_path / "fixed.onnx"), tmp_path / "b", name="fixed",
                          sample=pa.table({f"f{i}": pa.array(np.ones(8, np.float32)) for i in range(4)}))
@@ -154,6 +157,8 @@ def refusal(tmp_path: Path, case: str) -> str:
     ("missing input", "the sample has no column ['b']: name one column after each input"),
     ("fixed batch", "a fixed batch of 1; both tiers feed a model any number of rows: export it with a dynamic "
                     "first dimension"),
+    ("excluded typo", "--exclude 'targt' is not a column of the sample (did you mean 'target'? columns: 'input', "
+                      "'target'); name the label and id columns as the sample spells them"),
     ("fixed batch, feature columns", "ONNX input 'x' has shape [1, 4], a fixed batch of 1; both tiers feed a "
                                      "model any number of rows"),
     ("fixed batch of 5, a list column", "ONNX input 'x' has shape [5, 4], a fixed batch of 5; both tiers feed a "

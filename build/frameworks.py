@@ -50,6 +50,7 @@ import pyarrow as pa
 from shardline.build.packaging import GoldenSet, SampleRows, package_onnx, sample_table
 from shardline.bundle import Lineage, Manifest, write_manifest
 from shardline.errors import InvalidInput, RuntimeUnavailable, first_line
+from shardline.signature import named_columns
 
 CHECK_ROWS = 2_048  # sample rows the bundle's answers are compared with the framework's on
 ATOL, RTOL = 1e-4, 1e-3  # the float32 conversion's tolerance
@@ -106,7 +107,8 @@ def package_torch(module: Any, out_dir: str | Path, *, name: str, sample: Sample
     sample's columns the module reads, in its order (default: every sample column).
 
     Raises:
-        InvalidInput: the sample is none of those, lacks a feature, the module does not export, or the ONNX
+        InvalidInput: the sample is none of those, lacks a feature, the module's weights are not float32, it does
+            not run on the features (their count is not its first layer's), it does not export, or the ONNX
             model does not match the module's outputs.
         RuntimeUnavailable: torch is not installed.
     """
@@ -119,9 +121,13 @@ def package_torch(module: Any, out_dir: str | Path, *, name: str, sample: Sample
     features = _features(None, table, feature_names)
     outputs = list(output_names)
     module = module.eval()
+    _check_float32(module)
     rows = _matrix(table, features, CHECK_ROWS)
-    with torch.no_grad():
-        got = module(torch.from_numpy(rows))
+    try:
+        with torch.no_grad():
+            got = module(torch.from_numpy(rows))
+    except RuntimeError as e:  # torch's shape and dtype errors ("mat1 and mat2 shapes cannot be multiplied ...")
+        raise InvalidInput(_does_not_run(module, table, features, e)) from e
     expected_list = [got] if isinstance(got, torch.Tensor) else list(got)
     if len(expected_list) != len(outputs):
         raise InvalidInput(f"the module returns {len(expected_list)} tensors and output_names names {len(outputs)} "
@@ -142,6 +148,31 @@ def package_torch(module: Any, out_dir: str | Path, *, name: str, sample: Sample
     tags = {"framework": "pytorch", "module": type(module).__name__, "torch": torch.__version__}
     return _package_checked(onnx_bytes, out_dir, name, table, features, expected, None, tags, lineage, golden,
                             reference_profile, image)
+
+
+def _check_float32(module: Any) -> None:
+    """Refuse a module whose floating-point weights are not float32: the bundle feeds it float32 features."""
+    kinds = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters() if p.is_floating_point()})
+    if kinds and kinds != ["float32"]:
+        raise InvalidInput(f"the module's weights are {', '.join(kinds)}; a bundle feeds a module float32 features: "
+                           "convert it with module.float() (or train it in float32) and package that")
+
+
+def _does_not_run(module: Any, table: Any, features: list[str], error: Exception) -> str:
+    """Why a module fails on the sample's features, in one line: the feature count its first Linear layer takes
+    against the columns given, when that is it."""
+    import torch
+
+    first = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+    wants = getattr(first, "in_features", None)
+    if wants is not None and wants != len(features):
+        others = [c for c in table.column_names if c not in features]
+        left = f"; the sample's other columns: {named_columns(others)}" if others and len(features) < wants else ""
+        return (f"the module takes {wants} features a row (its first Linear layer), and {len(features)} columns were "
+                f"given ({named_columns(features)}){left}: give feature_names with the {wants} columns it reads, in "
+                "its order, leaving out the label and id columns")
+    return (f"the module does not run on the sample's {len(features)} feature columns ({type(error).__name__}: "
+            f"{first_line(error)}); it must take one float32 [N, k] tensor of them, k = {len(features)}")
 
 
 FRAMEWORKS = ("xgboost", "lightgbm")  # what load_model_file reads

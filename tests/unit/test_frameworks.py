@@ -82,6 +82,30 @@ def test_a_module_returning_more_tensors_than_names_is_refused(tmp_path: Path) -
     assert not (tmp_path / "bundle").exists()
 
 
+def test_a_module_that_cannot_read_the_features_is_refused_in_one_line_naming_the_counts(tmp_path: Path) -> None:
+    """torch's own error ("mat1 and mat2 shapes cannot be multiplied", a Float/Double mismatch) says nothing of the
+    columns: the refusal names the count the module's first layer takes and the columns given."""
+    import torch
+
+    _, _, names, sample = training_rows()
+    with_label = sample.append_column("target", pa.array(np.zeros(sample.num_rows, np.float32)))
+
+    def mlp() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(len(names), 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    with pytest.raises(InvalidInput) as label_in:  # no feature_names: every column, the label too
+        package_torch(mlp(), tmp_path / "bundle", name="m", sample=with_label.select([*names, "target"]))
+    assert str(label_in.value).startswith(f"the module takes {len(names)} features a row (its first Linear layer), "
+                                          f"and {len(names) + 1} columns were given")
+    assert "give feature_names with the" in str(label_in.value) and "leaving out the label" in str(label_in.value)
+    with pytest.raises(InvalidInput, match=rf"takes {len(names)} features a row .* and 3 columns were given "
+                                           r"\('mean radius', .*; the sample's other columns: "):
+        package_torch(mlp(), tmp_path / "bundle", name="m", sample=sample, feature_names=names[:3])
+    with pytest.raises(InvalidInput, match=r"the module's weights are float64; .* convert it with module.float\(\)"):
+        package_torch(mlp().double(), tmp_path / "bundle", name="m", sample=sample, feature_names=names)
+    assert not (tmp_path / "bundle").exists()
+
+
 @pytest.mark.parametrize("kind", ["lightgbm-classifier", "lightgbm-regressor", "xgboost-classifier", "xgboost-regressor"])
 def test_a_saved_model_file_is_read_as_what_its_objective_says_and_packaged(kind: str, tmp_path: Path) -> None:
     _, _, names, sample = training_rows()

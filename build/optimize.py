@@ -4,7 +4,9 @@
   scale per output channel) and activations quantized per call. Per-channel scales
   keep all-MiniLM-L6-v2's embeddings at cosine >= 0.98 of fp32's where one scale per
   tensor drops to 0.92 (bench/quantization.py). It rewrites MatMul, Conv, Attention and LSTM
-  nodes only; a model without them (a tree ensemble or a linear model as skl2onnx
+  nodes only; a Gemm with constant weights (torch exports ``nn.Linear`` as one) is first
+  written as the MatMul (and Add of its bias) it computes (``_gemm_as_matmul``), so it is
+  quantized too. A model without any of them (a tree ensemble or a linear model as skl2onnx
   writes them) would come out unchanged, so it is refused: int8 brings it nothing.
   Beware: the activations' scale is taken per call over the whole batch, so an int8
   row's output depends on the rows batched with it (the breast-cancer MLP: up to 0.09
@@ -23,6 +25,7 @@ scoring and recording a variant in the registry is ``shardline.quality.variants`
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,8 +40,9 @@ VARIANT_KINDS: dict[str, tuple[Literal["cpu", "cuda"], str]] = {
     "int8": ("cpu", "model.int8.onnx"),
     "fp16": ("cuda", "model.fp16.onnx"),
 }
-# Ops that dynamic quantization rewrites, and what it rewrites them into.
-_INT8_TARGETS = frozenset({"MatMul", "Conv", "Attention", "LSTM"})
+# Ops that dynamic quantization rewrites (Gemm once written as MatMul: ``_gemm_as_matmul``), and what it rewrites
+# them into.
+_INT8_TARGETS = frozenset({"MatMul", "Gemm", "Conv", "Attention", "LSTM"})
 _INT8_RESULTS = frozenset(
     {"MatMulInteger", "ConvInteger", "QAttention", "DynamicQuantizeLSTM", "DynamicQuantizeMatMul", "MatMulIntegerToFloat"}
 )
@@ -72,8 +76,49 @@ def _op_counts(model: Any) -> Counter[str]:
     return Counter(node.op_type for node in model.graph.node)
 
 
+_DESCRIBED_OPS = 6  # kinds of node a message names before '...'
+
+
 def _describe(counts: Counter[str]) -> str:
-    return ", ".join(f"{op} x{n}" for op, n in counts.most_common(6)) or "no nodes"
+    shown = ", ".join(f"{op} x{n}" for op, n in counts.most_common(_DESCRIBED_OPS)) or "no nodes"
+    return shown + (", ..." if len(counts) > _DESCRIBED_OPS else "")
+
+
+def _gemm_as_matmul(model: Any) -> int:
+    """Rewrite, in place, each Gemm whose B is a constant (alpha and beta 1, A not transposed) as the MatMul by B
+    (transposed once, into a new weight, when ``transB``) and the Add of its C that it computes: dynamic quantization
+    rewrites MatMul and not Gemm, and torch exports ``nn.Linear`` as Gemm. Returns how many it rewrote."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    nodes, rewritten = [], 0
+    for node in graph.node:
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if (node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or node.input[1] not in weights
+                or attributes.get("alpha", 1.0) != 1.0 or attributes.get("beta", 1.0) != 1.0
+                or attributes.get("transA", 0)):
+            nodes.append(node)
+            continue
+        b = numpy_helper.to_array(weights[node.input[1]])
+        weight = f"{node.input[1]}_as_matmul_{rewritten}"
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(b.T if attributes.get("transB", 0) else b),
+                                                         weight))
+        bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        product = f"{node.output[0]}_matmul" if bias else node.output[0]
+        nodes.append(helper.make_node("MatMul", [node.input[0], weight], [product], name=f"{node.name}_matmul"))
+        if bias:
+            nodes.append(helper.make_node("Add", [product, bias], [node.output[0]], name=f"{node.name}_bias"))
+        rewritten += 1
+    if rewritten:
+        del graph.node[:]
+        graph.node.extend(nodes)
+        used = {name for node in graph.node for name in node.input}
+        kept = [t for t in graph.initializer if t.name in used]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    return rewritten
 
 
 def _output_artifact(out_file: Path) -> Artifact:
@@ -107,7 +152,7 @@ def quantize_int8(manifest: Manifest, bundle_dir: str | Path, out_file: str | Pa
         The variant's artifact (role 'model'), to replace the model file.
 
     Raises:
-        InvalidBundle: int8 brings nothing for this model (no MatMul, Conv, Attention
+        InvalidBundle: int8 brings nothing for this model (no MatMul, Gemm, Conv, Attention
             or LSTM node that dynamic quantization rewrites), or quantization failed.
         RuntimeUnavailable: onnx or onnxruntime is not installed.
     """
@@ -116,15 +161,18 @@ def quantize_int8(manifest: Manifest, bundle_dir: str | Path, out_file: str | Pa
 
     source = Path(bundle_dir) / model_file(manifest).path
     out = Path(out_file)
-    before = _op_counts(onnx.load(str(source)))
+    model = onnx.load(str(source))
+    before = _op_counts(model)
     if not before.keys() & _INT8_TARGETS:
         raise InvalidBundle(
             f"int8 brings nothing for {manifest.reference}: dynamic quantization rewrites "
-            f"{sorted(_INT8_TARGETS)} nodes and its graph has none ({_describe(before)}); tree "
-            "ensembles and linear models are already fast in fp32: serve this model in fp32"
+            f"{sorted(_INT8_TARGETS)} nodes and its graph has none ({_describe(before)}): serve this model in fp32"
         )
     try:
-        with _quiet_preprocessing_hint():
+        with _quiet_preprocessing_hint(), tempfile.TemporaryDirectory(prefix="shardline-int8-") as scratch:
+            if _gemm_as_matmul(model):
+                source = Path(scratch) / "model.onnx"
+                onnx.save(model, str(source))
             quantize_dynamic(source, out, weight_type=QuantType.QInt8, per_channel=True)
     except Exception as e:  # onnxruntime raises ValueError, RuntimeError, onnx errors
         out.unlink(missing_ok=True)

@@ -105,6 +105,52 @@ def test_int8_variant_keeps_accuracy_and_loads_through_the_cache(mlp: Any, tmp_p
     assert make_variant(registry, "mlp:1", "int8") == variant  # a variant is made once
 
 
+def test_a_torch_mlps_linear_layers_exported_as_gemm_are_quantized_and_gated(tmp_path: Path) -> None:
+    """torch exports nn.Linear as Gemm, which dynamic quantization does not rewrite: each is written as the MatMul
+    and Add it computes first, so the variant runs in int8, and it is scored against fp32 on the golden set."""
+    import torch
+
+    from shardline.build.frameworks import package_torch
+
+    data = breast_cancer()
+    features = ((data.features - data.features.mean(0)) / data.features.std(0)).astype(np.float32)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(features.shape[1], 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    x, y = torch.from_numpy(features), torch.from_numpy(data.labels.astype(np.float32))
+    for _ in range(200):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(net(x).squeeze(-1), y).backward()
+        optimizer.step()
+
+    class Regressor(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, rows: torch.Tensor) -> torch.Tensor:
+            return self.net(rows).squeeze(-1)
+
+    table = pa.table({**{n: features[:, j] for j, n in enumerate(data.names)},
+                      "target": data.labels.astype(np.float32)})
+    folder = tmp_path / "torch-mlp"
+    package_torch(Regressor(), folder, name="torch-mlp", sample=table.drop(["target"]), feature_names=data.names,
+                  golden=GoldenSet(table, "target", "rmse", "output", 0.3))
+    fp32_ops = Counter(n.op_type for n in onnx.load(folder / "model.onnx").graph.node)
+    assert fp32_ops["Gemm"] == 2
+    registry = registry_with(folder)
+
+    variant = make_variant(registry, "torch-mlp:1", "int8", cache_dir=tmp_path / "build-cache")
+
+    assert variant.score is not None and variant.baseline is not None and variant.baseline < 0.3
+    assert abs(variant.score - variant.baseline) <= 0.01  # within the gate's max_variant_delta
+    int8 = registry.resolve("torch-mlp:1").variant("int8")
+    cache = ModelCache(tmp_path / "serving-cache")
+    cache.get(int8, RuntimeOptions("cpu", 1))
+    ops = Counter(n.op_type for n in onnx.load(cache.local_dir(int8) / "model.int8.onnx").graph.node)
+    assert ops["MatMulInteger"] == 2 and ops["Gemm"] == 0 and ops["MatMul"] == 0  # both layers run in int8
+
+
 def test_a_variant_that_moves_the_score_too_far_is_refused(mlp: Any, tmp_path: Path) -> None:
     strict = Evaluation(golden="golden.parquet", label_column="expected_probabilities", metric="rmse",
                         prediction_column="probabilities", threshold=0.5, max_variant_delta=1e-6)
@@ -167,10 +213,19 @@ def test_int8_brings_nothing_for_a_linear_model(tmp_path: Path) -> None:
     from shardline.build.examples import package_breast_cancer
 
     manifest, _ = package_breast_cancer(tmp_path / "logreg", kind="logreg")
-    with pytest.raises(InvalidBundle, match="int8 brings nothing .*LinearClassifier x1.*serve this model in fp32"):
+    with pytest.raises(InvalidBundle, match="int8 brings nothing .*LinearClassifier x1.*serve this model in fp32") as none:
         quantize_int8(manifest, tmp_path / "logreg", tmp_path / "out.onnx")
+    assert "tree ensembles" not in str(none.value)
     with pytest.raises(InvalidSetting, match="precision 'int4' is not one Shardline makes"):
         make_variant(ModelRegistry("memory://nothing"), "x:1", "int4")  # type: ignore[arg-type]
+
+
+def test_a_refusals_list_of_ops_says_when_it_is_cut_short() -> None:
+    from shardline.build.optimize import _describe
+
+    assert _describe(Counter({"Add": 3, "Mul": 2})) == "Add x3, Mul x2"
+    assert _describe(Counter({f"Op{i}": 10 - i for i in range(8)})) == (
+        "Op0 x10, Op1 x9, Op2 x8, Op3 x7, Op4 x6, Op5 x5, ...")
 
 
 def test_metrics() -> None:

@@ -155,16 +155,22 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slots_at_once(served: tupl
         time.sleep(0.02)
 
 
+def _loaded(url: str, plane: DataPlane) -> Any:
+    """The tiny model's runtime, loaded by one request (so that its engine's decode steps can be counted)."""
+    httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+               json={"model": "tiny", "prompt": "warm", "max_tokens": 1})
+    served_model = next(iter(plane.models.values()))
+    runtime = plane.cache.held(served_model.content_digest, plane.runtime)
+    assert runtime is not None
+    return runtime
+
+
 def test_a_client_that_goes_away_before_its_whole_answer_frees_its_slots_at_once(
         served: tuple[str, DataPlane]) -> None:
     """Not streamed: the client's time-out closes the connection, which cancels the generation (its decode steps
     stop) and gives the tenant's stream slot back, as a stream's does."""
     url, plane = served
-    httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-               json={"model": "tiny", "prompt": "warm", "max_tokens": 1})  # loaded: its engine's steps are counted
-    served_model = next(iter(plane.models.values()))
-    runtime = plane.cache.held(served_model.content_digest, plane.runtime)
-    assert runtime is not None
+    runtime = _loaded(url, plane)
     for path, body in (("/v1/completions", {"prompt": "Once upon a time"}), ("/v1/chat/completions", {"messages": CHAT})):
         steps = runtime.engine.stats()["decode_steps"]
         with pytest.raises(httpx.ReadTimeout):  # 450 greedy tokens take about 2 s here
@@ -300,11 +306,7 @@ def test_v2_inference_on_a_text_model_is_refused_naming_the_v1_endpoints(served:
     """V2 inference would bypass the tenant's token quota, stream slots and token metering (which only the
     generation endpoints hold): it is a 400 naming them, and nothing is generated or taken from the quota."""
     url, plane = served
-    httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-               json={"model": "tiny", "prompt": "warm", "max_tokens": 1})  # loaded: its engine's steps are counted
-    served_model = next(iter(plane.models.values()))
-    runtime = plane.cache.held(served_model.content_digest, plane.runtime)
-    assert runtime is not None
+    runtime = _loaded(url, plane)
     steps = runtime.engine.stats()["decode_steps"]
     body = {"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [16], "data": ["Once upon a time"] * 16}]}
     for path in ("/v2/models/tiny/infer", "/v2/models/tiny/versions/1/infer"):

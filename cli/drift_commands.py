@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from shardline.cli.common import EXIT_OK, fail
+from shardline.cli.common import EXIT_OK, EXIT_USAGE, fail
 from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
     from shardline.quality.drift_checks import DriftCheck
 
 EXIT_DRIFT = 4
+EXIT_NOT_JUDGED = EXIT_USAGE  # no verdict, as when nothing was captured: a gate must not read it as "no drift"
 
 drift_app = typer.Typer(help="Drift: captured inputs and outputs against a model's reference profile.",
                         no_args_is_help=True)
@@ -48,7 +49,8 @@ def _print_check(check: "DriftCheck") -> None:
                f"against {report.rows_reference:,} reference rows")
     rows = [("column", "role", "metric", "score", "threshold", "verdict")]
     for c in sorted(report.columns, key=lambda c: (not c.drifted, c.role != "input", c.column)):
-        rows.append((c.column, c.role, c.metric, f"{c.score:.4g}", f"{c.threshold:.4g}", "DRIFT" if c.drifted else "ok"))
+        verdict = "DRIFT" if c.drifted else "ok" if c.judged else "not judged"
+        rows.append((c.column, c.role, c.metric, f"{c.score:.4g}" if c.judged else "-", f"{c.threshold:.4g}", verdict))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         line = "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
@@ -57,10 +59,17 @@ def _print_check(check: "DriftCheck") -> None:
         if c.drifted:
             typer.echo(f"{c.column}: {c.reason}")
     if report.drifted:
-        typer.secho(f"drift in {len(report.drifted_columns)} of {len(report.columns)} columns: "
-                    f"{', '.join(report.drifted_columns)}", fg="red", bold=True)
+        typer.secho(f"{report.verdict}: {', '.join(report.drifted_columns)}", fg="red", bold=True)
+    elif not report.judged:
+        typer.secho(f"{report.verdict}; widen --window or wait for more captured rows", fg="yellow", bold=True)
     else:
-        typer.secho(f"no drift in {len(report.columns)} columns", fg="green")
+        typer.secho(report.verdict, fg="green")
+
+
+def _exit_code(check: "DriftCheck") -> int:
+    if not check.report.judged:
+        return EXIT_NOT_JUDGED
+    return EXIT_DRIFT if check.report.drifted else EXIT_OK
 
 
 @drift_app.command("check")
@@ -73,8 +82,9 @@ def drift_check(
 ) -> None:
     """Compare the recent capture of both tiers with the model's reference profile, column by column.
 
-    Exit codes: 0 no drift, 4 drift found, 2 the request was wrong (unknown model,
-    no reference profile, nothing captured in the window).
+    Exit codes: 0 no drift, 4 drift found, 2 no verdict: the request was wrong (unknown
+    model, no reference profile, nothing captured in the window) or too few rows were
+    captured for the policy to judge (fewer than its min_rows; the table says "not judged").
     """
     try:
         check = _run_check(model, window, tier, save)
@@ -82,10 +92,11 @@ def drift_check(
         raise fail(e) from e
     if json_out:
         typer.echo(json.dumps({**json.loads(check.report.model_dump_json()), "reference": check.reference,
-                               "rows_by_tier": check.rows_by_tier, "drifted": check.report.drifted}))
+                               "rows_by_tier": check.rows_by_tier, "drifted": check.report.drifted,
+                               "judged": check.report.judged}))
     else:
         _print_check(check)
-    raise typer.Exit(EXIT_DRIFT if check.report.drifted else EXIT_OK)
+    raise typer.Exit(_exit_code(check))
 
 
 @drift_app.command("report")
@@ -118,5 +129,5 @@ def drift_report_html(
         output.write_text(html, encoding="utf-8")
     except OSError as e:
         raise fail(f"cannot write {output}: {e}; pick another path with -o") from e
-    verdict = f"drift in {', '.join(check.report.drifted_columns)}" if check.report.drifted else "no drift"
+    verdict = f"drift in {', '.join(check.report.drifted_columns)}" if check.report.drifted else check.report.verdict
     typer.echo(f"wrote {output} ({check.report.model}: {verdict}; {len(history)} earlier reports)")

@@ -37,7 +37,8 @@ def drift_watch(
 
     Returns:
         Completed named "Drifted" when a column drifted or the contract failed,
-        "NoData" when nothing was captured in the window, plain Completed otherwise;
+        "NoData" when nothing was captured in the window or too few rows to judge (fewer than
+        the policy's min_rows: no verdict, not "no drift"), plain Completed otherwise;
         its data is a summary (verdict, drifted columns, report URL, events).
     """
     storage, drift = StorageSettings(), DriftSettings()
@@ -52,7 +53,7 @@ def drift_watch(
     events = announce_task(check, url)
     report = check.report
     summary = {
-        "model": report.model, "reference": check.reference, "drifted": report.drifted,
+        "model": report.model, "reference": check.reference, "drifted": report.drifted, "judged": report.judged,
         "drifted_columns": report.drifted_columns, "score": report.score, "rows_current": report.rows_current,
         "rows_by_tier": check.rows_by_tier, "contract_failures": check.contract_failures, "report": url,
         "events": events,
@@ -61,4 +62,6 @@ def drift_watch(
         what = [f"drift in {', '.join(report.drifted_columns)}"] if report.drifted else []
         what += [f"{len(check.contract_failures or [])} contract failures"] if check.contract_failures else []
         return Completed(name="Drifted", message=f"{report.model}: {'; '.join(what)}", data=summary)
+    if not report.judged:
+        return Completed(name="NoData", message=f"{report.model}: {report.verdict}", data=summary)
     return Completed(message=f"{report.model}: no drift over {report.rows_current} rows", data=summary)

@@ -72,6 +72,11 @@ class ColumnDrift(BaseModel):
         "edges; categorical 'shares' of the reference's categories, '(other)' and up to 10 new ones.",
     )
 
+    @property
+    def judged(self) -> bool:
+        """Whether the column was judged (False: too few current rows, see ``DriftReport.not_judged``)."""
+        return self.metric != "rows"
+
 
 class DriftReport(BaseModel):
     """Every judged column of one model's current data against its reference profile."""
@@ -83,11 +88,29 @@ class DriftReport(BaseModel):
     until: datetime | None = None
     computed_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     columns: list[ColumnDrift] = Field(default_factory=list)
+    not_judged: str | None = Field(
+        default=None,
+        description="Why no column was judged (fewer current rows than the policy's min_rows); None when judged.",
+    )
+
+    @property
+    def judged(self) -> bool:
+        """Whether the columns were judged (False: too few current rows; no verdict, neither drift nor no drift)."""
+        return self.not_judged is None
 
     @property
     def drifted(self) -> bool:
         """Whether any column drifted."""
         return any(c.drifted for c in self.columns)
+
+    @property
+    def verdict(self) -> str:
+        """The verdict in words: "drift in 2 of 33 columns", "no drift in 33 columns" or "not judged: <why>"."""
+        if self.not_judged:
+            return f"not judged: {self.not_judged}"
+        if self.drifted:
+            return f"drift in {len(self.drifted_columns)} of {len(self.columns)} columns"
+        return f"no drift in {len(self.columns)} columns"
 
     @property
     def drifted_columns(self) -> list[str]:
@@ -417,7 +440,8 @@ def drift_report(
 
     Columns of the profile that the current data lacks are skipped (the data
     contract reports missing inputs); so are columns the policy ignores. With fewer
-    current rows than ``policy.min_rows`` every column is reported, none judged.
+    current rows than ``policy.min_rows`` every column is reported, none judged, and
+    ``report.not_judged`` says why (``report.judged`` is False: no verdict either way).
 
     Raises:
         InvalidInput: ``reference`` is not a profile (no ``columns``), or ``current`` is not a frame.
@@ -432,18 +456,19 @@ def drift_report(
     targets = _targets(reference, frame.collect_schema(), policy)
     rows = _accumulate(targets, frame) if targets else frame.select(pl.len()).collect().item()
     rows_reference = int(reference.get("rows", 0))
+    not_judged = (f"only {rows} current rows; the policy judges from {policy.min_rows} (min_rows)"
+                  if rows < policy.min_rows else None)
     columns = []
     for t in targets:
         limits = policy.for_column(t.name)
-        if rows < policy.min_rows:
+        if not_judged:
             columns.append(ColumnDrift(
                 column=t.name, role=t.role, kind=t.kind, metric="rows", score=0.0,
-                threshold=float(policy.min_rows), drifted=False, metrics={},
-                reason=f"only {rows} current rows; the policy judges from {policy.min_rows}",
+                threshold=float(policy.min_rows), drifted=False, metrics={}, reason=not_judged,
             ))
         elif t.kind == "numeric":
             columns.append(_judge_numeric(t, limits, rows_reference, policy.alpha))
         else:
             columns.append(_judge_categorical(t, limits, rows_reference, policy.alpha))
     return DriftReport(model=model, rows_reference=rows_reference, rows_current=rows, since=since, until=until,
-                       columns=columns)
+                       columns=columns, not_judged=not_judged)

@@ -34,7 +34,7 @@ _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 h1{font-size:1.5em;margin-bottom:.2em} h2{font-size:1.2em;margin-top:1.6em}
 .verdict{display:inline-block;padding:.25em .7em;border-radius:.3em;color:#fff;font-weight:600}
-.bad{background:#C44E52}.good{background:#55A868}.muted{color:#666}
+.bad{background:#C44E52}.good{background:#55A868}.unjudged{background:#8C8C8C}.muted{color:#666}
 table{border-collapse:collapse;width:100%;font-size:.9em}th,td{padding:.3em .5em;border-bottom:1px solid #ddd;text-align:left}
 tr.drifted td{background:#fbeaea} td.num{text-align:right;font-variant-numeric:tabular-nums}
 .plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(480px,100%),1fr));gap:1em}
@@ -180,7 +180,7 @@ def _column_rows(report: DriftReport) -> str:
         rows.append(
             f"<tr class=\"{'drifted' if c.drifted else ''}\"><td>{html.escape(c.column)}</td><td>{c.role}</td>"
             f"<td>{c.kind}</td><td>{c.metric}</td><td class=num>{c.score:.3g}</td><td class=num>{c.threshold:.3g}</td>"
-            f"<td>{'drifted' if c.drifted else 'ok'}</td><td>{html.escape(c.reason)}</td></tr>"
+            f"<td>{'drifted' if c.drifted else 'ok' if c.judged else 'not judged'}</td><td>{html.escape(c.reason)}</td></tr>"
         )
     return "".join(rows)
 
@@ -199,8 +199,8 @@ def render_html(report: DriftReport, reference: dict[str, Any], current: pl.Lazy
 
     plt.rcParams["svg.fonttype"] = "none"  # text stays text: smaller pages
     window = " to ".join(t.strftime("%Y-%m-%d %H:%M UTC") for t in (report.since, report.until) if t) or "all captured data"
-    verdict = (f'<span class="verdict bad">drift in {len(report.drifted_columns)} of {len(report.columns)} columns</span>'
-               if report.drifted else f'<span class="verdict good">no drift in {len(report.columns)} columns</span>')
+    tone = "bad" if report.drifted else "good" if report.judged else "unjudged"
+    verdict = f'<span class="verdict {tone}">{html.escape(report.verdict)}</span>'
     parts = [
         f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>Drift: {html.escape(report.model)}</title>"
         f"<style>{_STYLE}</style></head><body>",
@@ -230,7 +230,7 @@ def render_html(report: DriftReport, reference: dict[str, Any], current: pl.Lazy
 def render_markdown(report: DriftReport) -> str:
     """A markdown summary of a drift report, for a Prefect markdown artifact."""
     window = " to ".join(t.isoformat(timespec="minutes") for t in (report.since, report.until) if t) or "all captured data"
-    verdict = f"**drift in {len(report.drifted_columns)} columns**" if report.drifted else "no drift"
+    verdict = f"**{report.verdict}**" if report.drifted else report.verdict
     head = (f"## Drift: `{report.model}` - {verdict}\n\n"
             f"{report.rows_current:,} current rows ({window}) against {report.rows_reference:,} reference rows.\n\n")
     shown = sorted(report.columns, key=lambda c: (not c.drifted, -_ratio(c)))[:max(10, len(report.drifted_columns))]
@@ -238,7 +238,7 @@ def render_markdown(report: DriftReport) -> str:
     for c in shown:
         reason = c.reason.replace("|", "\\|")
         lines.append(f"| {c.column} | {c.role} | {c.metric} | {c.score:.3g} | {c.threshold:.3g} | "
-                     f"{'**drifted**' if c.drifted else 'ok'} | {reason} |")
+                     f"{'**drifted**' if c.drifted else 'ok' if c.judged else 'not judged'} | {reason} |")
     more = len(report.columns) - len(shown)
     tail = f"\n\n{more} more columns within their thresholds." if more > 0 else ""
     return head + "\n".join(lines) + tail + "\n"

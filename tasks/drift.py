@@ -38,7 +38,7 @@ def check_drift_task(storage: StorageSettings, reference: str, window_hours: flo
     run_logger().info(
         "%s: %d current rows (%s) against %d reference rows; %s", report.model, report.rows_current,
         ", ".join(f"{t} {n}" for t, n in sorted(check.rows_by_tier.items())), report.rows_reference,
-        f"drift in {report.drifted_columns}" if report.drifted else "no drift",
+        f"drift in {report.drifted_columns}" if report.drifted else report.verdict,
     )
     return check
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Callable
@@ -69,3 +70,30 @@ def test_report_writes_self_contained_html(shardline: Shardline, tmp_path: Path)
     html = target.read_text()
     assert html.lstrip().lower().startswith("<!doctype html") and "mean radius" in html
     assert "<script src=" not in html  # self-contained: nothing fetched when opened
+
+
+def test_too_few_rows_are_not_judged_and_exit_as_no_verdict(
+    shardline: Shardline, shardline_home: Path, breast_cancer_model: BuiltModel, tmp_path: Path
+) -> None:
+    bundle = tmp_path / "bundle"
+    manifest = profiled_bundle(breast_cancer_model.bundle_dir, bundle)
+    registry = ModelRegistry(str(shardline_home / "registry"))
+    registry.push(bundle)
+    registry.set_alias(MODEL, "prod", 1)
+    capture(str(shardline_home / "capture"), bundle, manifest, 1, scaled(fresh_rows(50, seed=5)), "online", "req-1")
+
+    sparse = shardline("drift", "check", f"{MODEL}@prod", "--window", "1h")
+    # 2, as for nothing captured: a gate that passes on 0 must not pass a model nobody judged
+    assert sparse.returncode == 2, sparse.stdout[-2000:] + sparse.stderr[-2000:]
+    lines = sparse.stdout.strip().splitlines()
+    assert lines[-1] == ("not judged: only 50 current rows; the policy judges from 100 (min_rows); "
+                         "widen --window or wait for more captured rows")
+    columns = [line.split() for line in lines[2:-1]]
+    assert columns and all(c[-2:] == ["not", "judged"] and c[-4:-2] == ["-", "100"] for c in columns), lines
+    assert "no drift" not in sparse.stdout and "DRIFT" not in sparse.stdout
+
+    as_json = shardline("drift", "check", f"{MODEL}@prod", "--window", "1h", "--json")
+    assert as_json.returncode == 2
+    report = json.loads(as_json.stdout)
+    assert report["judged"] is False and report["drifted"] is False
+    assert report["not_judged"] == "only 50 current rows; the policy judges from 100 (min_rows)"

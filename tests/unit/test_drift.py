@@ -16,7 +16,7 @@ from shardline.bundle import ColumnDriftThresholds, DriftPolicy, Manifest
 from shardline.errors import InvalidInput
 from shardline.build.examples import breast_cancer, golden_table, shard_table, shifted_table, split, with_site
 from shardline.quality import drift as drift_module
-from shardline.quality.drift import drift_report, js_divergence, ks_critical, ks_pvalue, psi
+from shardline.quality.drift import DriftReport, drift_report, js_divergence, ks_critical, ks_pvalue, psi
 from shardline.quality.profile import profile_table, reference_profile
 from shardline.quality.report import render_html, render_markdown
 from shardline.runtimes import RuntimeOptions, create_runtime
@@ -123,6 +123,14 @@ def test_too_few_rows_are_reported_not_judged(reference: dict, capture: Any) -> 
     report = drift_report(reference, _shifted(capture, rows=50), model="breast-cancer:1")
     assert not report.drifted and {c.metric for c in report.columns} == {"rows"}
     assert "50 current rows" in report.columns[0].reason
+    # no verdict either way: never "no drift", in any of the places a person reads it
+    assert not report.judged and not any(c.judged for c in report.columns)
+    assert report.verdict == "not judged: only 50 current rows; the policy judges from 100 (min_rows)"
+    assert "no drift" not in render_markdown(report) and report.verdict in render_markdown(report)
+    assert "| rows | 0 | 100 | not judged |" in render_markdown(report)
+    assert DriftReport.model_validate_json(report.model_dump_json()).not_judged == report.not_judged
+    judged = drift_report(reference, _shifted(capture, rows=100), model="breast-cancer:1")
+    assert judged.judged and judged.not_judged is None and judged.verdict.startswith("drift in ")
 
 
 def test_nothing_captured_is_an_empty_report_and_a_bad_reference_an_error(reference: dict) -> None:

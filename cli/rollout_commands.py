@@ -19,14 +19,41 @@ MAX_ERROR_INCREASE = typer.Option(None, help="Roll back past the baseline's erro
 MAX_P99_RATIO = typer.Option(None, help="Roll back past the baseline's p99 times this, plus 5 ms (default 1.5).")
 
 
+# Each criterion's option, to name it when its value is out of the range RollbackCriteria allows.
+CRITERIA_OPTIONS = {"window_s": "--window", "min_requests": "--min-requests", "max_error_increase": "--max-error-increase",
+                    "max_p99_ratio": "--max-p99-ratio", "max_disagreement": "--max-disagreement"}
+
+
 def rollback_criteria(window: str | None, min_requests: int | None, max_error_increase: float | None,
               max_p99_ratio: float | None, max_disagreement: float | None) -> dict[str, Any]:
-    from shardline.storage.rollouts import parse_duration
+    """The criteria given on the command line (the rest stay at their defaults), checked before anything runs.
+
+    Raises:
+        InvalidSetting: a value out of its range, naming the option and the range.
+    """
+    from pydantic import ValidationError
+
+    from shardline.storage.rollouts import RollbackCriteria, parse_duration
 
     given = {"window_s": parse_duration(window) if window else None, "min_requests": min_requests,
              "max_error_increase": max_error_increase, "max_p99_ratio": max_p99_ratio,
              "max_disagreement": max_disagreement}
-    return {k: v for k, v in given.items() if v is not None}
+    given = {k: v for k, v in given.items() if v is not None}
+    try:
+        RollbackCriteria(**given)
+    except ValidationError as e:
+        field = str(e.errors()[0]["loc"][0])
+        raise InvalidSetting(f"{CRITERIA_OPTIONS[field]} {given[field]:g} is out of range: it must be "
+                             f"{_allowed(RollbackCriteria, field)}") from e
+    return given
+
+
+def _allowed(model: Any, field: str) -> str:
+    """The range a pydantic field allows, in words: "at least 1 (default 50)"."""
+    info = model.model_fields[field]
+    words = {"ge": "at least", "gt": "above", "le": "at most", "lt": "below"}
+    limits = [f"{words[k]} {getattr(m, k):g}" for m in info.metadata for k in words if hasattr(m, k)]
+    return f"{' and '.join(limits)} (default {info.default:g})"
 
 
 def warn_unreachable_steps(registry: Any, name: str, alias: str, steps: list[float], criteria: dict[str, Any]) -> None:
@@ -85,7 +112,7 @@ def rollout_start(
         if shadow is not None and interval is not None:
             raise InvalidSetting("a shadow rollout has no steps: leave out --interval, and promote it by hand")
         version = _candidate_version(name, candidate)
-        canary = list(parse_steps(steps)) if steps else None
+        canary = list(parse_steps(steps)) if steps is not None else None  # --steps '' is a wrong list, not none
         criteria = rollback_criteria(window, min_requests, max_error_increase, max_p99_ratio, max_disagreement)
         parameters = {
             "candidate": f"{name}:{version}", "alias": alias, "mode": "shadow" if shadow else "canary",

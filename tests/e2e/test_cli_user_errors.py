@@ -26,6 +26,7 @@ from shardline.storage.lease import LeaseTerms, OutputLease
 from shardline.storage.registry import ModelRegistry
 from tests.support.batch_process import read_only
 from tests.support.budgets import spend, write_prices
+from tests.tensor_models import breast_cancer_bundle
 
 Shardline = Callable[..., subprocess.CompletedProcess[str]]
 RUN = ("batch", "run", "--model")
@@ -294,3 +295,25 @@ def test_a_rollout_promotion_or_release_of_what_is_not_there_is_one_line_and_exi
     ]
     for finished, message in cases:
         assert_one_error_line(finished, message)
+
+
+def test_a_rollout_option_out_of_its_range_is_one_line_naming_it_before_any_flow_run(
+    shardline: Shardline, prefect_api: str, local_registry: ModelRegistry, tmp_path: Path
+) -> None:
+    """Each limit said with the option's range (as `--steps 50,25` and `--shadow 200%` are), not a pydantic
+    traceback from the steps' warning or from the flow, and no gate, replay or flow run made."""
+    assert local_registry.push(breast_cancer_bundle(tmp_path / "v2", "breast-cancer", "logreg")).version == 2
+    start = ("rollout", "start", "breast-cancer", "--candidate", "breast-cancer:2")
+    canary, shadow = (*start, "--steps", "25,100"), (*start, "--shadow", "10%")
+    refused_before_any_flow_run(shardline, prefect_api, [
+        ((*canary, "--min-requests", "0"), {}, "--min-requests 0 is out of range: it must be at least 1 (default 50)"),
+        ((*canary, "--min-requests", "-5"), {}, "--min-requests -5 is out of range: it must be at least 1"),
+        ((*canary, "--max-error-increase", "-1"), {},
+         "--max-error-increase -1 is out of range: it must be at least 0 and at most 1 (default 0.01)"),
+        ((*canary, "--max-p99-ratio", "0"), {}, "--max-p99-ratio 0 is out of range: it must be at least 1 (default 1.5)"),
+        ((*shadow, "--max-disagreement", "2"), {},
+         "--max-disagreement 2 is out of range: it must be at least 0 and at most 1 (default 0.01)"),
+        ((*start, "--steps", ""), {}, "steps '' are not rising percents in (0, 100]; write e.g. 1,5,25,100"),
+        (("model", "release", "breast-cancer:2", "--min-requests", "0"), {}, "--min-requests 0 is out of range"),
+    ])
+    assert local_registry.current_move("breast-cancer", "prod").rollout is None  # type: ignore[union-attr]

@@ -160,6 +160,7 @@ def rollout_status(
 
     try:
         registry = open_registry()
+        registry.require_model(name)  # an unknown model is a wrong request, not "no rollout has run"
         history = registry.alias_history(name, alias)
     except ShardlineError as e:
         raise fail(e) from e
@@ -199,7 +200,9 @@ def _end(name: str, alias: str, action: str, reason: str) -> None:
     from shardline.storage.rollouts import active
 
     try:
-        if active(open_registry().current_move(name, alias)) is None:  # said before any flow starts
+        registry = open_registry()
+        registry.require_model(name)  # an unknown model is said as such, not as "no rollout runs"
+        if active(registry.current_move(name, alias)) is None:  # said before any flow starts
             raise RolloutConflict(f"no rollout runs on {name}@{alias} (see `shardline rollout status {name} --alias "
                                   f"{alias}`)")
         use_prefect_api()

@@ -229,6 +229,19 @@ class ModelRegistry:
         numbers = [int(v) for v in self._listing(versions_dir) if v.isdigit()]
         return sorted(n for n in numbers if self.fs.exists(join(versions_dir, str(n), MANIFEST)))
 
+    def require_model(self, name: str) -> list[int]:
+        """The model's version numbers, oldest first.
+
+        Raises:
+            ModelNotFound: no version of ``name`` was pushed (the message lists the models there are).
+            InvalidSetting: ``name`` is not a model name.
+        """
+        check_model_name(name)
+        numbers = self._version_numbers(name)
+        if not numbers:
+            raise ModelNotFound(self._missing_message(name, None), name)
+        return numbers
+
     def get_manifest(self, name: str, version: int) -> Manifest:
         """The manifest of one version."""
         path = join(self._version_dir(name, version), MANIFEST)

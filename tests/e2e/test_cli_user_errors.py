@@ -288,6 +288,12 @@ def test_a_rollout_promotion_or_release_of_what_is_not_there_is_one_line_and_exi
         (shardline("rollout", "start", "breast-cancer", "--candidate", "²", "--steps", "5,100"),
          "the candidate '²' is not a version of 'breast-cancer'"),
         (shardline("rollout", "promote", "breast-cancer"), "no rollout runs on breast-cancer@prod"),
+        # an unknown model is said as such by every rollout command, as `rollout start` and `drift check` say it
+        (shardline("rollout", "start", "nosuch", "--candidate", "1", "--steps", "5,100"),
+         "model 'nosuch' is not in the registry"),
+        (shardline("rollout", "status", "nosuch"), "model 'nosuch' is not in the registry"),
+        (shardline("rollout", "abort", "nosuch"), "model 'nosuch' is not in the registry"),
+        (shardline("rollout", "promote", "nosuch"), "model 'nosuch' is not in the registry"),
         (shardline("model", "promote", "churn:2", "--to", "prod"), "model 'churn' is not in the registry"),
         (shardline("model", "release", "breast-cancer:7"), "model 'breast-cancer' has no version 7"),
         (shardline("model", "release", "breast-cancer"), "the candidate 'breast-cancer' is not name:version"),

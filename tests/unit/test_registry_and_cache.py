@@ -76,6 +76,9 @@ def test_missing_names_say_what_exists_and_what_to_do(memory_registry: ModelRegi
     memory_registry.push(breast_cancer_model.bundle_dir)
     with pytest.raises(ModelNotFound, match="'churn' is not in the registry .*\\['breast-cancer'\\]"):
         memory_registry.resolve("churn:1")
+    with pytest.raises(ModelNotFound, match="'churn' is not in the registry .*\\['breast-cancer'\\]"):
+        memory_registry.require_model("churn")  # what `rollout status/abort/promote NAME` check first
+    assert memory_registry.require_model("breast-cancer") == [1]
     with pytest.raises(ModelNotFound, match="has no alias 'prod' .*shardline model alias breast-cancer prod VERSION"):
         memory_registry.resolve("breast-cancer@prod")
     with pytest.raises(ModelNotFound, match="has no version 9 \\(it has versions \\[1\\]\\)"):

@@ -31,13 +31,30 @@ if TYPE_CHECKING:
 
 
 
+# The longest window a check reads: ten years of capture, far past any retention, and far from the dates a
+# datetime cannot hold (``now - 1000000d`` is before year 1).
+MAX_WINDOW = timedelta(days=3650)
+
+
 def parse_window(text: str) -> timedelta:
     """A drift window (``90s``, ``30m``, ``24h``, ``7d``, ``2w``, ``1d12h``: ``shardline.durations``) as a timedelta.
 
     Raises:
-        InvalidSetting: anything else, or a zero window.
+        InvalidSetting: anything else, a zero window, or one longer than ``MAX_WINDOW`` (3650d).
     """
-    return durations.parse_duration(text, "window")
+    return durations.parse_duration(text, "window", longest=MAX_WINDOW)
+
+
+def check_window(window: timedelta) -> timedelta:
+    """``window`` when it is positive and at most ``MAX_WINDOW`` (drift-watch's ``window_hours`` comes here).
+
+    Raises:
+        InvalidSetting: a window outside that range.
+    """
+    if not timedelta(0) < window <= MAX_WINDOW:
+        raise InvalidSetting(f"a window of {window.total_seconds() / 3600:g} h is not in (0, {MAX_WINDOW.days}d], "
+                             "the windows a check reads; give e.g. 24 h")
+    return window
 
 
 @dataclass(frozen=True)
@@ -75,9 +92,13 @@ def load_target(registry: ModelRegistry, reference: str) -> DriftTarget:
 
 
 def window_bounds(window: timedelta, until: datetime | None = None) -> tuple[datetime, datetime]:
-    """``(until - window, until)`` in UTC; ``until`` defaults to now."""
+    """``(until - window, until)`` in UTC; ``until`` defaults to now.
+
+    Raises:
+        InvalidSetting: a window that is not positive or longer than ``MAX_WINDOW`` (``check_window``).
+    """
     end = (until or datetime.now(timezone.utc)).astimezone(timezone.utc)
-    return end - window, end
+    return end - check_window(window), end
 
 
 def rows_by_tier(frame: "pl.LazyFrame") -> dict[str, int]:

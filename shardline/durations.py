@@ -19,11 +19,14 @@ UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3_600.0, "d": 86_400.0, "
 EXAMPLES = "90s, 30m, 24h, 1h30m or 2w"
 
 
-def parse_duration(text: str, what: str = "duration", *, bare_seconds: bool = False) -> timedelta:
+def parse_duration(text: str, what: str = "duration", *, bare_seconds: bool = False,
+                   longest: timedelta | None = None) -> timedelta:
     """A duration (see the module docstring) as a timedelta; ``what`` names it in the message (``--sla``).
 
+    ``longest`` bounds it (a caller that subtracts it from now, say); a timedelta's own limit always does.
+
     Raises:
-        InvalidSetting: not a duration in the grammar, or not positive.
+        InvalidSetting: not a duration in the grammar, not positive, or longer than ``longest``.
     """
     cleaned = (text or "").strip().lower().replace(" ", "")
     if bare_seconds and _BARE.fullmatch(cleaned):
@@ -37,4 +40,8 @@ def parse_duration(text: str, what: str = "duration", *, bare_seconds: bool = Fa
         seconds = sum(float(n) * UNIT_SECONDS[u] for n, u in parts)
     if seconds <= 0:
         raise InvalidSetting(f"{what} {text!r} is not positive; write e.g. {EXAMPLES}")
+    limit = min(longest or timedelta.max, timedelta.max)  # a timedelta holds at most 999,999,999 days
+    if seconds > limit.total_seconds():
+        said = f"{limit.days}d" if limit.days else f"{limit.total_seconds():g}s"
+        raise InvalidSetting(f"{what} {text!r} is longer than the longest accepted, {said}; write a shorter one")
     return timedelta(seconds=seconds)

@@ -57,6 +57,10 @@ def test_check_errors_are_clear(shardline: Shardline) -> None:
         "error: tier 'nightly' is not one of online, batch; leave it out for both"], no_tier.stderr
     bad_window = shardline("drift", "check", f"{MODEL}@prod", "--window", "yesterday")
     assert bad_window.returncode == 2 and "90s, 30m, 24h" in bad_window.stderr
+    for command in ("check", "report"):  # now - 1000000d is before year 1: once an OverflowError traceback
+        too_long = shardline("drift", command, f"{MODEL}@prod", "--window", "1000000d")
+        assert too_long.returncode == 2 and too_long.stderr.strip().splitlines() == [
+            "error: window '1000000d' is longer than the longest accepted, 3650d; write a shorter one"], too_long.stderr
 
 
 @pytest.mark.usefixtures("captured")

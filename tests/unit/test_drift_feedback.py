@@ -16,6 +16,7 @@ from shardline.errors import EmptyInput, InvalidBundle, InvalidInput, InvalidSet
 from shardline.event_catalog import model_resource
 from shardline.quality.drift import ColumnDrift, DriftReport
 from shardline.quality.drift_checks import (
+    MAX_WINDOW,
     check_drift,
     load_target,
     parse_window,
@@ -62,6 +63,20 @@ def test_windows_read_as_people_write_them(text: str, expected: timedelta) -> No
 def test_a_bad_window_says_how_to_write_one(text: str) -> None:
     with pytest.raises(InvalidSetting, match="24h"):
         parse_window(text)
+
+
+@pytest.mark.parametrize("text", ["1000000d", "3651d", "99999999999d"])
+def test_a_window_past_ten_years_says_the_longest_accepted(text: str) -> None:
+    # now - 1000000d is before year 1: an OverflowError out of window_bounds before the bound
+    with pytest.raises(InvalidSetting, match=f"window '{text}' is longer than the longest accepted, 3650d"):
+        parse_window(text)
+    assert parse_window("3650d") == MAX_WINDOW
+
+
+def test_window_bounds_refuse_what_no_date_can_hold() -> None:
+    """drift-watch's window_hours reaches window_bounds without parse_window."""
+    with pytest.raises(InvalidSetting, match=r"a window of 2\.4e\+07 h is not in \(0, 3650d\]"):
+        window_bounds(timedelta(days=1_000_000))
 
 
 def test_window_bounds_end_now_or_at_until_in_utc() -> None:

@@ -37,6 +37,11 @@ def test_bad_durations_say_how_to_write_one(text: str) -> None:
         parse_duration(text)
 
 
+def test_a_duration_no_timedelta_holds_is_refused_not_an_overflow() -> None:
+    with pytest.raises(InvalidSetting, match="'99999999999d' is longer than the longest accepted, 999999999d"):
+        parse_duration("99999999999d")
+
+
 def test_deadlines_are_aware_iso_times() -> None:
     assert parse_deadline("2026-12-01T06:00Z") == datetime(2026, 12, 1, 6, tzinfo=timezone.utc)
     assert parse_deadline("2026-12-01T07:00:00+01:00") == datetime(2026, 12, 1, 6, tzinfo=timezone.utc)

@@ -11,6 +11,7 @@ spells an event's name itself. docs/architecture.md ("Events") says it for peopl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 MODEL_RESOURCE = "shardline.model.<name>"
 BATCH_JOB_RESOURCE = "shardline.batch-job.<job_id>"
@@ -40,7 +41,7 @@ _BATCH_PAYLOAD = ("job_id", "tenant", "model", "priority", "started", "deadline"
 _MODEL_PAYLOAD = ("name", "version", "alias", "reference")
 _REVALIDATION_PAYLOAD = (*_MODEL_PAYLOAD, "model", "labelled_uri", "rows", "metric", "score", "threshold",
                          "higher_is_better", "passed", "reason")
-_ROLLOUT_PAYLOAD = ("model", "alias", "rollout", "version", "candidate", "baseline", "reason", "record", "by")
+_ROLLOUT_PAYLOAD = (*_MODEL_PAYLOAD, "model", "rollout", "candidate", "baseline", "reason", "record", "by")
 _FLOW_ROLLOUT_PAYLOAD = (*_ROLLOUT_PAYLOAD, "mode", "registry")
 _ROUTER_ROLLOUT_PAYLOAD = (*_ROLLOUT_PAYLOAD, "weight", "observed")
 
@@ -83,10 +84,10 @@ EVENTS: tuple[EventSpec, ...] = (
               "never emitted: the name prefect.yaml's nightly-batch-not-completed trigger hands batch-sla-response "
               "as its event when no shardline.batch.completed followed a nightly job's start in time",
               "nobody (prefect.yaml names it)", reserved=True),
-    EventSpec(MODEL_PUSHED, MODEL_RESOURCE, ("name", "version", "reference", "digest", "source"),
+    EventSpec(MODEL_PUSHED, MODEL_RESOURCE, (*_MODEL_PAYLOAD, "digest", "source"),
               "a new version was pushed to the registry (promote-on-push promotes it to staging through the gates)",
               "shardline model push / import (HTTP), mlflow-watch"),
-    EventSpec(MODEL_PROMOTED, MODEL_RESOURCE, ("version", "previous", "by", "registry"),
+    EventSpec(MODEL_PROMOTED, MODEL_RESOURCE, (*_MODEL_PAYLOAD, "previous", "by", "registry"),
               "an alias was moved to a version once every promotion gate passed", "promote-model"),
     EventSpec(MODEL_REVALIDATED, MODEL_RESOURCE, _REVALIDATION_PAYLOAD,
               "a version still meets its golden-set threshold on fresh labelled rows", "revalidate-model"),
@@ -136,3 +137,17 @@ def model_resource(name: str, alias: str | None = None, version: int | None = No
     if alias:
         resource["shardline.alias"] = alias
     return resource
+
+
+def model_event(name: str, version: int | None, alias: str | None,
+                payload: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The resource and payload of any event about a model (docs/drift.md, "Events", promises them of every one).
+
+    The resource is ``model_resource(name, alias, version)``; the payload is ``payload`` with ``name``,
+    ``version``, ``alias`` (None when the model was reached by version) and ``reference`` (``name@alias``, else
+    ``name:version``) set last, so no emitter can leave them out or say them otherwise. Every emitter (the flows'
+    ``shardline.tasks.events``, the CLI's ``shardline.events``, the router) builds its model events here.
+    """
+    reference = f"{name}@{alias}" if alias else f"{name}:{version}"
+    return (model_resource(name, alias, version),
+            {**payload, "name": name, "version": version, "alias": alias or None, "reference": reference})

@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from shardline.event_catalog import CATALOG, MODEL_PUSHED, model_resource
+from shardline.event_catalog import CATALOG, MODEL_PUSHED, model_event
 
 log = logging.getLogger(__name__)
 POST_TIMEOUT_S = 10.0
@@ -96,5 +96,5 @@ def announce_push(home: str, name: str, version: int, digest: str, source: str,
     api = api_url or prefect_api_url(home)
     if api is None:
         return None
-    payload = {"name": name, "version": version, "reference": f"{name}:{version}", "digest": digest, "source": source}
-    return api if post_event(api, MODEL_PUSHED, model_resource(name), payload) else None
+    resource, payload = model_event(name, version, None, {"digest": digest, "source": source})
+    return api if post_event(api, MODEL_PUSHED, resource, payload) else None

@@ -14,10 +14,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from shardline.errors import EmptyInput, RuntimeUnavailable
-from shardline.event_catalog import DRIFT_DETECTED, QUALITY_FAILED, model_resource
+from shardline.event_catalog import DRIFT_DETECTED, QUALITY_FAILED
 from shardline.quality.drift_checks import DriftCheck, check_drift, contract_failures, reports_root, save_report
 from shardline.settings import DriftSettings, StorageSettings
-from shardline.tasks.events import emit
+from shardline.tasks.events import emit_model_event
 from shardline.tasks.logs import run_logger
 
 MAX_FAILURES_IN_EVENT = 20
@@ -88,19 +88,17 @@ def announce_task(check: DriftCheck, report_url: str) -> list[str]:
 
     Returns the events emitted.
     """
-    model = check.target.model
-    resource = model_resource(model.name, check.target.alias, model.version)
+    model, alias = check.target.model, check.target.alias
     emitted = []
     if check.report.drifted:
-        emit(DRIFT_DETECTED, resource, {**check.event_payload(), "report": report_url})
+        emit_model_event(DRIFT_DETECTED, model.name, model.version, alias, {**check.event_payload(), "report": report_url})
         emitted.append(DRIFT_DETECTED)
     if check.contract_failures:
         payload: dict[str, Any] = {
-            "name": model.name, "version": model.version, "alias": check.target.alias, "reference": check.reference,
             "model": model.pinned, "check": "contract", "report": report_url,
             "failures": check.contract_failures[:MAX_FAILURES_IN_EVENT], "failed": len(check.contract_failures),
         }
-        emit(QUALITY_FAILED, resource, payload)
+        emit_model_event(QUALITY_FAILED, model.name, model.version, alias, payload)
         emitted.append(QUALITY_FAILED)
     for event in emitted:
         run_logger().warning("emitted %s for %s", event, check.reference)

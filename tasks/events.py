@@ -12,7 +12,7 @@ from typing import Any
 
 from prefect.events import emit_event
 
-from shardline.event_catalog import CATALOG, model_resource
+from shardline.event_catalog import CATALOG, model_event
 
 
 def emit(event: str, resource: dict[str, str], payload: dict[str, Any],
@@ -28,8 +28,6 @@ def emit(event: str, resource: dict[str, str], payload: dict[str, Any],
 
 
 def emit_model_event(event: str, name: str, version: int | None, alias: str | None, payload: dict[str, Any]) -> None:
-    """Emit an event about a model (resource ``shardline.model.<name>``); the payload always repeats name,
-    version, alias and reference."""
-    reference = f"{name}@{alias}" if alias else f"{name}:{version}"
-    emit(event, model_resource(name, alias, version),
-         {"name": name, "version": version, "alias": alias or None, "reference": reference, **payload})
+    """Emit an event about a model: resource and payload from ``shardline.event_catalog.model_event`` (the
+    resource ``shardline.model.<name>`` with its labels; the payload repeats name, version, alias and reference)."""
+    emit(event, *model_event(name, version, alias, payload))

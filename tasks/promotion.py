@@ -12,7 +12,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from shardline.errors import GateFailed, InvalidBundle, InvalidInput
-from shardline.event_catalog import MODEL_PROMOTED, model_resource
+from shardline.event_catalog import MODEL_PROMOTED
 from shardline.quality.evaluation import evaluate
 from shardline.quality.gates import (
     GateResult,
@@ -25,7 +25,7 @@ from shardline.quality.gates import (
 from shardline.runtimes import RuntimeOptions, create_runtime
 from shardline.settings import StorageSettings
 from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
-from shardline.tasks.events import emit
+from shardline.tasks.events import emit_model_event
 from shardline.tasks.logs import run_logger
 
 
@@ -96,8 +96,8 @@ def run_gates(plan: PromotionPlan, allow_breaking: bool) -> list[GateResult]:
 
 def announce_promotion(plan: PromotionPlan, to_alias: str, move: AliasMove) -> None:
     """``shardline.model.promoted`` for the alias moved."""
-    emit(MODEL_PROMOTED, model_resource(plan.candidate.name, to_alias),
-         {"version": move.version, "previous": move.previous, "by": move.by, "registry": plan.registry_url})
+    emit_model_event(MODEL_PROMOTED, plan.candidate.name, move.version, to_alias,
+                     {"previous": move.previous, "by": move.by, "registry": plan.registry_url})
 
 
 def gate_refusal(plan: PromotionPlan, to_alias: str, results: list[GateResult]) -> GateFailed | None:

@@ -25,14 +25,14 @@ from prefect.cache_policies import NO_CACHE
 from shardline.agreement import Comparison, compare
 from shardline.bundle import ModelRef
 from shardline.errors import GateFailed
-from shardline.event_catalog import ROLLOUT_ABORTED, ROLLOUT_PROMOTED, ROLLOUT_STARTED, model_resource
+from shardline.event_catalog import ROLLOUT_ABORTED, ROLLOUT_PROMOTED, ROLLOUT_STARTED
 from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
 from shardline.settings import StorageSettings
 from shardline.storage import rollouts
 from shardline.storage.capture import capture_root, scan_capture
 from shardline.storage.registry import AliasMove, ModelRegistry, ResolvedModel, fetch_bundle
 from shardline.storage.rollouts import RollbackCriteria
-from shardline.tasks.events import emit
+from shardline.tasks.events import emit_model_event
 from shardline.tasks.logs import run_logger
 from shardline.tasks.promotion import PromotionPlan, gate_refusal, prepare_promotion, run_gates
 
@@ -146,15 +146,14 @@ def replay(plan: PromotionPlan, capture_root: str, max_rows: int = 10_000) -> di
 
 
 def emit_rollout_event(event: str, move: AliasMove, name: str, alias: str, registry: str) -> None:
-    """A ``shardline.rollout.*`` event on ``shardline.model.<name>``, with the record's rollout and reason."""
+    """A ``shardline.rollout.*`` event on ``shardline.model.<name>``, with the record's rollout and reason (the
+    version is the one the alias points at after the record)."""
     rollout = move.rollout
-    emit(
-        event, model_resource(name, alias),
-        {"model": name, "alias": alias, "rollout": rollout.id if rollout else None, "version": move.version,
-                 "candidate": rollout.candidate if rollout else None, "baseline": rollout.baseline if rollout else None,
-                 "mode": rollout.mode if rollout else None, "reason": move.reason, "record": move.seq, "by": move.by,
-                 "registry": registry},
-    )
+    emit_model_event(event, name, move.version, alias, {
+        "model": name, "rollout": rollout.id if rollout else None, "candidate": rollout.candidate if rollout else None,
+        "baseline": rollout.baseline if rollout else None, "mode": rollout.mode if rollout else None,
+        "reason": move.reason, "record": move.seq, "by": move.by, "registry": registry,
+    })
 
 
 def refuse_if_running(storage: StorageSettings, candidate: str) -> None:

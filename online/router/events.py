@@ -10,14 +10,15 @@ import asyncio
 import logging
 from typing import Any
 
-from shardline.event_catalog import model_resource
+from shardline.event_catalog import model_event
 from shardline.events import post_event, prefect_api_url
 
 log = logging.getLogger(__name__)
 
 
 class RouterEvents:
-    """Emit an event about ``shardline.model.<name>`` (with ``shardline.alias``), or log it when no API is known."""
+    """Emit an event about ``shardline.model.<name>`` (``shardline.event_catalog.model_event``: the version is the
+    payload's), or log it when no API is known."""
 
     def __init__(self, home: str) -> None:
         self._home = home
@@ -35,4 +36,4 @@ class RouterEvents:
                 log.warning("no Prefect API (no PREFECT_API_URL, no local Prefect server for this home): "
                             "rollout events are only logged")
         if self._api:
-            post_event(str(self._api), event, model_resource(name, alias), payload)
+            post_event(str(self._api), event, *model_event(name, payload.get("version"), alias, payload))

@@ -393,6 +393,9 @@ def test_a_canary_that_fails_on_some_inputs_is_rolled_back_by_the_router(
     [event] = _eventually(lambda: _events(prefect_api, "shardline.rollout.rolled-back", since), 30, "no rolled-back event")
     assert event["payload"]["rollout"] == rollout_id and event["payload"]["candidate"] == 3
     assert event["payload"]["observed"]["candidate"]["errors"] > 0
+    # the router's events keep docs/drift.md's contract too: the version prod is on, labelled and in the payload
+    assert event["resource"]["shardline.version"] == "1" and event["resource"]["shardline.alias"] == "prod"
+    assert (event["payload"]["name"], event["payload"]["reference"]) == (CHURN, f"{CHURN}@prod")
 
 
 def test_a_good_canary_steps_to_all_traffic_and_is_promoted(

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -123,3 +124,17 @@ def run_flow_run_here(flow_run_id: str) -> Any:
     path, _, name = deployment.entrypoint.partition(":")
     flow: Any = load_flow_from_entrypoint(f"{REPO / path}:{name}")
     return run_flow(flow, flow_run=flow_run, parameters=flow_run.parameters, return_type="state")
+
+
+def model_events(api_url: str, event: str, model: str, since: datetime, expect: int = 1,
+                 timeout: float = 30) -> list[dict[str, Any]]:
+    """The ``event`` events about ``shardline.model.<model>`` the API holds since ``since``, oldest first (they
+    persist asynchronously: waits until ``expect`` are there, or ``timeout`` s)."""
+    body = {"filter": {"event": {"name": [event]}, "resource": {"id": [f"shardline.model.{model}"]},
+                       "occurred": {"since": since.isoformat()}}}
+    deadline = time.monotonic() + timeout
+    while True:
+        found: list[dict[str, Any]] = httpx.post(f"{api_url}/events/filter", json=body, timeout=30).json()["events"]
+        if len(found) >= expect or time.monotonic() > deadline:
+            return sorted(found, key=lambda e: e["occurred"])
+        time.sleep(0.5)

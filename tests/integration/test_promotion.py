@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -187,11 +188,12 @@ def test_a_pushed_version_is_announced_and_prefect_yamls_automation_promotes_it_
     from typer.testing import CliRunner
 
     from shardline.cli.commands import app
-    from tests.integration.automations import deploy_with_triggers, run_flow_run_here, wait_for_flow_run
+    from tests.integration.automations import deploy_with_triggers, model_events, run_flow_run_here, wait_for_flow_run
 
     api_url = str(PREFECT_API_URL.value())
     deployment = deploy_with_triggers(api_url, ["promote"])["promote"]
     monkeypatch.setenv("PREFECT_API_URL", api_url)
+    before = datetime.now(timezone.utc)
 
     pushed = CliRunner().invoke(app, ["model", "push", str(breast_cancer_model.bundle_dir)])
     again = CliRunner().invoke(app, ["model", "push", str(breast_cancer_model.bundle_dir)])
@@ -199,6 +201,14 @@ def test_a_pushed_version_is_announced_and_prefect_yamls_automation_promotes_it_
     assert pushed.exit_code == 0 and "pushed breast-cancer:1" in pushed.stdout
     assert f"announced as shardline.model.pushed to the Prefect API at {api_url}" in pushed.stderr
     assert again.exit_code == 0 and "announced" not in again.stderr  # the same bytes: no new version, no event
+    # docs/drift.md's contract for every model event: the version labelled, the payload names the model four ways
+    event = model_events(api_url, "shardline.model.pushed", "breast-cancer", before)[-1]
+    assert event["resource"] == {"prefect.resource.id": "shardline.model.breast-cancer",
+                                 "shardline.model": "breast-cancer", "shardline.version": "1"}
+    payload = event["payload"]
+    assert {k: payload[k] for k in ("name", "version", "alias", "reference")} == {
+        "name": "breast-cancer", "version": 1, "alias": None, "reference": "breast-cancer:1"}
+    assert payload["digest"] and payload["source"]
     # (the session's harness may hold runs of this deployment that other tests' pushes started)
     run = wait_for_flow_run(api_url, deployment["id"], timeout=30,
                             where=lambda r: r["parameters"].get("reference") == "breast-cancer:1")
@@ -207,5 +217,11 @@ def test_a_pushed_version_is_announced_and_prefect_yamls_automation_promotes_it_
     assert run_flow_run_here(run["id"]).is_completed()
     registry = ModelRegistry(str(shardline_home / "registry"))
     assert registry.resolve("breast-cancer@staging").version == 1
+    promoted = model_events(api_url, "shardline.model.promoted", "breast-cancer", before)[-1]
+    assert promoted["resource"] == {"prefect.resource.id": "shardline.model.breast-cancer",
+                                    "shardline.model": "breast-cancer", "shardline.version": "1",
+                                    "shardline.alias": "staging"}
+    assert {k: promoted["payload"][k] for k in ("name", "version", "alias", "reference")} == {
+        "name": "breast-cancer", "version": 1, "alias": "staging", "reference": "breast-cancer@staging"}
     [move] = registry.alias_history("breast-cancer", "staging")
     assert move.by == "automation promote-on-push" and "model push" in move.reason

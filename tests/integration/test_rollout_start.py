@@ -3,11 +3,13 @@ replay of the golden set and the baseline's captured online requests, then the f
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from prefect.settings import PREFECT_API_URL
 
 from shardline.errors import GateFailed, RolloutConflict
 from shardline.build.examples import breast_cancer
@@ -15,6 +17,7 @@ from shardline.flows.rollout import end_rollout, start_rollout
 from shardline.storage.capture import write_capture
 from shardline.storage.registry import ModelRegistry
 
+from tests.integration.automations import model_events
 from tests.tensor_models import breast_cancer_bundle
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -47,6 +50,7 @@ def test_a_candidate_failing_on_captured_requests_is_refused_before_any_traffic(
 
 
 def test_a_rollout_starts_after_the_gates_and_the_replay_and_one_runs_at_a_time(registry: ModelRegistry) -> None:
+    before = datetime.now(timezone.utc)
     state = start_rollout(candidate=f"{MODEL}:2", mode="canary", steps=[10, 50, 100], interval_s=600,
                           criteria={"min_requests": 30}, by="ana", return_state=True)
     result = state.result()
@@ -66,6 +70,18 @@ def test_a_rollout_starts_after_the_gates_and_the_replay_and_one_runs_at_a_time(
     ended = end_rollout(name=MODEL, action="promote", reason="looks good")
     assert ended.action == "promote" and ended.version == 2 and registry.resolve(f"{MODEL}@prod").version == 2
     assert [m.action for m in registry.alias_history(MODEL, "prod")] == ["set", "canary", "promote"]
+
+    # the rollout's events keep docs/drift.md's contract for model events, and the notice's fields (model, alias)
+    api_url = str(PREFECT_API_URL.value())
+    [started] = model_events(api_url, "shardline.rollout.started", MODEL, before)
+    [promoted] = model_events(api_url, "shardline.rollout.promoted", MODEL, before)
+    for event, version in ((started, 1), (promoted, 2)):  # the version prod points at after the record
+        assert event["resource"] == {"prefect.resource.id": f"shardline.model.{MODEL}", "shardline.model": MODEL,
+                                     "shardline.version": str(version), "shardline.alias": "prod"}
+        payload = event["payload"]
+        assert {k: payload[k] for k in ("name", "version", "alias", "reference", "model")} == {
+            "name": MODEL, "version": version, "alias": "prod", "reference": f"{MODEL}@prod", "model": MODEL}
+        assert (payload["candidate"], payload["baseline"], payload["rollout"]) == (2, 1, move.rollout.id)
 
 
 def test_a_routers_rollback_event_reaches_prefect_and_its_automation_tells_people(

@@ -95,3 +95,18 @@ def test_the_router_and_the_cli_post_only_catalogued_events(caplog: pytest.LogCa
     with caplog.at_level(logging.ERROR, logger="shardline.events"):  # refused before the URL is dialled
         assert post_event("http://127.0.0.1:9/api", "shardline.model.made-up", {"prefect.resource.id": "x"}, {}) is False
     assert "not sent: 'shardline.model.made-up'" in caplog.text
+
+
+def test_every_model_event_is_built_to_one_contract() -> None:
+    """docs/drift.md, "Events": the version labelled, the payload names the model four ways, whatever it was given."""
+    from shardline.event_catalog import model_event
+
+    resource, payload = model_event("churn", 3, "prod", {"model": "churn", "version": 9, "reason": "r"})
+    assert resource == {"prefect.resource.id": "shardline.model.churn", "shardline.model": "churn",
+                        "shardline.version": "3", "shardline.alias": "prod"}
+    assert payload == {"model": "churn", "name": "churn", "version": 3, "alias": "prod", "reference": "churn@prod",
+                       "reason": "r"}
+    pushed = model_event("churn", 4, None, {"digest": "d", "source": "cli"})[1]
+    assert (pushed["alias"], pushed["reference"]) == (None, "churn:4")
+    model_events = [spec for spec in EVENTS if spec.resource == event_catalog.MODEL_RESOURCE]
+    assert model_events and all({"name", "version", "alias", "reference"} <= set(spec.payload) for spec in model_events)

@@ -93,7 +93,8 @@ def drift_check(
     if json_out:
         typer.echo(json.dumps({**json.loads(check.report.model_dump_json()), "reference": check.reference,
                                "rows_by_tier": check.rows_by_tier, "drifted": check.report.drifted,
-                               "judged": check.report.judged}))
+                               "judged": check.report.judged,
+                               "score": check.report.score if check.report.judged else None}))
     else:
         _print_check(check)
     raise typer.Exit(_exit_code(check))

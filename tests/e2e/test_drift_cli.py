@@ -48,6 +48,18 @@ def test_check_prints_verdicts_and_exits_non_zero_on_drift(shardline: Shardline)
 
 
 @pytest.mark.usefixtures("captured")
+def test_check_json_carries_the_reports_score(shardline: Shardline) -> None:
+    """docs/drift.md's report.score (worst column's score / threshold), as drift-watch and its event carry it."""
+    drifted = shardline("drift", "check", f"{MODEL}@prod", "--window", "1h", "--json")
+    assert drifted.returncode == EXIT_DRIFT, drifted.stderr[-2000:]
+    report = json.loads(drifted.stdout)
+    worst = max(c["score"] / c["threshold"] for c in report["columns"])
+    assert report["score"] == pytest.approx(worst) and report["score"] > 1 and report["judged"] is True
+    calm = json.loads(shardline("drift", "check", f"{MODEL}@prod", "--window", "1h", "--tier", "batch", "--json").stdout)
+    assert 0 < calm["score"] <= 1 and calm["drifted"] is False
+
+
+@pytest.mark.usefixtures("captured")
 def test_check_errors_are_clear(shardline: Shardline) -> None:
     unknown = shardline("drift", "check", "churn@prod")
     assert unknown.returncode == 2 and "model 'churn' is not in the registry" in unknown.stderr
@@ -101,3 +113,4 @@ def test_too_few_rows_are_not_judged_and_exit_as_no_verdict(
     report = json.loads(as_json.stdout)
     assert report["judged"] is False and report["drifted"] is False
     assert report["not_judged"] == "only 50 current rows; the policy judges from 100 (min_rows)"
+    assert report["score"] is None  # no column judged: no score, not 0

@@ -186,10 +186,11 @@ def batch_slots(dask: DaskSettings, max_in_flight: int | None, shards: int) -> i
 def meter_run(ledger: LedgerStore, plan: "JobPlan", metering: MeteringSettings, device: DeviceKind,
               records: list[PartRecord], shards: Sequence[ShardInfo], window: tuple[datetime, datetime],
               slots: int, capacity_type: str | None = None) -> float:
-    """Write this run's use to the metering ledger: its settled shards' rows, device-seconds (their own scoring
-    time) and bytes, and what it held (``slots`` for the scoring ``window``), on ``capacity_type`` (``job_capacity``;
+    """Write this run's use to the metering ledger: its settled shards' rows, device-seconds (the committed shards'
+    own scoring time: a quarantined shard is not billed, nor counted toward the GPU-hours of the day or a budget)
+    and bytes, and what it held (``slots`` for the scoring ``window``), on ``capacity_type`` (``job_capacity``;
     None: the metering settings'); returns the device-seconds."""
-    seconds = sum(r.seconds for r in records)
+    seconds = sum(r.seconds for r in records if r.status == "committed")
     if not records:
         return seconds
     sizes = {s.relative: s.size for s in shards}

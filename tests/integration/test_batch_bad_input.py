@@ -127,3 +127,35 @@ def test_a_user_error_the_flow_itself_finds_is_one_line_with_its_records_at_debu
     assert any("Beginning flow run" in r.getMessage() for r in seen.records)  # the handler hears the run's lines
     assert not [r for r in seen.records if r.levelno >= logging.ERROR], [r.getMessage() for r in seen.records]
     assert not (tmp_path / "o").exists()
+
+
+def test_a_quarantined_shard_is_not_billed(input_shards: Path, tmp_path: Path, shardline_home: Path) -> None:
+    from datetime import datetime, timezone
+
+    from shardline.capacity.prices import load_prices
+    from shardline.cost.report import build_report
+    from shardline.storage.ledger import LedgerStore
+
+    good = pq.read_table(input_shards / "part-00000.parquet")
+    radius = good.column("mean radius").to_pylist()
+    radius[10] = None
+    index = good.schema.get_field_index("mean radius")
+    pq.write_table(good.set_column(index, "mean radius", pa.array(radius)), input_shards / "nulls.parquet")
+    out = tmp_path / "out"
+
+    state = run(input_shards, out)
+
+    assert state.name == "Quarantined" and state.result()["shards_quarantined"] == 1
+    records = [json.loads(p.read_text()) for p in (out / "_ledger").rglob("*.json")]
+    committed = sum(r["seconds"] for r in records if r["status"] == "committed")
+    quarantined = [r for r in records if r["status"] == "quarantined"]
+    assert len(quarantined) == 1 and quarantined[0]["seconds"] > 0  # it took time on a worker ...
+    month = datetime.now(timezone.utc).strftime("%Y-%m")
+    metered = LedgerStore(str(shardline_home)).read(month).to_pylist()
+    use = [r for r in metered if r["kind"] == "usage"]
+    # ... and is not billed: the ledger holds the committed shards' seconds and rows, no more
+    assert [(r["tier"], r["rows"]) for r in use] == [("batch", 12_000)]
+    assert use[0]["device_seconds"] == pytest.approx(committed, rel=1e-6)
+    assert use[0]["cpu_seconds"] == pytest.approx(committed, rel=1e-6)
+    report = build_report(metered, load_prices(), month)  # the chargeback prices those seconds only
+    assert [line.spend.device_seconds for line in report.lines] == [pytest.approx(committed, rel=1e-6)]

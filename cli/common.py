@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import typer
@@ -33,6 +36,33 @@ def fail(error: BaseException | str, code: int = EXIT_USAGE) -> typer.Exit:
     """Print an error the user can act on; returns the Exit to raise."""
     typer.secho(f"error: {error}", fg="red", err=True)
     return typer.Exit(code)
+
+
+def check_output_file(path: Path | None, option: str) -> None:
+    """Refuse, before any work is done or printed, a file the command was asked to write (``option``: the flag
+    that named it) that could not be written: a folder, a folder that does not exist, or one this user may not
+    write (``storage.fs.write_refusal``). A write that fails later still says so in one line.
+
+    Raises:
+        typer.Exit: exit code 2, after the one ``error:`` line.
+    """
+    if path is None:
+        return
+    from fsspec.implementations.local import LocalFileSystem
+
+    from shardline.storage.fs import write_refusal
+
+    if path.is_dir():
+        raise fail(f"cannot write {str(path)!r}: it is a folder; pass a file's path to {option}")
+    refused = write_refusal(LocalFileSystem(), str(path.parent))
+    if refused is None and not path.parent.exists():
+        raise fail(f"cannot write {str(path)!r}: the folder {path.parent} does not exist; make it or pass another "
+                   f"path to {option}")
+    if refused is None and path.exists() and not os.access(path, os.W_OK):
+        refused = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    if refused is not None:
+        raise fail(f"cannot write {str(path)!r} ({refused.strerror}: {refused.filename}); pass another path to "
+                   f"{option}")
 
 
 def open_registry(url: str | None = None) -> "ModelRegistry":

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from shardline.cli.common import EXIT_OK, PRICES_HELP, fail
+from shardline.cli.common import EXIT_OK, PRICES_HELP, check_output_file, fail
 from shardline.errors import InvalidSetting, ShardlineError
 
 cost_app = typer.Typer(help="Cost: chargeback per tenant from the metering ledger, and what spot saves.",
@@ -30,7 +30,10 @@ def report(
 
     Each replica or batch worker is priced at the larger of what it held and what it used (OpenCost's rule), split
     across tenants by their device-seconds; idle capacity is its own line, carried by the platform. Exit 2 on a
-    bad month, a month the ledger does not hold, or a class the price table does not price."""
+    bad month, a month the ledger does not hold, a class the price table does not price, or a file that cannot be
+    written."""
+    check_output_file(output, "-o")
+    check_output_file(prometheus, "--prometheus")
     from shardline.capacity.prices import load_prices, prices_path
     from shardline.cost.report import build_report, render_html, render_prometheus, render_text, teachers_in
     from shardline.settings import StorageSettings
@@ -102,6 +105,7 @@ def cost_simulate(
     Reports the cost and deadline attainment over seeded runs, and the preemption rate where spot stops paying
     off. Exit codes: 0 simulated, 2 the job or an option was wrong (one line says what).
     """
+    check_output_file(output, "-o")
     from shardline.capacity.hardware import default_hardware
     from shardline.capacity.problem import class_price
     from shardline.capacity.replay import job_work, load_finished_job
@@ -150,5 +154,5 @@ def cost_simulate(
     for line in summary_lines(report):
         typer.echo(line)
     if output:
-        _write(output, render_html(report))  # (a missing folder was a traceback)
+        _write(output, render_html(report))
         typer.echo(f"report written to {output}")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from shardline.cli.common import EXIT_OK, EXIT_USAGE, fail
+from shardline.cli.common import EXIT_OK, EXIT_USAGE, check_output_file, fail
 from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
@@ -112,6 +112,7 @@ def drift_report_html(
     The history is the reports drift-watch (or `drift check --save`) stored for the
     version. Exit codes: 0 written (whatever the verdict), 2 the request was wrong.
     """
+    check_output_file(output, "-o")
     try:
         from shardline.quality.drift_checks import current_capture, report_history, reports_root
         from shardline.quality.report import render_html

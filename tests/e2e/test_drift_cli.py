@@ -86,6 +86,12 @@ def test_report_writes_self_contained_html(shardline: Shardline, tmp_path: Path)
     html = target.read_text()
     assert html.lstrip().lower().startswith("<!doctype html") and "mean radius" in html
     assert "<script src=" not in html  # self-contained: nothing fetched when opened
+    nowhere = tmp_path / "nodir" / "report.html"  # refused before the capture is read, in one line
+    refused = shardline("drift", "report", f"{MODEL}@prod", "-o", str(nowhere), "--window", "1h")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip().splitlines() == [
+        f"error: cannot write '{nowhere}': the folder {nowhere.parent} does not exist; make it or pass another path "
+        "to -o"], refused.stderr
 
 
 def test_too_few_rows_are_not_judged_and_exit_as_no_verdict(

@@ -39,8 +39,10 @@ def test_a_finished_job_is_replayed_by_its_id(
     assert f"job {job_id}: 6 shards, 12,000 rows" in result.output
     assert "spot pays off" in result.output and "20 seeded runs" in result.output
     assert report.read_text().count("<svg") == 2
-    # a report into a folder that does not exist: the one line cost report gives, not a traceback
+    # a report into a folder that does not exist: one line before anything is simulated, not a traceback
     missing = tmp_path / "no" / "s.html"
     nowhere = CliRunner().invoke(app, ["cost", "simulate", job_id, "--runs", "2", "-o", str(missing)])
-    assert nowhere.exit_code == 2 and "Traceback" not in nowhere.output, nowhere.output
-    assert f"cannot write '{missing}' (No such file or directory); choose another path" in nowhere.output
+    assert nowhere.exit_code == 2 and nowhere.stdout == "", nowhere.output
+    assert nowhere.stderr.splitlines() == [
+        f"error: cannot write '{missing}': the folder {missing.parent} does not exist; make it or pass another path "
+        "to -o"]

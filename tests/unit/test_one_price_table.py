@@ -80,3 +80,27 @@ def test_one_edited_price_file_changes_what_report_plan_and_simulate_price(tmp_p
     on_demand = [float(re.search(r"on demand: finishes in \S+, costs ([\d.]+)", out)[1])  # type: ignore[index]
                  for out in (simulate, simulate_after)]
     assert on_demand[1] == pytest.approx(2 * on_demand[0], abs=0.01)  # as printed, to the cent
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["cost", "report", "--month", "MONTH", "-o", "{nowhere}/x.html"], "-o"),
+    (["cost", "report", "--month", "MONTH", "--prometheus", "{nowhere}/x.prom"], "--prometheus"),
+    (["cost", "simulate", "nightly", "--runs", "2", "-o", "{nowhere}/s.html"], "-o"),
+])
+def test_a_file_that_cannot_be_written_is_refused_before_anything_is_printed(
+    args: list[str], flag: str, tmp_path: Path,
+) -> None:
+    home = tmp_path / "home"
+    month = a_finished_gpu_job(home, tmp_path / "out")
+    nowhere = tmp_path / "nodir"
+    asked = [a.replace("MONTH", month).format(nowhere=nowhere) for a in args]
+    result = CliRunner().invoke(app, asked, env={"SHARDLINE_STORAGE_HOME": str(home)})
+    assert result.exit_code == 2 and result.stdout == "", result.output  # no report, then an error
+    assert result.stderr.splitlines() == [
+        f"error: cannot write '{asked[-1]}': the folder {nowhere} does not exist; make it or pass another path to "
+        f"{flag}"]
+    assert not nowhere.exists()
+    folder = CliRunner().invoke(app, [*asked[:-1], str(tmp_path)], env={"SHARDLINE_STORAGE_HOME": str(home)})
+    assert folder.exit_code == 2 and folder.stdout == ""
+    assert folder.stderr.splitlines() == [f"error: cannot write '{tmp_path}': it is a folder; pass a file's path to "
+                                          f"{flag}"]

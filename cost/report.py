@@ -25,15 +25,32 @@ from shardline.cost.recommend import Recommendation, recommend
 from shardline.storage.registry import ModelRegistry
 
 
+def hardware_name(hardware_class: str, capacity_type: str) -> str:
+    """A hardware class as the report's text names it: 'h100', or 'h100 (spot)' off on-demand capacity."""
+    return hardware_class if capacity_type == "on-demand" else f"{hardware_class} ({capacity_type})"
+
+
 @dataclass
 class ReportLine:
-    """What one tenant's use of one model in one tier cost in the month."""
+    """What one tenant's use of one model in one tier cost in the month; ``by_hardware``: the same per hardware
+    class and capacity type it ran on (their spends add up to ``spend``)."""
 
     tenant: str
     model: str
     tier: str
     spend: Spend = field(default_factory=Spend)
-    hardware: set[str] = field(default_factory=set)
+    by_hardware: dict[tuple[str, str], Spend] = field(default_factory=dict)
+
+    @property
+    def hardware(self) -> set[str]:
+        """The hardware the line ran on, as the text names it ('cpu', 'cpu (spot)')."""
+        return {hardware_name(hw, cap) for hw, cap in self.by_hardware}
+
+    def per_hardware(self) -> list[tuple[str, str, "ReportLine"]]:
+        """The line split by (hardware class, capacity type), each part a line of its own (its unit costs its
+        own), in that order."""
+        return [(hw, cap, ReportLine(self.tenant, self.model, self.tier, spend))
+                for (hw, cap), spend in sorted(self.by_hardware.items())]
 
     @property
     def cost(self) -> float:
@@ -171,8 +188,7 @@ def _add(lines: dict[tuple[str, str, str], ReportLine], charge: Charge) -> None:
     if line is None:
         line = lines[key] = ReportLine(*key)
     line.spend.add(charge.spend)
-    line.hardware.add(charge.hardware_class if charge.capacity_type == "on-demand"
-                      else f"{charge.hardware_class} ({charge.capacity_type})")
+    line.by_hardware.setdefault((charge.hardware_class, charge.capacity_type), Spend()).add(charge.spend)
 
 
 HEADER = ("tenant", "model", "tier", "hardware", "cost", "requests", "rows", "tokens", "device-h", "per 1k rows",
@@ -212,7 +228,7 @@ def _students(report: CostReport) -> list[str]:
 def render_text(report: CostReport) -> str:
     """The report as aligned text for a terminal."""
     rows = [HEADER, *(_cells(line, report.currency) for line in report.lines)]
-    rows += [("(idle)", "", tier, f"{hw} ({cap})" if cap != "on-demand" else hw, money(cost, report.currency),
+    rows += [("(idle)", "", tier, hardware_name(hw, cap), money(cost, report.currency),
               *[""] * 7) for (tier, hw, cap), cost in sorted(report.idle.items())]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     text = [f"cost report {report.month}" + (f", tenant {report.tenant}" if report.tenant else "")]
@@ -224,7 +240,7 @@ def render_text(report: CostReport) -> str:
 def render_markdown(report: CostReport) -> str:
     """The report as a Markdown table (a Prefect artifact)."""
     rows = [_cells(line, report.currency) for line in report.lines]
-    rows += [("(idle)", "", tier, f"{hw} ({cap})" if cap != "on-demand" else hw, money(cost, report.currency),
+    rows += [("(idle)", "", tier, hardware_name(hw, cap), money(cost, report.currency),
               *[""] * 7) for (tier, hw, cap), cost in sorted(report.idle.items())]
     text = [f"# Cost report {report.month}" + (f", tenant {report.tenant}" if report.tenant else ""), "",
             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
@@ -238,26 +254,27 @@ def render_markdown(report: CostReport) -> str:
 
 def render_prometheus(report: CostReport) -> str:
     """The month's costs as Prometheus gauges (text exposition, for node_exporter's textfile collector or a
-    Pushgateway): ``shardline_cost`` per tenant, model and tier (tenant "(idle)" for idle, per hardware class),
-    and ``shardline_cost_per_1k_rows``, ``_per_1m_tokens``, ``_per_request`` where the line has that unit."""
+    Pushgateway): ``shardline_cost`` per tenant, model, tier, hardware class and capacity type (one series each:
+    a line that ran on two is two series; tenant "(idle)" for idle), and ``shardline_cost_per_1k_rows``,
+    ``_per_1m_tokens``, ``_per_request`` of each series where it has that unit."""
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
     registry = CollectorRegistry()
-    labels = ["month", "tenant", "model", "tier", "hardware_class", "currency"]
+    labels = ["month", "tenant", "model", "tier", "hardware_class", "capacity_type", "currency"]
     cost = Gauge("shardline_cost", "What the month's use cost, per tenant, model and tier (idle: its own tenant).",
                  labels, registry=registry)
     units = {name: Gauge(f"shardline_cost_{name}", f"The month's cost {name.replace('_', ' ')}.", labels,
                          registry=registry) for name in ("per_1k_rows", "per_1m_tokens", "per_request")}
-    for line in report.lines:
-        values = [report.month, line.tenant, line.model, line.tier, ",".join(sorted(line.hardware)), report.currency]
-        cost.labels(*values).set(line.cost)
-        for name, gauge in units.items():
-            figure = getattr(line, name)
-            if figure is not None:
-                gauge.labels(*values).set(figure)
+    for whole in report.lines:
+        for hw, cap, line in whole.per_hardware():
+            values = [report.month, line.tenant, line.model, line.tier, hw, cap, report.currency]
+            cost.labels(*values).set(line.cost)
+            for name, gauge in units.items():
+                figure = getattr(line, name)
+                if figure is not None:
+                    gauge.labels(*values).set(figure)
     for (tier, hw, cap), value in report.idle.items():
-        cost.labels(report.month, IDLE, "", tier, hw if cap == "on-demand" else f"{hw} ({cap})",
-                    report.currency).set(value)
+        cost.labels(report.month, IDLE, "", tier, hw, cap, report.currency).set(value)
     return generate_latest(registry).decode()
 
 
@@ -299,7 +316,7 @@ def _plots(report: CostReport) -> list[tuple[str, str]]:
         by_tenant[line.tenant] += line.cost
     if report.idle:
         by_tenant[IDLE] = report.idle_cost
-    by_hardware = {hw if cap == "on-demand" else f"{hw} ({cap})": v for (hw, cap), v in report.per_hardware.items()}
+    by_hardware = {hardware_name(hw, cap): v for (hw, cap), v in report.per_hardware.items()}
     for title, shares in (("Cost by tenant", dict(by_tenant)), ("Cost by hardware class (idle included)", by_hardware)):
         figure, ax = plt.subplots(figsize=(6, 2.8))
         names = sorted(shares, key=lambda n: -shares[n])
@@ -321,7 +338,7 @@ def render_html(report: CostReport) -> str:
         body.append("<tr>" + "".join(f"<td class='num'>{e(c)}</td>" if i >= 4 else f"<td>{e(c)}</td>"
                                      for i, c in enumerate(cells)) + "</tr>")
     for (tier, hw, cap), cost in sorted(report.idle.items()):
-        body.append(f"<tr class='idle'><td>(idle)</td><td></td><td>{e(tier)}</td><td>{e(hw)} ({e(cap)})</td>"
+        body.append(f"<tr class='idle'><td>(idle)</td><td></td><td>{e(tier)}</td><td>{e(hardware_name(hw, cap))}</td>"
                     f"<td class='num'>{e(money(cost, report.currency))}</td>" + "<td></td>" * 7 + "</tr>")
     figures = "".join(f"<figure><figcaption>{e(title)}</figcaption>{svg}</figure>" for title, svg in _plots(report))
     title = f"Cost report {report.month}" + (f", tenant {report.tenant}" if report.tenant else "")

@@ -97,10 +97,39 @@ def test_the_report_gives_unit_costs_per_tenant_model_and_tier_and_the_idle_apar
     text = render_text(report)
     assert "priced capacity: 7.00 USD" in text and "idle (carried by the platform): 4.67 USD" in text
     exposition = render_prometheus(report)
-    assert 'shardline_cost{currency="USD",hardware_class="h100",model="churn",month="2026-11",tenant="acme",' \
-           'tier="online"} 1.75' in exposition
+    assert 'shardline_cost{capacity_type="on-demand",currency="USD",hardware_class="h100",model="churn",' \
+           'month="2026-11",tenant="acme",tier="online"} 1.75' in exposition
     only = build_report(rows, PRICES, "2026-11", tenant="globex")
     assert [line.tenant for line in only.lines] == ["globex"] and only.idle == {}
+
+
+def test_a_line_on_two_hardware_classes_is_one_gauge_series_each_and_the_totals_hold() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shardline.cost.report import build_report, render_prometheus, render_text
+
+    rows = [  # acme's churn on an on-demand CPU replica and a spot one, and on an H100
+        row("capacity", "cpu-1", hw="cpu", units=1.0, reserved_seconds=3600.0),
+        row("usage", "cpu-1", hw="cpu", tenant="acme", model="churn", device_seconds=3600.0, rows=1_000),
+        row("capacity", "cpu-2", hw="cpu", cap="spot", units=1.0, reserved_seconds=3600.0),
+        row("usage", "cpu-2", hw="cpu", cap="spot", tenant="acme", model="churn", device_seconds=3600.0, rows=4_000),
+        row("capacity", "gpu-1", units=1.0, reserved_seconds=360.0),
+        row("usage", "gpu-1", tenant="acme", model="churn", device_seconds=360.0, rows=10_000),
+    ]
+    report = build_report(rows, PRICES, "2026-11")
+    gauges = {family.name: {(s.labels["hardware_class"], s.labels["capacity_type"]): s.value for s in family.samples
+                            if s.labels["tenant"] == "acme"}
+              for family in text_string_to_metric_families(render_prometheus(report))}
+    assert gauges["shardline_cost"] == {("cpu", "on-demand"): pytest.approx(0.05), ("cpu", "spot"): pytest.approx(0.02),
+                                        ("h100", "on-demand"): pytest.approx(0.7)}
+    assert sum(gauges["shardline_cost"].values()) == pytest.approx(report.charged) == pytest.approx(
+        report.priced_capacity)
+    assert gauges["shardline_cost_per_1k_rows"] == {  # each series' own rows
+        ("cpu", "on-demand"): pytest.approx(0.05), ("cpu", "spot"): pytest.approx(0.005),
+        ("h100", "on-demand"): pytest.approx(0.07)}
+    # the text keeps one line per tenant, model and tier, naming the hardware it ran on
+    (line,) = [t for t in render_text(report).splitlines() if t.startswith("acme")]
+    assert "cpu, cpu (spot), h100" in line and "15,000" in line
 
 
 def test_recommendations_name_idle_hardware_the_cheaper_class_and_spot_with_their_savings() -> None:

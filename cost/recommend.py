@@ -19,7 +19,7 @@ from typing import Literal
 
 from shardline.capacity.prices import PriceTable
 from shardline.cost.allocation import IDLE, Allocation
-from shardline.figures import money
+from shardline.figures import amount, money
 
 Kind = Literal["idle", "hardware", "spot"]
 
@@ -76,7 +76,7 @@ def recommend(allocation: Allocation, prices: PriceTable, min_share: float = 0.0
         saving = cost - spot * seconds / 3600
         if saving > min_saving_fraction * cost:
             found.append(Recommendation("spot", saving, (
-                f"batch on {hw} was bought on demand for {money(cost, c)}; its {seconds / 3600:,.1f} device-hours "
+                f"batch on {hw} was bought on demand for {money(cost, c)}; its {amount(seconds / 3600)} device-hours "
                 f"on spot would cost {money(cost - saving, c)} (`shardline cost simulate JOB_ID` says whether the "
                 "deadlines hold under preemption)")))
     return sorted(found, key=lambda r: -r.saving)

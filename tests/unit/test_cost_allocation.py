@@ -155,6 +155,11 @@ def test_recommendations_name_idle_hardware_the_cheaper_class_and_spot_with_thei
     assert found["hardware"].saving == pytest.approx(7.0 * 720 / 3600 - 0.1)  # 1.4 USD -> 0.1 USD for its rows
     assert "churn (online): 1,000 rows cost 1.40 USD on h100 and 0.1 USD on cpu" in found["hardware"].text
     assert found["spot"].saving == pytest.approx(3.5 - 1.4)  # half an hour at 7.0 against 2.8
+    assert "its 0.5 device-hours on spot would cost 1.40 USD" in found["spot"].text
+    brief = [{**row("capacity", "batch-j2", units=1.0, reserved_seconds=11.0), "tier": "batch"},
+             {**row("usage", "batch-j2", tenant="globex", model="big", device_seconds=11.0, rows=5), "tier": "batch"}]
+    (spot,) = recommend(allocate(brief, PRICES), PRICES)  # 11 s: said as it is, not "0.0 device-hours"
+    assert "its 0.0031 device-hours on spot would cost 0.008556 USD" in spot.text
     assert [r.kind for r in recommend(allocation, PRICES)] == ["idle", "spot", "hardware"]  # largest saving first
 
     report = build_report(rows, PRICES, "2026-11")

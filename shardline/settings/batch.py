@@ -217,7 +217,7 @@ class PrefectServerSettings(BaseSettings):
     server: Literal["local", "temporary"] = Field(
         default="local",
         description="local: one `prefect server start` per Shardline home (<home>/prefect), started by the first "
-        "run, detached, and reused by later runs (their UI shows every run; `shardline server stop` stops it); "
+        "run, detached, and reused by later runs (their UI shows every run; `shardline prefect stop` stops it); "
         "temporary: Prefect's temporary server inside each run (seconds per run, nothing left running). "
         "A PREFECT_API_URL, set by you, always wins.",
     )

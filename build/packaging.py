@@ -159,9 +159,12 @@ def finish_bundle(
         if missing:
             raise InvalidInput(f"the golden set has no column {sorted(missing)}; it must hold the expected answers")
         if golden.prediction_column not in manifest.signature.output_names:
+            meant = matching_output(golden, manifest.signature.outputs)
             raise InvalidInput(
-                f"the golden set compares output {golden.prediction_column!r}, the model's outputs are "
-                f"{manifest.signature.output_names}"
+                f"the golden set compares output {golden.prediction_column!r}, which the model does not have (its "
+                f"outputs: {named_columns(manifest.signature.output_names)}); "
+                + (f"pass --prediction {meant}, the output that holds its answers" if meant else
+                   f"pass --prediction with the output that holds the answers {golden.label_column!r} is compared with")
             )
         if golden.table.num_rows == 0:
             raise InvalidInput("the golden set has no rows; a score needs at least one")
@@ -182,6 +185,27 @@ def finish_bundle(
         return set_reference_profile(folder, done, reference_profile)
     write_manifest(folder, done)
     return done
+
+
+def matching_output(golden: GoldenSet, outputs: Sequence[ColumnSpec]) -> str | None:
+    """The model output a golden set means when the model has no ``prediction_column``: the one output named like
+    it (skl2onnx's ``output_label`` for ``label``), else the one of the metric's kind (a scalar label for accuracy,
+    a scalar float for rmse, a vector for cosine_min), else the model's only output; None when no one output is."""
+    asked = golden.prediction_column.lower()
+    for found in ([o for o in outputs if asked in o.name.lower()],
+                  [o for o in outputs if _answers_like(o, golden.metric)], list(outputs)):
+        if len(found) == 1:
+            return found[0].name
+    return None
+
+
+def _answers_like(output: ColumnSpec, metric: str) -> bool:
+    dtype = output.arrow_type
+    if metric == "cosine_min":
+        return bool(row_shape(dtype))
+    if row_shape(dtype):
+        return False
+    return pa.types.is_floating(dtype) == (metric == "rmse")
 
 
 def set_reference_profile(folder: Path, manifest: Manifest, reference_profile: dict[str, Any]) -> Manifest:

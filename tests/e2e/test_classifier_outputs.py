@@ -50,3 +50,20 @@ def test_a_default_converted_classifier_of_string_labels_is_packaged_promoted_an
     assert scored.column("output_label").to_pylist() == model.estimator.predict(model.features).tolist()
     probabilities = np.array(scored.column("output_probability").to_pylist())
     np.testing.assert_allclose(probabilities, model.estimator.predict_proba(model.features), atol=1e-5)
+
+
+def test_a_golden_set_comparing_an_output_the_model_lacks_names_the_one_to_pass(
+        shardline: Shardline, tmp_path: Path) -> None:
+    model = species_classifier(tmp_path / "model")
+    package = ["model", "package", str(model.onnx_file), "--name", "species", "--signature-from", str(model.rows),
+               "--exclude", "species", "--golden", str(model.rows), "--label", "species", "--out",
+               str(tmp_path / "bundle")]
+
+    refused = shardline(*package)  # --prediction left at its default, 'label'; skl2onnx names it output_label
+
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip().splitlines() == [
+        "error: the golden set compares output 'label', which the model does not have (its outputs: 'output_label', "
+        "'output_probability'); pass --prediction output_label, the output that holds its answers"]
+    assert not (tmp_path / "bundle").exists()
+    _ok(shardline(*package, "--prediction", "output_label"))  # what it said to do works

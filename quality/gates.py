@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shardline.bundle import Manifest, verify_artifacts
 from shardline.errors import GateFailed, IntegrityError
-from shardline.signature import is_compatible, parse_type
+from shardline.signature import is_compatible, named_columns, parse_type
 
 SIGNATURE, CHECKSUMS, EVALUATION, REFERENCE_PROFILE = "signature", "checksums", "evaluation", "reference-profile"
 
@@ -110,7 +110,18 @@ def reference_profile_gate(bundle_dir: Path, manifest: Manifest) -> GateResult:
     missing = [c for c in manifest.signature.input_names if c not in columns]
     if missing:
         return GateResult(REFERENCE_PROFILE, False, f"the reference profile lacks input columns {missing}")
-    return GateResult(REFERENCE_PROFILE, True, f"{len(columns)} columns profiled over {profile.get('rows')} rows")
+    inputs, outputs = len(manifest.signature.input_names), len(profile.get("outputs", {}))
+    others = [c for c in columns if c not in manifest.signature.input_names]
+    rows = profile.get("rows")
+    detail = (f"{_count(inputs, 'input')} and {_count(outputs, 'output column')} profiled over "
+              f"{f'{rows:,}' if isinstance(rows, int) else rows} rows")
+    if others:  # the reference rows' other columns (a label, an id): drift compares them where current data has them
+        detail += f", besides {_count(len(others), 'column')} the model does not read ({named_columns(others)})"
+    return GateResult(REFERENCE_PROFILE, True, detail)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def refusal(candidate: str, alias: str, results: list[GateResult]) -> GateFailed | None:

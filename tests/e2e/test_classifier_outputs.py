@@ -37,6 +37,9 @@ def test_a_default_converted_classifier_of_string_labels_is_packaged_promoted_an
     _ok(shardline("model", "push", str(tmp_path / "bundle")))
     promoted = _ok(shardline("model", "promote", "species:1", "--to", "prod"))
     assert "gate evaluation" in promoted and "species@prod -> species:1" in promoted
+    # the excluded label is profiled too (drift compares it where current data has it), and counted apart
+    assert ("4 inputs and 4 output columns profiled over 150 rows, besides 1 column the model does not read "
+            "('species')") in promoted
 
     shards = tmp_path / "in"
     shards.mkdir()

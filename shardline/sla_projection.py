@@ -21,13 +21,16 @@ from shardline.errors import InvalidSetting
 
 SlaStatus = Literal["on-track", "at-risk", "breached", "met"]
 
+LONGEST_SLA = timedelta(days=3650)  # a deadline is now plus the SLA: ten years, where a datetime's year 9999 would overflow
+
+
 def parse_duration(text: str) -> timedelta:
     """An SLA's duration ('2h', '90m', '1h30m', '45s', '1d', '2w': ``shardline.durations``) -> a timedelta.
 
     Raises:
-        InvalidSetting: the text is not such a duration or is not positive.
+        InvalidSetting: the text is not such a duration, is not positive, or is longer than ``LONGEST_SLA``.
     """
-    return durations.parse_duration(text, "SLA")
+    return durations.parse_duration(text, "SLA", longest=LONGEST_SLA)
 
 
 def parse_deadline(text: str) -> datetime:

@@ -37,9 +37,11 @@ def test_bad_durations_say_how_to_write_one(text: str) -> None:
         parse_duration(text)
 
 
-def test_a_duration_no_timedelta_holds_is_refused_not_an_overflow() -> None:
-    with pytest.raises(InvalidSetting, match="'99999999999d' is longer than the longest accepted, 999999999d"):
-        parse_duration("99999999999d")
+@pytest.mark.parametrize("text", ["99999999999d", "999999999d", "3651d"])
+def test_an_sla_past_ten_years_is_refused_not_an_overflow(text: str) -> None:
+    # '999999999d' parsed, then made the deadline (now plus it) overflow: "error: date value out of range"
+    with pytest.raises(InvalidSetting, match=f"SLA '{text}' is longer than the longest accepted, 3650d"):
+        make_sla(T0, text, None, "24h")
 
 
 def test_deadlines_are_aware_iso_times() -> None:

@@ -31,9 +31,7 @@ if TYPE_CHECKING:
 
 
 
-# The longest window a check reads: ten years of capture, far past any retention, and far from the dates a
-# datetime cannot hold (``now - 1000000d`` is before year 1).
-MAX_WINDOW = timedelta(days=3650)
+MAX_WINDOW = durations.TEN_YEARS  # the longest window a check reads
 
 
 def parse_window(text: str) -> timedelta:

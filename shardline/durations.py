@@ -17,6 +17,9 @@ _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 _BARE = re.compile(r"\d+(?:\.\d+)?")
 UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3_600.0, "d": 86_400.0, "w": 604_800.0}
 EXAMPLES = "90s, 30m, 24h, 1h30m or 2w"
+# The longest span a time a caller adds to or takes from now may be (an SLA, a drift window): ten years, far past
+# any retention, and far from the dates a datetime cannot hold (``now - 1000000d`` is before year 1).
+TEN_YEARS = timedelta(days=3650)
 
 
 def parse_duration(text: str, what: str = "duration", *, bare_seconds: bool = False,

@@ -31,6 +31,7 @@ MAX_STOP = MAX_STOP_STRINGS  # OpenAI's limit on stop strings (the engine's too)
 MAX_INPUTS = 2048  # texts in one embeddings request
 _INT64 = (-2**63, 2**63 - 1)  # the range of a whole number the wire takes (OpenAI's, vLLM's)
 _FIELD = re.compile(r"\bfield '([A-Za-z_][\w.\[\]]*)'")
+_JSON_NAMES = {list: "array", dict: "object", bool: "boolean", float: "number", type(None): "null"}  # what a value is
 
 
 @dataclass(frozen=True)
@@ -326,9 +327,6 @@ _OPENAI_TYPES = {
     501: "not_implemented", 503: "overloaded_error",
 }
 _OPENAI_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded", 503: "overloaded"}
-
-
-_JSON_NAMES = {list: "array", dict: "object", bool: "boolean", float: "number", type(None): "null"}
 
 
 def error_object(message: str, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from shardline.errors import InvalidSetting
 
 SlaStatus = Literal["on-track", "at-risk", "breached", "met"]
 
-LONGEST_SLA = timedelta(days=3650)  # a deadline is now plus the SLA: ten years, where a datetime's year 9999 would overflow
+LONGEST_SLA = durations.TEN_YEARS  # a deadline is now plus the SLA
 
 
 def parse_duration(text: str) -> timedelta:

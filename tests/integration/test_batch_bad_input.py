@@ -21,14 +21,20 @@ def run(input_uri: Path | str, output_uri: Path | str, model: str = "breast-canc
     return batch_inference(model=model, input_uri=str(input_uri), output_uri=str(output_uri), return_state=True)
 
 
-def test_bad_shards_are_quarantined_and_the_rest_completes(input_shards: Path, tmp_path: Path) -> None:
+def _write_nulls_shard(input_shards: Path) -> None:
+    """``nulls.parquet``: the first shard with a null in row 10 of a feature column (quarantined as a whole)."""
     good = pq.read_table(input_shards / "part-00000.parquet")
-    (input_shards / "corrupt.parquet").write_bytes(b"this is not parquet at all")
-    pq.write_table(good.drop_columns(["mean texture"]), input_shards / "wrong-schema.parquet")
     radius = good.column("mean radius").to_pylist()
     radius[10] = None
     index = good.schema.get_field_index("mean radius")
     pq.write_table(good.set_column(index, "mean radius", pa.array(radius)), input_shards / "nulls.parquet")
+
+
+def test_bad_shards_are_quarantined_and_the_rest_completes(input_shards: Path, tmp_path: Path) -> None:
+    good = pq.read_table(input_shards / "part-00000.parquet")
+    (input_shards / "corrupt.parquet").write_bytes(b"this is not parquet at all")
+    pq.write_table(good.drop_columns(["mean texture"]), input_shards / "wrong-schema.parquet")
+    _write_nulls_shard(input_shards)
     out = tmp_path / "out"
 
     state = run(input_shards, out)
@@ -136,11 +142,7 @@ def test_a_quarantined_shard_is_not_billed(input_shards: Path, tmp_path: Path, s
     from shardline.cost.report import build_report
     from shardline.storage.ledger import LedgerStore
 
-    good = pq.read_table(input_shards / "part-00000.parquet")
-    radius = good.column("mean radius").to_pylist()
-    radius[10] = None
-    index = good.schema.get_field_index("mean radius")
-    pq.write_table(good.set_column(index, "mean radius", pa.array(radius)), input_shards / "nulls.parquet")
+    _write_nulls_shard(input_shards)
     out = tmp_path / "out"
 
     state = run(input_shards, out)

@@ -6,7 +6,6 @@ that moves imports its version once; and `shardline model watch-mlflow`, one run
 from __future__ import annotations
 
 import json
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -35,16 +34,10 @@ def _api_url() -> str:
 
 
 def _pushed_events(model: str, after: datetime, expect: int, timeout: float = 30) -> list[dict[str, Any]]:
-    """The shardline.model.pushed events about ``model`` the API holds since ``after`` (they persist
-    asynchronously: waits until ``expect`` are there, or ``timeout``)."""
-    body = {"filter": {"event": {"name": ["shardline.model.pushed"]}, "resource": {"id": [f"shardline.model.{model}"]},
-                       "occurred": {"since": after.isoformat()}}}
-    deadline = time.monotonic() + timeout
-    while True:
-        found: list[dict[str, Any]] = httpx.post(f"{_api_url()}/events/filter", json=body, timeout=30).json()["events"]
-        if len(found) >= expect or time.monotonic() > deadline:
-            return sorted(found, key=lambda e: e["occurred"])
-        time.sleep(0.5)
+    """The shardline.model.pushed events about ``model`` the API holds since ``after`` (``model_events``)."""
+    from tests.integration.automations import model_events
+
+    return model_events(_api_url(), "shardline.model.pushed", model, after, expect, timeout)
 
 
 def _task_names(state: Any) -> list[str]:

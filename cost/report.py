@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 from shardline.bundle import DISTILLATION_ROWS
 from shardline.capacity.prices import PriceTable
 from shardline.cost.allocation import IDLE, Allocation, Charge, Spend, allocate
-from shardline.figures import money
+from shardline.figures import amount, money
 from shardline.cost.recommend import Recommendation, recommend
 from shardline.storage.registry import ModelRegistry
 
@@ -198,7 +198,7 @@ HEADER = ("tenant", "model", "tier", "hardware", "cost", "requests", "rows", "to
 def _cells(line: ReportLine, currency: str) -> tuple[str, ...]:
     use = line.spend
     return (line.tenant, line.model, line.tier, ", ".join(sorted(line.hardware)), money(use.cost, currency),
-            f"{use.requests:,}", f"{use.rows:,}", f"{use.tokens:,}", f"{use.device_seconds / 3600:,.3f}",
+            f"{use.requests:,}", f"{use.rows:,}", f"{use.tokens:,}", amount(use.device_seconds / 3600),
             money(line.per_1k_rows, currency), money(line.per_1m_tokens, currency),
             money(line.per_request, currency))
 

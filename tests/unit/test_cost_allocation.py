@@ -101,6 +101,11 @@ def test_the_report_gives_unit_costs_per_tenant_model_and_tier_and_the_idle_apar
            'month="2026-11",tenant="acme",tier="online"} 1.75' in exposition
     only = build_report(rows, PRICES, "2026-11", tenant="globex")
     assert [line.tenant for line in only.lines] == ["globex"] and only.idle == {}
+    brief = build_report([row("capacity", "gpu-1", units=1.0, reserved_seconds=3600.0),
+                          row("usage", "gpu-1", tenant="acme", model="churn", device_seconds=11.0, rows=30)],
+                         PRICES, "2026-11")
+    (line,) = [t.split() for t in render_text(brief).splitlines() if t.startswith("acme")]
+    assert "0.0031" in line  # 11 device-seconds, as the recommendations say them: the table showed 0.000
 
 
 def test_a_line_on_two_hardware_classes_is_one_gauge_series_each_and_the_totals_hold() -> None:

@@ -140,6 +140,12 @@ def score_axis_limits(values: Sequence[float]) -> tuple[float, float]:
     return 0.0, max([1.25, *(1.1 * v for v in finite)])
 
 
+def trend_score(report: DriftReport) -> float:
+    """A report's point on the drift-over-time plot: its score, or NaN (a gap in the line, not a 0 that reads as
+    "calm") for a report that judged nothing (too few rows)."""
+    return report.score if report.judged else float("nan")
+
+
 def _history_plot(report: DriftReport, history: Sequence[DriftReport]) -> str | None:
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
@@ -148,13 +154,14 @@ def _history_plot(report: DriftReport, history: Sequence[DriftReport]) -> str | 
     moments = [_moment(r) for r in reports]
     when = mdates.date2num(moments)
     figure, ax = plt.subplots(figsize=(9, 2.8))
-    scores = [r.score for r in reports]
+    scores = [trend_score(r) for r in reports]
     ax.plot(when, scores, marker="o", color="#333", label="report (worst column)")
     worst = sorted({c for r in reports for c in r.drifted_columns},
                    key=lambda name: -max((_ratio(c) for r in reports for c in r.columns if c.column == name), default=0))[:5]
     plotted = list(scores)
     for name in worst:
-        series = [next((_ratio(c) for c in r.columns if c.column == name), np.nan) for r in reports]
+        series = [next((_ratio(c) if c.judged else np.nan for c in r.columns if c.column == name), np.nan)
+                  for r in reports]
         ax.plot(when, series, marker=".", linewidth=1, label=name)
         plotted += series
     ax.axhline(1.0, color=NEW_COLOR, linestyle="--", linewidth=1, label="threshold")
@@ -174,12 +181,17 @@ def _history_plot(report: DriftReport, history: Sequence[DriftReport]) -> str | 
     return inline_svg(figure)
 
 
+def _score(column: ColumnDrift) -> str:
+    """A column's score as the tables show it; "-" for one not judged (its 0 is no score), as ``drift check`` does."""
+    return f"{column.score:.3g}" if column.judged else "-"
+
+
 def _column_rows(report: DriftReport) -> str:
     rows = []
     for c in sorted(report.columns, key=lambda c: -_ratio(c)):
         rows.append(
             f"<tr class=\"{'drifted' if c.drifted else ''}\"><td>{html.escape(c.column)}</td><td>{c.role}</td>"
-            f"<td>{c.kind}</td><td>{c.metric}</td><td class=num>{c.score:.3g}</td><td class=num>{c.threshold:.3g}</td>"
+            f"<td>{c.kind}</td><td>{c.metric}</td><td class=num>{_score(c)}</td><td class=num>{c.threshold:.3g}</td>"
             f"<td>{'drifted' if c.drifted else 'ok' if c.judged else 'not judged'}</td><td>{html.escape(c.reason)}</td></tr>"
         )
     return "".join(rows)
@@ -237,7 +249,7 @@ def render_markdown(report: DriftReport) -> str:
     lines = ["| column | role | metric | score | threshold | verdict | why |", "|---|---|---|---:|---:|---|---|"]
     for c in shown:
         reason = c.reason.replace("|", "\\|")
-        lines.append(f"| {c.column} | {c.role} | {c.metric} | {c.score:.3g} | {c.threshold:.3g} | "
+        lines.append(f"| {c.column} | {c.role} | {c.metric} | {_score(c)} | {c.threshold:.3g} | "
                      f"{'**drifted**' if c.drifted else 'ok' if c.judged else 'not judged'} | {reason} |")
     more = len(report.columns) - len(shown)
     tail = f"\n\n{more} more columns within their thresholds." if more > 0 else ""

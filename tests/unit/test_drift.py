@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from shardline.build.examples import breast_cancer, golden_table, shard_table, s
 from shardline.quality import drift as drift_module
 from shardline.quality.drift import DriftReport, drift_report, js_divergence, ks_critical, ks_pvalue, psi
 from shardline.quality.profile import profile_table, reference_profile
-from shardline.quality.report import render_html, render_markdown
+from shardline.quality.report import render_html, render_markdown, trend_score
 from shardline.runtimes import RuntimeOptions, create_runtime
 
 INPUT_SHIFTS = {"mean radius", "worst area", "site"}
@@ -127,7 +128,8 @@ def test_too_few_rows_are_reported_not_judged(reference: dict, capture: Any) -> 
     assert not report.judged and not any(c.judged for c in report.columns)
     assert report.verdict == "not judged: only 50 current rows; the policy judges from 100 (min_rows)"
     assert "no drift" not in render_markdown(report) and report.verdict in render_markdown(report)
-    assert "| rows | 0 | 100 | not judged |" in render_markdown(report)
+    assert "| rows | - | 100 | not judged |" in render_markdown(report)  # no score, not a 0 that reads as calm
+    assert math.isnan(trend_score(report))  # a gap in the history plot, where it was drawn at 0
     assert DriftReport.model_validate_json(report.model_dump_json()).not_judged == report.not_judged
     judged = drift_report(reference, _shifted(capture, rows=100), model="breast-cancer:1")
     assert judged.judged and judged.not_judged is None and judged.verdict.startswith("drift in ")

@@ -157,7 +157,7 @@ def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None, st
         own checks have passed: a request they refuse does not run, and is not told that it does.
     """
     from shardline.cli.common import EXIT_USAGE
-    from shardline.errors import ShardlineError
+    from shardline.errors import BudgetExceeded, ShardlineError
 
     try:
         state = tenant_budget_state(request.tenant)
@@ -166,18 +166,16 @@ def apply_budget(request: JobRequest) -> tuple[JobRequest, JobOutcome | None, st
     if state is None or state.state == "ok":
         return request, None, None
     announce_budget(state)
-    if state.state == "hard" and not request.resume:
-        return request, JobOutcome(EXIT_USAGE, error=state.refusal()), None
-    if state.state == "hard":
-        return request, None, state.begun()
     if state.state == "soft":
         from shardline.tenants import PRIORITIES
 
         if request.priority is not None and request.priority not in PRIORITIES:
             return request, None, None  # a wrong priority is refused by the request's checks, not made 'low'
-        degraded = request.model_copy(update={"priority": "low", "capacity_type": "spot"})
-        return degraded, None, f"{state.line()}; {soft_line()}"
-    return request, None, f"{state.line()}; the job runs"
+        request = request.model_copy(update={"priority": "low", "capacity_type": "spot"})
+    try:
+        return request, None, state.job_line(request.resume, soft_line() if state.state == "soft" else "")
+    except BudgetExceeded as e:
+        return request, JobOutcome(EXIT_USAGE, error=str(e)), None
 
 
 def say_budget(line: str | None) -> None:

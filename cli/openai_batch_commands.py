@@ -72,21 +72,14 @@ def _budget(tenant: str, begun: bool) -> str | None:
         BudgetExceeded: the tenant is at its hard limit and the job is new.
         ShardlineError: the tenants file or the price table is wrong.
     """
-    from shardline.budgets import seconds_to_month_end
     from shardline.cli.batch_jobs import announce_budget, tenant_budget_state
-    from shardline.errors import BudgetExceeded
+    from shardline.tasks.openai_batch_survey import OPENAI_SOFT
 
     state = tenant_budget_state(tenant)
     if state is None or state.state == "ok":
         return None
     announce_budget(state)
-    if state.state == "hard" and not begun:
-        raise BudgetExceeded(state.refusal(), tenant, seconds_to_month_end())
-    if state.state == "hard":
-        return state.begun()
-    if state.state == "soft":  # the file runs in this command's process: no priority class or capacity to lower
-        return f"{state.line()}; a batch file runs in the command as it is"
-    return f"{state.line()}; the job runs"
+    return state.job_line(begun, OPENAI_SOFT)
 
 
 def _print_summary(summary: dict[str, Any], err: bool = False) -> None:

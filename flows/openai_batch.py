@@ -14,6 +14,7 @@ from prefect import flow
 from prefect.states import State
 
 from shardline.tasks.arguments import whole
+from shardline.tasks.artifacts import current_deployment
 from shardline.tasks.openai_batch import (
     PartWatcher,
     answer_openai_parts,
@@ -47,7 +48,7 @@ def openai_batch(
         some lines failed (their error records are in ``errors.jsonl``).
     """
     settings = OpenAIBatchSettings.read()
-    plan = plan_openai_batch(input_uri, output_uri, lines_per_part, tenant, settings)
+    plan = plan_openai_batch(input_uri, output_uri, lines_per_part, tenant, settings, current_deployment())
     with holding_output(plan):
         plan = answer_openai_parts(whole(plan), settings, watchers)
         summary = finish_openai_batch(whole(plan))

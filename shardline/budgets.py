@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shardline.errors import BudgetExceeded
 from shardline.figures import money
 
 State = Literal["ok", "warn", "soft", "hard"]
@@ -91,6 +92,22 @@ class BudgetState:
     def begun(self) -> str:
         """The line for a job an earlier run began, which runs to the end whatever the state."""
         return f"{self.line()}; this job was begun before, so it runs to the end"
+
+    def job_line(self, begun: bool, degraded: str) -> str | None:
+        """The one line a batch job starting at this state runs with (None: nothing to say), the same ladder for
+        `batch run`, `batch openai` and a deployment's run; ``degraded`` says what the soft limit makes of this
+        job ('this job runs at low priority'). A job an earlier run ``begun`` is never refused.
+
+        Raises:
+            BudgetExceeded: at the hard limit, for a job no earlier run began (new work), with the figures.
+        """
+        if self.state == "ok":
+            return None
+        if self.state == "hard" and not begun:
+            raise BudgetExceeded(self.refusal(), self.tenant, seconds_to_month_end())
+        if self.state == "hard":
+            return self.begun()
+        return f"{self.line()}; {degraded if self.state == 'soft' else 'the job runs'}"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -59,9 +59,7 @@ def apply_tenant_budget(admitted: Admission, settings: BatchJobSettings, deploym
         return admitted
     from dataclasses import replace
 
-    from shardline.budgets import seconds_to_month_end
     from shardline.cost.budgets import tenant_budget_state
-    from shardline.errors import BudgetExceeded
     from shardline.event_catalog import BUDGET_WARNING, tenant_resource
     from shardline.tasks.events import emit
     from shardline.tasks.fairness import job_capacity
@@ -73,19 +71,14 @@ def apply_tenant_budget(admitted: Admission, settings: BatchJobSettings, deploym
     if state is None or state.state == "ok":
         return admitted
     emit(BUDGET_WARNING, tenant_resource(tenant), {**state.to_json(), "tier": "batch"})
-    logger = run_logger()
-    if state.state == "hard":
-        if not _begun(admitted, settings):
-            raise BudgetExceeded(state.refusal(), tenant, seconds_to_month_end())
-        logger.warning("%s", state.begun())
+    capacity = job_capacity("spot", settings.dask, settings.metering)
+    line = state.job_line(state.state == "hard" and _begun(admitted, settings),
+                          f"this job runs at low priority on {capacity} capacity")
+    run_logger().warning("%s", line)
+    if state.state != "soft":
         return admitted
-    if state.state == "soft":
-        capacity = job_capacity("spot", settings.dask, settings.metering)
-        logger.warning("%s; this job runs at low priority on %s capacity", state.line(), capacity)
-        request = admitted.request.model_copy(update={"priority": "low", "capacity_type": "spot"})
-        return replace(admitted, request=request, priority="low", capacity_type=capacity)
-    logger.warning("%s; the job runs", state.line())
-    return admitted
+    request = admitted.request.model_copy(update={"priority": "low", "capacity_type": "spot"})
+    return replace(admitted, request=request, priority="low", capacity_type=capacity)
 
 
 def _begun(admitted: Admission, settings: BatchJobSettings) -> bool:

@@ -30,7 +30,13 @@ from shardline.runtimes.generation.runtime import GeneratingRuntime
 from shardline.storage.lease import LeaseTerms, OutputLease, holding_output  # noqa: F401 - holding_output: the flow's
 from shardline.storage.model_cache import get_model_cache
 from shardline.tasks.logs import run_logger
-from shardline.tasks.openai_batch_survey import OpenAIBatchPlan, OpenAIBatchSettings, refuse_another_job, survey_openai_batch
+from shardline.tasks.openai_batch_survey import (
+    OPENAI_SOFT,
+    OpenAIBatchPlan,
+    OpenAIBatchSettings,
+    refuse_another_job,
+    survey_openai_batch,
+)
 
 PartWatcher = Callable[[int, int, int], None]
 """Called as ``(parts committed, parts in the job, lines answered this run)`` each time a part is committed."""
@@ -38,17 +44,21 @@ PartWatcher = Callable[[int, int, int], None]
 
 @task(name="plan-openai-batch", cache_policy=NO_CACHE)
 def plan_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenant: str,
-                      settings: OpenAIBatchSettings) -> OpenAIBatchPlan:
+                      settings: OpenAIBatchSettings, deployment: str | None = None) -> OpenAIBatchPlan:
     """Admit, read and check the file, pin its model, and own the output folder: the parts left to answer.
 
     Nothing is written when the file or the request is refused. A job run again keeps the version its first
-    run pinned, even when the file's alias has moved since.
+    run pinned, even when the file's alias has moved since. A deployment's run meets the tenant's monthly
+    budget here (`batch openai` meets it in the command, before its flow run).
 
     Raises:
-        ShardlineError: as :func:`survey_openai_batch`; also OutputInUse (another job runs on the folder) and
-            OutputNotWritable (the folder cannot be written).
+        ShardlineError: as :func:`survey_openai_batch`; also OutputInUse (another job runs on the folder),
+            OutputNotWritable (the folder cannot be written) and BudgetExceeded (a deployment's new job for a
+            tenant at its hard limit).
     """
     plan = survey_openai_batch(input_uri, output_uri, lines_per_part, tenant, settings)
+    if deployment is not None:
+        _meet_budget(plan, settings)
     if plan.finished is not None:
         return plan
     output, job, model = plan.output, plan.job, plan.model
@@ -61,6 +71,26 @@ def plan_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tena
     run_logger().info("OpenAI batch job %s: %d lines, model %s, %d of %d parts to answer", job.job_id,
                       len(plan.file.entries), model.pinned, len(plan.pending), len(plan.parts))
     return plan
+
+
+def _meet_budget(plan: OpenAIBatchPlan, settings: OpenAIBatchSettings) -> None:
+    """The tenant's monthly budget on a deployment's run (docs/cost.md, "Budgets"), as `batch openai` applies it:
+    said in the run's log and by the ``shardline.budget.warning`` event; at the hard limit a new job is refused.
+
+    Raises:
+        BudgetExceeded: the tenant is at its hard limit and no earlier run began the job.
+        ShardlineError: the tenants file or the price table is wrong.
+    """
+    from shardline.cost.budgets import tenant_budget_state
+    from shardline.event_catalog import BUDGET_WARNING, tenant_resource
+    from shardline.tasks.events import emit
+
+    state = tenant_budget_state(settings.tenancy.tenants_file, plan.tenant, settings.storage.home,
+                                settings.storage.storage_options)
+    if state is None or state.state == "ok":
+        return
+    emit(BUDGET_WARNING, tenant_resource(plan.tenant), {**state.to_json(), "tier": "batch"})
+    run_logger().warning("%s", state.job_line(plan.recorded or plan.finished is not None, OPENAI_SOFT))
 
 
 def _load(plan: OpenAIBatchPlan, settings: OpenAIBatchSettings) -> Runtime:

@@ -28,6 +28,9 @@ from shardline.storage.openai_batch import BatchOutputFolder, read_batch_input
 from shardline.storage.registry import ModelRegistry, ResolvedModel
 from shardline.tenants import BatchTenant, admit_locations, batch_tenant, check_custom_code
 
+OPENAI_SOFT = "the batch file runs as it is"
+"""What a tenant's soft limit makes of an OpenAI batch job: nothing (it has no priority class or capacity to lower)."""
+
 
 @dataclass(frozen=True)
 class OpenAIBatchSettings:

@@ -263,3 +263,50 @@ def test_a_file_on_s3_is_answered_into_s3_and_resumed(
     batch = json.loads(fs.cat_file(f"{root}/batch.json"))
     assert batch["request_counts"] == {"total": 7, "completed": 6, "failed": 1} and batch["input_file_id"] == source
     assert batch["output_file_id"] == f"{out}/output.jsonl" and not fs.exists(f"{root}/_staging")
+
+
+def test_a_deployments_run_meets_its_tenants_budget_as_the_command_does(
+    registry: ModelRegistry, tmp_path: Path, shardline_home: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The flow deployed and run as a worker runs it (its parameters from the API): at its tenant's hard limit a new
+    file is refused before anything is written, with the command's line; the flow from no deployment (what `batch
+    openai` starts, having met the budget itself) is not refused again, and a deployment's run of a file begun before
+    goes on to the end."""
+    import httpx
+    import yaml
+    from prefect.settings import PREFECT_API_URL
+
+    from shardline.flows.openai_batch import openai_batch
+    from tests.integration.automations import run_flow_run_here
+    from tests.support.budgets import spend, write_prices
+
+    api_url = str(PREFECT_API_URL.value())
+    write_prices(shardline_home)
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"tenants": [{"name": "iota", "batch": {"storage_prefixes": [str(tmp_path)]},
+                                                    "budget": {"monthly": 1000.0}}]}))
+    monkeypatch.setenv("SHARDLINE_TENANTS_FILE", str(tenants))
+    spend(shardline_home, "iota", 1025.0)
+    flow_id = httpx.post(f"{api_url}/flows/", json={"name": "openai-batch"}, timeout=30).json()["id"]
+    created = httpx.post(f"{api_url}/deployments/", timeout=30, json={
+        "name": "nightly-openai", "flow_id": flow_id, "entrypoint": "flows/openai_batch.py:openai_batch"})
+    created.raise_for_status()
+    source = write_jsonl(tmp_path / "requests.jsonl", good_lines(4))
+
+    def run(output: Path) -> Any:
+        flow_run = httpx.post(f"{api_url}/deployments/{created.json()['id']}/create_flow_run", timeout=30, json={
+            "parameters": {"input_uri": str(source), "output_uri": str(output), "lines_per_part": 2, "tenant": "iota"}})
+        flow_run.raise_for_status()
+        return run_flow_run_here(flow_run.json()["id"])
+
+    refused = run(tmp_path / "refused")
+    assert refused.is_failed(), refused
+    assert "tenant 'iota' is at its budget's hard limit: new work is refused until the month ends or the budget " \
+           "grows (spent 1,025.00 USD of 1,000.00 USD (102%)" in str(refused.message)
+    assert "the job was not started" in str(refused.message) and not (tmp_path / "refused").exists()
+
+    begun = openai_batch(str(source), str(tmp_path / "begun"), lines_per_part=2, tenant="iota", return_state=True)
+    assert begun.is_completed(), begun.message
+    again = run(tmp_path / "begun")
+    assert again.is_completed(), again.message
+    assert (again.result()["total"], again.result()["parts_skipped"]) == (4, 2)

@@ -105,7 +105,7 @@ class TenantGate:
             self.refused(name, "concurrency")
             raise RateLimited(
                 f"tenant {name!r} has {self.in_flight} requests in flight, its max_concurrent; wait for one to "
-                "finish or ask for a larger quota", name, 1,
+                "finish or ask for a larger quota", name, 1, "concurrency",
             )
         if self.bucket is not None:
             wait = self.bucket.take(self.clock())

@@ -76,7 +76,7 @@ class LlmGate:
         limit = self.tenant.max_streams
         if limit is not None and self.streams >= limit:
             raise RateLimited(f"tenant {name!r} has {self.streams} generations in flight, its max_streams; wait for "
-                              "one to finish or ask for a larger quota", name, 1)
+                              "one to finish or ask for a larger quota", name, 1, "streams")
         if self.bucket is not None:
             now = self.clock()
             wait = self.bucket.take(now, prompt_tokens) if prompt_tokens else self.bucket.wait(now, 1)
@@ -86,7 +86,7 @@ class LlmGate:
             if wait > 0:
                 size = f" (this prompt is {prompt_tokens})" if prompt_tokens else ""
                 raise RateLimited(f"tenant {name!r} is over its {self.tenant.tokens_per_minute} tokens per minute"
-                                  f"{size}; retry after {retry_after(wait)} s", name, retry_after(wait))
+                                  f"{size}; retry after {retry_after(wait)} s", name, retry_after(wait), "tokens")
         self.streams += 1
 
     def spend(self, tokens: int) -> bool:
@@ -178,7 +178,11 @@ class Generations:
             e.param = request.prompt_field
             raise
         gate = self.gate(tenant)  # a prompt refused above took nothing from the tenant's quotas
-        gate.open(len(prompt_ids))
+        try:
+            gate.open(len(prompt_ids))
+        except RateLimited as e:  # its streams or tokens: counted as a server counts its other quotas
+            plane.metrics.rate_limited.labels(e.tenant, e.quota).inc()
+            raise
         released = False
 
         def release() -> None:

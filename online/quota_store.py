@@ -253,7 +253,7 @@ class QuotaStore:
                             self._allowance[name] += 1
                         raise RateLimited(
                             f"tenant {name!r} has {int(value)} requests in flight, its max_concurrent; wait for one "
-                            "to finish or ask for a larger quota", name, 1)
+                            "to finish or ask for a larger quota", name, 1, "concurrency")
                     if status == -2:
                         assert rate is not None
                         wait = retry_after(float(value))
@@ -333,13 +333,13 @@ class QuotaStore:
                 if tokens < 1:
                     wait = retry_after((1 - tokens) / (tpm / 60.0))
                     raise RateLimited(f"tenant {name!r} is over its {tpm} tokens per minute; retry after {wait} s",
-                                      name, wait)
+                                      name, wait, "tokens")
             if most is not None:
                 status, value = await self._call(self._admit, [key(name, "rate"), leases],
                                                  [0, 0, 0, most, lease, int(LEASE_TTL_S * 1000)])
                 if int(status) == -1:
                     raise RateLimited(f"tenant {name!r} has {int(value)} generations in flight, its max_streams; wait "
-                                      "for one to finish or ask for a larger quota", name, 1)
+                                      "for one to finish or ask for a larger quota", name, 1, "streams")
                 self._leases.setdefault(leases, set()).add(lease)
         except (RedisError, OSError, asyncio.TimeoutError) as e:
             self._lost(e)

@@ -174,17 +174,24 @@ class Unauthenticated(ShardlineError, PermissionError):
 
 
 class RateLimited(ShardlineError, RuntimeError):
-    """A tenant is over its request rate or its concurrent-request quota; retry after ``retry_after`` s."""
+    """A tenant is over one of its quotas; retry after ``retry_after`` s. ``quota`` names which, as the
+    ``shardline_rate_limited_total{quota}`` metric does: rate, concurrency, streams, tokens or budget."""
 
-    def __init__(self, message: str, tenant: str, retry_after: float) -> None:
+    quota = "rate"
+
+    def __init__(self, message: str, tenant: str, retry_after: float, quota: str | None = None) -> None:
         super().__init__(message)
         self.tenant = tenant
         self.retry_after = retry_after
+        if quota is not None:
+            self.quota = quota
 
 
 class BudgetExceeded(RateLimited):
     """A tenant is at its monthly budget's hard limit (docs/cost.md, "Budgets"): new work is refused, with the
     figures, until the month ends (``retry_after``: seconds to then, capped) or the budget grows."""
+
+    quota = "budget"
 
 
 class Overloaded(ShardlineError, RuntimeError):

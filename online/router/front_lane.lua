@@ -51,6 +51,7 @@ local buckets = {}              -- tenant -> {tokens, at}
 local pin_busy, pin_taken = {}, {}
 local replica_busy, replica_taken = {}, {}  -- replica url -> fast-lane requests in flight, tries sent
 local group_taken, group_retried = {}, {}
+local refused = {}              -- "tenant quota" -> requests refused over that quota (429), since nginx started
 local failed_until = {}         -- replica url -> until when a failed connection keeps it out
 local pin_ms = {}               -- pin -> its answers' moving average, ms (each answer weighs EWMA)
 local STALL_FACTOR, EWMA = 8, 0.1
@@ -81,7 +82,9 @@ local function tenant_of(auth)
   return found
 end
 
-local function refuse(message, wait)
+local function refuse(message, wait, tenant, quota)
+  local counted = tenant .. " " .. quota
+  refused[counted] = (refused[counted] or 0) + 1
   local body
   if var.uri:sub(1, 4) == "/v1/" then
     body = '{"error": {"message": "' .. message .. '", "type": "rate_limit_error", "param": null, '
@@ -104,7 +107,7 @@ end
 local function admit_here(tenant, quota, held)
   if quota.most > 0 and held >= quota.most then
     refuse("tenant '" .. tenant .. "' has " .. held .. " requests in flight, its max_concurrent; "
-           .. "wait for one to finish or ask for a larger quota", 1)
+           .. "wait for one to finish or ask for a larger quota", 1, tenant, "concurrency")
     return false
   end
   local rate = quota.rate
@@ -121,7 +124,7 @@ local function admit_here(tenant, quota, held)
     if b.tokens < 1 then
       local wait = max(1, ceil((1 - b.tokens) / rate))
       refuse("tenant '" .. tenant .. "' is over its rate of " .. quota.shown .. " requests/s (burst "
-             .. settings.quotas[tenant].burst .. "); retry after " .. wait .. " s", wait)
+             .. settings.quotas[tenant].burst .. "); retry after " .. wait .. " s", wait, tenant, "rate")
       return false
     end
     b.tokens = b.tokens - 1
@@ -209,12 +212,12 @@ local function admit_shared(tenant, quota)
     if mine then allowances[tenant] = (allowances[tenant] or 0) + 1 end
     if not res then return nil, err end
     refuse("tenant '" .. tenant .. "' has " .. value .. " requests in flight, its max_concurrent; "
-           .. "wait for one to finish or ask for a larger quota", 1)
+           .. "wait for one to finish or ask for a larger quota", 1, tenant, "concurrency")
     return false
   elseif status == -2 then
     local wait = max(1, ceil(value))
     refuse("tenant '" .. tenant .. "' is over its rate of " .. quota.shown .. " requests/s (burst "
-           .. quota.burst .. "); retry after " .. wait .. " s", wait)
+           .. quota.burst .. "); retry after " .. wait .. " s", wait, tenant, "rate")
     return false
   end
   if want > 0 then allowances[tenant] = (allowances[tenant] or 0) + status - 1 end
@@ -485,6 +488,7 @@ function _M.control()
     for group, n in pairs(group_taken) do
       lines[#lines + 1] = "group " .. group .. " " .. n .. " " .. (group_retried[group] or 0)
     end
+    for counted, n in pairs(refused) do lines[#lines + 1] = "refused " .. counted .. " " .. n end
     if store then  -- requests admitted on this lane's share while Redis was unreachable, outages, Redis up now
       lines[#lines + 1] = "store " .. store_fallbacks .. " " .. store_outages .. " " .. (store_down and 0 or 1)
     end

@@ -34,6 +34,7 @@ class Incoming:
     headers: list[tuple[bytes, bytes]]
     body: bytes = b""
     budget: str = ""  # the tenant's budget state when past a threshold (warn, soft), as the router read it
+    measured: bool = False  # counted in the router's metrics as an answer for a model (``Router._measured``)
 
     def header(self, name: bytes) -> str | None:
         """The first value of a header (``name`` lower-case)."""

@@ -21,6 +21,10 @@ Per request, counted as it is answered:
 - ``shardline_router_fast_lane_requests_total{model}``: requests the data plane in front took without
   the router (``nginx_front``), read from it; they are not in the series above;
   ``shardline_router_fast_lane_retries_total{group}``: its tries on another replica of the group.
+- ``shardline_rate_limited_total{tenant, quota}``: requests refused over a tenant's quota (429) by the router or
+  the data plane in front (read from it), by quota: rate, concurrency, streams, tokens, budget. It has a server's
+  name, so the dashboards and runbooks that sum a server's refusals sum the routers' too: a request is refused in
+  one place only (one a router refuses never reaches a replica).
 
 Read at each scrape from the router's state (nothing on the request path):
 
@@ -93,6 +97,7 @@ class RouterMetrics:
         self.front_replicas: dict[str, int] = {}
         self.front_requests: dict[str, int] = {}
         self.front_retries: dict[str, int] = {}
+        self.rate_limited: Tally[tuple[str, str]] = Tally()  # (tenant, quota) -> refused, the fast lane's included
         self.wanted: dict[str, int] = {}  # group -> replicas its scaler wants (local autoscaling)
         self.target_in_flight = target_in_flight
         self.activator: Activator | None = None
@@ -113,6 +118,11 @@ class RouterMetrics:
         counts[-1] += seconds
         if retries:
             self.retries.labels(model).inc(retries)
+
+    def refused(self, status: int) -> None:
+        """A request the router answered itself with an error before any replica (a wrong key, an unknown model, a
+        quota, a bad body), as ``-``: ``answered``'s requests name the version, which it was refused before pinning."""
+        self.requests[("-", status)] += 1
 
     def fallback(self, model: str, variant: str) -> None:
         """A fallback group's replica answered with the model's variant."""
@@ -211,4 +221,8 @@ class _StateCollector(Collector):
                                            labels=["group"])
         for group, count in sorted(self.metrics.front_retries.items()):
             fast_retries.add_metric([group], count)
-        yield from (requests, seconds, fast, fast_retries)
+        refused = CounterMetricFamily("shardline_rate_limited", "Requests refused over a tenant's quota (429) by the "
+                                      "router or the data plane in front", labels=["tenant", "quota"])
+        for (tenant, quota), count in sorted(self.metrics.rate_limited.items()):
+            refused.add_metric([tenant, quota], count)
+        yield from (requests, seconds, fast, fast_retries, refused)

@@ -270,6 +270,7 @@ class NginxFront:
         self._pins: dict[str, str] = {}  # as last logged
         self._budget_off = False  # as last logged
         self._store = (0, 0, True)  # the lane's quota store counts as last read: fallbacks, outages, Redis up
+        self._refused: dict[tuple[str, str], int] = {}  # (tenant, quota) -> the lane's 429s, as last read
 
     @property
     def folder(self) -> Path:
@@ -300,6 +301,7 @@ class NginxFront:
         self._pushed = _Pushed(generation=self._pushed.generation)
         self._totals = {}  # a new nginx counts from zero
         self._store = (0, 0, True)
+        self._refused = {}
         folder, fd, ready = self.layout.folder, self.layout.listen_fd, self.layout.control_socket
         ready.unlink(missing_ok=True)  # a dead one's: the new one's tells it is up
         # Its own session: a terminal's Ctrl-C reaches the router, which stops it gracefully.
@@ -404,6 +406,7 @@ class NginxFront:
         store: tuple[int, int, bool] | None = None
         in_flight, requests, replicas = {}, {}, {}
         taken: dict[str, tuple[int, int]] = {}
+        refused: dict[tuple[str, str], int] = {}
         for line in (await self.control("GET", "/counts")).splitlines():
             kind, _, rest = line.partition(" ")
             cells = rest.split(" ")
@@ -418,12 +421,15 @@ class NginxFront:
                 taken[cells[0]] = (int(cells[1]), int(cells[2]))
             elif kind == "store" and len(cells) == 3:  # fallbacks, outages, Redis up (1/0)
                 store = (int(cells[0]), int(cells[1]), cells[2] == "1")
+            elif kind == "refused" and len(cells) == 3:  # tenant, quota, requests refused (429)
+                refused[(cells[0], cells[1])] = int(cells[2])
         metrics = router.metrics
         metrics.front_in_flight, metrics.front_requests, metrics.front_replicas = in_flight, requests, replicas
         now = time.monotonic()
         if generation != self._pushed.generation:
             self._totals = {}  # a worker nginx started anew counts from zero
             self._store = (0, 0, True)
+            self._refused = {}
         if store is not None:
             self._store_counts(router, store)
         for group, (requested, retried) in taken.items():
@@ -431,6 +437,9 @@ class NginxFront:
             router.retry_budget.record(now, max(0, requested - before_taken), max(0, retried - before_retried))
             self._totals[group] = (requested, retried)
         metrics.front_retries = {group: retried for group, (_, retried) in self._totals.items()}
+        for counted, total in refused.items():  # into the router's own count of its refusals
+            metrics.rate_limited[counted] += max(0, total - self._refused.get(counted, 0))
+        self._refused = refused
         budget_off = not router.retry_budget.has_room(now)
         if budget_off != self._budget_off:
             self._budget_off = budget_off

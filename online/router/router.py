@@ -37,6 +37,7 @@ from shardline.bundle import ModelRef
 from shardline.errors import (
     BudgetExceeded,
     DeadlineExceeded,
+    RateLimited,
     ReplicasUnavailable,
     ShardlineError,
 )
@@ -175,7 +176,12 @@ class Router:
         try:
             answer = await self._route(request, request_id)
         except ShardlineError as e:
-            return error_answer(e, openai, request_id)
+            answer = error_answer(e, openai, request_id)
+            if isinstance(e, RateLimited):
+                self.metrics.rate_limited[(e.tenant, e.quota)] += 1
+            if not request.measured:  # refused before any replica was asked
+                self.metrics.refused(answer.status)
+            return answer
         if request.budget and not any(k == _BUDGET for k, _ in answer.headers):  # a replica may have said it
             answer.headers.append((_BUDGET, request.budget.encode()))
         return answer
@@ -223,6 +229,7 @@ class Router:
                                         pinned.stream, pinned.include_usage)
         if path.startswith(("/v2", "/v1/")):
             return await self._admitted(tenant, request, path, request.body, path, request_id)
+        self.metrics.refused(404)
         return json_answer(404, {"error": f"no route {shown(path)}; the router serves /v2 and /v1 as `shardline serve` does"})
 
     def _check_budget(self, tenant: Tenant, request: Incoming) -> None:
@@ -366,6 +373,7 @@ class Router:
                         route: Route | None, mirror: tuple[str, bytes, str] | None, stream: bool) -> Answer:
         routed = request.header(_ROUTE_KEY)
         model = key.split("|", 1)[0] if ":" in key else "-"
+        request.measured = True
         started = self._clock()
         self.metrics.started(model)
         tries = Tries()

@@ -189,6 +189,13 @@ def test_a_tenants_rate_is_held_for_all_replicas_together(routed: Routed, breast
     assert 5 <= statuses.count(200) <= 7 and statuses.count(429) == 15 - statuses.count(200), statuses
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     assert "over its rate of 1 requests/s" in refused.json()["error"]
+    unknown = httpx.get(f"{routed.url}/v2/models/{MODEL}", headers={"Authorization": "Bearer not-a-key"})
+    assert unknown.status_code == 401
+    # what the router refused itself is counted: as no model version (no replica saw it), and by the quota
+    series = _scrape(routed.metrics)
+    assert series[("shardline_rate_limited_total", (("quota", "rate"), ("tenant", "tight")))] == statuses.count(429) + 1
+    assert series[("shardline_router_requests_total", (("code", "429"), ("model", "-")))] >= statuses.count(429) + 1
+    assert series[("shardline_router_requests_total", (("code", "401"), ("model", "-")))] >= 1
 
 
 def test_a_replica_killed_under_load_loses_no_request_and_its_breaker_recovers(

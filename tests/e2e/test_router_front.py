@@ -235,15 +235,25 @@ def test_the_openai_client_and_a_deadline_go_to_the_router_behind(edged: Edged, 
 
 
 def test_a_client_cannot_name_a_tenant_or_claim_its_quota_was_held(edged: Edged, breast_cancer_model: BuiltModel) -> None:
+    refused = {code: _read_back(edged.metrics, "shardline_router_requests_total", (("code", str(code)), ("model", "-")))
+               for code in (401, 404)}
     spoofed = httpx.get(f"{edged.url}/v2/models/minilm", headers={
         "Authorization": f"Bearer {NARROW_KEY}", "X-Shardline-Tenant": "acme", "X-Shardline-Gated": "acme"})
     assert spoofed.status_code == 404 and "not available to tenant 'narrow'" in spoofed.json()["error"]
+    unknown = httpx.get(f"{edged.url}/v2/models/{MODEL}", headers={"Authorization": "Bearer not-a-key"})
+    assert unknown.status_code == 401
+    # what the router refuses itself is counted, as no model version (no replica ever saw it)
+    for code, before in refused.items():
+        labels = (("code", str(code)), ("model", "-"))
+        assert _read_back(edged.metrics, "shardline_router_requests_total", labels) == before + 1, code
     replica = next(iter(edged.replicas))
     direct = httpx.get(f"{replica}/v2/models/{MODEL}", headers=key())
     assert direct.status_code == 401 and "only through its router" in direct.json()["error"]
 
 
 def test_a_tenants_rate_is_held_once_for_both_lanes(edged: Edged, breast_cancer_model: BuiltModel) -> None:
+    over_rate = (("quota", "rate"), ("tenant", "tight"))
+    counted = _read_back(edged.metrics, "shardline_rate_limited_total", over_rate)
     body = _infer_body(breast_cancer_model)
     headers = {"Authorization": f"Bearer {TIGHT_KEY}", "X-Shardline-Gated": "tight"}  # a claim the data plane drops
     statuses, refused = [], []
@@ -264,6 +274,8 @@ def test_a_tenants_rate_is_held_once_for_both_lanes(edged: Edged, breast_cancer_
             assert message["type"] == "rate_limit_error" and message["code"] == "rate_limit_exceeded"
             message = message["message"]
         assert re.fullmatch(r"tenant 'tight' is over its rate of 1 requests/s \(burst 6\); retry after \d+ s", message)
+    # every 429, whichever lane gave it, in the metric a server counts its own in (the dashboards' "Over quota")
+    assert _read_back(edged.metrics, "shardline_rate_limited_total", over_rate) == counted + len(refused)
 
 
 def test_a_tenants_concurrency_is_held_for_requests_in_flight(edged: Edged, breast_cancer_model: BuiltModel) -> None:
@@ -285,6 +297,7 @@ def test_a_tenants_concurrency_is_held_for_requests_in_flight(edged: Edged, brea
     assert third.status_code == 429 and third.headers["retry-after"] == "1"
     assert third.json()["error"] == ("tenant 'narrow' has 2 requests in flight, its max_concurrent; wait for one to "
                                      "finish or ask for a larger quota")
+    assert _read_back(edged.metrics, "shardline_rate_limited_total", (("quota", "concurrency"), ("tenant", "narrow"))) == 1
     for s in held:  # the rest of each body: both answered
         s.sendall(body[10:])
         answer = s.recv(65536)

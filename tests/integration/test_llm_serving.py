@@ -202,7 +202,7 @@ def test_a_stream_past_the_tenants_token_quota_ends_cleanly_saying_why(served: t
 
 
 def test_streams_beyond_the_tenants_max_streams_are_refused_with_429(served: tuple[str, DataPlane]) -> None:
-    url, _ = served
+    url, plane = served
     clients = [httpx.Client(timeout=60) for _ in range(4)]  # held: a client (or line reader) collected closes its stream
     streams, readers = [], []
     try:
@@ -216,6 +216,9 @@ def test_streams_beyond_the_tenants_max_streams_are_refused_with_429(served: tup
                              json={"model": "tiny", "prompt": "Once", "max_tokens": 2})
         assert refused.status_code == 429 and "4 generations in flight, its max_streams" in refused.text
         assert refused.json()["error"]["type"] == "rate_limit_error"
+        # counted beside the server's other quotas (the dashboards' "Over quota (429)")
+        assert plane.metrics.registry.get_sample_value("shardline_rate_limited_total",
+                                                       {"tenant": "acme", "quota": "streams"}) == 1
     finally:
         for stream in streams:
             stream.__exit__(None, None, None)

@@ -38,6 +38,34 @@ def fail(error: BaseException | str, code: int = EXIT_USAGE) -> typer.Exit:
     return typer.Exit(code)
 
 
+ALIAS_HELP = "The alias (default prod); or write the model as name@alias."
+
+
+def model_and_alias(name: str, alias: str | None) -> tuple[str, str]:
+    """The (model name, alias) a command on an alias was given: ``NAME --alias ALIAS``, or ``NAME@ALIAS`` as every
+    model reference is written (the runbooks' ``churn@prod``); ``prod`` when neither names one.
+
+    Raises:
+        typer.Exit: exit code 2 after one line: a version instead of an alias, or two different aliases.
+    """
+    from shardline.bundle import ModelRef, check_model_name
+    from shardline.errors import InvalidSetting
+
+    model, named, version = ModelRef.split(name)
+    try:
+        if version is not None:
+            raise InvalidSetting(f"{name.strip()!r} names a version; this command takes an alias: give the model "
+                                 f"as {model} or {model}@ALIAS")
+        if named is not None and alias is not None and named != alias:
+            raise InvalidSetting(f"{name.strip()!r} and --alias {alias} name two aliases; give one")
+        chosen = named if named is not None else alias if alias is not None else "prod"
+        if not chosen:
+            raise InvalidSetting(f"model reference {name.strip()!r} has an empty alias")
+        return check_model_name(model), chosen
+    except InvalidSetting as e:
+        raise fail(e) from e
+
+
 def check_output_file(path: Path | None, option: str) -> None:
     """Refuse, before any work is done or printed, a file the command was asked to write (``option``: the flag
     that named it) that could not be written: a folder, a folder that does not exist, or one this user may not

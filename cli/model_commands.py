@@ -11,7 +11,16 @@ from typing import Any, Optional
 
 import typer
 
-from shardline.cli.common import EXIT_FAILED, EXIT_USAGE, PRICES_HELP, fail, open_registry, parse_tags
+from shardline.cli.common import (
+    ALIAS_HELP,
+    EXIT_FAILED,
+    EXIT_USAGE,
+    PRICES_HELP,
+    fail,
+    model_and_alias,
+    open_registry,
+    parse_tags,
+)
 from shardline.cli.package_commands import model_package, model_package_minilm
 from shardline.cli.rollout_commands import MAX_ERROR_INCREASE, MAX_P99_RATIO, MIN_REQUESTS, WINDOW
 from shardline.errors import GateFailed, ShardlineError
@@ -224,11 +233,12 @@ def model_release(
 
 @model_app.command("rollback")
 def model_rollback(
-    name: str = typer.Argument(..., help="Model name."),
-    alias: str = typer.Option("prod", help="Alias to move back."),
+    name: str = typer.Argument(..., help="Model name (or name@alias)."),
+    alias: Optional[str] = typer.Option(None, help=ALIAS_HELP),
     reason: str = typer.Option("", help="Why, for the audit log."),
 ) -> None:
     """Move an alias back to the version it pointed at before."""
+    name, alias = model_and_alias(name, alias)
     try:
         move = open_registry().rollback(name, alias, reason=reason)
     except ShardlineError as e:
@@ -238,10 +248,11 @@ def model_rollback(
 
 @model_app.command("history")
 def model_history(
-    name: str = typer.Argument(..., help="Model name."),
-    alias: str = typer.Option("prod", help="Alias whose moves to list."),
+    name: str = typer.Argument(..., help="Model name (or name@alias)."),
+    alias: Optional[str] = typer.Option(None, help=ALIAS_HELP),
 ) -> None:
     """The audit log of an alias: every move with who, when and why."""
+    name, alias = model_and_alias(name, alias)
     try:
         moves = open_registry().alias_history(name, alias)
     except ShardlineError as e:

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from shardline.cli.common import EXIT_FAILED, fail, open_registry
+from shardline.cli.common import ALIAS_HELP, EXIT_FAILED, fail, model_and_alias, open_registry
 from shardline.errors import InvalidSetting, ShardlineError
 
 rollout_app = typer.Typer(help="Canary and shadow rollouts of a new version behind the router.", no_args_is_help=True)
@@ -84,9 +84,10 @@ def _candidate_version(name: str, candidate: str) -> int:
 
 @rollout_app.command("start")
 def rollout_start(
-    name: str = typer.Argument(..., help="Model name."),
+    name: str = typer.Argument(..., help="Model name (or name@alias)."),
     candidate: str = typer.Option(..., help="The version to roll out: name:version (or just the version)."),
-    alias: str = typer.Option("prod", help="The alias whose traffic it takes."),
+    alias: Optional[str] = typer.Option(None, help="The alias whose traffic it takes (default prod); or write the "
+                                        "model as name@alias."),
     steps: Optional[str] = typer.Option(None, help="Canary: percents of callers, step by step, e.g. 1,5,25,100."),
     interval: Optional[str] = typer.Option(
         None, help="Canary: how long each step lasts before the next (then promotion), e.g. 10m; "
@@ -106,6 +107,7 @@ def rollout_start(
     from shardline.errors import InvalidSetting
     from shardline.storage.rollouts import check_start, parse_duration, parse_share, parse_steps
 
+    name, alias = model_and_alias(name, alias)
     try:
         if (steps is None) == (shadow is None):
             raise InvalidSetting("give --steps 1,5,25,100 (a canary) or --shadow 10% (a shadow), one of them")
@@ -151,13 +153,14 @@ def _replay_line(found: dict[str, Any]) -> str:
 
 @rollout_app.command("status")
 def rollout_status(
-    name: str = typer.Argument(..., help="Model name."),
-    alias: str = typer.Option("prod", help="The alias rolled out on."),
+    name: str = typer.Argument(..., help="Model name (or name@alias)."),
+    alias: Optional[str] = typer.Option(None, help=ALIAS_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print the rollout record and the routers' reports as JSON."),
 ) -> None:
     """Where the rollout on name@alias stands (or how the last one ended), and what each router saw."""
     from shardline.storage.rollouts import active
 
+    name, alias = model_and_alias(name, alias)
     try:
         registry = open_registry()
         registry.require_model(name)  # an unknown model is a wrong request, not "no rollout has run"
@@ -199,6 +202,7 @@ def _end(name: str, alias: str, action: str, reason: str) -> None:
     from shardline.errors import RolloutConflict
     from shardline.storage.rollouts import active
 
+    name, alias = model_and_alias(name, alias)
     try:
         registry = open_registry()
         registry.require_model(name)  # an unknown model is said as such, not as "no rollout runs"
@@ -219,19 +223,21 @@ def _end(name: str, alias: str, action: str, reason: str) -> None:
 
 @rollout_app.command("promote")
 def rollout_promote(
-    name: str = typer.Argument(..., help="Model name."),
-    alias: str = typer.Option("prod", help="The alias rolled out on."),
+    name: str = typer.Argument(..., help="Model name (or name@alias)."),
+    alias: Optional[str] = typer.Option(None, help=ALIAS_HELP),
     reason: str = typer.Option("", help="Why, for the audit log."),
 ) -> None:
     """Promote the candidate now: the alias points at it and the rollout ends."""
+    name, alias = model_and_alias(name, alias)
     _end(name, alias, "promote", reason)
 
 
 @rollout_app.command("abort")
 def rollout_abort(
-    name: str = typer.Argument(..., help="Model name."),
-    alias: str = typer.Option("prod", help="The alias rolled out on."),
+    name: str = typer.Argument(..., help="Model name (or name@alias)."),
+    alias: Optional[str] = typer.Option(None, help=ALIAS_HELP),
     reason: str = typer.Option("", help="Why, for the audit log."),
 ) -> None:
     """Stop the rollout: every caller goes back to the baseline."""
+    name, alias = model_and_alias(name, alias)
     _end(name, alias, "abort", reason)

@@ -288,6 +288,9 @@ def test_a_rollout_promotion_or_release_of_what_is_not_there_is_one_line_and_exi
         (shardline("rollout", "start", "breast-cancer", "--candidate", "²", "--steps", "5,100"),
          "the candidate '²' is not a version of 'breast-cancer'"),
         (shardline("rollout", "promote", "breast-cancer"), "no rollout runs on breast-cancer@prod"),
+        (shardline("rollout", "abort", "breast-cancer@staging"), "no rollout runs on breast-cancer@staging"),
+        (shardline("rollout", "status", "breast-cancer:1"), "'breast-cancer:1' names a version; this command takes an "
+                                                            "alias: give the model as breast-cancer or breast-cancer@ALIAS"),
         # an unknown model is said as such by every rollout command, as `rollout start` and `drift check` say it
         (shardline("rollout", "start", "nosuch", "--candidate", "1", "--steps", "5,100"),
          "model 'nosuch' is not in the registry"),

@@ -75,11 +75,18 @@ def test_package_push_promote_show_and_roll_back(shardline: Shardline, breast_ca
     assert "churn@staging -> churn:3 (was churn:1)" in _ok(shardline("model", "promote", "churn:3", "--to", "staging"))
     rolled = _ok(shardline("model", "rollback", "churn", "--alias", "staging", "--reason", "latency"))
     assert "churn@staging -> churn:1 (was churn:3)" in rolled
-    history = _ok(shardline("model", "history", "churn", "--alias", "staging")).splitlines()
+    history = _ok(shardline("model", "history", "churn@staging")).splitlines()  # as a reference is written too
     assert [line.split()[3:5] for line in history] == [["promote", "churn:1"], ["promote", "churn:3"], ["rollback", "churn:1"]]
     assert "first cut" in history[0] and "latency" in history[2]
     again = shardline("model", "rollback", "churn", "--alias", "dev")
     assert again.returncode == 2 and "churn@dev was never set" in again.stderr
+    # the runbooks' `shardline model rollback MODEL@prod`; a version or two aliases are one line
+    assert "churn@dev was never set" in shardline("model", "rollback", "churn@dev").stderr
+    for words, said in [(["churn:3"], "'churn:3' names a version; this command takes an alias: give the model as "
+                                      "churn or churn@ALIAS"),
+                        (["churn@staging", "--alias", "prod"], "'churn@staging' and --alias prod name two aliases")]:
+        wrong = shardline("model", "rollback", *words)
+        assert wrong.returncode == 2 and wrong.stderr.strip() == f"error: {said}" + ("; give one" if "two" in said else "")
 
 
 def test_a_refused_package_writes_nothing(shardline: Shardline, breast_cancer_model: BuiltModel, tmp_path: Path) -> None:

@@ -104,7 +104,8 @@ def _run_context() -> tuple[str | None, str | None]:
 
 @contextlib.contextmanager
 def track_job(plan: JobPlan, admitted: Admission, settings: BatchJobSettings) -> Iterator[SlaTracker]:
-    """Write the job record and run its SLA tracker while the body runs; a body that raises ends the job failed.
+    """Write the job record and run its SLA tracker while the body runs; a body that raises, or a step of this
+    one after the record's first write (its metrics, its span), ends the job failed.
 
     The tracker is also a progress watcher (give it to :func:`score_shards`); a body
     that returns leaves the outcome to :func:`job_outcome`.
@@ -122,13 +123,13 @@ def track_job(plan: JobPlan, admitted: Admission, settings: BatchJobSettings) ->
                    flow_run_id),
         admitted.sla, records, record, settings.batch.sla_check_interval_s, settings.batch.sla_window_s,
     )
-    tracker.start()
     model = plan.job.model
-    serve_metrics(settings.batch.metrics_host, settings.batch.metrics_port)
-    telemetry = JobTelemetry(plan.job_id, plan.tenant, model.name, model.version, plan.total_shards, tracker,
-                             job_span(plan.job_id, plan.tenant, model.name, model.version, plan.total_shards))
-    telemetry.already_settled(plan.done, "resumed")
-    try:
+    try:  # from the record's first write on, whatever raises ends it failed: it never stays "running"
+        tracker.start()
+        serve_metrics(settings.batch.metrics_host, settings.batch.metrics_port)
+        telemetry = JobTelemetry(plan.job_id, plan.tenant, model.name, model.version, plan.total_shards, tracker,
+                                 job_span(plan.job_id, plan.tenant, model.name, model.version, plan.total_shards))
+        telemetry.already_settled(plan.done, "resumed")
         with watching(telemetry):
             yield tracker
     except BaseException as e:

@@ -45,6 +45,7 @@ from shardline.observability import tracing
 from shardline.sla_projection import project
 from shardline.storage.output import PartRecord
 from shardline.storage.shards import ShardInfo
+from shardline.tasks.logs import run_logger
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -266,17 +267,31 @@ _served: Any = None  # the listener (a WSGI server), once started
 _serve_lock = threading.Lock()
 
 
-def serve_metrics(host: str, port: int) -> None:
+def serve_metrics(host: str, port: int) -> bool:
     """Start this process's batch /metrics listener once (later calls, the warm runner's next jobs, keep it);
-    0: none."""
+    0: none. Whether it serves.
+
+    An address this process cannot listen on (the port is taken: by the home's warm runner, when a job runs cold
+    beside a runner busy with jobs of other settings, or by any other program) does not fail the job: the run
+    says so in one warning line and goes on without its metrics (a job's metrics watch it; they are not its
+    work, and its SLA does not wait for a port). The next job of the process tries again.
+    """
     global _served
     if not port:
-        return
+        return False
     with _serve_lock:
         if _served is not None:
-            return
-        _served, _ = start_http_server(port, addr=host, registry=REGISTRY)
+            return True
+        try:
+            _served, _ = start_http_server(port, addr=host, registry=REGISTRY)
+        except OSError as e:
+            run_logger().warning(
+                "this job's metrics are not served: cannot listen on %s:%d (%s; another process, such as this "
+                "home's busy batch runner, may hold the port); the job runs without them. Give "
+                "SHARDLINE_BATCH_METRICS_PORT a free port to serve them", host, port, e.strerror or e)
+            return False
     log.info("batch metrics on http://%s:%d/metrics", host, port)
+    return True
 
 
 def stop_metrics() -> None:

@@ -47,7 +47,7 @@ def render_command(
 
     slos = _load(config)
     folder = out if out is not None else config.parent
-    files = render(slos, str(config))
+    files = render(slos, config)
     if check:
         stale = [path for path, text in files.items() if _read(folder / path) != text]
         for path in stale:
@@ -74,7 +74,7 @@ def rules_command(
     from shardline.observability.rules import alert_names, rules_yaml
 
     slos = _load(config)
-    text = rules_yaml(slos, str(config))
+    text = rules_yaml(slos, config)
     if output is None:
         typer.echo(text, nl=False)
         return

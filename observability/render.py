@@ -17,9 +17,10 @@ from shardline.observability.slos import SLIS, Slo, SloConfig, check_thresholds,
 RULES_FILE = "rules/shardline-slos.rules.yaml"
 
 
-def render(config: SloConfig, source: str) -> dict[str, str]:
+def render(config: SloConfig, source: str | Path) -> dict[str, str]:
     """The generated files, by path relative to the output folder: the rules file and one JSON file per
-    dashboard. ``source`` names the SLO file in the rules file's header."""
+    dashboard. ``source`` is the SLO file, named in the rules file's header by its file name only (the same text
+    whatever the working folder or the path's spelling)."""
     files = {RULES_FILE: rules_yaml(config, source)}
     for name, model in dashboards().items():
         files[f"dashboards/{name}"] = json.dumps(model, indent=2) + "\n"

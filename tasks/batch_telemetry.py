@@ -15,7 +15,8 @@ runs, across jobs, at a stable address; a cold run serves them from its own proc
 The workers cannot (each sees only its shards), nor can the command that sent a job to the runner (it sees
 only log lines). The values are read at scrape time (a custom collector): rows scored, shards by state,
 rows per second, the SLA projection (``shardline.sla_projection.project``, the tracker's own figures) and
-the deadline. A finished job's series stay (``running`` 0) until ``KEEP_FINISHED`` later jobs finished.
+the deadline. A finished job's series stay (``running`` 0) until ``KEEP_FINISHED`` later jobs finished, its rate
+and projection as they were at its end (``JobTelemetry.projection``).
 
 One counter outlives the jobs: ``shardline_batch_job_deadlines_total{tenant, model, outcome}``, each run with a
 deadline counted once when it ends (the batch deadline SLI, docs/slo.md): ``met`` when it completed by the
@@ -42,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from shardline.observability import tracing
-from shardline.sla_projection import project
+from shardline.sla_projection import Projection, project
 from shardline.storage.output import PartRecord
 from shardline.storage.shards import ShardInfo
 from shardline.tasks.logs import run_logger
@@ -76,6 +77,7 @@ class JobTelemetry:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SHARD_STATES, 0))
     rows: int = 0
     running: bool = True
+    ended_at: datetime | None = None  # when the run ended (its output complete, or it failed): its rates stop there
     _spans: dict[str, Span] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -115,6 +117,7 @@ class JobTelemetry:
     def finish(self, outcome: str, error: BaseException | None = None) -> None:
         """The run ended: the metrics say so (the deadline decided, see the module docstring), the job span ends
         (with the shards' spans left open)."""
+        self.ended_at = self._ended()
         self.running = False
         decided = self.deadline_outcome(outcome)
         if decided is not None:
@@ -133,10 +136,28 @@ class JobTelemetry:
         nothing: no deadline (no tracker), or failed before its deadline."""
         if self.tracker is None:
             return None
-        ended = self.tracker.settled_at or self.tracker.clock()
+        ended = self.ended_at or self._ended()
         if ended > self.tracker.sla.deadline:
             return "missed"
         return "met" if outcome == "completed" else None
+
+    def _ended(self) -> datetime:
+        """Now, or the instant the job's output was complete (the tracker's ``settled_at``), on its clock."""
+        if self.tracker is None:
+            return datetime.now(timezone.utc)
+        return self.tracker.settled_at or self.tracker.clock()
+
+    def projection(self, now: datetime) -> Projection | None:
+        """The SLA projection the metrics show at ``now``: while it runs, at ``now``; once it ended, at its end,
+        so an ended run's rate and projected finish stay what they were when it ended (a rate "since the run
+        began" that kept falling after the end would say the job slowed down). None without a tracker."""
+        tracker = self.tracker
+        if tracker is None:
+            return None
+        at = self.ended_at if not self.running and self.ended_at is not None else now
+        with tracker._lock:
+            points = [p for p in tracker.trace if p.at <= at] or tracker.trace[:1]
+        return project(points, tracker.total, tracker.sla, at, tracker.window)
 
     def _count(self, state: str, rows: int) -> None:
         with self._lock:
@@ -247,14 +268,11 @@ class _Jobs(Collector):
             for state, count in counts.items():
                 shards.add_metric([*values, state], count)
             running.add_metric(values, 1 if job.running else 0)
-            tracker = job.tracker
-            if tracker is None:
+            projection = job.projection(now)
+            if projection is None or job.tracker is None:
                 continue
-            with tracker._lock:
-                points = list(tracker.trace)
-            projection = project(points, tracker.total, tracker.sla, now, tracker.window)
             rate.add_metric(values, projection.rows_per_second)
-            deadline.add_metric(values, tracker.sla.deadline.timestamp())
+            deadline.add_metric(values, job.tracker.sla.deadline.timestamp())
             if projection.projected_finish is not None:
                 finish.add_metric(values, projection.projected_finish.timestamp())
         yield from (rows, shards, rate, finish, deadline, running, deadlines)

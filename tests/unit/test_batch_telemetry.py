@@ -72,7 +72,7 @@ def test_a_job_that_raises_ends_and_only_the_latest_finished_jobs_are_kept() -> 
     assert _value("shardline_batch_job_running", "later-0") == 0
 
 
-def _tracked(job_id: str, now: list[datetime], deadline_s: float) -> JobTelemetry:
+def _tracked(job_id: str, now: list[datetime], deadline_s: float, shards: int = 1) -> JobTelemetry:
     """A job of tenant acme, model churn, with a real SLA tracker due ``deadline_s`` after T0 on the clock ``now``."""
     import uuid
 
@@ -81,11 +81,11 @@ def _tracked(job_id: str, now: list[datetime], deadline_s: float) -> JobTelemetr
 
     deadline = T0 + timedelta(seconds=deadline_s)
     records = JobRecords(f"memory://jobs-{uuid.uuid4().hex[:8]}")
-    record = JobRecord(job_id=job_id, started_at=T0, deadline=deadline, shards_total=1,
+    record = JobRecord(job_id=job_id, started_at=T0, deadline=deadline, shards_total=shards,
                        parameters=JobParameters(model="churn@prod", input_uri="/i", output_uri="/o", tenant="acme"))
     tracker = SlaTracker(TrackedJob(job_id, "acme", "churn:3", "normal"), Sla(deadline, T0, timedelta(0)), records,
                          record, interval_s=1000, clock=lambda: now[0], emit=lambda **event: None)
-    return JobTelemetry(job_id, "acme", "churn", 3, shards=1, tracker=tracker)
+    return JobTelemetry(job_id, "acme", "churn", 3, shards=shards, tracker=tracker)
 
 
 def _deadlines(outcome: str) -> float | None:
@@ -115,3 +115,25 @@ def test_each_run_with_a_deadline_is_counted_once_met_or_missed_and_both_start_a
     assert (_deadlines("met"), _deadlines("missed")) == (1, 2)
     assert b'shardline_batch_job_deadlines_total{model="churn",outcome="missed",tenant="acme"} 2.0' in (
         generate_latest(batch_telemetry.REGISTRY))
+
+
+def test_an_ended_runs_rate_and_projected_finish_stay_what_they_were_at_its_end() -> None:
+    now = [T0]
+    rate, finish = "shardline_batch_job_rows_per_second", "shardline_batch_job_projected_finish_timestamp_seconds"
+    done = _tracked("done", now, deadline_s=3600, shards=2)
+    with watching(done):
+        now[0] = T0 + timedelta(seconds=10)
+        done.tracker(2, 2, 1000)  # type: ignore[misc]  # both shards settled, 1,000 rows in 10 s
+        done.tracker.settled(now[0])  # type: ignore[union-attr]  # the manifest's finish
+    now[0] = T0
+    failed = _tracked("failed", now, deadline_s=3600, shards=2)
+    now[0] = T0 + timedelta(seconds=10)
+    with pytest.raises(RuntimeError), watching(failed):
+        failed.tracker(1, 2, 500)  # type: ignore[misc]  # one shard of two in 10 s, then a worker died
+        raise RuntimeError("a worker died")
+    for later in (20, 60, 600):  # scrapes after both ended: the figures of their end, not falling
+        now[0] = T0 + timedelta(seconds=later)
+        assert (_value(rate, "done"), _value(finish, "done")) == (100, (T0 + timedelta(seconds=10)).timestamp())
+        assert _value(rate, "failed") == 50
+        assert _value(finish, "failed") == (T0 + timedelta(seconds=20)).timestamp()  # 1 shard left at 0.1 a second
+        assert _value("shardline_batch_job_running", "failed") == 0

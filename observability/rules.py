@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from shardline.observability.slos import SLIS, Slo, SloConfig
+from shardline.observability.slos import SLIS, Slo, SloConfig, promql_string
 
 WINDOWS = ("5m", "30m", "1h", "6h", "3d")
 # (burn rate, long window, short window): the workbook's page and ticket pairs.
@@ -133,7 +133,7 @@ def rule_groups(config: SloConfig) -> list[tuple[dict[str, Any], str | None]]:
     groups.append(({"name": "shardline-platform", "rules": [
         {"record": GPU_BUSY,
          "expr": "100 * DCGM_FI_PROF_GR_ENGINE_ACTIVE\nor on (Hostname, gpu)\nDCGM_FI_DEV_GPU_UTIL\n"},
-        {"alert": SCRAPE_ALERT, "expr": f'up{{job=~"{config.scrape_jobs}"}} == 0\n', "for": "5m",
+        {"alert": SCRAPE_ALERT, "expr": f'up{{job=~"{promql_string(config.scrape_jobs)}"}} == 0\n', "for": "5m",
          "labels": {"severity": "ticket"},
          "annotations": {
              "summary": "{{ $labels.job }} target {{ $labels.instance }} is down",

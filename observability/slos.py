@@ -28,7 +28,9 @@ Pure: no I/O but reading the file in ``load_slos``.
 
 from __future__ import annotations
 
+import json
 import re
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -123,12 +125,7 @@ class SloClass(BaseModel):
     @classmethod
     def _patterns(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for pattern in value:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"{pattern!r} is not a regular expression ({e})") from e
-            if "(?=" in pattern or "(?!" in pattern or "(?<" in pattern:
-                raise ValueError(f"{pattern!r} uses a lookaround, which PromQL's RE2 does not have")
+            _check_re2(pattern)
         return value
 
     @model_validator(mode="after")
@@ -159,9 +156,16 @@ class SloConfig(BaseModel):
 
     version: Literal[1] = 1
     runbook_url: str = Field(description="The runbooks' page; each alert's runbook_url is it plus '#<alert>'.")
-    scrape_jobs: str = Field(default="shardline.*", description="Regular expression of the Prometheus jobs that "
-                             "scrape Shardline; a target of theirs that is down raises ShardlineScrapeTargetDown.")
+    scrape_jobs: str = Field(default="shardline.*", min_length=1, description="Regular expression (RE2 syntax, "
+                             "matched whole) of the Prometheus jobs that scrape Shardline; a target of theirs that is "
+                             "down raises ShardlineScrapeTargetDown.")
     classes: tuple[SloClass, ...] = Field(min_length=1)
+
+    @field_validator("scrape_jobs")
+    @classmethod
+    def _scrape_jobs(cls, value: str) -> str:
+        _check_re2(value)
+        return value
 
     @model_validator(mode="after")
     def _unique(self) -> "SloConfig":
@@ -206,15 +210,97 @@ class Slo:
 
     def selector(self) -> str:
         """The label matchers of the models it counts: its class's patterns, less the earlier classes'."""
-        matchers = [f'model=~"{_quoted("|".join(self.cls.models))}"']
+        matchers = [f'model=~"{promql_string("|".join(self.cls.models))}"']
         if self.excluded:
-            matchers.append(f'model!~"{_quoted("|".join(self.excluded))}"')
+            matchers.append(f'model!~"{promql_string("|".join(self.excluded))}"')
         return ", ".join(matchers)
 
 
-def _quoted(text: str) -> str:
-    """Text inside a PromQL double-quoted string."""
-    return text.replace("\\", "\\\\").replace('"', '\\"')
+def promql_string(text: str) -> str:
+    """``text`` inside a PromQL double-quoted string (Go's escapes: backslash, quote, control characters)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+# What RE2 (PromQL's regular expressions) lacks, though Python's ``re`` reads it: (construct, what it is).
+_RE2_LACKS = (("(?=", "a lookahead"), ("(?!", "a lookahead"), ("(?<=", "a lookbehind"), ("(?<!", "a lookbehind"),
+              ("(?>", "an atomic group"), ("(?P=", "a named backreference"), ("(?(", "a conditional group"),
+              ("(?#", "a comment group"))
+_RE2_FLAGS = frozenset("ims")  # the inline flags both read alike (RE2 also has U, Python also a, L, u, x)
+_REPEAT = re.compile(r"\{(\d*)(?:(,)(\d*))?\}")
+RE2_MAX_REPEAT = 1000
+
+
+def _check_re2(pattern: str) -> None:
+    """``pattern`` is a regular expression RE2 reads as Python does (PromQL's ``=~``), else ValueError saying
+    what it uses that RE2 has not: a backreference, a possessive quantifier, an atomic group, a lookaround, a
+    conditional, an inline flag other than i, m and s, ``\\Z``, ``{,n}`` or a repetition over 1000."""
+    try:
+        with warnings.catch_warnings():  # "possible nested set": [[:alpha:]], a POSIX class to RE2
+            warnings.simplefilter("ignore", FutureWarning)
+            re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{pattern!r} is not a regular expression ({e})") from e
+    problem = _re2_problem(pattern)
+    if problem:
+        raise ValueError(f"{pattern!r} uses {problem}, which PromQL's RE2 does not have")
+
+
+def _re2_problem(pattern: str) -> str | None:
+    """The first construct of ``pattern`` (one Python's ``re`` compiles) that RE2 lacks, or None."""
+    i, quantified = 0, False  # quantified: the item before was a quantifier (a ``+`` after it is possessive)
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            escaped = pattern[i + 1:i + 2]
+            if escaped in "123456789" and escaped and not re.match(r"[0-7]{3}", pattern[i + 1:i + 4]):  # not octal
+                return f"a backreference (\\{escaped})"
+            if escaped in ("Z", "u", "U", "N"):
+                return {"Z": "\\Z (write $)"}.get(escaped, f"the escape \\{escaped} (write the character itself)")
+            i, quantified = i + 2, False
+        elif c == "[":
+            i, quantified = _class_end(pattern, i), False
+        elif c == "(":
+            problem = next((what for start, what in _RE2_LACKS if pattern.startswith(start, i)), None)
+            if problem:
+                return problem
+            flags = re.match(r"\(\?([a-zA-Z]*)(?:-([a-zA-Z]*))?[:)]", pattern[i:])
+            wrong = set("".join(flags.groups(""))) - _RE2_FLAGS if flags else set()
+            if wrong:
+                return f"the inline flag {''.join(sorted(wrong))}"
+            i, quantified = i + 1, False
+        elif c in "*+?":
+            if quantified and c == "+":
+                return f"a possessive quantifier ({pattern[i - 1]}+)"
+            i, quantified = i + 1, not (quantified and c == "?")  # ``*?``: lazy, and the quantifier ends there
+        elif c == "{" and (repeat := _REPEAT.match(pattern, i)) and repeat.group() != "{}":  # ``{}``: text in both
+            low, comma, high = repeat.groups()
+            if not low:
+                return f"{repeat.group()} (RE2 reads it as text; write {{0{comma or ''}{high}}})"
+            if max(int(low), int(high or 0)) > RE2_MAX_REPEAT:
+                return f"a repetition over {RE2_MAX_REPEAT} ({repeat.group()})"
+            i, quantified = repeat.end(), True
+        else:
+            i, quantified = i + 1, False
+    return None
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """The index after the character class that opens at ``start`` (``]`` first in it is a member)."""
+    i = start + 1
+    if pattern.startswith("^", i):
+        i += 1
+    if pattern.startswith("]", i):
+        i += 1
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            i += 2
+        elif pattern.startswith("[:", i) and (end := pattern.find(":]", i + 2)) != -1:
+            i = end + 2  # a POSIX class, [:alpha:]
+        elif pattern[i] == "]":
+            return i + 1
+        else:
+            i += 1
+    return i
 
 
 def parse_slos(data: Any, where: str) -> SloConfig:

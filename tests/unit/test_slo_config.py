@@ -86,7 +86,14 @@ def test_a_model_is_counted_by_the_first_class_of_its_tier_that_names_it(shipped
     ({"objectives": [{"sli": "availability", "target": 99.9}]},
      "classes[0].objectives[0].target: Input should be less than 1 (got 99.9)"),
     ({"models": ["churn("]}, "classes[0].models: Value error, 'churn(' is not a regular expression"),
-    ({"models": ["(?!churn).*"]}, "uses a lookaround, which PromQL's RE2 does not have"),
+    ({"models": ["(?!churn).*"]}, "'(?!churn).*' uses a lookahead, which PromQL's RE2 does not have"),
+    ({"models": ["(m)\\1", "x++"]}, "classes[0].models: Value error, '(m)\\\\1' uses a backreference (\\1)"),
+    ({"models": ["ok", "x++"]}, "'x++' uses a possessive quantifier (++), which PromQL's RE2 does not have"),
+    ({"models": ["(?>churn)"]}, "'(?>churn)' uses an atomic group"),
+    ({"models": ["(?<=a)b"]}, "uses a lookbehind"),
+    ({"models": ["(?x)churn"]}, "uses the inline flag x"),
+    ({"models": ["churn\\Z"]}, "uses \\Z (write $)"),
+    ({"models": ["m{,3}"]}, "uses {,3} (RE2 reads it as text; write {0,3})"),
     ({"name": "Big Models"}, "classes[0].name: Value error, must be lowercase letters"),
     ({"objectives": [{"sli": "availability", "target": 0.999}, {"sli": "deadline", "target": 0.99}]},
      "mixes online and batch SLIs; make a class for each tier"),
@@ -101,6 +108,18 @@ def test_a_wrong_field_is_refused_in_one_line_that_names_it(change: dict[str, An
     text = str(refused.value)
     assert text.startswith("the SLO file slos.yaml is not valid: ") and message in text and "\n" not in text
     assert text.endswith("see docs/slo.md for the format")
+
+
+@pytest.mark.parametrize(("scrape_jobs", "message"), [
+    ("shardline[.*", "scrape_jobs: Value error, 'shardline[.*' is not a regular expression"),
+    ("shardline(?!-dev)", "scrape_jobs: Value error, 'shardline(?!-dev)' uses a lookahead"),
+    ("(shard)line-\\1", "scrape_jobs: Value error, '(shard)line-\\\\1' uses a backreference"),
+    ("", "scrape_jobs: String should have at least 1 character"),
+])
+def test_a_scrape_jobs_pattern_prometheus_would_refuse_is_refused(scrape_jobs: str, message: str) -> None:
+    with pytest.raises(InvalidSetting) as refused:
+        parse_slos({**_minimal(), "scrape_jobs": scrape_jobs}, "slos.yaml")
+    assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_two_classes_of_one_name_a_missing_file_and_bad_yaml_are_refused(tmp_path: Path) -> None:
@@ -318,6 +337,28 @@ def test_promtool_checks_the_generated_rules() -> None:
     done = subprocess.run([str(PROMTOOL), "check", "rules", str(DEPLOYED / RULES_FILE)], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
+
+
+@needs_promtool
+def test_patterns_with_backslashes_and_quotes_make_rules_promtool_accepts(tmp_path: Path) -> None:
+    config = {**_minimal(models=["churn\\d+", 'say"hi', "[[:alpha:]]+-v[0-9]{2,}"]), "scrape_jobs": 'shard"line\\d+'}
+    (tmp_path / "slos.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "rules.yaml"
+    done = CliRunner().invoke(app, ["slo", "rules", "--config", str(tmp_path / "slos.yaml"), "-o", str(out)])
+    assert done.exit_code == 0, done.output
+    text = out.read_text()
+    assert 'up{job=~"shard\\"line\\\\d+"} == 0' in text
+    assert 'model=~"churn\\\\d+|say\\"hi|[[:alpha:]]+-v[0-9]{2,}"' in text
+    checked = subprocess.run([str(PROMTOOL), "check", "rules", str(out)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
+
+
+def test_slo_rules_refuses_a_pattern_re2_lacks_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "slos.yaml").write_text(yaml.safe_dump({**_minimal(models=["(m)\\1", "x++"])}))
+    done = CliRunner().invoke(app, ["slo", "rules", "--config", str(tmp_path / "slos.yaml")])
+    assert done.exit_code == 2 and done.output.count("\n") == 1, done.output
+    assert done.output.startswith(f"error: the SLO file {tmp_path / 'slos.yaml'} is not valid: classes[0].models: ")
+    assert "uses a backreference (\\1), which PromQL's RE2 does not have" in done.output
 
 
 @needs_promtool

@@ -491,7 +491,7 @@ def serve(
     """
     from pydantic import ValidationError
 
-    from shardline.cli.common import fail
+    from shardline.cli.common import fail, settings_error
     from shardline.online.server import serve as run_server
     from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings, TenancySettings
 
@@ -499,14 +499,17 @@ def serve(
                              "max_connections": max_connections, "max_in_flight": max_in_flight,
                              "max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout,
                              "body_timeout_s": body_timeout, "fd": fd, "metrics_fd": metrics_fd}
+    options = {"header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout"}
     try:
         online = OnlineSettings.model_validate({k: v for k, v in given.items() if v is not None})
         tenancy = TenancySettings(tenants_file=str(tenants)) if tenants is not None else TenancySettings()
         storage = StorageSettings()
         with _budget_publisher(tenancy, storage):
             run_server(online, storage, RuntimeSettings(), tenancy)
-    except (ShardlineError, ValidationError) as e:
+    except ShardlineError as e:
         raise fail(e) from e
+    except ValidationError as e:
+        raise fail(settings_error(e, _options_given(given, options))) from e
 
 
 @contextlib.contextmanager
@@ -562,7 +565,7 @@ def router(
     """
     from pydantic import ValidationError
 
-    from shardline.cli.common import fail
+    from shardline.cli.common import fail, settings_error
     from shardline.online.router.server import run_router
     from shardline.settings import RouterSettings, StorageSettings, TenancySettings
 
@@ -574,8 +577,17 @@ def router(
         storage = StorageSettings()
         with _budget_publisher(tenancy, storage):  # the router refuses and degrades by the same states
             run_router(settings, storage, tenancy)
-    except (ShardlineError, ValidationError) as e:
+    except ShardlineError as e:
         raise fail(e) from e
+    except ValidationError as e:
+        raise fail(settings_error(e, _options_given(given, {"config_file": "--config"}))) from e
+
+
+def _options_given(given: dict[str, Any], names: dict[str, str]) -> dict[str, str]:
+    """The settings fields the command line gave (not None), each with its option: ``names``, else the field's
+    name as an option (``metrics_port`` -> ``--metrics-port``)."""
+    return {field: names.get(field, "--" + field.replace("_", "-")) for field, value in given.items()
+            if value is not None}
 
 
 def main() -> None:

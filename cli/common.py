@@ -7,7 +7,7 @@ import errno
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 import typer
 
@@ -113,8 +113,9 @@ def parse_tags(pairs: list[str] | None) -> dict[str, str]:
     return tags
 
 
-def settings_error(error: "ValidationError") -> InvalidSetting:
-    """A settings class's refusal of the environment as one line: each variable, what is wrong, what it got."""
+def settings_error(error: "ValidationError", options: Mapping[str, str] | None = None) -> InvalidSetting:
+    """A settings class's refusal as one line: each variable (or, for a field in ``options``, the command's option
+    that gave its value: field -> ``--name``), what is wrong, what it got, and what to do."""
     from pydantic_settings import BaseSettings
 
     from shardline import settings
@@ -122,10 +123,16 @@ def settings_error(error: "ValidationError") -> InvalidSetting:
     area = getattr(settings, error.title, None)
     prefix = str(area.model_config.get("env_prefix", "")) if isinstance(area, type) and issubclass(
         area, BaseSettings) else ""
-    problems = "; ".join(
-        f"{prefix}{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
-        + (f" (got {e['input']!r})" if e["type"] != "missing" else "") for e in error.errors())
-    return InvalidSetting(f"a setting is not valid: {problems}; fix or unset the variable (README.md, Settings)")
+    options = options or {}
+    problems, named = [], set()
+    for e in error.errors():
+        field = "_".join(str(p) for p in e["loc"])
+        name = options.get(field) or f"{prefix}{field.upper()}"
+        named.add("option" if field in options else "variable")
+        problems.append(f"{name}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] != "missing" else ""))
+    todo = {"option": "fix the option", "variable": "fix or unset the variable (README.md, Settings)"}
+    return InvalidSetting(f"a setting is not valid: {'; '.join(problems)}; "
+                          f"{'; '.join(todo[kind] for kind in sorted(named)) or todo['variable']}")
 
 
 def unparsed_setting(error: Exception) -> InvalidSetting:

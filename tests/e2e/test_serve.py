@@ -169,3 +169,29 @@ def test_serve_with_two_workers_answers_on_one_port_and_sums_their_metrics_on_th
         assert 'shardline_model_loaded{model="breast-cancer",version="1"} 1.0' in text
     assert all(r.status_code == 404 and "acme" not in r.text for r in on_main)
     assert all(r.status_code == 431 for r in big_heads)  # each worker holds the limits
+
+
+@pytest.mark.parametrize(("args", "variables", "message"), [
+    (["serve", "--metrics-port", "80a"], {},
+     "error: a setting is not valid: --metrics-port: Input should be a valid integer, unable to parse string as an "
+     "integer (got '80a'); fix the option"),
+    (["serve", "--header-timeout", "-1"], {}, "--header-timeout: Input should be greater than 0 (got -1.0)"),
+    (["serve"], {"SHARDLINE_ONLINE_METRICS_PORT": "abc"},
+     "error: a setting is not valid: SHARDLINE_ONLINE_METRICS_PORT: Input should be a valid integer, unable to parse "
+     "string as an integer (got 'abc'); fix or unset the variable (README.md, Settings)"),
+    (["router", "--metrics-port", "abc"], {}, "error: a setting is not valid: --metrics-port: "),
+    (["router", "--local-replicas", "1"], {"SHARDLINE_ROUTER_METRICS_PORT": "abc"},
+     "error: a setting is not valid: SHARDLINE_ROUTER_METRICS_PORT: Input should be a valid integer"),
+    (["serve", "--metrics-port", "abc"], {"SHARDLINE_ONLINE_WORKERS": "x"},
+     "SHARDLINE_ONLINE_WORKERS: Input should be a valid integer, unable to parse string as an integer (got 'x'); "
+     "--metrics-port: "),
+])
+def test_a_bad_setting_of_serve_or_router_is_one_line_naming_the_option_or_variable(
+    tmp_path: Path, args: list[str], variables: dict[str, str], message: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
+    env.update(SHARDLINE_STORAGE_HOME=str(tmp_path / "home"), DO_NOT_TRACK="1", ORT_DISABLE_TELEMETRY="1", **variables)
+    done = subprocess.run([*SHARDLINE, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: a setting is not valid: "), done.stderr
+    assert message in done.stderr and "pydantic" not in done.stderr

@@ -58,7 +58,13 @@ def render_command(
             raise typer.Exit(EXIT_FAILED)
         typer.echo(f"{len(files)} files in {folder} match {config}")
         return
-    for path in write(files, folder):
+    try:
+        written = write(files, folder)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        raise fail(f"cannot write the generated files into {folder}: {e.strerror or e}{where}; pass a writable "
+                   "folder with --out") from e
+    for path in written:
         typer.echo(f"wrote {path}")
     typer.echo(f"{len(slos.slos)} SLOs in {len(slos.classes)} classes; alerts: {', '.join(alert_names(slos))}")
 

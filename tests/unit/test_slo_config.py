@@ -300,6 +300,15 @@ def test_slo_render_check_finds_the_committed_files_current_however_the_config_i
     assert (copy / RULES_FILE).read_text() == before
 
 
+def test_slo_render_into_a_file_or_a_folder_it_cannot_write_is_one_line(tmp_path: Path) -> None:
+    blocked = tmp_path / "key.txt"
+    blocked.write_text("not a folder")
+    done = CliRunner().invoke(app, ["slo", "render", "--config", str(ROOT / SHIPPED), "--out", str(blocked)])
+    assert done.exit_code == 2 and done.output.count("\n") == 1, done.output
+    assert done.output.startswith(f"error: cannot write the generated files into {blocked}: Not a directory (")
+    assert done.output.rstrip().endswith("pass a writable folder with --out") and blocked.read_text() == "not a folder"
+
+
 def test_slo_render_refuses_a_wrong_file_in_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "slos.yaml"
     bad.write_text(yaml.safe_dump(_minimal(objectives=[{"sli": "latency", "target": 0.99, "threshold_seconds": 0.3}])))

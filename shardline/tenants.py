@@ -35,6 +35,7 @@ what the file system will open (``admit_locations``).
 from __future__ import annotations
 
 import hashlib
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -292,14 +293,51 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return path or "the file"
 
 
+UNKNOWN_NAMED = 5  # unknown fields of one place named before "and N more"
+
+
+def _brief(value: Any) -> str:
+    """A value as a message shows it: its repr, cut short (a long string, a deep or long list or mapping)."""
+    brief = reprlib.Repr()
+    brief.maxstring, brief.maxother, brief.maxlevel = 60, 60, 2
+    brief.maxlist = brief.maxtuple = brief.maxdict = brief.maxset = 3
+    text = brief.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def validation_problems(error: ValidationError) -> str:
-    """Every wrong field of a YAML file's check, as ``tenants[0].rate.burst: <what> (got <value>)``, joined
-    by "; " (the tenants file's and the router's config's messages)."""
-    problems = []
-    for e in error.errors():
-        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "model_type") else ""
-        problems.append(f"{_field_path(e['loc'])}: {e['msg']}{got}")
-    return "; ".join(problems)
+    """The wrong fields of a YAML file's check, briefly, as ``tenants[0].rate.burst: <what> (got <value>)``, joined
+    by "; " (the tenants file's, the router's config's, the SLO file's and the controller's messages).
+
+    Only what is wrong is said: a list left too short because its items were refused is not said again (its items
+    are); the unknown fields of one place are named together, without their values (``the file: format_version,
+    name, runtime, artifacts, signature and 9 more are not fields of it``); a value is cut short, and a mapping or
+    list a validator refused as a whole is not echoed (its message says what is wrong)."""
+    errors = error.errors()
+    locs = [tuple(e["loc"]) for e in errors]
+    said: list[str | tuple[Any, ...]] = []  # a problem, or the place whose unknown fields are said there
+    unknown: dict[tuple[Any, ...], list[str]] = {}
+    for e in errors:
+        loc = tuple(e["loc"])
+        if e["type"] == "too_short" and any(len(other) > len(loc) and other[:len(loc)] == loc for other in locs):
+            continue
+        if e["type"] == "extra_forbidden":
+            if loc[:-1] not in unknown:
+                said.append(loc[:-1])
+            unknown.setdefault(loc[:-1], []).append(str(loc[-1]))
+            continue
+        whole = e["type"] in ("value_error", "assertion_error") and isinstance(e["input"], (dict, list, tuple))
+        got = "" if e["type"] in ("missing", "model_type") or whole else f" (got {_brief(e['input'])})"
+        said.append(f"{_field_path(loc)}: {e['msg']}{got}")
+    return "; ".join(each if isinstance(each, str) else _unknown_fields(each, unknown[each]) for each in said)
+
+
+def _unknown_fields(place: tuple[Any, ...], names: list[str]) -> str:
+    if len(names) == 1:
+        return f"{_field_path((*place, names[0]))}: Extra inputs are not permitted"
+    more = len(names) - UNKNOWN_NAMED
+    shown = ", ".join(names[:UNKNOWN_NAMED]) + (f" and {more} more" if more > 0 else "")
+    return f"{_field_path(place)}: {shown} are not fields of it (Extra inputs are not permitted)"
 
 
 def parse_tenants_file(data: Any, where: str) -> TenantsFile:

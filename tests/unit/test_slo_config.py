@@ -110,6 +110,39 @@ def test_a_wrong_field_is_refused_in_one_line_that_names_it(change: dict[str, An
     assert text.endswith("see docs/slo.md for the format")
 
 
+@pytest.mark.parametrize("change", [{"objectives": [{"sli": "availability", "target": 99}]}, {"models": ["churn("]}])
+def test_a_wrong_item_is_said_once_not_again_as_an_empty_list(change: dict[str, Any]) -> None:
+    with pytest.raises(InvalidSetting) as refused:
+        parse_slos(_minimal(**change), "slos.yaml")
+    text = str(refused.value)
+    assert text.count("; ") == 1 and "Tuple should have at least 1 item" not in text and "'name'" not in text, text
+    assert text.startswith(("the SLO file slos.yaml is not valid: classes[0].objectives[0].target: Input should be "
+                            "less than 1 (got 99); ", "the SLO file slos.yaml is not valid: classes[0].models: Value "
+                            "error, 'churn(' is not a regular expression (missing ), unterminated subpattern at "
+                            "position 5); "))
+
+
+def test_a_file_of_another_kind_is_refused_briefly_naming_its_unknown_fields(tmp_path: Path) -> None:
+    manifest = {"format_version": 1, "name": "bc", "version": None, "runtime": "onnx",
+                "signature": {"inputs": [{"name": f"feature {i}", "type": "float32"} for i in range(30)]},
+                "artifacts": [{"path": "model.onnx", "sha256": "4d" * 32}], "lineage": {"training_data": "x" * 200},
+                "tags": {}, "environment": {"python": "3.11"}, "created_at": "2026-12-07T08:15:24Z"}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InvalidSetting) as refused:
+        load_slos(tmp_path / "manifest.json")
+    assert str(refused.value) == (
+        f"the SLO file {tmp_path / 'manifest.json'} is not valid: version: Input should be 1 (got None); runbook_url: "
+        "Field required; classes: Field required; the file: format_version, name, runtime, signature, artifacts and 4 "
+        "more are not fields of it (Extra inputs are not permitted); see docs/slo.md for the format")
+
+
+def test_a_long_value_is_cut_short() -> None:
+    with pytest.raises(InvalidSetting) as refused:
+        parse_slos({**_minimal(), "runbook_url": ["x" * 500] * 50}, "slos.yaml")
+    text = str(refused.value)
+    assert "runbook_url: Input should be a valid string (got ['xxxxxx" in text and len(text) < 250, text
+
+
 @pytest.mark.parametrize(("scrape_jobs", "message"), [
     ("shardline[.*", "scrape_jobs: Value error, 'shardline[.*' is not a regular expression"),
     ("shardline(?!-dev)", "scrape_jobs: Value error, 'shardline(?!-dev)' uses a lookahead"),

@@ -1,9 +1,11 @@
 """Traces with OpenTelemetry: off by default, set by the standard ``OTEL_*`` variables.
 
 ``configure(service)`` is called once per process (``shardline serve``, ``shardline router``, a batch
-flow, a Dask worker). Tracing is on only when ``OTEL_TRACES_EXPORTER`` names an exporter (``otlp``:
-OTLP over HTTP to ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``;
-``console``); unset, ``none``, or ``OTEL_SDK_DISABLED=true`` leaves it off. The sampler is the SDK's
+flow, a Dask worker). Tracing is on only when ``OTEL_TRACES_EXPORTER`` names an exporter, or several
+separated by commas as the specification allows (``otlp``: OTLP over HTTP to ``OTEL_EXPORTER_OTLP_ENDPOINT``
+/ ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``; ``console``; ``otlp,console``: each span to both); unset, ``none``
+(also in a list: "no exporter", as the SDKs read it), or ``OTEL_SDK_DISABLED=true`` leaves it off. A name
+this build lacks is warned about and left out. The sampler is the SDK's
 (``OTEL_TRACES_SAMPLER``, e.g. ``parentbased_traceidratio`` with ``OTEL_TRACES_SAMPLER_ARG=0.01``), the
 resource's service name ``OTEL_SERVICE_NAME`` or ``service``.
 
@@ -17,12 +19,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger(__name__)
 
@@ -39,33 +44,48 @@ def configure(service: str, environ: Mapping[str, str] | None = None) -> bool:
     Idempotent: a second call (a forked worker, a test) keeps the first provider."""
     global ENABLED, _TRACER
     env = os.environ if environ is None else environ
-    exporter = env.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or exporter in ("", "none"):
+    exporters = exporter_names(env.get("OTEL_TRACES_EXPORTER", ""))
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or not exporters or "none" in exporters:
         return False
-    if exporter not in _EXPORTERS:
-        log.warning("OTEL_TRACES_EXPORTER=%s is not one this build exports to (%s): tracing stays off",
-                    exporter, ", ".join(_EXPORTERS))
+    lacking = [name for name in exporters if name not in _EXPORTERS]
+    exporters = [name for name in exporters if name in _EXPORTERS]
+    if lacking:
+        log.warning("OTEL_TRACES_EXPORTER: %s %s not one this build exports to (%s): %s", ", ".join(lacking),
+                    "is" if len(lacking) == 1 else "are", ", ".join(_EXPORTERS),
+                    f"spans go to {' and '.join(exporters)} only" if exporters else "tracing stays off")
+    if not exporters:
         return False
     if ENABLED:
         return True
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service}))
-    span_exporter: SpanExporter
-    if exporter == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        span_exporter = OTLPSpanExporter()
-    else:
-        span_exporter = ConsoleSpanExporter()
-    provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    for name in exporters:
+        provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
     trace.set_tracer_provider(provider)
     _TRACER = provider.get_tracer("shardline")
     ENABLED = True
-    log.info("tracing on: spans of %s go to the %s exporter", env.get("OTEL_SERVICE_NAME") or service, exporter)
+    log.info("tracing on: spans of %s go to the %s exporter%s", env.get("OTEL_SERVICE_NAME") or service,
+             " and ".join(exporters), "s" if len(exporters) > 1 else "")
     return True
+
+
+def exporter_names(value: str) -> list[str]:
+    """The exporters an ``OTEL_TRACES_EXPORTER`` value names: comma-separated, lower case, each once, in order."""
+    return list(dict.fromkeys(name.strip().lower() for name in value.split(",") if name.strip()))
+
+
+def _exporter(name: str) -> SpanExporter:
+    """The span exporter called ``name`` (one of ``_EXPORTERS``)."""
+    if name == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    return ConsoleSpanExporter()
 
 
 def shutdown() -> None:

@@ -8,6 +8,7 @@ from shardline.observability import tracing
 
 
 @pytest.mark.parametrize("environ", [{}, {"OTEL_TRACES_EXPORTER": "none"}, {"OTEL_TRACES_EXPORTER": ""},
+                                     {"OTEL_TRACES_EXPORTER": " , "}, {"OTEL_TRACES_EXPORTER": "otlp,none"},
                                      {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}])
 def test_tracing_is_off_unless_an_exporter_is_named(environ: dict[str, str]) -> None:
     assert tracing.configure("test", environ) is False
@@ -16,7 +17,15 @@ def test_tracing_is_off_unless_an_exporter_is_named(environ: dict[str, str]) -> 
 
 def test_an_exporter_this_build_lacks_leaves_it_off_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     assert tracing.configure("test", {"OTEL_TRACES_EXPORTER": "zipkin"}) is False
-    assert "OTEL_TRACES_EXPORTER=zipkin is not one this build exports to (otlp, console)" in caplog.text
+    assert "OTEL_TRACES_EXPORTER: zipkin is not one this build exports to (otlp, console): tracing stays off" in (
+        caplog.text)
+    assert tracing.configure("test", {"OTEL_TRACES_EXPORTER": "zipkin, jaeger"}) is False
+    assert "zipkin, jaeger are not one this build exports to" in caplog.text
+
+
+def test_the_exporters_of_a_comma_separated_list_each_once_in_order() -> None:
+    assert tracing.exporter_names(" OTLP , console,otlp,, ") == ["otlp", "console"]
+    assert tracing.exporter_names("") == []
 
 
 @pytest.mark.parametrize(("header", "trace_id"), [

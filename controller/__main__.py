@@ -14,6 +14,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="No peering with other operator instances (one replica, or a test).")
     parser.add_argument("--liveness", default=None, metavar="URL",
                         help="Serve kopf's liveness probe here, e.g. http://0.0.0.0:8090/healthz.")
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("--verbose", "-v", action="store_true",
+                           help="Log at DEBUG too (each object applied); default: INFO and above.")
+    verbosity.add_argument("--quiet", "-q", action="store_true", help="Log warnings and errors only.")
     args = parser.parse_args(argv)
     try:
         import kopf
@@ -23,6 +27,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"the operator needs {e.name}, which is not installed; install the kubernetes extra: "
                          "pip install 'shardline[kubernetes]'") from None
 
+    # `kopf run` configures logging itself; kopf.run does not, and without it nothing is written (a refused
+    # ShardlineModel included), so `kubectl logs deploy/shardline-controller` would show nothing.
+    kopf.configure(verbose=args.verbose, quiet=args.quiet)
     kopf.run(namespaces=list(args.namespace), clusterwide=not args.namespace, standalone=args.standalone,
              liveness_endpoint=args.liveness)
 

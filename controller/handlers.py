@@ -43,7 +43,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     for the resync timer, and removes it when the ShardlineModel is deleted)."""
     memo.operator = ControllerSettings()
     memo.storage = StorageSettings()
-    settings.posting.level = 30  # warnings and errors become Kubernetes events on the ShardlineModel
+    # warnings and errors logged on a ShardlineModel become Kubernetes events on it (kopf >= 1.45 posts log
+    # records only when asked to: settings.posting.loggers)
+    settings.posting.loggers = True
+    settings.posting.level = 30
 
 
 @kopf.on.login()

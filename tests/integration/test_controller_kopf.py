@@ -176,3 +176,41 @@ def test_an_hpa_it_made_before_the_cluster_had_keda_is_deleted(api: KubeApi, ope
                and api.get("keda.sh/v1alpha1/scaledobjects", NS, "churn")["spec"]["maxReplicaCount"] == 5)
     eventually(lambda: api.get("autoscaling/v2/horizontalpodautoscalers", NS, "churn") is None)
     assert api.get("autoscaling/v2/horizontalpodautoscalers", NS, "theirs") is not None
+
+
+def test_a_refused_shardline_model_is_posted_as_an_event_on_it(api: KubeApi, operator: Any) -> None:
+    apply_model(api, "slow", {"model": f"{MODEL}:1", "sloClass": "fast"})
+    uid = eventually(lambda: api.get(RESOURCE, NS, "slow")["metadata"]["uid"])
+
+    def posted() -> list[dict[str, Any]]:
+        return [e for e in api.objects("v1/events", NS).values()
+                if e["involvedObject"].get("uid") == uid and e["type"] == "Error"]
+    event = eventually(posted)[0]
+    assert event["involvedObject"]["name"] == "slow" and event["metadata"]["name"].startswith("kopf-event-")
+    assert "ShardlineModel serving/slow is refused: spec.sloClass" in event["message"]
+
+
+def test_the_operator_process_logs_a_refusal_on_its_output(
+    api: KubeApi, registry: ModelRegistry, tmp_path: Path,
+) -> None:
+    """`shardline-controller` as its Deployment runs it: `kubectl logs` shows what it refused, and why."""
+    import os
+    import subprocess
+    import sys
+
+    from shardline.local_ports import reserve_port as free_port
+
+    apply_model(api, "b-slo", {"model": f"{MODEL}:1", "sloClass": "fast"})
+    log = tmp_path / "controller.log"
+    liveness = f"http://127.0.0.1:{free_port()}/healthz"
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "shardline.controller", "--standalone", "--liveness",
+                                    liveness], stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+        try:
+            eventually(lambda: "is refused" in log.read_text(), timeout=60)
+        finally:
+            process.terminate()
+            process.wait(20)
+    text = log.read_text()
+    assert "Handler 'reconcile' failed permanently: ShardlineModel serving/b-slo is refused: spec.sloClass" in text
+    assert "Traceback" not in text

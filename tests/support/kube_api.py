@@ -14,6 +14,8 @@ import asyncio
 import copy
 import itertools
 import json
+import random
+import string
 import threading
 import uuid
 from collections.abc import Iterator
@@ -54,7 +56,8 @@ class PatchTestFailed(kmock.KubernetesError):  # type: ignore[misc]
 class StampingEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     """The emulator plus what an API server stamps on objects and clients rely on: ``metadata.resourceVersion``
     (new on every write: kopf tests it in its JSON patches), ``uid``, ``creationTimestamp`` and ``generation``
-    (raised when a write touches ``spec``), and 422 for a JSON patch whose test fails."""
+    (raised when a write touches ``spec``), a ``name`` made from ``generateName`` (kopf's events have no name of
+    their own), and 422 for a JSON patch whose test fails."""
 
     _versions = itertools.count(1)
 
@@ -63,6 +66,9 @@ class StampingEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         data = request.data
         if request.resource is not None and request.action == kmock.action.CREATE and isinstance(data, dict):
             meta = data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):  # as an API server does: kopf's events use it
+                meta["name"] = meta["generateName"] + "".join(random.choices(string.ascii_lowercase + string.digits,
+                                                                              k=5))
             meta.update(resourceVersion=str(next(self._versions)), uid=str(uuid.uuid4()), generation=1,
                         creationTimestamp=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
         elif request.resource is not None and request.action == kmock.action.UPDATE and request.name:

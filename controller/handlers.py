@@ -22,7 +22,8 @@ from kr8s.asyncio.objects import object_from_spec
 
 from shardline.controller.apply import plan
 from shardline.controller.reconcile import (
-    MANAGER, Autoscaler, Move, Reconciled, SetAlias, conditions_at, reconcile, refused, registry_view,
+    MANAGER, AliasClaim, Autoscaler, Move, Reconciled, SetAlias, claim, conditions_at, contested, reconcile, refused,
+    registry_view,
 )
 from shardline.controller.resource import GROUP, PLURAL, VERSION, ShardlineModel, parse_resource
 from shardline.errors import AliasConflict, InvalidSetting, ShardlineError
@@ -146,14 +147,38 @@ def _rollout_status(result: Reconciled, moved: AliasMove | None) -> dict[str, An
     return result.rollout.model_dump() if result.rollout is not None else None
 
 
+@kopf.index(GROUP, VERSION, PLURAL)
+def alias_claims(body: kopf.Body, **_: Any) -> dict[tuple[str, str], AliasClaim] | None:
+    """Every ShardlineModel naming a version, by the alias it moves (model name, alias): kopf keeps this index of
+    all the ShardlineModels it watches, filled before any handler runs."""
+    try:
+        found = claim(parse_resource(body))
+    except InvalidSetting:
+        return None
+    return None if found is None else {(found.model, found.alias): found}
+
+
+def _refuse_claim(message: str, previous: list[Any], now: datetime, generation: int, patch: kopf.Patch,
+                  logger: kopf.Logger) -> None:
+    """Valid False (AliasClaimed), said once as a warning (a Kubernetes event) while it lasts, not every resync."""
+    said = next((c for c in previous if isinstance(c, dict) and c.get("type") == "Valid"), {})
+    if (said.get("reason"), said.get("message")) != ("AliasClaimed", message):
+        logger.warning("%s", message)
+    patch.status["conditions"] = refused(message, previous, now, generation, reason="AliasClaimed")
+    patch.status["observedGeneration"] = generation
+    patch.status["rollout"] = None
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile")
 @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile")
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", id="reconcile")
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_S, initial_delay=RESYNC_S, id="resync")
 async def reconcile_model(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
-                          logger: kopf.Logger, **_: Any) -> None:
+                          logger: kopf.Logger, **kwargs: Any) -> None:
     """Check the spec, reconcile, apply, write the status. A refused spec is not retried (it fails until it is
-    corrected: condition ``Valid`` False naming the field); a registry move that lost a race is retried."""
+    corrected: condition ``Valid`` False naming the field); a registry move that lost a race is retried. One
+    naming another version of an alias an older ShardlineModel claims is refused and touches nothing (``Valid``
+    False, AliasClaimed) until that one changes or goes: every resync checks again."""
     now = datetime.now(timezone.utc)
     generation = int(body.get("metadata", {}).get("generation") or 0)
     previous = list(status.get("conditions") or [])
@@ -163,6 +188,12 @@ async def reconcile_model(body: kopf.Body, status: kopf.Status, patch: kopf.Patc
         patch.status["conditions"] = refused(str(e), previous, now, generation)
         patch.status["observedGeneration"] = generation
         raise kopf.PermanentError(str(e)) from e
+    mine = claim(model)
+    claims: kopf.Index[tuple[str, str], AliasClaim] = kwargs["alias_claims"]  # the index above, by its name
+    rivalry = contested(model, claims.get((mine.model, mine.alias), ())) if mine is not None else None
+    if rivalry is not None:
+        _refuse_claim(rivalry, previous, now, generation, patch, logger)
+        return
     settings: ControllerSettings = memo.operator
     storage: StorageSettings = memo.storage
     api = await _api()

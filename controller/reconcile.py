@@ -18,12 +18,18 @@ What a version in ``spec.model`` leads to (``name:V`` on alias A, the spec's ali
   promotes or rolls back by itself (docs/routing.md, "Rollouts").
 
 ``name@alias`` in ``spec.model`` serves what the alias points at and never moves it.
+
+Two ShardlineModels naming different versions of one ``name@alias`` would move it against each other without end
+(each one's rollout undoing the other's). The alias is claimed by the oldest ShardlineModel naming a version of it
+(creationTimestamp, then namespace/name: an order every reconcile of either reads the same, and one that never
+changes, so the one already serving keeps serving); ``contested`` refuses every younger one naming another version.
+Several naming the same version (one model on several hardware classes) do not conflict.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -117,6 +123,56 @@ class Reconciled(BaseModel):
     serving: str | None  # name:version the alias points at after the move (None: nothing yet)
     rollout: RunningRollout | None = None
     router_group: Obj
+
+
+class AliasClaim(BaseModel):
+    """A ShardlineModel that names a version of ``name@alias``: it moves that alias (``claim``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    namespace: str
+    name: str
+    created: str  # creationTimestamp
+    model: str
+    alias: str
+    version: int
+
+    @property
+    def order(self) -> tuple[str, str, str]:
+        """Oldest first; the namespace and name break a tie (timestamps have whole seconds)."""
+        return self.created, self.namespace, self.name
+
+
+def claim(model: ShardlineModel) -> AliasClaim | None:
+    """The alias the ShardlineModel moves, None when it names an alias (it follows, moving nothing)."""
+    spec = model.spec
+    if spec.pinned is None:
+        return None
+    return AliasClaim(namespace=model.namespace, name=model.name, created=model.created,
+                      model=spec.reference.name, alias=spec.routed_alias, version=spec.pinned)
+
+
+def contested(model: ShardlineModel, claims: Iterable[AliasClaim]) -> str | None:
+    """Why the ShardlineModel may not move its alias: an older ShardlineModel claims it for another version; None
+    when it may (it names an alias, it is the oldest claim, or the oldest names the same version).
+
+    Args:
+        claims: every ShardlineModel's claim the operator sees (its own included or not).
+    """
+    mine = claim(model)
+    if mine is None:
+        return None
+    rivals = [c for c in claims if (c.model, c.alias) == (mine.model, mine.alias)
+              and (c.namespace, c.name) != (mine.namespace, mine.name)]
+    oldest = min([mine, *rivals], key=lambda c: c.order)
+    if oldest.version == mine.version:
+        return None
+    ref = f"{mine.model}@{mine.alias}"
+    return (f"ShardlineModel {model.namespace}/{model.name} is refused: {ref} is claimed by the older ShardlineModel "
+            f"{oldest.namespace}/{oldest.name}, which names {mine.model}:{oldest.version} (this one names "
+            f"{mine.model}:{mine.version}; two would roll the alias back and forth); name {mine.model}:"
+            f"{oldest.version} or {ref}, route another alias (spec.alias), or change or delete "
+            f"{oldest.namespace}/{oldest.name}")
 
 
 def registry_view(registry: ModelRegistry, model: ShardlineModel) -> RegistryView:
@@ -214,9 +270,15 @@ def _decide(model: ShardlineModel, registry: RegistryView) -> tuple[Move | None,
         return SetAlias(name=name, alias=alias, version=wanted), rolled_out(
             "True", "AliasSet", f"{name}@{alias} set to {name}:{wanted} (its first version: no baseline to roll out "
             "against)")
-    if registry.alias_version == wanted:
-        return None, rolled_out("True", "Serving", f"{name}@{alias} points at {name}:{wanted}")
     running = registry.rollout
+    if registry.alias_version == wanted:
+        serving = f"{name}@{alias} points at {name}:{registry.alias_version}"
+        if running is not None and running.alias == alias and running.candidate != wanted:
+            # someone else's rollout (`shardline rollout start`) runs on the alias: say so, not only where it points
+            return None, rolled_out("True", "Serving", f"{serving}; rollout {running.id} of {name}:"
+                                    f"{running.candidate} runs on it ({running.describe}); if the routers promote "
+                                    f"it, {name}:{wanted} (spec.model) is rolled out again")
+        return None, rolled_out("True", "Serving", serving)
     if running is not None:
         if running.candidate == wanted and running.alias == alias:
             return None, rolled_out("False", "RollingOut", f"rollout {running.id} on {name}@{alias}: "
@@ -264,7 +326,9 @@ def conditions_at(conditions: tuple[Condition, ...], previous: list[Obj] | None,
     return written
 
 
-def refused(message: str, previous: list[Obj] | None, now: datetime, generation: int) -> list[Obj]:
-    """The conditions of a ShardlineModel whose spec is refused: ``Valid`` False with the checks' message."""
-    return conditions_at((Condition(type="Valid", status="False", reason="InvalidSpec", message=message),),
+def refused(message: str, previous: list[Obj] | None, now: datetime, generation: int,
+            reason: str = "InvalidSpec") -> list[Obj]:
+    """The conditions of a ShardlineModel whose spec is refused: ``Valid`` False with the checks' message
+    (``reason`` InvalidSpec, or AliasClaimed: ``contested``)."""
+    return conditions_at((Condition(type="Valid", status="False", reason=reason, message=message),),
                          previous, now, generation)

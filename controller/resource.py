@@ -178,6 +178,7 @@ class ShardlineModel(BaseModel):
     namespace: str
     uid: str = ""
     generation: int = 0
+    created: str = ""  # metadata.creationTimestamp (RFC 3339, UTC: ordered as text)
     spec: ShardlineModelSpec
 
 
@@ -213,4 +214,5 @@ def parse_resource(body: Mapping[str, Any]) -> ShardlineModel:
     if problems:
         raise InvalidSetting(f"{where} is refused: {'; '.join(problems)}; correct it and apply it again")
     return ShardlineModel(name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")),
-                          uid=str(meta.get("uid", "")), generation=int(meta.get("generation") or 0), spec=spec)
+                          uid=str(meta.get("uid", "")), generation=int(meta.get("generation") or 0),
+                          created=str(meta.get("creationTimestamp") or ""), spec=spec)

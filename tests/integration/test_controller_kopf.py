@@ -214,3 +214,29 @@ def test_the_operator_process_logs_a_refusal_on_its_output(
     text = log.read_text()
     assert "Handler 'reconcile' failed permanently: ShardlineModel serving/b-slo is refused: spec.sloClass" in text
     assert "Traceback" not in text
+
+
+def test_a_second_shardline_model_naming_another_version_of_the_alias_is_refused_not_fought_over(
+    api: KubeApi, registry: ModelRegistry, operator: Any,
+) -> None:
+    registry.set_alias(MODEL, "prod", 1)
+    apply_model(api, "churn", {"model": f"{MODEL}:1"})
+    eventually(lambda: (condition(api, "churn", "RolledOut") or {}).get("reason") == "Serving")
+    time.sleep(1.1)  # creationTimestamp has whole seconds: the second one is younger, not tied
+    apply_model(api, "churn-b", {"model": f"{MODEL}:2"})
+    valid = eventually(lambda: (c := condition(api, "churn-b", "Valid")) and c["status"] == "False" and c)
+    assert valid["reason"] == "AliasClaimed"
+    assert valid["message"].startswith(f"ShardlineModel {NS}/churn-b is refused: {MODEL}@prod is claimed by the "
+                                       f"older ShardlineModel {NS}/churn, which names {MODEL}:1")
+    uid = api.get(RESOURCE, NS, "churn-b")["metadata"]["uid"]
+    event = eventually(lambda: [e for e in api.objects("v1/events", NS).values()
+                                if e["involvedObject"].get("uid") == uid and e["type"] == "Warning"])[0]
+    assert "is claimed by the older ShardlineModel" in event["message"]
+    # nothing moved: no rollout of 2, no objects for the refused one; the older one still serves
+    assert registry.current_move(MODEL, "prod").action == "set"
+    assert registry.resolve(f"{MODEL}@prod").version == 1
+    assert api.get("apps/v1/deployments", NS, "churn-b") is None
+    assert condition(api, "churn", "Valid")["status"] == "True"
+    # the same version on another hardware class is no rival
+    apply_model(api, "churn-gpu", {"model": f"{MODEL}:1", "hardwareClass": "gpu"})
+    eventually(lambda: (condition(api, "churn-gpu", "RolledOut") or {}).get("reason") == "Serving")

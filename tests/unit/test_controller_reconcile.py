@@ -16,7 +16,7 @@ import pytest
 
 from shardline.controller.apply import LAST_APPLIED, plan
 from shardline.controller.reconcile import (
-    Condition, RegistryView, RunningRollout, SetAlias, StartRollout, conditions_at, reconcile,
+    Condition, RegistryView, RunningRollout, SetAlias, StartRollout, claim, conditions_at, contested, reconcile,
 )
 from shardline.controller.resource import ShardlineModel, parse_resource
 from shardline.errors import InvalidSetting
@@ -28,9 +28,11 @@ from tests.support.settings_names import unknown_settings
 SETTINGS = ControllerSettings()
 
 
-def model(spec: dict[str, Any], name: str = "churn", namespace: str = "serving") -> ShardlineModel:
+def model(spec: dict[str, Any], name: str = "churn", namespace: str = "serving",
+          created: str = "2026-01-01T00:00:00Z") -> ShardlineModel:
     return parse_resource({"apiVersion": "shardline.dev/v1alpha1", "kind": "ShardlineModel",
-                           "metadata": {"name": name, "namespace": namespace, "uid": "u-1", "generation": 3},
+                           "metadata": {"name": name, "namespace": namespace, "uid": "u-1", "generation": 3,
+                                        "creationTimestamp": created},
                            "spec": spec})
 
 
@@ -236,6 +238,41 @@ def test_a_running_rollout_is_not_started_again_and_another_version_waits_for_it
     other = reconcile(model({"model": "churn:3"}), view, SETTINGS)
     assert other.move is None and condition(other, "RolledOut").reason == "Waiting"
     assert "one rollout per model" in condition(other, "RolledOut").message
+
+
+def test_the_alias_serving_the_specs_version_says_so_and_names_a_rollout_running_away_from_it() -> None:
+    running = RunningRollout(id="r7", alias="prod", candidate=2, baseline=1, describe="canary 2 vs 1 at 10%")
+    result = reconcile(model({"model": "churn:1"}), RegistryView(versions=(1, 2), alias_version=1, rollout=running),
+                       SETTINGS)
+    rolled = condition(result, "RolledOut")
+    assert result.move is None and (rolled.status, rolled.reason) == ("True", "Serving")
+    assert rolled.message == ("churn@prod points at churn:1; rollout r7 of churn:2 runs on it (canary 2 vs 1 at 10%); "
+                              "if the routers promote it, churn:1 (spec.model) is rolled out again")
+    assert result.rollout == running and result.serving == "churn:1"
+    alone = condition(reconcile(model({"model": "churn:1"}), SERVING_1, SETTINGS), "RolledOut")
+    assert alone.message == "churn@prod points at churn:1"
+
+
+def test_a_second_shardline_model_naming_another_version_of_the_alias_is_refused_the_oldest_keeps_it() -> None:
+    older = model({"model": "churn:2"}, name="churn", created="2026-01-01T00:00:00Z")
+    younger = model({"model": "churn:1"}, name="churn-b", namespace="other", created="2026-01-02T00:00:00Z")
+    claims = [c for c in (claim(older), claim(younger)) if c is not None]
+    assert contested(older, claims) is None
+    assert contested(younger, claims) == (
+        "ShardlineModel other/churn-b is refused: churn@prod is claimed by the older ShardlineModel serving/churn, "
+        "which names churn:2 (this one names churn:1; two would roll the alias back and forth); name churn:2 or "
+        "churn@prod, route another alias (spec.alias), or change or delete serving/churn")
+    # the same instant: namespace, then name decide, the same way for both
+    tied = model({"model": "churn:1"}, name="a-churn", created="2026-01-01T00:00:00Z")
+    tied_claims = claims + [claim(tied)]  # type: ignore[list-item]
+    assert contested(tied, tied_claims) is None and contested(older, tied_claims) is not None
+    # the same version (one model on two hardware classes), an alias reference, another alias: no conflict
+    same = model({"model": "churn:2", "hardwareClass": "gpu"}, name="churn-gpu", created="2026-02-01T00:00:00Z")
+    follows = model({"model": "churn@prod"}, name="churn-f", created="2026-02-01T00:00:00Z")
+    staging = model({"model": "churn:1", "alias": "staging"}, name="churn-s", created="2026-02-01T00:00:00Z")
+    assert [contested(m, claims) for m in (same, follows, staging)] == [None, None, None]
+    # the older one gone: the younger one moves the alias
+    assert contested(younger, [c for c in claims if c.name != "churn"]) is None
 
 
 def test_a_version_the_routers_rolled_back_is_not_tried_again() -> None:

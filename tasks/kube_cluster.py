@@ -27,7 +27,7 @@ import hashlib
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from shardline.errors import InvalidInput, InvalidSetting, RuntimeUnavailable
 from shardline.settings import DaskSettings
@@ -94,10 +94,34 @@ def on_capacity(pod_spec: dict[str, Any], capacity_type: str) -> dict[str, Any]:
     return spec
 
 
+def image_name(reference: str) -> str:
+    """An image reference without its tag or digest (``registry:5000/shardline:0.1.0`` -> ``registry:5000/shardline``),
+    the name kustomize's ``images:`` matches."""
+    name = reference.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return name[: len(name) - len(last)] + last.split(":", 1)[0]
+
+
+def with_images(cluster: dict[str, Any], images: Mapping[str, str]) -> dict[str, Any]:
+    """``cluster`` with each container whose image is named as a key of ``images`` running that value instead (as
+    kustomize's ``images:`` would, had the template been an object and not data)."""
+    for role in ("scheduler", "worker"):
+        pod = cluster.get("spec", {}).get(role, {}).get("spec", {})
+        for container in [*pod.get("containers", []), *pod.get("initContainers", [])]:
+            wanted = images.get(image_name(str(container.get("image", ""))))
+            if wanted:
+                container["image"] = wanted
+    return cluster
+
+
 def job_cluster_resources(
-    template: dict[str, Any], job_id: str, workers: int, max_workers: int, capacity_type: str | None = None
+    template: dict[str, Any], job_id: str, workers: int, max_workers: int, capacity_type: str | None = None,
+    images: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The job's DaskCluster (a copy of ``template`` named for the job) and its DaskAutoscaler (None: fixed size).
+
+    ``images`` maps an image name the template uses (``shardline``, ``shardline-gpu``) to the reference its
+    containers run instead (``SHARDLINE_DASK_KUBERNETES_IMAGE``, ``_GPU_IMAGE``).
 
     The scheduler service's selector is rewritten to the new name (it selects the scheduler pod by cluster name),
     the default worker group starts at ``workers``, and the bounds are written as annotations (``max_workers`` 0:
@@ -113,7 +137,7 @@ def job_cluster_resources(
             f"DaskCluster of {API_VERSION}; point it at a DaskCluster template (docs/kubernetes.md, 'Dask')"
         )
     name = job_cluster_name(job_id)
-    cluster = copy.deepcopy(template)
+    cluster = with_images(copy.deepcopy(template), images or {})
     meta = cluster.setdefault("metadata", {})
     meta.update(name=name)
     meta.pop("namespace", None)
@@ -219,8 +243,10 @@ def job_cluster(settings: DaskSettings, job_id: str, template: dict[str, Any],
         RuntimeUnavailable: the operator did not report the cluster running within the timeout.
     """
     cluster_kind, _, autoscaler_kind = _kinds()
+    images = {name: image for name, image in (("shardline", settings.kubernetes_image),
+                                              ("shardline-gpu", settings.kubernetes_gpu_image)) if image}
     body, scaler_body = job_cluster_resources(template, job_id, settings.kubernetes_workers,
-                                              settings.kubernetes_max_workers, capacity_type)
+                                              settings.kubernetes_max_workers, capacity_type, images)
     namespace = _namespace(settings)
     name = body["metadata"]["name"]
     cluster = _create_or_adopt(cluster_kind, body, namespace)

@@ -30,6 +30,16 @@ class DaskSettings(BaseSettings):
         default=None,
         description="Path of the DaskCluster template (YAML) each job's cluster is made from, for cluster=kubernetes.",
     )
+    kubernetes_image: str | None = Field(
+        default=None,
+        description="The image of the job cluster's containers the template gives the image named shardline (the "
+        "scheduler, CPU workers); unset: the template's. deploy/k8s ships it in the tenant's ConfigMap "
+        "shardline-dask-images, which an overlay's `images:` rewrites.",
+    )
+    kubernetes_gpu_image: str | None = Field(
+        default=None,
+        description="The same for the containers the template gives the image named shardline-gpu (GPU workers).",
+    )
     kubernetes_workers: int = Field(
         default=2, ge=0,
         description="Workers a job's kubernetes cluster starts with: its minimum (the DaskAutoscaler's, and the floor "

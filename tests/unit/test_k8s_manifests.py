@@ -404,6 +404,53 @@ def test_the_image_carries_the_dask_templates_the_flow_reads() -> None:
     assert "deploy/k8s/base/tenant/dask/" in text
 
 
+def kustomization_images(name: str) -> dict[str, str]:
+    """The image references an overlay's `images:` entries make, by image name (base, components, then overlay)."""
+    made: dict[str, str] = {}
+    overlay_file = yaml.safe_load((K8S / "overlays" / name / "kustomization.yaml").read_text())
+    files = [K8S / "base/kustomization.yaml",
+             *(K8S / "overlays" / name / c / "kustomization.yaml" for c in overlay_file.get("components", [])),
+             K8S / "overlays" / name / "kustomization.yaml"]
+    for path in files:
+        for entry in yaml.safe_load(path.read_text()).get("images", []):
+            made[entry["name"]] = f"{entry.get('newName', entry['name'])}:{entry['newTag']}"
+    return made
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_one_images_entry_names_the_images_the_operator_and_the_dask_clusters_start(name: str) -> None:
+    from shardline.settings import ControllerSettings, DaskSettings
+    from shardline.tasks.kube_cluster import job_cluster_resources
+
+    objects = overlay(name)
+    images = kustomization_images(name)
+    running = {c["image"] for d in find(objects, "Deployment") for c in containers(d)}
+    controller = one(objects, "Deployment", "shardline-controller")
+    [container] = containers(controller)
+    assert container["image"] == images["shardline"]
+    assert {"configMapRef": {"name": "shardline-controller-images"}} in container["envFrom"]
+    assert not [e for e in container.get("env", []) if e["name"].endswith("IMAGE")]
+    given = one(objects, "ConfigMap", "shardline-controller-images")["data"]
+    operator = ControllerSettings(**{k.removeprefix("SHARDLINE_CONTROLLER_").lower(): v for k, v in given.items()})
+    assert operator.image == images["shardline"] == container["image"]
+    assert operator.gpu_image == images.get("shardline-gpu", "shardline-gpu:0.1.0")
+    if name != "dev":  # production runs the GPU image itself: the same reference
+        assert operator.gpu_image in running
+    # a job's Dask cluster, made from the shipped templates with the tenant's settings, runs the same images
+    dask = one(objects, "ConfigMap", "shardline-dask-images")
+    assert dask["metadata"]["namespace"] == "shardline-tenant-acme"
+    settings = DaskSettings(**{k.removeprefix("SHARDLINE_DASK_").lower(): v for k, v in dask["data"].items()})
+    assert (settings.kubernetes_image, settings.kubernetes_gpu_image) == (operator.image, operator.gpu_image)
+    for key, template in dask_templates(name).items():
+        cluster, _ = job_cluster_resources(template, "0123456789abcdef", 2, 10, images={
+            "shardline": settings.kubernetes_image or "", "shardline-gpu": settings.kubernetes_gpu_image or ""})
+        used = {c["image"] for role in ("scheduler", "worker") for c in cluster["spec"][role]["spec"]["containers"]}
+        assert used and used <= {operator.image, operator.gpu_image}, (key, used)
+        assert operator.image in used  # the scheduler
+    if name == "dev":  # dev builds and loads shardline:dev only: that is what the CPU pods pull
+        assert images["shardline"] == "shardline:dev" and settings.kubernetes_image == "shardline:dev"
+
+
 def pod_specs(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
     if obj["kind"] in {"Deployment", "StatefulSet"}:
         yield obj["spec"]["template"]["spec"]

@@ -145,3 +145,17 @@ def test_scaling_down_never_while_busy_and_never_below_the_minimum() -> None:
     assert (floor.replicas, floor.minimum) == (2, 2) and "minimum of 2" in floor.reason
     at_floor = plan_scale(current=2, step=-1, floor=2, maximum=10, busy=0)
     assert (at_floor.replicas, at_floor.minimum) == (2, None)
+
+
+def test_the_settings_images_replace_the_templates_by_image_name() -> None:
+    from shardline.tasks.kube_cluster import image_name
+
+    assert [image_name(r) for r in ("shardline:0.1.0", "registry:5000/x/shardline-gpu:1@sha256:ab", "shardline")] == [
+        "shardline", "registry:5000/x/shardline-gpu", "shardline"]
+    template = yaml.safe_load((TEMPLATES / "cluster-gpu.yaml").read_text())
+    cluster, _ = job_cluster_resources(template, "0123456789abcdef", 1, 0,
+                                       images={"shardline": "reg/shardline:7", "shardline-gpu": "reg/shardline-gpu:7"})
+    assert [c["image"] for c in cluster["spec"]["scheduler"]["spec"]["containers"]] == ["reg/shardline:7"]
+    assert [c["image"] for c in cluster["spec"]["worker"]["spec"]["containers"]] == ["reg/shardline-gpu:7"]
+    unchanged, _ = job_cluster_resources(template, "0123456789abcdef", 1, 0)
+    assert unchanged["spec"]["worker"]["spec"]["containers"][0]["image"] == "shardline-gpu:0.1.0"

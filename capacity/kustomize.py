@@ -1,11 +1,18 @@
 """A packing plan as a kustomize Component: replica counts and resources for the overlay's replica groups.
 
 deploy/k8s runs one Deployment per replica group (``shardline-replicas-<group>``), each on one hardware class
-(docs/kubernetes.md). ``component_files(plan, hardware, groups)`` writes, for every group the mapping names, a
-strategic-merge patch of its Deployment: ``spec.replicas`` (the plan's replicas of that class; 0, and nothing
-else changed, where the plan uses none), the ``serve`` container's resources replaced whole (the GPU resource:
-``nvidia.com/gpu`` or ``nvidia.com/mig-<profile>``, one per replica; CPU and memory the plan assumed) and the node
-selector of the GPU kind. An overlay takes it with ``components: [path/to/dir]``. Pure: file name -> text.
+(docs/kubernetes.md). ``component_files(plan, hardware, groups)`` writes, for every group the plan uses, a
+strategic-merge patch of its Deployment: ``spec.replicas`` (the plan's replicas of that class), the ``serve``
+container's resources and the node selector of the GPU kind. An overlay takes it with ``components:
+[path/to/dir]``. Pure: file name -> text.
+
+- A GPU group's resources get its device (``nvidia.com/gpu`` or ``nvidia.com/mig-<profile>``, one per replica)
+  and lose any other device; its host CPU and memory stay the overlay's: the plan's ``memory_gb`` on a GPU is
+  device memory (docs/cost.md), which says nothing of the host memory the server takes beside it.
+- A CPU group's resources are replaced whole by the cores and memory the plan assumed.
+- A group the plan does not use is left as the overlay has it, not set to 0 replicas: an HPA does not scale a
+  Deployment at 0 (and ``cpu``, the routers' last resort, never goes below 1); KEDA takes an idle group to zero
+  by itself.
 """
 
 from __future__ import annotations
@@ -29,14 +36,20 @@ def deployment_name(group: str) -> str:
     return f"shardline-replicas-{group}"
 
 
-def _resources(kind: GpuKind | CpuNodeType, slot: str, cores: float, memory_gb: float) -> dict[str, Any]:
-    memory = f"{max(_MIN_MEMORY_GI, math.ceil(memory_gb))}Gi"
-    requests: dict[str, Any] = {"cpu": f"{cores:g}", "memory": memory}
-    limits: dict[str, Any] = {"memory": memory}
+def _device(slot: str) -> str:
+    return "nvidia.com/gpu" if slot == WHOLE else f"nvidia.com/mig-{slot}"
+
+
+def _resources(kind: GpuKind | CpuNodeType, slot: str, cores: float, memory_gb: float,
+               hardware: Hardware) -> dict[str, Any]:
     if isinstance(kind, GpuKind):
-        device = "nvidia.com/gpu" if slot == WHOLE else f"nvidia.com/mig-{slot}"
-        requests[device] = limits[device] = 1  # extended resources: the request is the limit
-    return {"$patch": "replace", "requests": requests, "limits": limits}
+        # the device only (extended resources: the request is the limit); any other device the overlay's group
+        # asked for removed (null); host CPU and memory as the overlay has them
+        others = sorted({_device(s) for k in hardware.gpus for s in k.slots} - {_device(slot)})
+        devices: dict[str, Any] = {**{d: None for d in others}, _device(slot): 1}
+        return {"requests": dict(devices), "limits": dict(devices)}
+    memory = f"{max(_MIN_MEMORY_GI, math.ceil(memory_gb))}Gi"
+    return {"$patch": "replace", "requests": {"cpu": f"{cores:g}", "memory": memory}, "limits": {"memory": memory}}
 
 
 def _node_selector(kind: GpuKind | CpuNodeType, slot: str) -> dict[str, str] | None:
@@ -49,7 +62,7 @@ def _node_selector(kind: GpuKind | CpuNodeType, slot: str) -> dict[str, str] | N
 
 
 def group_patches(plan: PackingPlan, hardware: Hardware, groups: dict[str, str]) -> list[dict[str, Any]]:
-    """One Deployment patch per replica group the mapping names (sorted by group).
+    """One Deployment patch per replica group the mapping names and the plan uses (sorted by group).
 
     Raises:
         InvalidSetting: the plan uses a hardware class no group runs, or two classes map to one group.
@@ -75,16 +88,14 @@ def group_patches(plan: PackingPlan, hardware: Hardware, groups: dict[str, str])
     patches = []
     for group, members in sorted(by_group.items()):
         chosen = next((c for c in members if c in used), None)
-        if chosen is None:  # a group the plan does not use: none of its replicas, its resources as they are
-            patches.append({"apiVersion": "apps/v1", "kind": "Deployment",
-                            "metadata": {"name": deployment_name(group), "namespace": NAMESPACE},
-                            "spec": {"replicas": 0}})
+        if chosen is None:  # a group the plan does not use: as the overlay has it (never 0: see the docstring)
             continue
         kind, slot = classes[chosen]
         mine = [g for g in plan.groups if g.hardware_class == chosen]
         cores = max(g.offer.cores for g in mine)
         memory = max(g.offer.memory_gb for g in mine)
-        spec: dict[str, Any] = {"containers": [{"name": "serve", "resources": _resources(kind, slot, cores, memory)}]}
+        resources = _resources(kind, slot, cores, memory, hardware)
+        spec: dict[str, Any] = {"containers": [{"name": "serve", "resources": resources}]}
         selector = _node_selector(kind, slot)
         if selector:
             spec["nodeSelector"] = selector
@@ -107,7 +118,7 @@ def component_files(plan: PackingPlan, hardware: Hardware, groups: dict[str, str
     header = (f"# Written by `shardline plan capacity`: {plan.cost_per_hour:.2f}/h, {plan.gpu_count} GPUs "
               f"(lower bound {plan.lower_bound:.2f}/h; one model per GPU {plan.baseline.cost_per_hour:.2f}/h).\n"
               "# Replica counts are the plan's at its demand; where KEDA or an HPA owns a group's count, keep its\n"
-              "# maxReplicaCount at least this.\n")
+              "# maxReplicaCount at least this. Groups the plan does not use keep the overlay's count.\n")
     kustomization = {"apiVersion": "kustomize.config.k8s.io/v1alpha1", "kind": "Component",
                      "patches": [{"path": "replicas.yaml"}]}
     return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import kubernetes_validate
@@ -119,17 +120,24 @@ def test_a_missing_demand_file_says_so() -> None:
     assert result.exit_code == 2 and "cannot read the demand file '/nonexistent/demand.yaml'" in result.output
 
 
-def _overlay_with(component: Path, where: Path) -> Path:
+def _overlay_with(component: Path, where: Path, autoscaler: str = "keda") -> Path:
     """A production overlay that also takes the written component (paths relative, as kustomize wants)."""
     where.mkdir()
     relative = lambda p: os.path.relpath(p, where)  # noqa: E731
     (where / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [relative(K8S / "base")],
-        "components": [relative(K8S / "components/production"), relative(K8S / "components/keda"),
+        "components": [relative(K8S / "components/production"), relative(K8S / f"components/{autoscaler}"),
                        relative(component)],
     }))
     return where
+
+
+def _serve(objects: tuple[dict[str, Any], ...], group: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A replica group's Deployment and its serve container's resources."""
+    [deployment] = find(objects, "Deployment", f"shardline-replicas-{group}")
+    [serve] = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "serve"]
+    return deployment, serve["resources"]
 
 
 def test_the_kustomize_component_renders_in_the_production_overlay_and_validates(tmp_path: Path) -> None:
@@ -142,20 +150,22 @@ def test_the_kustomize_component_renders_in_the_production_overlay_and_validates
     objects = render(_overlay_with(tmp_path / "plan", tmp_path / "overlay"))
     replicas = {c: sum(g["replicas"] for g in plan["groups"] if g["hardware_class"] == c)
                 for c in ("h200", "h200-mig-1g.18gb", "h200-mig-3g.71gb", "cpu-8c")}
+    production = render(K8S / "overlays/production")
     for group, hardware_class, device in [("gpu", "h200", "nvidia.com/gpu"),
                                           ("mig-1g", "h200-mig-1g.18gb", "nvidia.com/mig-1g.18gb"),
                                           ("mig-3g", "h200-mig-3g.71gb", "nvidia.com/mig-3g.71gb"),
                                           ("cpu", "cpu-8c", None)]:
-        [deployment] = find(objects, "Deployment", f"shardline-replicas-{group}")
-        assert deployment["spec"]["replicas"] == replicas[hardware_class]
-        resources = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]
+        deployment, resources = _serve(objects, group)
+        before, base_resources = _serve(production, group)
+        # a group the plan does not use keeps the overlay's count (never 0: an HPA would stop scaling it)
+        assert deployment["spec"]["replicas"] == (replicas[hardware_class] or before["spec"]["replicas"]) >= 1
         gpu_keys = {k for k in resources["requests"] if k.startswith("nvidia.com/")}
         assert gpu_keys == ({device} if device else set()), resources
-    # the 1g group's replicas ask for the slice and the memory of the largest model the plan puts there
+        if device:  # host CPU and memory beside a GPU are the overlay's, not the model's device memory
+            for side in ("requests", "limits"):
+                assert {k: v for k, v in resources[side].items() if not k.startswith("nvidia.com/")} == {
+                    k: v for k, v in base_resources[side].items() if not k.startswith("nvidia.com/")}
     [mig] = find(objects, "Deployment", "shardline-replicas-mig-1g")
-    largest = max(g["offer"]["memory_gb"] for g in plan["groups"] if g["hardware_class"] == "h200-mig-1g.18gb")
-    assert mig["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
-        "memory": f"{largest:.0f}Gi", "nvidia.com/mig-1g.18gb": 1}
     assert mig["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200",
                                                                "nvidia.com/mig.strategy": "mixed"}
     for obj in objects:
@@ -163,6 +173,32 @@ def test_the_kustomize_component_renders_in_the_production_overlay_and_validates
             validate(obj, "1.32.0")
         except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as e:
             raise AssertionError(f"{obj['kind']}/{obj['metadata']['name']}: {e}") from None
+
+
+def test_with_hpas_no_group_is_left_at_zero_and_gpu_groups_keep_their_host_memory(tmp_path: Path) -> None:
+    """An LLM on whole H200s (60 GB of device memory) and a model on 1g slices, over production-hpa: the groups
+    the plan does not use (cpu, mig-3g) keep a replica for their HPA; the GPU groups keep the host side."""
+    (tmp_path / "demand.yaml").write_text("""
+models:
+  - {name: small, demand: 400, p99_ms: 30, min_replicas: 1, memory_gb: 6,
+     profiles: {cuda-nvidia-h200-mig-1g.18gb: {batches: [{batch_size: 8, p99_ms: 2.0, rows_per_s: 500}]}}}
+  - {name: llm, demand: 3000, unit: tokens/s, memory_gb: 60, profiles: {cuda-nvidia-h200: {throughput: 1600}}}
+""")
+    result = CliRunner().invoke(app, ["plan", "capacity", "--demand", str(tmp_path / "demand.yaml"),
+                                      "--kustomize", str(tmp_path / "plan"), "--prices", prices_file(tmp_path)])
+    assert result.exit_code == 0, result.output
+    objects = render(_overlay_with(tmp_path / "plan", tmp_path / "overlay", autoscaler="hpa"))
+    for group in ("cpu", "mig-3g"):
+        deployment, _ = _serve(objects, group)
+        [hpa] = find(objects, "HorizontalPodAutoscaler", f"shardline-replicas-{group}")
+        assert deployment["spec"]["replicas"] >= hpa["spec"]["minReplicas"] >= 1
+    gpu, gpu_resources = _serve(objects, "gpu")
+    assert gpu["spec"]["replicas"] == 2
+    assert gpu_resources == {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1},
+                             "limits": {"memory": "64Gi", "nvidia.com/gpu": 1}}
+    _, mig_resources = _serve(objects, "mig-1g")
+    assert mig_resources == {"requests": {"cpu": "2", "memory": "12Gi", "nvidia.com/mig-1g.18gb": 1},
+                             "limits": {"memory": "12Gi", "nvidia.com/mig-1g.18gb": 1}}
 
 
 def test_a_class_without_a_replica_group_is_refused_with_what_to_do() -> None:

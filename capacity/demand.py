@@ -26,14 +26,16 @@ and the registry and hands both in.
 
 from __future__ import annotations
 
+from difflib import get_close_matches
 from typing import Any, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shardline.capacity.hardware import Hardware
 from shardline.capacity.problem import ModelDemand, Offer, PackingProblem, Unit, offers_from_profiles
 from shardline.errors import InvalidSetting, yaml_problem
+from shardline.machines import CPU_MACHINE
 from shardline.placement import BatchWorkload, OnlineWorkload, PlacementPolicy, Workload
 
 # The replica groups deploy/k8s/components/production runs (docs/kubernetes.md): hardware class -> group.
@@ -92,6 +94,17 @@ class DemandFile(BaseModel):
     hardware: Hardware | None = None
     groups: dict[str, str] = Field(default_factory=dict, description="Hardware class -> replica group name.")
 
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[DemandEntry]) -> list[DemandEntry]:
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(models):
+            if entry.name in seen:
+                raise ValueError(f"models.{i}.name {entry.name!r} is models.{seen[entry.name]}'s name too; give each "
+                                 "model its own name (the plan's groups are by name)")
+            seen[entry.name] = i
+        return models
+
     def replica_groups(self) -> dict[str, str]:
         """Hardware class -> replica group: the production overlay's, with this file's over them."""
         return {**DEFAULT_GROUPS, **self.groups}
@@ -100,7 +113,7 @@ class DemandFile(BaseModel):
 def _first_error(error: ValidationError) -> str:
     first = error.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "the file"
-    return f"{where}: {first['msg']}"
+    return f"{where}: {str(first['msg']).removeprefix('Value error, ')}"
 
 
 def _yaml(text: str, source: str) -> Any:
@@ -137,6 +150,36 @@ def parse_hardware(text: str, source: str = "the hardware file") -> Hardware:
         raise InvalidSetting(f"{source}: {_first_error(e)}; it holds 'gpus' and 'cpu_nodes' lists") from e
 
 
+def _machine_known(name: str, kinds: set[str]) -> bool:
+    """A machine kind of the catalogue (``cuda-nvidia-h200[-mig-1g.18gb]``, any ``cpu-<arch>-<N>c``), or one with a
+    precision variant's ``.variant`` after it (a registry key)."""
+    bare = [name, name.rsplit(".", 1)[0]]
+    return any(n in kinds or CPU_MACHINE.match(n) for n in bare)
+
+
+def check_profile_kinds(demand: DemandFile, hardware: Hardware) -> None:
+    """Refuse a demand file's inline profile under a machine kind the catalogue does not have (a typo would be
+    ignored without a word, and the model planned from another machine's profile or none).
+
+    Raises:
+        InvalidSetting: naming the entry and the kind, the closest known kind, and the known ones.
+    """
+    kinds = {kind.machine_of(slot) for kind in hardware.gpus for slot in kind.slots}
+    for i, entry in enumerate(demand.models):
+        for key, profile in entry.profiles.items():
+            machine = str(profile.get("machine", key)) if isinstance(profile, Mapping) else key
+            if _machine_known(machine, kinds):
+                continue
+            close = get_close_matches(machine, sorted(kinds), n=1)
+            meant = f"did you mean {close[0]!r}? " if close else ""
+            whole = ", ".join(sorted(kind.machine for kind in hardware.gpus)) or "none"
+            raise InvalidSetting(
+                f"models.{i}.profiles: {machine!r} ({entry.name}) is not a machine kind of the hardware catalogue; "
+                f"{meant}machine kinds: {whole} (a MIG slice: add -mig-<profile>, e.g. -mig-1g.18gb), or "
+                "cpu-<arch>-<cores>c; correct the key (`shardline model profile` prints the kind it measured on)"
+            )
+
+
 def build_problem(
     demand: DemandFile,
     hardware: Hardware,
@@ -154,7 +197,11 @@ def build_problem(
             demand entry's inline profiles are laid over them.
         classes: hardware classes the plan may use (None: every class of the catalogue).
         policy: the placement policy the offers are judged with.
+
+    Raises:
+        InvalidSetting: an inline profile under a machine kind the catalogue does not have.
     """
+    check_profile_kinds(demand, hardware)
     models, offers = [], []
     for entry in demand.models:
         model = entry.as_demand()

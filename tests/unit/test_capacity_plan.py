@@ -89,6 +89,17 @@ def test_plan_capacity_prints_the_plan_beside_bound_and_baseline_and_writes_it(t
     ("models: [", "is not YAML"),
     ("models:\n  - {name: a, demand: 5, memory_gb: 500, profiles: {cuda-nvidia-h200: {throughput: 9}}}",
      "no hardware class can serve a (needs 500 GB a replica, batch)"),
+    ("models:\n  - {name: a, demand: 5, memory_gb: 1, profiles: {cuda-nvidia-h200: {throughput: 9}}}\n"
+     "  - {name: a, demand: 6, memory_gb: 1, profiles: {cuda-nvidia-h200: {throughput: 9}}}",
+     "models: models.1.name 'a' is models.0's name too; give each model its own name"),
+    # a mistyped kind beside a right one would be ignored, the slice estimated from the whole GPU
+    ("models:\n  - {name: s, demand: 400, p99_ms: 30, memory_gb: 6, profiles: {"
+     "cuda-nvidia-h200: {batches: [{batch_size: 8, p99_ms: 2.0, rows_per_s: 5000}]}, "
+     "cuda-nvidia-h200-mig-1g.18g: {batches: [{batch_size: 8, p99_ms: 2.0, rows_per_s: 500}]}}}",
+     "models.0.profiles: 'cuda-nvidia-h200-mig-1g.18g' (s) is not a machine kind of the hardware catalogue; "
+     "did you mean 'cuda-nvidia-h200-mig-1g.18gb'? machine kinds: "),
+    ("models:\n  - {name: t, demand: 5, memory_gb: 1, profiles: {tpu-v5: {throughput: 100}}}",
+     "'tpu-v5' (t) is not a machine kind of the hardware catalogue; machine kinds: "),
 ])
 def test_a_wrong_demand_file_is_one_line_and_exit_2(tmp_path: Path, text: str, message: str) -> None:
     (tmp_path / "demand.yaml").write_text(text)

@@ -3,7 +3,8 @@
 ``pack(problem, policy)`` turns a ``PackingProblem`` (models, their offers, the hardware catalogue) into a
 ``PackingPlan``: how many GPUs of each kind in which MIG layout, which CPU nodes, how many replicas of each model
 on each hardware class, and what it costs per hour, beside the LP relaxation's cost (a lower bound no plan can
-beat) and beside one model per GPU. The mixed-integer program (docs/capacity.md, "The program"):
+beat) and beside one model per GPU. The mixed-integer program (docs/cost.md, "Packing replicas onto nodes, GPUs
+and MIG slices", "The program"):
 
 - a GPU of kind g is used whole or in one of its maximal MIG layouts: ``y[g, layout]`` GPUs so used;
 - a replica of model m takes a slot (whole GPU or slice) it fits in memory: ``x[m, g, slot]`` replicas; the slots

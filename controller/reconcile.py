@@ -211,7 +211,8 @@ def reconcile(model: ShardlineModel, registry: RegistryView, settings: Controlle
         serving_version: int | None = move.version
     else:
         serving_version = registry.alias_version
-    found = spec.pinned is None or spec.pinned in registry.versions
+    # name@alias: found when the alias points at a version (its moves are the only reading of it here)
+    found = registry.alias_version is not None if spec.pinned is None else spec.pinned in registry.versions
     # the replicas load every version a request may name: the alias's and, during a rollout, the candidate
     needs = [registry.min_memory_mb.get(v) for v in (serving_version, spec.pinned) if v is not None]
     memory = objects.memory_request(model, max((n for n in needs if n), default=None))
@@ -227,10 +228,10 @@ def reconcile(model: ShardlineModel, registry: RegistryView, settings: Controlle
     conditions = [
         Condition(type="Valid", status="True", reason="Checked", message="the spec passed the operator's checks"),
         Condition(type="ModelFound", status="True" if found else "False",
-                  reason="InRegistry" if found else "NotInRegistry",
-                  message=f"{spec.model} is in the registry" if found else
-                  f"{spec.model} is not in the registry (versions: {_versions(registry)}); push it with `shardline "
-                  f"model push` or correct spec.model"),
+                  reason="InRegistry" if found else
+                  "AliasUnset" if spec.pinned is None and registry.versions else "NotInRegistry",
+                  message=f"{spec.model} is in the registry" if found else _not_found(spec.model, name, alias,
+                                                                                      spec.pinned, registry)),
         rollout_condition,
         _ready(ready_replicas, spec.min_replicas),
     ]
@@ -249,6 +250,14 @@ def reconcile(model: ShardlineModel, registry: RegistryView, settings: Controlle
 
 def _versions(registry: RegistryView) -> str:
     return ", ".join(str(v) for v in registry.versions) or "none"
+
+
+def _not_found(reference: str, name: str, alias: str, pinned: int | None, registry: RegistryView) -> str:
+    if pinned is None and registry.versions:
+        return (f"{reference}: the alias is not set (versions: {_versions(registry)}); set it (`shardline model alias "
+                f"{name} {alias} VERSION`) or name a version in spec.model")
+    return (f"{reference} is not in the registry (versions: {_versions(registry)}); push it with `shardline model "
+            "push` or correct spec.model")
 
 
 def _decide(model: ShardlineModel, registry: RegistryView) -> tuple[Move | None, Condition]:

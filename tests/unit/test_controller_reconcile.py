@@ -296,8 +296,16 @@ def test_an_alias_reference_follows_the_alias_and_never_moves_it() -> None:
     result = reconcile(model({"model": "churn@canary"}), RegistryView(versions=(1, 2), alias_version=2), SETTINGS)
     assert result.move is None and condition(result, "RolledOut").reason == "FollowsAlias"
     assert result.serving == "churn:2"
+    assert condition(result, "ModelFound").status == "True"
     unset = reconcile(model({"model": "churn@canary"}), RegistryView(versions=(1,)), SETTINGS)
     assert unset.move is None and condition(unset, "RolledOut").reason == "AliasUnset"
+    # an alias that points nowhere is not "in the registry"
+    found = condition(unset, "ModelFound")
+    assert (found.status, found.reason) == ("False", "AliasUnset")
+    assert found.message == ("churn@canary: the alias is not set (versions: 1); set it (`shardline model alias churn "
+                             "canary VERSION`) or name a version in spec.model")
+    nothing = condition(reconcile(model({"model": "churn@canary"}), RegistryView(), SETTINGS), "ModelFound")
+    assert (nothing.status, nothing.reason) == ("False", "NotInRegistry")
 
 
 # status conditions

@@ -4,7 +4,9 @@ dashboards and for an autoscaler (a KEDA Prometheus trigger or an HPA on externa
 Per request, counted as it is answered:
 
 - ``shardline_router_requests_total{model, code}``: answers by model version (``name:version``; ``-``
-  for requests that name none) and status code;
+  for requests that name none, those the router refused itself, and those naming a version not known to exist:
+  a version a client names labels the series only once a replica answered it below 400, or the router pinned it
+  itself, so names made up by clients cannot grow them) and status code;
 - ``shardline_router_request_seconds{model}``: the router's whole time for it, retries included;
 - ``shardline_router_retries_total{model}``: tries on another replica;
 - ``shardline_router_fallbacks_total{model, variant}``: answers a model's fallback variant gave;
@@ -107,9 +109,10 @@ class RouterMetrics:
         """A request for ``model`` is being answered."""
         self.in_flight[model] += 1
 
-    def answered(self, model: str, status: int, seconds: float, retries: int) -> None:
-        """A request for ``model`` was answered ``status`` after ``seconds`` and ``retries`` retries."""
-        self.in_flight[model] -= 1
+    def answered(self, model: str, status: int, seconds: float, retries: int, started: str | None = None) -> None:
+        """A request for ``model`` was answered ``status`` after ``seconds`` and ``retries`` retries; ``started``:
+        the label it was ``started`` with when that was another (``-``: its version was not known to exist yet)."""
+        self.in_flight[model if started is None else started] -= 1
         self.requests[(model, status)] += 1
         counts = self.latency.get(model)
         if counts is None:

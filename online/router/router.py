@@ -98,6 +98,7 @@ _TENANT, _VARIANT, _BUDGET = TENANT_HEADER.encode(), VARIANT_HEADER.encode(), BU
 _ROUTE_KEY, _TIMEOUT, _GATED = ROUTE_KEY_HEADER.encode(), TIMEOUT_HEADER.encode(), GATED_HEADER.encode()
 _MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/infer|/ready)?/?$")
 MAX_REMEMBERED = 65_536  # (replica, version) pairs known to have answered (past it, none counts as first)
+MAX_VERSIONS = 4_096  # model versions known to exist (pinned here, or answered by a replica): the metrics' labels
 MAX_MIRRORS = 64  # shadow copies in flight at once; more are skipped (counted), never queued
 _BODY_MODEL_PATHS = frozenset({"/v1/embeddings", "/v1/completions", "/v1/chat/completions"})
 
@@ -135,6 +136,9 @@ class Router:
         self.metrics.activator = activator
         self._mirrors: set[asyncio.Task[None]] = set()
         self._answered: set[tuple[str, str]] = set()  # (replica, model version) pairs that have answered
+        # Model versions (name:version) known to exist: pinned here (an alias, a rollout) or answered below 400 by a
+        # replica. Only these label the metrics: a version a client names is "-" until then (``_measured``).
+        self._versions: set[str] = set()
         self._abandoned: set[asyncio.Task[object]] = set()  # tries given up on a hung replica (``abandon``)
         self.fallbacks: dict[tuple[str, str], str] = {}  # (model name, group) -> the variant that group answers with
         self.behind_edge = False  # nginx in front: it holds the rate and concurrency quotas it marks
@@ -373,15 +377,21 @@ class Router:
                         route: Route | None, mirror: tuple[str, bytes, str] | None, stream: bool) -> Answer:
         routed = request.header(_ROUTE_KEY)
         model = key.split("|", 1)[0] if ":" in key else "-"
+        if route is not None:  # pinned here (an alias's version, a rollout's pick): it exists
+            self._know(model)
+        # A version the client named labels the series only once it is known to exist (as serve labels a model
+        # only once resolved): names made up by clients must not grow them. Until then, and for those that never
+        # exist, "-"; the in-flight count is given back under the label it was taken with.
+        taken = model if model in self._versions else "-"
         request.measured = True
         started = self._clock()
-        self.metrics.started(model)
+        self.metrics.started(taken)
         tries = Tries()
-        status, shed = 500, False
+        status, shed, answered = 500, False, False
         try:
             answer = await self.forward(tenant, request, path, body, f"{key}|{routed}" if routed else key,
                                         request_id, tries, stream=stream)
-            status, shed = answer.status, _shed(answer)
+            status, shed, answered = answer.status, _shed(answer), True
             if mirror is not None and route is not None and route.rollout is not None:
                 self._mirror(tenant, request, mirror, route.rollout, answer, request_id)
             return answer
@@ -390,10 +400,18 @@ class Router:
             raise
         finally:
             seconds = self._clock() - started
-            self.metrics.answered(model, status, seconds, max(0, tries.count - 1))
+            if answered and status < 400:  # a replica answered it: the version exists
+                self._know(model)
+            label = model if model in self._versions else "-"
+            self.metrics.answered(label, status, seconds, max(0, tries.count - 1), taken)
             if route is not None and route.rollout is not None and self.rollouts is not None:
                 self.rollouts.record(route, status, None if tries.first else seconds, shed)
                 self.metrics.rollout_answer(model, route.arm or "-", status >= 500 and not shed)
+
+    def _know(self, model: str) -> None:
+        """``model`` (``name:version``) exists: it may label the metrics (up to ``MAX_VERSIONS`` of them)."""
+        if model != "-" and len(self._versions) < MAX_VERSIONS:
+            self._versions.add(model)
 
     def _mirror(self, tenant: Tenant, request: Incoming, mirror: tuple[str, bytes, str], rollout: Rollout,
                 primary: Answer, request_id: str) -> None:
@@ -483,7 +501,8 @@ class Router:
                 if tries is not None:
                     pair = (replica.url, model)
                     tries.first = pair not in self._answered
-                    if tries.first and len(self._answered) < MAX_REMEMBERED:
+                    # remembered once the model answered (a client's 4xx, for a version made up, leaves no trace)
+                    if tries.first and answer.status < 400 and len(self._answered) < MAX_REMEMBERED:
                         self._answered.add(pair)
                 return answer
             last = answer if answer is not None else last
@@ -619,7 +638,7 @@ class Router:
             if pieces is not None:
                 answer.stream = _busy_until_done(pieces, replica)
             ok = answer.status not in RETRY_STATUSES or answer.status == 503 and _shed(answer)
-            if answer.status < 500:
+            if answer.status < 400:  # a good answer is timed per model; a client's error (a version made up) is not
                 replica.answered(model, (self._clock() - now) * 1000)
             return answer
         except UpstreamFailed as e:

@@ -168,6 +168,36 @@ def test_head_and_a_trailing_slash_are_answered_as_serve_answers_them(routed: Ro
     assert routed.log.read_text().count("failed:") == failures_before  # no replica blamed
 
 
+
+def test_versions_made_up_by_a_client_add_no_series(routed: Routed, breast_cancer_model: BuiltModel) -> None:
+    # Each version string a client sent became a label of its own (a counter, 16 histogram lines, an in-flight
+    # gauge), though no replica had it: a tenant could grow the router's series without bound.
+    body = _infer_body(breast_cancer_model)
+    made_up = [f"{MODEL}:{n}" for n in (1001, 1002, 1003)] + [f"{MODEL}:zz1001", "minilm:abc1001"]
+    with httpx.Client(base_url=routed.url, headers=key()) as client:
+        before = _scrape(routed.metrics)
+        assert [client.post(f"/v2/models/{MODEL}/versions/{n}/infer", content=body).status_code
+                for n in (1001, 1002, 1003)] == [404] * 3
+        assert client.get(f"/v2/models/{MODEL}/versions/zz1001").status_code == 400  # not a version number
+        assert client.post("/v1/embeddings", json={"model": "minilm:abc1001", "input": "x"}).status_code == 400
+        # a version that exists labels its series once a replica has answered it (churn:2, no alias points at it)
+        named = client.post(f"/v2/models/{CHURN}/versions/2/infer", content=body)
+        assert named.status_code == 200 and named.json()["model_version"] == "2"
+    series = _scrape(routed.metrics)
+    labels = {dict(labels).get("model") for _, labels in series}
+    assert not labels & set(made_up), sorted(m for m in labels if m and m in made_up)
+    assert series[("shardline_router_requests_total", (("code", "200"), ("model", f"{CHURN}:2")))] == 1
+    # counted as no model version: 3 answers 404 and two 400 more than before, and nothing left in flight
+    dash = (("model", "-"),)
+    assert (series[("shardline_router_requests_total", (("code", "404"), *dash))]
+            - before.get(("shardline_router_requests_total", (("code", "404"), *dash)), 0)) == 3
+    assert (series[("shardline_router_requests_total", (("code", "400"), *dash))]
+            - before.get(("shardline_router_requests_total", (("code", "400"), *dash)), 0)) == 2
+    in_flight = {dict(labels)["model"]: value for (name, labels), value in series.items()
+                 if name == "shardline_router_in_flight"}
+    assert set(in_flight.values()) <= {0.0} and f"{CHURN}:2" not in in_flight, in_flight  # taken and given back as '-'
+
+
 def test_replicas_take_requests_only_through_the_router(routed: Routed, breast_cancer_model: BuiltModel) -> None:
     replica = next(iter(routed.replicas))
     direct = httpx.get(f"{replica}/v2/models/{MODEL}", headers=key())
@@ -729,3 +759,4 @@ def test_a_stalled_only_replica_is_waited_for_not_taken_out(home: Path, breast_c
         if stopped and stopped[-1] != -1:
             os.kill(only, signal.SIGCONT)
         _stop(router)
+

@@ -20,6 +20,12 @@ What each connection is held to (``ConnectionLimits``, from ``OnlineSettings``):
   So half-open connections cannot keep a health check or a real request out.
 - **In-flight cap.** With ``max_in_flight`` requests being answered, another is answered 503 with
   ``Retry-After`` (``/v2/health/*`` and ``/health`` always go through).
+- **A client gone before its request began.** When a request's last byte is read, the socket is asked
+  (``poll``, ``POLLRDHUP``: nothing is read) whether the client has closed its side behind it already;
+  then the app reads a disconnect at once and answers nothing (``ClientGone``: 499 in the access log, no
+  inference, nothing metered), as nginx tests a client that closed before its request is passed on. It is
+  what a router's given-up copy looks like to a replica that was stopped or blocked: the router moved the
+  request to another replica and closed the connection, and the copy was still in this socket's buffer.
 
 A refusal is answered, then the write side is shut (FIN) and whatever the client still sends is
 read and dropped for ``LINGER_S`` at most (a "lingering close"): closing with unread data would
@@ -39,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import select
 import socket
 from typing import Any
 
@@ -54,6 +61,9 @@ from shardline.online.limits import ConnectionLimits
 
 HEALTH_PATHS = (b"/v2/health/", b"/health")  # never refused for the in-flight cap (probes)
 LINGER_S = 2.0  # after an answer that closes, how long what the client still sends is read and dropped
+# The peer closed its side (FIN), or reset the connection: what poll says of a socket whose client is gone.
+# (POLLRDHUP is Linux's; elsewhere there is no such test, and a request whose client went is answered to no one.)
+_GONE = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +116,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_over = False  # the read that ended the head took it past max_header_bytes
         self._body_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._peer: Any = None  # a poll object on the connection's socket (``_client_gone``), None where there is none
 
     # -- connection ----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -119,11 +130,26 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.listeners.waiting[self] = None
         self.timeout_keep_alive_task = self.loop.call_later(self.limits.header_timeout_s,
                                                             self.timeout_keep_alive_handler)
+        sock = transport.get_extra_info("socket")
+        if hasattr(select, "POLLRDHUP") and sock is not None and sock.fileno() >= 0:
+            self._peer = select.poll()
+            self._peer.register(sock.fileno(), select.POLLRDHUP)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.listeners.waiting.pop(self, None)
         self._cancel_body_timer()
+        self._peer = None
         super().connection_lost(exc)
+
+    def _client_gone(self) -> bool:
+        """Whether the client has closed its side of the connection (or reset it), from the socket, reading nothing."""
+        peer = self._peer
+        if peer is None:
+            return False
+        try:
+            return any(events & _GONE for _, events in peer.poll(0))
+        except OSError:
+            return False
 
     def _close_longest_waiting(self) -> bool:
         for victim in self.listeners.waiting:
@@ -213,6 +239,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._in_head, self._head_bytes = True, 0
         self._cancel_body_timer()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started and not cycle.disconnected and self._client_gone():
+            # The client closed the connection behind its request (a router gave this copy up and moved the
+            # request elsewhere while this process was stopped): the app reads a disconnect before it starts on it.
+            cycle.disconnected = True
+            cycle.message_event.set()
         if (self.timeout_keep_alive_task is None and self.cycle is not None and self.cycle.response_complete
                 and not self.transport.is_closing()):
             # answered before its body was read: the next head is timed from here

@@ -30,6 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from shardline.online import gpu_metrics
+from shardline.online.bodies import CLIENT_GONE
 from shardline.storage.ledger import LedgerWriter
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -311,7 +312,7 @@ class Metrics:
             self._request_children[key] = children
         children[0].inc()
         children[1].observe(seconds)
-        if self.ledger is not None and model:
+        if self.ledger is not None and model and code != CLIENT_GONE:  # metered: answered (a client gone was not)
             self.ledger.add_request(tenant, model, version)
 
     def observe_batch(self, model: str, version: str, rows: int, requests: int, seconds: float) -> None:

@@ -530,7 +530,9 @@ class Router:
     def abandon(self, replica: Replica, now: float) -> int:
         """``replica`` is hung (a stalled try's health probe went unanswered): take it out until a health check
         passes, and give up the tries waiting on it, so that each request moves to another replica at once (a
-        move, not a retry: the given-up copy costs the replicas nothing more). Returns how many were moved."""
+        move, not a retry). A given-up try's connection is closed (``UpstreamPool``), and a replica does not start a
+        request whose client closed behind it (``online/connection.py``): a copy still in the stopped replica's
+        socket costs it nothing; one it had begun before it stopped it finishes. Returns how many were moved."""
         replica.healthy = False
         replica.hung_at = now
         waiting = [task for task in replica.waiting if isinstance(task, asyncio.Task) and not task.done()]

@@ -621,19 +621,21 @@ def test_a_model_falls_back_to_its_int8_variant_on_the_cpu_group_marked_in_the_a
 
 
 def open_loop(url: str, body: bytes, rate: float, seconds: float,
-              during: Any = None) -> list[tuple[int | str, float]]:
+              during: Any = None, id_prefix: str | None = None) -> list[tuple[int | str, float]]:
     """POST ``body`` to the model's infer path at ``rate`` a second for ``seconds``, each request at its intended
     time whatever the others do (an open loop, as users' traffic comes); ``during(elapsed)`` is called between
-    sends. Returns (status, or the error's name, and seconds from the intended send to the answer) per request."""
+    sends; with ``id_prefix``, the n-th request is sent with ``X-Request-Id: <id_prefix><n>``. Returns (status, or
+    the error's name, and seconds from the intended send to the answer) per request."""
     import asyncio
 
     async def run() -> list[tuple[int | str, float]]:
         results: list[tuple[int | str, float]] = []
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
         async with httpx.AsyncClient(base_url=url, headers=key(), timeout=30, limits=limits) as client:
-            async def one(at: float) -> None:
+            async def one(at: float, n: int) -> None:
+                headers = {"X-Request-Id": f"{id_prefix}{n}"} if id_prefix is not None else None
                 try:
-                    answer = await client.post(f"/v2/models/{MODEL}/infer", content=body)
+                    answer = await client.post(f"/v2/models/{MODEL}/infer", content=body, headers=headers)
                     results.append((answer.status_code, time.monotonic() - at))
                 except httpx.HTTPError as e:
                     results.append((type(e).__name__, time.monotonic() - at))
@@ -642,7 +644,7 @@ def open_loop(url: str, body: bytes, rate: float, seconds: float,
             while sent < rate * seconds:
                 at = start + sent / rate
                 await asyncio.sleep(max(0.0, at - time.monotonic()))
-                tasks.append(asyncio.ensure_future(one(at)))
+                tasks.append(asyncio.ensure_future(one(at, sent)))
                 sent += 1
                 if during is not None:
                     during(time.monotonic() - start)
@@ -760,3 +762,77 @@ def test_a_stalled_only_replica_is_waited_for_not_taken_out(home: Path, breast_c
             os.kill(only, signal.SIGCONT)
         _stop(router)
 
+
+def test_a_request_moved_off_a_hung_replica_is_scored_once(home: Path, breast_cancer_model: BuiltModel) -> None:
+    """Two `serve` replicas behind a router (``--config``); the first in the model's order is stopped (SIGSTOP) while
+    20 requests/s, each with its own X-Request-Id, come for 3 s, then continued. The router takes it out as hung and
+    moves the requests waiting on it: every one is answered 200, and scored by one replica only (their access logs:
+    a line per request, which is what the metering ledger counts). The stopped replica found the given-up copies in
+    its socket's buffer when it woke, the router's connection closed behind each: it scored them all, and the tenant
+    was charged twice for each moved request."""
+    router_key = "router-key-for-the-hung-test"
+    tenants = _tenants(home / "tenants-moved.yaml")
+    ports = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    config = home / "router-moved.yaml"
+    config.write_text("groups:\n  - name: local\n    replicas: [" + ", ".join(f'"{u}"' for u in urls) + "]\n")
+    env = _env(home, SHARDLINE_TENANCY_ROUTER_KEY_SHA256=hashlib.sha256(router_key.encode()).hexdigest())
+    logs = [home / f"moved-replica-{i}.log" for i in range(2)]
+    servers = []
+    for port, replica_log in zip(ports, logs):
+        with open(replica_log, "wb") as sink:
+            servers.append(subprocess.Popen([*SHARDLINE, "serve", "--port", str(port), "--metrics-port", "off",
+                                             "--tenants", str(tenants)], env=env, stdout=sink,
+                                            stderr=subprocess.STDOUT))
+    port = free_port()
+    log = home / "router-moved.log"
+    with open(log, "wb") as sink:
+        router = subprocess.Popen([*SHARDLINE, "router", "--config", str(config), "--tenants", str(tenants), "--port",
+                                   str(port), "--metrics-port", "off"],
+                                  env=_env(home, SHARDLINE_ROUTER_KEY=router_key), stdout=sink,
+                                  stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    body = _infer_body(breast_cancer_model)
+    victim_url = rank(f"{MODEL}:1", urls)[0]
+    victim = servers[urls.index(victim_url)]
+    stopped = False
+    try:
+        _wait_ready(url, router, log, available=2)
+        assert {status for status, _ in open_loop(url, body, 20, 2)} == {200}  # both replicas have the model loaded
+        os.kill(victim.pid, signal.SIGSTOP)  # nothing in flight: every copy sent to it waits in its socket
+        stopped = True
+        results = open_loop(url, body, 20, 4, lambda elapsed: None, id_prefix="moved-")
+        os.kill(victim.pid, signal.SIGCONT)
+        stopped = False
+        assert {status for status, _ in results} == {200}, log.read_text()[-3000:]
+        assert f"replica {victim_url} is hung" in log.read_text(), log.read_text()[-3000:]
+        sent = {f"moved-{n}" for n in range(len(results))}
+
+        def scored() -> dict[str, list[tuple[int, int]]]:
+            lines: dict[str, list[tuple[int, int]]] = {}
+            for i, replica_log in enumerate(logs):
+                for line in replica_log.read_text(errors="replace").splitlines():
+                    if '"msg":"request"' in line and '"request_id":"moved-' in line:
+                        fields = orjson.loads(line)
+                        lines.setdefault(fields["request_id"], []).append((i, fields["status"]))
+            return lines
+
+        # the stopped replica has read what waited for it (a line for each copy it took up), once it is back in
+        _eventually(lambda: httpx.get(f"{url}/v2/health/ready").json()["available"] == 2, 30,
+                    lambda: log.read_text()[-3000:])
+        _eventually(lambda: any(i == urls.index(victim_url) for v in scored().values() for i, _ in v), 10,
+                    "the stopped replica logged none of the requests sent to it")
+        lines = scored()
+        twice = {request_id: v for request_id, v in lines.items() if [s for _, s in v].count(200) != 1}
+        assert set(lines) == sent and not twice, f"{len(twice)} of {len(sent)} scored twice: {sorted(twice.items())[:5]}"
+        # the given-up copies it read were not started: 499 (client gone), which the metering ledger does not count
+        given_up = [request_id for request_id, v in lines.items() if (urls.index(victim_url), 499) in v]
+        moved = sum(int(n) for n in re.findall(rf"replica {re.escape(victim_url)} is hung.*?(\d+) waiting requests moved",
+                                               log.read_text()))
+        assert moved >= 1 and len(given_up) <= moved, (given_up, moved)
+    finally:
+        if stopped:
+            os.kill(victim.pid, signal.SIGCONT)
+        for server in servers:
+            _stop(server)
+        _stop(router)

@@ -455,8 +455,8 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
 
     @wrap
     async def server_metadata(request: Request) -> Response:
-        authenticate(request, plane)
-        return json_response({"name": "shardline", "version": __version__, "extensions": EXTENSIONS})
+        with plane.admit(authenticate(request, plane)):  # every authenticated request counts against the quotas
+            return json_response({"name": "shardline", "version": __version__, "extensions": EXTENSIONS})
 
     @wrap
     async def metadata(request: Request) -> Response:

@@ -90,7 +90,8 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
     @wrap
     async def models(request: Request) -> Response:
         tenant = authenticate(request, plane)
-        listed = [_model_object(name) for name in sorted(tenant.models)]
+        with plane.admit(tenant):  # every authenticated request counts against the tenant's quotas
+            listed = [_model_object(name) for name in sorted(tenant.models)]
         return json_response({"object": "list", "data": listed})
 
     @wrap
@@ -98,8 +99,9 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
         """OpenAI's ``GET /v1/models/{model}`` (the client's ``models.retrieve``): one of the tenant's models."""
         tenant = authenticate(request, plane)
         name = request.path_params["model"]
-        if tenant.reference_for(name) is None:
-            raise not_available(tenant, name)  # the same 404 whether or not the model exists
+        with plane.admit(tenant):
+            if tenant.reference_for(name) is None:
+                raise not_available(tenant, name)  # the same 404 whether or not the model exists
         return json_response(_model_object(name))
 
     async def health(request: Request) -> Response:

@@ -88,6 +88,23 @@ def test_a_tenant_over_its_rate_or_concurrency_gets_429_with_retry_after(home: P
         assert 'shardline_rate_limited_total{quota="rate",tenant="metered"} 1.0' in metrics
 
 
+def test_every_keyed_request_counts_against_the_rate_and_health_against_nothing(home: Path) -> None:
+    # serve let GET /v2, /v1/models and /v1/models/{model} past the rate that metadata, readiness and inference
+    # were held to (the router held them all): one tenant had two rules depending on the tier it called
+    with server(home) as (url, _, _):
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEYS['metered']}"}) as client:
+            assert client.get("/v2").status_code == 200  # the burst (2): one token each
+            assert client.get("/v1/models").status_code == 200
+            paths = ["/v2", "/v1/models", f"/v1/models/{MODEL}", f"/v2/models/{MODEL}", f"/v2/models/{MODEL}/ready"]
+            refused = {path: client.get(path) for path in paths}
+            assert {path: r.status_code for path, r in refused.items()} == dict.fromkeys(paths, 429)
+            assert "over its rate of 0.01 requests/s (burst 2)" in refused["/v2"].json()["error"]
+            assert "over its rate of 0.01 requests/s" in refused["/v1/models"].json()["error"]["message"]
+            assert int(refused[f"/v1/models/{MODEL}"].headers["retry-after"]) >= 1
+            health = ["/v2/health/live", "/v2/health/ready", "/health"]
+            assert {path: client.get(path).status_code for path in health} == dict.fromkeys(health, 200)
+
+
 def test_overload_sheds_low_priority_with_503_while_high_priority_is_served(home: Path, breast_cancer_model: BuiltModel) -> None:
     # A queue of 4: low priority may fill 2 of it, high all 4; a batch runs when 4 requests are queued (or after 10 s).
     held = {MODEL: ModelServing(max_batch_wait_ms=10_000, max_batch_size=4, queue_capacity=4)}

@@ -12,7 +12,10 @@
   of its tenant's (``shardline-batch-tenant-<name>``, shards at once), and submits
   at most that many shards at a time. Limits are created at run time when missing
   and resized to the configuration when they differ: the tenants file and
-  ``TenancySettings.priority_job_slots`` are the source of truth.
+  ``TenancySettings.priority_job_slots`` are the source of truth. The slots are held on a lease of
+  ``SLOT_LEASE_S`` that the holder renews: the slots of a job whose process was killed come back when it
+  lapses (within about a minute and a half, the Prefect server's shortest lease and its check for lapsed
+  ones), not after Prefect's default five minutes. A job waiting for slots stops when it is asked to stop.
 
 In single-tenant mode (no tenants file) none of this applies.
 """
@@ -24,6 +27,8 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
@@ -131,7 +136,7 @@ def fair_share(
     if tenant is None or shards == 0:
         yield None
         return
-    from prefect.concurrency.sync import concurrency
+    from shardline.tasks.dispatch import STOP_REQUEST
 
     class_name, tenant_name = limit_names(tenant.name, priority)
     class_slots = settings.priority_job_slots.get(priority)
@@ -143,18 +148,51 @@ def fair_share(
     ensure_limit(class_name, class_slots)
     limit = tenant.policy.max_concurrent_shards
     log = run_logger()
-    # a lease renewal that fails once (a busy API) must not end a long job; at worst its slots free early
-    wait = settings.wait_timeout_s
-    with concurrency(class_name, occupy=1, timeout_seconds=wait, strict=True, raise_on_lease_renewal_failure=False):
+    stop = STOP_REQUEST.get()
+    until = None if settings.wait_timeout_s is None else time.monotonic() + settings.wait_timeout_s
+    with contextlib.ExitStack() as held:
+        _hold(held, class_name, 1, until, stop)
         if limit is None:
             yield None
             return
         in_flight = min(limit, shards)
         ensure_limit(tenant_name, limit)
         log.info("tenant %s: waiting for %d of its %d shard slots", tenant.name, in_flight, limit)
-        with concurrency(tenant_name, occupy=in_flight, timeout_seconds=wait, strict=True,
-                         raise_on_lease_renewal_failure=False):
-            yield in_flight
+        _hold(held, tenant_name, in_flight, until, stop)
+        yield in_flight
+
+
+SLOT_LEASE_S = 60.0  # the lease on a job's slots, renewed at 3/4 of it (the server's shortest: 60 s)
+SLOT_POLL_S = 2.0  # how long one try for slots waits before the job looks whether it was asked to stop
+
+
+def _hold(held: contextlib.ExitStack, name: str, slots: int, until: float | None, stop: threading.Event | None) -> None:
+    """Take ``slots`` of the limit ``name`` into ``held`` (released when it closes), waiting until ``until``
+    (monotonic; None: as long as it takes) in tries of ``SLOT_POLL_S``, between which a stop request ends the wait.
+
+    Raises:
+        JobStopped: the job was asked to stop while it waited (nothing scored: a re-run resumes).
+        TimeoutError: ``until`` passed (``SHARDLINE_TENANCY_WAIT_TIMEOUT_S``).
+    """
+    from prefect.concurrency.sync import concurrency
+
+    from shardline.errors import JobStopped
+
+    while True:
+        left = None if until is None else until - time.monotonic()
+        try:
+            # a lease renewal that fails once (a busy API) must not end a long job; at worst its slots free early
+            held.enter_context(concurrency(name, occupy=slots, timeout_seconds=SLOT_POLL_S if left is None else
+                                           max(0.1, min(SLOT_POLL_S, left)), lease_duration=SLOT_LEASE_S,
+                                           strict=True, raise_on_lease_renewal_failure=False))
+            return
+        except TimeoutError:
+            if stop is not None and stop.is_set():
+                raise JobStopped(f"stopped on request while waiting for {slots} slot(s) of {name} (nothing was "
+                                 "scored): run the same command again to resume") from None
+            if until is not None and time.monotonic() >= until:
+                raise TimeoutError(f"waited SHARDLINE_TENANCY_WAIT_TIMEOUT_S for {slots} slot(s) of {name}; "
+                                   "they are held by other jobs") from None
 
 
 def cluster_capacity(asked: str | None, dask: DaskSettings) -> str | None:

@@ -1,0 +1,54 @@
+"""A batch job's fair share of the cluster (``tasks/fairness.fair_share``) on a real Prefect API: a job waiting for
+its tenant's shard slots, which other jobs hold, stops when it is asked to (its command interrupted: the warm
+runner's stop request), instead of waiting on until the slots come back; it takes them once they do. (Before, a
+slot held by a killed job's lease kept the next job waiting, unstoppable, for Prefect's default five minutes.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from shardline.errors import JobStopped
+from shardline.settings import TenancySettings
+from shardline.tasks.dispatch import STOP_REQUEST
+from shardline.tasks.fairness import SLOT_LEASE_S, ensure_limit, fair_share, limit_names
+from shardline.tenants import BatchPolicy, BatchTenant
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_job_waiting_for_its_tenants_slots_stops_when_asked_and_takes_them_once_free() -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    tenant = BatchTenant("waiter", BatchPolicy(storage_prefixes=["/data"], max_concurrent_shards=2))
+    _, slots_name = limit_names(tenant.name, "normal")
+    ensure_limit(slots_name, 2)
+    held, release = threading.Event(), threading.Event()
+
+    def other_job() -> None:  # holds both of the tenant's slots until released
+        with concurrency(slots_name, occupy=2, lease_duration=SLOT_LEASE_S, strict=True):
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=other_job)
+    holder.start()
+    assert held.wait(30)
+    stop = threading.Event()
+    token = STOP_REQUEST.set(stop)
+    try:
+        threading.Timer(1.0, stop.set).start()  # the command interrupted while its job waits
+        with pytest.raises(JobStopped, match=r"stopped on request while waiting for 2 slot\(s\) of "
+                                             r"shardline-batch-tenant-waiter \(nothing was scored\)"):
+            with fair_share(tenant, "normal", 5, TenancySettings()):
+                pytest.fail("the slots were taken while another job held them")
+    finally:
+        STOP_REQUEST.reset(token)
+        release.set()
+        holder.join()
+    with get_client(sync_client=True) as client:  # nothing of the stopped job's is held
+        assert client.read_global_concurrency_limit_by_name(slots_name).active_slots == 0
+    with fair_share(tenant, "normal", 5, TenancySettings()) as in_flight:
+        assert in_flight == 2
+        with get_client(sync_client=True) as client:
+            assert client.read_global_concurrency_limit_by_name(slots_name).active_slots == 2

@@ -182,8 +182,15 @@ class ShardlineModel(BaseModel):
     spec: ShardlineModelSpec
 
 
-def _cross_field_problems(spec: ShardlineModelSpec) -> list[str]:
+# The objects the operator makes for a ShardlineModel carry its name, a Service among them: a DNS-1035 label.
+SERVICE_NAME = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _cross_field_problems(spec: ShardlineModelSpec, name: str) -> list[str]:
     problems = []
+    if not SERVICE_NAME.fullmatch(name):
+        problems.append(f"metadata.name: {name!r} cannot name the Service made for it (a DNS-1035 label: at most 63 "
+                        "lower-case letters, digits and '-', starting with a letter, not ending with '-'); rename it")
     if spec.max_replicas < spec.min_replicas:
         problems.append(f"spec.maxReplicas: {spec.max_replicas} is below spec.minReplicas {spec.min_replicas}")
     ref = spec.reference
@@ -210,7 +217,7 @@ def parse_resource(body: Mapping[str, Any]) -> ShardlineModel:
         spec = _Body.model_validate({"spec": body.get("spec")}).spec
     except ValidationError as e:
         raise InvalidSetting(f"{where} is refused: {validation_problems(e)}; correct it and apply it again") from e
-    problems = _cross_field_problems(spec)
+    problems = _cross_field_problems(spec, str(meta.get("name", "")))
     if problems:
         raise InvalidSetting(f"{where} is refused: {'; '.join(problems)}; correct it and apply it again")
     return ShardlineModel(name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")),

@@ -357,6 +357,16 @@ def test_a_bad_spec_is_refused_in_one_line_naming_the_field(spec: dict[str, Any]
     assert field in message and "serving/broken" in message and "\n" not in message
 
 
+@pytest.mark.parametrize("name", ["9churn", "churn.v2", "churn-", "c" * 64])
+def test_a_name_no_service_may_have_is_refused_before_anything_is_applied(name: str) -> None:
+    """A ShardlineModel may be named as any custom resource (a DNS-1123 subdomain), but its Service may not: a real
+    API server would refuse that Service at every reconcile."""
+    with pytest.raises(InvalidSetting, match=rf"ShardlineModel serving/{name} is refused: metadata.name: '{name}' "
+                                             r"cannot name the Service made for it \(a DNS-1035 label"):
+        model({"model": "churn:1"}, name=name)
+    assert model({"model": "churn:1"}, name="churn-v2").name == "churn-v2"
+
+
 # applying: create, then patch only what the operator set
 
 

@@ -49,6 +49,9 @@ def render_command(
     folder = out if out is not None else config.parent
     files = render(slos, config)
     if check:
+        if folder.exists() and not folder.is_dir():
+            raise fail(f"--out {folder} is a file; --check compares the files in a folder: pass the folder the "
+                       "rules and dashboards are in")
         stale = [path for path, text in files.items() if _read(folder / path) != text]
         for path in stale:
             typer.echo(f"out of date: {folder / path}", err=True)

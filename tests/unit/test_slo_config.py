@@ -340,6 +340,9 @@ def test_slo_render_into_a_file_or_a_folder_it_cannot_write_is_one_line(tmp_path
     assert done.exit_code == 2 and done.output.count("\n") == 1, done.output
     assert done.output.startswith(f"error: cannot write the generated files into {blocked}: Not a directory (")
     assert done.output.rstrip().endswith("pass a writable folder with --out") and blocked.read_text() == "not a folder"
+    checked = CliRunner().invoke(app, ["slo", "render", "--config", str(ROOT / SHIPPED), "--out", str(blocked), "--check"])
+    assert checked.exit_code == 2 and checked.output == (f"error: --out {blocked} is a file; --check compares the files "
+                                                         "in a folder: pass the folder the rules and dashboards are in\n")
 
 
 def test_slo_render_refuses_a_wrong_file_in_one_line(tmp_path: Path) -> None:

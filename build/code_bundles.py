@@ -135,7 +135,7 @@ def _copy_code(source: Path, out: Path) -> list[Any]:
     found = sorted(p for p in target.rglob("*") if p.is_file())
     if not any(p.suffix == ".py" for p in found):
         raise InvalidSetting(f"model code {source} holds no .py file; give the module that holds the class")
-    pickles = [p.name for p in found if is_pickle(p)]
+    pickles = [p.name for p in found if is_pickle(p, sniff=True)]
     if pickles:
         raise InvalidSetting(f"model code {source} holds pickles ({', '.join(pickles)}), which Shardline never "
                              "loads; save weights as files (ONNX, .npz, JSON) and load them in load(context)")
@@ -145,12 +145,12 @@ def _copy_code(source: Path, out: Path) -> list[Any]:
 def _copy_file(path: Path, out: Path) -> list[Any]:
     """Copy one model file, or a folder whole under its name, into the bundle; the artifacts (role model)."""
     if path.is_file():
-        if is_pickle(path):
+        if is_pickle(path, sniff=True):
             raise InvalidSetting(f"model file {path} is a pickle, which Shardline never loads; save the weights as "
                                  "files (ONNX, .npz, JSON) and load them in load(context)")
         shutil.copyfile(path, out / path.name)
         return [describe_artifact(out, path.name, role="model")]
-    pickles = [p.relative_to(path).as_posix() for p in sorted(path.rglob("*")) if p.is_file() and is_pickle(p)]
+    pickles = [p.relative_to(path).as_posix() for p in sorted(path.rglob("*")) if p.is_file() and is_pickle(p, sniff=True)]
     if pickles:
         raise InvalidSetting(f"model folder {path} holds pickles ({', '.join(pickles[:5])}), which Shardline never "
                              "loads; save the weights as files (ONNX, .npz, JSON) and load them in load(context)")

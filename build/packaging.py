@@ -12,11 +12,13 @@ Parquet file's path; ``sample_table`` makes a Table of each (pandas is never imp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import shutil
 import sys
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -547,15 +549,40 @@ _PICKLE_SUFFIXES = frozenset({".pkl", ".pickle", ".joblib"})
 
 def is_pickle(path: Path, *, sniff: bool = False) -> bool:
     """Whether a file is named as a pickle (``.pkl``, ``.pickle``, ``.joblib``; compressed too: ``.pkl.gz``); with
-    ``sniff``, also whether it begins as one does whatever its name (protocol 2 to 5: ``0x80`` and the protocol),
-    for a file that must be something else (an ONNX file begins with a protobuf field tag, never ``0x80``)."""
+    ``sniff``, also whether it is one whatever its name: it begins as a pickle does (protocol 2 to 5: ``0x80``, the
+    protocol, then opcodes that parse: a safetensors file whose header is 640 bytes long begins ``80 02`` too, and
+    its next byte is no opcode), or it is a zip archive holding one (``torch.save``'s ``.pt``, ``.pth``, ``.bin``:
+    ``archive/data.pkl``)."""
     if any(suffix in _PICKLE_SUFFIXES for suffix in path.suffixes):
         return True
     if not sniff or not path.is_file():
         return False
     with open(path, "rb") as f:
-        head = f.read(2)
-    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+        head = f.read(4096)
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return _opcodes_parse(head)
+    if head[:4] == b"PK\x03\x04" and zipfile.is_zipfile(path):
+        with contextlib.suppress(zipfile.BadZipFile, OSError):
+            with zipfile.ZipFile(path) as archive:
+                return any(any(n.endswith(s) for s in _PICKLE_SUFFIXES) for n in archive.namelist())
+    return False
+
+
+def _opcodes_parse(head: bytes, enough: int = 3) -> bool:
+    """Whether the bytes begin with ``enough`` pickle opcodes (or are a whole short pickle)."""
+    import pickletools
+
+    parsed = 0
+    try:
+        for _ in pickletools.genops(head):
+            parsed += 1
+            if parsed >= enough:
+                return True
+    except ValueError:  # an unknown opcode: not a pickle
+        return False
+    except Exception:  # the head ended inside an opcode's argument, after some parsed
+        return parsed >= 2
+    return parsed >= 2
 
 
 def package_onnx(

@@ -163,6 +163,25 @@ def test_packaging_refuses_a_pickle_and_code_that_fails_leaving_no_folder(custom
 
     with pytest.raises(InvalidSetting, match="weights.pkl is a pickle, which Shardline never loads"):
         package_python(code, tmp_path / "a", name="a", sample=table, files=[pickle])
+    # whatever its name: a pickle (a renamed one, torch.save's zip of one), not a file that merely begins 80 02
+    import pickle as pickles
+    import struct
+    import zipfile
+
+    renamed = tmp_path / "weights.dat"
+    renamed.write_bytes(pickles.dumps({"w": [0.5] * 8}, protocol=4))
+    torch_like = tmp_path / "weights.pt"
+    with zipfile.ZipFile(torch_like, "w") as archive:
+        archive.writestr("weights/data.pkl", pickles.dumps([1.0], protocol=2))
+    for disguised in (renamed, torch_like):
+        with pytest.raises(InvalidSetting, match=f"{disguised.name} is a pickle, which Shardline never loads"):
+            package_python(code, tmp_path / "a", name="a", sample=table, files=[disguised])
+    header = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'.ljust(640)
+    tensors = tmp_path / "weights.safetensors"  # its header's length, 640, begins 80 02 as a pickle of protocol 2
+    tensors.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    assert tensors.read_bytes()[:2] == b"\x80\x02"
+    package_python(code, tmp_path / "tensors", name="a", sample=table, files=[tensors])
+    assert (tmp_path / "tensors" / "weights.safetensors").exists()
     code.write_text("class Model:\n    def predict(self, rows):\n        return {'score': rows.column('no-such')}\n")
     with pytest.raises(InvalidInput, match="code failed on the sample's first 16 rows: KeyError"):
         package_python(code, tmp_path / "b", name="b", sample=table)

@@ -76,15 +76,24 @@ def runner_dir(home: str | os.PathLike[str]) -> Path:
 
 def fingerprint(env: Mapping[str, str] | None = None, cwd: str | None = None) -> dict[str, str]:
     """What a runner must share with a command to run its job: each steering variable's value, hashed (the
-    record never holds a secret), the working folder, the interpreter and Shardline's code as installed (a
-    runner left from before an upgrade, or a `git pull` of an editable install, would run the old code)."""
+    record never holds a secret), the working folder, the interpreter, Shardline's code as installed (a
+    runner left from before an upgrade, or a `git pull` of an editable install, would run the old code) and the
+    umask (a job's files get the modes a cold run would give them: ``umask 077`` keeps them the user's)."""
     env = os.environ if env is None else env
     picked = {k: v for k, v in env.items() if k.startswith(_PREFIXES) or k in _KEYS}
     print_ = {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in sorted(picked.items())}
     print_["(working folder)"] = hashlib.sha256((cwd or os.getcwd()).encode()).hexdigest()[:16]
     print_["(python)"] = hashlib.sha256(sys.executable.encode()).hexdigest()[:16]
     print_["(shardline's code)"] = code_fingerprint()
+    print_["(umask)"] = f"{_umask():03o}"  # the modes of what the job writes: outputs, ledger, records
     return print_
+
+
+def _umask() -> int:
+    """This process's file mode creation mask (read by setting it, then put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 # The installed package's areas (pyproject.toml's [tool.setuptools.package-dir]; a test holds the two together).

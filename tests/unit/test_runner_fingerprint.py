@@ -48,3 +48,20 @@ def test_the_commands_fingerprint_names_the_code_where_it_differs() -> None:
     assert len(mine["(shardline's code)"]) == 16
     older = {**mine, "(shardline's code)": "0" * 16}
     assert differences(older, mine) == ["(shardline's code)"]
+
+
+def test_a_command_with_another_umask_has_another_fingerprint() -> None:
+    """The runner writes the job's files (parts, manifest, ledger, records) with its own umask: one started under
+    022 must not take the job of a command under 077, whose files a cold run would keep to the user."""
+    mask = os.umask(0o077)
+    try:
+        private = fingerprint({}, "/work")
+    finally:
+        os.umask(mask)
+    os.umask(0o022)
+    try:
+        shared = fingerprint({}, "/work")
+    finally:
+        os.umask(mask)
+    assert (private["(umask)"], shared["(umask)"]) == ("077", "022")
+    assert differences(private, shared) == ["(umask)"]

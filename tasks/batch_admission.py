@@ -64,7 +64,8 @@ def admit(
     """Admit a job before anything is read or written: its SLA, tenant, locations, priority, capacity type and
     GPU quota.
 
-    ``allow_past``: a deadline already past is kept (a resumed job's); `batch run` refuses one.
+    ``allow_past``: a deadline already past is kept (a resumed job's); `batch run` refuses one, and so does the
+    flow's admission (``admit_job``) for a job no earlier run began.
 
     Raises:
         InvalidSetting: a bad SLA or priority, an unknown tenant, locations outside its prefixes.

@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed, State
 
 from shardline.figures import rows_quarantined
+from shardline.sla_projection import make_sla
 from shardline.storage.job_identity import JobSummary
 from shardline.storage.job_records import JobParameters, JobRecord, JobRecords
 from shardline.storage.lease import holding_output  # noqa: F401 - the flow holds the lease its plan took with it
@@ -35,12 +36,19 @@ from shardline.tasks.sla_tracking import SlaTracker, TrackedJob, planned_vs_actu
 def admit_job(
     request: JobParameters, sla: str | None, deadline: str | None, settings: BatchJobSettings
 ) -> Admission:
-    """The flow's admission (:func:`admit`); a deadline already past is kept (a resumed job's).
+    """The flow's admission (:func:`admit`): a deadline already past is kept for a job an earlier run began (a
+    resumed job's, breached from its start) and refused for a new one, as `batch run` refuses it (a deployment's
+    run gets no check from the command).
 
     Raises:
-        InvalidSetting, AccessDenied, QuotaExceeded: as :func:`admit`.
+        InvalidSetting: a deadline already past for a new job; else as :func:`admit`.
+        AccessDenied, QuotaExceeded: as :func:`admit`.
     """
-    return admit(request, sla, deadline, settings)
+    admitted = admit(request, sla, deadline, settings)
+    if deadline and admitted.sla.deadline <= admitted.started and not _begun(admitted, settings):
+        batch = settings.batch
+        make_sla(admitted.started, sla, deadline, batch.default_sla, batch.sla_margin)  # raises the command's message
+    return admitted
 
 
 def apply_tenant_budget(admitted: Admission, settings: BatchJobSettings, deployment: str | None) -> Admission:

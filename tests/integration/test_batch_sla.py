@@ -144,6 +144,44 @@ def test_status_and_resume_from_the_cli(
     assert missing.exit_code != 0 and "no job 'ffffffffff'" in str(missing.exception or missing.output)
 
 
+@pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_a_deployments_run_refuses_a_past_deadline_for_a_new_job_as_the_command_does(
+    input_shards: Path, tmp_path: Path, shardline_home: Path,
+) -> None:
+    """The nightly deployment's run (its parameters from the API, run as a worker runs it) with a deadline already
+    past: a new job is refused before anything is written, in one line; a job an earlier run began goes on with it
+    (as `batch resume` keeps an original deadline), breached from its start."""
+    api_url = _api_url()
+    nightly = deploy_with_triggers(api_url, ["nightly"])["nightly"]
+
+    def run(out: Path) -> Any:
+        parameters = {"model": "breast-cancer@prod", "input_uri": str(input_shards), "output_uri": str(out),
+                      "deadline": "2020-01-01T00:00Z"}
+        created = httpx.post(f"{api_url}/deployments/{nightly['id']}/create_flow_run",
+                             json={"parameters": parameters}, timeout=30)
+        created.raise_for_status()
+        return run_flow_run_here(created.json()["id"])
+
+    out = tmp_path / "new"
+    refused = run(out)
+    assert refused.is_failed(), refused
+    assert "deadline '2020-01-01T00:00Z' is already past (now " in str(refused.message)
+    assert "give a later one" in str(refused.message)
+    assert not out.exists() and JobRecords(str(shardline_home)).ids() == []
+
+    begun = tmp_path / "begun"
+    state = batch_inference(model="breast-cancer@prod", input_uri=str(input_shards), output_uri=str(begun),
+                            sla="2h", return_state=True)
+    assert state.is_completed(), state
+    for part in sorted(begun.glob("*.parquet"))[:2]:  # what a crash leaves: two parts to score again
+        part.unlink()
+    again = run(begun)
+    assert again.is_completed(), again
+    record = JobRecords(str(shardline_home)).read(state.result()["job_id"])
+    assert (record.runs, record.sla_status, record.shards_done) == (2, "breached", 6)
+    assert record.deadline == datetime(2020, 1, 1, tzinfo=timezone.utc)
+
+
 def _tenants_file(tmp_path: Path) -> Path:
     config = {"tenants": [
         {"name": "acme", "batch": {"storage_prefixes": [str(tmp_path / "acme")], "max_concurrent_shards": 2}},

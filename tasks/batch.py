@@ -103,8 +103,9 @@ def _take_output(survey: JobSurvey, terms: LeaseTerms) -> tuple[OutputLease, lis
         OutputNotWritable: the output is a file, read-only, or not permitted.
     """
     layout, model = survey.layout, survey.model.pinned
+    refuse_nested(layout)  # before the lease, the first write: a folder inside another job's gets none
     with OutputLease.taking(layout.fs, layout.root, layout.uri, survey.job_id, model, terms) as lease:
-        refuse_nested(layout)
+        refuse_nested(layout)  # again under it, for what changed before it was taken
         ledger = call_with_retries(layout.read_ledger, survey.retry, what="reading the job's ledger")
         refuse_foreign(layout, model, survey.key, layout.any_manifest(), ledger)
         present = layout.present_parts()

@@ -18,6 +18,7 @@ from shardline.machines import machine_kind
 from shardline.placement import BatchWorkload, Pricing, candidates_from_profiles, choose_placement
 from shardline.settings import BatchSettings, DaskSettings, StorageSettings
 from shardline.storage.job_identity import foreign_parts, job_id, job_key, up_to_date
+from shardline.storage.job_folders import WHAT_MARKS
 from shardline.storage.lease import OutputLease
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, part_name, split_done
 from shardline.storage.registry import ModelRegistry, ResolvedModel
@@ -87,18 +88,26 @@ def refuse_strays(layout: OutputLayout, shards: list[ShardInfo], ledger: dict[st
 
 
 def refuse_nested(layout: OutputLayout) -> None:
-    """Refuse an output inside another job's output folder: a reader of that folder would read this job's parts
-    as rows of its own.
+    """Refuse an output that is another kind of job's output folder (a `batch openai` job's), or inside any
+    job's output folder: a reader of that folder would read this job's parts as its own files.
 
     Raises:
-        OutputInUse: naming the outer job's folder.
+        OutputInUse: naming the other job's folder and what it holds.
     """
+    other = layout.other_kind()
+    if other is not None:
+        raise OutputInUse(
+            f"the output {layout.uri} is a `{other}` job's output folder ({WHAT_MARKS[other]}); two jobs' files in "
+            "one folder would mix them: choose another --output, or delete the folder to score into it",
+            layout.uri, None,
+        )
     outer = layout.enclosing_output()
     if outer is not None:
+        folder, kind = outer
         raise OutputInUse(
-            f"the output {layout.uri} is inside {outer}, another job's output folder (it holds that job's manifest "
-            "or ledger), whose readers would read this job's parts as its rows: choose an --output outside it",
-            layout.uri, None,
+            f"the output {layout.uri} is inside {folder}, another job's output folder (a `{kind}` job's: it holds "
+            f"{WHAT_MARKS[kind]}), whose readers would read this job's parts as its files: choose an --output "
+            "outside it", layout.uri, None,
         )
 
 

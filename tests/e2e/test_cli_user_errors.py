@@ -253,6 +253,43 @@ def test_a_wrong_openai_batch_file_is_refused_before_any_flow_run(
 
 
 @pytest.mark.usefixtures("local_registry")
+def test_batch_run_and_batch_openai_refuse_each_others_output_folders(
+    shardline: Shardline, prefect_api: str, tmp_path: Path, shardline_home: Path
+) -> None:
+    """A finished `batch run` folder and a finished `batch openai` folder: neither command writes into the other's
+    folder, nor into a folder inside it (the two jobs' files would mix), and both folders stay as they were."""
+    shards, scored, answers = tmp_path / "input", tmp_path / "scored", tmp_path / "answers"
+    write_shards(shards, 1, 100)
+    package_tiny_llm(tmp_path / "tiny", name="tiny")
+    registry = ModelRegistry(str(shardline_home / "registry"))
+    registry.set_alias("tiny", "prod", registry.push(tmp_path / "tiny").version or 1)
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                    "body": {"model": "tiny@prod", "prompt": "x", "max_tokens": 2}}) + "\n")
+    ran = shardline(*RUN, "breast-cancer@prod", "--input", str(shards), "--output", str(scored))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    answered = shardline("batch", "openai", str(requests), "--output", str(answers))
+    assert answered.returncode == 0, answered.stderr[-3000:]
+
+    def files() -> set[Path]:
+        return {p for folder in (scored, answers) for p in folder.rglob("*") if "_lease" not in p.parts}
+
+    before = files()
+    refused_before_any_flow_run(shardline, prefect_api, [
+        (("batch", "openai", str(requests), "--output", str(scored)), {},
+         f"the output {scored} is a `batch run` job's output folder (its manifest or ledger); two jobs' files in one "
+         "folder would mix them: choose another --output"),
+        (("batch", "openai", str(requests), "--output", str(scored / "sub")), {},
+         f"the output {scored / 'sub'} is inside {scored}, another job's output folder (a `batch run` job's"),
+        ((*RUN, "breast-cancer@prod", "--input", str(shards), "--output", str(answers)), {},
+         f"the output {answers} is a `batch openai` job's output folder (its _job.json or _parts)"),
+        ((*RUN, "breast-cancer@prod", "--input", str(shards), "--output", str(answers / "sub")), {},
+         f"the output {answers / 'sub'} is inside {answers}, another job's output folder (a `batch openai` job's"),
+    ])
+    assert files() == before
+
+
+@pytest.mark.usefixtures("local_registry")
 def test_a_link_in_the_input_out_of_the_tenants_prefixes_is_one_line_and_exit_2(
     shardline: Shardline, tmp_path: Path
 ) -> None:

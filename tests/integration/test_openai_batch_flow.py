@@ -237,6 +237,58 @@ def test_embeddings_lines_are_answered_with_the_models_vectors(
         error["response"]["body"]["error"]["message"]
 
 
+@pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_the_flows_refuse_each_others_output_folders(
+    registry: ModelRegistry, input_shards: Path, tmp_path: Path,
+) -> None:
+    """A deployment's run gets no check from the command: the `openai-batch` flow refuses a finished `batch run`
+    folder and one inside it, and the `batch-inference` flow a finished OpenAI batch folder and one inside it;
+    nothing is written into either."""
+    from shardline.flows.batch_inference import batch_inference
+    from shardline.flows.openai_batch import openai_batch
+
+    source = write_jsonl(tmp_path / "requests.jsonl", good_lines(2))
+    scored, answers = tmp_path / "scored", tmp_path / "answers"
+    assert batch_inference(model="breast-cancer@prod", input_uri=str(input_shards), output_uri=str(scored),
+                           return_state=True).is_completed()
+    assert openai_batch(str(source), str(answers), return_state=True).is_completed()
+    before = {p: p.stat().st_mtime_ns for folder in (scored, answers) for p in folder.rglob("*") if p.is_file()}
+
+    for out, kind in ((scored, "batch run"), (scored / "sub", "batch run")):
+        error = openai_batch(str(source), str(out), return_state=True).result(raise_on_failure=False)
+        assert isinstance(error, OutputInUse), error
+        assert f"the output {out} is {'inside ' + str(scored) + ', another' if out != scored else 'a'}" in str(error)
+        assert f"`{kind}` job's" in str(error)
+    for out in (answers, answers / "sub"):
+        state = batch_inference(model="breast-cancer@prod", input_uri=str(input_shards), output_uri=str(out),
+                                return_state=True)
+        error = state.result(raise_on_failure=False)
+        assert isinstance(error, OutputInUse), error
+        assert "`batch openai` job's" in str(error) and str(error).startswith(f"the output {out} is ")
+    after = {p: p.stat().st_mtime_ns for folder in (scored, answers) for p in folder.rglob("*") if p.is_file()}
+    assert {p: t for p, t in after.items() if "_lease" not in p.parts} == \
+        {p: t for p, t in before.items() if "_lease" not in p.parts}
+    assert not (scored / "sub").exists() and not (answers / "sub").exists()
+
+
+@pytest.mark.s3
+def test_a_batch_run_folder_on_s3_is_refused_as_on_local_disk(
+    registry: ModelRegistry, s3_server: S3Server, s3_prefix: str,
+) -> None:
+    from shardline.flows.openai_batch import openai_batch
+
+    fs = s3_server.filesystem()
+    source, scored = s3_server.url(s3_prefix, "in", "requests.jsonl"), s3_server.url(s3_prefix, "scored")
+    fs.pipe_file(source.removeprefix("s3://"), "".join(json.dumps(d) + "\n" for d in good_lines(2)).encode())
+    fs.pipe_file(f"{scored.removeprefix('s3://')}/_ledger/part-00000.json", b"{}")  # a `batch run` job's record
+
+    for out in (scored, f"{scored}/sub"):
+        error = openai_batch(source, out, return_state=True).result(raise_on_failure=False)
+        assert isinstance(error, OutputInUse), error
+        assert f"the output {out} is " in str(error) and "`batch run` job's" in str(error)
+    assert fs.find(scored.removeprefix("s3://")) == [f"{scored.removeprefix('s3://')}/_ledger/part-00000.json"]
+
+
 @pytest.mark.s3
 def test_a_file_on_s3_is_answered_into_s3_and_resumed(
     registry: ModelRegistry, s3_server: S3Server, s3_prefix: str,

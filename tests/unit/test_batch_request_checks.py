@@ -98,10 +98,10 @@ def test_an_output_that_is_a_file_or_lies_in_the_input_is_refused(shards: Path, 
 
 def test_an_output_inside_another_jobs_output_is_refused_naming_that_folder(shards: Path, tmp_path: Path) -> None:
     # a reader of the outer folder would read the inner job's parts as its own rows
-    for marker in ("_manifest.json", "_ledger"):
+    for marker in ("_manifest.json", "_ledger", "_job.json", "_parts"):  # a `batch openai` job's folder too
         outer = tmp_path / f"outer-{marker}"
         outer.mkdir()
-        (outer / marker).mkdir() if marker == "_ledger" else (outer / marker).write_text("{}")
+        (outer / marker).mkdir() if marker in ("_ledger", "_parts") else (outer / marker).write_text("{}")
         with pytest.raises(OutputInUse, match=f"the output {outer}/more/scored is inside {outer}, another job's "
                                               "output folder .*: choose an --output outside it"):
             check_request(request(shards, outer / "more" / "scored"))

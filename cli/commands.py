@@ -214,7 +214,7 @@ def _job_records() -> Any:
 
 
 def _job_lines(record: Any) -> list[tuple[str, str]]:
-    """The `batch status` view of a job record."""
+    """The `batch status` view of a job record (as it stands: ``JobRecords.as_it_stands``)."""
     from datetime import datetime, timezone
 
     from shardline.figures import rate, span
@@ -223,11 +223,17 @@ def _job_lines(record: Any) -> list[tuple[str, str]]:
     now = datetime.now(timezone.utc)
     state = record.state
     stale = (now - record.updated_at).total_seconds()
+    done, total = record.shards_done, record.shards_total
+    resume = f"run the same command again, or `shardline batch resume {record.job_id}`, to resume it"
     if state == "running" and stale > max(60.0, 6 * BatchSettings().sla_check_interval_s):
         state = f"running? (no update for {span(stale)}: the flow may have stopped; `shardline batch resume {record.job_id}`)"
-    done, total = record.shards_done, record.shards_total
+    elif state == "interrupted":
+        state = f"interrupted (its run stopped before the end and no run holds its output now; {resume})"
     pct = f" ({100 * done / total:.0f}%)" if total else ""
-    if record.finished_at is not None:
+    stopped = record.state in ("failed", "interrupted")  # a re-run resumes it: it has no finish until then
+    if stopped:
+        eta = f"none: the job is not running ({total - done} of {total} shards left)"
+    elif record.finished_at is not None:
         eta = f"finished {record.finished_at.isoformat(timespec='seconds')}"
     elif record.projected_finish is not None:
         left = (record.projected_finish - now).total_seconds()
@@ -236,8 +242,13 @@ def _job_lines(record: Any) -> list[tuple[str, str]]:
         eta = "unknown (no throughput measured yet)"
     to_deadline = (record.deadline - now).total_seconds()
     deadline = record.deadline.isoformat(timespec="seconds")
-    if record.finished_at is None:
+    if record.finished_at is None or stopped:
         deadline += f" (in {span(to_deadline)})" if to_deadline >= 0 else f" ({span(-to_deadline)} ago)"
+    sla = record.sla_status
+    if stopped and to_deadline < 0 and done < total:
+        sla = f"breached (the deadline passed with {total - done} shards left)"
+    elif stopped:
+        sla = f"{sla} when it stopped (it is not running)"
     params = record.parameters
     return [
         ("job", record.job_id), ("state", state), ("tenant", params.tenant),
@@ -245,7 +256,7 @@ def _job_lines(record: Any) -> list[tuple[str, str]]:
         ("progress", f"{done}/{total} shards{pct}, {record.rows_done:,} rows this run"),
         ("throughput", f"{rate(record.rows_per_second, 1, 'rows')}, {rate(record.shards_per_second, 1, 'shards')}"),
         ("started", record.started_at.isoformat(timespec="seconds")), ("deadline", deadline), ("ETA", eta),
-        ("SLA", record.sla_status), ("runs", str(record.runs)), ("message", record.message or "-"),
+        ("SLA", sla), ("runs", str(record.runs)), ("message", record.message or "-"),
     ]
 
 
@@ -254,7 +265,8 @@ def batch_status(
     job: Optional[str] = typer.Argument(None, help="Job id (or the start of one); none lists recent jobs."),
     json_out: bool = typer.Option(False, "--json", help="Print the job record as JSON."),
 ) -> None:
-    """Progress, throughput, ETA against the SLA and state of a batch job (from its job record)."""
+    """Progress, throughput, ETA against the SLA and state of a batch job (from its job record; a running job whose
+    run is gone, its output's lease free or lapsed, reads `interrupted`, its progress from the output's ledger)."""
     records = _job_records()
     if job is None:
         ids = records.ids()[-20:]
@@ -266,10 +278,11 @@ def batch_status(
         for job_id in ids:
             r = records.find(job_id)
             if r is not None:
+                r = records.as_it_stands(r)
                 typer.echo(f"{r.job_id}  {r.state:<11} {r.sla_status:<9} {r.shards_done}/{r.shards_total} shards  "
                            f"{r.parameters.tenant}  {r.parameters.model}")
         return
-    record = records.read(job)
+    record = records.as_it_stands(records.read(job))
     if json_out:
         typer.echo(record.model_dump_json())
         return

@@ -17,7 +17,9 @@ from pydantic import BaseModel, Field
 from shardline.errors import InvalidSetting
 from shardline.settings.metering import CapacityType
 
-JobState = Literal["running", "completed", "quarantined", "failed"]
+JobState = Literal["running", "completed", "quarantined", "failed", "interrupted"]
+"""A record's state as the flow writes it (running, then completed, quarantined or failed); ``interrupted`` is never
+written: it is how :meth:`JobRecords.as_it_stands` shows a running record whose run is gone."""
 
 
 class JobParameters(BaseModel):
@@ -64,6 +66,7 @@ class JobRecords:
         from shardline.storage.fs import join, open_fs  # here, not at import: JobParameters is read without fsspec
 
         self.fs, self.root = open_fs(join(home, "jobs"), storage_options)
+        self.storage_options = storage_options
 
     def _path(self, job_id: str) -> str:
         from shardline.storage.fs import join
@@ -108,6 +111,45 @@ class JobRecords:
             f"no job {job!r} under {self.root}; {hint} (`shardline batch status` lists them; is SHARDLINE_STORAGE_HOME "
             "the one the job ran with?)"
         )
+
+    def as_it_stands(self, record: JobRecord) -> JobRecord:
+        """The record as its job stands now: a ``running`` record whose run is gone (no live lease of this job
+        holds its output: the process was killed, or its lease lapsed) reads ``interrupted``, with the shards its
+        output's ledger has settled (more than the record says when the run died between two of its writes);
+        any other record as it is.
+
+        A record that the job rewrote meanwhile (it finished between the two reads) is read again.
+        """
+        if record.state != "running" or self._still_running(record):
+            return record
+        again = self.find(record.job_id)
+        if again is None or again.state != "running" or again.updated_at != record.updated_at:
+            return again or record
+        settled = min(max(record.shards_done, self._settled(record)), record.shards_total or record.shards_done)
+        return record.model_copy(update={"state": "interrupted", "shards_done": settled})
+
+    def _still_running(self, record: JobRecord) -> bool:
+        """Whether a live lease of this job holds its output (storage/lease.py); True when that cannot be read."""
+        from shardline import processes
+        from shardline.storage.fs import join, open_fs
+        from shardline.storage.lease import LEASE_DIR, OutputLease, ThisProcess, lease_is_live, utc_now
+
+        try:
+            fs, root = open_fs(record.parameters.output_uri, self.storage_options)
+            _, holder = OutputLease.current(fs, join(root, LEASE_DIR))
+        except (OSError, ValueError):  # unreadable now: say what the record says
+            return True
+        return holder is not None and holder.job_id == record.job_id and lease_is_live(
+            holder, utc_now(), ThisProcess.here(), processes.alive)
+
+    def _settled(self, record: JobRecord) -> int:
+        """How many shards the job's output ledger records as settled (0 when it cannot be read)."""
+        from shardline.storage.output import OutputLayout
+
+        try:
+            return len(OutputLayout(record.parameters.output_uri, self.storage_options, record.job_id).read_ledger())
+        except (OSError, ValueError):
+            return 0
 
     def ids(self) -> list[str]:
         """Every recorded job id, oldest record first."""

@@ -107,6 +107,8 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_out
     try:
         wait_for("two shards committed", lambda: len(list((out / "_ledger").glob("*.json"))) >= 2, victim)
         started = psutil.Process(victim.pid).children(recursive=True)
+        while_running = subprocess.run([*SHARDLINE, "batch", "status"], env=env, cwd=tmp_path, capture_output=True,
+                                       text=True, timeout=120)
         commands = [" ".join(p.cmdline()) for p in started]
     finally:
         os.kill(victim.pid, signal.SIGKILL)  # the command only: what it started must go with it
@@ -122,6 +124,26 @@ def test_a_sigkilled_run_leaves_no_process_behind_and_the_next_run_takes_its_out
     for part in out.glob("*.parquet"):  # whatever is visible is whole
         assert pq.read_metadata(part).num_rows == 5_000
     assert not (Path(env["SHARDLINE_STORAGE_HOME"]) / "prefect").exists()  # no local server was started
+
+    # `batch status` does not call the killed job running: its lease's holder is gone; the shards its output's
+    # ledger holds are its progress (the record may be a write or two behind), and it has no finish to expect
+    [record] = (Path(env["SHARDLINE_STORAGE_HOME"]) / "jobs").glob("*.json")
+    job = record.stem
+    listed = subprocess.run([*SHARDLINE, "batch", "status"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    shown = subprocess.run([*SHARDLINE, "batch", "status", job[:8]], env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    assert listed.returncode == 0 and shown.returncode == 0, listed.stderr[-2000:] + shown.stderr[-2000:]
+    [line] = [line for line in listed.stdout.splitlines() if line.startswith(job)]
+    assert line.split()[1] == "interrupted" and f" {settled}/12 shards " in line, line
+    assert [row.split()[1] for row in while_running.stdout.splitlines() if row.startswith(job)] == ["running"], \
+        while_running.stdout + while_running.stderr[-2000:]
+    assert "state  running" not in shown.stdout, shown.stdout
+    assert f"state  interrupted (its run stopped before the end and no run holds its output now; run the same " \
+           f"command again, or `shardline batch resume {job}`, to resume it)" in shown.stdout, shown.stdout
+    assert f"progress  {settled}/12 shards" in shown.stdout, shown.stdout
+    assert f"ETA  none: the job is not running ({12 - settled} of 12 shards left)" in shown.stdout, shown.stdout
+    assert "SLA  on-track when it stopped (it is not running)" in shown.stdout, shown.stdout
 
     # the lease lasts 10 minutes, but its holder is a dead process of this host: taken over at once (on the
     # session's Prefect server: the takeover is the output's, whichever API the run uses, and a second

@@ -103,7 +103,10 @@ def _take_output(survey: JobSurvey, terms: LeaseTerms) -> tuple[OutputLease, lis
         OutputNotWritable: the output is a file, read-only, or not permitted.
     """
     layout, model = survey.layout, survey.model.pinned
-    refuse_nested(layout)  # before the lease, the first write: a folder inside another job's gets none
+    # before the lease, the first write, in the command's order (``check_output_free``): a folder inside another
+    # job's output, or of the other kind, gets none
+    OutputLease.check_free(layout.fs, layout.root, layout.uri, survey.job_id)
+    refuse_nested(layout)
     with OutputLease.taking(layout.fs, layout.root, layout.uri, survey.job_id, model, terms) as lease:
         refuse_nested(layout)  # again under it, for what changed before it was taken
         ledger = call_with_retries(layout.read_ledger, survey.retry, what="reading the job's ledger")

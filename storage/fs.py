@@ -34,7 +34,8 @@ def open_fs(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[Ab
     """The file system and the path inside it for a URL.
 
     Raises:
-        InvalidSetting: the URL's scheme is unknown or its package is missing.
+        InvalidSetting: the URL's scheme is unknown or its package is missing; the file system refuses
+            ``storage_options`` (an option it does not take, a value of the wrong type), said as the setting's fault.
         ConnectionError: a file system that connects when it is made (ftp, sftp) could not reach its server: said
             with the URL (the bare error named neither it nor what to do); transient, as the error it replaces.
     """
@@ -42,6 +43,12 @@ def open_fs(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[Ab
         raise InvalidSetting("an empty URL was given; pass a local path or a URL such as s3://bucket/prefix")
     try:
         fs, path = fsspec.url_to_fs(uri, **(storage_options or {}))
+        if storage_options:
+            _set_up(fs)
+    except (TypeError, ValueError) as e:
+        if storage_options:  # the options the file system was made with are what it refused
+            raise _options_refused(uri, storage_options, e) from e
+        raise InvalidSetting(f"the URL {uri!r} cannot be opened: {e}; check its scheme") from e
     except (ConnectionError, TimeoutError, socket.gaierror) as e:
         raise ConnectionError(f"the location {uri} cannot be reached ({type(e).__name__}: {e}): check its URL and "
                               "that its server answers, then run again") from e
@@ -50,9 +57,26 @@ def open_fs(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[Ab
             f"the URL {uri!r} needs a package that is not installed ({e}); for s3:// "
             "install s3fs (it comes with shardline)"
         ) from e
-    except ValueError as e:
-        raise InvalidSetting(f"the URL {uri!r} cannot be opened: {e}; check its scheme") from e
     return fs, path.rstrip("/") or path
+
+
+def _set_up(fs: AbstractFileSystem) -> None:
+    """Set up now the client of a file system that sets it up on first use (s3fs's ``connect``: the session and
+    client, made from the options, without a request), so that options it does not take are refused here, where
+    the location is opened, rather than by whichever call comes first."""
+    connect = getattr(fs, "connect", None)
+    if callable(connect):
+        connect()
+
+
+def _options_refused(uri: str, options: dict[str, Any], error: Exception) -> InvalidSetting:
+    """The file system refused the storage options it was made with: a setting's fault, said as one line."""
+    keys = ", ".join(sorted(map(str, options)))
+    return InvalidSetting(
+        f"a setting is not valid: SHARDLINE_STORAGE_STORAGE_OPTIONS (keys {keys}) were refused by the file system "
+        f"of {uri} ({type(error).__name__}: {error}); fix or unset the variable: its keys are the file system's own "
+        "options (s3fs's for s3://: endpoint_url, key, secret, client_kwargs)"
+    )
 
 
 _POOLS: dict[str, ThreadPoolExecutor] = {}

@@ -137,6 +137,15 @@ def wrong_requests(tmp_path: Path, shardline_home: Path) -> list[tuple[tuple[str
          "a setting is not valid: SHARDLINE_STORAGE_STORAGE_OPTIONS is not valid JSON (Expecting value"),
         ((*RUN, *bc, "--output", out), {"SHARDLINE_DASK_PREEMPTION_NOTICES": "{"},
          "a setting is not valid: SHARDLINE_DASK_PREEMPTION_NOTICES is not valid JSON"),
+        # valid JSON the file system refuses when it sets up its client (s3fs: on first use, not when made)
+        ((*RUN, *bc, "--output", "s3://bucket/scored"), {"SHARDLINE_STORAGE_STORAGE_OPTIONS": '{"endpointurl": "x"}'},
+         "a setting is not valid: SHARDLINE_STORAGE_STORAGE_OPTIONS (keys endpointurl) were refused by the file "
+         "system of s3://bucket/scored (TypeError: AioSession.__init__() got an unexpected keyword argument "
+         "'endpointurl'); fix or unset the variable"),
+        ((*RUN, *bc, "--output", "s3://bucket/scored"),
+         {"SHARDLINE_STORAGE_STORAGE_OPTIONS": '{"client_kwargs": {"region_name": 5}}'},
+         "a setting is not valid: SHARDLINE_STORAGE_STORAGE_OPTIONS (keys client_kwargs) were refused by the file "
+         "system of s3://bucket/scored ("),
     ]
 
 

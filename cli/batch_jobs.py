@@ -23,7 +23,6 @@ from shardline.cli.common import (
     error_line,
     exit_code,
     one_line_user_errors,
-    settings_error,
 )
 from shardline.storage.job_records import JobParameters
 
@@ -73,14 +72,9 @@ def check_request(request: JobRequest) -> None:
     Raises:
         ShardlineError: what is wrong (the flow checks the same again when it starts).
     """
-    from pydantic import ValidationError
-
     from shardline.tasks.batch_admission import BatchJobSettings, check_job
 
-    try:
-        settings = BatchJobSettings.read(request.batch_rows)
-    except ValidationError as e:
-        raise settings_error(e) from e
+    settings = BatchJobSettings.read(request.batch_rows, "--batch-rows")
     check_job(request, request.sla, request.deadline, settings, allow_past=request.resume)
 
 

@@ -505,7 +505,8 @@ def serve(
     """
     from pydantic import ValidationError
 
-    from shardline.cli.common import fail, settings_error
+    from shardline.cli.common import fail
+    from shardline.settings.problems import settings_error
     from shardline.online.server import serve as run_server
     from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings, TenancySettings
 
@@ -579,7 +580,8 @@ def router(
     """
     from pydantic import ValidationError
 
-    from shardline.cli.common import fail, settings_error
+    from shardline.cli.common import fail
+    from shardline.settings.problems import settings_error
     from shardline.online.router.server import run_router
     from shardline.settings import RouterSettings, StorageSettings, TenancySettings
 

@@ -7,15 +7,13 @@ import errno
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator
 
 import typer
 
 from shardline.errors import InvalidSetting, JobFailed, PrefectServerUnavailable, ShardlineError
 
 if TYPE_CHECKING:
-    from pydantic import ValidationError
-
     from shardline.storage.registry import ModelRegistry
 
 OFF_THE_NETWORK = {
@@ -111,28 +109,6 @@ def parse_tags(pairs: list[str] | None) -> dict[str, str]:
         key, value = pair.split("=", 1)
         tags[key] = value
     return tags
-
-
-def settings_error(error: "ValidationError", options: Mapping[str, str] | None = None) -> InvalidSetting:
-    """A settings class's refusal as one line: each variable (or, for a field in ``options``, the command's option
-    that gave its value: field -> ``--name``), what is wrong, what it got, and what to do."""
-    from pydantic_settings import BaseSettings
-
-    from shardline import settings
-
-    area = getattr(settings, error.title, None)
-    prefix = str(area.model_config.get("env_prefix", "")) if isinstance(area, type) and issubclass(
-        area, BaseSettings) else ""
-    options = options or {}
-    problems, named = [], set()
-    for e in error.errors():
-        field = "_".join(str(p) for p in e["loc"])
-        name = options.get(field) or f"{prefix}{field.upper()}"
-        named.add("option" if field in options else "variable")
-        problems.append(f"{name}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] != "missing" else ""))
-    todo = {"option": "fix the option", "variable": "fix or unset the variable (README.md, Settings)"}
-    return InvalidSetting(f"a setting is not valid: {'; '.join(problems)}; "
-                          f"{'; '.join(todo[kind] for kind in sorted(named)) or todo['variable']}")
 
 
 def unparsed_setting(error: Exception) -> InvalidSetting:

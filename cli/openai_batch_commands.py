@@ -18,24 +18,18 @@ from shardline.cli.common import (
     error_line,
     exit_code,
     one_line_user_errors,
-    settings_error,
 )
 
 
 def run_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, tenant: str, json_out: bool) -> int:
     """Check the request as the flow would before it writes (a wrong one starts no flow run: one line, exit 2),
     then run the flow on the Prefect API the settings choose; print the counts and files; returns the exit code."""
-    from pydantic import ValidationError
-
     from shardline.cli.prefect_commands import use_prefect_api
     from shardline.errors import PrefectServerUnavailable
     from shardline.tasks.openai_batch_survey import OpenAIBatchSettings, check_openai_batch
 
     try:
-        try:
-            settings = OpenAIBatchSettings.read()
-        except ValidationError as e:
-            raise settings_error(e) from e
+        settings = OpenAIBatchSettings.read()
         plan = check_openai_batch(input_uri, output_uri, lines_per_part, tenant, settings)
         budget_line = _budget(tenant, begun=plan.recorded or plan.finished is not None)
     except Exception as e:

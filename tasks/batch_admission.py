@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 
+from pydantic import ValidationError
+
 from shardline.settings import (
     BatchSettings,
     DaskSettings,
@@ -17,6 +19,7 @@ from shardline.settings import (
     StorageSettings,
     TenancySettings,
 )
+from shardline.settings.problems import settings_error
 from shardline.sla_projection import Sla, make_sla
 from shardline.storage.fs import resolve_location
 from shardline.storage.job_records import JobParameters
@@ -38,10 +41,20 @@ class BatchJobSettings:
     metering: MeteringSettings = field(default_factory=MeteringSettings)
 
     @classmethod
-    def read(cls, batch_rows: int | None = None) -> BatchJobSettings:
-        """The settings from the environment; ``batch_rows`` (a flow parameter) overrides the batch setting."""
-        batch = BatchSettings() if batch_rows is None else BatchSettings(batch_rows=batch_rows)
-        return cls(StorageSettings(), batch, RuntimeSettings(), DaskSettings(), TenancySettings(), MeteringSettings())
+    def read(cls, batch_rows: int | None = None, given_as: str = "the flow parameter batch_rows") -> BatchJobSettings:
+        """The settings from the environment; ``batch_rows`` (a flow parameter, or what ``given_as`` names)
+        overrides the batch setting.
+
+        Raises:
+            InvalidSetting: a setting, or ``batch_rows``, is out of its range or not valid: one line naming it.
+        """
+        try:
+            batch = BatchSettings() if batch_rows is None else BatchSettings(batch_rows=batch_rows)
+            return cls(StorageSettings(), batch, RuntimeSettings(), DaskSettings(), TenancySettings(),
+                       MeteringSettings())
+        except ValidationError as e:
+            given = {"batch_rows": given_as} if batch_rows is not None else {}
+            raise settings_error(e, given, f"give {given_as} a value in its range") from e
 
 
 @dataclass(frozen=True)

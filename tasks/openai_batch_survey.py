@@ -10,6 +10,8 @@ from datetime import datetime, timezone
 from functools import partial
 from typing import Any
 
+from pydantic import ValidationError
+
 from shardline.errors import InvalidInput, OutputInUse
 from shardline.openai_batch import (
     BatchFile,
@@ -22,6 +24,7 @@ from shardline.openai_batch import (
     plan_parts,
 )
 from shardline.settings import BatchSettings, MeteringSettings, RuntimeSettings, StorageSettings, TenancySettings
+from shardline.settings.problems import settings_error
 from shardline.storage.fs import resolve_location
 from shardline.storage.job_folders import WHAT_MARKS, enclosing_job_folder, job_folder_kind
 from shardline.storage.lease import OutputLease
@@ -45,8 +48,15 @@ class OpenAIBatchSettings:
 
     @classmethod
     def read(cls) -> OpenAIBatchSettings:
-        """The settings from the environment."""
-        return cls(StorageSettings(), BatchSettings(), RuntimeSettings(), TenancySettings(), MeteringSettings())
+        """The settings from the environment.
+
+        Raises:
+            InvalidSetting: a setting is not valid: one line naming its variable.
+        """
+        try:
+            return cls(StorageSettings(), BatchSettings(), RuntimeSettings(), TenancySettings(), MeteringSettings())
+        except ValidationError as e:
+            raise settings_error(e) from e
 
 
 @dataclass

@@ -145,24 +145,31 @@ def test_status_and_resume_from_the_cli(
 
 
 @pytest.mark.usefixtures("on_cluster", "local_registry")
-def test_a_deployments_run_refuses_a_past_deadline_for_a_new_job_as_the_command_does(
+def test_a_deployments_run_refuses_a_past_deadline_or_batch_rows_out_of_range_as_the_command_does(
     input_shards: Path, tmp_path: Path, shardline_home: Path,
 ) -> None:
-    """The nightly deployment's run (its parameters from the API, run as a worker runs it) with a deadline already
-    past: a new job is refused before anything is written, in one line; a job an earlier run began goes on with it
-    (as `batch resume` keeps an original deadline), breached from its start."""
+    """The nightly deployment's run (its parameters from the API, run as a worker runs it) with ``batch_rows`` 0 or
+    a deadline already past: a new job is refused before anything is written, in one line naming what is wrong; a
+    job an earlier run began goes on with the past deadline (as `batch resume` keeps an original deadline),
+    breached from its start."""
     api_url = _api_url()
     nightly = deploy_with_triggers(api_url, ["nightly"])["nightly"]
 
-    def run(out: Path) -> Any:
+    def run(out: Path, **given: Any) -> Any:
         parameters = {"model": "breast-cancer@prod", "input_uri": str(input_shards), "output_uri": str(out),
-                      "deadline": "2020-01-01T00:00Z"}
+                      "deadline": "2020-01-01T00:00Z", **given}
         created = httpx.post(f"{api_url}/deployments/{nightly['id']}/create_flow_run",
                              json={"parameters": parameters}, timeout=30)
         created.raise_for_status()
         return run_flow_run_here(created.json()["id"])
 
     out = tmp_path / "new"
+    no_rows = run(out, batch_rows=0, deadline=None)
+    assert no_rows.is_failed(), no_rows
+    assert str(no_rows.message) == (
+        "Flow run encountered an exception: InvalidSetting: a setting is not valid: the flow parameter batch_rows: "
+        "Input should be greater than or equal to 1 (got 0); give the flow parameter batch_rows a value in its range")
+    assert not out.exists()
     refused = run(out)
     assert refused.is_failed(), refused
     assert "deadline '2020-01-01T00:00Z' is already past (now " in str(refused.message)

@@ -239,14 +239,14 @@ def present(outcome: JobOutcome, json_out: bool) -> int:
 
 
 def _print_summary(summary: dict[str, Any], message: str, err: bool = False) -> None:
-    from shardline.figures import rate, rows_quarantined, span
+    from shardline.figures import rate, rows_quarantined, shard_counts, span
 
     scored, seconds = summary["rows_scored"], summary["steady_seconds"]
     lines = [
         ("job", summary["job_id"]),
         ("model", summary["model"]),
-        ("shards", f"{summary['shards']:,} ({summary['shards_committed']:,} committed, "
-                   f"{summary['shards_skipped']:,} already done, {summary['shards_quarantined']:,} quarantined)"),
+        ("shards", shard_counts(summary["shards"], summary["shards_committed"], summary["shards_quarantined"],
+                                summary["shards_skipped"])),
         ("rows in", f"{summary['rows_in']:,}"),
         ("rows out", f"{summary['rows_out']:,}"),
         ("rows quarantined", rows_quarantined(summary["rows_quarantined"], summary.get("shards_unreadable", 0))),

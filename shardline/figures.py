@@ -65,6 +65,14 @@ def rows_quarantined(rows: int, unreadable_shards: int = 0) -> str:
     return text
 
 
+def shard_counts(shards: int, committed: int, quarantined: int, earlier: int) -> str:
+    """A job's shards as a report says them, each way of splitting them adding up to the whole: ``9 (7 committed,
+    2 quarantined: 0 this run, 9 by an earlier run)``; committed and quarantined count every shard of the job,
+    ``earlier`` those an earlier run settled (of either kind)."""
+    return (f"{shards:,} ({committed:,} committed, {quarantined:,} quarantined: {shards - earlier:,} this run, "
+            f"{earlier:,} by an earlier run)")
+
+
 def moment(iso: str) -> str:
     """An ISO 8601 time as ``2026-12-01 06:00:00 UTC``; the text as it is when it does not parse."""
     try:

@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from shardline.bundle import ModelRef
-from shardline.figures import moment, rate, rows_quarantined, span
+from shardline.figures import moment, rate, rows_quarantined, shard_counts, span
 from shardline.storage.job_identity import JobSummary
 from shardline.storage.scoring import shadowed_note
 
@@ -87,6 +87,7 @@ def summary_markdown(summary: JobSummary, planned: dict[str, Any] | None = None)
         outcome = "every shard was quarantined"
     else:
         outcome = f"{summary.shards_quarantined:,} of {summary.shards:,} shards quarantined"
+    shards = shard_counts(summary.shards, summary.shards_committed, summary.shards_quarantined, summary.shards_skipped)
     lines = [
         f"## Batch job `{summary.job_id[:12]}`: {outcome}",
         "",
@@ -97,8 +98,7 @@ def summary_markdown(summary: JobSummary, planned: dict[str, Any] | None = None)
         f"| rows in | {summary.rows_in:,} |",
         f"| rows out | {summary.rows_out:,} |",
         f"| rows quarantined | {rows_quarantined(summary.rows_quarantined, summary.shards_unreadable)} |",
-        f"| shards | {summary.shards:,} ({summary.shards_committed:,} committed, {summary.shards_quarantined:,} "
-        f"quarantined; {summary.shards_skipped:,} of them settled by an earlier run) |",
+        f"| shards | {shards} |",
         "",
         f"**Throughput:** {_throughput(summary, planned)}.",
         "",

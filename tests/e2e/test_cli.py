@@ -41,17 +41,23 @@ def test_batch_run_prints_a_summary_and_exit_codes_tell_the_outcome(
     ok = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards),
                    "--output", str(tmp_path / "out"), "--tenant", "acme")
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "rows out  12,000" in ok.stdout and "shards  6 (6 committed, 0 already done, 0 quarantined)" in ok.stdout
+    assert "rows out  12,000" in ok.stdout and "shards  6 (6 committed, 0 quarantined: 6 this run, 0 by an earlier run)" in ok.stdout
 
     (input_shards / "broken.parquet").write_bytes(b"PAR1 nope")
     partial = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards),
                         "--output", str(tmp_path / "out"), "--json")
     assert partial.returncode == 3, partial.stderr[-2000:]
     summary = json.loads(partial.stdout)  # the JSON alone on stdout (for jq), the summary table on stderr
-    assert "shards  7 (6 committed, 6 already done, 1 quarantined)" in partial.stderr, partial.stderr[-3000:]
+    assert "shards  7 (6 committed, 1 quarantined: 1 this run, 6 by an earlier run)" in partial.stderr, \
+        partial.stderr[-3000:]
     assert summary["shards_skipped"] == 6 and summary["shards_quarantined"] == 1
     assert "broken.parquet" in summary["quarantined"]
     assert summary["shards_unreadable"] == 1 and summary["rows_in"] == summary["rows_out"] == 12_000
+    # run again, finished: every shard settled by an earlier run, and the parts still add up to the whole
+    again = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards),
+                      "--output", str(tmp_path / "out"))
+    assert again.returncode == 3, again.stderr[-2000:]
+    assert "shards  7 (6 committed, 1 quarantined: 0 this run, 7 by an earlier run)" in again.stdout, again.stdout
 
     # the progress bar counts the job's shards, the quarantined one too: 7/7, not 6/6
     fresh = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(input_shards),
@@ -71,7 +77,7 @@ def test_batch_run_prints_a_summary_and_exit_codes_tell_the_outcome(
     none_scored = shardline("batch", "run", "--model", "breast-cancer@prod", "--input", str(bad),
                             "--output", str(tmp_path / "bad-out"))
     assert none_scored.returncode == 5, none_scored.stderr[-2000:]
-    assert " 2/2 0 rows " in none_scored.stdout and "shards  2 (0 committed, 0 already done, 2 quarantined)" in (
+    assert " 2/2 0 rows " in none_scored.stdout and "shards  2 (0 committed, 2 quarantined: 2 this run, 0 by an earlier run)" in (
         none_scored.stdout)
     assert "every shard was quarantined" in none_scored.stdout and "running again will not help" in none_scored.stdout
     assert "error:" not in none_scored.stderr and "| ERROR" not in none_scored.stderr

@@ -130,6 +130,11 @@ def test_status_and_resume_from_the_cli(
         part.unlink()
     records = JobRecords(str(shardline_home))
     record = records.read(job_id)
+    failed = record.model_copy(update={"state": "failed", "shards_done": 4})  # a run that failed: no finish to show
+    records.write(failed)
+    shown = runner.invoke(app, ["batch", "status", job_id])
+    assert "ETA  none: the job is not running (2 of 6 shards left)" in shown.output, shown.output
+    assert "finished" not in shown.output and "SLA  met when it stopped (it is not running)" in shown.output
     record.state, record.finished_at = "running", None
     records.write(record)
     resumed = runner.invoke(app, ["batch", "resume", job_id, "--json"])

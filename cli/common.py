@@ -36,12 +36,12 @@ def fail(error: BaseException | str, code: int = EXIT_USAGE) -> typer.Exit:
     return typer.Exit(code)
 
 
-ALIAS_HELP = "The alias (default prod); or write the model as name@alias."
+ALIAS_HELP = "The alias; or write the model as name@alias."
 
 
-def model_and_alias(name: str, alias: str | None) -> tuple[str, str]:
+def model_and_alias(name: str, alias: str) -> tuple[str, str]:
     """The (model name, alias) a command on an alias was given: ``NAME --alias ALIAS``, or ``NAME@ALIAS`` as every
-    model reference is written (the runbooks' ``churn@prod``); ``prod`` when neither names one.
+    model reference is written (the runbooks' ``churn@prod``; ``--alias`` then left at its default, prod).
 
     Raises:
         typer.Exit: exit code 2 after one line: a version instead of an alias, or two different aliases.
@@ -54,9 +54,9 @@ def model_and_alias(name: str, alias: str | None) -> tuple[str, str]:
         if version is not None:
             raise InvalidSetting(f"{name.strip()!r} names a version; this command takes an alias: give the model "
                                  f"as {model} or {model}@ALIAS")
-        if named is not None and alias is not None and named != alias:
+        if named is not None and alias != "prod" and named != alias:
             raise InvalidSetting(f"{name.strip()!r} and --alias {alias} name two aliases; give one")
-        chosen = named if named is not None else alias if alias is not None else "prod"
+        chosen = named if named is not None else alias
         if not chosen:
             raise InvalidSetting(f"model reference {name.strip()!r} has an empty alias")
         return check_model_name(model), chosen

@@ -234,7 +234,7 @@ def model_release(
 @model_app.command("rollback")
 def model_rollback(
     name: str = typer.Argument(..., help="Model name (or name@alias)."),
-    alias: Optional[str] = typer.Option(None, help=ALIAS_HELP),
+    alias: str = typer.Option("prod", help=ALIAS_HELP),
     reason: str = typer.Option("", help="Why, for the audit log."),
 ) -> None:
     """Move an alias back to the version it pointed at before."""
@@ -249,7 +249,7 @@ def model_rollback(
 @model_app.command("history")
 def model_history(
     name: str = typer.Argument(..., help="Model name (or name@alias)."),
-    alias: Optional[str] = typer.Option(None, help=ALIAS_HELP),
+    alias: str = typer.Option("prod", help=ALIAS_HELP),
 ) -> None:
     """The audit log of an alias: every move with who, when and why."""
     name, alias = model_and_alias(name, alias)

@@ -86,8 +86,7 @@ def _candidate_version(name: str, candidate: str) -> int:
 def rollout_start(
     name: str = typer.Argument(..., help="Model name (or name@alias)."),
     candidate: str = typer.Option(..., help="The version to roll out: name:version (or just the version)."),
-    alias: Optional[str] = typer.Option(None, help="The alias whose traffic it takes (default prod); or write the "
-                                        "model as name@alias."),
+    alias: str = typer.Option("prod", help="The alias whose traffic it takes; or write the model as name@alias."),
     steps: Optional[str] = typer.Option(None, help="Canary: percents of callers, step by step, e.g. 1,5,25,100."),
     interval: Optional[str] = typer.Option(
         None, help="Canary: how long each step lasts before the next (then promotion), e.g. 10m; "
@@ -154,7 +153,7 @@ def _replay_line(found: dict[str, Any]) -> str:
 @rollout_app.command("status")
 def rollout_status(
     name: str = typer.Argument(..., help="Model name (or name@alias)."),
-    alias: Optional[str] = typer.Option(None, help=ALIAS_HELP),
+    alias: str = typer.Option("prod", help=ALIAS_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print the rollout record and the routers' reports as JSON."),
 ) -> None:
     """Where the rollout on name@alias stands (or how the last one ended), and what each router saw."""
@@ -224,7 +223,7 @@ def _end(name: str, alias: str, action: str, reason: str) -> None:
 @rollout_app.command("promote")
 def rollout_promote(
     name: str = typer.Argument(..., help="Model name (or name@alias)."),
-    alias: Optional[str] = typer.Option(None, help=ALIAS_HELP),
+    alias: str = typer.Option("prod", help=ALIAS_HELP),
     reason: str = typer.Option("", help="Why, for the audit log."),
 ) -> None:
     """Promote the candidate now: the alias points at it and the rollout ends."""
@@ -235,7 +234,7 @@ def rollout_promote(
 @rollout_app.command("abort")
 def rollout_abort(
     name: str = typer.Argument(..., help="Model name (or name@alias)."),
-    alias: Optional[str] = typer.Option(None, help=ALIAS_HELP),
+    alias: str = typer.Option("prod", help=ALIAS_HELP),
     reason: str = typer.Option("", help="Why, for the audit log."),
 ) -> None:
     """Stop the rollout: every caller goes back to the baseline."""

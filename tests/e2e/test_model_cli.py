@@ -84,7 +84,7 @@ def test_package_push_promote_show_and_roll_back(shardline: Shardline, breast_ca
     assert "churn@dev was never set" in shardline("model", "rollback", "churn@dev").stderr
     for words, said in [(["churn:3"], "'churn:3' names a version; this command takes an alias: give the model as "
                                       "churn or churn@ALIAS"),
-                        (["churn@staging", "--alias", "prod"], "'churn@staging' and --alias prod name two aliases")]:
+                        (["churn@staging", "--alias", "dev"], "'churn@staging' and --alias dev name two aliases")]:
         wrong = shardline("model", "rollback", *words)
         assert wrong.returncode == 2 and wrong.stderr.strip() == f"error: {said}" + ("; give one" if "two" in said else "")
 

@@ -57,6 +57,9 @@ def open_fs(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[Ab
             f"the URL {uri!r} needs a package that is not installed ({e}); for s3:// "
             "install s3fs (it comes with shardline)"
         ) from e
+    except (AttributeError, KeyError, OSError) as e:  # a wrapping scheme given no target (dir://x, zip://x, tar://x)
+        raise InvalidSetting(f"the URL {uri!r} cannot be opened ({type(e).__name__}: {e}); check its scheme: pass a "
+                             "local path or a URL such as s3://bucket/prefix") from e
     return fs, path.rstrip("/") or path
 
 
@@ -281,6 +284,9 @@ def resolve_location(uri: str, storage_options: dict[str, Any] | None = None) ->
         raise refuse(f"names the host {parts.netloc!r} (file:// URLs are local)",
                      f"write file:///{parts.netloc}{parts.path} or the plain path")
     fs, path = open_fs(text, storage_options)
+    if "http" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
+        raise refuse("is a web address: a job lists, reads and writes folders at its locations, which HTTP has none "
+                     "of", "pass a local path or an object store URL such as s3://bucket/prefix")
     if isinstance(fs, LocalFileSystem):
         # The OS follows links and '..', so the location is where they lead (links made
         # below it later are caught when written: ``inside``, ``links_out``).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from functools import partial
 from pathlib import Path
 
@@ -69,6 +70,19 @@ def test_s3_keys_that_object_stores_would_take_literally_are_refused(lake: Path,
 def test_credentials_control_characters_and_chains_are_refused(lake: Path, form: str) -> None:
     with pytest.raises(InvalidSetting, match=r"the location .* (credentials|control character|chained)"):
         check_locations(acme(lake), {"output": form}, resolve)
+
+
+@pytest.mark.parametrize(("form", "said"), [
+    ("dir://x", "cannot be opened (AttributeError"), ("zip://x", "cannot be opened (IsADirectoryError"),
+    ("tar://x", "cannot be opened (IsADirectoryError"), ("reference://x", "cannot be opened: ReferenceFileSystem"),
+    ("http://127.0.0.1:1/x", "is a web address"), ("https://example.com/lake/acme", "is a web address"),
+])
+def test_a_scheme_that_names_no_folder_of_files_is_a_wrong_request(form: str, said: str) -> None:
+    """fsspec schemes that wrap another file system and were given none, and web addresses: each a wrong request
+    (InvalidSetting: exit 2, one line) before anything is opened, never a bare Python error (exit 1: 'run again')."""
+    with pytest.raises(InvalidSetting, match=re.escape(said)) as refused:
+        resolve_location(form)
+    assert "\n" not in str(refused.value) and form in str(refused.value)
 
 
 def test_a_link_inside_the_prefix_into_another_tenant_is_refused(lake: Path) -> None:

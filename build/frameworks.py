@@ -309,10 +309,10 @@ def _listed(names: Sequence[str]) -> str:
     return ", ".join(repr(m) for m in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def _matrix(sample: pa.Table, features: Sequence[str], rows: int) -> np.ndarray:
+def _matrix(sample: pa.Table, features: Sequence[str], rows: int, dtype: type = np.float32) -> np.ndarray:
     head = sample.slice(0, min(rows, sample.num_rows))
     try:
-        return np.column_stack([head.column(f).to_numpy(zero_copy_only=False) for f in features]).astype(np.float32)
+        return np.column_stack([head.column(f).to_numpy(zero_copy_only=False) for f in features]).astype(dtype)
     except (TypeError, ValueError, pa.ArrowInvalid) as e:
         raise InvalidInput(f"the sample's feature columns are not all numbers ({e}); the model reads float32 "
                            "features, one column each") from e

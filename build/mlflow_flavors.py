@@ -8,7 +8,8 @@ model, then hands it to one of these as an ``ImportRequest``).
 - ``lightgbm``: a ``Booster``'s text model file, or a scikit-learn-API model (``LGBMClassifier``) saved
   by skops, converted and checked (``package_lightgbm``);
 - ``sklearn``: an estimator saved by skops (MLflow's default), rebuilt by skops trusting scikit-learn's
-  own classes only, converted by skl2onnx (``package_sklearn``) and checked on the sample rows;
+  own classes only, converted by skl2onnx and checked on the sample rows against scikit-learn's answers on
+  them as given (``package_sklearn`` with a sample: float64 inputs where float32 ones lose the answer);
 - ``python_function`` logged from code (``mlflow.pyfunc.log_model(python_model="model.py", artifacts=...)``:
   its MLmodel section names the code file in ``model_code_path``): a custom-code bundle (runtime ``python``,
   ``package_python``) whose class is Shardline's adapter (``shardline.build.mlflow_pyfunc``), carrying the MLflow
@@ -167,47 +168,11 @@ def _from_sklearn(request: ImportRequest) -> Manifest:
     from shardline.build.packaging import package_sklearn
 
     estimator = _skops_model(request, "pickled_model", frozenset(), "a scikit-learn model", _LOG_INSTEAD)
-    if request.sample is not None:
-        features = _features(request, estimator, request.sample)
-    else:
-        named = request.signature_names()
-        kept = getattr(estimator, "feature_names_in_", None)
-        features = named or ([str(n) for n in kept] if kept is not None else [])
-        if not features:
-            request.needs_sample("naming a scikit-learn model's features")
-
-    def build() -> Manifest:
-        manifest = package_sklearn(estimator, request.out_dir, name=request.name, feature_names=features,
-                                   lineage=request.lineage)
-        if request.sample is not None:
-            _check_sklearn(request, manifest, estimator, features)
-        return manifest
-
-    return _converted(request, build)
-
-
-def _check_sklearn(request: ImportRequest, manifest: Manifest, estimator: Any, features: list[str]) -> None:
-    """Score the sample with the bundle as both tiers load it; refuse answers that differ from scikit-learn's."""
-    import warnings
-
-    import numpy as np
-
-    from shardline.build.frameworks import CHECK_ROWS, _check, _matrix, _tie_rows
-    from shardline.build.frameworks import _features as sample_features
-
-    sample = request.needs_sample("checking the conversion")
-    sample_features(None, sample, features)  # every feature is there, or InvalidInput naming the missing ones
-    rows = _matrix(sample, features, CHECK_ROWS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "X does not have valid feature names": fitted on a DataFrame
-        if hasattr(estimator, "classes_"):
-            expected = {"label": np.asarray(estimator.predict(rows)),
-                        "probabilities": np.asarray(estimator.predict_proba(rows))}
-        else:
-            expected = {"prediction": np.asarray(estimator.predict(rows))}
-    tie = _tie_rows(expected["probabilities"]) if "probabilities" in expected else None
-    head = sample.select(features).slice(0, min(CHECK_ROWS, sample.num_rows))
-    _check(request.out_dir, manifest, head, expected, tie, "scikit-learn")
+    sample = request.needs_sample("converting a scikit-learn model (checked against scikit-learn's predictions)")
+    features = _features(request, estimator, sample)
+    return _converted(request, lambda: package_sklearn(estimator, request.out_dir, name=request.name,
+                                                       feature_names=features, lineage=request.lineage,
+                                                       sample=sample))
 
 
 def _from_pyfunc(request: ImportRequest) -> Manifest:

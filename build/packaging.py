@@ -653,6 +653,7 @@ def package_sklearn(
     reference_profile: dict[str, Any] | None = None,
     image: str | None = None,
     input_layout: InputLayout = "columns",
+    sample: SampleRows | None = None,
 ) -> Manifest:
     """Convert a fitted scikit-learn classifier or regressor to ONNX and bundle it.
 
@@ -660,24 +661,50 @@ def package_sklearn(
     ``probabilities`` (one float32 per class);
     regressors yield ``prediction`` (float32). Features are float32 columns; with
     ``input_layout="tensor"`` V2 clients send them as the model's one input ``X``, ``[N, k]``.
+
+    With ``sample`` (rows holding the feature columns: ``sample_table``), the bundle is checked as the
+    framework builders' are (``shardline.build.sklearn_check``): its answers on the sample's first rows must
+    match scikit-learn's on those rows as given (float64), else nothing is written. Where rounding the rows to
+    float32 changes scikit-learn's answers (a column such as a Unix timestamp, large next to its spread), the
+    features are float64 columns instead, when skl2onnx converts the model so; else it is refused naming
+    the column. Without ``sample`` nothing is checked.
+
+    Raises:
+        InvalidInput: the sample lacks a feature, float32 loses the answer and skl2onnx cannot convert the model
+            with float64 inputs, or the bundle's answers differ from scikit-learn's.
     """
     check_input_layout(input_layout)
     try:
         from skl2onnx import to_onnx
-        from skl2onnx.common.data_types import FloatTensorType
+        from skl2onnx.common.data_types import DoubleTensorType, FloatTensorType
     except ImportError as e:
         raise RuntimeUnavailable(
             "packaging a scikit-learn model needs skl2onnx; pip install 'shardline[package]'"
         ) from e
     features = list(feature_names)
+    rows = sample_table(sample) if sample is not None else None
+    lost = None
+    if rows is not None:
+        from shardline.build.sklearn_check import float32_loss
+
+        lost = float32_loss(estimator, rows, features)
+    dtype = "float64" if lost is not None else "float32"
     is_classifier = hasattr(estimator, "classes_")
-    onx = to_onnx(
-        estimator,
-        initial_types=[("X", FloatTensorType([None, len(features)]))],
-        options={id(estimator): {"zipmap": False}} if is_classifier else None,
-        target_opset=18,
-    )
-    inputs = [ColumnSpec(name=f, type="float32") for f in features]
+    tensor_type = DoubleTensorType if lost is not None else FloatTensorType
+    try:
+        onx = to_onnx(
+            estimator,
+            initial_types=[("X", tensor_type([None, len(features)]))],
+            options={id(estimator): {"zipmap": False}} if is_classifier else None,
+            target_opset=18,
+        )
+    except Exception as e:  # noqa: BLE001 - skl2onnx raises many kinds for an operator it has no double kernel for
+        if lost is None:
+            raise
+        raise InvalidInput(f"{lost}, and skl2onnx cannot convert {type(estimator).__name__} with float64 inputs "
+                           f"({type(e).__name__}: {first_line(e)}); subtract a constant from that column (e.g. its "
+                           "minimum) or rescale it before the model, fit again and package that") from e
+    inputs = [ColumnSpec(name=f, type=dtype) for f in features]
     if is_classifier:
         # skl2onnx gives the label the classes' type: text classes are a string tensor (an int64 label refused every
         # row: "Failed to parse string: 'virginica' as a scalar of type int64")
@@ -698,11 +725,20 @@ def package_sklearn(
         artifacts=[describe_artifact(out, "model.onnx")],
         signature=_signature(inputs, outputs, "X" if input_layout == "tensor" else None),
         runtime_config={
-            "tensor_inputs": [{"name": "X", "columns": features, "dtype": "float32"}],
+            "tensor_inputs": [{"name": "X", "columns": features, "dtype": dtype}],
             "tensor_outputs": rename,
         },
         environment=current_environment(image),
         lineage=lineage or Lineage(),
         tags={"framework": "scikit-learn", "estimator": type(estimator).__name__},
     )
-    return finish_bundle(out, manifest, golden, reference_profile)
+    done = finish_bundle(out, manifest, golden, reference_profile)
+    if rows is not None:
+        from shardline.build.sklearn_check import check_sklearn
+
+        try:
+            check_sklearn(out, done, estimator, rows, features)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
+    return done

@@ -25,7 +25,8 @@ KINDS = ("xgboost", "xgboost-bare", "onnx", "sklearn-skops", "sklearn-pickle", "
          "pyfunc")
 REGISTERED = {"xgboost": "BreastCancer-XGB", "xgboost-bare": "xgb-no-example", "onnx": "breast-cancer-onnx",
               "sklearn-skops": "BreastCancer Pipeline", "sklearn-pickle": "sk-pickle", "lightgbm-booster": "lgbm-booster",
-              "lightgbm-sklearn": "lgbm-classifier", "pyfunc": "pyfunc-only"}
+              "lightgbm-sklearn": "lgbm-classifier", "pyfunc": "pyfunc-only", "sklearn-ts": "ts-example",
+              "sklearn-bare": "sk-no-example"}
 ALIAS = "champion"  # set on BreastCancer-XGB version 1
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -138,10 +139,16 @@ def _log(kind: str) -> Any:
 
         model = lightgbm.LGBMClassifier(n_estimators=20, num_leaves=15, n_jobs=1, verbose=-1).fit(frame(), labels)
         mlflow.lightgbm.log_model(model, input_example=example, **common)
+    elif kind == "sklearn-ts":  # a Unix timestamp column: float32 rounds away the seconds the label depends on
+        ts, ts_labels = ts_frame()
+        model = _pipeline().fit(ts, ts_labels)
+        mlflow.sklearn.log_model(model, input_example=ts.head(50), **common)
     elif kind.startswith("sklearn"):
         model = _pipeline().fit(frame(), labels)
         if kind == "sklearn-skops":
             mlflow.sklearn.log_model(model, input_example=example, **common)
+        elif kind == "sklearn-bare":  # skops, with neither an input example nor a signature
+            mlflow.sklearn.log_model(model, **common)
         else:
             mlflow.sklearn.log_model(model, serialization_format="cloudpickle", **common)
     elif kind == "onnx":
@@ -155,6 +162,16 @@ def _log(kind: str) -> Any:
         model = _pyfunc()
         mlflow.pyfunc.log_model(python_model=model, **common)
     return model
+
+
+def ts_frame(rows: int = 2_000) -> tuple[Any, np.ndarray]:
+    """float64 columns ``ts`` (1.7e9 + uniform(0, 10): seconds of a Unix timestamp) and ``other``, and the
+    label ``x > 5`` (x: the seconds past 1.7e9)."""
+    import pandas as pd
+
+    rng = np.random.default_rng(7)
+    x = rng.uniform(0, 10, rows)
+    return pd.DataFrame({"ts": 1.7e9 + x, "other": rng.normal(size=rows)}), (x > 5).astype(np.int64)
 
 
 def _pipeline() -> Any:

@@ -18,7 +18,7 @@ from shardline.build.frameworks import ATOL, RTOL
 from shardline.build.mlflow_import import ImportedModel, import_mlflow_model, parse_model_uri, shardline_name
 from shardline.errors import InvalidInput, InvalidSetting, ModelNotFound
 from tests.framework_models import bundle_answers, training_frame, training_rows
-from tests.mlflow_models import ALIAS, COMMIT, REGISTERED, LoggedModels, feature_table, log_models
+from tests.mlflow_models import ALIAS, COMMIT, REGISTERED, LoggedModels, feature_table, log_models, ts_frame
 from tests.tensor_models import feature_column
 
 KEY = "sk-mlflow-import-test-key"
@@ -174,3 +174,50 @@ def test_an_imported_model_is_served_with_xgboosts_answers(logged: LoggedModels,
     want = _expected("xgboost", logged.models["xgboost"], rows)
     assert np.array_equal(outputs["label"], want["label"])
     assert np.allclose(outputs["probabilities"], want["probabilities"], atol=ATOL, rtol=RTOL)
+
+
+@pytest.fixture(scope="module")
+def logged_sklearn(tmp_path_factory: pytest.TempPathFactory) -> LoggedModels:
+    return log_models(tmp_path_factory.mktemp("mlflow-sklearn"), kinds=("sklearn-ts", "sklearn-bare"))
+
+
+def test_a_timestamp_column_float32_rounds_away_is_imported_with_float64_inputs_and_answers_as_scikit_learn(
+        logged_sklearn: LoggedModels, tmp_path: Path) -> None:
+    ts, labels = ts_frame()
+    model = logged_sklearn.models["sklearn-ts"]
+    assert (model.predict(ts) == labels).mean() > 0.98  # scikit-learn gets it right on the rows as given
+
+    imported = import_mlflow_model(logged_sklearn.uri("sklearn-ts"), tmp_path / "ts",
+                                   tracking_uri=logged_sklearn.tracking_uri)
+
+    assert [c.type for c in imported.manifest.signature.inputs] == ["float64", "float64"]
+    got = _answers(imported, pa.Table.from_pandas(ts))
+    assert (got["label"] == model.predict(ts)).mean() >= 0.999
+    assert np.allclose(got["probabilities"], model.predict_proba(ts), atol=ATOL, rtol=RTOL)
+
+
+def test_package_sklearn_given_a_sample_checks_against_scikit_learn_on_the_rows_as_given(tmp_path: Path) -> None:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from shardline.build.packaging import package_sklearn
+
+    ts, labels = ts_frame()
+    model = make_pipeline(StandardScaler(), LogisticRegression()).fit(ts, labels)
+
+    manifest = package_sklearn(model, tmp_path / "ts", name="ts", feature_names=["ts", "other"], sample=ts.head(50))
+    unchecked = package_sklearn(model, tmp_path / "f32", name="ts", feature_names=["ts", "other"])
+
+    rows = pa.Table.from_pandas(ts)
+    assert (bundle_answers(tmp_path / "ts", manifest, rows)["label"] == model.predict(ts)).mean() >= 0.999
+    assert (bundle_answers(tmp_path / "f32", unchecked, rows)["label"] == model.predict(ts)).mean() < 0.9  # float32
+
+
+def test_a_scikit_learn_model_logged_without_an_example_or_signature_is_refused(logged_sklearn: LoggedModels,
+                                                                                  tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        import_mlflow_model(logged_sklearn.uri("sklearn-bare"), tmp_path / "bare",
+                            tracking_uri=logged_sklearn.tracking_uri)
+    assert "(flavor sklearn) has no input example" in str(refused.value)
+    assert "--signature-from ROWS.parquet" in str(refused.value) and not (tmp_path / "bare").exists()

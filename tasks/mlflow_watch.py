@@ -88,10 +88,11 @@ def import_version_task(target: WatchTarget, version: str, tracking_uri: str, st
             imported = import_mlflow_model(uri, Path(scratch) / "bundle", name=target.shardline_name,
                                            tracking_uri=tracking_uri, sample=sample, exclude=exclude or [],
                                            golden=golden)
+            manifest = imported.manifest
             if sample is not None:  # its profile: the baseline drift checks and the promotion gate need
-                attach_reference_profile(imported.folder, sample)
+                manifest = attach_reference_profile(imported.folder, sample)  # rewrites the manifest: the bytes pushed
             registry = ModelRegistry.from_settings(storage)
-            known = {m.content_digest for m in registry.list_versions(imported.manifest.name)}
+            known = {m.content_digest for m in registry.list_versions(manifest.name)}
             pushed = registry.push(imported.folder)
         except InvalidInput as e:  # import_mlflow_model's refusal: these bytes will never map
             logger.warning("%s refused: %s", uri, e)
@@ -101,7 +102,7 @@ def import_version_task(target: WatchTarget, version: str, tracking_uri: str, st
         except ShardlineError as e:  # MLflow unreachable, a framework not installed, the registry: maybe next time
             logger.warning("%s not imported (the next run tries again): %s", uri, e)
             return WatchOutcome(target.label, "failed", version, detail=str(e))
-    new = imported.manifest.content_digest not in known
+    new = manifest.content_digest not in known
     announced = None
     if new:
         announced = announce_push(storage.home, pushed.name, pushed.version or 0, pushed.outputs_digest,

@@ -189,3 +189,31 @@ def test_a_new_mlflow_version_with_its_golden_set_is_promoted_through_the_promot
     # every gate passes (the golden set scored by the imported model, the sample's profile) and staging moves
     assert promoted.is_completed(), promoted.message
     assert registry.aliases(XGB_SHARDLINE)["staging"] == 1
+
+
+def test_a_version_the_registry_already_held_is_not_announced_again_when_its_sample_adds_a_profile(
+        shardline_home: Path, tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from shardline.cli.commands import app
+    from tests.mlflow_models import feature_table
+
+    logged = log_models(tmp_path / "mlflow", ("xgboost",))
+    pq.write_table(feature_table(200), tmp_path / "sample.parquet")
+    args = ["model", "watch-mlflow", XGB, "--tracking-uri", logged.tracking_uri, "--sample",
+            f"{XGB}={tmp_path / 'sample.parquet'}"]
+    started = datetime.now(timezone.utc)
+
+    first = CliRunner().invoke(app, args)
+    for state in (shardline_home / "mlflow-watch").rglob("*.json"):  # the watch forgets; the registry does not
+        state.unlink()
+    again = CliRunner().invoke(app, args)
+
+    assert first.exit_code == 0 and "announced as shardline.model.pushed" in first.stdout, first.output
+    assert again.exit_code == 0, again.output
+    assert f"imported as {XGB_SHARDLINE}:1 (flavor xgboost; the registry already held these bytes: no new version, " \
+           "no event" in again.stdout
+    assert "announced" not in again.stdout
+    assert [m.version for m in ModelRegistry(str(shardline_home / "registry")).list_versions(XGB_SHARDLINE)] == [1]
+    assert len(_pushed_events(XGB_SHARDLINE, started, expect=2, timeout=3)) == 1

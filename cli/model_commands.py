@@ -378,6 +378,32 @@ def model_profile(
                    f"{row['rows_per_s']:>12,.0f} rows/s")
 
 
+def _placement_workload(p99_ms: float | None, rps: float | None, rows_per_s: float | None) -> Any:
+    """The workload ``model place`` was asked about: online (--p99-ms with --rps) or batch (--rows-per-s), each
+    number finite and above 0.
+
+    Raises:
+        InvalidSetting: neither workload, both, half of the online one, or a number that is not above 0.
+    """
+    import math
+
+    from shardline.errors import InvalidSetting
+    from shardline.placement import BatchWorkload, OnlineWorkload
+
+    online = p99_ms is not None or rps is not None
+    if online == (rows_per_s is not None):
+        raise InvalidSetting("give --p99-ms with --rps (an online workload), or --rows-per-s (a batch one), not both"
+                             if online else "give the workload: --p99-ms with --rps (online), or --rows-per-s (batch)")
+    if online and (p99_ms is None or rps is None):
+        raise InvalidSetting("an online workload needs both --p99-ms and --rps")
+    for flag, value in (("--p99-ms", p99_ms), ("--rps", rps), ("--rows-per-s", rows_per_s)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise InvalidSetting(f"{flag} is {value:g}; give a number above 0 (and finite)")
+    if p99_ms is not None and rps is not None:
+        return OnlineWorkload(p99_ms=p99_ms, rps=rps)
+    return BatchWorkload(rows_per_s=rows_per_s)
+
+
 @model_app.command("place")
 def model_place(
     reference: str = typer.Argument(..., help="name:version or name@alias."),
@@ -389,19 +415,14 @@ def model_place(
     """Choose device, variant and batch size for a workload from the version's stored profiles, each machine
     kind priced by the price table."""
     from shardline.capacity.prices import load_prices, prices_path
-    from shardline.placement import BatchWorkload, OnlineWorkload, candidates_from_profiles, choose_placement
+    from shardline.placement import candidates_from_profiles, choose_placement
 
     try:
+        workload = _placement_workload(p99_ms, rps, rows_per_s)  # a wrong request: one line, before any reading
         registry = open_registry()
         resolved = registry.resolve(reference)
         candidates = candidates_from_profiles(registry.profiles(resolved.name, resolved.version),
                                               load_prices(prices_path(prices)).per_machine_hour)
-        if p99_ms is not None or rps is not None:
-            if p99_ms is None or rps is None:
-                raise ShardlineError("an online workload needs both --p99-ms and --rps")
-            workload: Any = OnlineWorkload(p99_ms=p99_ms, rps=rps)
-        else:
-            workload = BatchWorkload(rows_per_s=rows_per_s)
         placement = choose_placement(workload, candidates)
     except ShardlineError as e:
         raise fail(e) from e

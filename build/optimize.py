@@ -227,6 +227,8 @@ def convert_fp16(manifest: Manifest, bundle_dir: str | Path, out_file: str | Pat
 
     source = Path(bundle_dir) / model_file(manifest).path
     model = onnx.load(str(source))
+    if not _FP16_COMPUTE & set(_op_counts(model)):  # before converting: a graph of ai.onnx.ml ops only (XGBoost's
+        raise _fp16_brings_nothing(manifest, model)  # trees) gets Casts its opsets cannot even infer
     io_before = [(v.name, v.type.tensor_type.elem_type) for v in [*model.graph.input, *model.graph.output]]
     half = convert_float_to_float16(model, keep_io_types=True)
     OnnxModel.graph_topological_sort(half.graph, is_deterministic=True)  # the converter appends its casts
@@ -242,11 +244,7 @@ def convert_fp16(manifest: Manifest, bundle_dir: str | Path, out_file: str | Pat
         if n.op_type in _FP16_COMPUTE and any(types.get(i) == onnx.TensorProto.FLOAT16 for i in n.input)
     )
     if not in_half:
-        raise InvalidBundle(
-            f"fp16 brings nothing for {manifest.reference}: no MatMul, Gemm, Conv or attention node "
-            f"computes in float16 after conversion ({_describe(_op_counts(half))}); its ops have no float16 "
-            "kernel (tree ensembles, ai.onnx.ml ops): serve it in fp32"
-        )
+        raise _fp16_brings_nothing(manifest, half)
     try:
         onnx.checker.check_model(half, full_check=True)
     except Exception as e:  # onnx raises ValidationError / InferenceError
@@ -256,6 +254,14 @@ def convert_fp16(manifest: Manifest, bundle_dir: str | Path, out_file: str | Pat
     out = Path(out_file)
     onnx.save(half, str(out))
     return _output_artifact(out)
+
+
+def _fp16_brings_nothing(manifest: Manifest, model: Any) -> InvalidBundle:
+    return InvalidBundle(
+        f"fp16 brings nothing for {manifest.reference}: no MatMul, Gemm, Conv or attention node "
+        f"computes in float16 after conversion ({_describe(_op_counts(model))}); its ops have no float16 "
+        "kernel (tree ensembles, ai.onnx.ml ops): serve it in fp32"
+    )
 
 
 BUILDERS = {"int8": quantize_int8, "fp16": convert_fp16}

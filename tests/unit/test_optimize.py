@@ -209,6 +209,22 @@ def test_precision_brings_nothing_for_tree_ensembles(
     assert registry.list_variants("breast-cancer", 1) == {}
 
 
+def test_fp16_brings_nothing_for_an_xgboost_regressor_whose_graph_has_only_ai_onnx_ml_ops(tmp_path: Path) -> None:
+    """An XGBRegressor's graph imports only the ai.onnx.ml opset: the converter's Casts made shape inference fail
+    (InferenceError: No opset import for domain ''), a traceback instead of the refusal."""
+    from shardline.build.frameworks import package_xgboost
+    from tests.framework_models import fitted, training_rows
+
+    manifest = package_xgboost(fitted("xgboost-regressor"), tmp_path / "xgb", name="dia-xgb",
+                               sample=training_rows()[3])
+    assert {o.domain for o in onnx.load(str(tmp_path / "xgb" / "model.onnx")).opset_import} == {"ai.onnx.ml"}
+
+    with pytest.raises(InvalidBundle, match="fp16 brings nothing for dia-xgb: .*TreeEnsembleRegressor.*tree "
+                                            "ensembles, ai.onnx.ml ops.*serve it in fp32"):
+        convert_fp16(manifest, tmp_path / "xgb", tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()
+
+
 def test_int8_brings_nothing_for_a_linear_model(tmp_path: Path) -> None:
     from shardline.build.examples import package_breast_cancer
 

@@ -415,15 +415,16 @@ def model_place(
     """Choose device, variant and batch size for a workload from the version's stored profiles, each machine
     kind priced by the price table."""
     from shardline.capacity.prices import load_prices, prices_path
-    from shardline.placement import candidates_from_profiles, choose_placement
+    from shardline.placement import candidates_from_profiles, choose_placement, placeable
 
     try:
         workload = _placement_workload(p99_ms, rps, rows_per_s)  # a wrong request: one line, before any reading
         registry = open_registry()
         resolved = registry.resolve(reference)
-        candidates = candidates_from_profiles(registry.profiles(resolved.name, resolved.version),
-                                              load_prices(prices_path(prices)).per_machine_hour)
+        measured = candidates_from_profiles(registry.profiles(resolved.name, resolved.version),
+                                            load_prices(prices_path(prices)).per_machine_hour)
+        candidates, left_out = placeable(measured, resolved.variants)
         placement = choose_placement(workload, candidates)
     except ShardlineError as e:
         raise fail(e) from e
-    typer.echo(placement.reason)
+    typer.echo(placement.reason + "".join(f"; {n}" for n in left_out))

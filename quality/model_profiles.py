@@ -50,7 +50,8 @@ def profile_version(
 
     Raises:
         ModelNotFound: the reference or the variant is not registered.
-        InvalidSetting: no sample was given and the bundle has no golden set.
+        InvalidSetting: no sample was given and the bundle has no golden set, or the variant is made for GPUs
+            (fp16) and this machine runs it on a CPU.
     """
     resolved = registry.resolve(reference)
     model = resolved.variant(variant) if variant else resolved
@@ -58,6 +59,12 @@ def profile_version(
         cache = ModelCache(cache_dir or scratch, capacity=1)
         try:
             runtime = cache.get(model, options, storage_options)
+            made_for = resolved.variants[variant].device if variant else "cpu"
+            if made_for == "cuda" and runtime.device != "cuda":
+                raise InvalidSetting(
+                    f"the variant {variant} of {resolved.pinned} is made for GPUs, and this machine runs it on "
+                    f"{runtime.device}, where placement never picks it; profile it on a GPU machine "
+                    "(SHARDLINE_RUNTIME_DEVICE=cuda)")
             sample = sample_table if sample_table is not None else _golden_inputs(cache.local_dir(model), model.manifest)
             profile = profile_model(runtime, sample, batch_sizes, seconds_per_size)
         finally:
@@ -72,7 +79,7 @@ def profile_version(
 def _golden_inputs(bundle_dir: Path, manifest: Manifest) -> pa.Table:
     if manifest.evaluation is None:
         raise InvalidSetting(
-            f"{manifest.reference} has no golden set to take sample rows from; pass sample_table "
-            "(real input rows, e.g. one Parquet shard)"
+            f"{manifest.reference} has no golden set to take sample rows from; give real input rows, e.g. one "
+            "Parquet shard (`shardline model profile --sample ROWS.parquet`; sample_table= in Python)"
         )
     return read_golden(bundle_dir, manifest).select(manifest.signature.input_names)

@@ -23,7 +23,7 @@ table's ``shardline.capacity.prices.PriceTable.per_machine_hour``: the kernel do
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -165,6 +165,42 @@ def candidates_from_profiles(profiles: Mapping[str, Mapping[str, Any]], price: P
                 rows_per_s=float(row["rows_per_s"]), cost_per_hour=price(machine),
             ))
     return found
+
+
+class VariantFacts(Protocol):
+    """What placement reads of a version's precision variant (the registry's ``Variant``)."""
+
+    @property
+    def score(self) -> float | None: ...  # its golden-set score (None: never scored against fp32)
+
+    @property
+    def device(self) -> str: ...  # where it is meant to run: cpu or cuda
+
+
+def placeable(candidates: Sequence[Candidate], variants: Mapping[str, VariantFacts]) -> tuple[list[Candidate], list[str]]:
+    """The candidates placement may pick, and a note per variant left out (pure).
+
+    fp32 is always placeable. A variant is left out where the version has no such variant, where it was never
+    scored against fp32 on a golden set (an unscored int8 may answer anything: placement never trades accuracy
+    the manifest did not allow), and on a CPU where it was made for GPUs (fp16: a CPU has no float16 kernels,
+    whatever a profile measured there).
+    """
+    kept: list[Candidate] = []
+    notes: dict[str, str] = {}
+    for c in candidates:
+        if c.variant == "fp32":
+            kept.append(c)
+            continue
+        record = variants.get(c.variant)
+        if record is None:
+            notes.setdefault(c.variant, f"{c.variant} left out: the version has no such variant")
+        elif record.score is None:
+            notes.setdefault(c.variant, f"{c.variant} left out: never scored against fp32 (no golden set)")
+        elif record.device == "cuda" and c.device == "cpu":
+            notes.setdefault(f"{c.variant} cpu", f"{c.variant} left out on CPUs: made for GPUs")
+        else:
+            kept.append(c)
+    return kept, list(notes.values())
 
 
 def _share(need: float, policy: PlacementPolicy) -> float | None:

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from shardline.errors import CorruptShard, OutputInUse
 from shardline.machines import machine_kind
-from shardline.placement import BatchWorkload, Pricing, candidates_from_profiles, choose_placement
+from shardline.placement import BatchWorkload, Pricing, candidates_from_profiles, choose_placement, placeable
 from shardline.settings import BatchSettings, DaskSettings, StorageSettings
 from shardline.storage.job_identity import foreign_parts, job_id, job_key, up_to_date
 from shardline.storage.job_folders import WHAT_MARKS
@@ -232,7 +232,8 @@ def choose_variant(
 ) -> tuple[ResolvedModel, str | None]:
     """The model a job runs, and for 'auto' why (for the run's log): fp32 unless a variant is named.
 
-    'auto' weighs the version's profiles (measured on this machine kind when the
+    'auto' weighs the version's profiles of fp32 and of the variants placement may pick (``placeable``: scored
+    against fp32, and on a CPU not made for GPUs) (measured on this machine kind when the
     cluster is local, on every kind otherwise) by rows/s per cost (``price``; the price table's, read now,
     when None) and takes the best
     variant. A variant changes the numbers (within the golden-set delta its gate
@@ -245,9 +246,9 @@ def choose_variant(
     here = machine_kind()
     profiles = {k: p for k, p in registry.profiles(model.name, model.version).items() if not local or p.get("machine") == here}
     candidates = candidates_from_profiles(profiles, price or machine_prices())
-    known = [c for c in candidates if c.variant == "fp32" or c.variant in model.variants]
+    known, left_out = placeable(candidates, model.variants)
     if not known:
         return model, f"variant auto: {model.pinned} has no profile on {here}; running fp32"
     chosen = choose_placement(BatchWorkload(), known)
-    note = f"variant auto: {chosen.reason}"
+    note = f"variant auto: {chosen.reason}" + "".join(f"; {n}" for n in left_out)
     return (model if chosen.candidate.variant == "fp32" else model.variant(chosen.candidate.variant)), note

@@ -320,3 +320,56 @@ def test_machine_kinds_are_stable_names() -> None:
     assert machine_kind("cuda", gpu="NVIDIA H200 mig 1g.18gb") == "cuda-nvidia-h200-mig-1g.18gb"
     with pytest.raises(InvalidSetting, match="device 'tpu' has no machine kind"):
         machine_kind("tpu")
+
+
+def _faster(profile: dict[str, Any], variant: str, precision: str) -> dict[str, Any]:
+    """``profile`` as if ``variant`` had run it 100 times faster: placement would pick it, were it allowed to."""
+    batches = [{**b, "rows_per_s": b["rows_per_s"] * 100} for b in profile["batches"]]
+    return {**profile, "batches": batches, "variant": variant, "precision": precision}
+
+
+def test_placement_never_picks_an_unscored_variant(mlp: Any, tmp_path: Path) -> None:
+    from shardline.tasks.batch_survey import choose_variant
+
+    registry = ModelRegistry(str(tmp_path / "registry"))
+    registry.push(package_mlp(mlp, tmp_path, None))  # no golden set: the int8 variant is recorded unscored
+    make_variant(registry, "mlp:1", "int8")
+    rows = mlp_golden_table(breast_cancer()).slice(0, 64)
+    fp32 = profile_version(registry, "mlp:1", sample_table=rows, batch_sizes=(64,), seconds_per_size=0.05,
+                           options=RuntimeOptions("cpu", 1))
+    here = machine_kind("cpu")
+    registry.put_profile("mlp", 1, f"{here}.int8", _faster(fp32, "int8", "int8"))
+    resolved = registry.resolve("mlp:1")
+
+    chosen, note = choose_variant(registry, resolved, "auto", local=True, price=lambda machine: 0.1)
+
+    assert chosen.variant_name == "" and note is not None  # the fp32 model
+    assert note.endswith("; int8 left out: never scored against fp32 (no golden set)") and "fp32" in note
+    with pytest.raises(InvalidSetting, match=r"mlp:1 has no golden set to take sample rows from; .*"
+                                             r"`shardline model profile --sample ROWS.parquet`"):
+        profile_version(registry, "mlp:1", "int8", seconds_per_size=0.01)
+
+
+def test_a_gpu_variant_is_not_profiled_on_a_cpu_nor_placed_on_one(mlp: Any, tmp_path: Path) -> None:
+    from shardline.placement import BatchWorkload, placeable
+
+    registry = ModelRegistry(str(tmp_path / "registry"))
+    registry.push(package_mlp(mlp, tmp_path, ACCURACY))
+    make_variant(registry, "mlp:1", "fp16")
+    assert registry.list_variants("mlp", 1)["fp16"].device == "cuda"
+
+    with pytest.raises(InvalidSetting, match="the variant fp16 of mlp:1 is made for GPUs, and this machine runs it on "
+                                             "cpu, where placement never picks it; profile it on a GPU machine"):
+        profile_version(registry, "mlp:1", "fp16", batch_sizes=(64,), seconds_per_size=0.01,
+                        options=RuntimeOptions("cpu", 1))
+    here = machine_kind("cpu")
+    assert f"{here}.fp16" not in registry.profiles("mlp", 1)
+
+    fp32 = profile_version(registry, "mlp:1", batch_sizes=(64,), seconds_per_size=0.05, options=RuntimeOptions("cpu", 1))
+    registry.put_profile("mlp", 1, f"{here}.fp16", _faster(fp32, "fp16", "fp16"))  # as one measured before this fix
+    measured = candidates_from_profiles(registry.profiles("mlp", 1), lambda machine: 0.1)
+    kept, notes = placeable(measured, registry.resolve("mlp:1").variants)
+
+    assert {c.variant for c in measured} == {"fp32", "fp16"} and {c.variant for c in kept} == {"fp32"}
+    assert notes == ["fp16 left out on CPUs: made for GPUs"]
+    assert choose_placement(BatchWorkload(rows_per_s=1_000), kept).candidate.variant == "fp32"

@@ -38,6 +38,9 @@ from shardline.errors import InvalidInput, RuntimeUnavailable, ShardlineError, f
 MLFLOW_EXTRA = "pip install 'shardline[mlflow]'"
 _LOG_INSTEAD = ("log it with mlflow.onnx (convert it with skl2onnx or onnxmltools first), or with "
                 "mlflow.sklearn.log_model(..., serialization_format='skops')")
+# For a skops file holding types beyond scikit-learn's classes: logging it again with skops changes nothing.
+_UNTRUSTED_INSTEAD = ("Shardline does not widen that list (skops_trusted_types at logging time does not either): "
+                      "convert the model to ONNX yourself (skl2onnx's to_onnx) and log it with mlflow.onnx")
 _PYFUNC = "python_function"
 _PYFUNC_FROM_CODE = ("log it from code instead: mlflow.pyfunc.log_model(python_model='model.py', artifacts={...}), "
                      "the file defining the class and calling mlflow.models.set_model(...)")
@@ -111,8 +114,19 @@ def _features(request: ImportRequest, model: Any, sample: pa.Table) -> list[str]
         return kept
     named = request.signature_names()
     if named is not None:
+        _refuse_missing(request, sample, [n for n in named if n not in sample.column_names], len(named),
+                        "its signature names")
         return named
     return [c for c in sample.column_names if c not in set(request.exclude)]
+
+
+def _refuse_missing(request: ImportRequest, sample: pa.Table, missing: list[str], total: int, whose: str) -> None:
+    """Refuse sample rows that lack features, in the CLI's words (``--signature-from``)."""
+    if missing:
+        rows = "its input example" if request.sample_is_example else "the rows given with --signature-from"
+        raise request.refuse("", f"{rows} have no column {', '.join(repr(m) for m in missing[:5])}"
+                             f"{' ...' if len(missing) > 5 else ''} of the {total} features {whose}; give "
+                             "--signature-from rows (e.g. the training data) holding every one, named as there")
 
 
 def _from_onnx(request: ImportRequest) -> Manifest:
@@ -228,7 +242,7 @@ def _skops_model(request: ImportRequest, key: str, also_trusted: frozenset[str],
         raise InvalidInput(
             f"MLflow model {request.source} (flavor {request.flavor}, skops) holds types Shardline does not "
             f"trust: {', '.join(refused[:5])}{' ...' if len(refused) > 5 else ''} (it rebuilds scikit-learn's own "
-            f"classes only); {do}")
+            f"classes only); {_UNTRUSTED_INSTEAD if do == _LOG_INSTEAD else do}")
     try:
         return skops.io.load(path, trusted=untrusted)
     except Exception as e:  # noqa: BLE001 - as above

@@ -27,10 +27,13 @@ EVALUATION_BATCH_ROWS = 4096
 def evaluation_of(manifest: Manifest) -> Evaluation:
     """The manifest's evaluation, or InvalidBundle saying how to declare one."""
     if manifest.evaluation is None:
+        source = manifest.tags.get("mlflow.source")
+        do = (f"import it again with one: `shardline model import {source} --golden GOLDEN.parquet` (the rows, their "
+              "label and, with --metric, how to score them)" if source else
+              "add an 'evaluation' (golden Parquet artifact, metric, label and prediction columns) "
+              "to its manifest and package it again")
         raise InvalidBundle(
-            f"{manifest.reference} declares no evaluation, so there is no golden set to score it on; "
-            "add an 'evaluation' (golden Parquet artifact, metric, label and prediction columns) "
-            "to its manifest and package it again"
+            f"{manifest.reference} declares no evaluation, so there is no golden set to score it on; {do}"
         )
     return manifest.evaluation
 

@@ -100,7 +100,9 @@ class ResolvedModel(BaseModel):
         if name not in self.variants:
             raise ModelNotFound(
                 f"{self.pinned} has no variant {name!r} (it has: {sorted(self.variants) or 'none'}); make one "
-                f"with `shardline model optimize {self.pinned} --quantize int8`",
+                f"with `shardline model optimize {self.pinned} --quantize {name if name in ('int8', 'fp16') else 'int8'}`"
+                ", where the model has ops it speeds up (a tree ensemble or a linear model has none: use the fp32 "
+                "model, asking for no variant)",
                 f"{self.pinned}#{name}",
             )
         chosen = self.variants[name]

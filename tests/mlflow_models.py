@@ -26,7 +26,7 @@ KINDS = ("xgboost", "xgboost-bare", "onnx", "sklearn-skops", "sklearn-pickle", "
 REGISTERED = {"xgboost": "BreastCancer-XGB", "xgboost-bare": "xgb-no-example", "onnx": "breast-cancer-onnx",
               "sklearn-skops": "BreastCancer Pipeline", "sklearn-pickle": "sk-pickle", "lightgbm-booster": "lgbm-booster",
               "lightgbm-sklearn": "lgbm-classifier", "pyfunc": "pyfunc-only", "sklearn-ts": "ts-example",
-              "sklearn-bare": "sk-no-example"}
+              "sklearn-bare": "sk-no-example", "sklearn-imputer": "sk-imputer"}
 ALIAS = "champion"  # set on BreastCancer-XGB version 1
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -143,6 +143,13 @@ def _log(kind: str) -> Any:
         ts, ts_labels = ts_frame()
         model = _pipeline().fit(ts, ts_labels)
         mlflow.sklearn.log_model(model, input_example=ts.head(50), **common)
+    elif kind == "sklearn-imputer":  # skops, holding numpy.dtype (SimpleImputer's), which scikit-learn does not define
+        from sklearn.impute import SimpleImputer
+
+        model = _pipeline()
+        model.steps.insert(0, ("impute", SimpleImputer()))
+        model.fit(frame(), labels)
+        mlflow.sklearn.log_model(model, input_example=example, skops_trusted_types=["numpy.dtype"], **common)
     elif kind.startswith("sklearn"):
         model = _pipeline().fit(frame(), labels)
         if kind == "sklearn-skops":

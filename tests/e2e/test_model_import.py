@@ -28,7 +28,7 @@ Run = Callable[..., subprocess.CompletedProcess[str]]
 
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory: pytest.TempPathFactory) -> LoggedModels:
-    return log_models(tmp_path_factory.mktemp("mlflow"), kinds=("xgboost", "sklearn-pickle"))
+    return log_models(tmp_path_factory.mktemp("mlflow"), kinds=("xgboost", "sklearn-pickle", "sklearn-bare"))
 
 
 @pytest.fixture
@@ -100,15 +100,25 @@ def test_a_refused_import_prints_one_line_and_exits_2(shardline_cli: Run, logged
                                 "--tracking-uri", logged.tracking_uri)
     not_rows = shardline_cli("model", "import", f"models:/{REGISTERED['xgboost']}/1", "--signature-from",
                              "golden.parquet", "--tracking-uri", logged.tracking_uri)
+    pq.write_table(pa.table({"a": [1.0], "b": [2.0]}), tmp_path / "wrong.parquet")
+    wrong_rows = shardline_cli("model", "import", f"models:/{REGISTERED['xgboost']}/1", "--signature-from",
+                               "wrong.parquet", "--tracking-uri", logged.tracking_uri)
+    no_example = shardline_cli("model", "import", f"models:/{REGISTERED['sklearn-bare']}/1", "--tracking-uri",
+                               logged.tracking_uri)
 
     for refused, says in ((pickled, "(flavor sklearn, serialization_format cloudpickle) is a scikit-learn model "
                                     "saved as a pickle, which Shardline never loads"),
                           (no_store, f"there is no MLflow tracking store at sqlite:///{tmp_path / 'mlflow.db'}"),
                           (not_parquet, "--golden golden.parquet cannot be read as Parquet"),
-                          (not_rows, "--signature-from golden.parquet cannot be read as Parquet")):
+                          (not_rows, "--signature-from golden.parquet cannot be read as Parquet"),
+                          (wrong_rows, "cannot be imported: the rows given with --signature-from have no column "
+                                       "'mean radius', 'mean texture'"),
+                          (wrong_rows, "give --signature-from rows (e.g. the training data) holding every one"),
+                          (no_example, "(flavor sklearn) has no input example, and converting a scikit-learn model "
+                                       "(checked against scikit-learn's predictions) needs sample rows")):
         assert refused.returncode == 2, refused.stderr
         assert "Traceback" not in refused.stderr
         assert refused.stderr.strip().splitlines() == [refused.stderr.strip()] and refused.stderr.startswith("error: ")
         assert says in refused.stderr and refused.stdout == ""
     # no bundle folder, no empty MLflow database, no registry
-    assert [p.name for p in tmp_path.iterdir()] == ["golden.parquet"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["golden.parquet", "wrong.parquet"]

@@ -178,7 +178,7 @@ def test_an_imported_model_is_served_with_xgboosts_answers(logged: LoggedModels,
 
 @pytest.fixture(scope="module")
 def logged_sklearn(tmp_path_factory: pytest.TempPathFactory) -> LoggedModels:
-    return log_models(tmp_path_factory.mktemp("mlflow-sklearn"), kinds=("sklearn-ts", "sklearn-bare"))
+    return log_models(tmp_path_factory.mktemp("mlflow-sklearn"), kinds=("sklearn-ts", "sklearn-bare", "sklearn-imputer"))
 
 
 def test_a_timestamp_column_float32_rounds_away_is_imported_with_float64_inputs_and_answers_as_scikit_learn(
@@ -221,3 +221,15 @@ def test_a_scikit_learn_model_logged_without_an_example_or_signature_is_refused(
                             tracking_uri=logged_sklearn.tracking_uri)
     assert "(flavor sklearn) has no input example" in str(refused.value)
     assert "--signature-from ROWS.parquet" in str(refused.value) and not (tmp_path / "bare").exists()
+
+
+def test_a_skops_model_holding_a_type_shardline_does_not_trust_is_not_told_to_log_it_with_skops(
+        logged_sklearn: LoggedModels, tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        import_mlflow_model(logged_sklearn.uri("sklearn-imputer"), tmp_path / "imputer",
+                            tracking_uri=logged_sklearn.tracking_uri)
+
+    said = str(refused.value)
+    assert "(flavor sklearn, skops) holds types Shardline does not trust: numpy.dtype" in said
+    assert said.endswith("convert the model to ONNX yourself (skl2onnx's to_onnx) and log it with mlflow.onnx")
+    assert "serialization_format='skops'" not in said and not (tmp_path / "imputer").exists()

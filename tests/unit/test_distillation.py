@@ -144,6 +144,25 @@ def test_a_teacher_without_a_golden_set_cannot_be_gated(generated: pa.Table, tmp
         distill(registry_with(tmp_path / "lr"), "lr:1", generated)
 
 
+def test_an_mlflow_import_without_a_golden_set_is_told_to_import_again_with_one(tmp_path: Path) -> None:
+    from sklearn.linear_model import LogisticRegression
+
+    from shardline.quality.evaluation import evaluation_of
+
+    data = breast_cancer()
+    manifest = package_sklearn(LogisticRegression(max_iter=5000).fit(data.features, data.labels), tmp_path / "lr",
+                               name="iris-rf", feature_names=data.names)
+    imported = manifest.model_copy(update={"tags": {**manifest.tags, "mlflow.source": "models:/iris-rf/2"}})
+
+    with pytest.raises(InvalidBundle) as refused:
+        evaluation_of(imported)
+    assert str(refused.value).endswith("declares no evaluation, so there is no golden set to score it on; import it "
+                                       "again with one: `shardline model import models:/iris-rf/2 --golden "
+                                       "GOLDEN.parquet` (the rows, their label and, with --metric, how to score them)")
+    with pytest.raises(InvalidBundle, match="to its manifest and package it again"):
+        evaluation_of(manifest)
+
+
 def test_cost_per_1k_rows_is_the_price_of_the_time_the_rows_take() -> None:
     assert cost_per_1k_rows(3.6, 1_000) == pytest.approx(0.001)  # 1 s of a 3.6/h unit
     with pytest.raises(InvalidSetting):

@@ -314,6 +314,19 @@ def test_profiles_are_stored_per_machine_kind_and_variant_and_feed_placement(mlp
         profile_version(registry, "mlp:1", "fp16", seconds_per_size=0.01)
 
 
+def test_asking_for_a_missing_variant_says_how_to_make_it_and_when_there_is_none(
+        breast_cancer_model: BuiltModel) -> None:
+    registry = registry_with(breast_cancer_model.bundle_dir)  # a tree ensemble: optimize makes neither variant
+
+    with pytest.raises(ModelNotFound) as missing:
+        registry.resolve("breast-cancer:1").variant("fp16")
+
+    assert str(missing.value) == (
+        "breast-cancer:1 has no variant 'fp16' (it has: none); make one with `shardline model optimize "
+        "breast-cancer:1 --quantize fp16`, where the model has ops it speeds up (a tree ensemble or a linear model "
+        "has none: use the fp32 model, asking for no variant)")
+
+
 def test_machine_kinds_are_stable_names() -> None:
     assert machine_kind("cpu", cores=2, arch="x86_64") == "cpu-x86_64-2c"
     assert machine_kind("cuda", gpu="NVIDIA H200") == "cuda-nvidia-h200"

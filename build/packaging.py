@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardline.bundle import Evaluation, Lineage, Manifest, describe_artifact, write_manifest
-from shardline.errors import InvalidInput, InvalidSetting, RuntimeUnavailable, first_line
+from shardline.errors import InvalidBundle, InvalidInput, InvalidSetting, RuntimeUnavailable, first_line
 from shardline.signature import (
     ColumnSpec,
     Signature,
@@ -51,6 +51,8 @@ SampleRows: TypeAlias = "pa.Table | pd.DataFrame | str | Path"  # rows as users 
 _RECORDED_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnx", "scikit-learn", "skl2onnx", "pyarrow", "tokenizers",
                       "xgboost", "xgboost-cpu", "lightgbm", "onnxmltools", "torch")
 GOLDEN_FILE = "golden.parquet"
+_RESCALE = ("subtract a constant from that column (e.g. its minimum) or rescale it before the model, fit again and "
+            "package that")
 PROFILE_FILE = "reference_profile.json"
 
 
@@ -670,8 +672,8 @@ def package_sklearn(
     the column. Without ``sample`` nothing is checked.
 
     Raises:
-        InvalidInput: the sample lacks a feature, float32 loses the answer and skl2onnx cannot convert the model
-            with float64 inputs, or the bundle's answers differ from scikit-learn's.
+        InvalidInput: the sample lacks a feature, float32 loses the answer and the model does not convert (skl2onnx)
+            or run (onnxruntime) with float64 inputs, or the bundle's answers differ from scikit-learn's.
     """
     check_input_layout(input_layout)
     try:
@@ -702,8 +704,7 @@ def package_sklearn(
         if lost is None:
             raise
         raise InvalidInput(f"{lost}, and skl2onnx cannot convert {type(estimator).__name__} with float64 inputs "
-                           f"({type(e).__name__}: {first_line(e)}); subtract a constant from that column (e.g. its "
-                           "minimum) or rescale it before the model, fit again and package that") from e
+                           f"({type(e).__name__}: {first_line(e)}); {_RESCALE}") from e
     inputs = [ColumnSpec(name=f, type=dtype) for f in features]
     if is_classifier:
         # skl2onnx gives the label the classes' type: text classes are a string tensor (an int64 label refused every
@@ -732,13 +733,20 @@ def package_sklearn(
         lineage=lineage or Lineage(),
         tags={"framework": "scikit-learn", "estimator": type(estimator).__name__},
     )
-    done = finish_bundle(out, manifest, golden, reference_profile)
-    if rows is not None:
-        from shardline.build.sklearn_check import check_sklearn
+    if rows is None:
+        return finish_bundle(out, manifest, golden, reference_profile)
+    from shardline.build.sklearn_check import check_sklearn
 
-        try:
-            check_sklearn(out, done, estimator, rows, features)
-        except BaseException:
-            shutil.rmtree(out, ignore_errors=True)
+    try:
+        done = finish_bundle(out, manifest, golden, reference_profile)
+        check_sklearn(out, done, estimator, rows, features)
+    except InvalidBundle as e:  # onnxruntime has no float64 kernel for one of its ops (SVMRegressor)
+        shutil.rmtree(out, ignore_errors=True)
+        if lost is None:
             raise
+        raise InvalidInput(f"{lost}, and onnxruntime cannot run {type(estimator).__name__} converted with float64 "
+                           f"inputs ({first_line(e)}); {_RESCALE}") from e
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     return done

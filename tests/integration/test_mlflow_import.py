@@ -233,3 +233,31 @@ def test_a_skops_model_holding_a_type_shardline_does_not_trust_is_not_told_to_lo
     assert "(flavor sklearn, skops) holds types Shardline does not trust: numpy.dtype" in said
     assert said.endswith("convert the model to ONNX yourself (skl2onnx's to_onnx) and log it with mlflow.onnx")
     assert "serialization_format='skops'" not in said and not (tmp_path / "imputer").exists()
+
+
+@pytest.mark.parametrize("kind", ["svr", "rbf-sampler"])
+def test_where_float64_inputs_do_not_convert_or_run_float32s_loss_is_refused_naming_the_column(
+        kind: str, tmp_path: Path) -> None:
+    from sklearn.kernel_approximation import RBFSampler
+    from sklearn.linear_model import Ridge
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    from sklearn.svm import SVR
+
+    from shardline.build.packaging import package_sklearn
+
+    ts, _ = ts_frame()
+    seconds = ts["ts"].to_numpy() - 1.7e9
+    last = SVR() if kind == "svr" else make_pipeline(RBFSampler(random_state=0), Ridge())
+    model = make_pipeline(StandardScaler(), last).fit(ts, seconds)
+
+    with pytest.raises(InvalidInput) as refused:
+        package_sklearn(model, tmp_path / kind, name="ts", feature_names=["ts", "other"], sample=ts.head(50))
+
+    said = str(refused.value)
+    assert said.startswith("float32 inputs lose precision for column 'ts' (values up to 1.7e+09")
+    assert ("onnxruntime cannot run Pipeline converted with float64 inputs" if kind == "svr" else
+            "skl2onnx cannot convert Pipeline with float64 inputs") in said
+    assert said.endswith("subtract a constant from that column (e.g. its minimum) or rescale it before the model, fit "
+                         "again and package that")
+    assert not (tmp_path / kind).exists()

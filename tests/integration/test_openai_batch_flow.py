@@ -271,15 +271,22 @@ def test_the_flows_refuse_each_others_output_folders(
     assert not (scored / "sub").exists() and not (answers / "sub").exists()
 
 
+def s3_requests(s3_server: S3Server, prefix: str, lines: list[dict[str, Any]]) -> tuple[Any, str]:
+    """The S3 file system and the URL of a batch file of ``lines`` written under ``prefix``."""
+    fs = s3_server.filesystem()
+    source = s3_server.url(prefix, "in", "requests.jsonl")
+    fs.pipe_file(source.removeprefix("s3://"), "".join(json.dumps(d) + "\n" for d in lines).encode())
+    return fs, source
+
+
 @pytest.mark.s3
 def test_a_batch_run_folder_on_s3_is_refused_as_on_local_disk(
     registry: ModelRegistry, s3_server: S3Server, s3_prefix: str,
 ) -> None:
     from shardline.flows.openai_batch import openai_batch
 
-    fs = s3_server.filesystem()
-    source, scored = s3_server.url(s3_prefix, "in", "requests.jsonl"), s3_server.url(s3_prefix, "scored")
-    fs.pipe_file(source.removeprefix("s3://"), "".join(json.dumps(d) + "\n" for d in good_lines(2)).encode())
+    fs, source = s3_requests(s3_server, s3_prefix, good_lines(2))
+    scored = s3_server.url(s3_prefix, "scored")
     fs.pipe_file(f"{scored.removeprefix('s3://')}/_ledger/part-00000.json", b"{}")  # a `batch run` job's record
 
     for out in (scored, f"{scored}/sub"):
@@ -295,10 +302,9 @@ def test_a_file_on_s3_is_answered_into_s3_and_resumed(
 ) -> None:
     from shardline.flows.openai_batch import openai_batch
 
-    fs = s3_server.filesystem()
-    source, out = s3_server.url(s3_prefix, "in", "requests.jsonl"), s3_server.url(s3_prefix, "answers")
     lines = good_lines(6) + [request("hot", TEXT, prompt="x", temperature=5)]
-    fs.pipe_file(source.removeprefix("s3://"), "".join(json.dumps(d) + "\n" for d in lines).encode())
+    fs, source = s3_requests(s3_server, s3_prefix, lines)
+    out = s3_server.url(s3_prefix, "answers")
 
     first = openai_batch(source, out, lines_per_part=3, return_state=True).result()
     root = out.removeprefix("s3://")

@@ -105,6 +105,19 @@ def wait_for_flow_run(
         time.sleep(0.5)
 
 
+def run_deployment_here(deployment_id: str, parameters: dict[str, Any]) -> Any:
+    """Create a flow run of the deployment with ``parameters`` on the API (Prefect's client: a busy test server's
+    503 is retried, as a worker's calls are) and execute it in this process (``run_flow_run_here``); its final state.
+    """
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run_from_deployment(UUID(str(deployment_id)), parameters=parameters)
+    return run_flow_run_here(str(flow_run.id))
+
+
 def run_flow_run_here(flow_run_id: str) -> Any:
     """Execute a created flow run in this process (no worker): load its flow from the entrypoint, run it.
 

@@ -27,7 +27,7 @@ from shardline.storage.job_records import JobRecords
 from shardline.storage.ledger import Holding, LedgerStore
 from shardline.tasks.artifacts import batch_artifact_key
 
-from tests.integration.automations import deploy_with_triggers, run_flow_run_here, wait_for_flow_run
+from tests.integration.automations import deploy_with_triggers, run_deployment_here, run_flow_run_here, wait_for_flow_run
 
 
 def _api_url() -> str:
@@ -163,10 +163,7 @@ def test_a_deployments_run_refuses_a_past_deadline_or_batch_rows_out_of_range_as
     def run(out: Path, **given: Any) -> Any:
         parameters = {"model": "breast-cancer@prod", "input_uri": str(input_shards), "output_uri": str(out),
                       "deadline": "2020-01-01T00:00Z", **given}
-        created = httpx.post(f"{api_url}/deployments/{nightly['id']}/create_flow_run",
-                             json={"parameters": parameters}, timeout=30)
-        created.raise_for_status()
-        return run_flow_run_here(created.json()["id"])
+        return run_deployment_here(nightly["id"], parameters)
 
     out = tmp_path / "new"
     no_rows = run(out, batch_rows=0, deadline=None)

@@ -142,7 +142,7 @@ def test_a_deployments_run_meets_its_tenants_budget_as_the_command_does(
     from prefect.settings import PREFECT_API_URL
 
     from shardline.flows.batch_inference import batch_inference
-    from tests.integration.automations import deploy_with_triggers, run_flow_run_here
+    from tests.integration.automations import deploy_with_triggers, run_deployment_here
 
     api_url = str(PREFECT_API_URL.value())
     write_prices(shardline_home)
@@ -159,10 +159,7 @@ def test_a_deployments_run_meets_its_tenants_budget_as_the_command_does(
         out = tmp_path / (output or f"out-{tenant}")
         parameters = {"model": "breast-cancer@prod", "input_uri": str(input_shards), "output_uri": str(out),
                       "tenant": tenant}
-        created = httpx.post(f"{api_url}/deployments/{nightly['id']}/create_flow_run",
-                             json={"parameters": parameters}, timeout=30)
-        created.raise_for_status()
-        return run_flow_run_here(created.json()["id"]), out
+        return run_deployment_here(nightly["id"], parameters), out
 
     refused, out = run("zeta")
     assert refused.is_failed(), refused  # type: ignore[attr-defined]

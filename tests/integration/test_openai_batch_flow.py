@@ -330,32 +330,27 @@ def test_a_deployments_run_meets_its_tenants_budget_as_the_command_does(
     file is refused before anything is written, with the command's line; the flow from no deployment (what `batch
     openai` starts, having met the budget itself) is not refused again, and a deployment's run of a file begun before
     goes on to the end."""
-    import httpx
     import yaml
-    from prefect.settings import PREFECT_API_URL
+    from prefect.client.orchestration import get_client
 
     from shardline.flows.openai_batch import openai_batch
-    from tests.integration.automations import run_flow_run_here
+    from tests.integration.automations import run_deployment_here
     from tests.support.budgets import spend, write_prices
 
-    api_url = str(PREFECT_API_URL.value())
     write_prices(shardline_home)
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(yaml.safe_dump({"tenants": [{"name": "iota", "batch": {"storage_prefixes": [str(tmp_path)]},
                                                     "budget": {"monthly": 1000.0}}]}))
     monkeypatch.setenv("SHARDLINE_TENANTS_FILE", str(tenants))
     spend(shardline_home, "iota", 1025.0)
-    flow_id = httpx.post(f"{api_url}/flows/", json={"name": "openai-batch"}, timeout=30).json()["id"]
-    created = httpx.post(f"{api_url}/deployments/", timeout=30, json={
-        "name": "nightly-openai", "flow_id": flow_id, "entrypoint": "flows/openai_batch.py:openai_batch"})
-    created.raise_for_status()
+    with get_client(sync_client=True) as client:  # (Prefect's client: a busy test server's 503 is retried)
+        deployment = client.create_deployment(client.create_flow_from_name("openai-batch"), "nightly-openai",
+                                              entrypoint="flows/openai_batch.py:openai_batch")
     source = write_jsonl(tmp_path / "requests.jsonl", good_lines(4))
 
     def run(output: Path) -> Any:
-        flow_run = httpx.post(f"{api_url}/deployments/{created.json()['id']}/create_flow_run", timeout=30, json={
-            "parameters": {"input_uri": str(source), "output_uri": str(output), "lines_per_part": 2, "tenant": "iota"}})
-        flow_run.raise_for_status()
-        return run_flow_run_here(flow_run.json()["id"])
+        return run_deployment_here(str(deployment), {"input_uri": str(source), "output_uri": str(output),
+                                                     "lines_per_part": 2, "tenant": "iota"})
 
     refused = run(tmp_path / "refused")
     assert refused.is_failed(), refused

@@ -49,7 +49,7 @@ def dask_scheduler(settings: DaskSettings, job_id: str | None = None,
     # A worker lost with no notice counts against its shards' allowed failures; a few
     # preemptions must never fail a job (the scheduler reads this when it starts).
     config = {"distributed.scheduler.allowed-failures": settings.allowed_failures, **quiet_cluster_config(),
-              **worker_memory_config()}
+              **worker_memory_config(), **worker_preload_config()}
     with dask.config.set(config), LocalCluster(
         n_workers=settings.resolved_workers(),
         threads_per_worker=settings.threads_per_worker,
@@ -118,6 +118,18 @@ def worker_memory_config() -> dict[str, Any]:
             and spawned.get(MMAP_THRESHOLD_VARIABLE) is None):
         chosen[f"{_SPAWN_ENVIRON}.{MMAP_THRESHOLD_VARIABLE}"] = str(WORKER_MMAP_THRESHOLD)
     return chosen
+
+
+def worker_preload_config() -> dict[str, Any]:
+    """Dask config that adds ``worker_logs`` (a worker's shutdown race kept out of the console) to the preloads
+    of the workers this module starts, after any the user configured."""
+    import dask
+    import distributed  # noqa: F401  (its defaults join dask.config on import)
+
+    from shardline.tasks import worker_logs
+
+    preloads = list(dask.config.get("distributed.worker.preload", None) or [])
+    return {"distributed.worker.preload": [*preloads, worker_logs.MODULE]}
 
 
 def quiet_cluster_config() -> dict[str, Any]:

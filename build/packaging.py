@@ -644,6 +644,15 @@ def package_onnx(
     return finish_bundle(out, manifest, golden, reference_profile)
 
 
+def _probe_rows(rows: pa.Table | None, features: Sequence[str], width: int, dtype: np.dtype) -> np.ndarray:
+    """Rows a converted model is run on to learn the layout of its outputs: the sample's first, else random ones."""
+    if rows is not None:
+        from shardline.build.frameworks import _matrix
+
+        return _matrix(rows, features, _SAMPLE_ROWS, dtype.type)
+    return np.random.default_rng(0).normal(size=(_SAMPLE_ROWS, width)).astype(dtype)
+
+
 def package_sklearn(
     estimator: Any,
     out_dir: str | Path,
@@ -660,7 +669,9 @@ def package_sklearn(
     """Convert a fitted scikit-learn classifier or regressor to ONNX and bundle it.
 
     Classifiers yield ``label`` (int64, or string for a classifier fitted on string classes) and
-    ``probabilities`` (one float32 per class);
+    ``probabilities`` (one float32 per class); a classifier without ``predict_proba`` (``LinearSVC``,
+    ``RidgeClassifier``, ``SVC`` without ``probability=True``) yields ``label`` and ``scores``, its
+    ``decision_function`` (float32 for two classes, one float32 per class for more; ``sklearn_check.decision_scores``);
     regressors yield ``prediction`` (float32). Features are float32 columns; with
     ``input_layout="tensor"`` V2 clients send them as the model's one input ``X``, ``[N, k]``.
 
@@ -685,11 +696,9 @@ def package_sklearn(
         ) from e
     features = list(feature_names)
     rows = sample_table(sample) if sample is not None else None
-    lost = None
-    if rows is not None:
-        from shardline.build.sklearn_check import float32_loss
+    from shardline.build.sklearn_check import conversion_options, decision_scores, float32_loss
 
-        lost = float32_loss(estimator, rows, features)
+    lost = float32_loss(estimator, rows, features) if rows is not None else None
     dtype = "float64" if lost is not None else "float32"
     is_classifier = hasattr(estimator, "classes_")
     tensor_type = DoubleTensorType if lost is not None else FloatTensorType
@@ -697,7 +706,7 @@ def package_sklearn(
         onx = to_onnx(
             estimator,
             initial_types=[("X", tensor_type([None, len(features)]))],
-            options={id(estimator): {"zipmap": False}} if is_classifier else None,
+            options=conversion_options(estimator),
             target_opset=18,
         )
     except Exception as e:  # noqa: BLE001 - skl2onnx raises many kinds for an operator it has no double kernel for
@@ -710,11 +719,18 @@ def package_sklearn(
         # skl2onnx gives the label the classes' type: text classes are a string tensor (an int64 label refused every
         # row: "Failed to parse string: 'virginica' as a scalar of type int64")
         label = "string" if np.asarray(estimator.classes_).dtype.kind in "OUS" else "int64"
-        outputs = [
-            ColumnSpec(name="label", type=label),
-            ColumnSpec(name="probabilities", type=f"fixed_size_list<float32>[{len(estimator.classes_)}]"),
-        ]
-        rename = {"label": "label", "probabilities": "probabilities"}
+        outputs = [ColumnSpec(name="label", type=label)]
+        rename = {onx.graph.output[0].name: "label"}
+        if hasattr(estimator, "predict_proba"):
+            classes = len(estimator.classes_)
+            outputs.append(ColumnSpec(name="probabilities", type=f"fixed_size_list<float32>[{classes}]"))
+            rename[onx.graph.output[1].name] = "probabilities"
+        else:  # LinearSVC, RidgeClassifier, ...: scikit-learn's decision_function, where the conversion gives it
+            probe = _probe_rows(rows, features, len(features), np.dtype(dtype))
+            scores = decision_scores(onx, estimator, probe)
+            if scores is not None:
+                outputs.append(ColumnSpec(name="scores", type=scores))
+                rename["scores"] = "scores"
     else:
         outputs = [ColumnSpec(name="prediction", type="float32")]
         rename = {onx.graph.output[0].name: "prediction"}

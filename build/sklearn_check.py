@@ -12,6 +12,13 @@ otherwise on rows scikit-learn gets right. So:
 - ``check_sklearn`` scores those rows with the bundle as both tiers load it and compares every output with
   scikit-learn's answers on the rows as given (``frameworks._check``: within ``ATOL + RTOL * |expected|``,
   labels equal but at ties).
+
+A classifier without ``predict_proba`` (``LinearSVC``, ``RidgeClassifier``, ``SVC`` without ``probability=True``,
+``SGDClassifier`` with the hinge loss, ``Perceptron``) answers ``label`` and ``scores``, scikit-learn's
+``decision_function``: ``conversion_options`` converts it without the ZipMap its converter may not take, and
+``decision_scores`` turns skl2onnx's score tensor into that layout (its binary layout differs between converters:
+``[N, 1]``, or two columns, the decision in either one), found by running the conversion; where none matches,
+the bundle answers ``label`` only.
 """
 
 from __future__ import annotations
@@ -28,13 +35,94 @@ from shardline.bundle import Manifest
 
 
 def sklearn_answers(estimator: Any, rows: np.ndarray) -> dict[str, np.ndarray]:
-    """scikit-learn's answers on ``rows`` under the bundle's output names (``label`` and ``probabilities``
-    for a classifier, ``prediction`` for a regressor)."""
+    """scikit-learn's answers on ``rows`` under the bundle's output names: ``label`` and ``probabilities`` for a
+    classifier, ``label`` and ``scores`` (``decision_function``) for one without ``predict_proba``, ``prediction``
+    for a regressor."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "X does not have valid feature names": fitted on a DataFrame
-        if hasattr(estimator, "classes_"):
-            return {"label": np.asarray(estimator.predict(rows)), "probabilities": np.asarray(estimator.predict_proba(rows))}
-        return {"prediction": np.asarray(estimator.predict(rows))}
+        if not hasattr(estimator, "classes_"):
+            return {"prediction": np.asarray(estimator.predict(rows))}
+        answers = {"label": np.asarray(estimator.predict(rows))}
+        if hasattr(estimator, "predict_proba"):
+            answers["probabilities"] = np.asarray(estimator.predict_proba(rows))
+        elif hasattr(estimator, "decision_function"):
+            answers["scores"] = np.asarray(estimator.decision_function(rows))
+        return answers
+
+
+def conversion_options(estimator: Any) -> dict[int, dict[str, Any]] | None:
+    """skl2onnx's options for ``estimator``: a classifier's probabilities as a tensor (no ZipMap); for a classifier
+    without ``predict_proba``, set on its last step, where its converter takes a ZipMap at all (skl2onnx would
+    otherwise give the option to every classifier in a pipeline, and ``LinearSVC``'s converter refuses it)."""
+    if not hasattr(estimator, "classes_"):
+        return None
+    if hasattr(estimator, "predict_proba"):
+        return {id(estimator): {"zipmap": False}}
+    last = estimator
+    while hasattr(last, "steps"):  # a Pipeline, maybe nested
+        last = last.steps[-1][1]
+    return {id(last): {"zipmap": False} if _takes_zipmap(last) else {}}
+
+
+def _takes_zipmap(classifier: Any) -> bool:
+    try:
+        from skl2onnx._supported_operators import sklearn_operator_name_map
+        from skl2onnx.common._registration import get_converter
+
+        allowed = get_converter(sklearn_operator_name_map[type(classifier)]).get_allowed_options()
+    except Exception:  # noqa: BLE001 - skl2onnx's registry moved, or no converter: the conversion says why
+        return True
+    return "zipmap" in (allowed or {})
+
+
+def decision_scores(onx: Any, estimator: Any, probe: np.ndarray) -> str | None:
+    """Make the converted classifier's second output (skl2onnx's scores, for one without ``predict_proba``) the
+    graph's output ``scores``, laid out as ``decision_function`` (one value a row for two classes, one per class
+    for more), finding the layout by running the graph on ``probe`` rows; returns its signature type. Where no
+    layout matches, the output is taken out of the graph and None is returned (the bundle answers labels only)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    given = onx.graph.output[1].name
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # RidgeClassifier's converter declares [N, 2] and answers [N, 1]: not a warning
+    session = ort.InferenceSession(onx.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"])
+    got = np.asarray(session.run([given], {"X": probe})[0], dtype=np.float64)
+    del onx.graph.output[1]
+    if not hasattr(estimator, "decision_function"):
+        return None
+    want = sklearn_answers(estimator, probe.astype(np.float64))["scores"]
+    got = got.reshape(len(got), -1)
+    if want.ndim == 1:
+        column = next((j for j in range(got.shape[1]) if _close(got[:, j], want)), None)
+        if column is None:
+            return None
+        index = numpy_helper.from_array(np.array(column, dtype=np.int64), name="scores_column")
+        onx.graph.initializer.append(index)
+        onx.graph.node.append(helper.make_node("Gather", [given, index.name], ["scores"], axis=1,
+                                               name="scores_decision"))
+        onx.graph.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N"]))
+        return "float32"
+    if got.shape != want.shape or not _close(got, want):
+        return None
+    onx.graph.node.append(helper.make_node("Identity", [given], ["scores"], name="scores_decision"))
+    onx.graph.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", want.shape[1]]))
+    return f"fixed_size_list<float32>[{want.shape[1]}]"
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+    return bool((np.abs(got - want) <= ATOL + RTOL * np.abs(want)).all())
+
+
+def _ties(answers: dict[str, np.ndarray]) -> np.ndarray | None:
+    """Rows where either label is right: the two highest probabilities, or decision scores, within the tolerance
+    (two classes: a decision near 0)."""
+    if "probabilities" in answers:
+        return _tie_rows(answers["probabilities"])
+    if "scores" in answers:
+        scores = answers["scores"]
+        return _tie_rows(np.column_stack([-scores, scores]) if scores.ndim == 1 else scores)
+    return None
 
 
 def float32_loss(estimator: Any, sample: pa.Table, features: Sequence[str]) -> str | None:
@@ -59,7 +147,7 @@ def float32_loss(estimator: Any, sample: pa.Table, features: Sequence[str]) -> s
 
 
 def _same(want: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> bool:
-    tie = _tie_rows(want["probabilities"]) if "probabilities" in want else None
+    tie = _ties(want)
     for output, expected in want.items():
         if output == "label":
             if ((got[output] != expected) & ~(tie if tie is not None else False)).any():
@@ -77,7 +165,8 @@ def check_sklearn(folder: Path, manifest: Manifest, estimator: Any, sample: pa.T
         InvalidInput: an output differs (naming it, the largest difference and the rows).
     """
     names = list(features)
-    expected = sklearn_answers(estimator, _matrix(sample, names, CHECK_ROWS, np.float64))
-    tie = _tie_rows(expected["probabilities"]) if "probabilities" in expected else None
+    answers = sklearn_answers(estimator, _matrix(sample, names, CHECK_ROWS, np.float64))
+    expected = {name: values for name, values in answers.items() if name in manifest.signature.output_names}
+    tie = _ties(answers)
     head = sample.select(names).slice(0, min(CHECK_ROWS, sample.num_rows))
     _check(folder, manifest, head, expected, tie, "scikit-learn")

@@ -235,6 +235,33 @@ def test_a_skops_model_holding_a_type_shardline_does_not_trust_is_not_told_to_lo
     assert "serialization_format='skops'" not in said and not (tmp_path / "imputer").exists()
 
 
+@pytest.mark.parametrize(("kind", "sampled"), [("linear-svc-3-classes", True), ("svc", True), ("ridge", False),
+                                              ("linear-svc-3-classes", False)])
+def test_a_classifier_without_predict_proba_is_packaged_answering_its_decision_function(
+        kind: str, sampled: bool, tmp_path: Path) -> None:
+    from sklearn.datasets import load_iris
+    from sklearn.linear_model import RidgeClassifier
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    from sklearn.svm import SVC, LinearSVC
+
+    from shardline.build.packaging import package_sklearn
+
+    frame, labels = (load_iris(return_X_y=True, as_frame=True) if kind.endswith("3-classes") else
+                     (training_frame(), training_rows()[1]))
+    last = LinearSVC() if kind.startswith("linear-svc") else SVC() if kind == "svc" else RidgeClassifier()
+    model = make_pipeline(StandardScaler(), last).fit(frame, labels)
+
+    manifest = package_sklearn(model, tmp_path / kind, name="svc", feature_names=list(frame.columns),
+                               sample=frame if sampled else None)
+
+    classes = len(model.classes_)
+    assert manifest.signature.outputs[1].type == ("float32" if classes == 2 else f"fixed_size_list<float32>[{classes}]")
+    got = bundle_answers(tmp_path / kind, manifest, pa.Table.from_pandas(frame))
+    assert np.array_equal(got["label"], model.predict(frame))
+    assert np.allclose(got["scores"], model.decision_function(frame), atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("kind", ["svr", "rbf-sampler"])
 def test_where_float64_inputs_do_not_convert_or_run_float32s_loss_is_refused_naming_the_column(
         kind: str, tmp_path: Path) -> None:

@@ -8,8 +8,10 @@ model, then hands it to one of these as an ``ImportRequest``).
 - ``lightgbm``: a ``Booster``'s text model file, or a scikit-learn-API model (``LGBMClassifier``) saved
   by skops, converted and checked (``package_lightgbm``);
 - ``sklearn``: an estimator saved by skops (MLflow's default), rebuilt by skops trusting scikit-learn's
-  own classes only, converted by skl2onnx and checked on the sample rows against scikit-learn's answers on
-  them as given (``package_sklearn`` with a sample: float64 inputs where float32 ones lose the answer);
+  own classes and ``numpy.dtype`` only (``_SKOPS_DATA_TYPES``: types whose rebuilding calls nothing),
+  converted by skl2onnx and checked on the sample rows against scikit-learn's answers on them as given
+  (``package_sklearn`` with a sample: float64 inputs where float32 ones lose the answer; a classifier without
+  ``predict_proba``, such as ``LinearSVC``, answers ``label`` and ``scores``, its decision function);
 - ``python_function`` logged from code (``mlflow.pyfunc.log_model(python_model="model.py", artifacts=...)``:
   its MLmodel section names the code file in ``model_code_path``): a custom-code bundle (runtime ``python``,
   ``package_python``) whose class is Shardline's adapter (``shardline.build.mlflow_pyfunc``), carrying the MLflow
@@ -44,6 +46,13 @@ _UNTRUSTED_INSTEAD = ("Shardline does not widen that list (skops_trusted_types a
 _PYFUNC = "python_function"
 _PYFUNC_FROM_CODE = ("log it from code instead: mlflow.pyfunc.log_model(python_model='model.py', artifacts={...}), "
                      "the file defining the class and calling mlflow.models.set_model(...)")
+# Types beyond scikit-learn's classes that skops may rebuild in any skops file, because rebuilding them calls
+# nothing the file names (skops 0.16 reports them untrusted all the same; its own defaults, numpy's arrays,
+# scalar types and ufuncs, are trusted by get_untrusted_types already):
+# - numpy.dtype (SimpleImputer's ``_fit_dtype``, KBinsDiscretizer's): skops rebuilds it as the dtype of an empty array
+#   that numpy.load reads with allow_pickle=False (so never an object dtype), ignoring the module and class the
+#   file names; that array is itself a node skops audits.
+_SKOPS_DATA_TYPES = frozenset({"numpy.dtype"})
 # Types skops may rebuild for a LightGBM scikit-learn-API model: LightGBM's own (its Booster reads the
 # model's text), as mlflow.lightgbm lists them.
 _LIGHTGBM_SKOPS_TYPES = frozenset({"lightgbm.sklearn.LGBMClassifier", "lightgbm.sklearn.LGBMRegressor",
@@ -220,8 +229,8 @@ def _from_pyfunc(request: ImportRequest) -> Manifest:
 
 
 def _skops_model(request: ImportRequest, key: str, also_trusted: frozenset[str], what: str, do: str) -> Any:
-    """A model MLflow saved with skops, rebuilt trusting scikit-learn's own classes (and ``also_trusted``) only;
-    a pickle is refused unread."""
+    """A model MLflow saved with skops, rebuilt trusting scikit-learn's own classes, numpy's dtype
+    (``_SKOPS_DATA_TYPES``) and ``also_trusted`` only; a pickle is refused unread."""
     serialization = str(request.conf.get("serialization_format") or "cloudpickle")
     if serialization != "skops":
         raise InvalidInput(
@@ -237,12 +246,13 @@ def _skops_model(request: ImportRequest, key: str, also_trusted: frozenset[str],
     except Exception as e:  # noqa: BLE001 - skops raises its own errors for a file that is not its format
         raise InvalidInput(f"MLflow model {request.source} (flavor {request.flavor}): {path.name} is not a skops "
                            f"file skops reads ({type(e).__name__}: {e}); log the model again") from e
-    refused = [t for t in untrusted if t not in also_trusted and not _is_sklearn_class(t)]
+    trusted = also_trusted | _SKOPS_DATA_TYPES
+    refused = [t for t in untrusted if t not in trusted and not _is_sklearn_class(t)]
     if refused:
         raise InvalidInput(
             f"MLflow model {request.source} (flavor {request.flavor}, skops) holds types Shardline does not "
             f"trust: {', '.join(refused[:5])}{' ...' if len(refused) > 5 else ''} (it rebuilds scikit-learn's own "
-            f"classes only); {_UNTRUSTED_INSTEAD if do == _LOG_INSTEAD else do}")
+            f"classes and numpy's dtypes only); {_UNTRUSTED_INSTEAD if do == _LOG_INSTEAD else do}")
     try:
         return skops.io.load(path, trusted=untrusted)
     except Exception as e:  # noqa: BLE001 - as above

@@ -26,7 +26,8 @@ KINDS = ("xgboost", "xgboost-bare", "onnx", "sklearn-skops", "sklearn-pickle", "
 REGISTERED = {"xgboost": "BreastCancer-XGB", "xgboost-bare": "xgb-no-example", "onnx": "breast-cancer-onnx",
               "sklearn-skops": "BreastCancer Pipeline", "sklearn-pickle": "sk-pickle", "lightgbm-booster": "lgbm-booster",
               "lightgbm-sklearn": "lgbm-classifier", "pyfunc": "pyfunc-only", "sklearn-ts": "ts-example",
-              "sklearn-bare": "sk-no-example", "sklearn-imputer": "sk-imputer"}
+              "sklearn-bare": "sk-no-example", "sklearn-imputer": "sk-imputer", "sklearn-svc": "sk-linear-svc",
+              "sklearn-function": "sk-function"}
 ALIAS = "champion"  # set on BreastCancer-XGB version 1
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -150,6 +151,20 @@ def _log(kind: str) -> Any:
         model.steps.insert(0, ("impute", SimpleImputer()))
         model.fit(frame(), labels)
         mlflow.sklearn.log_model(model, input_example=example, skops_trusted_types=["numpy.dtype"], **common)
+    elif kind == "sklearn-function":  # skops, holding a function of the user's own (run when the model is)
+        from sklearn.preprocessing import FunctionTransformer
+
+        model = _pipeline()
+        model.steps.insert(0, ("shift", FunctionTransformer(shifted)))
+        model.fit(frame(), labels)
+        mlflow.sklearn.log_model(model, input_example=example, skops_trusted_types=[f"{__name__}.shifted"], **common)
+    elif kind == "sklearn-svc":  # LinearSVC: no predict_proba, a decision function
+        from sklearn.svm import LinearSVC
+
+        model = _pipeline()
+        model.steps[-1] = ("linearsvc", LinearSVC())
+        model.fit(frame(), labels)
+        mlflow.sklearn.log_model(model, input_example=example, **common)
     elif kind.startswith("sklearn"):
         model = _pipeline().fit(frame(), labels)
         if kind == "sklearn-skops":
@@ -179,6 +194,11 @@ def ts_frame(rows: int = 2_000) -> tuple[Any, np.ndarray]:
     rng = np.random.default_rng(7)
     x = rng.uniform(0, 10, rows)
     return pd.DataFrame({"ts": 1.7e9 + x, "other": rng.normal(size=rows)}), (x > 5).astype(np.int64)
+
+
+def shifted(rows: Any) -> Any:
+    """A user's own function in a pipeline (a FunctionTransformer's)."""
+    return rows + 1.0
 
 
 def _pipeline() -> Any:

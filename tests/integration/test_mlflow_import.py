@@ -178,7 +178,8 @@ def test_an_imported_model_is_served_with_xgboosts_answers(logged: LoggedModels,
 
 @pytest.fixture(scope="module")
 def logged_sklearn(tmp_path_factory: pytest.TempPathFactory) -> LoggedModels:
-    return log_models(tmp_path_factory.mktemp("mlflow-sklearn"), kinds=("sklearn-ts", "sklearn-bare", "sklearn-imputer"))
+    return log_models(tmp_path_factory.mktemp("mlflow-sklearn"), kinds=("sklearn-ts", "sklearn-bare", "sklearn-imputer",
+                                                                         "sklearn-svc", "sklearn-function"))
 
 
 def test_a_timestamp_column_float32_rounds_away_is_imported_with_float64_inputs_and_answers_as_scikit_learn(
@@ -223,16 +224,47 @@ def test_a_scikit_learn_model_logged_without_an_example_or_signature_is_refused(
     assert "--signature-from ROWS.parquet" in str(refused.value) and not (tmp_path / "bare").exists()
 
 
+def test_a_skops_model_holding_numpys_dtype_is_imported_and_answers_as_scikit_learn(logged_sklearn: LoggedModels,
+                                                                                     tmp_path: Path) -> None:
+    features, _, _, sample = training_rows()
+    model = logged_sklearn.models["sklearn-imputer"]  # SimpleImputer keeps a numpy.dtype, which skops lists untrusted
+
+    imported = import_mlflow_model(logged_sklearn.uri("sklearn-imputer"), tmp_path / "imputer",
+                                   tracking_uri=logged_sklearn.tracking_uri)
+
+    got, want = _answers(imported, sample), _expected("sklearn-imputer", model, features)
+    assert (got["label"] == want["label"]).mean() >= 0.999
+    assert np.allclose(got["probabilities"], want["probabilities"], atol=ATOL, rtol=RTOL)
+
+
 def test_a_skops_model_holding_a_type_shardline_does_not_trust_is_not_told_to_log_it_with_skops(
         logged_sklearn: LoggedModels, tmp_path: Path) -> None:
     with pytest.raises(InvalidInput) as refused:
-        import_mlflow_model(logged_sklearn.uri("sklearn-imputer"), tmp_path / "imputer",
+        import_mlflow_model(logged_sklearn.uri("sklearn-function"), tmp_path / "function",
                             tracking_uri=logged_sklearn.tracking_uri)
 
     said = str(refused.value)
-    assert "(flavor sklearn, skops) holds types Shardline does not trust: numpy.dtype" in said
+    assert ("(flavor sklearn, skops) holds types Shardline does not trust: tests.mlflow_models.shifted (it rebuilds "
+            "scikit-learn's own classes and numpy's dtypes only)") in said
     assert said.endswith("convert the model to ONNX yourself (skl2onnx's to_onnx) and log it with mlflow.onnx")
-    assert "serialization_format='skops'" not in said and not (tmp_path / "imputer").exists()
+    assert "serialization_format='skops'" not in said and not (tmp_path / "function").exists()
+
+
+def test_a_linear_svc_is_imported_answering_labels_and_decision_scores_as_scikit_learn(logged_sklearn: LoggedModels,
+                                                                                       tmp_path: Path) -> None:
+    features, _, _, sample = training_rows()
+    model = logged_sklearn.models["sklearn-svc"]  # LinearSVC has no predict_proba
+
+    imported = import_mlflow_model(logged_sklearn.uri("sklearn-svc"), tmp_path / "svc",
+                                   tracking_uri=logged_sklearn.tracking_uri)
+
+    outputs = imported.manifest.signature.outputs
+    assert [(c.name, c.type) for c in outputs] == [("label", "int64"), ("scores", "float32")]
+    got = _answers(imported, sample)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fitted on a DataFrame, asked about a matrix
+        assert np.array_equal(got["label"], model.predict(features))
+        assert np.allclose(got["scores"], model.decision_function(features), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize(("kind", "sampled"), [("linear-svc-3-classes", True), ("svc", True), ("ridge", False),

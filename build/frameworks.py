@@ -22,6 +22,10 @@ the model's own names in another order are refused. Each builder then:
    A conversion that does not match is refused (``InvalidInput`` naming the output, the largest
    difference and the rows), and no bundle is left behind.
 
+A LightGBM model is compared on the sample rounded to float32, the rows its bundle takes (LightGBM itself reads
+float64); before converting, it is refused where that rounding changes LightGBM's answers on the rows as given,
+and a mismatch caused by a split between two float32 values says so (``lightgbm_check``), naming the column.
+
 Outputs, as for scikit-learn (``packaging.package_sklearn``): a classifier's ``label`` (int64)
 and ``probabilities`` (one float32 per class), a regressor's ``prediction`` (float32); a PyTorch
 module's outputs are named by ``output_names`` (``output`` by default), a ``[N, k]`` one a
@@ -327,6 +331,12 @@ def _package_trees(framework: str, model: Any, out_dir: str | Path, name: str, s
         from onnxmltools.convert.common.data_types import FloatTensorType
     except ImportError as e:
         raise RuntimeUnavailable(f"packaging a {framework} model needs onnxmltools; {FRAMEWORKS_EXTRA}") from e
+    if framework == "lightgbm":
+        from shardline.build.lightgbm_check import float32_refusal
+
+        refused = float32_refusal(model, sample, features)
+        if refused is not None:
+            raise InvalidInput(refused)
     initial = [("X", FloatTensorType([None, len(features)]))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -335,7 +345,7 @@ def _package_trees(framework: str, model: Any, out_dir: str | Path, name: str, s
         else:  # a Booster read from its file converts as itself
             onx = onnxmltools.convert_lightgbm(getattr(model, "booster", model), initial_types=initial,
                                                target_opset=ONNX_OPSET, zipmap=False)
-    rows = _matrix(sample, features, CHECK_ROWS)
+    rows = _matrix(sample, features, CHECK_ROWS)  # float32: the rows the bundle takes, the framework answers on
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "X does not have valid feature names": a model fitted on a DataFrame
         if hasattr(model, "classes_"):
@@ -353,8 +363,17 @@ def _package_trees(framework: str, model: Any, out_dir: str | Path, name: str, s
     booster = getattr(model, "booster", None)  # lightgbm's sklearn API: the Booster; xgboost's: a hyperparameter
     tags = {"framework": framework, "estimator": type(model if booster is None or isinstance(booster, str) else
                                                       booster).__name__}
-    return _package_checked(onx.SerializeToString(), out_dir, name, sample, features, expected, tie, tags, lineage,
-                            golden, reference_profile, image)
+    try:
+        return _package_checked(onx.SerializeToString(), out_dir, name, sample, features, expected, tie, tags,
+                                lineage, golden, reference_profile, image)
+    except InvalidInput as e:
+        if framework == "lightgbm":
+            from shardline.build.lightgbm_check import split_refusal
+
+            why = split_refusal(model, rows, features)
+            if why is not None:
+                raise InvalidInput(why) from e
+        raise
 
 
 def _unnamed(model: Any) -> Any:

@@ -51,7 +51,7 @@ SampleRows: TypeAlias = "pa.Table | pd.DataFrame | str | Path"  # rows as users 
 _RECORDED_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnx", "scikit-learn", "skl2onnx", "pyarrow", "tokenizers",
                       "xgboost", "xgboost-cpu", "lightgbm", "onnxmltools", "torch")
 GOLDEN_FILE = "golden.parquet"
-_RESCALE = ("subtract a constant from that column (e.g. its minimum) or rescale it before the model, fit again and "
+RESCALE_ADVICE = ("subtract a constant from that column (e.g. its minimum) or rescale it before the model, fit again and "
             "package that")
 PROFILE_FILE = "reference_profile.json"
 
@@ -713,7 +713,7 @@ def package_sklearn(
         if lost is None:
             raise
         raise InvalidInput(f"{lost}, and skl2onnx cannot convert {type(estimator).__name__} with float64 inputs "
-                           f"({type(e).__name__}: {first_line(e)}); {_RESCALE}") from e
+                           f"({type(e).__name__}: {first_line(e)}); {RESCALE_ADVICE}") from e
     inputs = [ColumnSpec(name=f, type=dtype) for f in features]
     if is_classifier:
         # skl2onnx gives the label the classes' type: text classes are a string tensor (an int64 label refused every
@@ -761,7 +761,7 @@ def package_sklearn(
         if lost is None:
             raise
         raise InvalidInput(f"{lost}, and onnxruntime cannot run {type(estimator).__name__} converted with float64 "
-                           f"inputs ({first_line(e)}); {_RESCALE}") from e
+                           f"inputs ({first_line(e)}); {RESCALE_ADVICE}") from e
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

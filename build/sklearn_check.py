@@ -13,6 +13,9 @@ otherwise on rows scikit-learn gets right. So:
   scikit-learn's answers on the rows as given (``frameworks._check``: within ``ATOL + RTOL * |expected|``,
   labels equal but at ties).
 
+``float32_loss`` is asked of LightGBM's models too (``lightgbm_check``): their ONNX trees take float32 features
+only, so there float32's loss is refused naming the column.
+
 A classifier without ``predict_proba`` (``LinearSVC``, ``RidgeClassifier``, ``SVC`` without ``probability=True``,
 ``SGDClassifier`` with the hinge loss, ``Perceptron``) answers ``label`` and ``scores``, scikit-learn's
 ``decision_function``: ``conversion_options`` converts it without the ZipMap its converter may not take, and
@@ -125,9 +128,11 @@ def _ties(answers: dict[str, np.ndarray]) -> np.ndarray | None:
     return None
 
 
-def float32_loss(estimator: Any, sample: pa.Table, features: Sequence[str]) -> str | None:
-    """Why float32 features lose scikit-learn's answers on the sample, in words naming the column (its
-    magnitude and spread); None where rounding the rows to float32 changes no answer beyond the tolerance.
+def float32_loss(estimator: Any, sample: pa.Table, features: Sequence[str], framework: str = "scikit-learn"
+                 ) -> str | None:
+    """Why float32 features lose the answers of ``estimator`` (scikit-learn's, or a scikit-learn-API model's of
+    ``framework``: LightGBM's) on the sample, in words naming the column (its magnitude and spread); None where
+    rounding the rows to float32 changes no answer beyond the tolerance.
 
     Raises:
         InvalidInput: the sample lacks a feature, or a feature column is not numbers.
@@ -143,7 +148,7 @@ def float32_loss(estimator: Any, sample: pa.Table, features: Sequence[str]) -> s
     worst = int(np.nanargmax(lost))
     magnitude = float(np.nanmax(np.abs(given[:, worst])))
     return (f"float32 inputs lose precision for column {features[worst]!r} (values up to {magnitude:.3g}, spread "
-            f"{float(spread[worst]):.3g}): scikit-learn answers otherwise on the sample rounded to float32")
+            f"{float(spread[worst]):.3g}): {framework} answers otherwise on the sample rounded to float32")
 
 
 def _same(want: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> bool:

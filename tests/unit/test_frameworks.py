@@ -211,3 +211,45 @@ def test_feature_names_out_of_the_order_the_model_was_fitted_in_are_refused(tmp_
         package_xgboost(fitted("xgboost-classifier", on_frame=True), tmp_path / "bundle", name="m", sample=frame,
                         feature_names=names[::-1])
     assert not (tmp_path / "bundle").exists()
+
+
+def test_a_lightgbm_model_whose_column_float32_rounds_away_is_refused_naming_it(tmp_path: Path) -> None:
+    import lightgbm
+    import pandas as pd
+
+    rng = np.random.default_rng(7)
+    seconds = rng.uniform(0, 10, 2_000)
+    rows = pd.DataFrame({"ts": 1.7e9 + seconds, "other": rng.normal(size=2_000)})  # a Unix timestamp's seconds
+    model = lightgbm.LGBMClassifier(n_estimators=20, verbose=-1, n_jobs=1).fit(rows, (seconds > 5).astype(int))
+
+    with pytest.raises(InvalidInput) as refused:  # float32 rows all hold 1.7e9: the bundle would agree with nothing
+        package_lightgbm(model, tmp_path / "ts", name="ts", sample=rows)
+
+    said = str(refused.value)
+    assert said.startswith("float32 inputs lose precision for column 'ts' (values up to 1.7e+09, spread ")
+    assert "LightGBM answers otherwise on the sample rounded to float32, and a LightGBM bundle takes float32 " in said
+    assert said.endswith("subtract a constant from that column (e.g. its minimum) or rescale it before the model, fit "
+                         "again and package that")
+    assert not (tmp_path / "ts").exists()
+
+
+def test_a_lightgbm_split_between_two_float32_values_is_refused_naming_the_column_not_as_a_mismatch(
+        tmp_path: Path) -> None:
+    import lightgbm
+    import pandas as pd
+
+    low = np.nextafter(np.float32(1), np.float32(2))  # an odd last bit: the float64 midpoint rounds up to `high`
+    high = np.nextafter(low, np.float32(2))
+    rng = np.random.default_rng(0)
+    x = np.where(rng.random(2_000) < 0.5, low, high)
+    rows = pd.DataFrame({"x": x.astype(np.float64), "noise": rng.normal(size=2_000)})  # every value is a float32
+    model = lightgbm.LGBMClassifier(n_estimators=5, verbose=-1, n_jobs=1).fit(rows, (x == high).astype(int))
+
+    with pytest.raises(InvalidInput) as refused:
+        package_lightgbm(model, tmp_path / "split", name="split", sample=rows)
+
+    said = str(refused.value)
+    assert said.startswith("LightGBM splits column 'x' at 1.00000017")  # LightGBM's midpoint, a float64
+    assert f"between the float32 values {float(low)!r} and {float(high)!r}" in said
+    assert f"rows holding {float(high)!r} there go the other way" in said and "does not match" not in said
+    assert said.endswith("fit again and package that") and not (tmp_path / "split").exists()

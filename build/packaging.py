@@ -52,7 +52,7 @@ _RECORDED_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnx", "scikit-learn", 
                       "xgboost", "xgboost-cpu", "lightgbm", "onnxmltools", "torch")
 GOLDEN_FILE = "golden.parquet"
 RESCALE_ADVICE = ("subtract a constant from that column (e.g. its minimum) or rescale it before the model, fit again and "
-            "package that")
+                  "package that")
 PROFILE_FILE = "reference_profile.json"
 
 

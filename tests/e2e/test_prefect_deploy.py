@@ -242,6 +242,15 @@ def test_worker_runs_the_deployment_and_scores_every_row(
         "output_uri": str(output),
         "tenant": "e2e",
     }
+    # The README's worker (left in the background of its shell) polls the same pool: stopped, as `kill -9 %1`
+    # would, before the run exists, so that the run is the test's worker's to pick up (else either may take it,
+    # and the test's worker may exit having run nothing while the other, killed, left it submitting: PENDING).
+    readme_workers = [p for p in _readme_processes(prefect_server.home) if "worker start" in " ".join(p.cmdline())]
+    for process in readme_workers:
+        process.kill()  # (a Prefect worker may take over 30 s to end on SIGTERM)
+    _, alive = psutil.wait_procs(readme_workers, timeout=30)
+    assert readme_workers and not alive, [p.cmdline() for p in alive]
+
     started = prefect_server.cli(
         "deployment", "run", DEPLOYMENT, *[a for k, v in params.items() for a in ("--param", f"{k}={v}")]
     )
@@ -249,15 +258,6 @@ def test_worker_runs_the_deployment_and_scores_every_row(
     assert match, started.stdout
     flow_run_id = match.group(1)
     assert prefect_server.get(f"/flow_runs/{flow_run_id}")["parameters"] == params
-
-    # The README's worker (left in the background of its shell) polls the same pool: stopped first, as `kill -9 %1`
-    # would, so that this run is the test's worker's to pick up (else either may take it, and the test's worker
-    # may exit having run nothing while the other still submits it).
-    readme_workers = [p for p in _readme_processes(prefect_server.home) if "worker start" in " ".join(p.cmdline())]
-    for process in readme_workers:
-        process.kill()  # (a Prefect worker may take over 30 s to end on SIGTERM)
-    _, alive = psutil.wait_procs(readme_workers, timeout=30)
-    assert readme_workers and not alive, [p.cmdline() for p in alive]
 
     # The worker starts outside the repository; the pull step takes the run back there.
     # Settings travel in the worker's environment, as in production.

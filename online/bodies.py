@@ -32,7 +32,8 @@ class ClientGone(Exception):
 
 # The status the access log and the request metrics give a request whose client went away before it was answered
 # (its body cut off, or too slow: the connection's own 408 is written below the app): nginx's 499, "client closed
-# request". Not the server's fault, so not a 5xx in the error ratio an SLO alerts on; not the client's 400 either.
+# request". Not the server's fault, so not a 5xx in the error ratio an SLO alerts on; not the client's 400 either; not
+# in the latency histogram (no answer was timed) nor metered.
 CLIENT_GONE = 499
 
 

@@ -22,10 +22,11 @@ What each connection is held to (``ConnectionLimits``, from ``OnlineSettings``):
   ``Retry-After`` (``/v2/health/*`` and ``/health`` always go through).
 - **A client gone before its request began.** When a request's last byte is read, the socket is asked
   (``poll``, ``POLLRDHUP``: nothing is read) whether the client has closed its side behind it already;
-  then the app reads a disconnect at once and answers nothing (``ClientGone``: 499 in the access log, no
-  inference, nothing metered), as nginx tests a client that closed before its request is passed on. It is
-  what a router's given-up copy looks like to a replica that was stopped or blocked: the router moved the
-  request to another replica and closed the connection, and the copy was still in this socket's buffer.
+  then the app reads a disconnect at once and answers nothing (``ClientGone``: 499 in the access log and the
+  request counter, no inference, no latency observed, nothing metered), as nginx tests a client that closed
+  before its request is passed on. It is what a router's given-up copy looks like to a replica that was
+  stopped or blocked: the router moved the request to another replica and closed the connection, and the
+  copy was still in this socket's buffer.
 
 A refusal is answered, then the write side is shut (FIN) and whatever the client still sends is
 read and dropped for ``LINGER_S`` at most (a "lingering close"): closing with unread data would

@@ -226,9 +226,11 @@ class Metrics:
         r = self.registry
         if self.shared_dir is None and (gpus := gpu_metrics.collector()) is not None:
             r.register(gpus)  # multiprocess mode: the supervisor's exposition reads them (multiprocess_exposition)
-        self.requests = Counter("shardline_requests", "HTTP requests answered.",
+        self.requests = Counter("shardline_requests", "HTTP requests by the status of their answer (499: the client "
+                                "went away before it was answered).",
                                 ["protocol", "model", "version", "tenant", "code"], registry=r)
-        self.latency = Histogram("shardline_request_seconds", "Time from request to response.",
+        self.latency = Histogram("shardline_request_seconds", "Time from request to response (answered requests; "
+                                 "not 499s).",
                                  ["protocol", "model", "version", "tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_rows = Histogram("shardline_batch_rows", "Rows per batch sent to a model.",
                                     ["model", "version"], buckets=ROW_BUCKETS, registry=r)
@@ -301,7 +303,11 @@ class Metrics:
             multiprocess.mark_process_dead(os.getpid(), self.shared_dir)
 
     def observe_request(self, protocol: str, model: str, version: str, tenant: str, code: int, seconds: float) -> None:
-        """Count one answered request and its latency."""
+        """Count one request by its status, and its latency when it was answered.
+
+        A request whose client went away before its answer (``CLIENT_GONE``, nginx's 499) is counted under code 499
+        and nowhere else: it has no time to a response (a router's given-up copy, read by a replica that was stopped,
+        takes microseconds and would read as a fast answer in the latency SLI), and it is not metered."""
         key = (protocol, model, version, tenant, code)
         children = self._request_children.get(key)
         if children is None:  # labels() validates and locks on every call: look each series up once
@@ -311,9 +317,10 @@ class Metrics:
                         _tally(self.latency.labels(protocol, model, version, tenant), self._tallies))
             self._request_children[key] = children
         children[0].inc()
-        children[1].observe(seconds)
-        if self.ledger is not None and model and code != CLIENT_GONE:  # metered: answered (a client gone was not)
-            self.ledger.add_request(tenant, model, version)
+        if code != CLIENT_GONE:  # answered: timed and metered (a client gone was neither)
+            children[1].observe(seconds)
+            if self.ledger is not None and model:
+                self.ledger.add_request(tenant, model, version)
 
     def observe_batch(self, model: str, version: str, rows: int, requests: int, seconds: float) -> None:
         """Record one batch the model scored."""

@@ -179,6 +179,45 @@ def test_a_slow_body_is_answered_408_and_closed(impatient: Server, breast_cancer
     assert codes.get("499") == 2 and "500" not in codes, codes
 
 
+def _scraped(server: Server, series: str) -> dict[str, float]:
+    """The breast-cancer model's values of ``series`` (``shardline_requests_total``: by code; a histogram's
+    ``_count``: under "")."""
+    found: dict[str, float] = {}
+    for labels, value in re.findall(rf"^{series}\{{([^}}]*)\}} (\S+)$", httpx.get(f"{server.metrics_url}/metrics").text,
+                                    re.M):
+        if 'model="breast-cancer"' in labels:
+            code = re.search(r'code="(\d+)"', labels)
+            key = code.group(1) if code else ""
+            found[key] = found.get(key, 0.0) + float(value)
+    return found
+
+
+def test_a_request_whose_client_left_before_it_began_counts_as_499_and_is_not_timed(
+    capped: Server, breast_cancer_model: BuiltModel
+) -> None:
+    # A router's given-up copy: the whole request waits in the socket of a stopped replica, its client gone. It was
+    # counted in shardline_request_seconds as a ~0 ms answer: the latency SLI read it as good, when it was late.
+    assert infer(capped, breast_cancer_model).status_code == 200
+    codes, timed = _scraped(capped, "shardline_requests_total"), _scraped(capped, "shardline_request_seconds_count")
+    rows = breast_cancer_model.data.features[:1]
+    body = orjson.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": [1], "data": rows[:, j].tolist()}
+                                    for j, n in enumerate(breast_cancer_model.data.names)]})
+    os.kill(capped.process.pid, signal.SIGSTOP)
+    try:
+        gone = capped.connect(b"POST /v2/models/breast-cancer/infer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                              + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        gone.close()
+    finally:
+        os.kill(capped.process.pid, signal.SIGCONT)
+    deadline, now = time.monotonic() + 15, codes
+    while time.monotonic() < deadline and now.get("499", 0) == codes.get("499", 0):
+        time.sleep(0.1)
+        now = _scraped(capped, "shardline_requests_total")
+    assert now.get("499", 0) == codes.get("499", 0) + 1, (codes, now)
+    assert now.get("200") == codes.get("200")
+    assert _scraped(capped, "shardline_request_seconds_count") == timed  # no answer, no time to one
+
+
 # -- connection and in-flight caps ----------------------------------------------------------------
 @pytest.mark.parametrize("head", [b"", b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Slow: a"])
 def test_half_open_connections_past_the_cap_cannot_keep_health_or_requests_out(

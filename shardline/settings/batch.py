@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shardline.settings.online import MetricsPort
+
 
 class DaskSettings(BaseSettings):
     """Which Dask cluster the batch flow runs its shards on."""
@@ -189,11 +191,11 @@ class BatchSettings(BaseSettings):
         "the Prefect API and a LocalCluster with its loaded models for the next jobs) waits for a job before it "
         "exits. 0: no runner; every job starts and closes its own cluster in its own process.",
     )
-    metrics_port: int = Field(
+    metrics_port: MetricsPort = Field(
         default=0, ge=0, le=65_535,
         description="Port of a Prometheus /metrics listener in the process that dispatches batch jobs (the warm "
         "runner, or a cold run's own process): rows, shards by state, projected finish and deadline per job and "
-        "tenant, scrapeable while a job runs. 0: none (the default).",
+        "tenant, scrapeable while a job runs. 0 or 'off': none (the default).",
     )
     metrics_host: str = Field(
         default="127.0.0.1", description="Address of the batch /metrics listener (0.0.0.0 for a scraper elsewhere)."

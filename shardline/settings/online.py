@@ -3,15 +3,33 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator, \
+    field_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def port_or_off(value: Any) -> Any:
     """A metrics port setting as given, with "off", "none", "false" or "" meaning 0 (no listener)."""
     return 0 if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", "") else value
+
+
+def _metrics_port(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A metrics port (``port_or_off``); a refusal says what a port is and that 0 or 'off' turns the listener off."""
+    try:
+        return handler(port_or_off(value))
+    except ValidationError as e:
+        problem = e.errors()[0]["msg"] if e.errors() else str(e)
+        raise PydanticCustomError(
+            "metrics_port", "{problem}; give a port from 1 to 65535, or 0 or 'off' for no metrics listener",
+            {"problem": problem},
+        ) from None
+
+
+# The port of a /metrics listener: 0 (or "off", "none", "false", "") means none.
+MetricsPort = Annotated[int, WrapValidator(_metrics_port)]
 
 
 class ModelServing(BaseModel):
@@ -167,7 +185,7 @@ class OnlineSettings(BaseSettings):
         default="127.0.0.1",
         description="Address of the Prometheus /metrics listener (its own port; the main port has no /metrics).",
     )
-    metrics_port: int = Field(
+    metrics_port: MetricsPort = Field(
         default=8002, ge=0, le=65_535,
         description="Port of the /metrics listener (8002, as Triton's); 0 or 'off': no metrics listener.",
     )
@@ -176,11 +194,6 @@ class OnlineSettings(BaseSettings):
         description="A bound TCP socket this process inherited, served as the /metrics listener instead of "
         "metrics_host and metrics_port (as fd is for the main listener).",
     )
-
-    @field_validator("metrics_port", mode="before")
-    @classmethod
-    def _metrics_off(cls, value: Any) -> Any:
-        return port_or_off(value)
 
     @field_validator("models")
     @classmethod

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shardline.settings.online import port_or_off
+from shardline.settings.online import MetricsPort
 
 
 class RouterSettings(BaseSettings):
@@ -94,12 +94,7 @@ class RouterSettings(BaseSettings):
         "the rollouts on them (step, promote, roll back)."
     )
     metrics_host: str = Field(default="127.0.0.1", description="Address of the router's Prometheus /metrics listener.")
-    metrics_port: int = Field(
+    metrics_port: MetricsPort = Field(
         default=8082, ge=0, le=65_535, description="Port of the router's /metrics listener; 0 or 'off': none."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Log level.")
-
-    @field_validator("metrics_port", mode="before")
-    @classmethod
-    def _metrics_off(cls, value: Any) -> Any:
-        return port_or_off(value)

@@ -174,14 +174,21 @@ def test_serve_with_two_workers_answers_on_one_port_and_sums_their_metrics_on_th
 @pytest.mark.parametrize(("args", "variables", "message"), [
     (["serve", "--metrics-port", "80a"], {},
      "error: a setting is not valid: --metrics-port: Input should be a valid integer, unable to parse string as an "
-     "integer (got '80a'); fix the option"),
+     "integer; give a port from 1 to 65535, or 0 or 'off' for no metrics listener (got '80a'); fix the option"),
+    (["serve", "--metrics-port", "70000"], {},
+     "--metrics-port: Input should be less than or equal to 65535; give a port from 1 to 65535, or 0 or 'off' for no "
+     "metrics listener (got '70000')"),
     (["serve", "--header-timeout", "-1"], {}, "--header-timeout: Input should be greater than 0 (got -1.0)"),
     (["serve"], {"SHARDLINE_ONLINE_METRICS_PORT": "abc"},
      "error: a setting is not valid: SHARDLINE_ONLINE_METRICS_PORT: Input should be a valid integer, unable to parse "
-     "string as an integer (got 'abc'); fix or unset the variable (README.md, Settings)"),
-    (["router", "--metrics-port", "abc"], {}, "error: a setting is not valid: --metrics-port: "),
-    (["router", "--local-replicas", "1"], {"SHARDLINE_ROUTER_METRICS_PORT": "abc"},
-     "error: a setting is not valid: SHARDLINE_ROUTER_METRICS_PORT: Input should be a valid integer"),
+     "string as an integer; give a port from 1 to 65535, or 0 or 'off' for no metrics listener (got 'abc'); fix or "
+     "unset the variable (README.md, Settings)"),
+    (["router", "--metrics-port", "abc"], {},
+     "error: a setting is not valid: --metrics-port: Input should be a valid integer, unable to parse string as an "
+     "integer; give a port from 1 to 65535, or 0 or 'off' for no metrics listener (got 'abc'); fix the option"),
+    (["router", "--local-replicas", "1"], {"SHARDLINE_ROUTER_METRICS_PORT": "-1"},
+     "error: a setting is not valid: SHARDLINE_ROUTER_METRICS_PORT: Input should be greater than or equal to 0; give "
+     "a port from 1 to 65535, or 0 or 'off' for no metrics listener (got '-1')"),
     (["serve", "--metrics-port", "abc"], {"SHARDLINE_ONLINE_WORKERS": "x"},
      "SHARDLINE_ONLINE_WORKERS: Input should be a valid integer, unable to parse string as an integer (got 'x'); "
      "--metrics-port: "),

@@ -25,6 +25,7 @@ from shardline.errors import (
     OutputNotWritable,
     QuotaExceeded,
 )
+from shardline.settings import BatchSettings
 from shardline.storage.lease import LeaseTerms, OutputLease
 from shardline.storage.output import PartRecord
 
@@ -182,3 +183,18 @@ def test_a_bad_setting_is_one_line_naming_the_variable(
     assert outcome.error is not None and "\n" not in outcome.error
     assert outcome.error.startswith("a setting is not valid: SHARDLINE_BATCH_BATCH_ROWS: Input should be a valid "
                                     "integer") and "(got 'many')" in outcome.error
+
+
+@pytest.mark.parametrize("port", ["abc", "65536"])
+def test_a_bad_batch_metrics_port_says_that_0_or_off_turns_the_listener_off(
+    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, port: str
+) -> None:
+    monkeypatch.setenv("SHARDLINE_BATCH_METRICS_PORT", port)
+    outcome = refused(request(shards, tmp_path / "out"))
+    assert outcome is not None and outcome.code == 2 and outcome.error is not None and "\n" not in outcome.error
+    assert outcome.error.startswith("a setting is not valid: SHARDLINE_BATCH_METRICS_PORT: Input should be ")
+    assert f"give a port from 1 to 65535, or 0 or 'off' for no metrics listener (got '{port}')" in outcome.error
+
+
+def test_off_turns_the_batch_metrics_listener_off() -> None:
+    assert BatchSettings(metrics_port="off").metrics_port == 0

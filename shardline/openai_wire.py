@@ -23,6 +23,7 @@ import numpy as np
 import orjson
 
 from shardline.errors import InvalidInput, shown
+from shardline.rows import blank_text
 from shardline.runtimes.generation.requests import CHAT_ROLES, MAX_STOP_STRINGS
 from shardline.signature import Signature
 
@@ -247,9 +248,9 @@ def parse_embedding_request(body: bytes | dict[str, Any]) -> EmbeddingRequest:
     doc = request_object(body, generation=False)
     model = doc["model"]
     texts = doc.get("input")
-    if texts == "":
-        raise InvalidInput("field 'input' is an empty string; send the text to embed")
     if isinstance(texts, str):
+        if (blank := blank_text(texts)) is not None:
+            raise InvalidInput(f"field 'input' is {blank}; send the text to embed")
         texts = [texts]
     if not isinstance(texts, list) or not texts:
         raise InvalidInput("field 'input' must be a string or a non-empty list of strings")
@@ -260,8 +261,8 @@ def parse_embedding_request(body: bytes | dict[str, Any]) -> EmbeddingRequest:
             ids = isinstance(text, int) or isinstance(text, list) and all(type(t) is int for t in text)
             kind = "token ids" if ids else f"a JSON {_JSON_NAMES.get(type(text), type(text).__name__)}"
             raise InvalidInput(f"field 'input[{i}]' is {kind}; this server embeds text: send strings")
-        if not text:
-            raise InvalidInput(f"field 'input[{i}]' is an empty string; send the text to embed or leave the entry out")
+        if (blank := blank_text(text)) is not None:
+            raise InvalidInput(f"field 'input[{i}]' is {blank}; send the text to embed or leave the entry out")
     encoding = doc.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise InvalidInput(f"field 'encoding_format' is {shown(encoding)}; use 'float' or 'base64'")
@@ -273,15 +274,8 @@ def parse_embedding_request(body: bytes | dict[str, Any]) -> EmbeddingRequest:
 
 def embedding_io(signature: Signature) -> tuple[str, str, int] | None:
     """(text input, embedding output, its size) when the signature is an embedding model's (one string column
-    in, one ``fixed_size_list<float>`` out); None otherwise."""
-    import pyarrow as pa
-
-    ins, outs = signature.inputs, signature.outputs
-    if (len(ins) == 1 and pa.types.is_string(ins[0].arrow_type) and len(outs) == 1
-            and pa.types.is_fixed_size_list(outs[0].arrow_type)
-            and pa.types.is_floating(outs[0].arrow_type.value_type)):
-        return ins[0].name, outs[0].name, outs[0].arrow_type.list_size
-    return None
+    in, one ``fixed_size_list<float>`` out); None otherwise (``SignaturePlan.embedding``, worked out once)."""
+    return signature.plan.embedding
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:

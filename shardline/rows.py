@@ -93,6 +93,7 @@ class SignaturePlan:
             flag: {n: flag for n in self.output_names} for flag in (False, True)}
         self.layout = _float_layout(self.columns)
         self.tensor_view: Signature | None = _tensor_view(signature)  # what tensor protocols show (input_tensor)
+        self.embedding: tuple[str, str, int] | None = _embedding(signature)  # (text in, vector out, its size)
         self._stacked = _StackedTables(self.input_schema, self.layout.dtypes[0]) if self.layout and self.layout.stacked else None
 
     def table_of(self, arrays: Sequence[np.ndarray]) -> pa.Table:
@@ -144,6 +145,28 @@ def _tensor_view(signature: Signature) -> Signature | None:
     tensor = ColumnSpec(name=signature.input_tensor, type=f"fixed_size_list<{signature.inputs[0].type}>[{k}]",
                         non_finite=True)
     return Signature(inputs=(tensor,), outputs=signature.outputs)
+
+
+def _embedding(signature: Signature) -> tuple[str, str, int] | None:
+    """(text input, embedding output, its size) when the signature is an embedding model's (one string column
+    in, one ``fixed_size_list<float>`` out); None otherwise."""
+    ins, outs = signature.inputs, signature.outputs
+    if (len(ins) == 1 and pa.types.is_string(ins[0].arrow_type) and len(outs) == 1
+            and pa.types.is_fixed_size_list(outs[0].arrow_type)
+            and pa.types.is_floating(outs[0].arrow_type.value_type)):
+        return ins[0].name, outs[0].name, outs[0].arrow_type.list_size
+    return None
+
+
+def blank_text(text: str) -> str | None:
+    """What makes ``text`` nothing to embed ("an empty string", "only whitespace"), or None when it holds something.
+
+    An embedding model's tokenizer drops whitespace (all-MiniLM's WordPiece does): a text of only whitespace
+    gets the empty string's vector, the embedding of nothing. The online tier refuses both (``/v1/embeddings``
+    and V2 alike)."""
+    if not text:
+        return "an empty string"
+    return "only whitespace" if text.isspace() else None
 
 
 def _column_plan(spec: ColumnSpec) -> ColumnPlan:

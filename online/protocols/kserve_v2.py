@@ -63,7 +63,7 @@ from shardline.online.protocols.v2_tensors import (
     tensor_to_column,
     to_binary,
 )
-from shardline.rows import Rows, check_rows, float_rows
+from shardline.rows import Rows, blank_text, check_rows, float_rows
 from shardline.signature import Signature
 
 PROTOCOL = "v2"
@@ -240,6 +240,8 @@ def _decode(body: bytes, header_length: str | None, signature: Signature, model:
         raise InvalidInput(f"inputs disagree on the number of rows: {counts}; send the same N for every input")
     ordered = [columns[n] for n in plan.input_names]
     if layout is None:
+        if plan.embedding is not None:
+            _refuse_blank_texts(plan.input_names[0], ordered[0])
         rows = check_rows(pa.Table.from_arrays(ordered, schema=plan.input_schema), signature, model)
     elif layout.stacked:
         rows = float_rows(plan, (np.column_stack(ordered) if ordered[0].size else
@@ -248,6 +250,18 @@ def _decode(body: bytes, header_length: str | None, signature: Signature, model:
         rows = float_rows(plan, tuple(ordered), model)
     outputs, binary_out = _requested_outputs(doc, signature, model)
     return InferRequest(rows, _request_id(doc.get("id")), outputs, binary_out)
+
+
+def _refuse_blank_texts(name: str, texts: pa.Array) -> None:
+    """An embedding model's texts, each with something to embed (``blank_text``), as ``/v1/embeddings`` takes them.
+
+    Raises:
+        InvalidInput: naming the input and the first element that is empty or only whitespace.
+    """
+    for i, text in enumerate(texts.to_pylist()):
+        if text is not None and (blank := blank_text(text)) is not None:
+            raise InvalidInput(f"input {name!r}: element {i} is {blank}; send the text to embed in each element, or "
+                               "leave that one out")
 
 
 _MAX_RANK = 8  # a shape longer than this is refused before anything reads it (models take [N] or [N, k])

@@ -138,6 +138,20 @@ def test_the_openai_client_through_the_router(routed: Routed) -> None:
         openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
 
 
+def test_a_blank_text_through_the_router_is_the_replicas_400_naming_the_entry(routed: Routed) -> None:
+    # whitespace only was embedded as the empty string's vector, through the router as on serve
+    with httpx.Client(base_url=routed.url, headers=key()) as client:
+        answer = client.post("/v1/embeddings", json={"model": "minilm", "input": ["one", " \n "]})
+        v2 = client.post("/v2/models/minilm/infer", json={"inputs": [
+            {"name": "text", "datatype": "BYTES", "shape": [2], "data": ["\t", "two"]}]})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "input[1]"
+    assert answer.json()["error"]["message"] == ("field 'input[1]' is only whitespace; send the text to embed or "
+                                                 "leave the entry out")
+    assert v2.status_code == 400
+    assert v2.json() == {"error": "input 'text': element 0 is only whitespace; send the text to embed in each "
+                                  "element, or leave that one out"}
+
+
 def test_a_get_on_infer_is_the_replicas_405_naming_the_path_as_sent(routed: Routed) -> None:
     # the router pinned the version of any /infer, a GET's too: the 405 named a path the client never sent
     got = httpx.get(f"{routed.url}/v2/models/{MODEL}/infer", headers=key())

@@ -125,7 +125,35 @@ def test_an_empty_text_is_a_400_naming_the_field_as_openai_answers(client: opena
     assert raw.json() == {"error": {"message": "field 'input[0]' is an empty string; send the text to embed or leave "
                                     "the entry out", "type": "invalid_request_error", "param": "input[0]",
                                     "code": None}}
-    assert len(client.embeddings.create(model="minilm", input=[" "]).data) == 1  # a blank is text, as for OpenAI
+
+
+@pytest.mark.parametrize("blank", [" ", "\n", "\t \r\n", "\u3000"], ids=["space", "newline", "mixed", "ideographic"])
+def test_a_text_of_only_whitespace_is_refused_as_an_empty_one(client: openai.OpenAI, url: str, blank: str) -> None:
+    # MiniLM's WordPiece tokenizer drops whitespace: such a text was answered with the empty string's vector
+    with pytest.raises(openai.BadRequestError, match="field 'input' is only whitespace; send the text to embed"):
+        client.embeddings.create(model="minilm", input=blank)
+    raw = httpx.post(f"{url}/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": "minilm", "input": ["one", blank]})
+    assert raw.status_code == 400
+    assert raw.json()["error"]["message"] == ("field 'input[1]' is only whitespace; send the text to embed or leave "
+                                              "the entry out") and raw.json()["error"]["param"] == "input[1]"
+    assert len(client.embeddings.create(model="minilm", input=[f"{blank}a{blank}"]).data) == 1  # text with blanks
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+@pytest.mark.parametrize(("blank", "kind"), [("", "an empty string"), (" \n", "only whitespace")])
+def test_v2_refuses_an_empty_or_blank_text_to_an_embedding_model_naming_the_element(
+    url: str, binary: bool, blank: str, kind: str
+) -> None:
+    client = triton.InferenceServerClient(url.removeprefix("http://"))
+    text = triton.InferInput("text", [3], "BYTES")
+    text.set_data_from_numpy(np.array([b"one", b"two", blank.encode()], dtype=object), binary_data=binary)
+    with pytest.raises(triton.InferenceServerException) as refused:
+        client.infer("minilm", [text], headers={"Authorization": f"Bearer {KEY}"})
+    client.close()
+    assert refused.value.status() == "400"
+    assert refused.value.message() == (f"input 'text': element 2 is {kind}; send the text to embed in each element, "
+                                       "or leave that one out")
 
 
 def test_models_lists_what_the_tenant_may_call(client: openai.OpenAI) -> None:

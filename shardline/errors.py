@@ -29,6 +29,12 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def number_out_of_range(error: Exception) -> bool:
+    """Whether a JSON parser's error (orjson's) is a number past a double's range (``1e400``): valid JSON, which it
+    does not read, so not a body to call invalid JSON."""
+    return "number is infinity when parsed as double" in str(error)
+
+
 class ShardlineError(Exception):
     """Base of every error Shardline raises on purpose.
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 
-from shardline.errors import InvalidInput, shown
+from shardline.errors import InvalidInput, number_out_of_range, shown
 from shardline.rows import blank_text
 from shardline.runtimes.generation.requests import CHAT_ROLES, MAX_STOP_STRINGS
 from shardline.signature import Signature
@@ -168,6 +168,9 @@ def _object(body: bytes | dict[str, Any], example: str, not_object: str) -> dict
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as e:
+        if number_out_of_range(e):
+            raise InvalidInput(f"the request body holds a number past the range of a double, ±1.8e+308 ({e}); send "
+                               "numbers within it") from e
         raise InvalidInput(f"the request body is not valid JSON ({e}); send {example}") from e
     if not isinstance(doc, dict):
         raise InvalidInput(not_object)

@@ -38,7 +38,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from shardline import __version__
-from shardline.errors import InvalidInput, NonFiniteValues
+from shardline.errors import InvalidInput, NonFiniteValues, number_out_of_range
 from shardline.online.bodies import byte_count
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import (
@@ -59,11 +59,13 @@ from shardline.online.protocols.v2_tensors import (
     array_to_tensor,
     column_to_tensor,
     describe,
+    out_of_range,
+    refuse_blank_texts,
     tensor_to_array,
     tensor_to_column,
     to_binary,
 )
-from shardline.rows import Rows, blank_text, check_rows, float_rows
+from shardline.rows import Rows, check_rows, float_rows
 from shardline.signature import Signature
 
 PROTOCOL = "v2"
@@ -129,8 +131,11 @@ def _with_non_finite(json_part: bytes, error: orjson.JSONDecodeError, header_len
 
     Raises:
         InvalidInput: the body is not JSON, even with NaN and Infinity; where it names ``binary_data_size``, said as
-            binary tensors whose JSON part ``Inference-Header-Content-Length`` does not mark.
+            binary tensors whose JSON part ``Inference-Header-Content-Length`` does not mark; it is JSON holding a
+            number past a double's range (``1e400``), said as out of range for the input's datatype.
     """
+    if number_out_of_range(error):  # valid JSON: a number no double holds
+        raise out_of_range(json_part, error) from error
     if _NON_FINITE.search(json_part):
         try:
             return json.loads(bytes(json_part))
@@ -241,7 +246,7 @@ def _decode(body: bytes, header_length: str | None, signature: Signature, model:
     ordered = [columns[n] for n in plan.input_names]
     if layout is None:
         if plan.embedding is not None:
-            _refuse_blank_texts(plan.input_names[0], ordered[0])
+            refuse_blank_texts(plan.input_names[0], ordered[0])
         rows = check_rows(pa.Table.from_arrays(ordered, schema=plan.input_schema), signature, model)
     elif layout.stacked:
         rows = float_rows(plan, (np.column_stack(ordered) if ordered[0].size else
@@ -250,18 +255,6 @@ def _decode(body: bytes, header_length: str | None, signature: Signature, model:
         rows = float_rows(plan, tuple(ordered), model)
     outputs, binary_out = _requested_outputs(doc, signature, model)
     return InferRequest(rows, _request_id(doc.get("id")), outputs, binary_out)
-
-
-def _refuse_blank_texts(name: str, texts: pa.Array) -> None:
-    """An embedding model's texts, each with something to embed (``blank_text``), as ``/v1/embeddings`` takes them.
-
-    Raises:
-        InvalidInput: naming the input and the first element that is empty or only whitespace.
-    """
-    for i, text in enumerate(texts.to_pylist()):
-        if text is not None and (blank := blank_text(text)) is not None:
-            raise InvalidInput(f"input {name!r}: element {i} is {blank}; send the text to embed in each element, or "
-                               "leave that one out")
 
 
 _MAX_RANK = 8  # a shape longer than this is refused before anything reads it (models take [N] or [N, k])

@@ -8,11 +8,13 @@ says: each input of exactly the datatype and rank the metadata advertises (``FP3
 Triton reads it. Binary tensor data (the ``binary_data`` extension) is the
 tensor's values, row-major, little-endian; ``BYTES`` elements are each a 4-byte
 little-endian length followed by the bytes. Every refusal is an ``InvalidInput`` that
-names the input.
+names the input; so does ``out_of_range``, for a JSON body holding a number past a double's range
+(``1e400``: valid JSON, which the JSON parser does not read).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from typing import Any
@@ -22,7 +24,7 @@ import pyarrow as pa
 
 from shardline.errors import InferenceFailed, InvalidInput
 from shardline.online.errors import shown
-from shardline.rows import ColumnPlan
+from shardline.rows import ColumnPlan, blank_text
 from shardline.signature import ColumnSpec, leaf_type, row_shape, type_name
 
 DATATYPES: dict[str, pa.DataType] = {
@@ -311,3 +313,76 @@ def to_binary(datatype: str, values: Any) -> bytes:
         encoded = [v.encode() for v in values]
         return b"".join(_LENGTH.pack(len(e)) + e for e in encoded)
     return np.ascontiguousarray(values, dtype=_NUMPY[datatype]).tobytes()
+
+
+class _Huge:
+    """A JSON number past a double's range, as it was written."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _huge_or_float(text: str) -> Any:
+    value = float(text)
+    return _Huge(text) if math.isinf(value) else value
+
+
+def _first_huge(data: Any) -> str | None:
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _Huge):
+            return item.text
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+    return None
+
+
+def _range_of(datatype: str) -> str | None:
+    """The values a V2 datatype holds, said for a message ("at most ±3.4028235e+38"); None for no number type."""
+    dtype = _NUMPY.get(datatype)
+    if dtype is None or dtype.kind == "b":
+        return None
+    if dtype.kind == "f":
+        return f"at most ±{float(np.finfo(dtype).max):.8g}"
+    info = np.iinfo(dtype)
+    return f"{info.min} to {info.max}"
+
+
+def out_of_range(json_part: bytes | memoryview, error: Exception) -> InvalidInput:
+    """The refusal of a request whose JSON holds a number past a double's range (``1e400``, which the JSON parser
+    refuses, ``error``): it names the first input whose data holds one and what the input's datatype holds; else
+    the number. Read again only on this error (never for a body the parser took)."""
+    try:
+        doc = json.loads(bytes(json_part), parse_float=_huge_or_float)
+    except (ValueError, RecursionError):
+        doc = None
+    inputs = doc.get("inputs") if isinstance(doc, dict) else None
+    for tensor in inputs if isinstance(inputs, list) else ():
+        text = _first_huge(tensor.get("data")) if isinstance(tensor, dict) else None
+        if text is None:
+            continue
+        name, datatype = tensor.get("name"), tensor.get("datatype")
+        holds = _range_of(datatype) if isinstance(datatype, str) else None
+        if holds is None:
+            return InvalidInput(f"input {shown(name)}: the number {shown(text)} is past the range of any number type "
+                                f"(a double's, ±1.8e+308), and the input is declared {shown(datatype)}; send values "
+                                "of its datatype")
+        return InvalidInput(f"input {shown(name)}: the number {shown(text)} is out of range for its datatype "
+                            f"{datatype} ({holds}); send values within it")
+    return InvalidInput(f"the request body holds a number past the range of a double, ±1.8e+308 ({error}); send "
+                        "numbers within it")
+
+
+def refuse_blank_texts(name: str, texts: pa.Array) -> None:
+    """An embedding model's texts, each with something to embed (``blank_text``), as ``/v1/embeddings`` takes them.
+
+    Raises:
+        InvalidInput: naming the input and the first element that is empty or only whitespace.
+    """
+    for i, text in enumerate(texts.to_pylist()):
+        if text is not None and (blank := blank_text(text)) is not None:
+            raise InvalidInput(f"input {name!r}: element {i} is {blank}; send the text to embed in each element, or "
+                               "leave that one out")

@@ -135,6 +135,33 @@ def test_nan_and_infinity_are_refused_naming_the_input(url: str, breast_cancer_m
     assert f"columns [{name!r}] hold NaN or infinite values ({{{name!r}: 1}} in 2 rows)" in overflow.json()["error"]
 
 
+@pytest.mark.parametrize("model", [MODEL, TAKES_NAN])
+def test_a_number_past_a_doubles_range_is_out_of_range_for_the_inputs_datatype_not_invalid_json(
+    url: str, breast_cancer_model: BuiltModel, model: str
+) -> None:
+    # 1e400 is valid JSON; it was refused as "not valid JSON" (the parser's words for a number no double holds)
+    name = breast_cancer_model.data.names[4]
+    good = orjson.dumps(body_for(breast_cancer_model, breast_cancer_model.data.features[:2]))
+    for huge in (b"1e400", b"-2.5E+999"):
+        doc = orjson.loads(good)
+        doc["inputs"][4]["data"][1] = "HUGE"
+        body = orjson.dumps(doc).replace(b'"HUGE"', huge)
+        refused = httpx.post(f"{url}/v2/models/{model}/infer", headers=AUTH, content=body)
+        assert refused.status_code == 400
+        assert refused.json() == {"error": f"input {name!r}: the number '{huge.decode()}' is out of range for its "
+                                           "datatype FP32 (at most ±3.4028235e+38); send values within it"}
+    elsewhere = good.replace(b'"inputs"', b'"parameters": {"x": 1e400}, "inputs"', 1)
+    refused = httpx.post(f"{url}/v2/models/{model}/infer", headers=AUTH, content=elsewhere)
+    assert refused.status_code == 400
+    assert refused.json()["error"].startswith("the request body holds a number past the range of a double, ±1.8e+308")
+    assert httpx.post(f"{url}/v2/models/{model}/infer", headers=AUTH, content=good).status_code == 200
+    embeddings = httpx.post(f"{url}/v1/embeddings", headers=AUTH,
+                            content=b'{"model": "%s", "input": "hi", "dimensions": 1e400}' % model.encode())
+    assert embeddings.status_code == 400 and embeddings.json()["error"]["message"].startswith(
+        "the request body holds a number past the range of a double, ±1.8e+308 (number is infinity when parsed as "
+        "double: line 1 column ")
+
+
 def test_the_same_bad_rows_get_the_same_message_from_both_tiers(
     url: str, breast_cancer_model: BuiltModel, tmp_path: Path
 ) -> None:

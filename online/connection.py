@@ -20,6 +20,9 @@ What each connection is held to (``ConnectionLimits``, from ``OnlineSettings``):
   So half-open connections cannot keep a health check or a real request out.
 - **In-flight cap.** With ``max_in_flight`` requests being answered, another is answered 503 with
   ``Retry-After`` (``/v2/health/*`` and ``/health`` always go through).
+- **Not HTTP.** What the parser refuses (a ``Content-Length`` that is not digits, or given twice, a bad request
+  line) is answered 400 with the parser's words and closed, in the JSON form below (uvicorn's own answer was plain
+  text).
 - **A client gone before its request began.** When a request's last byte is read, the socket is asked
   (``poll``, ``POLLRDHUP``: nothing is read) whether the client has closed its side behind it already;
   then the app reads a disconnect at once and answers nothing (``ClientGone``: 499 in the access log and the
@@ -192,11 +195,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            if self._refused:
-                return
-            self.logger.warning("Invalid HTTP request received.")
-            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserError as e:
+            if not self._refused:
+                self._not_http(e)
             return
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
@@ -209,6 +210,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._refuse(431, f"the request's headers are over {self.limits.max_header_bytes} bytes")
         elif self._body_timer is None and not self.transport.is_closing():
             self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+
+    def _not_http(self, error: httptools.HttpParserError) -> None:
+        """The parser refused what the client sent (a Content-Length that is not digits, a bad request line): 400 with
+        the JSON body every other 400 has, where uvicorn answered plain text; closed. An answer already being written
+        (a stream, a large body) can have nothing after it: the connection is just closed."""
+        why = str(error) or type(error).__name__
+        self.logger.warning("Invalid HTTP request received (%s).", why)
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self.transport.close()
+            return
+        todo = ("send Content-Length once, the body's size in ASCII digits" if "content-length" in why.lower()
+                else "send a well-formed HTTP/1.1 request line and headers")
+        self._refuse(400, f"the request is not valid HTTP/1.1 ({why}); {todo}")
 
     def on_headers_complete(self) -> None:
         self._on_head_complete()

@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -136,6 +137,19 @@ def test_the_openai_client_through_the_router(routed: Routed) -> None:
         client.embeddings.create(model=MODEL, input="hi")
     with pytest.raises(openai.AuthenticationError, match="the API key is not valid"):
         openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_a_malformed_content_length_gets_the_routers_json_400(routed: Routed) -> None:
+    port = int(routed.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in status.lower(), answer
+    assert orjson.loads(body) == {"error": "the request is not valid HTTP/1.1 (Invalid character in Content-Length); "
+                                           "send Content-Length once, the body's size in ASCII digits"}
 
 
 def test_a_blank_text_through_the_router_is_the_replicas_400_naming_the_entry(routed: Routed) -> None:

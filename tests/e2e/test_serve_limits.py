@@ -218,6 +218,26 @@ def test_a_request_whose_client_left_before_it_began_counts_as_499_and_is_not_ti
     assert _scraped(capped, "shardline_request_seconds_count") == timed  # no answer, no time to one
 
 
+@pytest.mark.parametrize(("head", "error"), [
+    (b"Content-Length: abc\r\n", "the request is not valid HTTP/1.1 (Invalid character in Content-Length); send "
+                                   "Content-Length once, the body's size in ASCII digits"),
+    (b"Content-Length: 2\r\nContent-Length: 3\r\n", "the request is not valid HTTP/1.1 (Duplicate Content-Length); "
+                                                     "send Content-Length once, the body's size in ASCII digits"),
+])
+def test_a_request_the_http_parser_refuses_is_a_json_400_like_every_other(
+    capped: Server, breast_cancer_model: BuiltModel, head: bytes, error: str
+) -> None:
+    # uvicorn answered these in plain text ("Invalid HTTP request received."), unlike every other 400
+    sock = capped.connect(b"POST /v2/models/breast-cancer/infer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                          + KEY.encode() + b"\r\n" + head + b"\r\n{}")
+    answer = read_all(sock)
+    sock.close()
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in status.lower(), answer
+    assert orjson.loads(body) == {"error": error}
+    assert infer(capped, breast_cancer_model).status_code == 200
+
+
 # -- connection and in-flight caps ----------------------------------------------------------------
 @pytest.mark.parametrize("head", [b"", b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Slow: a"])
 def test_half_open_connections_past_the_cap_cannot_keep_health_or_requests_out(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import reprlib
 from pathlib import Path
+from typing import Any
 
 _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 3, 60, 60, 8, 4
@@ -51,6 +52,23 @@ class ShardlineError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+    def reworded(self, message: str) -> ShardlineError:
+        """The same error (its class and data) with another message: what a caller adds to one it passes on."""
+        return _rebuilt(type(self), message, {**self.__dict__, "message": message})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as its class, message and data: a subclass's ``__init__`` takes more than the message, and a
+        Dask worker's error (a model it cannot load) comes back to the flow as the same error, not another."""
+        return _rebuilt, (type(self), self.message, dict(self.__dict__))
+
+
+def _rebuilt(cls: type[ShardlineError], message: str, data: dict[str, Any]) -> ShardlineError:
+    """An unpickled Shardline error (``ShardlineError.__reduce__``): its class with its message and data."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(data)
+    return error
 
 
 class InvalidSetting(ShardlineError, ValueError):

@@ -18,6 +18,7 @@ from shardline.bundle import MANIFEST, verify_artifacts
 from shardline.errors import IntegrityError
 from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
 from shardline.storage.registry import ResolvedModel, fetch_bundle
+from shardline.storage.registry_integrity import damaged_in_registry
 
 _Key = tuple[str, RuntimeOptions]
 
@@ -50,16 +51,17 @@ class ModelCache:
                 shutil.rmtree(target, ignore_errors=True)
         staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
         try:
-            fetch_bundle(model, staging, storage_options)
+            fetch_bundle(model, staging, storage_options, verify=False)
+            _verify_fetched(model, staging)
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 staging.rename(target)
             except OSError:
                 if not (target / MANIFEST).is_file():
                     raise
+                verify_artifacts(target, model.manifest)  # another process's copy: its rename won
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        verify_artifacts(target, model.manifest)
         return target
 
     def get(
@@ -71,7 +73,8 @@ class ModelCache:
         """The loaded model, loading it (once, even under concurrent callers) if needed.
 
         Raises:
-            IntegrityError: the registry's artifacts do not match their manifest.
+            IntegrityError: the registry's artifacts do not match their manifest (``damaged_in_registry``'s message:
+                push the bundle again).
             RuntimeUnavailable: the runtime or device is not available here.
         """
         return self.get_or_load(model, options, storage_options)[0]
@@ -141,6 +144,20 @@ class ModelCache:
             for runtime in self._loaded.values():
                 runtime.close()
             self._loaded.clear()
+
+
+def _verify_fetched(model: ResolvedModel, folder: Path) -> None:
+    """Check a copy just fetched from the registry: an artifact that does not verify is damaged in the registry
+    (fetching again gets the same bytes).
+
+    Raises:
+        IntegrityError: ``damaged_in_registry``'s, naming the version and what to do.
+    """
+    try:
+        verify_artifacts(folder, model.manifest)
+    except IntegrityError as e:
+        artifact = next(a for a in model.manifest.artifacts if a.path == e.path)
+        raise damaged_in_registry(model, artifact, e.got) from e
 
 
 _process_caches: dict[str, ModelCache] = {}

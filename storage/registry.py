@@ -37,7 +37,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from shardline.bundle import MANIFEST, Artifact, Manifest, ModelRef, check_model_name, read_manifest, verify_artifacts, sha256_file
+from shardline.bundle import (
+    MANIFEST,
+    Artifact,
+    Manifest,
+    ModelRef,
+    check_model_name,
+    read_manifest,
+    sha256_file,
+    sha256_of,
+    verify_artifacts,
+)
 from shardline.errors import (
     AliasConflict,
     ImmutableVersion,
@@ -260,6 +270,9 @@ class ModelRegistry:
     def push(self, bundle_dir: str | Path, *, keep_version: bool = False) -> Manifest:
         """Add a local bundle as a new version; the same bytes again return the existing one.
 
+        An artifact the registry holds already is read and checked; one damaged since its push (its bytes changed)
+        is written again from the bundle, so pushing a bundle again repairs its version.
+
         Args:
             bundle_dir: folder with ``manifest.json`` and its artifacts.
             keep_version: keep the manifest's version number (copying a version
@@ -273,7 +286,9 @@ class ModelRegistry:
         verify_artifacts(bundle_dir, manifest)
         for artifact in manifest.artifacts:
             blob = self.blob_path(manifest.name, artifact.sha256)
-            if not self.fs.exists(blob):  # same content, same key: a racing push writes the same bytes
+            # same content, same key: a racing push writes the same bytes; a blob changed since its push (damaged:
+            # its bytes no longer hash to its name) is written again, which repairs every version that holds it
+            if not self._blob_intact(blob, artifact):
                 self.fs.makedirs(join(self.root, manifest.name, "blobs"), exist_ok=True)
                 self.fs.put_file(str(Path(bundle_dir) / artifact.path), blob)
         for _ in range(_PUSH_ATTEMPTS):
@@ -298,6 +313,17 @@ class ModelRegistry:
                     "push without keeping the version to get a new number"
                 )
         raise AliasConflict(f"could not find a free version number for {manifest.name!r} after {_PUSH_ATTEMPTS} tries")
+
+    def _blob_intact(self, blob: str, artifact: Artifact) -> bool:
+        """Whether the registry holds ``blob`` with the bytes of ``artifact`` (False: missing, or damaged, logged)."""
+        if not self.fs.exists(blob):
+            return False
+        with self.fs.open(blob, "rb") as f:
+            intact = self.fs.size(blob) == artifact.size and sha256_of(f) == artifact.sha256
+        if not intact:
+            logger.warning("the registry's blob %s of %r was damaged (its bytes changed after its push): writing "
+                           "it again", artifact.sha256[:12], artifact.path)
+        return intact
 
     def search(self, name: str | None = None, alias: str | None = None, tags: dict[str, str] | None = None) -> list[Manifest]:
         """Versions whose name contains ``name``, that ``alias`` points at, and that carry ``tags``."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import shutil
 import threading
 import uuid
@@ -15,6 +17,7 @@ from shardline.errors import IntegrityError, InvalidSetting, ModelNotFound
 from shardline.runtimes import RuntimeOptions
 from shardline.storage.model_cache import ModelCache, get_model_cache
 from shardline.storage.registry import ModelRegistry
+from shardline.storage.registry_integrity import check_stored
 
 from tests.conftest import BuiltModel
 
@@ -255,9 +258,38 @@ def test_tampered_registry_artifact_is_refused_at_load(
     stored = Path(registry.blob_path("breast-cancer", resolved.manifest.artifacts[0].sha256))
     stored.write_bytes(stored.read_bytes()[:-10] + b"0123456789")
 
-    with pytest.raises(IntegrityError, match="was changed after packaging: do not load it"):
+    with pytest.raises(IntegrityError, match=r"the registry's copy of breast-cancer:1 is damaged: .*; push the bundle "
+                       r"of breast-cancer:1 again") as raised:
         ModelCache(tmp_path / "cache").get(resolved, RuntimeOptions("cpu", 1))
     assert not list((tmp_path / "cache").rglob("model.onnx"))
+    again = pickle.loads(pickle.dumps(raised.value))  # as a Dask worker's error comes back to the flow
+    assert (type(again), str(again), again.path, again.got) == (IntegrityError, str(raised.value), "model.onnx",
+                                                                  raised.value.got)
+
+
+def test_the_registry_check_reads_a_blob_again_once_it_changed_and_a_push_repairs_it(
+    breast_cancer_model: BuiltModel, tmp_path: Path
+) -> None:
+    registry = ModelRegistry(str(tmp_path / "registry"))
+    registry.push(breast_cancer_model.bundle_dir)
+    resolved = registry.resolve("breast-cancer:1")
+    stamps = tmp_path / "stamps"
+    check_stored(registry, resolved, stamps)  # read and found intact: stamped
+    model = next(a for a in resolved.manifest.artifacts if a.role == "model")
+    stored = Path(registry.blob_path("breast-cancer", model.sha256))
+    good, before = stored.read_bytes(), stored.stat()
+    stored.write_bytes(good[:-10] + b"0123456789")
+    with pytest.raises(IntegrityError, match="the registry's copy of breast-cancer:1 is damaged: its artifact "
+                                             "'model.onnx' has sha256"):
+        check_stored(registry, resolved, stamps)  # another time: read again
+    os.utime(stored, ns=(before.st_atime_ns, before.st_mtime_ns))
+    check_stored(registry, resolved, stamps)  # same size and time as stamped: taken as read (the cache verifies)
+    with pytest.raises(IntegrityError, match="is damaged"):
+        check_stored(registry, resolved)  # without stamps every blob is read
+
+    assert registry.push(breast_cancer_model.bundle_dir).version == 1  # the same bytes: the same version, repaired
+    assert stored.read_bytes() == good
+    check_stored(registry, resolved)
 
 
 def test_damaged_local_copy_is_fetched_again(breast_cancer_model: BuiltModel, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 
-from shardline.errors import CorruptShard, JobFailed
+from shardline.errors import CorruptShard, JobFailed, ShardlineError
 from shardline.runtimes import RuntimeOptions
 from shardline.settings import BatchSettings, DaskSettings, RuntimeSettings, StorageSettings
 from shardline.signature import schema_problems
@@ -83,6 +83,7 @@ class JobPlan:
     total_shards: int
     new: list[PartRecord] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    halted: ShardlineError | None = None  # a failure that fails every shard (the model cannot be loaded): it ends the job
     max_in_flight: int | None = None
     preemption: PreemptionPlugin | None = None
     lease: OutputLease | None = None
@@ -337,14 +338,14 @@ def infer_shards(
     def settled(shard: ShardInfo, record: PartRecord | None, error: BaseException | None) -> None:
         if plan.lease is not None and plan.lease.lost is not None:
             raise plan.lease.lost  # another job owns the folder now: stop handing out shards
-        if record is None:
+        if record is None:  # not settled: a re-run scores it
             failed[shard.relative] = f"{type(error).__name__}: {error}"
             logger.error("shard %s failed: %s", shard.relative, error)
-        else:
-            new.append(record)
-            counts["rows"] += record.rows_out
-            if record.status == "quarantined":
-                log_quarantined(record)
+            return
+        new.append(record)
+        counts["rows"] += record.rows_out
+        if record.status == "quarantined":
+            log_quarantined(record)
         counts["settled"] += 1
         tell_watchers(watchers, counts["settled"], total, counts["rows"])
         now = time.monotonic()
@@ -361,7 +362,8 @@ def infer_shards(
         "job %s: %d shards on the cluster in %.1f s (at most %d in flight, %d handed out again after lost workers)",
         plan.job_id, len(plan.todo), stats.seconds, stats.peak_in_flight, stats.resubmitted,
     )
-    return replace(plan, todo=[], new=new, failed=failed)
+    halted = stats.halted if isinstance(stats.halted, ShardlineError) else None
+    return replace(plan, todo=[], new=new, failed=failed, halted=halted)
 
 
 @task(name="commit", cache_policy=NO_CACHE)
@@ -373,12 +375,20 @@ def commit_job(plan: JobPlan, sla: dict[str, Any] | None = None, priority: str |
     Raises:
         JobFailed: some shards failed for reasons that are not their data; their
             neighbours' parts stay committed and a re-run resumes.
+        ShardlineError: the failure that ended the job (``plan.halted``: the model cannot be loaded), its message
+            followed by what happens to the parts committed.
     """
     summary = summarize(
         job_id=plan.job_id, model=plan.job.model.pinned, tenant=plan.tenant,
         output=plan.job.output_uri, total_shards=plan.total_shards, new=plan.new, skipped=plan.done,
         shadowed=plan.shadowed,
     )
+    if plan.halted is not None:
+        kept = summary.shards_committed + summary.shards_quarantined
+        raise plan.halted.reworded(
+            f"{plan.halted}; then run the same command again: the {kept} of {plan.total_shards} shards settled are "
+            "kept, the rest is scored"
+        )
     if plan.failed:
         first = next(iter(plan.failed.items()))
         raise JobFailed(

@@ -22,6 +22,7 @@ from shardline.storage.job_folders import WHAT_MARKS
 from shardline.storage.lease import OutputLease
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, part_name, split_done
 from shardline.storage.registry import ModelRegistry, ResolvedModel
+from shardline.storage.registry_integrity import check_stored, stamps_dir
 from shardline.storage.retry import RetryPolicy, call_with_retries
 from shardline.storage.scoring import check_passthrough, check_passthrough_present, other_columns
 from shardline.storage.shards import ShardInfo, list_shards, read_footer
@@ -148,6 +149,8 @@ def survey_job(
             is not in the first shard.
         AccessDenied: the model carries its own code and the tenant may not run it.
         OutputInUse: the output holds another model's (or passthrough's) parts.
+        IntegrityError: the registry's copy of the model is damaged (``check_stored``; not checked for a job the
+            output holds finished, which loads no model).
     """
     registry = ModelRegistry.from_settings(storage)
     resolved, note = choose_variant(registry, registry.resolve(model), variant, dask.cluster == "local")
@@ -176,6 +179,8 @@ def survey_job(
             settled = done  # a finished job's output is only read (a read-only archive re-run writes nothing)
     if settled is None:
         refuse_foreign(layout, resolved.pinned, key, layout.any_manifest(), {})
+        # the workers will load it: a copy changed after its push fails every shard, and a re-run the same
+        check_stored(registry, resolved, stamps_dir(storage.cache))
     first_columns = tuple(other_columns(resolved, first)) if passthrough is None and first is not None else None
     return JobSurvey(registry, resolved, note, shards, key, this_job, layout, retry, settled, first_columns)
 

@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from shardline.errors import JobStopped
+from shardline.errors import InvalidBundle, JobStopped
 from shardline.storage.output import PartRecord
 from shardline.storage.scoring import ScoringJob, ShardSamples, release_scratch, score_shard
 from shardline.storage.shards import ShardInfo
@@ -202,6 +202,13 @@ class DispatchStats:
     peak_in_flight: int = 0
     seconds: float = 0.0
     failures: dict[str, str] = field(default_factory=dict)
+    halted: BaseException | None = None  # the failure that ended the dispatch (``ends_the_job``), if one did
+
+
+def ends_the_job(error: BaseException) -> bool:
+    """Whether a shard's failure fails every shard of its job, now and on a re-run: the model's bundle cannot be
+    loaded (damaged in the registry, or not a valid bundle). Scoring more shards would only repeat it."""
+    return isinstance(error, InvalidBundle)
 
 
 def _cluster_threads(client: Any) -> int:
@@ -228,6 +235,10 @@ def dispatch_shards(
     it settles: with its ledger record, or with the error that failed it (after
     ``resubmits`` extra tries of its task when its workers kept dying). Worker loss below
     Dask's allowed-failures is invisible here: the scheduler runs the task elsewhere.
+
+    A shard that fails for a reason every other shard meets (``ends_the_job``: the model cannot be loaded) ends
+    the dispatch as a stop does, without JobStopped: no more shards are handed out, those the cluster has not
+    started are withdrawn and stay to do, those running settle; ``stats.halted`` holds that error.
 
     Raises:
         JobStopped: ``STOP_REQUEST`` was set before every shard was handed out (see there).
@@ -256,6 +267,8 @@ def dispatch_shards(
             for shard, (record, failure) in zip(group, outcomes):  # on a stop, a group's unscored shards stay to do
                 if failure is not None:
                     run.stats.failures[shard.relative] = f"{type(failure).__name__}: {failure}"
+                    if ends_the_job(failure):
+                        run.halt(failure)
                 if run.telemetry is not None:
                     run.telemetry.settled(shard, record, failure)
                 on_settled(shard, record, failure)
@@ -268,7 +281,7 @@ def dispatch_shards(
         run.close()
     shared.release()
     run.stats.seconds = time.perf_counter() - started
-    if run.stopping:
+    if run.stopping and run.stats.halted is None:
         raise JobStopped(
             f"stopped on request with {len(shards) - settled_count} of {len(shards)} shards not scored (the parts "
             "committed are kept): run the same command again to resume"
@@ -332,8 +345,8 @@ class _Dispatch:
         self.stats.tasks += 1
 
     def top_up(self) -> None:
-        """Submit tasks up to the bound; on a stop request, withdraw the unstarted ones instead (once)."""
-        if self.stop is not None and self.stop.is_set():
+        """Submit tasks up to the bound; on a stop request (or a halt), withdraw the unstarted ones instead (once)."""
+        if self.stop_requested():
             if not self.stopping:
                 self.stopping = True
                 _withdraw_unstarted(self.client, self.futures)
@@ -343,7 +356,17 @@ class _Dispatch:
         self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.pending.count())
 
     def stop_requested(self) -> bool:
-        return self.stop is not None and self.stop.is_set()
+        return self.stats.halted is not None or (self.stop is not None and self.stop.is_set())
+
+    def halt(self, error: BaseException) -> None:
+        """End the dispatch for a failure that ends the job (``ends_the_job``): hand out no more shards, withdraw
+        the unstarted tasks (``top_up``) and tell the running groups to stop after their shard under way."""
+        if self.stats.halted is not None:
+            return
+        self.stats.halted = error
+        with self._lock:
+            if self.signal is not None and not self._ended.is_set():  # (without a stop request, groups have none)
+                self._signal(True)
 
     def watch(self) -> None:
         """Raise the groups' stop signal as soon as the stop request comes, from a thread of its own: the

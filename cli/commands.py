@@ -194,7 +194,7 @@ def batch_run(
     help), 1 failed (re-run to resume), 2 the request was wrong (model, URL, input, SLA,
     tenant, prefixes, quota, a setting; an output that is a file, read-only, in use by
     another running job, holding another model's parts or a `batch openai` job's files, or
-    inside another job's output): checked before any flow run.
+    inside or holding another job's output folder): checked before any flow run.
     """
     request = JobRequest(model=model, input_uri=input, output_uri=output, tenant=tenant, passthrough=passthrough,
                          batch_rows=batch_rows, variant=variant, sla=sla, deadline=deadline, priority=priority)
@@ -329,7 +329,8 @@ def batch_openai(
 
     Exit codes: 0 every line answered, 3 some lines failed (in errors.jsonl), 1 failed (re-run to resume),
     2 the file or request was refused (a custom_id twice, two models, a model that does not fit the endpoint,
-    an output holding another job, a `batch run` job's output, or one inside another job's output).
+    an output holding another job, a `batch run` job's output, or one inside or holding another job's output
+    folder).
     """
     from shardline.cli.openai_batch_commands import run_openai_batch
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from shardline.errors import InvalidInput, InvalidSetting
 from shardline.storage.fs import atomic_write_bytes, inside, join, links_out, open_fs
-from shardline.storage.job_folders import JobKind, enclosing_job_folder, job_folder_kind
+from shardline.storage.job_folders import refuse_job_folder_overlap
 from shardline.storage.shards import ShardInfo
 
 LEDGER = "_ledger"
@@ -216,17 +216,14 @@ class OutputLayout:
             if p.endswith(".parquet") and not posixpath.relpath(p, self.root).startswith("_")
         }
 
-    def enclosing_output(self) -> tuple[str, JobKind] | None:
-        """The nearest folder above this output that is another job's output (a `batch run` job's manifest or
-        ledger, a `batch openai` job's record or parts: storage/job_folders.py), named as the output is (a URL, or
-        a path), with its kind; None when none is. A reader of that folder would read this job's parts as its
-        rows."""
-        return enclosing_job_folder(self.fs, self.root, self.uri)
+    def refuse_job_folder_overlap(self) -> None:
+        """Refuse this output when it is a `batch openai` job's folder, lies inside any job's output folder, or
+        holds one (storage/job_folders.py): a reader of the outer folder would read the inner job's files as its own.
 
-    def other_kind(self) -> JobKind | None:
-        """"batch openai" when the output folder itself holds an OpenAI batch file job's output, else None."""
-        kind = job_folder_kind(self.fs, self.root)
-        return kind if kind != "batch run" else None
+        Raises:
+            OutputInUse: naming the other job's folder.
+        """
+        refuse_job_folder_overlap(self.fs, self.root, self.uri, "batch run")
 
     def clear_success(self) -> None:
         """Withdraw ``_SUCCESS`` while the output is being changed."""

@@ -49,7 +49,6 @@ from shardline.tasks.artifacts import batch_artifact_key, current_deployment, su
 from shardline.tasks.batch_survey import (
     JobSurvey,
     refuse_foreign,
-    refuse_nested,
     refuse_strays,
     refuse_unknown_files,
     survey_job,
@@ -99,17 +98,17 @@ def _take_output(survey: JobSurvey, terms: LeaseTerms) -> tuple[OutputLease, lis
     model's parts is refused.
 
     Raises:
-        OutputInUse: another job holds the output, or it is inside another job's output folder, or it holds
-            another job's parts, parts of shards this input does not have, or Parquet files no job wrote.
+        OutputInUse: another job holds the output, or it is inside another job's output folder or holds one, or it
+            holds another job's parts, parts of shards this input does not have, or Parquet files no job wrote.
         OutputNotWritable: the output is a file, read-only, or not permitted.
     """
     layout, model = survey.layout, survey.model.pinned
     # before the lease, the first write, in the command's order (``check_output_free``): a folder inside another
-    # job's output, or of the other kind, gets none
+    # job's output, holding one, or of the other kind, gets none
     OutputLease.check_free(layout.fs, layout.root, layout.uri, survey.job_id)
-    refuse_nested(layout)
+    layout.refuse_job_folder_overlap()
     with OutputLease.taking(layout.fs, layout.root, layout.uri, survey.job_id, model, terms) as lease:
-        refuse_nested(layout)  # again under it, for what changed before it was taken
+        layout.refuse_job_folder_overlap()  # again under it, for what changed before it was taken
         ledger = call_with_retries(layout.read_ledger, survey.retry, what="reading the job's ledger")
         refuse_foreign(layout, model, survey.key, layout.any_manifest(), ledger)
         present = layout.present_parts()

@@ -18,7 +18,6 @@ from shardline.machines import machine_kind
 from shardline.placement import BatchWorkload, Pricing, candidates_from_profiles, choose_placement, placeable
 from shardline.settings import BatchSettings, DaskSettings, StorageSettings
 from shardline.storage.job_identity import foreign_parts, job_id, job_key, up_to_date
-from shardline.storage.job_folders import WHAT_MARKS
 from shardline.storage.lease import OutputLease
 from shardline.storage.output import OutputLayout, PartRecord, check_part_names, part_name, split_done
 from shardline.storage.registry import ModelRegistry, ResolvedModel
@@ -85,30 +84,6 @@ def refuse_strays(layout: OutputLayout, shards: list[ShardInfo], ledger: dict[st
             f"the output {layout.uri} holds the parts of {len(strays)} shard{'s' if len(strays) != 1 else ''} this "
             f"input does not have (first: {strays[0]}), from an earlier job's input; a reader of the folder would read "
             "them with this job's: choose another --output, or delete the folder to score it anew", layout.uri, None,
-        )
-
-
-def refuse_nested(layout: OutputLayout) -> None:
-    """Refuse an output that is another kind of job's output folder (a `batch openai` job's), or inside any
-    job's output folder: a reader of that folder would read this job's parts as its own files.
-
-    Raises:
-        OutputInUse: naming the other job's folder and what it holds.
-    """
-    other = layout.other_kind()
-    if other is not None:
-        raise OutputInUse(
-            f"the output {layout.uri} is a `{other}` job's output folder ({WHAT_MARKS[other]}); two jobs' files in "
-            "one folder would mix them: choose another --output, or delete the folder to score into it",
-            layout.uri, None,
-        )
-    outer = layout.enclosing_output()
-    if outer is not None:
-        folder, kind = outer
-        raise OutputInUse(
-            f"the output {layout.uri} is inside {folder}, another job's output folder (a `{kind}` job's: it holds "
-            f"{WHAT_MARKS[kind]}), whose readers would read this job's parts as its files: choose an --output "
-            "outside it", layout.uri, None,
         )
 
 
@@ -199,12 +174,13 @@ def _first_schema(first: ShardInfo, storage: StorageSettings, retry: RetryPolicy
 
 def check_output_free(survey: JobSurvey) -> None:
     """What taking the output would refuse, found without writing (``batch run``'s check before a flow run):
-    another job holds it, it is inside another job's output, it holds another model's settled parts, parts of
-    shards this input lacks or Parquet files no job wrote, or it cannot be written.
+    another job holds it, it is inside another job's output or holds one, it holds another model's settled parts,
+    parts of shards this input lacks or Parquet files no job wrote, or it cannot be written.
 
     Raises:
-        OutputInUse: another job runs on it; it is inside another job's output folder; it holds another
-            model's parts, another input's, or Parquet files no Shardline job wrote.
+        OutputInUse: another job runs on it; it is inside another job's output folder or holds one (or is a
+            `batch openai` job's folder: storage/job_folders.py); it holds another model's parts, another
+            input's, or Parquet files no Shardline job wrote.
         OutputNotWritable: the output (or a folder above it) is a file, or it cannot be written (on local
             disk; elsewhere the flow's first write, the lease, finds that).
     """
@@ -212,7 +188,7 @@ def check_output_free(survey: JobSurvey) -> None:
         return  # a finished job writes nothing: a read-only archive is fine
     layout = survey.layout
     OutputLease.check_free(layout.fs, layout.root, layout.uri, survey.job_id)
-    refuse_nested(layout)
+    layout.refuse_job_folder_overlap()
     ledger = call_with_retries(layout.read_ledger, survey.retry, what="reading the job's ledger")
     refuse_foreign(layout, survey.model.pinned, survey.key, None, ledger)
     present = layout.present_parts()

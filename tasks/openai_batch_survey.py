@@ -26,7 +26,7 @@ from shardline.openai_batch import (
 from shardline.settings import BatchSettings, MeteringSettings, RuntimeSettings, StorageSettings, TenancySettings
 from shardline.settings.problems import settings_error
 from shardline.storage.fs import resolve_location
-from shardline.storage.job_folders import WHAT_MARKS, enclosing_job_folder, job_folder_kind
+from shardline.storage.job_folders import refuse_job_folder_overlap
 from shardline.storage.lease import OutputLease
 from shardline.storage.openai_batch import BatchOutputFolder, read_batch_input
 from shardline.storage.registry import ModelRegistry, ResolvedModel
@@ -87,27 +87,6 @@ def refuse_another_job(output: BatchOutputFolder, recorded: BatchJobRecord | Non
             "folder to answer this file anew", output.uri, recorded.job_id)
 
 
-def refuse_other_kinds(output: BatchOutputFolder) -> None:
-    """Refuse a folder that is a `batch run` job's output, or one inside any job's output folder: the two jobs'
-    files would mix, and the outer folder's readers would read this job's files as its own.
-
-    Raises:
-        OutputInUse: naming the other job's folder and what it holds.
-    """
-    kind = job_folder_kind(output.fs, output.root)
-    if kind == "batch run":
-        raise OutputInUse(
-            f"the output {output.uri} is a `batch run` job's output folder ({WHAT_MARKS[kind]}); two jobs' files "
-            "in one folder would mix them: choose another --output", output.uri, None)
-    outer = enclosing_job_folder(output.fs, output.root, output.uri)
-    if outer is not None:
-        folder, kind = outer
-        raise OutputInUse(
-            f"the output {output.uri} is inside {folder}, another job's output folder (a `{kind}` job's: it holds "
-            f"{WHAT_MARKS[kind]}), whose readers would read this job's files as its own: choose an --output "
-            "outside it", output.uri, None)
-
-
 def _checked_model(registry: ModelRegistry, reference: str, checked: BatchFile,
                    tenant: BatchTenant | None) -> ResolvedModel:
     """The model pinned (``reference``: the file's, or the version of the job's first run), fit for the file's
@@ -136,7 +115,7 @@ def survey_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, te
         InvalidSetting, AccessDenied: the tenant or a location is refused; the input is missing.
         ModelNotFound: the model the file names is not registered.
         OutputInUse: the folder holds another job (another input, model or part size), is a `batch run` job's
-            output, or is inside any job's output folder.
+            output, or is inside any job's output folder or holds one (storage/job_folders.py).
     """
     storage = settings.storage
     allowed = batch_tenant(settings.tenancy.tenants_file, tenant)
@@ -146,7 +125,7 @@ def survey_openai_batch(input_uri: str, output_uri: str, lines_per_part: int, te
     data, sha256 = read_batch_input(input_uri, storage.storage_options)
     checked = check_batch_file(data)
     output = BatchOutputFolder(output_uri, storage.storage_options)
-    refuse_other_kinds(output)
+    refuse_job_folder_overlap(output.fs, output.root, output.uri, "batch openai")
     recorded = output.read_job()
     refuse_another_job(output, recorded, sha256, checked.model, lines_per_part)
     registry = ModelRegistry.from_settings(storage)

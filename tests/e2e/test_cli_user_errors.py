@@ -262,12 +262,14 @@ def test_a_wrong_openai_batch_file_is_refused_before_any_flow_run(
 
 
 @pytest.mark.usefixtures("local_registry")
-def test_batch_run_and_batch_openai_refuse_each_others_output_folders(
+def test_batch_run_and_batch_openai_refuse_each_others_output_folders_and_folders_around_them(
     shardline: Shardline, prefect_api: str, tmp_path: Path, shardline_home: Path
 ) -> None:
     """A finished `batch run` folder and a finished `batch openai` folder: neither command writes into the other's
-    folder, nor into a folder inside it (the two jobs' files would mix), and both folders stay as they were."""
-    shards, scored, answers = tmp_path / "input", tmp_path / "scored", tmp_path / "answers"
+    folder, nor into a folder inside either, nor into a folder holding either (the two jobs' files would mix), and
+    both folders stay as they were. An output that is or holds the job's own input is refused too."""
+    shards, jobs = tmp_path / "input", tmp_path / "jobs"
+    scored, answers = jobs / "run" / "scored", jobs / "openai" / "answers"
     write_shards(shards, 1, 100)
     package_tiny_llm(tmp_path / "tiny", name="tiny")
     registry = ModelRegistry(str(shardline_home / "registry"))
@@ -281,19 +283,35 @@ def test_batch_run_and_batch_openai_refuse_each_others_output_folders(
     assert answered.returncode == 0, answered.stderr[-3000:]
 
     def files() -> set[Path]:
-        return {p for folder in (scored, answers) for p in folder.rglob("*") if "_lease" not in p.parts}
+        return {p for p in jobs.rglob("*") if "_lease" not in p.parts}
 
     before = files()
+    bc = ("breast-cancer@prod", "--input", str(shards))
+    holds = "another job's output folder (a `{}` job's: it holds {}); this job's readers would read that job's " \
+            "files as its own: choose an --output that holds no other job's folder, or move that folder out of it"
     refused_before_any_flow_run(shardline, prefect_api, [
         (("batch", "openai", str(requests), "--output", str(scored)), {},
          f"the output {scored} is a `batch run` job's output folder (its manifest or ledger); two jobs' files in one "
          "folder would mix them: choose another --output"),
         (("batch", "openai", str(requests), "--output", str(scored / "sub")), {},
          f"the output {scored / 'sub'} is inside {scored}, another job's output folder (a `batch run` job's"),
-        ((*RUN, "breast-cancer@prod", "--input", str(shards), "--output", str(answers)), {},
+        ((*RUN, *bc, "--output", str(answers)), {},
          f"the output {answers} is a `batch openai` job's output folder (its _job.json or _parts)"),
-        ((*RUN, "breast-cancer@prod", "--input", str(shards), "--output", str(answers / "sub")), {},
+        ((*RUN, *bc, "--output", str(answers / "sub")), {},
          f"the output {answers / 'sub'} is inside {answers}, another job's output folder (a `batch openai` job's"),
+        # an output holding another job's folder: this job's readers would read that job's files as its own
+        ((*RUN, *bc, "--output", str(scored.parent)), {},
+         f"the output {scored.parent} holds {scored}, " + holds.format("batch run", "its manifest or ledger")),
+        (("batch", "openai", str(requests), "--output", str(answers.parent)), {},
+         f"the output {answers.parent} holds {answers}, " + holds.format("batch openai", "its _job.json or _parts")),
+        ((*RUN, *bc, "--output", str(jobs)), {}, f"the output {jobs} holds {answers}, another job's output folder"),
+        (("batch", "openai", str(requests), "--output", str(jobs)), {},
+         f"the output {jobs} holds {answers}, another job's output folder"),
+        # the job's own input: the output may be neither it nor a folder holding it
+        ((*RUN, *bc, "--output", str(shards)), {}, f"the output '{shards}' is the input '{shards}'"),
+        ((*RUN, *bc, "--output", str(tmp_path)), {}, f"the output '{tmp_path}' holds the input '{shards}'"),
+        (("batch", "openai", str(requests), "--output", str(tmp_path)), {},
+         f"the output '{tmp_path}' holds the input '{requests}'"),
     ])
     assert files() == before
 

@@ -242,29 +242,30 @@ def test_the_flows_refuse_each_others_output_folders(
     registry: ModelRegistry, input_shards: Path, tmp_path: Path,
 ) -> None:
     """A deployment's run gets no check from the command: the `openai-batch` flow refuses a finished `batch run`
-    folder and one inside it, and the `batch-inference` flow a finished OpenAI batch folder and one inside it;
-    nothing is written into either."""
+    folder, one inside it and one holding it, and the `batch-inference` flow a finished OpenAI batch folder, one
+    inside it and one holding it; nothing is written into either."""
     from shardline.flows.batch_inference import batch_inference
     from shardline.flows.openai_batch import openai_batch
 
     source = write_jsonl(tmp_path / "requests.jsonl", good_lines(2))
-    scored, answers = tmp_path / "scored", tmp_path / "answers"
+    scored, answers = tmp_path / "run" / "scored", tmp_path / "openai" / "answers"
     assert batch_inference(model="breast-cancer@prod", input_uri=str(input_shards), output_uri=str(scored),
                            return_state=True).is_completed()
     assert openai_batch(str(source), str(answers), return_state=True).is_completed()
     before = {p: p.stat().st_mtime_ns for folder in (scored, answers) for p in folder.rglob("*") if p.is_file()}
 
-    for out, kind in ((scored, "batch run"), (scored / "sub", "batch run")):
+    for out, how in ((scored, "is a"), (scored / "sub", f"is inside {scored}, another"),
+                     (scored.parent, f"holds {scored}, another")):
         error = openai_batch(str(source), str(out), return_state=True).result(raise_on_failure=False)
         assert isinstance(error, OutputInUse), error
-        assert f"the output {out} is {'inside ' + str(scored) + ', another' if out != scored else 'a'}" in str(error)
-        assert f"`{kind}` job's" in str(error)
-    for out in (answers, answers / "sub"):
+        assert f"the output {out} {how}" in str(error) and "`batch run` job's" in str(error)
+    for out, how in ((answers, "is a"), (answers / "sub", f"is inside {answers}, another"),
+                     (answers.parent, f"holds {answers}, another")):
         state = batch_inference(model="breast-cancer@prod", input_uri=str(input_shards), output_uri=str(out),
                                 return_state=True)
         error = state.result(raise_on_failure=False)
         assert isinstance(error, OutputInUse), error
-        assert "`batch openai` job's" in str(error) and str(error).startswith(f"the output {out} is ")
+        assert "`batch openai` job's" in str(error) and str(error).startswith(f"the output {out} {how}")
     after = {p: p.stat().st_mtime_ns for folder in (scored, answers) for p in folder.rglob("*") if p.is_file()}
     assert {p: t for p, t in after.items() if "_lease" not in p.parts} == \
         {p: t for p, t in before.items() if "_lease" not in p.parts}

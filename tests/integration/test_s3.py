@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,46 @@ def test_an_output_that_is_an_earlier_jobs_part_is_refused_as_a_file_and_the_par
     assert state.is_failed() and f"the output {typo} is a file, not a folder" in str(state.message), state.message
     assert keys_under(s3_server, output_url) == objects
     assert read_scored(s3_server, output_url).num_rows == 12_000
+
+
+def test_an_output_inside_or_holding_another_jobs_folder_on_s3_is_refused_in_few_round_trips(
+    s3_server: S3Server, s3_prefix: str, s3_registry: ModelRegistry, input_shards: Path,
+) -> None:
+    # the readers of the outer folder would read the inner job's files as its own; each check once probed four
+    # names per folder above the output (a HEAD and a listing each): 32 round trips for a new output 3 deep
+    from shardline.cli.batch_jobs import JobRequest, check_request
+    from shardline.errors import OutputInUse
+    from shardline.storage.fs import open_fs
+    from shardline.storage.job_folders import job_folder_overlap
+
+    input_url, jobs = s3_server.url(s3_prefix, "input"), s3_server.url(s3_prefix, "jobs")
+    upload(s3_server, input_shards, input_url)
+    s3_server.filesystem().pipe(f"{jobs.removeprefix('s3://')}/a/answers/_job.json", b"{}")  # a `batch openai` job
+    for output, message in [
+        (f"{jobs}/a", f"the output {jobs}/a holds {jobs}/a/answers, another job's output folder (a `batch openai` "
+                      "job's: it holds its _job.json or _parts); this job's readers would read that job's files"),
+        (f"{jobs}/a/answers/more", f"the output {jobs}/a/answers/more is inside {jobs}/a/answers, another job's "
+                                   "output folder (a `batch openai` job's"),
+    ]:
+        with pytest.raises(OutputInUse, match=re.escape(message)):
+            check_request(JobRequest(model=f"{MODEL}@prod", input_uri=input_url, output_uri=output))
+
+    fs, root = open_fs(f"{jobs}/b/new/out", StorageSettings().storage_options)
+    sent: list[str] = []
+
+    def count(request: Any, **_: Any) -> None:
+        sent.append(f"{request.method} {request.url}")
+
+    fs.s3.meta.events.register("before-send.s3", count)
+    try:
+        assert job_folder_overlap(fs, root, f"{jobs}/b/new/out", "batch run") is None
+        new_output = list(sent)
+        sent.clear()
+        assert job_folder_overlap(fs, f"{root.rsplit('/', 3)[0]}/a", f"{jobs}/a", "batch run") is not None
+    finally:
+        fs.s3.meta.events.unregister("before-send.s3", count)
+    assert len(new_output) == 3, new_output  # the bucket, the test's prefix, jobs/: no 'b' there, nothing below
+    assert len(sent) == 5, sent  # the bucket, the prefix, jobs/, jobs/a/, and everything below jobs/a/
 
 
 @pytest.mark.usefixtures("on_cluster")

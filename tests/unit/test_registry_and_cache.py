@@ -16,7 +16,7 @@ from shardline.bundle import DriftPolicy, read_manifest, write_manifest
 from shardline.errors import IntegrityError, InvalidSetting, ModelNotFound
 from shardline.runtimes import RuntimeOptions
 from shardline.storage.model_cache import ModelCache, get_model_cache
-from shardline.storage.registry import ModelRegistry
+from shardline.storage.registry import ModelRegistry, ResolvedModel
 from shardline.storage.registry_integrity import check_stored
 
 from tests.conftest import BuiltModel
@@ -249,13 +249,19 @@ def test_cache_evicts_least_recently_used(memory_registry: ModelRegistry, breast
     assert cache.loads == 3
 
 
+def _pushed(bundle_dir: Path, tmp_path: Path) -> tuple[ModelRegistry, ResolvedModel, Path]:
+    """A local registry holding the bundle as breast-cancer:1, that version, and its model file's blob."""
+    registry = ModelRegistry(str(tmp_path / "registry"))
+    registry.push(bundle_dir)
+    resolved = registry.resolve("breast-cancer:1")
+    model = next(a for a in resolved.manifest.artifacts if a.role == "model")
+    return registry, resolved, Path(registry.blob_path("breast-cancer", model.sha256))
+
+
 def test_tampered_registry_artifact_is_refused_at_load(
     breast_cancer_model: BuiltModel, tmp_path: Path
 ) -> None:
-    registry = ModelRegistry(str(tmp_path / "registry"))
-    registry.push(breast_cancer_model.bundle_dir)
-    resolved = registry.resolve("breast-cancer:1")
-    stored = Path(registry.blob_path("breast-cancer", resolved.manifest.artifacts[0].sha256))
+    _, resolved, stored = _pushed(breast_cancer_model.bundle_dir, tmp_path)
     stored.write_bytes(stored.read_bytes()[:-10] + b"0123456789")
 
     with pytest.raises(IntegrityError, match=r"the registry's copy of breast-cancer:1 is damaged: .*; push the bundle "
@@ -270,13 +276,9 @@ def test_tampered_registry_artifact_is_refused_at_load(
 def test_the_registry_check_reads_a_blob_again_once_it_changed_and_a_push_repairs_it(
     breast_cancer_model: BuiltModel, tmp_path: Path
 ) -> None:
-    registry = ModelRegistry(str(tmp_path / "registry"))
-    registry.push(breast_cancer_model.bundle_dir)
-    resolved = registry.resolve("breast-cancer:1")
+    registry, resolved, stored = _pushed(breast_cancer_model.bundle_dir, tmp_path)
     stamps = tmp_path / "stamps"
     check_stored(registry, resolved, stamps)  # read and found intact: stamped
-    model = next(a for a in resolved.manifest.artifacts if a.role == "model")
-    stored = Path(registry.blob_path("breast-cancer", model.sha256))
     good, before = stored.read_bytes(), stored.stat()
     stored.write_bytes(good[:-10] + b"0123456789")
     with pytest.raises(IntegrityError, match="the registry's copy of breast-cancer:1 is damaged: its artifact "

@@ -34,6 +34,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 import pyarrow as pa
 
+from shardline.build.sklearn_trees import TREE_TYPES, check_trees
 from shardline.bundle import Lineage, Manifest
 from shardline.errors import InvalidInput, RuntimeUnavailable, ShardlineError, first_line
 
@@ -230,7 +231,9 @@ def _from_pyfunc(request: ImportRequest) -> Manifest:
 
 def _skops_model(request: ImportRequest, key: str, also_trusted: frozenset[str], what: str, do: str) -> Any:
     """A model MLflow saved with skops, rebuilt trusting scikit-learn's own classes, numpy's dtype
-    (``_SKOPS_DATA_TYPES``) and ``also_trusted`` only; a pickle is refused unread."""
+    (``_SKOPS_DATA_TYPES``) and ``also_trusted`` only; a pickle is refused unread. Its trees (scikit-learn's
+    ``Tree`` and ``TreePredictor``, which skops leaves untrusted) are checked before anything runs them
+    (``sklearn_trees.check_trees``)."""
     serialization = str(request.conf.get("serialization_format") or "cloudpickle")
     if serialization != "skops":
         raise InvalidInput(
@@ -254,10 +257,13 @@ def _skops_model(request: ImportRequest, key: str, also_trusted: frozenset[str],
             f"trust: {', '.join(refused[:5])}{' ...' if len(refused) > 5 else ''} (it rebuilds scikit-learn's own "
             f"classes and numpy's dtypes only); {_UNTRUSTED_INSTEAD if do == _LOG_INSTEAD else do}")
     try:
-        return skops.io.load(path, trusted=untrusted)
+        model = skops.io.load(path, trusted=untrusted)
     except Exception as e:  # noqa: BLE001 - as above
         raise InvalidInput(f"MLflow model {request.source} (flavor {request.flavor}): skops cannot rebuild "
                            f"{path.name} here ({type(e).__name__}: {e}); {do}") from e
+    if TREE_TYPES.intersection(untrusted):  # skops leaves them untrusted: their node indices go unchecked
+        check_trees(model, f"MLflow model {request.source} (flavor {request.flavor}, skops)")
+    return model
 
 
 def _is_sklearn_class(type_name: str) -> bool:

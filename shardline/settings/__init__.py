@@ -10,7 +10,7 @@ from shardline.settings.batch import BatchSettings, DaskSettings, PrefectServerS
 from shardline.settings.controller import ControllerSettings
 from shardline.settings.drift import DriftSettings
 from shardline.settings.metering import MeteringSettings
-from shardline.settings.online import ModelServing, OnlineSettings, port_or_off
+from shardline.settings.online import ModelServing, OnlineSettings
 from shardline.settings.router import RouterSettings
 from shardline.settings.runtime import RuntimeSettings, VllmSettings
 from shardline.settings.storage import StorageSettings
@@ -18,4 +18,4 @@ from shardline.settings.tenancy import TenancySettings
 
 __all__ = ["BatchSettings", "ControllerSettings", "DaskSettings", "DriftSettings", "MeteringSettings", "ModelServing",
            "OnlineSettings", "PrefectServerSettings", "RouterSettings", "RuntimeSettings",
-           "StorageSettings", "TenancySettings", "VllmSettings", "port_or_off"]
+           "StorageSettings", "TenancySettings", "VllmSettings"]

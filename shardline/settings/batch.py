@@ -192,7 +192,7 @@ class BatchSettings(BaseSettings):
         "exits. 0: no runner; every job starts and closes its own cluster in its own process.",
     )
     metrics_port: MetricsPort = Field(
-        default=0, ge=0, le=65_535,
+        default=0,
         description="Port of a Prometheus /metrics listener in the process that dispatches batch jobs (the warm "
         "runner, or a cold run's own process): rows, shards by state, projected finish and deadline per job and "
         "tenant, scrapeable while a job runs. 0 or 'off': none (the default).",

@@ -29,7 +29,7 @@ def _metrics_port(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 
 
 # The port of a /metrics listener: 0 (or "off", "none", "false", "") means none.
-MetricsPort = Annotated[int, WrapValidator(_metrics_port)]
+MetricsPort = Annotated[int, Field(ge=0, le=65_535), WrapValidator(_metrics_port)]
 
 
 class ModelServing(BaseModel):
@@ -186,7 +186,7 @@ class OnlineSettings(BaseSettings):
         description="Address of the Prometheus /metrics listener (its own port; the main port has no /metrics).",
     )
     metrics_port: MetricsPort = Field(
-        default=8002, ge=0, le=65_535,
+        default=8002,
         description="Port of the /metrics listener (8002, as Triton's); 0 or 'off': no metrics listener.",
     )
     metrics_fd: int | None = Field(

@@ -95,6 +95,6 @@ class RouterSettings(BaseSettings):
     )
     metrics_host: str = Field(default="127.0.0.1", description="Address of the router's Prometheus /metrics listener.")
     metrics_port: MetricsPort = Field(
-        default=8082, ge=0, le=65_535, description="Port of the router's /metrics listener; 0 or 'off': none."
+        default=8082, description="Port of the router's /metrics listener; 0 or 'off': none."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Log level.")

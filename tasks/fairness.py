@@ -32,6 +32,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Sequence
+from uuid import UUID
 
 from shardline.errors import InvalidSetting, QuotaExceeded
 from shardline.settings import DaskSettings, MeteringSettings, RuntimeSettings, TenancySettings
@@ -42,6 +43,8 @@ from shardline.tasks.logs import run_logger
 from shardline.tenants import PRIORITIES, BatchTenant
 
 if TYPE_CHECKING:
+    from prefect.client.orchestration import SyncPrefectClient
+
     from shardline.tasks.batch import JobPlan
 
 DeviceKind = Literal["cpu", "gpu"]
@@ -163,36 +166,84 @@ def fair_share(
 
 
 SLOT_LEASE_S = 60.0  # the lease on a job's slots, renewed at 3/4 of it (the server's shortest: 60 s)
-SLOT_POLL_S = 2.0  # how long one try for slots waits before the job looks whether it was asked to stop
+SLOT_POLL_S = 2.0  # the longest wait between two tries for slots (the server's Retry-After is usually shorter)
 
 
 def _hold(held: contextlib.ExitStack, name: str, slots: int, until: float | None, stop: threading.Event | None) -> None:
-    """Take ``slots`` of the limit ``name`` into ``held`` (released when it closes), waiting until ``until``
-    (monotonic; None: as long as it takes) in tries of ``SLOT_POLL_S``, between which a stop request ends the wait.
+    """Take ``slots`` of the limit ``name`` on a lease into ``held`` (renewed while held, released when it closes),
+    trying again as the server's Retry-After says until ``until`` (monotonic; None: as long as it takes); a stop
+    request ends the wait at once.
+
+    Each try is one request of the job's own Prefect client, bounded by its request time-out; nothing goes through
+    Prefect's process-wide acquisition services, whose future a request that never settles could leave waiting for
+    ever (seen once, a job waiting over 20 minutes on a free limit).
 
     Raises:
         JobStopped: the job was asked to stop while it waited (nothing scored: a re-run resumes).
         TimeoutError: ``until`` passed (``SHARDLINE_TENANCY_WAIT_TIMEOUT_S``).
     """
-    from prefect.concurrency.sync import concurrency
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
 
     from shardline.errors import JobStopped
 
+    client = held.enter_context(get_client(sync_client=True))
     while True:
-        left = None if until is None else until - time.monotonic()
         try:
-            # a lease renewal that fails once (a busy API) must not end a long job; at worst its slots free early
-            held.enter_context(concurrency(name, occupy=slots, timeout_seconds=SLOT_POLL_S if left is None else
-                                           max(0.1, min(SLOT_POLL_S, left)), lease_duration=SLOT_LEASE_S,
-                                           strict=True, raise_on_lease_renewal_failure=False))
-            return
-        except TimeoutError:
-            if stop is not None and stop.is_set():
-                raise JobStopped(f"stopped on request while waiting for {slots} slot(s) of {name} (nothing was "
-                                 "scored): run the same command again to resume") from None
-            if until is not None and time.monotonic() >= until:
+            response = client.increment_concurrency_slots_with_lease(
+                names=[name], slots=slots, mode="concurrency", lease_duration=SLOT_LEASE_S)
+            break
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code != 423:  # 423 Locked: the slots are held by others
+                raise
+            retry_after = float(exc.response.headers.get("Retry-After") or SLOT_POLL_S)
+        wait = min(retry_after, SLOT_POLL_S)
+        if until is not None:
+            left = until - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"waited SHARDLINE_TENANCY_WAIT_TIMEOUT_S for {slots} slot(s) of {name}; "
-                                   "they are held by other jobs") from None
+                                   "they are held by other jobs")
+            wait = min(wait, left)
+        if stop is None:
+            time.sleep(wait)
+        elif stop.wait(wait):
+            raise JobStopped(f"stopped on request while waiting for {slots} slot(s) of {name} (nothing was "
+                             "scored): run the same command again to resume")
+    lease = ConcurrencyLimitWithLeaseResponse.model_validate(response.json())
+    if not lease.limits:  # ensure_limit made it a moment ago: somebody deleted it since
+        raise InvalidSetting(f"the Prefect concurrency limit {name} was deleted while the job started: run the same "
+                             "command again (it makes the limit anew)")
+    held.callback(_release_lease, client, lease.lease_id, name)
+    renewed = threading.Event()
+    renewal = threading.Thread(target=_renew_lease, args=(lease.lease_id, name, renewed), daemon=True,
+                               name=f"shardline-slots-{name}")
+    renewal.start()
+    held.callback(renewal.join, 30.0)
+    held.callback(renewed.set)
+
+
+def _renew_lease(lease_id: UUID, name: str, stop: threading.Event) -> None:
+    """Renew the lease ``lease_id`` every 3/4 of ``SLOT_LEASE_S`` until ``stop``; a renewal that fails is tried
+    again at the next turn (a lease lapses only after ``SLOT_LEASE_S``, so one busy moment of the API loses nothing;
+    at worst the slots free early, and the job goes on)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        while not stop.wait(SLOT_LEASE_S * 0.75):
+            try:
+                client.renew_concurrency_lease(lease_id=lease_id, lease_duration=SLOT_LEASE_S)
+            except Exception as exc:  # noqa: BLE001 - a failed renewal must not end the job
+                run_logger().warning("could not renew the lease on the slots of %s (%s); trying again in %.0f s",
+                                     name, exc, SLOT_LEASE_S * 0.75)
+
+
+def _release_lease(client: "SyncPrefectClient", lease_id: UUID, name: str) -> None:
+    try:
+        client.release_concurrency_slots_with_lease(lease_id)
+    except Exception as exc:  # noqa: BLE001 - the lease lapses on its own
+        run_logger().warning("could not release the slots of %s (%s); they come back when their lease lapses, "
+                             "within %.0f s", name, exc, SLOT_LEASE_S * 1.5)
 
 
 def cluster_capacity(asked: str | None, dask: DaskSettings) -> str | None:

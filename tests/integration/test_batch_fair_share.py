@@ -1,7 +1,8 @@
 """A batch job's fair share of the cluster (``tasks/fairness.fair_share``) on a real Prefect API: a job waiting for
 its tenant's shard slots, which other jobs hold, stops when it is asked to (its command interrupted: the warm
 runner's stop request), instead of waiting on until the slots come back; it takes them once they do. (Before, a
-slot held by a killed job's lease kept the next job waiting, unstoppable, for Prefect's default five minutes.)"""
+slot held by a killed job's lease kept the next job waiting, unstoppable, for Prefect's default five minutes.) A job
+given a time-out for the wait (``SHARDLINE_TENANCY_WAIT_TIMEOUT_S``) gives up when it passes, holding nothing."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_a_job_waiting_for_its_tenants_slots_stops_when_asked_and_takes_them_onc
     from prefect.concurrency.sync import concurrency
 
     tenant = BatchTenant("waiter", BatchPolicy(storage_prefixes=["/data"], max_concurrent_shards=2))
-    _, slots_name = limit_names(tenant.name, "normal")
+    class_name, slots_name = limit_names(tenant.name, "normal")
     ensure_limit(slots_name, 2)
     held, release = threading.Event(), threading.Event()
 
@@ -37,6 +38,10 @@ def test_a_job_waiting_for_its_tenants_slots_stops_when_asked_and_takes_them_onc
     stop = threading.Event()
     token = STOP_REQUEST.set(stop)
     try:
+        with pytest.raises(TimeoutError, match=r"waited SHARDLINE_TENANCY_WAIT_TIMEOUT_S for 2 slot\(s\) of "
+                                               r"shardline-batch-tenant-waiter; they are held by other jobs"):
+            with fair_share(tenant, "normal", 5, TenancySettings(wait_timeout_s=1.0)):
+                pytest.fail("the slots were taken while another job held them")
         threading.Timer(1.0, stop.set).start()  # the command interrupted while its job waits
         with pytest.raises(JobStopped, match=r"stopped on request while waiting for 2 slot\(s\) of "
                                              r"shardline-batch-tenant-waiter \(nothing was scored\)"):
@@ -48,6 +53,7 @@ def test_a_job_waiting_for_its_tenants_slots_stops_when_asked_and_takes_them_onc
         holder.join()
     with get_client(sync_client=True) as client:  # nothing of the stopped job's is held
         assert client.read_global_concurrency_limit_by_name(slots_name).active_slots == 0
+        assert client.read_global_concurrency_limit_by_name(class_name).active_slots == 0
     with fair_share(tenant, "normal", 5, TenancySettings()) as in_flight:
         assert in_flight == 2
         with get_client(sync_client=True) as client:

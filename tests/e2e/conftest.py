@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from shardline.local_ports import reserve_port
+from tests.conftest import PREFECT_SERVICES_UNUSED_IN_TESTS
 
 SHARDLINE = [sys.executable, "-m", "shardline.cli"]
 
@@ -42,7 +43,7 @@ def prefect_api(prefect_home: Path) -> Iterator[str]:
     port = reserve_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDLINE_", "PREFECT_"))}
     env.update(PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false",
-               DO_NOT_TRACK="1")
+               DO_NOT_TRACK="1", **PREFECT_SERVICES_UNUSED_IN_TESTS)
     url = f"http://127.0.0.1:{port}/api"
     log = prefect_home / "server.log"
     with log.open("w") as out:

@@ -23,10 +23,14 @@ def prefect_harness() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def dask_address() -> Iterator[str]:
-    """A real LocalCluster with two worker processes, shared by the session."""
+    """A real LocalCluster with two worker processes, shared by the session, on the Dask settings of the clusters
+    Shardline starts (``QUIET_CLUSTER``: no profiler, slower ticks; idle, 8% of a core against 15% on Dask's)."""
+    import dask
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+    from shardline.tasks.cluster import QUIET_CLUSTER
+
+    with dask.config.set(QUIET_CLUSTER), LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
         yield cluster.scheduler_address
 
 

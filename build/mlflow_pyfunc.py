@@ -68,17 +68,17 @@ class Model:
         """Load the MLflow model folder with ``mlflow.pyfunc.load_model`` (which executes its code file).
 
         Raises:
-            RuntimeUnavailable: MLflow's client is not installed.
+            NotInstalled: MLflow's client is not installed.
             ValueError: the folder's MLmodel is not a pyfunc logged from code.
         """
-        from shardline.errors import RuntimeUnavailable
+        from shardline.errors import NotInstalled
 
         folder = context.path(f"{MODEL_FOLDER}/MLmodel").parent
         try:
             import mlflow.models.model
             import mlflow.pyfunc
         except ImportError as e:
-            raise RuntimeUnavailable(f"a pyfunc imported from MLflow runs with MLflow's client; {_MLFLOW_EXTRA}") from e
+            raise NotInstalled(f"a pyfunc imported from MLflow runs with MLflow's client; {_MLFLOW_EXTRA}") from e
         refused = from_code_refusal(mlflow.models.Model.load(str(folder / "MLmodel")).flavors.get("python_function"))
         if refused is not None:
             raise ValueError(f"{folder.name}/MLmodel is not a pyfunc logged from code ({refused}); log it with "

@@ -177,6 +177,11 @@ class RuntimeUnavailable(ShardlineError, RuntimeError):
     """A runtime, device or extra needed to load a model is not installed here."""
 
 
+class NotInstalled(RuntimeUnavailable):
+    """A package the model's runtime or code needs is not installed where it runs: every worker of a batch job meets
+    it, and running again helps only once it is installed (the job ends at the first shard that meets it)."""
+
+
 class JobFailed(ShardlineError, RuntimeError):
     """A batch job could not finish every shard; a re-run resumes it."""
 

@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from shardline.errors import InvalidBundle, JobStopped
+from shardline.errors import InvalidBundle, JobStopped, NotInstalled
 from shardline.storage.output import PartRecord
 from shardline.storage.scoring import ScoringJob, ShardSamples, release_scratch, score_shard
 from shardline.storage.shards import ShardInfo
@@ -207,8 +207,9 @@ class DispatchStats:
 
 def ends_the_job(error: BaseException) -> bool:
     """Whether a shard's failure fails every shard of its job, now and on a re-run: the model's bundle cannot be
-    loaded (damaged in the registry, or not a valid bundle). Scoring more shards would only repeat it."""
-    return isinstance(error, InvalidBundle)
+    loaded (damaged in the registry, or not a valid bundle), or a package its runtime or code needs is not installed
+    where it runs. Scoring more shards would only repeat it."""
+    return isinstance(error, (InvalidBundle, NotInstalled))
 
 
 def _cluster_threads(client: Any) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardline.bundle import Manifest
-from shardline.errors import InvalidBundle, RuntimeUnavailable
+from shardline.errors import InvalidBundle, NotInstalled
 from shardline.runtimes.base import Runtime, RuntimeOptions
 
 
@@ -53,7 +53,7 @@ def create_runtime(bundle_dir: Path, manifest: Manifest, options: RuntimeOptions
 
     Raises:
         InvalidBundle: the manifest names a runtime Shardline does not know.
-        RuntimeUnavailable: the runtime's packages are not installed.
+        NotInstalled: the runtime's packages are not installed.
     """
     try:
         entry = KNOWN_RUNTIMES[manifest.runtime]
@@ -65,7 +65,7 @@ def create_runtime(bundle_dir: Path, manifest: Manifest, options: RuntimeOptions
     try:
         module = importlib.import_module(entry.module)
     except ImportError as e:
-        raise RuntimeUnavailable(
+        raise NotInstalled(
             f"runtime {manifest.runtime!r} needs a package that is not installed ({e.name}); "
             f"{entry.extra}"
         ) from e

@@ -49,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardline.bundle import Manifest
-from shardline.errors import InferenceFailed, InvalidBundle, RuntimeUnavailable, ShardlineError
+from shardline.errors import InferenceFailed, InvalidBundle, NotInstalled, RuntimeUnavailable, ShardlineError
 from shardline.rows import Rows, check_rows
 from shardline.runtimes.base import Answer, Runtime, RuntimeOptions, out_of_memory
 
@@ -99,7 +99,7 @@ class ModelContext:
         try:
             import onnxruntime as ort
         except ImportError as e:
-            raise RuntimeUnavailable("onnxruntime is not installed; pip install 'shardline[cpu]' (or [gpu])") from e
+            raise NotInstalled("onnxruntime is not installed; pip install 'shardline[cpu]' (or [gpu])") from e
         path = self.path(relative)
         so = ort.SessionOptions()
         so.intra_op_num_threads = self.options.intra_op_threads
@@ -143,7 +143,7 @@ def check_requirements(lines: list[str], model: str) -> None:
             unmet.append(f"{line} (installed: {have})")
     if unmet:
         quoted = " ".join(f"'{line.split(' (')[0]}'" for line in unmet)
-        raise RuntimeUnavailable(f"{model}'s code needs {', '.join(unmet)}; pip install {quoted} where the model "
+        raise NotInstalled(f"{model}'s code needs {', '.join(unmet)}; pip install {quoted} where the model "
                                  "runs (batch workers and replicas)")
 
 
@@ -152,7 +152,7 @@ def import_entry(code_dir: Path, entry: str, package: str, model: str) -> type:
 
     Raises:
         InvalidBundle: the entry is malformed, or the module or class is not there.
-        RuntimeUnavailable: the code imports a package that is not installed.
+        NotInstalled: the code imports a package that is not installed.
     """
     module_name, colon, class_name = entry.partition(":")
     if not colon or not module_name or not class_name.isidentifier():
@@ -168,7 +168,7 @@ def import_entry(code_dir: Path, entry: str, package: str, model: str) -> type:
         try:
             module = importlib.import_module(f"{package}.{module_name}")
         except ImportError as e:
-            raise RuntimeUnavailable(f"{model}'s code needs a package that is not installed ({e.name or e}); "
+            raise NotInstalled(f"{model}'s code needs a package that is not installed ({e.name or e}); "
                                      f"{REQUIREMENTS_HINT}") from e
         except Exception as e:  # noqa: BLE001 - the code's own import-time error, whatever it is
             raise InvalidBundle(f"{model}: importing its code ({module_name}) failed: {type(e).__name__}: {e}; "
@@ -241,11 +241,11 @@ class CustomCodeModel(Runtime):
             except RuntimeUnavailable as e:
                 if REQUIREMENTS_HINT in str(e):
                     raise
-                raise RuntimeUnavailable(f"{reference}: {e}; {REQUIREMENTS_HINT}") from e
+                raise e.reworded(f"{reference}: {e}; {REQUIREMENTS_HINT}") from e  # NotInstalled stays NotInstalled
             except ShardlineError:
                 raise
             except ImportError as e:
-                raise RuntimeUnavailable(f"{reference}'s code needs a package that is not installed ({e.name or e}); "
+                raise NotInstalled(f"{reference}'s code needs a package that is not installed ({e.name or e}); "
                                          f"{REQUIREMENTS_HINT}") from e
             except Exception as e:  # noqa: BLE001 - the code's own error, whatever it is
                 raise InvalidBundle(f"{reference}: its code's load() failed ({type(e).__name__}: {e}); its files are "

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from shardline.arrays import arrow_array, numpy_values, stack_columns
 from shardline.bundle import Manifest
-from shardline.errors import InvalidBundle, InvalidInput, RuntimeUnavailable
+from shardline.errors import InvalidBundle, InvalidInput, NotInstalled, RuntimeUnavailable
 from shardline.rows import FloatLayout, Rows, SignaturePlan
 from shardline.runtimes.base import Answer, Runtime, RuntimeOptions
 from shardline.signature import leaf_type, row_shape, tensor_type_name, type_name
@@ -209,7 +209,7 @@ class TextBinding:
         try:
             from tokenizers import Tokenizer
         except ImportError as e:
-            raise RuntimeUnavailable(
+            raise NotInstalled(
                 f"{manifest.reference} reads text and needs the 'tokenizers' package; "
                 "pip install 'shardline[embedding]'"
             ) from e
@@ -298,7 +298,7 @@ class OnnxModel(Runtime):
         try:
             import onnxruntime as ort
         except ImportError as e:
-            raise RuntimeUnavailable(
+            raise NotInstalled(
                 "onnxruntime is not installed; pip install 'shardline[cpu]' (or [gpu])"
             ) from e
         model_files = [a.path for a in self.manifest.artifacts if a.path.endswith(".onnx")]

@@ -56,7 +56,7 @@ from typing import Any
 import orjson
 
 from shardline.bundle import Manifest
-from shardline.errors import ChildNotReady, RuntimeUnavailable
+from shardline.errors import ChildNotReady, NotInstalled, RuntimeUnavailable
 from shardline.local_ports import release, reserve_port
 from shardline.processes import Child, restart_delay, spawn, start_on_port
 from shardline.runtimes.base import RuntimeOptions
@@ -127,7 +127,7 @@ class RemoteEngine(EngineBase):
             import httpx  # noqa: F401 - the client (_VllmClient)
             from tokenizers import Tokenizer
         except ImportError as e:
-            raise RuntimeUnavailable(f"the vllm runtime needs {e.name}; {LLM_EXTRA}") from e
+            raise NotInstalled(f"the vllm runtime needs {e.name}; {LLM_EXTRA}") from e
         self.read_bundle_text(Tokenizer)
         self._running = True
 

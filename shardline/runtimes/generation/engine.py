@@ -45,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import InferenceFailed, InvalidBundle, RuntimeUnavailable
+from shardline.errors import InferenceFailed, InvalidBundle, NotInstalled
 from shardline.runtimes.generation.base import LLM_EXTRA, TOKENIZER_FILE, EngineBase, Request
 from shardline.runtimes.generation.requests import EngineConfig, FinishReason, SamplingParams, TokenEvent, held_back
 
@@ -87,13 +87,13 @@ class Handle:
 
 
 def _require_packages() -> tuple[Any, Any]:
-    """torch and tokenizers.Tokenizer (and safetensors, which the weights need), or RuntimeUnavailable."""
+    """torch and tokenizers.Tokenizer (and safetensors, which the weights need), or NotInstalled."""
     try:
         import safetensors.torch  # noqa: F401
         import torch
         from tokenizers import Tokenizer
     except ImportError as e:
-        raise RuntimeUnavailable(f"generating text needs {e.name!r} (torch, safetensors and tokenizers); "
+        raise NotInstalled(f"generating text needs {e.name!r} (torch, safetensors and tokenizers); "
                                  f"{LLM_EXTRA}") from e
     return torch, Tokenizer
 
@@ -129,7 +129,7 @@ class GenerationEngine(EngineBase):
         """Load the tokenizer and weights and start the engine thread.
 
         Raises:
-            RuntimeUnavailable: torch, safetensors or tokenizers is not installed.
+            NotInstalled: torch, safetensors or tokenizers is not installed.
             InvalidBundle: a file is missing or unreadable (the message names it), or ``max_context``
                 is beyond the model's positions.
         """

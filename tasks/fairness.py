@@ -23,6 +23,7 @@ In single-tenant mode (no tenants file) none of this applies.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import importlib.util
 import os
@@ -166,6 +167,7 @@ def fair_share(
 
 
 SLOT_LEASE_S = 60.0  # the lease on a job's slots, renewed at 3/4 of it (the server's shortest: 60 s)
+SLOT_RENEW_S = SLOT_LEASE_S * 0.75  # how often the holder renews it
 SLOT_POLL_S = 2.0  # the longest wait between two tries for slots (the server's Retry-After is usually shorter)
 
 
@@ -216,7 +218,8 @@ def _hold(held: contextlib.ExitStack, name: str, slots: int, until: float | None
                              "command again (it makes the limit anew)")
     held.callback(_release_lease, client, lease.lease_id, name)
     renewed = threading.Event()
-    renewal = threading.Thread(target=_renew_lease, args=(lease.lease_id, name, renewed), daemon=True,
+    in_run = contextvars.copy_context()  # the renewal's warnings go to the run's log
+    renewal = threading.Thread(target=in_run.run, args=(_renew_lease, lease.lease_id, name, renewed), daemon=True,
                                name=f"shardline-slots-{name}")
     renewal.start()
     held.callback(renewal.join, 30.0)
@@ -224,18 +227,18 @@ def _hold(held: contextlib.ExitStack, name: str, slots: int, until: float | None
 
 
 def _renew_lease(lease_id: UUID, name: str, stop: threading.Event) -> None:
-    """Renew the lease ``lease_id`` every 3/4 of ``SLOT_LEASE_S`` until ``stop``; a renewal that fails is tried
+    """Renew the lease ``lease_id`` every ``SLOT_RENEW_S`` until ``stop``; a renewal that fails is tried
     again at the next turn (a lease lapses only after ``SLOT_LEASE_S``, so one busy moment of the API loses nothing;
     at worst the slots free early, and the job goes on)."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        while not stop.wait(SLOT_LEASE_S * 0.75):
+        while not stop.wait(SLOT_RENEW_S):
             try:
                 client.renew_concurrency_lease(lease_id=lease_id, lease_duration=SLOT_LEASE_S)
             except Exception as exc:  # noqa: BLE001 - a failed renewal must not end the job
                 run_logger().warning("could not renew the lease on the slots of %s (%s); trying again in %.0f s",
-                                     name, exc, SLOT_LEASE_S * 0.75)
+                                     name, exc, SLOT_RENEW_S)
 
 
 def _release_lease(client: "SyncPrefectClient", lease_id: UUID, name: str) -> None:

@@ -7,6 +7,7 @@ given a time-out for the wait (``SHARDLINE_TENANCY_WAIT_TIMEOUT_S``) gives up wh
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -58,3 +59,40 @@ def test_a_job_waiting_for_its_tenants_slots_stops_when_asked_and_takes_them_onc
         assert in_flight == 2
         with get_client(sync_client=True) as client:
             assert client.read_global_concurrency_limit_by_name(slots_name).active_slots == 2
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_job_renews_the_lease_on_its_slots_while_it_holds_them_and_lets_them_go_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The job's slots are held on a lease that lapses unless renewed: the holder renews it (here every 0.2 s, at
+    3/4 of the lease in a job), each renewal accepted by the server, and stops once the slots are released."""
+    from prefect.client.orchestration import SyncPrefectClient, get_client
+
+    from shardline.tasks import fairness
+
+    renewed: list[int] = []
+    renew = SyncPrefectClient.renew_concurrency_lease
+
+    def counted(client: SyncPrefectClient, lease_id, lease_duration):  # type: ignore[no-untyped-def]
+        answer = renew(client, lease_id=lease_id, lease_duration=lease_duration)
+        renewed.append(answer.status_code)
+        return answer
+
+    monkeypatch.setattr(SyncPrefectClient, "renew_concurrency_lease", counted)
+    monkeypatch.setattr(fairness, "SLOT_RENEW_S", 0.2)
+    tenant = BatchTenant("renewer", BatchPolicy(storage_prefixes=["/data"], max_concurrent_shards=3))
+    class_name, slots_name = limit_names(tenant.name, "normal")
+    with fair_share(tenant, "normal", 2, TenancySettings()) as in_flight:
+        assert in_flight == 2
+        deadline = time.monotonic() + 30
+        while len(renewed) < 6:  # both leases, three times each at least
+            assert time.monotonic() < deadline, f"renewals: {renewed}"
+            time.sleep(0.1)
+    assert set(renewed) == {204}, renewed
+    after = len(renewed)
+    time.sleep(0.6)
+    assert len(renewed) == after  # the renewal threads ended with the slots
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(slots_name).active_slots == 0
+        assert client.read_global_concurrency_limit_by_name(class_name).active_slots == 0

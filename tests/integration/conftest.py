@@ -30,7 +30,9 @@ def dask_address() -> Iterator[str]:
 
     from shardline.tasks.cluster import QUIET_CLUSTER
 
-    with dask.config.set(QUIET_CLUSTER), LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+    with dask.config.set(QUIET_CLUSTER):  # only while it starts (its nannies keep it): later tests see Dask's own
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
+    with cluster:
         yield cluster.scheduler_address
 
 

@@ -144,7 +144,7 @@ def check_requirements(lines: list[str], model: str) -> None:
     if unmet:
         quoted = " ".join(f"'{line.split(' (')[0]}'" for line in unmet)
         raise NotInstalled(f"{model}'s code needs {', '.join(unmet)}; pip install {quoted} where the model "
-                                 "runs (batch workers and replicas)")
+                           "runs (batch workers and replicas)")
 
 
 def import_entry(code_dir: Path, entry: str, package: str, model: str) -> type:
@@ -169,7 +169,7 @@ def import_entry(code_dir: Path, entry: str, package: str, model: str) -> type:
             module = importlib.import_module(f"{package}.{module_name}")
         except ImportError as e:
             raise NotInstalled(f"{model}'s code needs a package that is not installed ({e.name or e}); "
-                                     f"{REQUIREMENTS_HINT}") from e
+                               f"{REQUIREMENTS_HINT}") from e
         except Exception as e:  # noqa: BLE001 - the code's own import-time error, whatever it is
             raise InvalidBundle(f"{model}: importing its code ({module_name}) failed: {type(e).__name__}: {e}; "
                                 "fix the code and package it again") from e
@@ -246,7 +246,7 @@ class CustomCodeModel(Runtime):
                 raise
             except ImportError as e:
                 raise NotInstalled(f"{reference}'s code needs a package that is not installed ({e.name or e}); "
-                                         f"{REQUIREMENTS_HINT}") from e
+                                   f"{REQUIREMENTS_HINT}") from e
             except Exception as e:  # noqa: BLE001 - the code's own error, whatever it is
                 raise InvalidBundle(f"{reference}: its code's load() failed ({type(e).__name__}: {e}); its files are "
                                     f"{sorted(files)}: re-fetch the bundle, or fix the code and package it again") from e

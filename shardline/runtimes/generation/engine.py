@@ -94,7 +94,7 @@ def _require_packages() -> tuple[Any, Any]:
         from tokenizers import Tokenizer
     except ImportError as e:
         raise NotInstalled(f"generating text needs {e.name!r} (torch, safetensors and tokenizers); "
-                                 f"{LLM_EXTRA}") from e
+                           f"{LLM_EXTRA}") from e
     return torch, Tokenizer
 
 

@@ -168,6 +168,7 @@ def fair_share(
 
 SLOT_LEASE_S = 60.0  # the lease on a job's slots, renewed at 3/4 of it (the server's shortest: 60 s)
 SLOT_RENEW_S = SLOT_LEASE_S * 0.75  # how often the holder renews it
+SLOT_RETRY_S = 3.0  # how soon a failed renewal is tried again (five tries before the lease lapses)
 SLOT_POLL_S = 2.0  # the longest wait between two tries for slots (the server's Retry-After is usually shorter)
 
 
@@ -227,18 +228,25 @@ def _hold(held: contextlib.ExitStack, name: str, slots: int, until: float | None
 
 
 def _renew_lease(lease_id: UUID, name: str, stop: threading.Event) -> None:
-    """Renew the lease ``lease_id`` every ``SLOT_RENEW_S`` until ``stop``; a renewal that fails is tried
-    again at the next turn (a lease lapses only after ``SLOT_LEASE_S``, so one busy moment of the API loses nothing;
-    at worst the slots free early, and the job goes on)."""
+    """Renew the lease ``lease_id`` every ``SLOT_RENEW_S`` until ``stop``. A renewal that fails (a busy API) is tried
+    again every ``SLOT_RETRY_S`` while the lease lasts; once it has lapsed the job goes on without it (its slots
+    may be taken by others), said once in the run's log."""
     from prefect.client.orchestration import get_client
 
+    renewed_at, wait = time.monotonic(), SLOT_RENEW_S
     with get_client(sync_client=True) as client:
-        while not stop.wait(SLOT_RENEW_S):
+        while not stop.wait(wait):
             try:
                 client.renew_concurrency_lease(lease_id=lease_id, lease_duration=SLOT_LEASE_S)
+                renewed_at, wait = time.monotonic(), SLOT_RENEW_S
             except Exception as exc:  # noqa: BLE001 - a failed renewal must not end the job
+                if time.monotonic() - renewed_at >= SLOT_LEASE_S:
+                    run_logger().warning("the lease on the slots of %s lapsed (%s): the job goes on, and other jobs "
+                                         "may take its slots meanwhile", name, exc)
+                    return
+                wait = SLOT_RETRY_S
                 run_logger().warning("could not renew the lease on the slots of %s (%s); trying again in %.0f s",
-                                     name, exc, SLOT_RENEW_S)
+                                     name, exc, wait)
 
 
 def _release_lease(client: "SyncPrefectClient", lease_id: UUID, name: str) -> None:

@@ -12,7 +12,7 @@ os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # MLflow reads DO_NOT_TRACK only as "true"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are built here, never fetched
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# The Prefect servers the tests start (the harness, `prefect server start`, the CLI's own) run without the loop
+# The session's Prefect servers (the harness, and the e2e tests' `prefect server start`) run without the loop
 # services no test uses: each polls the database every 5-20 s, and together they took a third of an idle server's
 # CPU (7.7% of a core against 5.2% without them), four servers all session long. The services the tests do use
 # (events, triggers and automations, the scheduler, lease expiry) stay on.

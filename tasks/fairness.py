@@ -166,7 +166,7 @@ def fair_share(
         yield in_flight
 
 
-SLOT_LEASE_S = 60.0  # the lease on a job's slots, renewed at 3/4 of it (the server's shortest: 60 s)
+SLOT_LEASE_S = 60.0  # the lease on a job's slots (the server's shortest: 60 s)
 SLOT_RENEW_S = SLOT_LEASE_S * 0.75  # how often the holder renews it
 SLOT_RETRY_S = 3.0  # how soon a failed renewal is tried again (five tries before the lease lapses)
 SLOT_POLL_S = 2.0  # the longest wait between two tries for slots (the server's Retry-After is usually shorter)

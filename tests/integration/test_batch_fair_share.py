@@ -65,7 +65,7 @@ def test_a_job_waiting_for_its_tenants_slots_stops_when_asked_and_takes_them_onc
 def test_a_job_renews_the_lease_on_its_slots_while_it_holds_them_and_lets_them_go_after(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The job's slots are held on a lease that lapses unless renewed: the holder renews it (here every 0.2 s, at
+    """The job's slots are held on a lease that lapses unless renewed: the holder renews it (here every 2 s, at
     3/4 of the lease in a job), each renewal accepted by the server, and stops once the slots are released. A
     renewal that fails (the API busy for a moment) is tried again soon, not a whole period later, by when the
     lease would have lapsed."""
@@ -101,9 +101,8 @@ def test_a_job_renews_the_lease_on_its_slots_while_it_holds_them_and_lets_them_g
     again = min(when for renewed_lease, _, when in renewed if renewed_lease == lease)
     assert again - failed_at < 1.0  # tried again after SLOT_RETRY_S, not a whole SLOT_RENEW_S later
     assert {status for _, status, _ in renewed} == {204}, renewed
-    after = len(renewed)
-    time.sleep(0.6)
-    assert len(renewed) == after  # the renewal threads ended with the slots
+    # the renewal threads ended with the slots (joined when they were released)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("shardline-slots-")]
     with get_client(sync_client=True) as client:
         assert client.read_global_concurrency_limit_by_name(slots_name).active_slots == 0
         assert client.read_global_concurrency_limit_by_name(class_name).active_slots == 0

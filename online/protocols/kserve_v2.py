@@ -54,7 +54,7 @@ from shardline.online.errors import shown
 from shardline.online.headers import TENANT_HEADER
 from shardline.online.logs import current
 from shardline.online.protocols.forms import v2_error_body
-from shardline.online.protocols.v2_fast import fast_rows
+from shardline.online.protocols.v2_fast import fast_binary_rows, fast_rows
 from shardline.online.protocols.v2_tensors import (
     array_to_tensor,
     column_to_tensor,
@@ -195,10 +195,9 @@ def decode_infer_request(body: bytes, header_length: str | None, signature: Sign
 
 
 def _decode(body: bytes, header_length: str | None, signature: Signature, model: str) -> InferRequest:
-    if header_length is None:
-        fast = _fast_request(body, signature, model)
-        if fast is not None:
-            return fast
+    fast = _fast_request(body, header_length, signature, model)
+    if fast is not None:
+        return fast
     doc, binary = _json_header(body, header_length)
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
@@ -260,11 +259,16 @@ def _decode(body: bytes, header_length: str | None, signature: Signature, model:
 _MAX_RANK = 8  # a shape longer than this is refused before anything reads it (models take [N] or [N, k])
 
 
-def _fast_request(body: bytes, signature: Signature, model: str) -> InferRequest | None:
-    """The commonest requests (``v2_fast``), decoded and checked in one pass: JSON (no binary tensors),
-    flat ``data`` of JSON floats, no parameters, one input per input of a float signature (datatype and
-    shape as the metadata says). None (and the general path decides, with its errors) for anything else."""
-    fast = fast_rows(body, signature, model)
+def _fast_request(body: bytes, header_length: str | None, signature: Signature, model: str) -> InferRequest | None:
+    """The commonest requests (``v2_fast``), decoded and checked in one pass: one input per input of a float
+    signature (datatype and shape as the metadata says), as JSON (flat ``data`` of JSON floats, no parameters)
+    or as binary tensors (``binary_data_size`` their only parameter). None (and the general path decides, with
+    its errors) for anything else."""
+    if header_length is None:
+        fast = fast_rows(body, signature, model)
+    else:
+        size = byte_count(header_length)
+        fast = None if size is None else fast_binary_rows(body, size, signature, model)
     if fast is None:
         return None
     rows, request_id, requested, parameters = fast

@@ -50,6 +50,29 @@ class _Request(msgspec.Struct):
 _FAST_DECODER = msgspec.json.Decoder(_Request, strict=True)
 
 
+class _BinaryParameters(msgspec.Struct, forbid_unknown_fields=True):
+    binary_data_size: int
+
+
+class _BinaryTensor(msgspec.Struct, forbid_unknown_fields=True):
+    """An input whose values follow the JSON header as bytes, and nothing else about it."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    parameters: _BinaryParameters
+
+
+class _BinaryRequest(msgspec.Struct):
+    inputs: list[_BinaryTensor]
+    id: Any = None
+    outputs: Any = None
+    parameters: Any = None
+
+
+_BINARY_DECODER = msgspec.json.Decoder(_BinaryRequest, strict=True)
+
+
 def _fast_columns(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarray, ...] | None:
     """One ``[N]`` input per float column: the (rows, columns) matrix in the signature's order, or None."""
     plan = signature.plan
@@ -116,6 +139,97 @@ def _fast_tensors(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarr
             values = np.array(data, dtype=dtype)
         arrays[i] = values.reshape(rows, width) if width else values
     return tuple(arrays)  # type: ignore[arg-type]
+
+
+def _binary_columns(inputs: list[_BinaryTensor], binary: memoryview, signature: Signature) -> tuple[np.ndarray, ...] | None:
+    """One binary ``[N]`` input per float column, their bytes making up the whole binary part: the (rows,
+    columns) matrix in the signature's order (a copy: the body's bytes are read-only and unaligned), or None."""
+    plan = signature.plan
+    layout = plan.layout
+    assert layout is not None
+    width = len(plan.input_names)
+    if len(inputs) != width:
+        return None
+    names = list(map(_NAME, inputs))
+    order = None
+    if tuple(names) != plan.input_names:
+        try:
+            order = list(map(plan.positions.__getitem__, names))
+        except KeyError:
+            return None
+        if len(set(order)) != width:
+            return None
+    dtype = layout.dtypes[0]
+    shape = inputs[0].shape
+    rows = shape[0] if len(shape) == 1 else 0
+    size = rows * dtype.itemsize
+    if (rows <= 0 or set(map(_DATATYPE, inputs)) != {FLOAT_DATATYPES[dtype]}
+            or list(map(_SHAPE, inputs)).count(shape) != width
+            or {t.parameters.binary_data_size for t in inputs} != {size} or len(binary) != width * size):
+        return None
+    given = np.frombuffer(binary, dtype, width * rows).reshape(width, rows)  # (inputs, rows) in the request's order
+    if order is not None:
+        matrix = np.empty_like(given)
+        matrix[order] = given
+        given = matrix
+    return (np.array(given.T, order="C"),)
+
+
+def _binary_tensors(inputs: list[_BinaryTensor], binary: memoryview, signature: Signature) -> tuple[np.ndarray, ...] | None:
+    """One binary ``[N]`` or ``[N, k]`` input per column of a float signature with list columns, their bytes
+    making up the whole binary part, in the order of the inputs: their arrays (copies), or None."""
+    plan = signature.plan
+    layout = plan.layout
+    assert layout is not None
+    if len(inputs) != len(layout.widths):
+        return None
+    arrays: list[np.ndarray | None] = [None] * len(inputs)
+    rows, offset = -1, 0
+    for tensor in inputs:
+        i = plan.positions.get(tensor.name)
+        if i is None or arrays[i] is not None:
+            return None
+        width, dtype, shape = layout.widths[i], layout.dtypes[i], tensor.shape
+        if not shape:
+            return None
+        if rows < 0:
+            rows = shape[0]
+        count = rows * (width or 1)
+        size = tensor.parameters.binary_data_size
+        if (tensor.datatype != FLOAT_DATATYPES[dtype] or rows <= 0 or shape[0] != rows
+                or shape[1:] != ([width] if width else []) or size != count * dtype.itemsize
+                or offset + size > len(binary)):
+            return None
+        values = np.frombuffer(binary, dtype, count, offset)
+        arrays[i] = (values.reshape(rows, width) if width else values).copy()
+        offset += size
+    return tuple(arrays) if offset == len(binary) else None  # type: ignore[arg-type]
+
+
+def fast_binary_rows(body: bytes, header_length: int, signature: Signature,
+                     model: str) -> tuple[Rows, Any, Any, Any] | None:
+    """``fast_rows`` for a body of binary tensors whose JSON header is ``header_length`` bytes: every input
+    of the declared datatype and shape with only ``binary_data_size`` for parameters, the sizes adding up to
+    the bytes after the header. None for anything else (the general path names what is wrong).
+
+    Raises:
+        NonFiniteValues: as the kernel's row check (``float_rows``).
+    """
+    plan = signature.plan
+    layout = plan.layout
+    if layout is None or header_length > len(body):
+        return None
+    view = memoryview(body)
+    try:
+        request = _BINARY_DECODER.decode(view[:header_length])
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+    binary = view[header_length:]
+    arrays = (_binary_columns(request.inputs, binary, signature) if layout.stacked
+              else _binary_tensors(request.inputs, binary, signature))
+    if arrays is None:
+        return None
+    return float_rows(plan, arrays, model), request.id, request.outputs, request.parameters
 
 
 def fast_rows(body: bytes, signature: Signature, model: str) -> tuple[Rows, Any, Any, Any] | None:

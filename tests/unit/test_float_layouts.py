@@ -1,6 +1,6 @@
 """Every float layout reaches the runtime as float arrays, without Arrow: one ``[N]`` input per float column,
-one ``[N, k]`` tensor, and several ``[N, k_i]`` tensors; JSON (the fast path) and binary tensors (the general
-path) alike, with the same answer, bit for bit, as the same rows through Arrow, and the same messages."""
+one ``[N, k]`` tensor, and several ``[N, k_i]`` tensors; JSON and binary tensors alike (each on its fast path),
+with the same answer, bit for bit, as the same rows through Arrow, and the same messages."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from shardline.errors import InvalidInput
 from shardline.online.protocols.kserve_v2 import decode_infer_request
+from shardline.online.protocols.v2_fast import fast_binary_rows
 from shardline.build.packaging import package_onnx
 from shardline.runtimes import Runtime, RuntimeOptions, create_runtime
 
@@ -51,10 +52,12 @@ def test_the_signature_of_two_list_inputs_has_a_float_layout_of_one_array_per_in
     assert layout is not None and not layout.stacked and layout.widths == (3, 2)
 
 
-@pytest.mark.parametrize("binary", [False, True], ids=["json-fast-path", "binary-general-path"])
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 def test_several_2d_inputs_are_scored_from_arrays_exactly_like_their_arrow_rows(two: Runtime, binary: bool) -> None:
     signature = two.manifest.signature
-    decoded = decode_infer_request(*binary_body(), signature, "two:1") if binary else \
+    body, header = binary_body()
+    assert fast_binary_rows(body, int(header), signature, "two:1") is not None  # tritonclient's default: fast too
+    decoded = decode_infer_request(body, header, signature, "two:1") if binary else \
         decode_infer_request(json_body(), None, signature, "two:1")
     arrays = decoded.rows.arrays
     assert arrays is not None and decoded.rows.plan is signature.plan
@@ -93,10 +96,10 @@ def test_nan_in_one_of_several_inputs_is_refused_with_the_kernels_message(two: R
     signature = two.manifest.signature
     with pytest.raises(InvalidInput) as fast:
         decode_infer_request(json_body(b=np.where(np.isnan(bad), 1e39, bad.astype(np.float64))), None, signature, "two:1")
-    with pytest.raises(InvalidInput) as general:
+    with pytest.raises(InvalidInput) as binary:
         decode_infer_request(*binary_body(b=bad), signature, "two:1")
-    assert str(fast.value) == str(general.value)
-    assert str(general.value).startswith("columns ['b'] hold NaN or infinite values ({'b': 1} in 4 rows)")
+    assert str(fast.value) == str(binary.value)
+    assert str(binary.value).startswith("columns ['b'] hold NaN or infinite values ({'b': 1} in 4 rows)")
 
 
 def test_a_float_signature_packaged_in_a_tmp_bundle_keeps_its_manifest(tmp_path: Path) -> None:

@@ -21,7 +21,9 @@ from shardline.online.batcher import Batcher, BatchLimits
 from shardline.online.dataplane import DataPlane
 from shardline.online.logs import request_id_from
 from shardline.online.metrics import Metrics, _Tally
+from shardline.online.protocols import kserve_v2
 from shardline.online.protocols.kserve_v2 import decode_infer_request, encode_infer_response, infer_path_params
+from shardline.online.protocols.v2_fast import fast_binary_rows
 from shardline.online.tenants import TenantDirectory, hash_api_key
 from shardline.rows import Rows, check_rows, float_rows
 from shardline.runtimes import RuntimeOptions
@@ -406,6 +408,97 @@ def test_what_the_fast_path_does_not_take_goes_the_general_way_with_its_errors(b
         return
     with pytest.raises(InvalidInput, match=re.escape(outcome)):
         decode_infer_request(body, None, FLOATS, "m:1")
+
+
+def binary_body(columns: dict[str, Any], datatype: str = "FP32", tail: bytes = b"", **request: Any) -> tuple[bytes, str]:
+    """A body of binary tensors as tritonclient sends it (its default): the JSON header, then each input's bytes."""
+    inputs = [{"name": n, "datatype": datatype, "shape": list(np.shape(v)), "parameters": {"binary_data_size": v.nbytes}}
+              for n, v in columns.items()]
+    header = orjson.dumps({"inputs": inputs, **request})
+    return header + b"".join(np.ascontiguousarray(v).tobytes() for v in columns.values()) + tail, str(len(header))
+
+
+def general_path(monkeypatch: pytest.MonkeyPatch, body: bytes, header: str, signature: Signature = FLOATS) -> Any:
+    """What the general path makes of a binary body (the fast path turned off), or the error it raises."""
+    with monkeypatch.context() as patched:
+        patched.setattr(kserve_v2, "fast_binary_rows", lambda *args: None)
+        try:
+            return decode_infer_request(body, header, signature, "m:1")
+        except InvalidInput as e:
+            return e
+
+
+COLUMNS = {f"f{j}": np.array([0.5 + j, -1e-40, 3.4e38], np.float32) for j in range(3)}
+
+
+@pytest.mark.parametrize("columns, request_fields", [
+    (COLUMNS, {}),
+    ({n: v[:1] for n, v in COLUMNS.items()}, {"id": "r-2", "parameters": {"binary_data_output": True}}),
+    (dict(reversed(COLUMNS.items())), {"outputs": [{"name": "label", "parameters": {"binary_data": True}}]}),
+], ids=["three-rows", "one-row", "out-of-order"])
+def test_binary_tensors_decode_on_the_fast_path_to_the_general_paths_rows(
+    monkeypatch: pytest.MonkeyPatch, columns: dict[str, np.ndarray], request_fields: dict[str, Any]
+) -> None:
+    body, header = binary_body(columns, **request_fields)
+    assert fast_binary_rows(body, int(header), FLOATS, "m:1") is not None  # taken
+
+    decoded = decode_infer_request(body, header, FLOATS, "m:1")
+    general = general_path(monkeypatch, body, header)
+    matrix = decoded.rows.arrays[0] if decoded.rows.arrays is not None else None
+    assert matrix is not None and matrix.flags.c_contiguous and matrix.flags.writeable and matrix.dtype == np.float32
+    assert general.rows.arrays is not None and matrix.tobytes() == general.rows.arrays[0].tobytes()
+    assert matrix.tobytes() == np.column_stack([COLUMNS[f"f{j}"][:len(matrix)] for j in range(3)]).tobytes()
+    assert (decoded.request_id, decoded.outputs, decoded.binary) == (general.request_id, general.outputs, general.binary)
+    assert decoded.binary == dict.fromkeys(decoded.outputs, bool(request_fields))  # as each request asked
+
+
+_ONE = {n: v[:1] for n, v in COLUMNS.items()}
+
+
+@pytest.mark.parametrize("body, message", [
+    (binary_body(_ONE, datatype="FP64"), "input 'f0' is FP64, the model takes FP32: send datatype FP32"),
+    (binary_body(_ONE, tail=b"\0\0\0\0"), "the body holds 4 bytes of binary data that no input claims"),
+    (binary_body({**_ONE, "f2": np.zeros(2, np.float32)}), "inputs disagree on the number of rows"),
+    (binary_body({"f0": _ONE["f0"], "f1": _ONE["f1"]}), "inputs missing: the model 'm:1' needs 'f2'"),
+    (binary_body({**_ONE, "f9": _ONE["f2"]}), "input 'f9' is not an input of the model"),
+    (binary_body({**_ONE, "f2": np.zeros((1, 2), np.float32)}), "input 'f2' has shape [1, 2]"),
+    ((binary_body(_ONE)[0], "100000"), "says 100000 bytes of JSON, the body has only"),
+    ((binary_body(_ONE)[0][:-2], binary_body(_ONE)[1]), "runs past the end of the body"),
+    ((binary_body(_ONE)[0], " 12a"), "is ' 12a', not a number of bytes"),
+], ids=["fp64", "bytes-left", "ragged", "missing", "unknown", "rank", "header-long", "cut-short", "header-not-digits"])
+def test_binary_bodies_the_fast_path_does_not_take_get_the_general_paths_message(
+    monkeypatch: pytest.MonkeyPatch, body: tuple[bytes, str], message: str
+) -> None:
+    raw, header = body
+    size = int(header) if header.isdigit() else None
+    assert size is None or fast_binary_rows(raw, size, FLOATS, "m:1") is None
+    with pytest.raises(InvalidInput) as refused:
+        decode_infer_request(raw, header, FLOATS, "m:1")
+    assert message in str(refused.value)
+    general = general_path(monkeypatch, raw, header)
+    assert isinstance(general, InvalidInput) and str(general) == str(refused.value)
+
+
+def test_binary_bodies_the_fast_path_leaves_are_still_answered_by_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    header = orjson.dumps({"inputs": [  # another parameter, and one input as JSON data among binary ones
+        {"name": "f0", "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": 4, "note": "x"}},
+        {"name": "f1", "datatype": "FP32", "shape": [1], "data": [2.5]},
+        {"name": "f2", "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": 4}}]})
+    body = header + np.float32(1.5).tobytes() + np.float32(-3.0).tobytes()
+    assert fast_binary_rows(body, len(header), FLOATS, "m:1") is None
+    decoded = decode_infer_request(body, str(len(header)), FLOATS, "m:1")
+    assert decoded.rows.arrays is not None and decoded.rows.arrays[0].tolist() == [[1.5, 2.5, -3.0]]
+
+
+def test_nan_in_binary_tensors_is_refused_on_the_fast_path_with_the_general_paths_message(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body, header = binary_body({**COLUMNS, "f1": np.array([1.0, np.nan, np.inf], np.float32)})
+    with pytest.raises(InvalidInput) as fast:
+        fast_binary_rows(body, int(header), FLOATS, "m:1")
+    general = general_path(monkeypatch, body, header)
+    assert isinstance(general, InvalidInput) and str(fast.value) == str(general)
+    assert str(general).startswith("columns ['f1'] hold NaN or infinite values ({'f1': 2} in 3 rows)")
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])

@@ -3,13 +3,16 @@
 All three serve the same small classifier (the breast-cancer classifier of
 ``shardline.build.examples``, gradient-boosted trees by default, ``--model logreg`` for the
 logistic regression; one ``model.onnx``), one row per request, onnxruntime on the CPU,
-each in its own process(es), in the two request layouts a V2 client sends:
+each in its own process(es), in the request layouts a V2 client sends (``--layouts``, all by default):
 
 - scalar: one ``[1]`` input per feature column (30 of them), the model packaged from
   scikit-learn with its feature names (``breast-cancer``);
 - nk: one ``[1, 30]`` input, what tritonclient and KServe clients send for an ONNX model
   with a 2-D input, the same ONNX file packaged from the file alone (``breast-cancer-nk``:
-  one ``fixed_size_list<float32>[30]`` column).
+  one ``fixed_size_list<float32>[30]`` column);
+- binary, binary-nk: the same two as binary tensors after a JSON header
+  (``Inference-Header-Content-Length``), binary outputs asked for: what tritonclient's
+  HTTP client sends when its caller leaves ``binary_data`` at its default.
 
 The servers:
 
@@ -85,7 +88,10 @@ PEER_RATIO_TARGET = 4.0  # ... and >= 4 x LitServe's
 SERVERS = ("platform", "capture", "traced", "floor", "litserve")
 PLATFORMS = ("platform", "capture", "traced")  # `shardline serve`, on its defaults but for the one feature named
 QUICK_SERVERS = ("platform", "floor", "litserve")
-LAYOUTS = {"scalar": "30 inputs of shape [1]", "nk": "one input of shape [1, 30]"}
+LAYOUTS = {"scalar": "30 inputs of shape [1]", "nk": "one input of shape [1, 30]",
+           "binary": "30 binary inputs of shape [1], binary outputs (tritonclient's defaults)",
+           "binary-nk": "one binary input of shape [1, 30], binary outputs (tritonclient's defaults)"}
+SUFFIXES = {"scalar": "", "nk": "-nk", "binary": "-bin", "binary-nk": "-bin-nk"}  # of the series' names
 FLOOR_THREADS = 1  # the floor's and LitServe's intra-op threads: the fastest for one row of this model
 KEPT_VARIABLES = ("SHARDLINE_STORAGE_HOME",)  # the only SHARDLINE_* variable the platform gets (and capture's rate)
 
@@ -134,10 +140,13 @@ def prepare(kind: str = "gbt") -> dict[str, Any]:
     nk = [json.dumps({"inputs": [{"name": nk_input, "shape": [1, len(row)], "datatype": "FP32", "data": row}]},
                      separators=(",", ":")) for row in rows]
     natural = [json.dumps({"input": row}, separators=(",", ":")) for row in rows]
+    binary = [binary_body([{"name": c, "shape": [1]} for c in columns], np.asarray(row, np.float32)) for row in rows]
+    binary_nk = [binary_body([{"name": nk_input, "shape": [1, len(row)]}], np.asarray(row, np.float32)) for row in rows]
     session = open_session(str(bundle / "model.onnx"), 1)
     label, probabilities = session.run(None, {"X": np.asarray(rows[:1], dtype=np.float32)})
     return {"model": str(bundle / "model.onnx"), "columns": str(DATA / "columns.json"),
             "tenants": str(DATA / "tenants.yaml"), "home": str(home), "v2": v2, "nk": nk, "natural": natural,
+            "binary": binary, "binary-nk": binary_nk,
             "expected": (int(label[0]), [float(p) for p in probabilities[0]])}
 
 
@@ -171,19 +180,58 @@ def platform_help() -> str | None:
 
 
 def http(port: int, path: str, body: str | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    """One blocking request with the bench's key (or ``headers``); returns (status, parsed JSON or text)."""
+    """One blocking request with the bench's key (or ``headers``); returns (status, parsed JSON or text). A body of
+    binary tensors (``binary_body``) is sent as such, and a binary answer read into the JSON form."""
+    length = header_length(body) if body is not None else None
+    kind = {"Content-Type": "application/json"} if length is None else {
+        "Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(length)}
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=body.encode() if body is not None else None,
-        headers={**(headers or {"Authorization": f"Bearer {API_KEY}"}), "Content-Type": "application/json"})
+        f"http://127.0.0.1:{port}{path}", data=body.encode("latin-1") if body is not None else None,
+        headers={**(headers or {"Authorization": f"Bearer {API_KEY}"}), **kind})
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
-            status, text = answer.status, answer.read().decode()
+            status, raw = answer.status, answer.read()
+            binary = answer.headers.get("Inference-Header-Content-Length")
+            if binary is not None:
+                return status, binary_answer(raw, int(binary))
+            text = raw.decode()
     except urllib.error.HTTPError as e:
         status, text = e.code, e.read().decode(errors="replace")
     try:
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+def binary_body(inputs: list[dict[str, Any]], values: Any) -> str:
+    """A V2 body of binary FP32 tensors as tritonclient makes it (its header, then each input's bytes; binary outputs
+    asked for), as a latin-1 string (the bench's bodies are strings); its header's length is ``header_length``'s."""
+    size = values.nbytes // len(inputs)
+    header = json.dumps({"inputs": [{**i, "datatype": "FP32", "parameters": {"binary_data_size": size}} for i in inputs],
+                         "parameters": {"binary_data_output": True}}, separators=(",", ":"))
+    return header + values.tobytes().decode("latin-1")
+
+
+def header_length(body: str) -> int | None:
+    """The length of a binary body's JSON header (``binary_body``), None for a JSON body."""
+    if "binary_data_size" not in body:
+        return None
+    return json.JSONDecoder().raw_decode(body)[1]
+
+
+def binary_answer(raw: bytes, length: int) -> dict[str, Any]:
+    """A V2 answer of binary outputs as the JSON form (``data`` lists), for ``answer_of``."""
+    import numpy as np
+
+    doc = json.loads(raw[:length])
+    offset = length
+    for output in doc.get("outputs", []):
+        size = output.get("parameters", {}).get("binary_data_size")
+        if size is not None:
+            dtype = {"INT64": "<i8", "FP32": "<f4", "FP64": "<f8", "INT32": "<i4"}[output["datatype"]]
+            output["data"] = np.frombuffer(raw[offset:offset + size], dtype).tolist()
+            offset += size
+    return doc
 
 
 class Server:
@@ -270,11 +318,19 @@ def user_environment(home: str) -> dict[str, str]:
     return dict(env, **OFF_THE_NETWORK, SHARDLINE_STORAGE_HOME=home)
 
 
+def layout_targets(name: str, server: Server, data: dict[str, Any], layouts: list[str]) -> list[Target]:
+    """The series of one server (the platform's or the floor's), one per request layout."""
+    paths = {"scalar": f"/v2/models/{MODEL}/infer", "nk": f"/v2/models/{MODEL_NK}/infer"}
+    bodies = {"scalar": data["v2"], "nk": data["nk"], "binary": data["binary"], "binary-nk": data["binary-nk"]}
+    return [Target(f"{name}{SUFFIXES[layout]}", server, layout, paths["nk" if layout.endswith("nk") else "scalar"],
+                   bodies[layout]) for layout in layouts]
+
+
 def make_servers(names: list[str], data: dict[str, Any], args: argparse.Namespace) -> tuple[list[Server], list[Target]]:
-    """The server processes and the series measured against them (platform and floor: both layouts)."""
+    """The server processes and the series measured against them (platform and floor: each of ``args.layouts``)."""
     env = user_environment(data["home"])
     peers, servers, targets = str(HERE / "online_peers.py"), [], []
-    scalar, nk = f"/v2/models/{MODEL}/infer", f"/v2/models/{MODEL_NK}/infer"
+    scalar = f"/v2/models/{MODEL}/infer"
     for name in names:
         port = reserve_port()
         if name in PLATFORMS:
@@ -288,13 +344,14 @@ def make_servers(names: list[str], data: dict[str, Any], args: argparse.Namespac
                                   OTEL_TRACES_SAMPLER="parentbased_traceidratio",
                                   OTEL_TRACES_SAMPLER_ARG=str(args.trace_ratio))
             server = Server(name, command, server_env, port, scalar, "/v2/health/ready")
-            targets.append(Target(f"{name}", server, "scalar", scalar, data["v2"]))
             if name == "platform":
-                targets.append(Target(f"{name}-nk", server, "nk", nk, data["nk"]))
+                targets += layout_targets(name, server, data, args.layouts)
+            else:
+                targets.append(Target(f"{name}", server, "scalar", scalar, data["v2"]))
         elif name == "floor":
             command = [sys.executable, peers, "floor", str(port), data["model"], data["columns"], str(FLOOR_THREADS)]
             server = Server(name, command, env, port, scalar, "/v2/health/ready")
-            targets += [Target(name, server, "scalar", scalar, data["v2"]), Target(f"{name}-nk", server, "nk", nk, data["nk"])]
+            targets += layout_targets(name, server, data, args.layouts)
         else:
             command = [str(args.peer_python), peers, "litserve", str(port), data["model"], str(FLOOR_THREADS),
                        str(args.litserve_batch), str(args.litserve_batch_timeout)]
@@ -322,12 +379,20 @@ def effective_settings(server: Server, wait_s: float = 3.0) -> dict[str, Any] | 
         time.sleep(0.1)  # the log is written by a thread, a moment after the line
 
 
+def content_headers(body: str) -> str:
+    """A request's Content-Type header, and for binary tensors the length of its JSON header."""
+    length = header_length(body)
+    if length is None:
+        return "Content-Type: application/json\r\n"
+    return f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {length}\r\n"
+
+
 def run_ladder(targets: list[Target], args: argparse.Namespace) -> dict[str, list[Any]]:
     """Run the load generator's process against the targets; returns each one's steps."""
     return generate_steps([{
         "name": t.name, "port": t.server.port, "pid": t.server.proc.pid,  # type: ignore[union-attr]
         "requests": [f"POST {t.path} HTTP/1.1\r\nHost: 127.0.0.1:{t.server.port}\r\n"
-                     f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {API_KEY}\r\n{content_headers(b)}"
                      f"Content-Length: {len(b)}\r\n\r\n{b}" for b in t.bodies],
     } for t in targets], args, DATA / "generator.json")
 
@@ -404,12 +469,10 @@ def summarize(steps: list[dict[str, Any]], light: float) -> dict[str, Any]:
 
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, light: float) -> dict[str, Any]:
     """Print each server's steps and the summary; returns the summary by server."""
-    labels = {"platform": f"platform (shardline serve on its defaults), {LAYOUTS['scalar']}",
-              "platform-nk": f"platform (shardline serve on its defaults), {LAYOUTS['nk']}",
+    labels = {**{f"platform{SUFFIXES[k]}": f"platform (shardline serve on its defaults), {v}" for k, v in LAYOUTS.items()},
+              **{f"floor{SUFFIXES[k]}": f"floor (bare Starlette, 1 uvicorn worker), {v}" for k, v in LAYOUTS.items()},
               "capture": f"platform with capture (capture_rate {args.capture_rate:g}), {LAYOUTS['scalar']}",
               "traced": f"platform with tracing (OTLP, sampled at {args.trace_ratio:g}), {LAYOUTS['scalar']}",
-              "floor": f"floor (bare Starlette, 1 uvicorn worker), {LAYOUTS['scalar']}",
-              "floor-nk": f"floor (bare Starlette, 1 uvicorn worker), {LAYOUTS['nk']}",
               "litserve": f"LitServe (1 API server + 1 inference worker, max_batch_size {args.litserve_batch}), "
                           "its own {\"input\": [30 floats]}"}
     for name, steps in results.items():
@@ -447,10 +510,11 @@ def _held_ratio(platform: dict[str, Any], other: dict[str, Any], name: str, targ
     return met
 
 
-def ratios(summary: dict[str, dict[str, Any]], light: float) -> bool:
+def ratios(summary: dict[str, dict[str, Any]], light: float, layouts: list[str]) -> bool:
     """Print the issue's targets for each layout; returns whether every one that could be computed was met."""
     ok = True
-    for layout, suffix in (("scalar", ""), ("nk", "-nk")):
+    for layout in layouts:
+        suffix = SUFFIXES[layout]
         platform, floor, peer = (summary.get(n) for n in (f"platform{suffix}", f"floor{suffix}", "litserve"))
         print(f"\nlayout {layout} ({LAYOUTS[layout]}):")
         if platform is None:
@@ -537,7 +601,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 rates, short steps, one refinement, no capture: ~2 minutes")
     parser.add_argument("--servers", help="comma-separated subset of platform,capture,traced,floor,litserve (default: all; "
-                        "quick: platform,floor,litserve); platform and floor are measured in both layouts")
+                        "quick: platform,floor,litserve); platform and floor are measured in each of --layouts")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+                        help=f"comma-separated request layouts of the platform and the floor (default: all, {', '.join(LAYOUTS)})")
     parser.add_argument("--rates",
                         help="the ladder, req/s, comma-separated (default 100..25600 doubling; quick 100,1600,3200)")
     parser.add_argument("--seconds", type=float, help="measured window per rate (default 5, quick 2)")
@@ -575,6 +641,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.drain = 5.0
     servers = args.servers or ",".join(QUICK_SERVERS if args.quick else SERVERS)
     args.names = [n.strip() for n in servers.split(",") if n.strip()]
+    args.layouts = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    if not args.layouts or set(args.layouts) - set(LAYOUTS):
+        parser.error(f"--layouts takes some of {', '.join(LAYOUTS)}")
     unknown = set(args.names) - set(SERVERS)
     if unknown:
         parser.error(f"unknown server(s) {sorted(unknown)}; choose from {', '.join(SERVERS)}")
@@ -628,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         sink.close()
     summary = report(results, args, light)
     (DATA / "last-run.json").write_text(json.dumps({"steps": results, "summary": summary}, indent=1))
-    met = ratios(summary, light)
+    met = ratios(summary, light, args.layouts)
     if feature_ratios(results, summary, light, "capture", f"capture (capture_rate {args.capture_rate:g})"):
         print(f"  rows captured to Parquet: {captured_rows():,}")
     if feature_ratios(results, summary, light, "traced", f"tracing (sampled at {args.trace_ratio:g}, OTLP to loopback)"):

@@ -8,7 +8,9 @@
   calls the onnxruntime session on the event loop: no tenants, no batching, no metrics.
   ``/v2/models/breast-cancer/infer`` takes one ``[1]`` input per feature column (30 of
   them, in any order); ``/v2/models/breast-cancer-nk/infer`` takes one ``[N, 30]`` input
-  (what tritonclient and KServe clients send for an ONNX model with a 2-D input).
+  (what tritonclient and KServe clients send for an ONNX model with a 2-D input). Either also
+  as binary tensors (``Inference-Header-Content-Length``: tritonclient's default), answered
+  with binary outputs, as tritonclient asks by default.
 - litserve: LitServe with its defaults (one API server process, one inference worker
   process), fed ``{"input": [30 floats]}``, its natural request format.
 """
@@ -54,14 +56,43 @@ def serve_floor(port: int, model_file: str, columns_file: str, threads: int) -> 
             {"name": "probabilities", "shape": [len(x), 2], "datatype": "FP32", "data": probabilities.ravel().tolist()},
         ]})
 
+    def answer_binary(model: str, x: Any) -> Response:  # as tritonclient asks by default: binary outputs
+        label, probabilities = sess.run(None, {tensor: x})
+        raw = [label.astype("<i8").tobytes(), probabilities.astype("<f4").tobytes()]
+        header = json.dumps({"model_name": model, "outputs": [
+            {"name": "label", "shape": [len(x)], "datatype": "INT64", "parameters": {"binary_data_size": len(raw[0])}},
+            {"name": "probabilities", "shape": [len(x), 2], "datatype": "FP32",
+             "parameters": {"binary_data_size": len(raw[1])}}]}).encode()
+        return Response(header + b"".join(raw), media_type="application/octet-stream",
+                        headers={"Inference-Header-Content-Length": str(len(header))})
+
+    async def binary_request(request: Request) -> tuple[list[Any], bytes, int] | None:
+        """The inputs and body of a request of binary tensors (tritonclient's default), else None."""
+        length = request.headers.get("inference-header-content-length")
+        if length is None:
+            return None
+        body = await request.body()
+        return json.loads(body[:int(length)])["inputs"], body, int(length)
+
     async def infer(request: Request) -> Response:  # 30 inputs of shape [1], one per column
-        body = await request.json()
-        values = {i["name"]: i["data"][0] for i in body["inputs"]}
+        binary = await binary_request(request)
+        if binary is not None:
+            inputs, body, offset = binary
+            given = np.frombuffer(body, np.float32, len(inputs), offset)
+            values = {i["name"]: given[j] for j, i in enumerate(inputs)}
+            return answer_binary(MODEL, np.array([[values[c] for c in columns]], dtype=np.float32))
+        doc = await request.json()
+        values = {i["name"]: i["data"][0] for i in doc["inputs"]}
         return answer(MODEL, np.array([[values[c] for c in columns]], dtype=np.float32))
 
     async def infer_nk(request: Request) -> Response:  # one input of shape [N, 30]
-        body = await request.json()
-        given = body["inputs"][0]
+        binary = await binary_request(request)
+        if binary is not None:
+            inputs, body, offset = binary
+            shape = inputs[0]["shape"]
+            return answer_binary(MODEL_NK, np.frombuffer(body, np.float32, shape[0] * shape[1], offset).reshape(shape))
+        doc = await request.json()
+        given = doc["inputs"][0]
         return answer(MODEL_NK, np.asarray(given["data"], dtype=np.float32).reshape(given["shape"]))
 
     async def ready(request: Request) -> Response:

@@ -17,15 +17,16 @@ quotas in a redis-server started here (Debian's package; SHARDLINE_TENANCY_QUOTA
 ``max_concurrent`` makes its lane run one EVALSHA (a lease) and one ZREM per request (docs/routing.md, "Quotas for
 many routers").
 
-Both request layouts a V2 client sends for this model are measured, one after the other: 30
-inputs of shape [1] (one per feature column) and one input of shape [1, 30] (the model packaged
-from its ONNX file alone). Printed, for each layout: each series' steps, the p50 at the lightest rate, the highest rate held at p99 <= 10 ms, and
+The request layouts a V2 client sends for this model are measured (``--layouts``, all by default), one after the
+other: 30 inputs of shape [1] (one per feature column) and one input of shape [1, 30] (the model packaged from its
+ONNX file alone), as JSON and as binary tensors (tritonclient's default; see bench/online_latency.py). Printed, for each layout: each series' steps, the p50 at the lightest rate, the highest rate held at p99 <= 10 ms, and
 the ratios against the targets: the router adds at most 1.5x nginx's p50 (p50 through it less p50
 direct, paired round by round: the median over 10 rounds, 20 in full mode; see ``light_rounds``), and holds
 at least 0.8x nginx's rate.
 
-    .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~3 min
-    .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~13 min
+    .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~6 min
+    .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~26 min
+    .venv/bin/python bench/router_overhead.py --layouts scalar,nk        # the JSON layouts only: half that
     .venv/bin/python bench/router_overhead.py --quick --quota-store   # and router+redis: ~4 min
 
 nginx must be on PATH, and its Lua module for the router's default data plane (`make setup` installs
@@ -101,7 +102,7 @@ def requests(target: str, port: int, path: str, bodies: list[str]) -> list[str]:
     """Raw HTTP requests: the tenant's key to the router, the router's key and the tenant to the rest."""
     auth = (f"Authorization: Bearer {ol.API_KEY}\r\n" if target.startswith("router")
             else f"Authorization: Bearer {ROUTER_KEY}\r\nX-Shardline-Tenant: {TENANT}\r\n")
-    return [f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}Content-Type: application/json\r\n"
+    return [f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}{ol.content_headers(b)}"
             f"Content-Length: {len(b)}\r\n\r\n{b}" for b in bodies]
 
 
@@ -124,7 +125,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     parser.add_argument("--quota-store", action="store_true",
                         help="also router+redis: a router holding the quotas in a redis-server started here")
+    parser.add_argument("--layouts", default=",".join(ol.LAYOUTS),
+                        help=f"comma-separated request layouts (default: all, {', '.join(ol.LAYOUTS)})")
     args = parser.parse_args(argv)
+    args.layouts = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    if not args.layouts or set(args.layouts) - set(ol.LAYOUTS):
+        parser.error(f"--layouts takes some of {', '.join(ol.LAYOUTS)}")
     args.ladder = [float(r) for r in args.rates.split(",")] if args.rates else (
         [100.0, 800.0, 1600.0] if args.quick else [100.0 * 2**k for k in range(7)])
     args.seconds, args.warmup = (2.0, 0.5) if args.quick else (5.0, 1.0)
@@ -172,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                  SHARDLINE_TENANCY_QUOTA_STORE=f"redis://127.0.0.1:{redis_port}/0"),
             stored_port, path, "/v2/health/ready")))
     print(f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.2f}); ladder "
-          f"{', '.join(f'{r:,.0f}' for r in args.ladder)} req/s; one row per request, in both layouts "
-          f"({'; '.join(ol.LAYOUTS.values())}); "
+          f"{', '.join(f'{r:,.0f}' for r in args.ladder)} req/s; one row per request, in each of --layouts "
+          f"({'; '.join(ol.LAYOUTS[k] for k in args.layouts)}); "
           "3 replicas of `shardline serve` on their defaults", flush=True)
     print(f"  {subprocess.run([nginx, '-v'], capture_output=True, text=True).stderr.strip()}", flush=True)
     try:
@@ -194,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.redis is not None:
             lane = "on" if "fast lane is on" in (DATA / "logs" / "router+redis.log").read_text() else "OFF"
             print(f"  router+redis: quotas in redis-server, nginx's lane {lane}", flush=True)
-        layouts = {"scalar": (path, data["v2"]), "nk": (f"/v2/models/{ol.MODEL_NK}/infer", data["nk"])}
+        nk_path = f"/v2/models/{ol.MODEL_NK}/infer"
+        layouts = {layout: (nk_path if layout.endswith("nk") else path, data[{"scalar": "v2"}.get(layout, layout)])
+                   for layout in args.layouts}
         replicas = [s.proc.pid for s in servers]  # type: ignore[union-attr]
         steps, rounds = {}, {}
         for layout, (layout_path, bodies) in layouts.items():

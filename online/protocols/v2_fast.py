@@ -4,9 +4,12 @@ It takes the signatures that have a ``FloatLayout`` (``shardline.rows``): every 
 (or float64) column, sent as one ``[N]`` tensor per column (the arrays are one ``(N, columns)``
 matrix); or inputs that are float columns and ``fixed_size_list<float>[k]`` columns, each sent as
 one ``[N]`` or ``[N, k]`` tensor (a model's ``[-1, k]`` inputs, as tritonclient sends them; one
-array per input). ``fast_rows`` takes JSON bodies (flat data of JSON floats, the declared datatype
-and shape, no parameters) and leaves everything else to the general path of ``kserve_v2``, which
-names what is wrong (and builds the same arrays from binary tensors, or JSON this path did not take).
+array per input). ``fast_rows`` takes JSON bodies (flat data of JSON numbers: floats, and ints the
+column's type holds exactly, as JavaScript and Go write 3.0; the declared datatype and shape; no
+parameters), and ``fast_binary_rows`` bodies of binary tensors (a JSON header whose inputs carry only
+``binary_data_size``, then their bytes: what tritonclient sends by default). Both leave everything
+else to the general path of ``kserve_v2``, which names what is wrong (and builds the same arrays
+from JSON or binary tensors these did not take).
 The rows are refused as the kernel's row check refuses them (``float_rows``: NaN or infinity, a
 JSON number past float32's range included, in a column that does not take them).
 """
@@ -25,11 +28,27 @@ from shardline.signature import Signature
 
 _NAME, _DATA, _SHAPE, _DATATYPE, _PARAMETERS = (attrgetter(k) for k in ("name", "data", "shape", "datatype", "parameters"))
 _FLOAT = {float}
+_NUMBER = {float, int}
+# The largest whole number each float type holds exactly, with every one below it: a JSON int within it is the
+# same value whichever way it is converted (the general path casts an int64 array), so the fast path takes it.
+_EXACT_INT = {np.dtype(np.float32): 2**24, np.dtype(np.float64): 2**53}
+
+
+def _numbers(values: list[Any], dtype: np.dtype[Any]) -> bool:
+    """Whether ``values`` are JSON floats, or ints (whole numbers: what JavaScript, Go and hand-written JSON send
+    for 3.0) that ``dtype`` holds exactly; bools and anything else are the general path's."""
+    types = set(map(type, values))
+    if types == _FLOAT:
+        return True
+    if not types or not types <= _NUMBER:
+        return False
+    bound = _EXACT_INT[dtype]
+    return all(-bound <= v <= bound for v in values if type(v) is int)
 FLOAT_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64"}
 
 
 class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
-    """An input as the fast path takes it: flat JSON numbers (ints stay ints: the general path reads them)."""
+    """An input as the fast path takes it: flat JSON numbers (ints stay ints: ``_numbers`` decides)."""
 
     name: str
     datatype: str
@@ -97,13 +116,15 @@ def _fast_columns(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarr
     if (rows == 0 or set(map(_DATATYPE, inputs)) != {FLOAT_DATATYPES[dtype]}
             or set(map(len, data)) != {rows}
             or shapes.count([rows]) != width
-            or any(map(_PARAMETERS, inputs))
-            or set(map(type, chain.from_iterable(data))) != _FLOAT):
+            or any(map(_PARAMETERS, inputs))):
+        return None
+    values = list(chain.from_iterable(data))
+    if not _numbers(values, dtype):
         return None
     # Python floats straight to the column type: numpy rounds each double once, as a float64 array's cast would.
     with np.errstate(over="ignore"):  # past float32's range: inf, refused by float_rows
         if rows == 1:  # the commonest online request: one row, the values in one pass
-            given = np.fromiter(chain.from_iterable(data), dtype, width)
+            given = np.fromiter(values, dtype, width)
         else:
             given = np.array(data, dtype=dtype)  # (inputs, rows) in the request's order
     if order is not None:
@@ -133,7 +154,7 @@ def _fast_tensors(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarr
             rows = shape[0] if shape else 0
         if (tensor.datatype != FLOAT_DATATYPES[dtype] or tensor.parameters or rows <= 0 or shape[0] != rows
                 or shape[1:] != ([width] if width else []) or len(data) != rows * (width or 1)
-                or set(map(type, data)) != _FLOAT):
+                or not _numbers(data, dtype)):
             return None
         with np.errstate(over="ignore"):  # past float32's range: inf, refused by float_rows
             values = np.array(data, dtype=dtype)

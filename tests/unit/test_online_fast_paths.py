@@ -23,7 +23,7 @@ from shardline.online.logs import request_id_from
 from shardline.online.metrics import Metrics, _Tally
 from shardline.online.protocols import kserve_v2
 from shardline.online.protocols.kserve_v2 import decode_infer_request, encode_infer_response, infer_path_params
-from shardline.online.protocols.v2_fast import fast_binary_rows
+from shardline.online.protocols.v2_fast import fast_binary_rows, fast_rows
 from shardline.online.tenants import TenantDirectory, hash_api_key
 from shardline.rows import Rows, check_rows, float_rows
 from shardline.runtimes import RuntimeOptions
@@ -393,21 +393,58 @@ def test_a_one_row_request_decodes_to_the_same_float32_values_as_a_float64_cast(
 
 
 @pytest.mark.parametrize("body, outcome", [
-    (fast_body([[1.0], [2.0], [1]]), "ints: general path"),  # an int is a valid FP value, read the general way
     (fast_body([[1.0], [2.0], [True]]), "holds bool values"),
     (fast_body([[1.0], [2.0], ["3"]]), "holds string values"),
     (fast_body([[1.0], [2.0], [None]]), "null or mixed"),
     (fast_body([[1.0], [2.0], [3.0]], shape=[True]), "'shape' is [True]"),
     (fast_body([[1.0], [2.0], [3.0]], parameters={"binary_data_size": 4}), "runs past the end"),
     (fast_body([[1.0], [2.0], [3.0, 4.0]]), "inputs disagree on the number of rows"),
-], ids=["int", "bool", "string", "null", "bool-shape", "parameters", "ragged"])
+], ids=["bool", "string", "null", "bool-shape", "parameters", "ragged"])
 def test_what_the_fast_path_does_not_take_goes_the_general_way_with_its_errors(body: bytes, outcome: str) -> None:
-    if outcome.endswith("general path"):
-        decoded = decode_infer_request(body, None, FLOATS, "m:1")  # the general path: float arrays too
-        assert decoded.rows.arrays is not None and decoded.table.column("f2").to_pylist() == [1.0]
-        return
     with pytest.raises(InvalidInput, match=re.escape(outcome)):
         decode_infer_request(body, None, FLOATS, "m:1")
+
+
+def json_general_path(monkeypatch: pytest.MonkeyPatch, body: bytes, signature: Signature = FLOATS) -> Any:
+    """What the general path makes of a JSON body (the fast path turned off)."""
+    with monkeypatch.context() as patched:
+        patched.setattr(kserve_v2, "fast_rows", lambda *args: None)
+        return decode_infer_request(body, None, signature, "m:1")
+
+
+FLOATS64 = Signature(inputs=[ColumnSpec(name=f"f{j}", type="float64") for j in range(3)],
+                     outputs=[ColumnSpec(name="label", type="int64")])
+
+
+@pytest.mark.parametrize("values, signature", [
+    ([[3], [2.5], [-7]], FLOATS),  # JavaScript's and Go's 3.0 is 3
+    ([[0, 1.5, 2**24], [-(2**24), 2, 0.1], [1, 1, 1]], FLOATS),  # several rows, ints mixed with floats in one input
+    ([[2**53], [-(2**53)], [12345678901]], FLOATS64),
+], ids=["one-row", "rows", "float64"])
+def test_json_ints_a_float_column_holds_exactly_take_the_fast_path_to_the_general_paths_rows(
+    monkeypatch: pytest.MonkeyPatch, values: list[list[Any]], signature: Signature
+) -> None:
+    body = fast_body(values, datatype="FP32" if signature is FLOATS else "FP64")
+    assert fast_rows(body, signature, "m:1") is not None  # taken
+    decoded, general = decode_infer_request(body, None, signature, "m:1"), json_general_path(monkeypatch, body, signature)
+    assert decoded.rows.arrays is not None and general.rows.arrays is not None
+    assert decoded.rows.arrays[0].tobytes() == general.rows.arrays[0].tobytes()
+    dtype = signature.plan.layout.dtypes[0]  # type: ignore[union-attr]
+    assert decoded.rows.arrays[0].tobytes() == np.array([list(map(float, row)) for row in zip(*values)], dtype).tobytes()
+
+
+@pytest.mark.parametrize("values, signature", [
+    ([[1.5], [2.0], [2**24 + 1]], FLOATS),  # past float32's exact whole numbers: rounded, as the general path does
+    ([[1.5], [2.0], [-(2**53) - 1]], FLOATS64),
+], ids=["float32", "float64"])
+def test_json_ints_past_a_float_columns_whole_numbers_go_the_general_way(
+    monkeypatch: pytest.MonkeyPatch, values: list[list[Any]], signature: Signature
+) -> None:
+    body = fast_body(values, datatype="FP32" if signature is FLOATS else "FP64")
+    assert fast_rows(body, signature, "m:1") is None
+    decoded = decode_infer_request(body, None, signature, "m:1")
+    assert decoded.rows.arrays is not None
+    assert decoded.rows.arrays[0][0, 2] == np.array(values[2], signature.plan.layout.dtypes[0])[0]  # type: ignore[union-attr]
 
 
 def binary_body(columns: dict[str, Any], datatype: str = "FP32", tail: bytes = b"", **request: Any) -> tuple[bytes, str]:

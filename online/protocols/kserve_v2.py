@@ -261,7 +261,7 @@ _MAX_RANK = 8  # a shape longer than this is refused before anything reads it (m
 
 def _fast_request(body: bytes, header_length: str | None, signature: Signature, model: str) -> InferRequest | None:
     """The commonest requests (``v2_fast``), decoded and checked in one pass: one input per input of a float
-    signature (datatype and shape as the metadata says), as JSON (flat ``data`` of JSON floats, no parameters)
+    signature (datatype and shape as the metadata says), as JSON (flat ``data`` of JSON numbers, no parameters)
     or as binary tensors (``binary_data_size`` their only parameter). None (and the general path decides, with
     its errors) for anything else."""
     if header_length is None:

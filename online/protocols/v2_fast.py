@@ -28,6 +28,7 @@ from shardline.signature import Signature
 
 _NAME, _DATA, _SHAPE, _DATATYPE, _PARAMETERS = (attrgetter(k) for k in ("name", "data", "shape", "datatype", "parameters"))
 _FLOAT = {float}
+FLOAT_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64"}
 _NUMBER = {float, int}
 # The largest whole number each float type holds exactly, with every one below it: a JSON int within it is the
 # same value whichever way it is converted (the general path casts an int64 array), so the fast path takes it.
@@ -44,7 +45,6 @@ def _numbers(values: list[Any], dtype: np.dtype[Any]) -> bool:
         return False
     bound = _EXACT_INT[dtype]
     return all(-bound <= v <= bound for v in values if type(v) is int)
-FLOAT_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64"}
 
 
 class _Tensor(msgspec.Struct, forbid_unknown_fields=True):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from itertools import chain
 from operator import attrgetter
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import numpy as np
@@ -47,6 +47,9 @@ def _numbers(values: list[Any], dtype: np.dtype[Any]) -> bool:
     return all(-bound <= v <= bound for v in values if type(v) is int)
 
 
+_Input = TypeVar("_Input")
+
+
 class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
     """An input as the fast path takes it: flat JSON numbers (ints stay ints: ``_numbers`` decides)."""
 
@@ -55,18 +58,6 @@ class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
     shape: list[int]
     data: list[int | float]
     parameters: Any = None
-
-
-class _Request(msgspec.Struct):
-    """A request as the fast path takes it; the rest is read as the general path reads it."""
-
-    inputs: list[_Tensor]
-    id: Any = None
-    outputs: Any = None
-    parameters: Any = None
-
-
-_FAST_DECODER = msgspec.json.Decoder(_Request, strict=True)
 
 
 class _BinaryParameters(msgspec.Struct, forbid_unknown_fields=True):
@@ -82,14 +73,44 @@ class _BinaryTensor(msgspec.Struct, forbid_unknown_fields=True):
     parameters: _BinaryParameters
 
 
-class _BinaryRequest(msgspec.Struct):
-    inputs: list[_BinaryTensor]
+class _Request(msgspec.Struct, Generic[_Input]):
+    """A request as the fast path takes it (its inputs JSON or binary tensors); the rest is read as the general
+    path reads it."""
+
+    inputs: list[_Input]
     id: Any = None
     outputs: Any = None
     parameters: Any = None
 
 
-_BINARY_DECODER = msgspec.json.Decoder(_BinaryRequest, strict=True)
+_FAST_DECODER = msgspec.json.Decoder(_Request[_Tensor], strict=True)
+_BINARY_DECODER = msgspec.json.Decoder(_Request[_BinaryTensor], strict=True)
+
+
+_IN_ORDER: list[int] = []  # ``_column_order``: the inputs came in the signature's order
+
+
+def _column_order(inputs: list[_Tensor] | list[_BinaryTensor], signature: Signature) -> list[int] | None:
+    """Each input's column in the signature, where they name every column once (``_IN_ORDER`` when in the
+    signature's order); None where they do not."""
+    plan = signature.plan
+    names = tuple(map(_NAME, inputs))
+    if names == plan.input_names:
+        return _IN_ORDER
+    try:
+        order = list(map(plan.positions.__getitem__, names))
+    except KeyError:
+        return None
+    return order if len(order) == len(plan.input_names) == len(set(order)) else None
+
+
+def _in_signature_order(given: np.ndarray, order: list[int]) -> np.ndarray:
+    """Values by input (the first axis) in the request's order, put in the signature's (``_column_order``)."""
+    if order is _IN_ORDER:
+        return given
+    matrix = np.empty_like(given)
+    matrix[order] = given
+    return matrix
 
 
 def _fast_columns(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarray, ...] | None:
@@ -98,19 +119,11 @@ def _fast_columns(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarr
     layout = plan.layout
     assert layout is not None
     width = len(plan.input_names)
-    if len(inputs) != width:
+    order = _column_order(inputs, signature)
+    if order is None:
         return None
-    names = list(map(_NAME, inputs))
     data = list(map(_DATA, inputs))
     shapes = list(map(_SHAPE, inputs))
-    order = None
-    if tuple(names) != plan.input_names:
-        try:
-            order = list(map(plan.positions.__getitem__, names))
-        except KeyError:
-            return None
-        if len(set(order)) != width:
-            return None
     rows = len(data[0])
     dtype = layout.dtypes[0]
     if (rows == 0 or set(map(_DATATYPE, inputs)) != {FLOAT_DATATYPES[dtype]}
@@ -127,10 +140,7 @@ def _fast_columns(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarr
             given = np.fromiter(values, dtype, width)
         else:
             given = np.array(data, dtype=dtype)  # (inputs, rows) in the request's order
-    if order is not None:
-        matrix = np.empty_like(given)
-        matrix[order] = given
-        given = matrix
+    given = _in_signature_order(given, order)
     return (given.reshape(1, width) if rows == 1 else np.ascontiguousarray(given.T),)  # (rows, columns)
 
 
@@ -169,17 +179,9 @@ def _binary_columns(inputs: list[_BinaryTensor], binary: memoryview, signature: 
     layout = plan.layout
     assert layout is not None
     width = len(plan.input_names)
-    if len(inputs) != width:
+    order = _column_order(inputs, signature)
+    if order is None:
         return None
-    names = list(map(_NAME, inputs))
-    order = None
-    if tuple(names) != plan.input_names:
-        try:
-            order = list(map(plan.positions.__getitem__, names))
-        except KeyError:
-            return None
-        if len(set(order)) != width:
-            return None
     dtype = layout.dtypes[0]
     shape = inputs[0].shape
     rows = shape[0] if len(shape) == 1 else 0
@@ -189,11 +191,7 @@ def _binary_columns(inputs: list[_BinaryTensor], binary: memoryview, signature: 
             or {t.parameters.binary_data_size for t in inputs} != {size} or len(binary) != width * size):
         return None
     given = np.frombuffer(binary, dtype, width * rows).reshape(width, rows)  # (inputs, rows) in the request's order
-    if order is not None:
-        matrix = np.empty_like(given)
-        matrix[order] = given
-        given = matrix
-    return (np.array(given.T, order="C"),)
+    return (np.array(_in_signature_order(given, order).T, order="C"),)
 
 
 def _binary_tensors(inputs: list[_BinaryTensor], binary: memoryview, signature: Signature) -> tuple[np.ndarray, ...] | None:

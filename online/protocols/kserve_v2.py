@@ -261,9 +261,9 @@ _MAX_RANK = 8  # a shape longer than this is refused before anything reads it (m
 
 def _fast_request(body: bytes, header_length: str | None, signature: Signature, model: str) -> InferRequest | None:
     """The commonest requests (``v2_fast``), decoded and checked in one pass: one input per input of a float
-    signature (datatype and shape as the metadata says), as JSON (flat ``data`` of JSON numbers, no parameters)
-    or as binary tensors (``binary_data_size`` their only parameter). None (and the general path decides, with
-    its errors) for anything else."""
+    signature (datatype and shape as the metadata says), as JSON (flat ``data`` of JSON numbers, no
+    ``binary_data_size``) or as binary tensors (``binary_data_size`` their only parameter). None (and the
+    general path decides, with its errors) for anything else."""
     if header_length is None:
         fast = fast_rows(body, signature, model)
     else:

@@ -6,7 +6,7 @@ matrix); or inputs that are float columns and ``fixed_size_list<float>[k]`` colu
 one ``[N]`` or ``[N, k]`` tensor (a model's ``[-1, k]`` inputs, as tritonclient sends them; one
 array per input). ``fast_rows`` takes JSON bodies (flat data of JSON numbers: floats, and ints the
 column's type holds exactly, as JavaScript and Go write 3.0; the declared datatype and shape; no
-parameters), and ``fast_binary_rows`` bodies of binary tensors (a JSON header whose inputs carry only
+``binary_data_size``), and ``fast_binary_rows`` bodies of binary tensors (a JSON header whose inputs carry only
 ``binary_data_size``, then their bytes: what tritonclient sends by default). Both leave everything
 else to the general path of ``kserve_v2``, which names what is wrong (and builds the same arrays
 from JSON or binary tensors these did not take).
@@ -26,7 +26,7 @@ import numpy as np
 from shardline.rows import Rows, float_rows
 from shardline.signature import Signature
 
-_NAME, _DATA, _SHAPE, _DATATYPE, _PARAMETERS = (attrgetter(k) for k in ("name", "data", "shape", "datatype", "parameters"))
+_NAME, _DATA, _SHAPE, _DATATYPE = (attrgetter(k) for k in ("name", "data", "shape", "datatype"))
 _FLOAT = {float}
 FLOAT_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64"}
 _NUMBER = {float, int}
@@ -57,7 +57,7 @@ class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
     datatype: str
     shape: list[int]
     data: list[int | float]
-    parameters: Any = None
+    parameters: dict[str, Any] | None = None  # as the general path, which reads only binary_data_size (see _bare)
 
 
 class _BinaryParameters(msgspec.Struct, forbid_unknown_fields=True):
@@ -85,6 +85,13 @@ class _Request(msgspec.Struct, Generic[_Input]):
 
 _FAST_DECODER = msgspec.json.Decoder(_Request[_Tensor], strict=True)
 _BINARY_DECODER = msgspec.json.Decoder(_Request[_BinaryTensor], strict=True)
+
+
+def _bare(tensor: _Tensor) -> bool:
+    """Whether a JSON input's parameters, if any, say nothing its values are read by: no ``binary_data_size`` (the
+    general path's to refuse beside ``data``). Others, such as MLServer's ``content_type``, change nothing for a
+    float input, on either path."""
+    return not tensor.parameters or "binary_data_size" not in tensor.parameters
 
 
 _IN_ORDER: list[int] = []  # ``_column_order``: the inputs came in the signature's order
@@ -129,7 +136,7 @@ def _fast_columns(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarr
     if (rows == 0 or set(map(_DATATYPE, inputs)) != {FLOAT_DATATYPES[dtype]}
             or set(map(len, data)) != {rows}
             or shapes.count([rows]) != width
-            or any(map(_PARAMETERS, inputs))):
+            or not all(map(_bare, inputs))):
         return None
     values = list(chain.from_iterable(data))
     if not _numbers(values, dtype):
@@ -162,7 +169,7 @@ def _fast_tensors(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarr
             return None
         if rows < 0:
             rows = shape[0] if shape else 0
-        if (tensor.datatype != FLOAT_DATATYPES[dtype] or tensor.parameters or rows <= 0 or shape[0] != rows
+        if (tensor.datatype != FLOAT_DATATYPES[dtype] or not _bare(tensor) or rows <= 0 or shape[0] != rows
                 or shape[1:] != ([width] if width else []) or len(data) != rows * (width or 1)
                 or not _numbers(data, dtype)):
             return None
@@ -257,8 +264,8 @@ def fast_rows(body: bytes, signature: Signature, model: str) -> tuple[Rows, Any,
     anything else, invalid JSON included.
 
     ``msgspec`` decodes the body straight into typed structs (the types checked in C as it reads); what is
-    left is a few ``map`` and ``set`` calls. The values are what the general path gives: the JSON floats,
-    rounded once by numpy to the column's type.
+    left is a few ``map`` and ``set`` calls. The values are what the general path gives: the JSON numbers,
+    rounded once by numpy to the column's type (an int taken is exact, ``_numbers``).
 
     Raises:
         NonFiniteValues: as the kernel's row check (``float_rows``).

@@ -412,6 +412,21 @@ def json_general_path(monkeypatch: pytest.MonkeyPatch, body: bytes, signature: S
         return decode_infer_request(body, None, signature, "m:1")
 
 
+def test_parameters_that_change_nothing_keep_the_fast_path_and_others_get_the_general_paths_message(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mlserver = fast_body([[1.5], [2.0], [3.25]], parameters={"content_type": "np"})  # MLServer's codecs send it
+    assert fast_rows(mlserver, FLOATS, "m:1") is not None
+    general = json_general_path(monkeypatch, mlserver)
+    assert general.rows.arrays is not None
+    assert decode_infer_request(mlserver, None, FLOATS, "m:1").rows.arrays[0].tobytes() == general.rows.arrays[0].tobytes()
+
+    not_an_object = fast_body([[1.5], [2.0], [3.25]], parameters=["np"])
+    assert fast_rows(not_an_object, FLOATS, "m:1") is None
+    with pytest.raises(InvalidInput, match="input 'f0': 'parameters' is not an object"):
+        decode_infer_request(not_an_object, None, FLOATS, "m:1")
+
+
 FLOATS64 = Signature(inputs=[ColumnSpec(name=f"f{j}", type="float64") for j in range(3)],
                      outputs=[ColumnSpec(name="label", type="int64")])
 

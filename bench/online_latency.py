@@ -44,7 +44,7 @@ due at ``t0 + i / rate``, its latency counted from that time; the rates alternat
 between the servers and layouts, so a change in the machine's load hits all alike.
 
     .venv/bin/python bench/online_latency.py            # 100..25600 req/s doubling + 2 refinements: 5-8 min
-    .venv/bin/python bench/online_latency.py --quick    # 100, 500, 1600, 3200 req/s, short steps: ~2 min
+    .venv/bin/python bench/online_latency.py --quick    # 100, 500, 1600, 3200 req/s, short steps: ~3-4 min
     .venv/bin/python bench/online_latency.py --servers floor,litserve --rates 500,1000
 
 Data (bundles, registry, tenants file, server logs, last-run.json with every step's
@@ -599,13 +599,13 @@ class SpanSink:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line, with the defaults of full and quick runs filled in."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 rates, short steps, one refinement, no capture: ~2 minutes")
+    parser.add_argument("--quick", action="store_true", help="100, 500, 1600, 3200 req/s, short steps, one refinement, no capture: ~3-4 minutes")
     parser.add_argument("--servers", help="comma-separated subset of platform,capture,traced,floor,litserve (default: all; "
                         "quick: platform,floor,litserve); platform and floor are measured in each of --layouts")
     parser.add_argument("--layouts", default=",".join(LAYOUTS),
                         help=f"comma-separated request layouts of the platform and the floor (default: all, {', '.join(LAYOUTS)})")
     parser.add_argument("--rates",
-                        help="the ladder, req/s, comma-separated (default 100..25600 doubling; quick 100,1600,3200)")
+                        help="the ladder, req/s, comma-separated (default 100..25600 doubling; quick 100,1600,3200; the --p50-rate is added to either)")
     parser.add_argument("--seconds", type=float, help="measured window per rate (default 5, quick 2)")
     parser.add_argument("--warmup", type=float, help="seconds at each rate before the window (default 1, quick 0.5)")
     parser.add_argument("--prewarm", type=float,

@@ -27,7 +27,7 @@ at least 0.8x nginx's rate.
     .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~6 min
     .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~26 min
     .venv/bin/python bench/router_overhead.py --layouts scalar,nk        # the JSON layouts only: half that
-    .venv/bin/python bench/router_overhead.py --quick --quota-store   # and router+redis: ~4 min
+    .venv/bin/python bench/router_overhead.py --quick --quota-store   # and router+redis: ~8 min
 
 nginx must be on PATH, and its Lua module for the router's default data plane (`make setup` installs
 `nginx-light libnginx-mod-http-lua` as root). Data and logs: bench/.data/router/ (git-ignored).

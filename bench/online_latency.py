@@ -43,7 +43,7 @@ The load generator (bench/loadgen.py) is open loop, in its own process: request 
 due at ``t0 + i / rate``, its latency counted from that time; the rates alternate
 between the servers and layouts, so a change in the machine's load hits all alike.
 
-    .venv/bin/python bench/online_latency.py            # 100..25600 req/s doubling + 2 refinements: 5-8 min
+    .venv/bin/python bench/online_latency.py            # 100..25600 req/s doubling + 2 refinements: 10-15 min
     .venv/bin/python bench/online_latency.py --quick    # 100, 500, 1600, 3200 req/s, short steps: ~3-4 min
     .venv/bin/python bench/online_latency.py --servers floor,litserve --rates 500,1000
 

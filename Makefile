@@ -18,9 +18,10 @@ setup: $(VENV)/.installed bytecode dataplane
 # With PYTHONDONTWRITEBYTECODE set (as in this kind of machine's shell and in most container images), Python
 # writes no __pycache__, and an editable install's own modules were compiled again in every process: ~0.1-0.15 s
 # of each command, server and worker start, a tenth of it (bench/README.md, "Figures behind the code"). Compiled
-# here instead, into the git-ignored __pycache__ folders; a later run recompiles only what changed.
+# here instead, into the git-ignored __pycache__ folders; a later run recompiles only what changed. Dot folders are
+# left out: bench/.peers holds the bench peers' own environments (vLLM's is 3.5 GB).
 bytecode: $(VENV)/.installed
-	@$(PY) -m compileall -q -j 0 $(PACKAGES) tests bench
+	@$(PY) -m compileall -q -j 0 -x '(^|/)\.' $(PACKAGES) tests bench
 
 # Installs Debian packages ($(1), with apt-get's options $(2)) when this is root with apt, updating the package
 # lists once if the first try fails; false otherwise.

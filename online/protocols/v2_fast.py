@@ -88,9 +88,9 @@ _BINARY_DECODER = msgspec.json.Decoder(_Request[_BinaryTensor], strict=True)
 
 
 def _bare(tensor: _Tensor) -> bool:
-    """Whether a JSON input's parameters, if any, say nothing its values are read by: no ``binary_data_size`` (the
-    general path's to refuse beside ``data``). Others, such as MLServer's ``content_type``, change nothing for a
-    float input, on either path."""
+    """Whether a JSON input's parameters, if any, leave its ``data`` to be read as it is: no ``binary_data_size``
+    (by which the general path reads the values from the binary part instead). Others, such as MLServer's
+    ``content_type``, change nothing for a float input, on either path."""
     return not tensor.parameters or "binary_data_size" not in tensor.parameters
 
 

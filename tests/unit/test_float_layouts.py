@@ -55,10 +55,12 @@ def test_the_signature_of_two_list_inputs_has_a_float_layout_of_one_array_per_in
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 def test_several_2d_inputs_are_scored_from_arrays_exactly_like_their_arrow_rows(two: Runtime, binary: bool) -> None:
     signature = two.manifest.signature
-    body, header = binary_body()
-    assert fast_binary_rows(body, int(header), signature, "two:1") is not None  # tritonclient's default: fast too
-    decoded = decode_infer_request(body, header, signature, "two:1") if binary else \
-        decode_infer_request(json_body(), None, signature, "two:1")
+    if binary:
+        body, header = binary_body()
+        assert fast_binary_rows(body, int(header), signature, "two:1") is not None  # tritonclient's default: fast too
+        decoded = decode_infer_request(body, header, signature, "two:1")
+    else:
+        decoded = decode_infer_request(json_body(), None, signature, "two:1")
     arrays = decoded.rows.arrays
     assert arrays is not None and decoded.rows.plan is signature.plan
     assert arrays[0].tobytes() == A.tobytes() and arrays[1].tobytes() == B.tobytes()

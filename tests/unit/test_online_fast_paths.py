@@ -405,11 +405,17 @@ def test_what_the_fast_path_does_not_take_goes_the_general_way_with_its_errors(b
         decode_infer_request(body, None, FLOATS, "m:1")
 
 
-def json_general_path(monkeypatch: pytest.MonkeyPatch, body: bytes, signature: Signature = FLOATS) -> Any:
-    """What the general path makes of a JSON body (the fast path turned off)."""
+def general_path(monkeypatch: pytest.MonkeyPatch, body: bytes, header: str | None = None,
+                 signature: Signature = FLOATS) -> Any:
+    """What the general path makes of a body, JSON or binary tensors (both fast paths turned off): the decoded
+    request, or the error it raises."""
     with monkeypatch.context() as patched:
         patched.setattr(kserve_v2, "fast_rows", lambda *args: None)
-        return decode_infer_request(body, None, signature, "m:1")
+        patched.setattr(kserve_v2, "fast_binary_rows", lambda *args: None)
+        try:
+            return decode_infer_request(body, header, signature, "m:1")
+        except InvalidInput as e:
+            return e
 
 
 def test_parameters_that_change_nothing_keep_the_fast_path_and_others_get_the_general_paths_message(
@@ -417,7 +423,7 @@ def test_parameters_that_change_nothing_keep_the_fast_path_and_others_get_the_ge
 ) -> None:
     mlserver = fast_body([[1.5], [2.0], [3.25]], parameters={"content_type": "np"})  # MLServer's codecs send it
     assert fast_rows(mlserver, FLOATS, "m:1") is not None
-    general = json_general_path(monkeypatch, mlserver)
+    general = general_path(monkeypatch, mlserver)
     assert general.rows.arrays is not None
     assert decode_infer_request(mlserver, None, FLOATS, "m:1").rows.arrays[0].tobytes() == general.rows.arrays[0].tobytes()
 
@@ -441,7 +447,7 @@ def test_json_ints_a_float_column_holds_exactly_take_the_fast_path_to_the_genera
 ) -> None:
     body = fast_body(values, datatype="FP32" if signature is FLOATS else "FP64")
     assert fast_rows(body, signature, "m:1") is not None  # taken
-    decoded, general = decode_infer_request(body, None, signature, "m:1"), json_general_path(monkeypatch, body, signature)
+    decoded, general = decode_infer_request(body, None, signature, "m:1"), general_path(monkeypatch, body, None, signature)
     assert decoded.rows.arrays is not None and general.rows.arrays is not None
     assert decoded.rows.arrays[0].tobytes() == general.rows.arrays[0].tobytes()
     dtype = signature.plan.layout.dtypes[0]  # type: ignore[union-attr]
@@ -468,16 +474,6 @@ def binary_body(columns: dict[str, Any], datatype: str = "FP32", tail: bytes = b
               for n, v in columns.items()]
     header = orjson.dumps({"inputs": inputs, **request})
     return header + b"".join(np.ascontiguousarray(v).tobytes() for v in columns.values()) + tail, str(len(header))
-
-
-def general_path(monkeypatch: pytest.MonkeyPatch, body: bytes, header: str, signature: Signature = FLOATS) -> Any:
-    """What the general path makes of a binary body (the fast path turned off), or the error it raises."""
-    with monkeypatch.context() as patched:
-        patched.setattr(kserve_v2, "fast_binary_rows", lambda *args: None)
-        try:
-            return decode_infer_request(body, header, signature, "m:1")
-        except InvalidInput as e:
-            return e
 
 
 COLUMNS = {f"f{j}": np.array([0.5 + j, -1e-40, 3.4e38], np.float32) for j in range(3)}

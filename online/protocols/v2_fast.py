@@ -4,9 +4,9 @@ It takes the signatures that have a ``FloatLayout`` (``shardline.rows``): every 
 (or float64) column, sent as one ``[N]`` tensor per column (the arrays are one ``(N, columns)``
 matrix); or inputs that are float columns and ``fixed_size_list<float>[k]`` columns, each sent as
 one ``[N]`` or ``[N, k]`` tensor (a model's ``[-1, k]`` inputs, as tritonclient sends them; one
-array per input). ``fast_rows`` takes JSON bodies (flat data of JSON numbers: floats, and ints the
-column's type holds exactly, as JavaScript and Go write 3.0; the declared datatype and shape; no
-``binary_data_size``), and ``fast_binary_rows`` bodies of binary tensors (a JSON header whose inputs carry only
+array per input). ``fast_rows`` takes JSON bodies (data of JSON numbers, flat or, for an ``[N, k]`` input,
+a list a row: floats, and ints the column's type holds exactly, as JavaScript and Go write 3.0; the declared
+datatype and shape; no ``binary_data_size``), and ``fast_binary_rows`` bodies of binary tensors (a JSON header whose inputs carry only
 ``binary_data_size``, then their bytes: what tritonclient sends by default). Both leave everything
 else to the general path of ``kserve_v2``, which names what is wrong (and builds the same arrays
 from JSON or binary tensors these did not take).
@@ -56,7 +56,7 @@ class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     datatype: str
     shape: list[int]
-    data: list[int | float]
+    data: list[int | float | list[int | float]]  # flat, or nested a row a list (KServe's documents write [[...]])
     parameters: dict[str, Any] | None = None  # as the general path, which reads only binary_data_size (see _bare)
 
 
@@ -151,6 +151,16 @@ def _fast_columns(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarr
     return (given.reshape(1, width) if rows == 1 else np.ascontiguousarray(given.T),)  # (rows, columns)
 
 
+def _rows_flat(data: list[Any], rank: int) -> list[Any] | None:
+    """``data`` nested one level (a list a row, as KServe's documents write a ``[1, k]`` input), flat, where
+    the shape has the rank for it and every item is a list; None for anything else (the general path flattens
+    it as deep as the shape allows and names what is wrong). The rows' lengths are the caller's to check by the
+    total, as the general path checks them."""
+    if rank < 2 or not all(type(row) is list for row in data):
+        return None
+    return list(chain.from_iterable(data))
+
+
 def _fast_tensors(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarray, ...] | None:
     """One ``[N]`` or ``[N, k]`` input per column of a float signature with list columns: their arrays, or None."""
     plan = signature.plan
@@ -164,13 +174,14 @@ def _fast_tensors(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarr
         i = plan.positions.get(tensor.name)
         if i is None or arrays[i] is not None:
             return None
-        width, dtype, shape, data = layout.widths[i], layout.dtypes[i], tensor.shape, tensor.data
+        width, dtype, shape = layout.widths[i], layout.dtypes[i], tensor.shape
         if not shape:
             return None
         if rows < 0:
-            rows = shape[0] if shape else 0
-        if (tensor.datatype != FLOAT_DATATYPES[dtype] or not _bare(tensor) or rows <= 0 or shape[0] != rows
-                or shape[1:] != ([width] if width else []) or len(data) != rows * (width or 1)
+            rows = shape[0]
+        data = _rows_flat(tensor.data, len(shape)) if tensor.data and type(tensor.data[0]) is list else tensor.data
+        if (data is None or tensor.datatype != FLOAT_DATATYPES[dtype] or not _bare(tensor) or rows <= 0
+                or shape[0] != rows or shape[1:] != ([width] if width else []) or len(data) != rows * (width or 1)
                 or not _numbers(data, dtype)):
             return None
         with np.errstate(over="ignore"):  # past float32's range: inf, refused by float_rows

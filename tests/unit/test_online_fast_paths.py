@@ -468,6 +468,50 @@ def test_json_ints_past_a_float_columns_whole_numbers_go_the_general_way(
     assert decoded.rows.arrays[0][0, 2] == np.array(values[2], signature.plan.layout.dtypes[0])[0]  # type: ignore[union-attr]
 
 
+LISTS = Signature(inputs=[ColumnSpec(name="x", type="fixed_size_list<float32>[3]"), ColumnSpec(name="w", type="float32")],
+                  outputs=[ColumnSpec(name="label", type="int64")])
+
+
+def lists_body(x: Any, shape: list[int], w: Any = (0.5, -1.0)) -> bytes:
+    return orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": shape, "data": x},
+                                    {"name": "w", "datatype": "FP32", "shape": [len(w)], "data": list(w)}]})
+
+
+@pytest.mark.parametrize("x", [
+    [[1.5, 2, -3.25], [1e-40, 0.1, 7]],  # a list a row, as KServe's documents write an [N, k] input
+    [[1.5, 2], [-3.25, 1e-40, 0.1, 7]],  # rows of other lengths, the total right: read flat, as the general path does
+], ids=["nested", "uneven-rows"])
+def test_json_data_nested_a_row_a_list_takes_the_fast_path_to_the_general_paths_arrays(
+    monkeypatch: pytest.MonkeyPatch, x: list[list[float]]
+) -> None:
+    body = lists_body(x, [2, 3])
+    assert fast_rows(body, LISTS, "m:1") is not None  # taken
+    decoded, general = decode_infer_request(body, None, LISTS, "m:1"), general_path(monkeypatch, body, None, LISTS)
+    assert decoded.rows.arrays is not None and general.rows.arrays is not None
+    assert [a.tobytes() for a in decoded.rows.arrays] == [a.tobytes() for a in general.rows.arrays]
+    flat = decode_infer_request(lists_body([v for row in x for v in row], [2, 3]), None, LISTS, "m:1")
+    assert flat.rows.arrays is not None
+    assert [a.tobytes() for a in decoded.rows.arrays] == [a.tobytes() for a in flat.rows.arrays]  # as sent flat
+
+
+@pytest.mark.parametrize("body, message", [
+    (lists_body([[[1.5, 2.0, 3.0]], [[4.0, 5.0, 6.0]]], [2, 3]), "'data' is nested deeper than its shape [2, 3]"),
+    (lists_body([[1.5, 2.0, 3.0], 4.0, 5.0, 6.0], [2, 3]), "'data' mixes lists and single values"),
+    (lists_body([[1.5, 2.0, 3.0], [4.0, 5.0]], [2, 3]), "input 'x' holds 5 values; its shape [2, 3] holds 6"),
+    (lists_body([[1.5, 2.0, 3.0], [4.0, 5.0, True]], [2, 3]), "holds bool values"),
+    (lists_body([1.5, 2.0, 3.0], [1, 3], w=[[0.5]]), "'data' is nested deeper than its shape [1] has dimensions"),
+], ids=["deeper", "mixed", "short", "bool", "nested-1d"])
+def test_nested_json_data_the_fast_path_does_not_take_gets_the_general_paths_message(
+    monkeypatch: pytest.MonkeyPatch, body: bytes, message: str
+) -> None:
+    assert fast_rows(body, LISTS, "m:1") is None
+    with pytest.raises(InvalidInput) as refused:
+        decode_infer_request(body, None, LISTS, "m:1")
+    assert message in str(refused.value)
+    general = general_path(monkeypatch, body, None, LISTS)
+    assert isinstance(general, InvalidInput) and str(general) == str(refused.value)
+
+
 def binary_body(columns: dict[str, Any], datatype: str = "FP32", tail: bytes = b"", **request: Any) -> tuple[bytes, str]:
     """A body of binary tensors as tritonclient sends it (its default): the JSON header, then each input's bytes."""
     inputs = [{"name": n, "datatype": datatype, "shape": list(np.shape(v)), "parameters": {"binary_data_size": v.nbytes}}

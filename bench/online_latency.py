@@ -10,6 +10,7 @@ each in its own process(es), in the request layouts a V2 client sends (``--layou
 - nk: one ``[1, 30]`` input, what tritonclient and KServe clients send for an ONNX model
   with a 2-D input, the same ONNX file packaged from the file alone (``breast-cancer-nk``:
   one ``fixed_size_list<float32>[30]`` column);
+- nested: the nk input with its data a list a row (``[[...]]``), as KServe's documents write it;
 - binary, binary-nk: the same two as binary tensors after a JSON header
   (``Inference-Header-Content-Length``), binary outputs asked for: what tritonclient's
   HTTP client sends when its caller leaves ``binary_data`` at its default.
@@ -89,9 +90,11 @@ SERVERS = ("platform", "capture", "traced", "floor", "litserve")
 PLATFORMS = ("platform", "capture", "traced")  # `shardline serve`, on its defaults but for the one feature named
 QUICK_SERVERS = ("platform", "floor", "litserve")
 LAYOUTS = {"scalar": "30 inputs of shape [1]", "nk": "one input of shape [1, 30]",
+           "nested": "one input of shape [1, 30], its data a list a row ([[...]], as KServe's documents write it)",
            "binary": "30 binary inputs of shape [1], binary outputs (tritonclient's defaults)",
            "binary-nk": "one binary input of shape [1, 30], binary outputs (tritonclient's defaults)"}
-SUFFIXES = {"scalar": "", "nk": "-nk", "binary": "-bin", "binary-nk": "-bin-nk"}  # of the series' names
+SUFFIXES = {"scalar": "", "nk": "-nk", "nested": "-nest", "binary": "-bin", "binary-nk": "-bin-nk"}  # of the series' names
+NK_LAYOUTS = {"nk", "nested", "binary-nk"}  # sent to the model packaged from the ONNX file alone (MODEL_NK)
 FLOOR_THREADS = 1  # the floor's and LitServe's intra-op threads: the fastest for one row of this model
 KEPT_VARIABLES = ("SHARDLINE_STORAGE_HOME",)  # the only SHARDLINE_* variable the platform gets (and capture's rate)
 
@@ -139,13 +142,15 @@ def prepare(kind: str = "gbt") -> dict[str, Any]:
                                  for c, v in zip(columns, row)]}, separators=(",", ":")) for row in rows]
     nk = [json.dumps({"inputs": [{"name": nk_input, "shape": [1, len(row)], "datatype": "FP32", "data": row}]},
                      separators=(",", ":")) for row in rows]
+    nested = [json.dumps({"inputs": [{"name": nk_input, "shape": [1, len(row)], "datatype": "FP32", "data": [row]}]},
+                         separators=(",", ":")) for row in rows]
     natural = [json.dumps({"input": row}, separators=(",", ":")) for row in rows]
     binary = [binary_body([{"name": c, "shape": [1]} for c in columns], np.asarray(row, np.float32)) for row in rows]
     binary_nk = [binary_body([{"name": nk_input, "shape": [1, len(row)]}], np.asarray(row, np.float32)) for row in rows]
     session = open_session(str(bundle / "model.onnx"), 1)
     label, probabilities = session.run(None, {"X": np.asarray(rows[:1], dtype=np.float32)})
     return {"model": str(bundle / "model.onnx"), "columns": str(DATA / "columns.json"),
-            "tenants": str(DATA / "tenants.yaml"), "home": str(home), "v2": v2, "nk": nk, "natural": natural,
+            "tenants": str(DATA / "tenants.yaml"), "home": str(home), "v2": v2, "nk": nk, "nested": nested, "natural": natural,
             "binary": binary, "binary-nk": binary_nk,
             "expected": (int(label[0]), [float(p) for p in probabilities[0]])}
 
@@ -320,10 +325,15 @@ def user_environment(home: str) -> dict[str, str]:
 
 def layout_targets(name: str, server: Server, data: dict[str, Any], layouts: list[str]) -> list[Target]:
     """The series of one server (the platform's or the floor's), one per request layout."""
-    paths = {"scalar": f"/v2/models/{MODEL}/infer", "nk": f"/v2/models/{MODEL_NK}/infer"}
-    bodies = {"scalar": data["v2"], "nk": data["nk"], "binary": data["binary"], "binary-nk": data["binary-nk"]}
-    return [Target(f"{name}{SUFFIXES[layout]}", server, layout, paths["nk" if layout.endswith("nk") else "scalar"],
-                   bodies[layout]) for layout in layouts]
+    return [Target(f"{name}{SUFFIXES[layout]}", server, layout, infer_path(layout), data[DATA_KEYS.get(layout, layout)])
+            for layout in layouts]
+
+
+DATA_KEYS = {"scalar": "v2"}  # the key of each layout's bodies in prepare()'s data, where not the layout's name
+
+
+def infer_path(layout: str) -> str:
+    return f"/v2/models/{MODEL_NK if layout in NK_LAYOUTS else MODEL}/infer"
 
 
 def make_servers(names: list[str], data: dict[str, Any], args: argparse.Namespace) -> tuple[list[Server], list[Target]]:
@@ -410,7 +420,7 @@ def generate_steps(spec_targets: list[dict[str, Any]], args: argparse.Namespace,
     for line in gen.stdout:  # type: ignore[union-attr]
         step = json.loads(line)
         steps[step["server"]].append(step)
-        print(f"  {step['rate']:>6,.0f} req/s  {step['server']:<12} p50 {step['p50_ms']:7.2f} ms  p99 "
+        print(f"  {step['rate']:>6,.0f} req/s  {step['server']:<15} p50 {step['p50_ms']:7.2f} ms  p99 "
               f"{step['p99_ms']:8.2f} ms  achieved {step['achieved']:7,.0f}/s  {'held' if held(step) else 'NOT held'}",
               flush=True)
     if gen.wait() != 0:
@@ -485,9 +495,10 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, l
           f"a noisy figure); conns: connections open; tries: windows measured (again when the rest used over\n"
           f"{NOISY:g} core, or the other servers under test over {PEERS_NOISY:g}: the quietest kept).")
     summary = {name: summarize(steps, light) for name, steps in results.items()}
-    print(f"\n{'server':<12}{'p50 ms @ ' + format(light, ',.0f') + '/s':>16}{'held at p99<10ms':>18}  limited by")
+    w = max(12, *map(len, summary))
+    print(f"\n{'server':<{w}}{'p50 ms @ ' + format(light, ',.0f') + '/s':>16}{'held at p99<10ms':>18}  limited by")
     for name, s in summary.items():
-        print(f"{name:<12}{_fmt(s['p50'], '.2f'):>16}{s['held']:>16,.0f}/s  {s['limit']}")
+        print(f"{name:<{w}}{_fmt(s['p50'], '.2f'):>16}{s['held']:>16,.0f}/s  {s['limit']}")
     return summary
 
 

@@ -19,13 +19,13 @@ many routers").
 
 The request layouts a V2 client sends for this model are measured (``--layouts``, all by default), one after the
 other: 30 inputs of shape [1] (one per feature column) and one input of shape [1, 30] (the model packaged from its
-ONNX file alone), as JSON and as binary tensors (tritonclient's default; see bench/online_latency.py). Printed, for each layout: each series' steps, the p50 at the lightest rate, the highest rate held at p99 <= 10 ms, and
+ONNX file alone, its data flat or a list a row), as JSON and as binary tensors (tritonclient's default; see bench/online_latency.py). Printed, for each layout: each series' steps, the p50 at the lightest rate, the highest rate held at p99 <= 10 ms, and
 the ratios against the targets: the router adds at most 1.5x nginx's p50 (p50 through it less p50
 direct, paired round by round: the median over 10 rounds, 20 in full mode; see ``light_rounds``), and holds
 at least 0.8x nginx's rate.
 
-    .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~6 min
-    .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~26 min
+    .venv/bin/python bench/router_overhead.py --quick    # 100, 800, 1600 req/s, short steps: ~7 min
+    .venv/bin/python bench/router_overhead.py            # 100 .. 6400 req/s doubling, refined: ~32 min
     .venv/bin/python bench/router_overhead.py --layouts scalar,nk        # the JSON layouts only: half that
     .venv/bin/python bench/router_overhead.py --quick --quota-store   # and router+redis: ~8 min
 
@@ -200,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.redis is not None:
             lane = "on" if "fast lane is on" in (DATA / "logs" / "router+redis.log").read_text() else "OFF"
             print(f"  router+redis: quotas in redis-server, nginx's lane {lane}", flush=True)
-        nk_path = f"/v2/models/{ol.MODEL_NK}/infer"
-        layouts = {layout: (nk_path if layout.endswith("nk") else path, data[{"scalar": "v2"}.get(layout, layout)])
-                   for layout in args.layouts}
+        layouts = {layout: (ol.infer_path(layout), data[ol.DATA_KEYS.get(layout, layout)]) for layout in args.layouts}
         replicas = [s.proc.pid for s in servers]  # type: ignore[union-attr]
         steps, rounds = {}, {}
         for layout, (layout_path, bodies) in layouts.items():

@@ -13,6 +13,7 @@ Parquet file's path; ``sample_table`` makes a Table of each (pandas is never imp
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import platform
 import shutil
@@ -678,9 +679,11 @@ def package_sklearn(
     With ``sample`` (rows holding the feature columns: ``sample_table``), the bundle is checked as the
     framework builders' are (``shardline.build.sklearn_check``): its answers on the sample's first rows must
     match scikit-learn's on those rows as given (float64), else nothing is written. Where rounding the rows to
-    float32 changes scikit-learn's answers (a column such as a Unix timestamp, large next to its spread), the
-    features are float64 columns instead, when skl2onnx converts the model so; else it is refused naming
-    the column. Without ``sample`` nothing is checked.
+    float32 changes scikit-learn's answers (a column such as a Unix timestamp, large next to its spread) and the
+    float32 bundle's answers differ too (skl2onnx rounds a tree's thresholds for float32 features, so
+    HistGradientBoosting's stay), the features are float64 columns instead, when skl2onnx converts the model so;
+    else it is refused naming the column. Without ``sample`` nothing is checked. skl2onnx's HistGradientBoosting
+    converter is mended first (``skl2onnx_mends``).
 
     Raises:
         InvalidInput: the sample lacks a feature, float32 loses the answer and the model does not convert (skl2onnx)
@@ -688,17 +691,44 @@ def package_sklearn(
     """
     check_input_layout(input_layout)
     try:
-        from skl2onnx import to_onnx
-        from skl2onnx.common.data_types import DoubleTensorType, FloatTensorType
+        import skl2onnx  # noqa: F401 - installed, or the one line saying how
     except ImportError as e:
         raise RuntimeUnavailable(
             "packaging a scikit-learn model needs skl2onnx; pip install 'shardline[package]'"
         ) from e
+    from shardline.build.skl2onnx_mends import mend_skl2onnx
+    from shardline.build.sklearn_check import float32_loss
+
+    mend_skl2onnx()
     features = list(feature_names)
     rows = sample_table(sample) if sample is not None else None
-    from shardline.build.sklearn_check import conversion_options, decision_scores, float32_loss
 
     lost = float32_loss(estimator, rows, features) if rows is not None else None
+    bundle = functools.partial(_sklearn_bundle, estimator, out_dir, features, rows, name=name, lineage=lineage,
+                               golden=golden, reference_profile=reference_profile, image=image,
+                               input_layout=input_layout)
+    if lost is not None:
+        # float32's loss of scikit-learn's own answers is a proxy: skl2onnx rounds a tree's thresholds so that float32
+        # features split as scikit-learn splits the rows as given (HistGradientBoosting: its answers on rounded rows
+        # move, the float32 bundle's do not). So float32 is tried first, checked against the rows as given.
+        try:
+            return bundle(None)
+        except Exception:  # noqa: BLE001 - it loses them, or skl2onnx has no converter: float64's outcome is the answer
+            pass
+    return bundle(lost)
+
+
+def _sklearn_bundle(estimator: Any, out_dir: str | Path, features: list[str], rows: pa.Table | None, lost: str | None,
+                    *, name: str, lineage: Lineage | None, golden: GoldenSet | None,
+                    reference_profile: dict[str, Any] | None, image: str | None, input_layout: InputLayout
+                    ) -> Manifest:
+    """``package_sklearn``'s bundle: float64 features where ``lost`` says why float32's lose the answers, else
+    float32; checked against scikit-learn on ``rows`` where given (nothing is left on a refusal)."""
+    from skl2onnx import to_onnx
+    from skl2onnx.common.data_types import DoubleTensorType, FloatTensorType
+
+    from shardline.build.sklearn_check import check_sklearn, conversion_options, decision_scores
+
     dtype = "float64" if lost is not None else "float32"
     is_classifier = hasattr(estimator, "classes_")
     tensor_type = DoubleTensorType if lost is not None else FloatTensorType
@@ -751,8 +781,6 @@ def package_sklearn(
     )
     if rows is None:
         return finish_bundle(out, manifest, golden, reference_profile)
-    from shardline.build.sklearn_check import check_sklearn
-
     try:
         done = finish_bundle(out, manifest, golden, reference_profile)
         check_sklearn(out, done, estimator, rows, features)

@@ -8,7 +8,8 @@ otherwise on rows scikit-learn gets right. So:
 
 - ``float32_loss`` says, before converting, whether rounding the sample's first ``CHECK_ROWS`` rows to
   float32 changes scikit-learn's own answers (beyond the tolerance), naming the column that loses the most;
-  the builder then converts with float64 inputs;
+  the builder then converts with float64 inputs, unless the float32 bundle's answers match anyway (skl2onnx
+  rounds a tree's thresholds so that float32 features split as the rows as given do: HistGradientBoosting);
 - ``check_sklearn`` scores those rows with the bundle as both tiers load it and compares every output with
   scikit-learn's answers on the rows as given (``frameworks._check``: within ``ATOL + RTOL * |expected|``,
   labels equal but at ties).

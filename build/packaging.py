@@ -727,16 +727,18 @@ def _sklearn_bundle(estimator: Any, out_dir: str | Path, features: list[str], ro
     from skl2onnx import to_onnx
     from skl2onnx.common.data_types import DoubleTensorType, FloatTensorType
 
+    from shardline.build.skl2onnx_mends import convertible
     from shardline.build.sklearn_check import check_sklearn, conversion_options, decision_scores
 
     dtype = "float64" if lost is not None else "float32"
     is_classifier = hasattr(estimator, "classes_")
     tensor_type = DoubleTensorType if lost is not None else FloatTensorType
+    converted = convertible(estimator)
     try:
         onx = to_onnx(
-            estimator,
+            converted,
             initial_types=[("X", tensor_type([None, len(features)]))],
-            options=conversion_options(estimator),
+            options=conversion_options(converted),
             target_opset=18,
         )
     except Exception as e:  # noqa: BLE001 - skl2onnx raises many kinds for an operator it has no double kernel for

@@ -8,12 +8,18 @@
   the trees, their NaN routing included, are converted as skl2onnx means them (checked against scikit-learn in
   tests/integration/test_mlflow_import.py and test_mlflow_trees.py).
 
-Each mend wraps skl2onnx's own function (no copy of its code) and is idempotent; where a release no longer has
-the function, nothing is mended and the conversion runs as skl2onnx ships it.
+- **Soft-voting VotingClassifier**: skl2onnx refuses ``flatten_transform=True``, scikit-learn's default
+  ("not implemented yet"), though that parameter shapes only ``transform``'s output, never ``predict`` or
+  ``predict_proba``, which the bundle answers. ``convertible`` gives skl2onnx a shallow copy with it off (the
+  model itself is left as it is; its answers are still checked against the original's).
+
+Each mend of skl2onnx wraps its own function (no copy of its code) and is idempotent; where a release no longer
+has the function, nothing is mended and the conversion runs as skl2onnx ships it.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -39,3 +45,20 @@ def _with_int_missing_flag(add_node: Any) -> Any:
 
     setattr(add, _MENDED, True)
     return add
+
+
+def convertible(estimator: Any) -> Any:
+    """``estimator`` as skl2onnx converts it: a soft-voting ``VotingClassifier`` (alone, or a pipeline's last step)
+    as a shallow copy with ``flatten_transform`` off; anything else as it is."""
+    if hasattr(estimator, "steps") and estimator.steps:
+        last = convertible(estimator.steps[-1][1])
+        if last is estimator.steps[-1][1]:
+            return estimator
+        mended = copy.copy(estimator)
+        mended.steps = [*estimator.steps[:-1], (estimator.steps[-1][0], last)]
+        return mended
+    if type(estimator).__name__ == "VotingClassifier" and getattr(estimator, "flatten_transform", False):
+        mended = copy.copy(estimator)
+        mended.flatten_transform = False
+        return mended
+    return estimator

@@ -243,6 +243,32 @@ def test_hist_gradient_boosting_is_packaged_and_answers_as_scikit_learn(kind: st
         assert np.allclose(got["probabilities"], model.predict_proba(frame), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("kind", ["soft", "soft-in-a-pipeline", "hard"])
+def test_a_voting_classifier_is_packaged_and_answers_as_scikit_learn(kind: str, tmp_path: Path) -> None:
+    """skl2onnx refuses a soft-voting VotingClassifier's default flatten_transform=True (which shapes transform()
+    only): it converts a copy with it off (``skl2onnx_mends.convertible``), and the user's model is left as it is."""
+    from sklearn.ensemble import RandomForestClassifier, VotingClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from shardline.build.packaging import package_sklearn
+
+    frame, labels = training_frame(), training_rows()[1]
+    voting = VotingClassifier([("lr", make_pipeline(StandardScaler(), LogisticRegression())),
+                               ("rf", RandomForestClassifier(n_estimators=20, random_state=0))],
+                              voting="hard" if kind == "hard" else "soft")
+    model = (make_pipeline(StandardScaler(), voting) if kind == "soft-in-a-pipeline" else voting).fit(frame, labels)
+
+    manifest = package_sklearn(model, tmp_path / kind, name="vote", feature_names=list(frame.columns), sample=frame)
+
+    got = bundle_answers(tmp_path / kind, manifest, pa.Table.from_pandas(frame, preserve_index=False))
+    assert np.array_equal(got["label"], model.predict(frame))
+    if kind != "hard":
+        assert np.allclose(got["probabilities"], model.predict_proba(frame), atol=ATOL, rtol=RTOL)
+    assert voting.flatten_transform is True  # the model given is unchanged
+
+
 def test_hist_gradient_boosting_on_a_timestamp_column_float32_loses_is_refused_naming_it(tmp_path: Path) -> None:
     """Where float32 features really lose the answers (a Unix timestamp column), skl2onnx's float64 trees do not
     run in onnxruntime (their outputs typed double): refused in one line, saying what to do; nothing written."""

@@ -645,13 +645,23 @@ def package_onnx(
     return finish_bundle(out, manifest, golden, reference_profile)
 
 
-def _probe_rows(rows: pa.Table | None, features: Sequence[str], width: int, dtype: np.dtype) -> np.ndarray:
-    """Rows a converted model is run on to learn the layout of its outputs: the sample's first, else random ones."""
-    if rows is not None:
-        from shardline.build.frameworks import _matrix
+def _probe(rows: pa.Table | None, features: Sequence[str], texts: Sequence[str], dtype: np.dtype
+           ) -> tuple[dict[str, np.ndarray], Any]:
+    """Rows a converted model is run on to learn the layout of its outputs (the sample's first, else random ones):
+    the ONNX feeds, and the same rows as scikit-learn is given them (``sklearn_check.given_rows``)."""
+    if rows is None:
+        probe = np.random.default_rng(0).normal(size=(_SAMPLE_ROWS, len(features))).astype(dtype)
+        return {"X": probe}, probe.astype(np.float64)
+    from shardline.build.sklearn_check import given_rows
 
-        return _matrix(rows, features, _SAMPLE_ROWS, dtype.type)
-    return np.random.default_rng(0).normal(size=(_SAMPLE_ROWS, width)).astype(dtype)
+    head = rows.slice(0, min(_SAMPLE_ROWS, rows.num_rows))
+    if not texts:
+        probe = given_rows(head, features, _SAMPLE_ROWS)
+        return {"X": probe.astype(dtype)}, probe
+    from shardline.runtimes.onnx import column_tensor
+
+    feeds = {f: column_tensor(head.column(f), np.dtype(object) if f in texts else dtype, 2) for f in features}
+    return feeds, given_rows(head, features, _SAMPLE_ROWS)
 
 
 def package_sklearn(
@@ -678,16 +688,19 @@ def package_sklearn(
 
     With ``sample`` (rows holding the feature columns: ``sample_table``), the bundle is checked as the
     framework builders' are (``shardline.build.sklearn_check``): its answers on the sample's first rows must
-    match scikit-learn's on those rows as given (float64), else nothing is written. Where rounding the rows to
-    float32 changes scikit-learn's answers (a column such as a Unix timestamp, large next to its spread) and the
-    float32 bundle's answers differ too (skl2onnx rounds a tree's thresholds for float32 features, so
-    HistGradientBoosting's stay), the features are float64 columns instead, when skl2onnx converts the model so;
-    else it is refused naming the column. Without ``sample`` nothing is checked. skl2onnx's HistGradientBoosting
-    converter is mended first (``skl2onnx_mends``).
+    match scikit-learn's on those rows as given (float64), else nothing is written. The float32 bundle is tried
+    first; where its answers differ, the features are float64 columns instead, when skl2onnx converts the model
+    so; else it is refused, naming the column where rounding the rows to float32 changes scikit-learn's own
+    answers (a column such as a Unix timestamp, large next to its spread). Where the sample holds a feature as text
+    (a pipeline's categories: a ``OneHotEncoder`` in a ``ColumnTransformer``), each feature is an input of its
+    own, ``[N, 1]`` as skl2onnx maps a ``ColumnTransformer``'s columns, float32 (or float64) and ``string``
+    columns. Without ``sample`` nothing is checked, and the features are numbers. skl2onnx's converters are
+    mended first where its release fails on a model it supports (``skl2onnx_mends``).
 
     Raises:
         InvalidInput: the sample lacks a feature, float32 loses the answer and the model does not convert (skl2onnx)
             or run (onnxruntime) with float64 inputs, or the bundle's answers differ from scikit-learn's.
+        InvalidSetting: ``input_layout="tensor"`` for features that include text.
     """
     check_input_layout(input_layout)
     try:
@@ -697,35 +710,50 @@ def package_sklearn(
             "packaging a scikit-learn model needs skl2onnx; pip install 'shardline[package]'"
         ) from e
     from shardline.build.skl2onnx_mends import mend_skl2onnx
-    from shardline.build.sklearn_check import float32_loss
+    from shardline.build.sklearn_check import float32_loss, plain_text, text_features
 
     mend_skl2onnx()
     features = list(feature_names)
     rows = sample_table(sample) if sample is not None else None
 
+    texts = text_features(rows, features) if rows is not None else []
+    if rows is not None and texts:
+        rows = plain_text(rows, texts)
+    if texts and input_layout == "tensor":
+        raise InvalidSetting(f"input_layout 'tensor' stacks float features into one [N, k] input; columns "
+                             f"{named_columns(texts)} hold text: leave input_layout at 'columns'")
     lost = float32_loss(estimator, rows, features) if rows is not None else None
-    bundle = functools.partial(_sklearn_bundle, estimator, out_dir, features, rows, name=name, lineage=lineage,
+    bundle = functools.partial(_sklearn_bundle, estimator, out_dir, features, rows, texts, name=name, lineage=lineage,
                                golden=golden, reference_profile=reference_profile, image=image,
                                input_layout=input_layout)
-    if lost is not None:
-        # float32's loss of scikit-learn's own answers is a proxy: skl2onnx rounds a tree's thresholds so that float32
-        # features split as scikit-learn splits the rows as given (HistGradientBoosting: its answers on rounded rows
-        # move, the float32 bundle's do not). So float32 is tried first, checked against the rows as given.
-        try:
-            return bundle(None)
-        except Exception:  # noqa: BLE001 - it loses them, or skl2onnx has no converter: float64's outcome is the answer
-            pass
-    return bundle(lost)
+    if rows is None:
+        return bundle(None)
+    # float32 first, checked against scikit-learn on the rows as given, then float64. float32_loss (scikit-learn's own
+    # answers moving on rows rounded to float32) is a proxy both ways: skl2onnx rounds a tree's thresholds so that
+    # float32 features split as the rows as given do (HistGradientBoosting's answers on rounded rows move, the float32
+    # bundle's do not), and a graph computing in float32 can lose answers the rounding does not (a StandardScaler in
+    # float32 before a forest's thresholds).
+    try:
+        return bundle(None)
+    except Exception as e:  # noqa: BLE001 - a mismatch, or skl2onnx has no converter: float64's outcome decides
+        float32_refusal = e
+    try:
+        return bundle(lost or "float32 features lose scikit-learn's answers on the sample")
+    except Exception:
+        if lost is None:  # float32 rows keep the answers: the float32 bundle's own refusal says what went wrong
+            raise float32_refusal from None
+        raise
 
 
-def _sklearn_bundle(estimator: Any, out_dir: str | Path, features: list[str], rows: pa.Table | None, lost: str | None,
-                    *, name: str, lineage: Lineage | None, golden: GoldenSet | None,
+def _sklearn_bundle(estimator: Any, out_dir: str | Path, features: list[str], rows: pa.Table | None,
+                    texts: list[str], lost: str | None, *, name: str, lineage: Lineage | None, golden: GoldenSet | None,
                     reference_profile: dict[str, Any] | None, image: str | None, input_layout: InputLayout
                     ) -> Manifest:
     """``package_sklearn``'s bundle: float64 features where ``lost`` says why float32's lose the answers, else
-    float32; checked against scikit-learn on ``rows`` where given (nothing is left on a refusal)."""
+    float32, and ``texts`` (the sample's text features) as strings; checked against scikit-learn on ``rows``
+    where given (nothing is left on a refusal)."""
     from skl2onnx import to_onnx
-    from skl2onnx.common.data_types import DoubleTensorType, FloatTensorType
+    from skl2onnx.common.data_types import DoubleTensorType, FloatTensorType, StringTensorType
 
     from shardline.build.skl2onnx_mends import convertible
     from shardline.build.sklearn_check import check_sklearn, conversion_options, decision_scores
@@ -733,11 +761,15 @@ def _sklearn_bundle(estimator: Any, out_dir: str | Path, features: list[str], ro
     dtype = "float64" if lost is not None else "float32"
     is_classifier = hasattr(estimator, "classes_")
     tensor_type = DoubleTensorType if lost is not None else FloatTensorType
+    # Text features (a pipeline's categories, a ColumnTransformer selecting columns by name): one [N, 1] input a
+    # column, named after it, as skl2onnx maps a ColumnTransformer's columns; else one [N, k] input X of floats.
+    initial_types = ([(f, (StringTensorType if f in texts else tensor_type)([None, 1])) for f in features] if texts
+                     else [("X", tensor_type([None, len(features)]))])
     converted = convertible(estimator)
     try:
         onx = to_onnx(
             converted,
-            initial_types=[("X", tensor_type([None, len(features)]))],
+            initial_types=initial_types,
             options=conversion_options(converted),
             target_opset=18,
         )
@@ -746,7 +778,7 @@ def _sklearn_bundle(estimator: Any, out_dir: str | Path, features: list[str], ro
             raise
         raise InvalidInput(f"{lost}, and skl2onnx cannot convert {type(estimator).__name__} with float64 inputs "
                            f"({type(e).__name__}: {first_line(e)}); {RESCALE_ADVICE}") from e
-    inputs = [ColumnSpec(name=f, type=dtype) for f in features]
+    inputs = [ColumnSpec(name=f, type="string" if f in texts else dtype) for f in features]
     if is_classifier:
         # skl2onnx gives the label the classes' type: text classes are a string tensor (an int64 label refused every
         # row: "Failed to parse string: 'virginica' as a scalar of type int64")
@@ -758,8 +790,7 @@ def _sklearn_bundle(estimator: Any, out_dir: str | Path, features: list[str], ro
             outputs.append(ColumnSpec(name="probabilities", type=f"fixed_size_list<float32>[{classes}]"))
             rename[onx.graph.output[1].name] = "probabilities"
         else:  # LinearSVC, RidgeClassifier, ...: scikit-learn's decision_function, where the conversion gives it
-            probe = _probe_rows(rows, features, len(features), np.dtype(dtype))
-            scores = decision_scores(onx, estimator, probe)
+            scores = decision_scores(onx, estimator, *_probe(rows, features, texts, np.dtype(dtype)))
             if scores is not None:
                 outputs.append(ColumnSpec(name="scores", type=scores))
                 rename["scores"] = "scores"
@@ -773,8 +804,8 @@ def _sklearn_bundle(estimator: Any, out_dir: str | Path, features: list[str], ro
         runtime="onnx",
         artifacts=[describe_artifact(out, "model.onnx")],
         signature=_signature(inputs, outputs, "X" if input_layout == "tensor" else None),
-        runtime_config={
-            "tensor_inputs": [{"name": "X", "columns": features, "dtype": dtype}],
+        runtime_config={  # with text features, each input is fed from its column by name
+            **({} if texts else {"tensor_inputs": [{"name": "X", "columns": features, "dtype": dtype}]}),
             "tensor_outputs": rename,
         },
         environment=current_environment(image),

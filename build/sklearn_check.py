@@ -14,6 +14,10 @@ otherwise on rows scikit-learn gets right. So:
   scikit-learn's answers on the rows as given (``frameworks._check``: within ``ATOL + RTOL * |expected|``,
   labels equal but at ties).
 
+A feature the sample holds as text (``text_features``: a pipeline's categories) is given to scikit-learn as it is,
+in a DataFrame of the features (``given_rows``: a ``ColumnTransformer`` selects columns by name); only the numbers
+are rounded.
+
 ``float32_loss`` is asked of LightGBM's models too (``lightgbm_check``): their ONNX trees take float32 features
 only, so there float32's loss is refused naming the column.
 
@@ -36,6 +40,7 @@ import pyarrow as pa
 
 from shardline.build.frameworks import ATOL, CHECK_ROWS, RTOL, _check, _features, _matrix, _tie_rows
 from shardline.bundle import Manifest
+from shardline.signature import is_compatible
 
 
 def sklearn_answers(estimator: Any, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -79,23 +84,24 @@ def _takes_zipmap(classifier: Any) -> bool:
     return "zipmap" in (allowed or {})
 
 
-def decision_scores(onx: Any, estimator: Any, probe: np.ndarray) -> str | None:
+def decision_scores(onx: Any, estimator: Any, feeds: dict[str, np.ndarray], given: Any) -> str | None:
     """Make the converted classifier's second output (skl2onnx's scores, for one without ``predict_proba``) the
     graph's output ``scores``, laid out as ``decision_function`` (one value a row for two classes, one per class
-    for more), finding the layout by running the graph on ``probe`` rows; returns its signature type. Where no
-    layout matches, the output is taken out of the graph and None is returned (the bundle answers labels only)."""
+    for more), finding the layout by running the graph on probe rows (``feeds``; ``given``, the same rows as
+    scikit-learn is given them); returns its signature type. Where no layout matches, the output is taken out of
+    the graph and None is returned (the bundle answers labels only)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    given = onx.graph.output[1].name
+    output = onx.graph.output[1].name
     options = ort.SessionOptions()
     options.log_severity_level = 3  # RidgeClassifier's converter declares [N, 2] and answers [N, 1]: not a warning
     session = ort.InferenceSession(onx.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"])
-    got = np.asarray(session.run([given], {"X": probe})[0], dtype=np.float64)
+    got = np.asarray(session.run([output], feeds)[0], dtype=np.float64)
     del onx.graph.output[1]
     if not hasattr(estimator, "decision_function"):
         return None
-    want = sklearn_answers(estimator, probe.astype(np.float64))["scores"]
+    want = sklearn_answers(estimator, given)["scores"]
     got = got.reshape(len(got), -1)
     if want.ndim == 1:
         column = next((j for j in range(got.shape[1]) if _close(got[:, j], want)), None)
@@ -103,13 +109,13 @@ def decision_scores(onx: Any, estimator: Any, probe: np.ndarray) -> str | None:
             return None
         index = numpy_helper.from_array(np.array(column, dtype=np.int64), name="scores_column")
         onx.graph.initializer.append(index)
-        onx.graph.node.append(helper.make_node("Gather", [given, index.name], ["scores"], axis=1,
+        onx.graph.node.append(helper.make_node("Gather", [output, index.name], ["scores"], axis=1,
                                                name="scores_decision"))
         onx.graph.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N"]))
         return "float32"
     if got.shape != want.shape or not _close(got, want):
         return None
-    onx.graph.node.append(helper.make_node("Identity", [given], ["scores"], name="scores_decision"))
+    onx.graph.node.append(helper.make_node("Identity", [output], ["scores"], name="scores_decision"))
     onx.graph.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", want.shape[1]]))
     return f"fixed_size_list<float32>[{want.shape[1]}]"
 
@@ -139,16 +145,20 @@ def float32_loss(estimator: Any, sample: pa.Table, features: Sequence[str], fram
         InvalidInput: the sample lacks a feature, or a feature column is not numbers.
     """
     _features(None, sample, features)  # every feature is there, or InvalidInput naming the missing ones
-    given = _matrix(sample, features, CHECK_ROWS, np.float64)
-    rounded = given.astype(np.float32).astype(np.float64)
-    if np.array_equal(given, rounded, equal_nan=True) or _same(sklearn_answers(estimator, given),
-                                                               sklearn_answers(estimator, rounded)):
+    texts = text_features(sample, features)
+    numbers = [f for f in features if f not in texts]  # text features are given as they are either way
+    given = given_rows(sample, features, CHECK_ROWS)
+    matrix = given[numbers].to_numpy(np.float64) if texts else given
+    rounded = matrix.astype(np.float32).astype(np.float64)
+    if np.array_equal(matrix, rounded, equal_nan=True) or _same(
+            sklearn_answers(estimator, given),
+            sklearn_answers(estimator, given.assign(**dict(zip(numbers, rounded.T))) if texts else rounded)):
         return None
-    spread = np.nanstd(given, axis=0)
-    lost = np.nanmax(np.abs(given - rounded), axis=0) / np.where(spread > 0, spread, 1.0)
+    spread = np.nanstd(matrix, axis=0)
+    lost = np.nanmax(np.abs(matrix - rounded), axis=0) / np.where(spread > 0, spread, 1.0)
     worst = int(np.nanargmax(lost))
-    magnitude = float(np.nanmax(np.abs(given[:, worst])))
-    return (f"float32 inputs lose precision for column {features[worst]!r} (values up to {magnitude:.3g}, spread "
+    magnitude = float(np.nanmax(np.abs(matrix[:, worst])))
+    return (f"float32 inputs lose precision for column {numbers[worst]!r} (values up to {magnitude:.3g}, spread "
             f"{float(spread[worst]):.3g}): {framework} answers otherwise on the sample rounded to float32")
 
 
@@ -163,15 +173,41 @@ def _same(want: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> bool:
     return True
 
 
+def text_features(sample: pa.Table, features: Sequence[str]) -> list[str]:
+    """The features the sample holds as text, in any Arrow layout (``string_view``, a pandas ``category``'s
+    dictionary): a pipeline's categories, for a ``OneHotEncoder`` in a ``ColumnTransformer``; the rest are
+    numbers, or refused as such."""
+    return [f for f in features if f in sample.column_names and is_compatible(sample.schema.field(f).type, pa.string())]
+
+
+def plain_text(sample: pa.Table, texts: Sequence[str]) -> pa.Table:
+    """The sample with its text features as ``string`` columns, as the bundle declares and both tiers feed them."""
+    for name in texts:
+        sample = sample.set_column(sample.column_names.index(name), name, sample.column(name).cast(pa.string()))
+    return sample
+
+
+def given_rows(sample: pa.Table, features: Sequence[str], rows: int) -> Any:
+    """The sample's first ``rows`` rows as scikit-learn is given them: a float64 matrix of the features, or, where
+    one is text (``text_features``), a DataFrame of them as given (a ``ColumnTransformer`` selects by name).
+
+    Raises:
+        InvalidInput: a feature is neither a number nor text.
+    """
+    if not text_features(sample, features):
+        return _matrix(sample, features, rows, np.float64)
+    return sample.select(list(features)).slice(0, min(rows, sample.num_rows)).to_pandas()
+
+
 def check_sklearn(folder: Path, manifest: Manifest, estimator: Any, sample: pa.Table, features: Sequence[str]) -> None:
     """Score the sample's first ``CHECK_ROWS`` rows with the bundle; refuse answers that differ from
-    scikit-learn's on those rows as given (float64).
+    scikit-learn's on those rows as given (float64 features, and text ones as they are).
 
     Raises:
         InvalidInput: an output differs (naming it, the largest difference and the rows).
     """
     names = list(features)
-    answers = sklearn_answers(estimator, _matrix(sample, names, CHECK_ROWS, np.float64))
+    answers = sklearn_answers(estimator, given_rows(sample, names, CHECK_ROWS))
     expected = {name: values for name, values in answers.items() if name in manifest.signature.output_names}
     tie = _ties(answers)
     head = sample.select(names).slice(0, min(CHECK_ROWS, sample.num_rows))

@@ -1,0 +1,211 @@
+"""A scikit-learn pipeline over numbers and text categories, as tabular models are usually trained (a
+``ColumnTransformer``: ``StandardScaler`` on the numbers, ``OneHotEncoder`` on the categories): packaged with
+``package_sklearn`` (and so imported from MLflow) into one input a column, float32 and string, checked against
+scikit-learn on the rows as given; then served over real HTTP (tritonclient, BYTES and FP32 tensors, JSON and
+binary) and scored by a batch job whose shards hold a category as pandas writes it (a dictionary), each answering
+as scikit-learn does."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+import tritonclient.http as triton
+
+from shardline.build.frameworks import ATOL, RTOL
+from shardline.build.packaging import package_sklearn
+from shardline.errors import InvalidSetting
+from shardline.flows.batch_inference import batch_inference
+from shardline.online.app import create_app
+from shardline.online.server import build_plane
+from shardline.online.tenants import TenantDirectory, hash_api_key
+from shardline.online.testing import serve_listeners_in_thread
+from shardline.quality.profile import profile_table
+from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
+from shardline.storage.registry import ModelRegistry
+
+from tests.framework_models import bundle_answers
+
+KEY = "sk-passengers-test-key"
+FEATURES = ["age", "fare", "sex", "port"]
+TEXTS = ["sex", "port"]
+
+
+def passengers(rows: int = 600, seed: int = 0) -> Any:
+    """Two number and two text columns, and a label that depends on both kinds."""
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    frame = pd.DataFrame({"age": rng.integers(1, 80, rows).astype(np.float64), "fare": rng.gamma(2.0, 20.0, rows),
+                          "sex": rng.choice(["female", "male"], rows), "port": rng.choice(["C", "Q", "S"], rows)})
+    odds = 1.5 * (frame["sex"] == "female") - 0.02 * frame["age"] + 0.01 * frame["fare"] + 0.4 * (frame["port"] == "C")
+    return frame, (odds + rng.normal(0, 0.5, rows) > 0.3).astype(np.int64).to_numpy()
+
+
+def pipeline(last: Any, scaled: bool = True) -> Any:
+    """The numbers scaled for a linear model, passed through for trees (a scaler computed in float32 before a tree's
+    thresholds moves a few rows across them: skl2onnx's graph computes in float32, the check refuses it)."""
+    from sklearn.compose import ColumnTransformer
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import OneHotEncoder, StandardScaler
+
+    numbers = StandardScaler() if scaled else "passthrough"
+    return make_pipeline(ColumnTransformer([("numbers", numbers, ["age", "fare"]),
+                                            ("categories", OneHotEncoder(handle_unknown="ignore"), TEXTS)]), last)
+
+
+def _model(kind: str) -> Any:
+    from sklearn.ensemble import RandomForestRegressor
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.svm import LinearSVC
+
+    frame, labels = passengers()
+    last = {"classifier": LogisticRegression(), "regressor": RandomForestRegressor(n_estimators=20, random_state=0),
+            "linear-svc": LinearSVC()}[kind]
+    return pipeline(last, scaled=kind != "regressor").fit(frame, labels * 10.0 if kind == "regressor" else labels)
+
+
+def _sklearn(model: Any, frame: Any, output: str) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        method = {"label": "predict", "prediction": "predict", "probabilities": "predict_proba",
+                  "scores": "decision_function"}[output]
+        return np.asarray(getattr(model, method)(frame))
+
+
+@pytest.mark.parametrize("kind, sample_layout", [
+    ("classifier", "str"), ("classifier", "category"), ("regressor", "str"), ("linear-svc", "str"),
+])
+def test_a_pipeline_of_numbers_and_text_categories_is_packaged_and_answers_as_scikit_learn(
+        kind: str, sample_layout: str, tmp_path: Path) -> None:
+    model = _model(kind)
+    frame, _ = passengers(300, seed=1)  # rows the model has not seen
+    sample = frame.astype({c: "category" for c in TEXTS}) if sample_layout == "category" else frame
+
+    manifest = package_sklearn(model, tmp_path / "bundle", name="passengers", feature_names=FEATURES, sample=sample)
+
+    assert [(c.name, c.type) for c in manifest.signature.inputs] == [
+        ("age", "float32"), ("fare", "float32"), ("sex", "string"), ("port", "string")]
+    outputs = [c.name for c in manifest.signature.outputs]
+    assert outputs == {"classifier": ["label", "probabilities"], "regressor": ["prediction"],
+                       "linear-svc": ["label", "scores"]}[kind]
+    got = bundle_answers(tmp_path / "bundle", manifest, pa.Table.from_pandas(frame, preserve_index=False))
+    for output in outputs:
+        want = _sklearn(model, frame, output)
+        if output == "label":
+            assert np.array_equal(got[output], want)
+        else:
+            assert np.allclose(got[output].reshape(want.shape), want, atol=ATOL, rtol=RTOL), output
+
+
+def test_the_tensor_layout_of_text_features_is_refused_in_one_line(tmp_path: Path) -> None:
+    frame, _ = passengers(50)
+    with pytest.raises(InvalidSetting) as refused:
+        package_sklearn(_model("classifier"), tmp_path / "bundle", name="passengers", feature_names=FEATURES,
+                        sample=frame, input_layout="tensor")
+    assert str(refused.value) == ("input_layout 'tensor' stacks float features into one [N, k] input; columns 'sex', "
+                                  "'port' hold text: leave input_layout at 'columns'")
+    assert not (tmp_path / "bundle").exists()
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """The classifier, packaged with its training rows' profile (so batch jobs check a data contract)."""
+    model = _model("classifier")
+    frame, _ = passengers()
+    folder = tmp_path_factory.mktemp("passengers") / "bundle"
+    package_sklearn(model, folder, name="passengers", feature_names=FEATURES, sample=frame,
+                    reference_profile=profile_table(pa.Table.from_pandas(frame, preserve_index=False)))
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def url(bundle: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    home = tmp_path_factory.mktemp("passengers-home")
+    registry = ModelRegistry(str(home / "registry"))
+    registry.set_alias("passengers", "prod", registry.push(bundle[0]).version or 1)
+    tenants = TenantDirectory.from_config({"tenants": [
+        {"name": "acme", "api_keys_sha256": [hash_api_key(KEY)], "models": ["passengers@prod"]}]})
+    plane = build_plane(OnlineSettings(alias_refresh_s=0), StorageSettings(home=str(home)),
+                        RuntimeSettings(device="cpu", intra_op_threads=1), tenants)
+    with serve_listeners_in_thread(create_app(plane)) as served:
+        yield served.url
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_tritonclient_sends_text_and_number_tensors_and_gets_scikit_learns_answers(
+        url: str, bundle: tuple[Path, Any], binary: bool) -> None:
+    frame, _ = passengers(40, seed=2)
+    client = triton.InferenceServerClient(url.removeprefix("http://"))
+    inputs = []
+    for name in FEATURES:
+        text = name in TEXTS
+        tensor = triton.InferInput(name, [len(frame)], "BYTES" if text else "FP32")
+        values = frame[name].to_numpy(dtype=object if text else np.float32)
+        tensor.set_data_from_numpy(values, binary_data=binary)
+        inputs.append(tensor)
+    outputs = [triton.InferRequestedOutput(n, binary_data=binary) for n in ("label", "probabilities")]
+
+    answer = client.infer("passengers", inputs, outputs=outputs, headers={"Authorization": f"Bearer {KEY}"})
+
+    model = bundle[1]
+    assert answer.as_numpy("label").tolist() == _sklearn(model, frame, "label").tolist()
+    np.testing.assert_allclose(answer.as_numpy("probabilities"), _sklearn(model, frame, "probabilities"),
+                               atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.usefixtures("on_cluster")
+def test_a_batch_job_scores_text_categories_written_as_pandas_writes_a_category(
+        bundle: tuple[Path, Any], shardline_home: Path, tmp_path: Path) -> None:
+    registry = ModelRegistry(str(shardline_home / "registry"))
+    registry.set_alias("passengers", "prod", registry.push(bundle[0]).version or 1)
+    frame, _ = passengers(900, seed=3)
+    shards = tmp_path / "in"
+    shards.mkdir()
+    for i, part in enumerate(np.array_split(np.arange(len(frame)), 3)):
+        rows = frame.iloc[part].astype({"sex": "category"})  # a dictionary column; 'port' plain strings
+        pq.write_table(pa.Table.from_pandas(rows.assign(id=part), preserve_index=False), shards / f"part-{i}.parquet")
+    out = tmp_path / "out"
+
+    state = batch_inference(model="passengers@prod", input_uri=str(shards), output_uri=str(out), return_state=True)
+
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert (summary["rows_in"], summary["rows_out"], summary["shards_quarantined"]) == (900, 900, 0)
+    scored = ds.dataset(out, format="parquet").to_table().sort_by("id")
+    assert scored.column("id").to_pylist() == list(range(900))
+    assert scored.column("label").to_pylist() == _sklearn(bundle[1], frame, "label").tolist()
+    probabilities = np.array(scored.column("probabilities").to_pylist())
+    np.testing.assert_allclose(probabilities, _sklearn(bundle[1], frame, "probabilities"), atol=ATOL, rtol=RTOL)
+
+
+def test_the_pipeline_logged_to_mlflow_is_imported_with_its_text_categories(tmp_path: Path) -> None:
+    """As MLflow logs it by default (skops), its input example the sample: imported into the same columns."""
+    import mlflow
+
+    from shardline.build.mlflow_import import import_mlflow_model
+    from tests.mlflow_models import _tracking
+
+    model = _model("classifier")
+    frame, _ = passengers(200, seed=4)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with _tracking(uri), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        experiment = mlflow.create_experiment("passengers", artifact_location=(tmp_path / "artifacts").as_uri())
+        with mlflow.start_run(experiment_id=experiment):
+            mlflow.sklearn.log_model(model, name="model", registered_model_name="passengers", input_example=frame.head(50),
+                                     pip_requirements=[], serialization_format="skops")
+
+    imported = import_mlflow_model("models:/passengers/1", tmp_path / "bundle", tracking_uri=uri)
+
+    assert [(c.name, c.type) for c in imported.manifest.signature.inputs] == [
+        ("age", "float32"), ("fare", "float32"), ("sex", "string"), ("port", "string")]
+    got = bundle_answers(imported.folder, imported.manifest, pa.Table.from_pandas(frame, preserve_index=False))
+    assert np.array_equal(got["label"], _sklearn(model, frame, "label"))
+    assert np.allclose(got["probabilities"], _sklearn(model, frame, "probabilities"), atol=ATOL, rtol=RTOL)

@@ -645,7 +645,7 @@ def package_onnx(
     return finish_bundle(out, manifest, golden, reference_profile)
 
 
-def _probe(rows: pa.Table | None, features: Sequence[str], texts: Sequence[str], dtype: np.dtype
+def _probe(estimator: Any, rows: pa.Table | None, features: Sequence[str], texts: Sequence[str], dtype: np.dtype
            ) -> tuple[dict[str, np.ndarray], Any]:
     """Rows a converted model is run on to learn the layout of its outputs (the sample's first, else random ones):
     the ONNX feeds, and the same rows as scikit-learn is given them (``sklearn_check.given_rows``)."""
@@ -656,12 +656,12 @@ def _probe(rows: pa.Table | None, features: Sequence[str], texts: Sequence[str],
 
     head = rows.slice(0, min(_SAMPLE_ROWS, rows.num_rows))
     if not texts:
-        probe = given_rows(head, features, _SAMPLE_ROWS)
+        probe = given_rows(head, features, _SAMPLE_ROWS, estimator)
         return {"X": probe.astype(dtype)}, probe
     from shardline.runtimes.onnx import column_tensor
 
     feeds = {f: column_tensor(head.column(f), np.dtype(object) if f in texts else dtype, 2) for f in features}
-    return feeds, given_rows(head, features, _SAMPLE_ROWS)
+    return feeds, given_rows(head, features, _SAMPLE_ROWS, estimator)
 
 
 def package_sklearn(
@@ -790,7 +790,7 @@ def _sklearn_bundle(estimator: Any, out_dir: str | Path, features: list[str], ro
             outputs.append(ColumnSpec(name="probabilities", type=f"fixed_size_list<float32>[{classes}]"))
             rename[onx.graph.output[1].name] = "probabilities"
         else:  # LinearSVC, RidgeClassifier, ...: scikit-learn's decision_function, where the conversion gives it
-            scores = decision_scores(onx, estimator, *_probe(rows, features, texts, np.dtype(dtype)))
+            scores = decision_scores(onx, estimator, *_probe(estimator, rows, features, texts, np.dtype(dtype)))
             if scores is not None:
                 outputs.append(ColumnSpec(name="scores", type=scores))
                 rename["scores"] = "scores"

@@ -59,18 +59,28 @@ def sklearn_answers(estimator: Any, rows: np.ndarray) -> dict[str, np.ndarray]:
         return answers
 
 
-def conversion_options(estimator: Any) -> dict[int, dict[str, Any]] | None:
+def conversion_options(estimator: Any) -> dict[Any, dict[str, Any]]:
     """skl2onnx's options for ``estimator``: a classifier's probabilities as a tensor (no ZipMap); for a classifier
     without ``predict_proba``, set on its last step, where its converter takes a ZipMap at all (skl2onnx would
-    otherwise give the option to every classifier in a pipeline, and ``LinearSVC``'s converter refuses it)."""
-    if not hasattr(estimator, "classes_"):
-        return None
-    if hasattr(estimator, "predict_proba"):
-        return {id(estimator): {"zipmap": False}}
-    last = estimator
-    while hasattr(last, "steps"):  # a Pipeline, maybe nested
-        last = last.steps[-1][1]
-    return {id(last): {"zipmap": False} if _takes_zipmap(last) else {}}
+    otherwise give the option to every classifier in a pipeline, and ``LinearSVC``'s converter refuses it). Every
+    text vectorizer's normalizer in the C locale: skl2onnx's default, en_US.UTF-8, is missing from many machines
+    and images a bundle runs on (onnxruntime then cannot load it). skl2onnx's vectorizers read ASCII words as
+    scikit-learn does, in any locale, and others not (a word with an accent): the check against scikit-learn on
+    the sample refuses a model those change."""
+    options: dict[int, dict[str, Any]] = {}
+    if hasattr(estimator, "classes_"):
+        if hasattr(estimator, "predict_proba"):
+            options[id(estimator)] = {"zipmap": False}
+        else:
+            last = estimator
+            while hasattr(last, "steps"):  # a Pipeline, maybe nested
+                last = last.steps[-1][1]
+            options[id(last)] = {"zipmap": False} if _takes_zipmap(last) else {}
+    from sklearn.feature_extraction.text import CountVectorizer, TfidfVectorizer
+
+    keyed: dict[Any, dict[str, Any]] = {**options}  # by type: every fitted copy, a ColumnTransformer's too
+    keyed.update({kind: {"locale": "C"} for kind in (CountVectorizer, TfidfVectorizer)})
+    return keyed
 
 
 def _takes_zipmap(classifier: Any) -> bool:
@@ -147,7 +157,9 @@ def float32_loss(estimator: Any, sample: pa.Table, features: Sequence[str], fram
     _features(None, sample, features)  # every feature is there, or InvalidInput naming the missing ones
     texts = text_features(sample, features)
     numbers = [f for f in features if f not in texts]  # text features are given as they are either way
-    given = given_rows(sample, features, CHECK_ROWS)
+    if not numbers:
+        return None
+    given = given_rows(sample, features, CHECK_ROWS, estimator)
     matrix = given[numbers].to_numpy(np.float64) if texts else given
     rounded = matrix.astype(np.float32).astype(np.float64)
     if np.array_equal(matrix, rounded, equal_nan=True) or _same(
@@ -187,16 +199,21 @@ def plain_text(sample: pa.Table, texts: Sequence[str]) -> pa.Table:
     return sample
 
 
-def given_rows(sample: pa.Table, features: Sequence[str], rows: int) -> Any:
+def given_rows(sample: pa.Table, features: Sequence[str], rows: int, estimator: Any) -> Any:
     """The sample's first ``rows`` rows as scikit-learn is given them: a float64 matrix of the features, or, where
-    one is text (``text_features``), a DataFrame of them as given (a ``ColumnTransformer`` selects by name).
+    one is text (``text_features``), a DataFrame of them as given (a ``ColumnTransformer`` selects by name), or,
+    for one text feature read by an estimator fitted on no column names (a text vectorizer first), its texts.
 
     Raises:
         InvalidInput: a feature is neither a number nor text.
     """
-    if not text_features(sample, features):
+    texts = text_features(sample, features)
+    if not texts:
         return _matrix(sample, features, rows, np.float64)
-    return sample.select(list(features)).slice(0, min(rows, sample.num_rows)).to_pandas()
+    frame = sample.select(list(features)).slice(0, min(rows, sample.num_rows)).to_pandas()
+    if texts == list(features) and len(texts) == 1 and not hasattr(estimator, "feature_names_in_"):
+        return frame[texts[0]].to_numpy(dtype=object)
+    return frame
 
 
 def check_sklearn(folder: Path, manifest: Manifest, estimator: Any, sample: pa.Table, features: Sequence[str]) -> None:
@@ -207,7 +224,7 @@ def check_sklearn(folder: Path, manifest: Manifest, estimator: Any, sample: pa.T
         InvalidInput: an output differs (naming it, the largest difference and the rows).
     """
     names = list(features)
-    answers = sklearn_answers(estimator, given_rows(sample, names, CHECK_ROWS))
+    answers = sklearn_answers(estimator, given_rows(sample, names, CHECK_ROWS, estimator))
     expected = {name: values for name, values in answers.items() if name in manifest.signature.output_names}
     tie = _ties(answers)
     head = sample.select(names).slice(0, min(CHECK_ROWS, sample.num_rows))

@@ -209,3 +209,61 @@ def test_the_pipeline_logged_to_mlflow_is_imported_with_its_text_categories(tmp_
     got = bundle_answers(imported.folder, imported.manifest, pa.Table.from_pandas(frame, preserve_index=False))
     assert np.array_equal(got["label"], _sklearn(model, frame, "label"))
     assert np.allclose(got["probabilities"], _sklearn(model, frame, "probabilities"), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("shape", ["text-alone", "text-and-a-number"])
+def test_a_text_vectorizer_pipeline_is_packaged_in_the_c_locale_and_answers_as_scikit_learn(
+        shape: str, tmp_path: Path) -> None:
+    """TF-IDF first (its estimator fitted on texts, not named columns: given the texts alone), or inside a
+    ColumnTransformer beside a number. skl2onnx's text normalizer defaults to en_US.UTF-8, a locale this machine
+    (and many images) lacks, where onnxruntime cannot load it: the builder converts in the C locale."""
+    import pandas as pd
+    from sklearn.compose import ColumnTransformer
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    rng = np.random.default_rng(5)
+    words = ["good", "bad", "great", "awful", "Movie", "PLOT", "acting", "fun"]  # ASCII: see the test below
+    texts = [" ".join(rng.choice(words, 5)) for _ in range(300)]
+    frame = pd.DataFrame({"review": texts, "stars": rng.integers(1, 6, 300).astype(np.float64)})
+    labels = np.array([("good" in t) + ("great" in t) - ("bad" in t) > 0 for t in texts], dtype=np.int64)
+    if shape == "text-alone":
+        model, features = make_pipeline(TfidfVectorizer(), LogisticRegression()).fit(texts, labels), ["review"]
+        given: Any = np.array(texts, dtype=object)
+    else:
+        model = make_pipeline(ColumnTransformer([("words", TfidfVectorizer(), "review"), ("n", StandardScaler(), ["stars"])]),
+                              LogisticRegression()).fit(frame, labels)
+        features, given = ["review", "stars"], frame
+
+    manifest = package_sklearn(model, tmp_path / "bundle", name="reviews", feature_names=features, sample=frame)
+
+    assert [(c.name, c.type) for c in manifest.signature.inputs] == [
+        ("review", "string"), ("stars", "float32")][:len(features)]
+    got = bundle_answers(tmp_path / "bundle", manifest, pa.Table.from_pandas(frame[features], preserve_index=False))
+    assert np.array_equal(got["label"], _sklearn(model, given, "label"))
+    assert np.allclose(got["probabilities"], _sklearn(model, given, "probabilities"), atol=ATOL, rtol=RTOL)
+
+
+def test_a_text_onnxruntime_reads_otherwise_is_refused_by_the_check_in_one_line(tmp_path: Path) -> None:
+    """skl2onnx's text vectorizers read ASCII words as scikit-learn does, not others: a word with one non-ASCII
+    letter ('école', 'café') is read otherwise (in the C locale and C.UTF-8 alike), and a model fitted on such
+    words answers otherwise. The check against scikit-learn on the sample catches it; nothing is written."""
+    import pandas as pd
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+
+    from shardline.errors import InvalidInput
+
+    texts = ["école good", "café bad", "good movie", "bad movie"] * 10
+    model = make_pipeline(TfidfVectorizer(), LogisticRegression()).fit(texts, [1, 0, 1, 0] * 10)
+
+    with pytest.raises(InvalidInput) as refused:
+        package_sklearn(model, tmp_path / "bundle", name="reviews", feature_names=["text"],
+                        sample=pd.DataFrame({"text": texts}))
+
+    assert str(refused.value).startswith("the ONNX conversion does not match scikit-learn's own predictions: "
+                                         "'probabilities' off by up to ")
+    assert not (tmp_path / "bundle").exists()

@@ -22,15 +22,12 @@ from shardline.build.frameworks import ATOL, RTOL
 from shardline.build.packaging import package_sklearn
 from shardline.errors import InvalidSetting
 from shardline.flows.batch_inference import batch_inference
-from shardline.online.app import create_app
-from shardline.online.server import build_plane
 from shardline.online.tenants import TenantDirectory, hash_api_key
-from shardline.online.testing import serve_listeners_in_thread
 from shardline.quality.profile import profile_table
-from shardline.settings import OnlineSettings, RuntimeSettings, StorageSettings
 from shardline.storage.registry import ModelRegistry
 
 from tests.framework_models import bundle_answers
+from tests.support.serving import serve_home
 
 KEY = "sk-passengers-test-key"
 FEATURES = ["age", "fare", "sex", "port"]
@@ -132,10 +129,8 @@ def url(bundle: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory) -> I
     registry.set_alias("passengers", "prod", registry.push(bundle[0]).version or 1)
     tenants = TenantDirectory.from_config({"tenants": [
         {"name": "acme", "api_keys_sha256": [hash_api_key(KEY)], "models": ["passengers@prod"]}]})
-    plane = build_plane(OnlineSettings(alias_refresh_s=0), StorageSettings(home=str(home)),
-                        RuntimeSettings(device="cpu", intra_op_threads=1), tenants)
-    with serve_listeners_in_thread(create_app(plane)) as served:
-        yield served.url
+    with serve_home(home, tenants) as (served, _):
+        yield served
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])

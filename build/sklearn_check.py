@@ -67,8 +67,10 @@ def conversion_options(estimator: Any) -> dict[Any, dict[str, Any]]:
     and images a bundle runs on (onnxruntime then cannot load it). skl2onnx's vectorizers read ASCII words as
     scikit-learn does, in any locale, and others not (a word with an accent): the check against scikit-learn on
     the sample refuses a model those change."""
-    options: dict[int, dict[str, Any]] = {}
-    if hasattr(estimator, "classes_"):
+    from sklearn.feature_extraction.text import CountVectorizer, TfidfVectorizer
+
+    options: dict[Any, dict[str, Any]] = {kind: {"locale": "C"} for kind in (CountVectorizer, TfidfVectorizer)}
+    if hasattr(estimator, "classes_"):  # (by id: this estimator; the vectorizers by type: a ColumnTransformer's copies)
         if hasattr(estimator, "predict_proba"):
             options[id(estimator)] = {"zipmap": False}
         else:
@@ -76,11 +78,7 @@ def conversion_options(estimator: Any) -> dict[Any, dict[str, Any]]:
             while hasattr(last, "steps"):  # a Pipeline, maybe nested
                 last = last.steps[-1][1]
             options[id(last)] = {"zipmap": False} if _takes_zipmap(last) else {}
-    from sklearn.feature_extraction.text import CountVectorizer, TfidfVectorizer
-
-    keyed: dict[Any, dict[str, Any]] = {**options}  # by type: every fitted copy, a ColumnTransformer's too
-    keyed.update({kind: {"locale": "C"} for kind in (CountVectorizer, TfidfVectorizer)})
-    return keyed
+    return options
 
 
 def _takes_zipmap(classifier: Any) -> bool:
@@ -155,11 +153,13 @@ def float32_loss(estimator: Any, sample: pa.Table, features: Sequence[str], fram
         InvalidInput: the sample lacks a feature, or a feature column is not numbers.
     """
     _features(None, sample, features)  # every feature is there, or InvalidInput naming the missing ones
-    texts = text_features(sample, features)
-    numbers = [f for f in features if f not in texts]  # text features are given as they are either way
+    # text features (scikit-learn's pipelines only; another framework's are refused by _matrix) are given as they are
+    texts = text_features(sample, features) if framework == "scikit-learn" else []
+    numbers = [f for f in features if f not in texts]
     if not numbers:
         return None
-    given = given_rows(sample, features, CHECK_ROWS, estimator)
+    given = given_rows(sample, features, CHECK_ROWS, estimator) if texts else _matrix(sample, features, CHECK_ROWS,
+                                                                                       np.float64)
     matrix = given[numbers].to_numpy(np.float64) if texts else given
     rounded = matrix.astype(np.float32).astype(np.float64)
     if np.array_equal(matrix, rounded, equal_nan=True) or _same(

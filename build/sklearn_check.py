@@ -40,6 +40,7 @@ import pyarrow as pa
 
 from shardline.build.frameworks import ATOL, CHECK_ROWS, RTOL, _check, _features, _matrix, _tie_rows
 from shardline.bundle import Manifest
+from shardline.errors import InvalidInput
 from shardline.signature import is_compatible
 
 
@@ -228,4 +229,26 @@ def check_sklearn(folder: Path, manifest: Manifest, estimator: Any, sample: pa.T
     expected = {name: values for name, values in answers.items() if name in manifest.signature.output_names}
     tie = _ties(answers)
     head = sample.select(names).slice(0, min(CHECK_ROWS, sample.num_rows))
-    _check(folder, manifest, head, expected, tie, "scikit-learn")
+    try:
+        _check(folder, manifest, head, expected, tie, "scikit-learn")
+    except InvalidInput as e:
+        why = _non_ascii_words(estimator, head, text_features(head, names))
+        if why is None:
+            raise
+        raise InvalidInput(f"{e}. {why}") from e
+
+
+def _non_ascii_words(estimator: Any, head: pa.Table, texts: Sequence[str]) -> str | None:
+    """Why a text vectorizer's conversion answers otherwise, where it is the likely cause: the sample's texts hold
+    letters outside ASCII, which skl2onnx's vectorizers read otherwise than scikit-learn (any locale)."""
+    import pyarrow.compute as pc
+
+    inner = estimator.get_params(deep=True).values() if hasattr(estimator, "get_params") else ()
+    if not any(type(part).__name__ in ("CountVectorizer", "TfidfVectorizer") for part in (estimator, *inner)):
+        return None
+    column = next((t for t in texts if not pc.all(pc.string_is_ascii(head.column(t))).as_py()), None)
+    if column is None:
+        return None
+    return (f"Its text column {column!r} holds letters outside ASCII (accents), which skl2onnx's text vectorizers "
+            "read otherwise than scikit-learn does: package the pipeline as custom model code instead, which runs "
+            "scikit-learn itself (docs/custom-models.md)")

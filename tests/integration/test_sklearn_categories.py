@@ -3,7 +3,8 @@
 ``package_sklearn`` (and so imported from MLflow) into one input a column, float32 and string, checked against
 scikit-learn on the rows as given; then served over real HTTP (tritonclient, BYTES and FP32 tensors, JSON and
 binary) and scored by a batch job whose shards hold a category as pandas writes it (a dictionary), each answering
-as scikit-learn does."""
+as scikit-learn does. Text vectorizer pipelines too (TF-IDF alone, or in a ColumnTransformer beside a number), and
+the one-line refusal where their ONNX form reads the sample's words otherwise."""
 
 from __future__ import annotations
 

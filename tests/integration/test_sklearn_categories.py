@@ -267,3 +267,11 @@ def test_a_text_onnxruntime_reads_otherwise_is_refused_by_the_check_in_one_line(
                          "vectorizers read otherwise than scikit-learn does: package the pipeline as custom model code "
                          "instead, which runs scikit-learn itself (docs/custom-models.md)")
     assert "\n" not in said and not (tmp_path / "bundle").exists()
+
+
+def test_the_model_metadata_tells_a_client_to_send_fp32_numbers_and_bytes_texts(url: str) -> None:
+    client = triton.InferenceServerClient(url.removeprefix("http://"))
+    metadata = client.get_model_metadata("passengers", headers={"Authorization": f"Bearer {KEY}"})
+    assert [(i["name"], i["datatype"], i["shape"]) for i in metadata["inputs"]] == [
+        ("age", "FP32", [-1]), ("fare", "FP32", [-1]), ("sex", "BYTES", [-1]), ("port", "BYTES", [-1])]
+    assert [(o["name"], o["datatype"]) for o in metadata["outputs"]] == [("label", "INT64"), ("probabilities", "FP32")]

@@ -161,28 +161,42 @@ def _rows_flat(data: list[Any], rank: int) -> list[Any] | None:
     return list(chain.from_iterable(data))
 
 
-def _fast_tensors(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarray, ...] | None:
-    """One ``[N]`` or ``[N, k]`` input per column of a float signature with list columns: their arrays, or None."""
+def _list_slot(tensor: _Tensor | _BinaryTensor, rows: int, signature: Signature, arrays: list[np.ndarray | None]
+               ) -> tuple[int, int, np.dtype[Any], int] | None:
+    """Where one input of a float signature with list columns goes (``_fast_tensors``, ``_binary_tensors``): its
+    column's position, width (0: one value a row) and type, and the request's rows (the first input's, ``rows``
+    below 0 before it), where it names a column no input before it did, with the column's datatype and shape
+    (``[rows]`` or ``[rows, width]``); None where it does not."""
     plan = signature.plan
     layout = plan.layout
+    assert layout is not None
+    i, shape = plan.positions.get(tensor.name), tensor.shape
+    if i is None or arrays[i] is not None or not shape:
+        return None
+    width, dtype = layout.widths[i], layout.dtypes[i]
+    rows = shape[0] if rows < 0 else rows
+    if (tensor.datatype != FLOAT_DATATYPES[dtype] or rows <= 0 or shape[0] != rows
+            or shape[1:] != ([width] if width else [])):
+        return None
+    return i, width, dtype, rows
+
+
+def _fast_tensors(inputs: list[_Tensor], signature: Signature) -> tuple[np.ndarray, ...] | None:
+    """One ``[N]`` or ``[N, k]`` input per column of a float signature with list columns: their arrays, or None."""
+    layout = signature.plan.layout
     assert layout is not None
     if len(inputs) != len(layout.widths):
         return None
     arrays: list[np.ndarray | None] = [None] * len(inputs)
     rows = -1
     for tensor in inputs:
-        i = plan.positions.get(tensor.name)
-        if i is None or arrays[i] is not None:
+        slot = _list_slot(tensor, rows, signature, arrays)
+        if slot is None:
             return None
-        width, dtype, shape = layout.widths[i], layout.dtypes[i], tensor.shape
-        if not shape:
-            return None
-        if rows < 0:
-            rows = shape[0]
-        data = _rows_flat(tensor.data, len(shape)) if tensor.data and type(tensor.data[0]) is list else tensor.data
-        if (data is None or tensor.datatype != FLOAT_DATATYPES[dtype] or not _bare(tensor) or rows <= 0
-                or shape[0] != rows or shape[1:] != ([width] if width else []) or len(data) != rows * (width or 1)
-                or not _numbers(data, dtype)):
+        i, width, dtype, rows = slot
+        data = (_rows_flat(tensor.data, len(tensor.shape)) if tensor.data and type(tensor.data[0]) is list
+                else tensor.data)
+        if data is None or not _bare(tensor) or len(data) != rows * (width or 1) or not _numbers(data, dtype):
             return None
         with np.errstate(over="ignore"):  # past float32's range: inf, refused by float_rows
             values = np.array(data, dtype=dtype)
@@ -215,27 +229,20 @@ def _binary_columns(inputs: list[_BinaryTensor], binary: memoryview, signature: 
 def _binary_tensors(inputs: list[_BinaryTensor], binary: memoryview, signature: Signature) -> tuple[np.ndarray, ...] | None:
     """One binary ``[N]`` or ``[N, k]`` input per column of a float signature with list columns, their bytes
     making up the whole binary part, in the order of the inputs: their arrays (copies), or None."""
-    plan = signature.plan
-    layout = plan.layout
+    layout = signature.plan.layout
     assert layout is not None
     if len(inputs) != len(layout.widths):
         return None
     arrays: list[np.ndarray | None] = [None] * len(inputs)
     rows, offset = -1, 0
     for tensor in inputs:
-        i = plan.positions.get(tensor.name)
-        if i is None or arrays[i] is not None:
+        slot = _list_slot(tensor, rows, signature, arrays)
+        if slot is None:
             return None
-        width, dtype, shape = layout.widths[i], layout.dtypes[i], tensor.shape
-        if not shape:
-            return None
-        if rows < 0:
-            rows = shape[0]
+        i, width, dtype, rows = slot
         count = rows * (width or 1)
         size = tensor.parameters.binary_data_size
-        if (tensor.datatype != FLOAT_DATATYPES[dtype] or rows <= 0 or shape[0] != rows
-                or shape[1:] != ([width] if width else []) or size != count * dtype.itemsize
-                or offset + size > len(binary)):
+        if size != count * dtype.itemsize or offset + size > len(binary):
             return None
         values = np.frombuffer(binary, dtype, count, offset)
         arrays[i] = (values.reshape(rows, width) if width else values).copy()

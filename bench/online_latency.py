@@ -95,6 +95,7 @@ LAYOUTS = {"scalar": "30 inputs of shape [1]", "nk": "one input of shape [1, 30]
            "binary-nk": "one binary input of shape [1, 30], binary outputs (tritonclient's defaults)"}
 SUFFIXES = {"scalar": "", "nk": "-nk", "nested": "-nest", "binary": "-bin", "binary-nk": "-bin-nk"}  # of the series' names
 NK_LAYOUTS = {"nk", "nested", "binary-nk"}  # sent to the model packaged from the ONNX file alone (MODEL_NK)
+DATA_KEYS = {"scalar": "v2"}  # the key of each layout's bodies in prepare()'s data, where not the layout's name
 FLOOR_THREADS = 1  # the floor's and LitServe's intra-op threads: the fastest for one row of this model
 KEPT_VARIABLES = ("SHARDLINE_STORAGE_HOME",)  # the only SHARDLINE_* variable the platform gets (and capture's rate)
 
@@ -329,11 +330,17 @@ def layout_targets(name: str, server: Server, data: dict[str, Any], layouts: lis
             for layout in layouts]
 
 
-DATA_KEYS = {"scalar": "v2"}  # the key of each layout's bodies in prepare()'s data, where not the layout's name
-
-
 def infer_path(layout: str) -> str:
+    """Where a layout's requests go: the model packaged with its feature names, or from the ONNX file alone."""
     return f"/v2/models/{MODEL_NK if layout in NK_LAYOUTS else MODEL}/infer"
+
+
+def parse_layouts(parser: argparse.ArgumentParser, given: str) -> list[str]:
+    """``--layouts``: some of ``LAYOUTS``, comma-separated (this bench's and router_overhead.py's)."""
+    layouts = [n.strip() for n in given.split(",") if n.strip()]
+    if not layouts or set(layouts) - set(LAYOUTS):
+        parser.error(f"--layouts takes some of {', '.join(LAYOUTS)}")
+    return layouts
 
 
 def make_servers(names: list[str], data: dict[str, Any], args: argparse.Namespace) -> tuple[list[Server], list[Target]]:
@@ -652,9 +659,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.drain = 5.0
     servers = args.servers or ",".join(QUICK_SERVERS if args.quick else SERVERS)
     args.names = [n.strip() for n in servers.split(",") if n.strip()]
-    args.layouts = [n.strip() for n in args.layouts.split(",") if n.strip()]
-    if not args.layouts or set(args.layouts) - set(LAYOUTS):
-        parser.error(f"--layouts takes some of {', '.join(LAYOUTS)}")
+    args.layouts = parse_layouts(parser, args.layouts)
     unknown = set(args.names) - set(SERVERS)
     if unknown:
         parser.error(f"unknown server(s) {sorted(unknown)}; choose from {', '.join(SERVERS)}")

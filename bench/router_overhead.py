@@ -128,9 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layouts", default=",".join(ol.LAYOUTS),
                         help=f"comma-separated request layouts (default: all, {', '.join(ol.LAYOUTS)})")
     args = parser.parse_args(argv)
-    args.layouts = [n.strip() for n in args.layouts.split(",") if n.strip()]
-    if not args.layouts or set(args.layouts) - set(ol.LAYOUTS):
-        parser.error(f"--layouts takes some of {', '.join(ol.LAYOUTS)}")
+    args.layouts = ol.parse_layouts(parser, args.layouts)
     args.ladder = [float(r) for r in args.rates.split(",")] if args.rates else (
         [100.0, 800.0, 1600.0] if args.quick else [100.0 * 2**k for k in range(7)])
     args.seconds, args.warmup = (2.0, 0.5) if args.quick else (5.0, 1.0)

@@ -709,6 +709,7 @@ def package_sklearn(
         raise RuntimeUnavailable(
             "packaging a scikit-learn model needs skl2onnx; pip install 'shardline[package]'"
         ) from e
+    from shardline.build.frameworks import _features
     from shardline.build.skl2onnx_mends import mend_skl2onnx
     from shardline.build.sklearn_check import float32_loss, plain_text, text_features
 
@@ -722,21 +723,22 @@ def package_sklearn(
     if texts and input_layout == "tensor":
         raise InvalidSetting(f"input_layout 'tensor' stacks float features into one [N, k] input; columns "
                              f"{named_columns(texts)} hold text: leave input_layout at 'columns'")
-    lost = float32_loss(estimator, rows, features) if rows is not None else None
     bundle = functools.partial(_sklearn_bundle, estimator, out_dir, features, rows, texts, name=name, lineage=lineage,
                                golden=golden, reference_profile=reference_profile, image=image,
                                input_layout=input_layout)
     if rows is None:
         return bundle(None)
+    _features(None, rows, features)  # every feature is in the sample, or InvalidInput naming the missing ones
     # float32 first, checked against scikit-learn on the rows as given, then float64. float32_loss (scikit-learn's own
     # answers moving on rows rounded to float32) is a proxy both ways: skl2onnx rounds a tree's thresholds so that
     # float32 features split as the rows as given do (HistGradientBoosting's answers on rounded rows move, the float32
     # bundle's do not), and a graph computing in float32 can lose answers the rounding does not (a StandardScaler in
-    # float32 before a forest's thresholds).
+    # float32 before a forest's thresholds). So it is asked only where float32 failed, to name the column.
     try:
         return bundle(None)
     except Exception as e:  # noqa: BLE001 - a mismatch, or skl2onnx has no converter: float64's outcome decides
         float32_refusal = e
+    lost = float32_loss(estimator, rows, features)
     try:
         return bundle(lost or "float32 features lose scikit-learn's answers on the sample")
     except Exception:

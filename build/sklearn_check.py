@@ -6,10 +6,12 @@ about 7 significant digits. For most features that changes nothing, but a column
 (a Unix timestamp: 1.7e9 + a few seconds) loses what the model reads, and a float32 model then answers
 otherwise on rows scikit-learn gets right. So:
 
-- ``float32_loss`` says, before converting, whether rounding the sample's first ``CHECK_ROWS`` rows to
-  float32 changes scikit-learn's own answers (beyond the tolerance), naming the column that loses the most;
-  the builder then converts with float64 inputs, unless the float32 bundle's answers match anyway (skl2onnx
-  rounds a tree's thresholds so that float32 features split as the rows as given do: HistGradientBoosting);
+- the builder converts with float32 inputs first and checks that bundle (below); where its answers differ, it
+  converts with float64 inputs, and ``float32_loss`` says whether rounding the sample's first ``CHECK_ROWS``
+  rows to float32 changes scikit-learn's own answers (beyond the tolerance), naming the column that loses the
+  most, for the refusal where float64 does not convert or run. It is not asked first: skl2onnx rounds a tree's
+  thresholds so that float32 features split as the rows as given do (HistGradientBoosting's answers on
+  rounded rows move, its float32 bundle's do not);
 - ``check_sklearn`` scores those rows with the bundle as both tiers load it and compares every output with
   scikit-learn's answers on the rows as given (``frameworks._check``: within ``ATOL + RTOL * |expected|``,
   labels equal but at ties).

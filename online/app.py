@@ -45,8 +45,8 @@ from shardline.online.logs import (
     request_id_from,
 )
 from shardline.online.metrics import Metrics
-from shardline.online.protocols import kserve_v2, openai
-from shardline.online.protocols.forms import openai_error_body, v2_error_body
+from shardline.online.protocols import kserve_v1, kserve_v2, openai
+from shardline.online.protocols.forms import openai_error_body, openai_form, v2_error_body
 
 access_log = logging.getLogger(ACCESS_LOGGER)
 _REQUEST_ID = b"x-request-id"
@@ -160,7 +160,8 @@ class RequestMiddleware:
 
 
 class InferFirst:
-    """Sends ``POST .../infer`` straight to the V2 inference endpoint, everything else to ``app``.
+    """Sends ``POST .../infer`` straight to the V2 inference endpoint (and ``POST .../{name}:predict`` to V1's),
+    everything else to ``app``.
 
     The inference path is the hot one: past Starlette's router and middleware (error and
     exception middleware, gzip, a Request and a Response per request) it costs a fraction of
@@ -168,9 +169,10 @@ class InferFirst:
     has the same routes, for the other methods (405) and for anything this misses.
     """
 
-    def __init__(self, app: ASGIApp, infer: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, infer: ASGIApp, predict: ASGIApp) -> None:
         self.app = app
         self.infer = infer
+        self.predict = predict  # KServe V1's POST .../{name}:predict, the same plain-ASGI endpoint with V1's codec
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -182,6 +184,11 @@ class InferFirst:
                 scope["path_params"] = params
                 await self.infer(scope, receive, send)
                 return
+            params = kserve_v1.predict_path_params(scope["path"])
+            if params is not None:
+                scope["path_params"] = params
+                await self.predict(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 
@@ -190,12 +197,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     if status == 404:
         message = (f"no endpoint {request.method} {request.url.path}; this server speaks the Open Inference "
-                   "Protocol under /v2 and OpenAI's under /v1 (models, embeddings, completions, chat/completions)")
+                   "Protocol under /v2, KServe's V1 (/v1/models/{name}:predict) and OpenAI's under /v1 (models, "
+                   "embeddings, completions, chat/completions)")
     elif status == 405:
         message = f"{request.url.path} does not take {request.method}"
     else:
         message = str(getattr(exc, "detail", exc))
-    body = (openai_error_body if request.url.path.startswith("/v1/") else v2_error_body)(message, status)
+    body = (openai_error_body if openai_form(request.url.path) else v2_error_body)(message, status)
     if status in (404, 405) and "error" in body and isinstance(body["error"], dict):
         body["error"]["code"] = None  # no model is at fault (OpenAI's code for a 404): as OpenAI answers a wrong URL
     return json_response(body, status)
@@ -218,9 +226,10 @@ def create_app(plane: DataPlane, *, log_requests: bool = True) -> ASGIApp:
             flush_access_log()
             tracing.shutdown()
 
-    v2_routes = kserve_v2.routes(plane)
+    v2_routes, v1_routes = kserve_v2.routes(plane), kserve_v1.routes(plane)
     routes: list[Any] = [
         *v2_routes,
+        *v1_routes,  # before OpenAI's GET /v1/models/{model}, which its paths also match
         *openai.routes(plane),
     ]
     starlette = Starlette(
@@ -233,4 +242,5 @@ def create_app(plane: DataPlane, *, log_requests: bool = True) -> ASGIApp:
     # POST's client seldom follows it. InferFirst reads the path without it instead, as the router does.
     starlette.router.redirect_slashes = False
     infer = next(r.app for r in v2_routes if isinstance(r, Route) and r.path.endswith("/infer"))
-    return RequestMiddleware(InferFirst(starlette, infer), plane.metrics, log_requests)
+    predict = next(r.app for r in v1_routes if isinstance(r, Route))
+    return RequestMiddleware(InferFirst(starlette, infer, predict), plane.metrics, log_requests)

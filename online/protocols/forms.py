@@ -17,4 +17,10 @@ def v2_error_body(message: str, status: int, code: str | None = None, param: str
     return {"error": message}
 
 
-__all__ = ["openai_error_body", "v2_error_body"]
+def openai_form(path: str) -> bool:
+    """Whether errors on ``path`` take OpenAI's form: every path under ``/v1/`` but KServe V1's predict paths
+    (``/v1/models/{name}:predict``), whose clients read ``{"error": "..."}`` as V2's do."""
+    return path.startswith("/v1/") and not path.endswith(":predict")
+
+
+__all__ = ["openai_error_body", "openai_form", "v2_error_body"]

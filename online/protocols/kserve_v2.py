@@ -53,6 +53,7 @@ from shardline.online.edge import (
 from shardline.online.errors import shown
 from shardline.online.headers import TENANT_HEADER
 from shardline.online.logs import current
+from shardline.online.models import ServedModel
 from shardline.online.protocols.forms import v2_error_body
 from shardline.online.protocols.v2_fast import fast_binary_rows, fast_rows
 from shardline.online.protocols.v2_tensors import (
@@ -111,19 +112,29 @@ def _json_header(body: bytes, header_length: str | None) -> tuple[Any, memoryvie
         if size > len(body):
             raise InvalidInput(f"header {HEADER_LENGTH} says {size} bytes of JSON, the body has only {len(body)}")
         json_part, binary = body[:size], memoryview(body)[size:]
+    return parse_json_object(json_part, "inputs", header_length), binary
+
+
+def parse_json_object(json_part: bytes, field: str, header_length: str | None = None) -> dict[str, Any]:
+    """A request's JSON object (whose main field is ``field``), ``NaN`` and ``Infinity`` read as Python writes them.
+
+    Raises:
+        InvalidInput: the body is not JSON, or not an object (see ``_with_non_finite``).
+    """
     try:
         doc = orjson.loads(json_part)
     except orjson.JSONDecodeError as e:
-        doc = _with_non_finite(json_part, e, header_length)
+        doc = _with_non_finite(json_part, e, header_length, field)
     if not isinstance(doc, dict):
-        raise InvalidInput(f"the request body is a JSON {type(doc).__name__}, not an object with 'inputs'")
-    return doc, binary
+        raise InvalidInput(f"the request body is a JSON {type(doc).__name__}, not an object with '{field}'")
+    return doc
 
 
 _NON_FINITE = re.compile(rb"(?<![\w\"])(?:-?Infinity|NaN)(?![\w\"])")  # as Python's json writes them
 
 
-def _with_non_finite(json_part: bytes, error: orjson.JSONDecodeError, header_length: str | None = None) -> Any:
+def _with_non_finite(json_part: bytes, error: orjson.JSONDecodeError, header_length: str | None = None,
+                     field: str = "inputs") -> Any:
     """A body that is JSON but for ``NaN`` or ``Infinity`` (what Python's ``json.dumps`` writes for them, and so
     tritonclient's JSON requests and any client sending its output), read as the floats they name: the row check then
     says which input holds them, and a column that declares ``non_finite`` takes them. Any other invalid JSON is
@@ -148,7 +159,7 @@ def _with_non_finite(json_part: bytes, error: orjson.JSONDecodeError, header_len
                                "part's length in bytes, as tritonclient does") from error
         raise InvalidInput(f"header {HEADER_LENGTH} says the JSON part is {header_length} bytes, but those bytes "
                            f"are not a JSON object ({error}); send the JSON part's length in bytes") from error
-    raise InvalidInput(f"the request body is not valid JSON ({error}); send an object such as {{\"inputs\": [...]}}") \
+    raise InvalidInput(f"the request body is not valid JSON ({error}); send an object such as {{\"{field}\": [...]}}") \
         from error
 
 
@@ -378,7 +389,8 @@ def infer_path_params(path: str) -> dict[str, str] | None:
 
 
 class InferEndpoint:
-    """``POST /v2/models/{name}[/versions/{version}]/infer`` as a plain ASGI app: the hot path.
+    """``POST /v2/models/{name}[/versions/{version}]/infer`` as a plain ASGI app: the hot path. (KServe V1's
+    ``:predict`` is the same app with V1's ``decode`` and ``encode``: ``kserve_v1.PredictEndpoint``.)
 
     It does what a Starlette endpoint wrapped by ``edge.endpoint`` does (the tenant from the
     key, its quota, the version, the body within the size limit, decode, infer, encode,
@@ -386,8 +398,20 @@ class InferEndpoint:
     Request or Response object per request. ``scope["path_params"]`` holds the name (and version).
     """
 
+    protocol = PROTOCOL
+
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
+
+    def decode(self, body: bytes, headers: dict[bytes, bytes], served: ServedModel) -> tuple[Rows, Any]:
+        """The request's rows, and what its answer needs of it (here the decoded request: ids, outputs asked)."""
+        decoded = decode_infer_request(body, _text(headers, _HEADER_LENGTH_KEY), served.signature, served.pinned)
+        return decoded.rows, decoded
+
+    def encode(self, served: ServedModel, decoded: Any, output: pa.Table | pa.RecordBatch | dict[str, np.ndarray]
+               ) -> tuple[bytes, int | None]:
+        """The answer's body, and the JSON header's length when binary tensors follow it."""
+        return encode_infer_response(served.name, served.version, decoded, output)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer one inference request."""
@@ -422,7 +446,7 @@ class InferEndpoint:
         plane = self.plane
         info = current()
         if info is not None:
-            info.protocol = PROTOCOL
+            info.protocol = self.protocol
         authorization = headers.get(b"authorization")
         behalf = headers.get(_TENANT_KEY)
         tenant = plane.authenticate(authorization.decode("latin-1") if authorization is not None else None,
@@ -434,17 +458,15 @@ class InferEndpoint:
             served = await plane.model(tenant, params["name"], params.get("version"))  # + X-Shardline-Variant
             note_model(served)
             body = await read_body(receive, _text(headers, b"content-length"), _text(headers, b"content-encoding"), plane)
-            header_length = _text(headers, _HEADER_LENGTH_KEY)
             large = len(body) >= plane.settings.offload_min_bytes
             if large:  # decoded on a codec thread: the loop answers others meanwhile
-                decoded = await plane.off_loop(
-                    lambda: decode_infer_request(body, header_length, served.signature, served.pinned))
+                rows, decoded = await plane.off_loop(lambda: self.decode(body, headers, served))
             else:
-                decoded = decode_infer_request(body, header_length, served.signature, served.pinned)
-            output = await plane.infer(tenant, served, decoded.rows)
+                rows, decoded = self.decode(body, headers, served)
+            output = await plane.infer(tenant, served, rows)
         if large or output_bytes(output) >= plane.settings.offload_min_bytes // 4:  # JSON: ~4x the binary size
-            return await plane.off_loop(lambda: encode_infer_response(served.name, served.version, decoded, output))
-        return encode_infer_response(served.name, served.version, decoded, output)
+            return await plane.off_loop(lambda: self.encode(served, decoded, output))
+        return self.encode(served, decoded, output)
 
 
 def _text(headers: dict[bytes, bytes], name: bytes) -> str | None:

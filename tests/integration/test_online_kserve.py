@@ -229,8 +229,8 @@ def test_an_unknown_version_is_404_naming_the_versions_and_a_bad_one_is_400(url:
     assert bad.status_code == 400 and "version 'latest'" in bad.json()["error"]
     nowhere = httpx.get(f"{url}/v3/models", headers=key())  # says what the server speaks: /v1 is more than embeddings
     assert nowhere.status_code == 404 and nowhere.json()["error"] == (
-        "no endpoint GET /v3/models; this server speaks the Open Inference Protocol under /v2 and OpenAI's under /v1 "
-        "(models, embeddings, completions, chat/completions)")
+        "no endpoint GET /v3/models; this server speaks the Open Inference Protocol under /v2, KServe's V1 "
+        "(/v1/models/{name}:predict) and OpenAI's under /v1 (models, embeddings, completions, chat/completions)")
     rerank = httpx.post(f"{url}/v1/rerank", headers=key(), json={"model": MODEL})  # a wrong URL, not a missing model
     assert rerank.status_code == 404 and rerank.json()["error"]["code"] is None
     assert rerank.json()["error"]["message"].startswith("no endpoint POST /v1/rerank;")

@@ -86,7 +86,8 @@ local function refuse(message, wait, tenant, quota)
   local counted = tenant .. " " .. quota
   refused[counted] = (refused[counted] or 0) + 1
   local body
-  if var.uri:sub(1, 4) == "/v1/" then
+  local uri = var.uri
+  if uri:sub(1, 4) == "/v1/" and uri:sub(-8) ~= ":predict" then  -- OpenAI's form; KServe V1's predict takes V2's
     body = '{"error": {"message": "' .. message .. '", "type": "rate_limit_error", "param": null, '
         .. '"code": "rate_limit_exceeded"}}'
   else

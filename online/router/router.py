@@ -57,6 +57,7 @@ from shardline.online.headers import (
     VARIANT_HEADER,
 )
 from shardline.online.models import ModelDirectory
+from shardline.online.protocols.forms import openai_form
 from shardline.online.quota_store import Held, QuotaStore
 from shardline.online.router.compare import decode_answer
 from shardline.online.router.health import Deadline, RetryBudget, backoff_s
@@ -97,6 +98,7 @@ _NOT_SENT = _HOP | _SET_HERE
 _TENANT, _VARIANT, _BUDGET = TENANT_HEADER.encode(), VARIANT_HEADER.encode(), BUDGET_HEADER.encode()
 _ROUTE_KEY, _TIMEOUT, _GATED = ROUTE_KEY_HEADER.encode(), TIMEOUT_HEADER.encode(), GATED_HEADER.encode()
 _MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/infer|/ready)?/?$")
+_PREDICT_PATH = re.compile(r"^/v1/models/([^/]+?)(?:/versions/([^/]+))?:predict$")  # KServe V1 (kserve_v1.py)
 MAX_REMEMBERED = 65_536  # (replica, version) pairs known to have answered (past it, none counts as first)
 MAX_VERSIONS = 4_096  # model versions known to exist (pinned here, or answered by a replica): the metrics' labels
 MAX_MIRRORS = 64  # shadow copies in flight at once; more are skipped (counted), never queued
@@ -176,7 +178,7 @@ class Router:
         request_id = request.header(REQUEST_ID) or new_request_id()
         if len(request.path) > 1 and request.path[-1] == "/":  # as serve reads it: /v1/embeddings/ is /v1/embeddings
             request.path = request.path[:-1]
-        openai = request.path.startswith("/v1/")
+        openai = openai_form(request.path)
         try:
             answer = await self._route(request, request_id)
         except ShardlineError as e:
@@ -222,6 +224,18 @@ class Router:
                     mirror = (f"/v2/models/{name}/versions/{route.shadow}/infer", request.body, f"{name}:{route.shadow}")
             key = f"{name}:{version}" if version else str(tenant.models[name])
             return await self._admitted(tenant, request, path, request.body, key, request_id, route, mirror)
+        predict = _PREDICT_PATH.match(path) if request.method == "POST" else None
+        if predict is not None:  # pinned as a V2 inference is; no shadow copy (its comparison reads V2 answers)
+            name, version = predict.group(1), predict.group(2)
+            if tenant.reference_for(name) is None:
+                raise not_available(tenant, name)
+            self._check_budget(tenant, request)
+            route = None
+            if version is None:
+                route = await self._version_for(tenant, request, tenant.models[name])
+                version = str(route.version)
+                path = f"/v1/models/{name}/versions/{version}:predict"
+            return await self._admitted(tenant, request, path, request.body, f"{name}:{version}", request_id, route)
         if path in _BODY_MODEL_PATHS and request.method == "POST":
             self._check_budget(tenant, request)
             pinned = await self._pin_body_model(tenant, request)

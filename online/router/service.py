@@ -32,7 +32,7 @@ from shardline.errors import PayloadTooLarge
 from shardline.observability import tracing
 from shardline.online.background import stop_tasks
 from shardline.online.bodies import ClientGone, receive_body
-from shardline.online.protocols.forms import openai_error_body
+from shardline.online.protocols.forms import openai_error_body, openai_form
 from shardline.online.router.config import LOCAL_GROUP, RouterConfig
 from shardline.online.router.front import SYNC_S, Front
 from shardline.online.router.health import OutlierPolicy, stalled
@@ -271,7 +271,7 @@ def router_app(service: RouterService, max_body_bytes: int) -> Callable[[Scope, 
         try:
             body = await receive_body(receive, declared, max_body_bytes)
         except PayloadTooLarge as e:
-            answer = error_answer(e, scope["path"].startswith("/v1/"), "-")
+            answer = error_answer(e, openai_form(scope["path"]), "-")
         except ClientGone:
             return
         else:

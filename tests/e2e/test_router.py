@@ -139,6 +139,33 @@ def test_the_openai_client_through_the_router(routed: Routed) -> None:
         openai.OpenAI(base_url=f"{routed.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
 
 
+def test_kserve_v1_predict_through_the_router_pins_the_alias(routed: Routed, breast_cancer_model: BuiltModel) -> None:
+    rows = breast_cancer_model.data.features[:20]
+    body = orjson.dumps({"instances": rows.tolist()})
+    with httpx.Client(base_url=routed.url, headers=key(), timeout=60) as client:
+        before = _scrape(routed.metrics).get(("shardline_router_requests_total", (("code", "200"), ("model", f"{MODEL}:1"))), 0)
+        latest = client.post(f"/v1/models/{MODEL}:predict", content=body)
+        pinned = client.post(f"/v1/models/{MODEL}/versions/1:predict", content=body)
+        unknown = client.post(f"/v1/models/{MODEL}/versions/7:predict", content=body)
+        hidden = client.post("/v1/models/gpt-4:predict", content=body)
+        short = client.post(f"/v1/models/{MODEL}:predict", content=b'{"instances": [[1.0]]}')
+    wrong = httpx.post(f"{routed.url}/v1/models/{MODEL}:predict", content=body, headers={"Authorization": "Bearer sk-no"})
+
+    assert latest.status_code == 200, latest.text
+    assert [p["label"] for p in latest.json()["predictions"]] == breast_cancer_model.estimator.predict(
+        rows.astype(np.float32)).tolist()
+    assert pinned.json() == latest.json()
+    # the router's own refusals and the replica's, all in V2's form (KServe V1's), not OpenAI's, though under /v1/
+    assert unknown.status_code == 404 and unknown.json() == {
+        "error": "breast-cancer:7 does not exist; model 'breast-cancer' has versions [1]"}
+    assert hidden.status_code == 404 and list(hidden.json()) == ["error"]
+    assert hidden.json()["error"].startswith("model 'gpt-4' is not available to tenant 'acme'")
+    assert short.status_code == 400 and short.json()["error"].startswith("instances[0] is a list of 1 values")
+    assert wrong.status_code == 401 and wrong.json()["error"].startswith("the API key is not valid")
+    after = _scrape(routed.metrics)[("shardline_router_requests_total", (("code", "200"), ("model", f"{MODEL}:1")))]
+    assert after == before + 2  # both answers counted under the version the alias pinned
+
+
 def test_a_malformed_content_length_gets_the_routers_json_400(routed: Routed) -> None:
     port = int(routed.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:

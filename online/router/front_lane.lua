@@ -290,9 +290,10 @@ local function any_usable(order, t)
   return false
 end
 
--- POST /v2/models/{name}/infer: the fast lane when the tenant's model is pinned and nothing in the request is
--- the router's to see; else on to the router (quotas held either way).
-function _M.infer()
+-- POST /v2/models/{name}/infer (and KServe V1's /v1/models/{name}:predict): the fast lane when the tenant's model
+-- is pinned and nothing in the request is the router's to see; else on to the router (quotas held either way).
+-- The pin (name/versions/V) goes between the path's head and tail.
+local function fast(head, tail)
   local auth = var.http_authorization
   local tenant = auth and tenant_of(auth)
   if not tenant then return ngx.exec("@router") end
@@ -308,9 +309,13 @@ function _M.infer()
   pin_taken[pin] = (pin_taken[pin] or 0) + 1
   var.sl_pin = pin
   local args = var.args
-  var.sl_uri = args and ("/v2/models/" .. pin .. "/infer?" .. args) or ("/v2/models/" .. pin .. "/infer")
+  var.sl_uri = args and (head .. pin .. tail .. "?" .. args) or (head .. pin .. tail)
   if S.retries_off then return ngx.exec("@fast_conn") end
 end
+
+function _M.infer() return fast("/v2/models/", "/infer") end
+
+function _M.predict() return fast("/v1/models/", ":predict") end
 
 -- placement.choose: the first of the pin's order (the router's rendezvous order) not yet tried whose requests in
 -- flight are under ceil(c * (total + 1) / n) over those eligible; with none eligible, a usable one tried already

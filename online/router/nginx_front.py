@@ -13,16 +13,16 @@ runs ``front_lane.lua``:
   form by the path; with a quota store, in Redis by ``quota_store``'s scripts, 1/N here while it is unreachable),
   and the admitted tenant named to the router (``GATED_HEADER``); a client's copies of the
   router's headers are dropped;
-- **the fast lane**: ``POST /v2/models/{name}/infer`` of a pinned tenant/model (``desired_pins``), without a
-  deadline or a route key, with a ``Content-Length`` body of at most ``FAST_BODY_BYTES`` (buffered, so a failed
-  try can be sent again), while a replica in its order is up: the path rewritten to the pinned version, the
-  router's key and the tenant sent, the replica chosen by ``balancer_by_lua`` in the *router's own* rendezvous
-  order for the pinned version (``placement.rank``, pushed by the router) with bounded loads over the lane's
-  requests in flight (``placement.choose``), retried on another replica after a failed connection or a 502-504
-  (``retries``; only failed connections while the router's retry budget has no room), a failed connection
-  keeping the replica out for ``hold`` seconds, and with no replica left to try, on to the router as rewritten
-  (it takes its own key and the tenant); everything else goes on to the router over its unix socket, streamed
-  (bodies and answers), as the client sent it.
+- **the fast lane**: ``POST /v2/models/{name}/infer`` (or KServe V1's ``/v1/models/{name}:predict``) of a pinned
+  tenant/model (``desired_pins``), without a deadline or a route key, with a ``Content-Length`` body of at most
+  ``FAST_BODY_BYTES`` (buffered, so a failed try can be sent again), while a replica in its order is up: the path
+  rewritten to the pinned version, the router's key and the tenant sent, the replica chosen by ``balancer_by_lua``
+  in the *router's own* rendezvous order for the pinned version (``placement.rank``, pushed by the router) with
+  bounded loads over the lane's requests in flight (``placement.choose``), retried on another replica after a
+  failed connection or a 502-504 (``retries``; only failed connections while the router's retry budget has no
+  room), a failed connection keeping the replica out for ``hold`` seconds, and with no replica left to try, on to
+  the router as rewritten (it takes its own key and the tenant); everything else goes on to the router over its
+  unix socket, streamed (bodies and answers), as the client sent it.
 
 Health stays the router's: the replicas it pushes as up are those whose checks pass, not ejected for latency,
 breaker not open; nginx adds only the passive mark. The router keeps the lane true every ``SYNC_S`` (a whole new

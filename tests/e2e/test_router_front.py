@@ -166,6 +166,23 @@ def test_tritonclient_is_answered_by_the_fast_lane_like_scikit_learn(
     assert metadata["versions"] == ["1"] and [i["name"] for i in metadata["inputs"]] == breast_cancer_model.data.names
 
 
+def test_kserve_v1_predict_is_answered_by_the_fast_lane_and_the_router_alike(edged: Edged,
+                                                                            breast_cancer_model: BuiltModel) -> None:
+    rows = breast_cancer_model.data.features[:16]
+    expected = breast_cancer_model.estimator.predict(rows.astype(np.float32)).tolist()
+    body = orjson.dumps({"instances": rows.tolist()})
+    before = _fast_lane(edged, f"{MODEL}:1")
+    with httpx.Client(base_url=edged.url, headers=key(), timeout=60) as client:
+        fast = client.post(f"/v1/models/{MODEL}:predict", content=body)
+        # a deadline is the router's to keep: the router's lane, the same answer
+        routed = client.post(f"/v1/models/{MODEL}:predict", content=body, headers={"X-Shardline-Timeout-Ms": "5000"})
+        wrong = client.post(f"/v1/models/{MODEL}:predict", content=b'{"instances": [[1.0]]}')
+    assert fast.status_code == 200 and [p["label"] for p in fast.json()["predictions"]] == expected, fast.text
+    assert routed.json() == fast.json()
+    assert wrong.status_code == 400 and wrong.json()["error"].startswith("instances[0] is a list of 1 values")
+    assert _fast_lane(edged, f"{MODEL}:1") == before + 2  # the first and the refused one: the replica's answers
+
+
 def test_head_and_a_trailing_slash_through_the_front(edged: Edged, breast_cancer_model: BuiltModel) -> None:
     # HEAD reached the router as HEAD and waited ~10 s for a body no answer to HEAD has (then 503)
     plain = {**key(), "Accept-Encoding": "identity"}

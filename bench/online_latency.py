@@ -13,7 +13,9 @@ each in its own process(es), in the request layouts a V2 client sends (``--layou
 - nested: the nk input with its data a list a row (``[[...]]``), as KServe's documents write it;
 - binary, binary-nk: the same two as binary tensors after a JSON header
   (``Inference-Header-Content-Length``), binary outputs asked for: what tritonclient's
-  HTTP client sends when its caller leaves ``binary_data`` at its default.
+  HTTP client sends when its caller leaves ``binary_data`` at its default;
+- v1: KServe's V1 protocol, ``{"instances": [[...30 values]]}`` to ``/v1/models/{name}:predict``
+  (the scalar layout's model), what KServe's scikit-learn and XGBoost servers take.
 
 The servers:
 
@@ -92,8 +94,10 @@ QUICK_SERVERS = ("platform", "floor", "litserve")
 LAYOUTS = {"scalar": "30 inputs of shape [1]", "nk": "one input of shape [1, 30]",
            "nested": "one input of shape [1, 30], its data a list a row ([[...]], as KServe's documents write it)",
            "binary": "30 binary inputs of shape [1], binary outputs (tritonclient's defaults)",
-           "binary-nk": "one binary input of shape [1, 30], binary outputs (tritonclient's defaults)"}
-SUFFIXES = {"scalar": "", "nk": "-nk", "nested": "-nest", "binary": "-bin", "binary-nk": "-bin-nk"}  # of the series' names
+           "binary-nk": "one binary input of shape [1, 30], binary outputs (tritonclient's defaults)",
+           "v1": "KServe V1, {\"instances\": [[30 values]]} to /v1/models/{name}:predict"}
+SUFFIXES = {"scalar": "", "nk": "-nk", "nested": "-nest", "binary": "-bin", "binary-nk": "-bin-nk",
+            "v1": "-v1"}  # of the series' names
 NK_LAYOUTS = {"nk", "nested", "binary-nk"}  # sent to the model packaged from the ONNX file alone (MODEL_NK)
 DATA_KEYS = {"scalar": "v2"}  # the key of each layout's bodies in prepare()'s data, where not the layout's name
 FLOOR_THREADS = 1  # the floor's and LitServe's intra-op threads: the fastest for one row of this model
@@ -146,13 +150,14 @@ def prepare(kind: str = "gbt") -> dict[str, Any]:
     nested = [json.dumps({"inputs": [{"name": nk_input, "shape": [1, len(row)], "datatype": "FP32", "data": [row]}]},
                          separators=(",", ":")) for row in rows]
     natural = [json.dumps({"input": row}, separators=(",", ":")) for row in rows]
+    v1 = [json.dumps({"instances": [row]}, separators=(",", ":")) for row in rows]
     binary = [binary_body([{"name": c, "shape": [1]} for c in columns], np.asarray(row, np.float32)) for row in rows]
     binary_nk = [binary_body([{"name": nk_input, "shape": [1, len(row)]}], np.asarray(row, np.float32)) for row in rows]
     session = open_session(str(bundle / "model.onnx"), 1)
     label, probabilities = session.run(None, {"X": np.asarray(rows[:1], dtype=np.float32)})
     return {"model": str(bundle / "model.onnx"), "columns": str(DATA / "columns.json"),
             "tenants": str(DATA / "tenants.yaml"), "home": str(home), "v2": v2, "nk": nk, "nested": nested, "natural": natural,
-            "binary": binary, "binary-nk": binary_nk,
+            "binary": binary, "binary-nk": binary_nk, "v1": v1,
             "expected": (int(label[0]), [float(p) for p in probabilities[0]])}
 
 
@@ -306,7 +311,9 @@ def check_answer(target: Target, expected: tuple[int, list[float]]) -> None:
 
 
 def answer_of(body: Any) -> tuple[int, list[float]] | None:
-    """(label, probabilities) from a V2 answer or LitServe's dict; None if neither."""
+    """(label, probabilities) from a V2 answer, a V1 answer or LitServe's dict; None if none of them."""
+    if isinstance(body, dict) and isinstance(body.get("predictions"), list) and body["predictions"]:
+        body = body["predictions"][0]  # V1: a row's outputs by name
     if isinstance(body, dict) and "outputs" in body:
         outputs = {o["name"]: o["data"] for o in body["outputs"]}
         if "label" in outputs and "probabilities" in outputs:
@@ -332,6 +339,8 @@ def layout_targets(name: str, server: Server, data: dict[str, Any], layouts: lis
 
 def infer_path(layout: str) -> str:
     """Where a layout's requests go: the model packaged with its feature names, or from the ONNX file alone."""
+    if layout == "v1":
+        return f"/v1/models/{MODEL}:predict"
     return f"/v2/models/{MODEL_NK if layout in NK_LAYOUTS else MODEL}/infer"
 
 

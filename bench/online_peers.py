@@ -10,7 +10,8 @@
   them, in any order); ``/v2/models/breast-cancer-nk/infer`` takes one ``[N, 30]`` input
   (what tritonclient and KServe clients send for an ONNX model with a 2-D input). Either also
   as binary tensors (``Inference-Header-Content-Length``: tritonclient's default), answered
-  with binary outputs, as tritonclient asks by default.
+  with binary outputs, as tritonclient asks by default. ``/v1/models/breast-cancer:predict`` takes
+  KServe V1's ``{"instances": [[30 values], ...]}`` and answers ``{"predictions": [...]}``.
 - litserve: LitServe with its defaults (one API server process, one inference worker
   process), fed ``{"input": [30 floats]}``, its natural request format.
 """
@@ -95,11 +96,18 @@ def serve_floor(port: int, model_file: str, columns_file: str, threads: int) -> 
         given = doc["inputs"][0]
         return answer(MODEL_NK, np.asarray(given["data"], dtype=np.float32).reshape(given["shape"]))
 
+    async def predict(request: Request) -> Response:  # KServe V1: {"instances": [row, ...]}, a row a list of 30
+        doc = await request.json()
+        label, probabilities = sess.run(None, {tensor: np.asarray(doc["instances"], dtype=np.float32)})
+        return JSONResponse({"predictions": [{"label": int(l), "probabilities": p}
+                                             for l, p in zip(label.tolist(), probabilities.tolist())]})
+
     async def ready(request: Request) -> Response:
         return JSONResponse({"ready": True})
 
     app = Starlette(routes=[Route(f"/v2/models/{MODEL}/infer", infer, methods=["POST"]),
                             Route(f"/v2/models/{MODEL_NK}/infer", infer_nk, methods=["POST"]),
+                            Route(f"/v1/models/{MODEL}:predict", predict, methods=["POST"]),
                             Route("/v2/health/ready", ready)])
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
     return 0

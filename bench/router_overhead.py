@@ -17,9 +17,11 @@ quotas in a redis-server started here (Debian's package; SHARDLINE_TENANCY_QUOTA
 ``max_concurrent`` makes its lane run one EVALSHA (a lease) and one ZREM per request (docs/routing.md, "Quotas for
 many routers").
 
-The request layouts a V2 client sends for this model are measured (``--layouts``, all by default), one after the
+The request layouts a client sends for this model are measured (``--layouts``, all by default), one after the
 other: 30 inputs of shape [1] (one per feature column) and one input of shape [1, 30] (the model packaged from its
-ONNX file alone, its data flat or a list a row), as JSON and as binary tensors (tritonclient's default; see bench/online_latency.py). Printed, for each layout: each series' steps, the p50 at the lightest rate, the highest rate held at p99 <= 10 ms, and
+ONNX file alone, its data flat or a list a row), as JSON and as binary tensors (tritonclient's default; see
+bench/online_latency.py), and KServe V1's ``{"instances": [[...]]}``. Printed, for each layout: each series' steps,
+the p50 at the lightest rate, the highest rate held at p99 <= 10 ms, and
 the ratios against the targets: the router adds at most 1.5x nginx's p50 (p50 through it less p50
 direct, paired round by round: the median over 10 rounds, 20 in full mode; see ``light_rounds``), and holds
 at least 0.8x nginx's rate.

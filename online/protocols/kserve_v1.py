@@ -5,6 +5,10 @@ Paths (``{version}`` a registry version number; without it the tenant's referenc
 
     POST /v1/models/{name}:predict
     POST /v1/models/{name}/versions/{version}:predict
+    GET  /                                            ``{"status": "alive"}``, no key (V1's liveness)
+
+V1's model readiness, ``GET /v1/models/{name}``, is OpenAI's model path, whose answer carries ``name`` and
+``ready`` too (``openai.py``).
 
 It is what KServe's scikit-learn, XGBoost and LightGBM servers speak by default, and what its
 ``InferenceRESTClient(RESTConfig(protocol="v1"))`` sends, so a client written for them needs only the URL.
@@ -29,10 +33,13 @@ from typing import Any
 import numpy as np
 import orjson
 import pyarrow as pa
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from shardline.errors import InvalidInput
 from shardline.online.dataplane import DataPlane
+from shardline.online.edge import json_response
 from shardline.online.errors import shown
 from shardline.online.models import ServedModel
 from shardline.online.protocols.kserve_v2 import InferEndpoint, parse_json_object
@@ -213,7 +220,13 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
     """The V1 predict routes over a data plane (``app.InferFirst`` sends their POSTs straight to the endpoint; these
     answer the other methods)."""
     predict = PredictEndpoint(plane)
+
+    async def alive(request: Request) -> Response:
+        """KServe V1's liveness (``GET /``, what its clients' ``is_server_live`` reads): no key, as V2's."""
+        return json_response({"status": "alive"})
+
     return [
         Route("/v1/models/{name}:predict", predict, methods=["POST"]),
         Route("/v1/models/{name}/versions/{version}:predict", predict, methods=["POST"]),
+        Route("/", alive, methods=["GET"]),
     ]

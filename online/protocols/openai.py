@@ -96,13 +96,16 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
 
     @wrap
     async def model(request: Request) -> Response:
-        """OpenAI's ``GET /v1/models/{model}`` (the client's ``models.retrieve``): one of the tenant's models."""
+        """OpenAI's ``GET /v1/models/{model}`` (the client's ``models.retrieve``): one of the tenant's models, with
+        KServe V1's ``name`` and ``ready`` (its clients' ``is_model_ready`` reads this path): as V2's ready path says,
+        loading nothing."""
         tenant = authenticate(request, plane)
         name = request.path_params["model"]
         with plane.admit(tenant):
             if tenant.reference_for(name) is None:
                 raise not_available(tenant, name)  # the same 404 whether or not the model exists
-        return json_response(_model_object(name))
+            status = await plane.model_status(tenant, name)
+        return json_response({**_model_object(name), "name": name, "ready": status.ready})
 
     async def health(request: Request) -> Response:
         """vLLM's ``GET /health`` (LLM load clients and gateways probe it first): 200, no body, while serving."""

@@ -198,6 +198,8 @@ class Router:
             return Answer(200)
         if path == "/v2/health/live":
             return json_answer(200, {"live": True})
+        if path == "/" and request.method in ("GET", "HEAD"):  # KServe V1's liveness, as serve answers it
+            return json_answer(200, {"status": "alive"})
         if path == "/v2/health/ready":
             group = self.replicas.active_group()
             now = self._clock()

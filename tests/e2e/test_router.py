@@ -164,6 +164,9 @@ def test_kserve_v1_predict_through_the_router_pins_the_alias(routed: Routed, bre
     assert wrong.status_code == 401 and wrong.json()["error"].startswith("the API key is not valid")
     after = _scrape(routed.metrics)[("shardline_router_requests_total", (("code", "200"), ("model", f"{MODEL}:1")))]
     assert after == before + 2  # both answers counted under the version the alias pinned
+    # V1's liveness and readiness, as KServe's client asks them
+    assert httpx.get(routed.url + "/").json() == {"status": "alive"}
+    assert httpx.get(f"{routed.url}/v1/models/{MODEL}", headers=key()).json()["ready"] is True
 
 
 def test_a_malformed_content_length_gets_the_routers_json_400(routed: Routed) -> None:

@@ -139,9 +139,11 @@ def test_keys_models_and_quotas_hold_on_this_path_as_on_the_others(served: tuple
     refused = _predict(url, row, token=TIGHT)
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"].startswith("tenant 'tight' is over its rate")
-    # OpenAI's GET /v1/models/{model} is still OpenAI's, beside the predict paths
+    # V1's readiness is OpenAI's model path, its answer both (KServe's is_model_ready reads name and ready)
     listed = httpx.get(f"{url}/v1/models/{MODEL}", headers={"Authorization": f"Bearer {KEY}"})
-    assert listed.status_code == 200 and listed.json()["object"] == "model"
+    assert listed.status_code == 200 and listed.json() == {
+        "id": MODEL, "object": "model", "created": 0, "owned_by": "shardline", "name": MODEL, "ready": True}
+    assert httpx.get(url + "/").json() == {"status": "alive"}  # V1's liveness (is_server_live): no key
     wrong_method = httpx.get(f"{url}/v1/models/{MODEL}:predict", headers={"Authorization": f"Bearer {KEY}"})
     assert wrong_method.status_code == 404  # OpenAI's model path, naming no model the tenant may call
     # counted as every request is, under this protocol's name

@@ -16,7 +16,7 @@ An instance is one row:
 
 - a list of the row's values in the order of the model's inputs (``GET /v2/models/{name}`` lists them), or,
   for a model of one input, that input's value itself (a number, a text, or a ``[k]`` list for a ``[N, k]``
-  input: the feature vector of a model that takes one);
+  input: the feature vector of a model that takes one; ``[[k values]]``, the list of that one value, too);
 - or an object of the row's values by input name (TensorFlow Serving's named row format).
 
 Every instance has the same form. The rows are checked as the V2 path checks them (types, nulls, NaN and infinity
@@ -48,6 +48,7 @@ from shardline.rows import Rows, check_rows, float_rows
 from shardline.signature import Signature, type_name
 
 PROTOCOL = "v1"
+_HEAD, _TAIL = "/v1/models/", ":predict"  # of a predict path
 MAX_INSTANCES = 1_000_000  # a list longer than this is refused before it is read into columns
 
 
@@ -71,7 +72,7 @@ def decode_instances(body: bytes, signature: Signature, model: str) -> Rows:
     matrix = _float_matrix(instances, signature)
     if matrix is not None:
         return float_rows(plan, (matrix,), model)
-    columns = _columns(instances, names, model)
+    columns = _columns(instances, names, model, len(names) == 1 and plan.columns[0].shape != ())
     arrays = []
     for spec, values in zip(signature.inputs, columns):
         try:
@@ -85,24 +86,24 @@ def decode_instances(body: bytes, signature: Signature, model: str) -> Rows:
 
 
 def _float_matrix(instances: list[Any], signature: Signature) -> np.ndarray | None:
-    """The instances as the ``(N, columns)`` matrix of a stacked float signature when each is a list of numbers
-    of the right length (the usual V1 request); None for anything else (the general path reads it and names
-    what is wrong)."""
+    """The instances as the one ``(N, k)`` array of a float signature that is fed one (a stacked signature's
+    matrix, or a model's one ``[N, k]`` input) when each is a list of ``k`` numbers: the usual V1 request. None for
+    anything else (the general path reads it and names what is wrong)."""
     layout = signature.plan.layout
-    if layout is None or not layout.stacked or type(instances[0]) is not list:
+    if layout is None or type(instances[0]) is not list or len(layout.widths) != 1 or layout.widths[0] < 1:
         return None
-    width = layout.widths[0]
     try:
         matrix = np.array(instances)
     except (ValueError, TypeError):  # ragged, or values numpy cannot hold together
         return None
-    if matrix.ndim != 2 or matrix.shape[1] != width or matrix.dtype.kind not in "fiu":
+    if matrix.ndim != 2 or matrix.shape[1] != layout.widths[0] or matrix.dtype.kind not in "fiu":
         return None
     return matrix.astype(layout.dtypes[0], copy=False)
 
 
-def _columns(instances: list[Any], names: tuple[str, ...], model: str) -> list[list[Any]]:
-    """The instances' values, one list an input in the signature's order."""
+def _columns(instances: list[Any], names: tuple[str, ...], model: str, list_input: bool) -> list[list[Any]]:
+    """The instances' values, one list an input in the signature's order (``list_input``: the model's one input
+    takes a list a row)."""
     count = len(names)
     first = instances[0]
     if isinstance(first, dict):
@@ -114,10 +115,13 @@ def _columns(instances: list[Any], names: tuple[str, ...], model: str) -> list[l
             for j, name in enumerate(names):
                 columns[j].append(row[name])
         return columns
-    if count == 1:  # a model of one input: an instance is its value
+    if count == 1:  # a model of one input: an instance is its value, or the list of that one value
         if any(isinstance(row, dict) for row in instances):
             raise InvalidInput("instances mix objects and values; send every instance in one form")
-        return [instances]
+        if list_input:  # its value is a list itself: [v, ...] is the value, [[v, ...]] the list of it
+            return [[row[0] if type(row) is list and len(row) == 1 and type(row[0]) is list else row
+                     for row in instances]]
+        return [[row[0] if type(row) is list and len(row) == 1 else row for row in instances]]
     for i, row in enumerate(instances):
         if not isinstance(row, list) or len(row) != count:
             given = f"a list of {len(row)} values" if isinstance(row, list) else f"a JSON {_json_type(row)}"
@@ -206,9 +210,9 @@ class PredictEndpoint(InferEndpoint):
 
 def predict_path_params(path: str) -> dict[str, str] | None:
     """``{"name"[, "version"]}`` of a predict path (``/v1/models/{name}[/versions/{version}]:predict``), else None."""
-    if not (path.startswith("/v1/models/") and path.endswith(":predict")):
+    if not (path.startswith(_HEAD) and path.endswith(_TAIL)):
         return None
-    parts = path[11:-8].split("/")
+    parts = path[len(_HEAD):-len(_TAIL)].split("/")
     if len(parts) == 1 and parts[0]:
         return {"name": parts[0]}
     if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from shardline.build.examples import package_breast_cancer
+from shardline.build.packaging import package_onnx
 from shardline.online.app import create_app
 from shardline.online.metrics import metrics_app
 from shardline.online.server import build_plane
@@ -32,16 +33,20 @@ MODEL = "breast-cancer"
 @pytest.fixture(scope="module")
 def served(breast_cancer_model: BuiltModel, minilm_bundle: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[str, Any, str]]:
-    """breast-cancer:1 (gbt, prod), breast-cancer:2 (logistic regression) and minilm:1 (prod), served; yields the
-    URL, the logistic regression and the metrics' URL."""
+    """breast-cancer:1 (gbt, prod), breast-cancer:2 (logistic regression), minilm:1 (prod) and breast-cancer-nk:1
+    (prod: the gbt's ONNX file packaged alone, one [N, 30] input), served; yields the URL, the logistic regression and
+    the metrics' URL."""
     home = tmp_path_factory.mktemp("v1-home")
     registry = ModelRegistry(str(home / "registry"))
     registry.set_alias(MODEL, "prod", registry.push(breast_cancer_model.bundle_dir).version or 1)
     _, logreg = package_breast_cancer(home / "logreg-bundle", kind="logreg")
     registry.push(home / "logreg-bundle")
     registry.set_alias("minilm", "prod", registry.push(minilm_bundle).version or 1)
+    package_onnx(breast_cancer_model.bundle_dir / "model.onnx", home / "nk-bundle", name=f"{MODEL}-nk")
+    registry.set_alias(f"{MODEL}-nk", "prod", registry.push(home / "nk-bundle").version or 1)
     tenants = TenantDirectory.from_config({"tenants": [
-        {"name": "acme", "api_keys_sha256": [hash_api_key(KEY)], "models": [f"{MODEL}@prod", "minilm@prod"]},
+        {"name": "acme", "api_keys_sha256": [hash_api_key(KEY)],
+         "models": [f"{MODEL}@prod", "minilm@prod", f"{MODEL}-nk@prod"]},
         {"name": "tight", "api_keys_sha256": [hash_api_key(TIGHT)], "models": [f"{MODEL}@prod"],
          "rate": {"requests_per_second": 0.5, "burst": 2}},
     ]})
@@ -100,8 +105,28 @@ def test_a_model_of_one_input_and_one_output_takes_values_and_answers_values(ser
     embedded = httpx.post(f"{url}/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"},
                           json={"model": "minilm", "input": texts}).json()
     np.testing.assert_allclose(vectors, [d["embedding"] for d in embedded["data"]], atol=1e-6)
+    as_lists = _predict(url, {"instances": [[t] for t in texts]}, "/v1/models/minilm:predict")  # [value], one input
+    assert as_lists.json() == answer.json()
     blank = _predict(url, {"instances": ["fine", "  "]}, "/v1/models/minilm:predict")
     assert blank.status_code == 400 and blank.json()["error"].startswith("input 'text': element 1 is ")
+
+
+def test_a_model_of_one_vector_input_takes_the_vector_or_the_list_of_it(served: tuple[str, Any, str],
+                                                                         breast_cancer_model: BuiltModel) -> None:
+    url, _, _ = served
+    rows = breast_cancer_model.data.features[:10]
+    expected = breast_cancer_model.estimator.predict(rows.astype(np.float32)).tolist()
+    path = f"/v1/models/{MODEL}-nk:predict"
+
+    vectors = _predict(url, {"instances": rows.tolist()}, path)  # the [30] value of its one [N, 30] input
+    wrapped = _predict(url, {"instances": [[row] for row in rows.tolist()]}, path)  # the list of that one value
+    named = _predict(url, {"instances": [{"X": row} for row in rows.tolist()]}, path)
+
+    assert vectors.status_code == 200, vectors.text
+    assert [p["label"] for p in vectors.json()["predictions"]] == expected
+    assert wrapped.json() == named.json() == vectors.json()
+    short = _predict(url, {"instances": [[0.5] * 29]}, path)
+    assert short.status_code == 400 and short.json()["error"].startswith("input 'X': its values are not all "), short.text
 
 
 @pytest.mark.parametrize("body, status, words", [
@@ -133,7 +158,8 @@ def test_keys_models_and_quotas_hold_on_this_path_as_on_the_others(served: tuple
     assert wrong.status_code == 401 and "the API key is not valid" in wrong.json()["error"]
     hidden = _predict(url, row, "/v1/models/gpt-4:predict")
     assert hidden.status_code == 404 and hidden.json() == {
-        "error": "model 'gpt-4' is not available to tenant 'acme'; it may call ['breast-cancer', 'minilm']"}
+        "error": "model 'gpt-4' is not available to tenant 'acme'; it may call ['breast-cancer', 'breast-cancer-nk', "
+                 "'minilm']"}
     statuses = [_predict(url, row, token=TIGHT).status_code for _ in range(4)]  # burst 2, then one every 2 s
     assert statuses[:2] == [200, 200] and 429 in statuses[2:], statuses
     refused = _predict(url, row, token=TIGHT)

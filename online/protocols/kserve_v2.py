@@ -16,7 +16,9 @@ signature with ``input_tensor``, that one ``[N, k]`` input, the columns stacked
 (``SignaturePlan.tensor_view``); the binary tensor data
 extension is read when ``Inference-Header-Content-Length`` splits the body into the
 JSON header and the tensors, and outputs are sent binary when the request asks
-(``parameters.binary_data_output`` or an output's ``parameters.binary_data``).
+(``parameters.binary_data_output`` or an output's ``parameters.binary_data``). An output asked
+with ``parameters.classification`` k (Triton's classification extension, tritonclient's
+``class_count``) is answered as its k top classes a row, ``BYTES`` ``"value:index"``, shape ``[N, k]``.
 Content-Type is not required (tritonclient's JSON mode sends none). Errors are
 ``{"error": "..."}``.
 """
@@ -67,7 +69,7 @@ from shardline.online.protocols.v2_tensors import (
     to_binary,
 )
 from shardline.rows import Rows, check_rows, float_rows
-from shardline.signature import Signature
+from shardline.signature import Signature, row_shape
 
 PROTOCOL = "v2"
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -77,7 +79,7 @@ JSON = b"application/json"
 GZIP_MIN_BYTES = 1024  # answers this large are gzipped for clients that accept it (as GZipMiddleware does)
 # 6.3 MB of JSON answer (floats, labels) measured: level 1 0.12 s -> 2.62 MB, 5 0.30 s -> 2.37 MB, 9 4.4 s -> 2.29 MB.
 GZIP_LEVEL = 1  # what answers are gzipped with (app.py's GZipMiddleware uses it too): level 9 cost 37x the CPU for 13% smaller
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "classification"]
 
 
 @dataclass
@@ -93,6 +95,7 @@ class InferRequest:
     request_id: str | None
     outputs: list[str]
     binary: dict[str, bool]
+    classes: dict[str, int] | None = None  # outputs answered as their top classes (the classification extension)
 
     @property
     def table(self) -> pa.Table:
@@ -263,8 +266,7 @@ def _decode(body: bytes, header_length: str | None, signature: Signature, model:
                                  np.empty((0, len(ordered)), layout.dtypes[0]),), model)
     else:
         rows = float_rows(plan, tuple(ordered), model)
-    outputs, binary_out = _requested_outputs(doc, signature, model)
-    return InferRequest(rows, _request_id(doc.get("id")), outputs, binary_out)
+    return InferRequest(rows, _request_id(doc.get("id")), *_requested_outputs(doc, signature, model))
 
 
 _MAX_RANK = 8  # a shape longer than this is refused before anything reads it (models take [N] or [N, k])
@@ -283,8 +285,8 @@ def _fast_request(body: bytes, header_length: str | None, signature: Signature, 
     if fast is None:
         return None
     rows, request_id, requested, parameters = fast
-    outputs, binary_out = _requested_outputs({"outputs": requested, "parameters": parameters}, signature, model)
-    return InferRequest(rows, _request_id(request_id), outputs, binary_out)
+    return InferRequest(rows, _request_id(request_id),
+                        *_requested_outputs({"outputs": requested, "parameters": parameters}, signature, model))
 
 
 def _request_id(value: Any) -> str | None:
@@ -295,7 +297,9 @@ def _request_id(value: Any) -> str | None:
     raise InvalidInput(f"field 'id' is {type(value).__name__}, not a string; send the id as a JSON string")
 
 
-def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) -> tuple[list[str], dict[str, bool]]:
+def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str
+                       ) -> tuple[list[str], dict[str, bool], dict[str, int] | None]:
+    """The outputs the answer holds, whether each is binary, and the top-k classes asked of some (None: none)."""
     parameters = doc.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidInput(f"field 'parameters' is {shown(parameters)}, not an object; send an object such as "
@@ -304,11 +308,12 @@ def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) ->
     requested = doc.get("outputs")
     if requested is None or requested == []:  # every output (most requests; [] as Triton takes it): read-only
         every = signature.plan.every_output[default]
-        return signature.plan.output_names, every
+        return signature.plan.output_names, every, None
     if not isinstance(requested, list):
         raise InvalidInput("field 'outputs' is not a list of {\"name\": ...} objects")
     names: list[str] = []
     binary: dict[str, bool] = {}
+    classes: dict[str, int] = {}
     for i, output in enumerate(requested):
         name = output.get("name") if isinstance(output, dict) else None
         if not isinstance(name, str):
@@ -319,12 +324,37 @@ def _requested_outputs(doc: dict[str, Any], signature: Signature, model: str) ->
             raise InvalidInput(f"output {shown(name)} is asked for twice in 'outputs'; name each output once")
         own = output.get("parameters") or {}
         if isinstance(own, dict) and own.get("classification") is not None:
-            raise InvalidInput(f"output {name!r}: the classification extension (top-k classes as strings) is not "
-                               "served here; leave out the 'classification' parameter and take the top classes from "
-                               "the output itself")
+            classes[name] = _class_count(name, own["classification"], signature)
         names.append(name)
         binary[name] = bool(own.get("binary_data", default)) if isinstance(own, dict) else default
-    return names, binary
+    return names, binary, classes or None
+
+
+def _class_count(name: str, count: Any, signature: Signature) -> int:
+    """The classification extension's count for an output (tritonclient's ``class_count``): a positive number, of
+    an output of numbers (a score a class a row, or one number a row)."""
+    if type(count) is not int or count < 1:
+        raise InvalidInput(f"output {name!r}: 'classification' is {shown(count)}; send the number of top classes "
+                           "to answer, 1 or more")
+    spec = next(c for c in signature.outputs if c.name == name)
+    kind = spec.arrow_type.value_type if pa.types.is_fixed_size_list(spec.arrow_type) else spec.arrow_type
+    if not (pa.types.is_floating(kind) or pa.types.is_integer(kind)) or len(row_shape(spec.arrow_type)) > 1:
+        raise InvalidInput(f"output {name!r} is {spec.type}, not a score a class: the classification extension "
+                           "ranks numbers; leave out its 'classification' parameter")
+    return count
+
+
+def top_classes(values: Any, rows: int, count: int) -> tuple[list[int], list[str]]:
+    """The classification extension's answer, as Triton gives it: each of the ``rows`` rows' ``count`` highest values
+    (all of them where it has fewer), highest first (ties: the lower index), each ``"value:index"`` (the value as C's
+    ``%f`` writes it); the shape ``[rows, count]`` and the strings, row after row."""
+    if not rows:
+        return [0, count], []
+    scores = np.asarray(values).reshape(rows, -1)
+    count = min(count, scores.shape[1])
+    order = np.argsort(-scores.astype(np.float64, copy=False), axis=1, kind="stable")[:, :count]
+    ranked = np.take_along_axis(scores, order, axis=1)
+    return [rows, count], [f"{v:f}:{i}" for v, i in zip(ranked.ravel().tolist(), order.ravel().tolist())]
 
 
 def encode_infer_response(
@@ -337,11 +367,15 @@ def encode_infer_response(
     docs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     arrays = output if isinstance(output, dict) else None
+    classes = request.classes
     for name in request.outputs:
         if arrays is not None:
             datatype, shape, values = array_to_tensor(arrays[name])
         else:
             datatype, shape, values = column_to_tensor(output.column(name))  # type: ignore[union-attr]
+        if classes is not None and name in classes:
+            datatype = "BYTES"
+            shape, values = top_classes(values, shape[0], classes[name])
         doc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
         if request.binary[name]:
             raw = to_binary(datatype, values)

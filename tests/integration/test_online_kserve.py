@@ -100,7 +100,7 @@ def json_body(model: BuiltModel, rows: np.ndarray) -> dict[str, Any]:
 def test_health_answers_without_a_key_and_everything_else_needs_one(client: triton.InferenceServerClient, url: str) -> None:
     assert client.is_server_live() and client.is_server_ready()
     assert httpx.get(f"{url}/v2/health/ready").json() == {"ready": True}
-    assert client.get_server_metadata(headers=key())["extensions"] == ["binary_tensor_data"]
+    assert client.get_server_metadata(headers=key())["extensions"] == ["binary_tensor_data", "classification"]
     for path in ("/v2", f"/v2/models/{MODEL}", f"/v2/models/{MODEL}/ready", "/metrics-not-here"):
         response = httpx.get(url + path)
         assert response.status_code in (401, 404) and "error" in response.json()
@@ -158,6 +158,44 @@ def test_tritonclient_scores_rows_like_scikit_learn(
     np.testing.assert_allclose(result.as_numpy("probabilities").reshape(-1, 2), probabilities, atol=1e-5)
     response = result.get_response()
     assert (response["model_name"], response["model_version"], response["id"]) == (MODEL, "1", "req-7")
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_the_classification_extension_answers_the_top_classes_as_triton_does(
+    client: triton.InferenceServerClient, breast_cancer_model: BuiltModel, binary: bool
+) -> None:
+    rows = breast_cancer_model.data.features[:12]
+    outputs = [triton.InferRequestedOutput("probabilities", binary_data=binary, class_count=2),
+               triton.InferRequestedOutput("label", binary_data=binary, class_count=3)]  # one value a row: all of it
+    result = client.infer(MODEL, v2_inputs(breast_cancer_model, rows, binary), outputs=outputs, headers=key())
+
+    _, probabilities = breast_cancer_model.expected(pa.table({n: rows[:, j] for j, n in enumerate(breast_cancer_model.data.names)}))
+    top = result.as_numpy("probabilities")
+    assert top.shape == (12, 2) and result.get_output("probabilities")["datatype"] == "BYTES"
+    for row, answered in zip(probabilities, top):
+        first, second = (_text(a).split(":") for a in answered)
+        best = int(np.argmax(row))
+        assert (int(first[1]), int(second[1])) == (best, 1 - best)  # highest first, by class index
+        np.testing.assert_allclose([float(first[0]), float(second[0])], [row[best], row[1 - best]], atol=1e-5)
+        assert re.fullmatch(r"\d\.\d{6}", first[0])  # as C's %f writes it, as Triton does
+    labels = result.as_numpy("label")
+    assert labels.shape == (12, 1)
+    assert [_text(v) for v in labels[:, 0]] == [f"{float(v):f}:0" for v in breast_cancer_model.estimator.predict(
+        rows.astype(np.float32))]
+
+
+def _text(value: bytes | str) -> str:
+    """A BYTES element as tritonclient gives it: bytes from binary data, str from JSON."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def test_a_classification_count_that_is_not_a_positive_number_is_a_400(url: str, breast_cancer_model: BuiltModel) -> None:
+    for count in (0, "2", True):
+        body = {**json_body(breast_cancer_model, breast_cancer_model.data.features[:2]),
+                "outputs": [{"name": "probabilities", "parameters": {"classification": count}}]}
+        answer = httpx.post(f"{url}/v2/models/{MODEL}/infer", json=body, headers=key())
+        assert answer.status_code == 400 and answer.json()["error"].startswith(
+            "output 'probabilities': 'classification' is "), answer.text
 
 
 def test_the_versioned_path_scores_with_that_version(

@@ -17,7 +17,7 @@ import pytest
 import tritonclient.http as triton
 
 from shardline.errors import InvalidInput, NonFiniteValues
-from shardline.online.protocols.kserve_v2 import decode_infer_request, encode_infer_response, model_metadata
+from shardline.online.protocols.kserve_v2 import decode_infer_request, encode_infer_response, model_metadata, top_classes
 from shardline.online.protocols.openai import embedding_response, parse_embedding_request
 from shardline.signature import ColumnSpec, Signature
 
@@ -158,9 +158,11 @@ def json_request(**changes: Any) -> bytes:
         (json_request(a={"shape": None}), None, r"input 'a': 'shape' is missing; send it as a list of whole numbers"),
         (json_request(text={"data": [1, 2]}), None,
          r"input 'text' is declared BYTES but its data holds integer values \(such as 1\); send each value as a JSON"),
-        # Triton's classification extension is not served: a 200 with the raw output would not be what was asked
-        (orjson.dumps({**orjson.loads(json_request()), "outputs": [{"name": "probs", "parameters": {"classification": 2}}]}),
-         None, r"output 'probs': the classification extension \(top-k classes as strings\) is not served here"),
+        # Triton's classification extension ranks numbers: a text output has no top classes
+        (orjson.dumps({**orjson.loads(json_request()), "outputs": [{"name": "name", "parameters": {"classification": 2}}]}),
+         None, r"output 'name' is string, not a score a class: the classification extension ranks numbers"),
+        (orjson.dumps({**orjson.loads(json_request()), "outputs": [{"name": "probs", "parameters": {"classification": -1}}]}),
+         None, r"output 'probs': 'classification' is -1; send the number of top classes to answer, 1 or more"),
         (orjson.dumps({**orjson.loads(json_request()), "parameters": [1]}), None, r"field 'parameters' is \[1\], not an object"),
         # binary tensors sent without the header that says where the JSON ends: not "not valid JSON (... char 0)"
         (json_request(a={"parameters": {"binary_data_size": 8}, "data": None}) + b"\x00\xd8" * 4, None,
@@ -270,3 +272,11 @@ def test_base64_embeddings_are_little_endian_float32() -> None:
     assert doc["usage"] == {"prompt_tokens": 7, "total_tokens": 7} and doc["object"] == "list"
     floats = orjson.loads(orjson.dumps(embedding_response("minilm:1", vectors, "float", 7), option=orjson.OPT_SERIALIZE_NUMPY))
     assert floats["data"][0] == {"object": "embedding", "index": 0, "embedding": [0.5, -2.0]}
+
+
+def test_top_classes_rank_each_row_highest_first_as_triton_writes_them() -> None:
+    scores = np.array([[0.1, 0.7, 0.2], [0.4, 0.2, 0.4]], np.float32)
+    assert top_classes(scores.ravel(), 2, 2) == ([2, 2], ["0.700000:1", "0.200000:2", "0.400000:0", "0.400000:2"])
+    assert top_classes(scores.ravel(), 2, 5)[0] == [2, 3]  # all the classes a row has, where it has fewer
+    assert top_classes(np.array([3, 1], np.uint8), 2, 1) == ([2, 1], ["3.000000:0", "1.000000:0"])  # one value a row
+    assert top_classes(np.array([], np.float32), 0, 3) == ([0, 3], [])

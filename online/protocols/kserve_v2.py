@@ -7,6 +7,7 @@ for the model, e.g. ``name@prod``, picks the version):
     GET  /v2                                        server metadata
     GET  /v2/models/{name}[/versions/{version}]     model metadata (inputs, outputs)
     GET  /v2/models/{name}[/versions/{version}]/ready   200 a request would be served (state: loaded or unloaded), 503 not
+    GET  /v2/models/{name}[/versions/{version}]/config  Triton's model configuration (``model_config``)
     POST /v2/models/{name}[/versions/{version}]/infer
 
 A request carries one input per signature input column, of exactly the datatype and
@@ -411,6 +412,37 @@ def model_metadata(name: str, versions: list[int], runtime: str, signature: Sign
     }
 
 
+def model_config(served: ServedModel) -> dict[str, Any]:
+    """Triton's model configuration (``GET .../config``, tritonclient's ``get_model_config``; perf_analyzer reads it
+    first): a batched model (``max_batch_size``, the rows the batcher puts in one batch; a request may carry more),
+    each tensor's ``data_type`` and its
+    ``dims`` a row, a column of one value a row as Triton writes it (``dims [1]``, ``reshape {shape: []}``: ``[N]``
+    in the metadata), and the dynamic batcher's wait."""
+    signature = served.signature
+    limits = served.batcher.limits
+    runtime = served.resolved.manifest.runtime
+
+    def tensor(spec: Any) -> dict[str, Any]:
+        datatype = describe(spec)["datatype"]
+        dims = row_shape(spec.arrow_type)
+        doc: dict[str, Any] = {"name": spec.name, "data_type": "TYPE_" + ("STRING" if datatype == "BYTES" else datatype),
+                               "dims": dims or [1]}
+        if not dims:
+            doc["reshape"] = {"shape": []}
+        return doc
+
+    return {
+        "name": served.name,
+        "platform": "onnxruntime_onnx" if runtime == "onnx" else runtime,
+        "backend": "onnxruntime" if runtime == "onnx" else runtime,
+        "version_policy": {"specific": {"versions": [served.version]}},
+        "max_batch_size": limits.max_batch_size,
+        "input": [tensor(c) for c in (signature.plan.tensor_view or signature).inputs],
+        "output": [tensor(c) for c in signature.outputs],
+        "dynamic_batching": {"max_queue_delay_microseconds": round(limits.max_wait_s * 1e6)},
+    }
+
+
 def infer_path_params(path: str) -> dict[str, str] | None:
     """``{"name"[, "version"]}`` of an inference path (``/v2/models/{name}[/versions/{version}]/infer``), else None."""
     parts = path.split("/")
@@ -538,6 +570,14 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
         return json_response(answer)
 
     @wrap
+    async def config(request: Request) -> Response:
+        tenant = authenticate(request, plane)
+        with plane.admit(tenant):
+            served = await plane.model(tenant, request.path_params["name"], request.path_params.get("version"))
+            note_model(served)
+        return json_response(model_config(served))
+
+    @wrap
     async def model_ready(request: Request) -> Response:
         tenant = authenticate(request, plane)
         with plane.admit(tenant):  # ready: a request would be served (an unloaded model loads on it)
@@ -562,4 +602,6 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
         Route(versioned, metadata, methods=["GET"]),
         Route(base + "/ready", model_ready, methods=["GET"]),
         Route(versioned + "/ready", model_ready, methods=["GET"]),
+        Route(base + "/config", config, methods=["GET"]),
+        Route(versioned + "/config", config, methods=["GET"]),
     ]

@@ -123,6 +123,7 @@ def test_tritonclient_through_the_router_scores_like_scikit_learn(
     metadata = client.get_model_metadata(MODEL, headers=key())
     assert metadata["versions"] == ["1"] and [i["name"] for i in metadata["inputs"]] == breast_cancer_model.data.names
     assert client.is_model_ready(MODEL, "1", headers=key())
+    assert client.get_model_config(MODEL, headers=key())["version_policy"] == {"specific": {"versions": [1]}}
 
 
 def test_the_openai_client_through_the_router(routed: Routed) -> None:

@@ -160,6 +160,25 @@ def test_tritonclient_scores_rows_like_scikit_learn(
     assert (response["model_name"], response["model_version"], response["id"]) == (MODEL, "1", "req-7")
 
 
+def test_the_model_configuration_is_tritons_for_tritonclient_and_perf_analyzer(
+    client: triton.InferenceServerClient, breast_cancer_model: BuiltModel
+) -> None:
+    config = client.get_model_config(MODEL, headers=key())
+    pinned = client.get_model_config(MODEL, model_version="2", headers=key())
+
+    assert (config["name"], config["platform"], config["backend"]) == (MODEL, "onnxruntime_onnx", "onnxruntime")
+    assert config["version_policy"] == {"specific": {"versions": [1]}} and pinned["version_policy"]["specific"] == {
+        "versions": [2]}
+    assert config["max_batch_size"] >= 1 and config["dynamic_batching"]["max_queue_delay_microseconds"] >= 0
+    # a column of one value a row, as Triton writes the [N] input its metadata shows
+    assert config["input"] == [{"name": n, "data_type": "TYPE_FP32", "dims": [1], "reshape": {"shape": []}}
+                               for n in breast_cancer_model.data.names]
+    assert config["output"] == [{"name": "label", "data_type": "TYPE_INT64", "dims": [1], "reshape": {"shape": []}},
+                                {"name": "probabilities", "data_type": "TYPE_FP32", "dims": [2]}]
+    with pytest.raises(InferenceServerException, match="not available to tenant 'globex'"):
+        client.get_model_config(MODEL, headers=key(GLOBEX))
+
+
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
 def test_the_classification_extension_answers_the_top_classes_as_triton_does(
     client: triton.InferenceServerClient, breast_cancer_model: BuiltModel, binary: bool

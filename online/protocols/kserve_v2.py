@@ -5,6 +5,7 @@ for the model, e.g. ``name@prod``, picks the version):
 
     GET  /v2/health/live, /v2/health/ready          no key (Kubernetes probes)
     GET  /v2                                        server metadata
+    POST /v2/repository/index                       the tenant's models and their state (Triton's repository index)
     GET  /v2/models/{name}[/versions/{version}]     model metadata (inputs, outputs)
     GET  /v2/models/{name}[/versions/{version}]/ready   200 a request would be served (state: loaded or unloaded), 503 not
     GET  /v2/models/{name}[/versions/{version}]/config  Triton's model configuration (``model_config``)
@@ -41,7 +42,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from shardline import __version__
-from shardline.errors import InvalidInput, NonFiniteValues, number_out_of_range
+from shardline.errors import InvalidInput, NonFiniteValues, ShardlineError, number_out_of_range
 from shardline.online.bodies import byte_count
 from shardline.online.dataplane import DataPlane
 from shardline.online.edge import (
@@ -578,6 +579,29 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
         return json_response(model_config(served))
 
     @wrap
+    async def repository_index(request: Request) -> Response:
+        """Triton's repository index (tritonclient's ``get_model_repository_index``): the tenant's models, each at the
+        version its reference means, ``READY`` where a request would be served, else ``UNAVAILABLE`` with the reason
+        (``{"ready": true}`` in the body: the ready ones only)."""
+        tenant = authenticate(request, plane)
+        with plane.admit(tenant):
+            body = await read_body(request.receive, request.headers.get("content-length"),
+                                   request.headers.get("content-encoding"), plane)
+            asked = parse_json_object(body, "ready") if body.strip() else {}
+            only_ready = asked.get("ready") is True
+            listed = []
+            for name in sorted(tenant.models):
+                try:
+                    status = await plane.model_status(tenant, name)
+                except ShardlineError as e:  # the reference resolves to no version now: listed, not served
+                    listed.append({"name": name, "state": "UNAVAILABLE", "reason": str(e)})
+                    continue
+                entry = {"name": name, "version": str(status.served.version),
+                         "state": "READY" if status.ready else "UNAVAILABLE", "reason": status.problem or ""}
+                listed.append(entry)
+        return json_response([e for e in listed if e["state"] == "READY" or not only_ready])
+
+    @wrap
     async def model_ready(request: Request) -> Response:
         tenant = authenticate(request, plane)
         with plane.admit(tenant):  # ready: a request would be served (an unloaded model loads on it)
@@ -598,6 +622,7 @@ def routes(plane: DataPlane) -> list[BaseRoute]:
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
         Route("/v2", server_metadata, methods=["GET"]),
+        Route("/v2/repository/index", repository_index, methods=["POST"]),
         Route(base, metadata, methods=["GET"]),
         Route(versioned, metadata, methods=["GET"]),
         Route(base + "/ready", model_ready, methods=["GET"]),

@@ -179,6 +179,17 @@ def test_the_model_configuration_is_tritons_for_tritonclient_and_perf_analyzer(
         client.get_model_config(MODEL, headers=key(GLOBEX))
 
 
+def test_the_repository_index_lists_the_tenants_models_and_their_state(client: triton.InferenceServerClient,
+                                                                        url: str) -> None:
+    assert client.get_model_repository_index(headers=key()) == [
+        {"name": MODEL, "version": "1", "state": "READY", "reason": ""}]
+    missing = client.get_model_repository_index(headers=key(GLOBEX))  # minilm@prod: not in this registry
+    assert [(m["name"], m["state"]) for m in missing] == [("minilm", "UNAVAILABLE")]
+    assert "minilm" in missing[0]["reason"]
+    ready_only = httpx.post(f"{url}/v2/repository/index", json={"ready": True}, headers=key(GLOBEX))
+    assert ready_only.status_code == 200 and ready_only.json() == []
+
+
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
 def test_the_classification_extension_answers_the_top_classes_as_triton_does(
     client: triton.InferenceServerClient, breast_cancer_model: BuiltModel, binary: bool

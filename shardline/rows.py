@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from shardline.arrays import MatrixScratch, arrow_array, numpy_values, stack_columns
 from shardline.errors import InvalidInput, NonFiniteValues, NullValues, SchemaMismatch
-from shardline.signature import is_compatible, leaf_type, non_finite_counts, row_shape, schema_problems, type_name
+from shardline.signature import feeds, leaf_type, non_finite_counts, row_shape, schema_problems, type_name
 
 if TYPE_CHECKING:
     from shardline.signature import ColumnSpec, Signature
@@ -406,7 +407,7 @@ def _cast_columns(rows: pa.Table | pa.RecordBatch, given: pa.Schema, signature: 
     columns = []
     for field in signature.plan.input_schema:
         index = given.get_field_index(field.name)
-        if index < 0 or not is_compatible(given.field(index).type, field.type):
+        if index < 0 or not feeds(given.field(index).type, field.type):
             raise schema_mismatch(given, signature, model) or SchemaMismatch(
                 f"column {field.name!r} appears more than once; send it once", [field.name])
         column = rows.column(index)
@@ -414,12 +415,31 @@ def _cast_columns(rows: pa.Table | pa.RecordBatch, given: pa.Schema, signature: 
             try:
                 column = column.cast(field.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+                if pa.types.is_fixed_size_list(field.type) and _is_list(column.type):
+                    raise _list_lengths_error(field, column, model) from e
                 raise InvalidInput(
                     f"column {field.name!r} cannot be read as {type_name(field.type)} by the model {model!r} ({e}); "
                     f"cast it to {type_name(field.type)} yourself, or fix the values that do not fit"
                 ) from e
         columns.append(column)
     return pa.Table.from_arrays(columns, schema=signature.plan.input_schema)
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    value = kind.value_type if pa.types.is_dictionary(kind) else kind
+    return pa.types.is_list(value) or pa.types.is_large_list(value)
+
+
+def _list_lengths_error(field: pa.Field, column: pa.Array | pa.ChunkedArray, model: str) -> InvalidInput:
+    """A list column whose rows are not all the fixed size the model's input takes, said with the lengths found."""
+    size = field.type.list_size
+    lengths = pc.list_value_length(column)
+    wrong = pc.filter(lengths, pc.not_equal(lengths, size))
+    found = sorted(set(wrong.to_pylist()))
+    shown = ", ".join(map(str, found[:5])) + (", ..." if len(found) > 5 else "")
+    return InvalidInput(
+        f"column {field.name!r} holds {len(wrong)} of {len(column)} rows whose lists are not {size} values long "
+        f"({shown}); the model {model!r} takes {size} a row: fix those rows or pick the model this data was made for")
 
 
 def float_rows(plan: SignaturePlan, arrays: tuple[np.ndarray, ...], model: str) -> Rows:

@@ -231,6 +231,20 @@ def _is_numeric(dtype: pa.DataType) -> bool:
 _TEXT_TYPES = ((pa.string(), pa.large_string(), pa.string_view()), (pa.binary(), pa.large_binary(), pa.binary_view()))
 
 
+def feeds(got: pa.DataType, expected: pa.DataType) -> bool:
+    """Whether data of type ``got`` can be scored by an input of type ``expected``: ``is_compatible``, or a list
+    column where the input is a fixed-size list of values it fits (what pandas, Polars and Spark write for a column
+    of arrays: ``list<double>``), each row's length checked as the rows are read (``rows.check_rows``). A signature
+    is not compatible with another by this (``quality.gates`` asks ``is_compatible``): a client of a list input may
+    send any length."""
+    if is_compatible(got, expected):
+        return True
+    if pa.types.is_dictionary(got):
+        return feeds(got.value_type, expected)
+    return (pa.types.is_fixed_size_list(expected) and (pa.types.is_list(got) or pa.types.is_large_list(got))
+            and feeds(got.value_type, expected.value_type))
+
+
 def is_compatible(got: pa.DataType, expected: pa.DataType) -> bool:
     """Whether a column of type ``got`` can feed an input of type ``expected``.
 
@@ -291,7 +305,7 @@ def schema_problems(schema: pa.Schema, inputs: Iterable[ColumnSpec], model: str)
             repeated.append(spec.name)
         elif index < 0:
             missing.append(spec)
-        elif not is_compatible(schema.field(index).type, spec.arrow_type):
+        elif not feeds(schema.field(index).type, spec.arrow_type):
             mistyped.append((spec, schema.field(index).type))
     problems = []
     if repeated:

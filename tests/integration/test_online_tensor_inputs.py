@@ -10,6 +10,7 @@ breast-cancer classifier packaged from 30 columns.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -164,23 +165,43 @@ def test_raw_json_gets_the_same_400s_and_the_declared_layout_is_scored(
     assert vec.json()["outputs"][0]["data"] == models["estimator"].predict(models["features"][:2]).tolist()
 
 
+def _pandas_lists(values: np.ndarray) -> pa.Array:
+    """Rows of k values as pandas writes a column of numpy arrays to Parquet (and Polars and Spark their lists):
+    ``list<double>``, not a fixed-size list."""
+    import pandas as pd
+
+    frame = pd.DataFrame({"input": list(values.astype(np.float64))})
+    return pa.Table.from_pandas(frame, preserve_index=False).column("input").combine_chunks()
+
+
 @pytest.mark.usefixtures("on_cluster")
+@pytest.mark.parametrize("written", ["fixed-size", "pandas-lists"])
 def test_the_batch_flow_scores_a_parquet_shard_holding_the_list_column(
-        models: dict[str, Any], shardline_home: Path, tmp_path: Path) -> None:
+        models: dict[str, Any], shardline_home: Path, tmp_path: Path, written: str) -> None:
     from shardline.flows.batch_inference import batch_inference
 
     push_all(ModelRegistry(str(shardline_home / "registry")), [models["vec"]])
     features = models["features"]
     shards = tmp_path / "in"
     shards.mkdir()
+    column = feature_column if written == "fixed-size" else _pandas_lists
     for i, part in enumerate(np.array_split(np.arange(len(features)), 2)):
-        pq.write_table(pa.table({"id": part, "input": feature_column(features[part])}), shards / f"part-{i}.parquet",
+        pq.write_table(pa.table({"id": part, "input": column(features[part])}), shards / f"part-{i}.parquet",
                        row_group_size=100)
+    if written == "pandas-lists":  # a row one value short: its shard is quarantined, saying so; the others scored
+        assert pq.read_schema(shards / "part-0.parquet").field("input").type == pa.list_(pa.float64())
+        short = pa.array([list(features[0, :29].astype(np.float64))], pa.list_(pa.float64()))
+        pq.write_table(pa.table({"id": [10_000], "input": short}), shards / "part-short.parquet")
 
     state = batch_inference(model="vec@prod", input_uri=str(shards), output_uri=str(tmp_path / "out"), return_state=True)
 
     assert state.is_completed(), state
     summary = state.result()
-    assert (summary["shards_committed"], summary["shards_quarantined"], summary["rows_out"]) == (2, 0, len(features))
+    assert (summary["shards_committed"], summary["rows_out"]) == (2, len(features))
     scored = ds.dataset(tmp_path / "out", format="parquet").to_table().sort_by("id")
     np.testing.assert_array_equal(scored.column("label").to_numpy(), models["estimator"].predict(features))
+    if written == "pandas-lists":
+        manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+        [quarantined] = manifest["quarantined"]
+        assert Path(quarantined["shard"]).name == "part-short.parquet"
+        assert "column 'input' holds 1 of 1 rows whose lists are not 30 values long (29)" in quarantined["reason"]

@@ -10,6 +10,7 @@ from shardline.errors import InvalidBundle
 from shardline.signature import (
     ColumnSpec,
     Signature,
+    feeds,
     is_compatible,
     non_finite_counts,
     parse_type,
@@ -63,6 +64,16 @@ def test_unknown_type_names_the_accepted_forms() -> None:
 )
 def test_compatibility_table(got: pa.DataType, expected: pa.DataType, fits: bool) -> None:
     assert is_compatible(got, expected) is fits
+
+
+@pytest.mark.parametrize("got", [pa.list_(pa.float64()), pa.large_list(pa.float32()), pa.list_(pa.int64())])
+def test_a_list_column_feeds_a_fixed_size_list_input_but_is_no_compatible_signature(got: pa.DataType) -> None:
+    vector = pa.list_(pa.float32(), 30)
+    # what pandas, Polars and Spark write for a column of arrays: scored, each row's length checked when read ...
+    assert feeds(got, vector) and schema_problems(pa.schema([("v", got)]), [ColumnSpec(name="v", type="fixed_size_list<float32>[30]")], "m:1") == []
+    # ... but a model version that takes [30] where the last took any length is a breaking change (the gate's)
+    assert not is_compatible(got, vector)
+    assert not feeds(pa.list_(pa.string()), vector) and not feeds(pa.float32(), vector)
 
 
 def test_dictionary_encoded_columns_are_read_as_their_values_by_the_row_check() -> None:

@@ -232,15 +232,18 @@ _TEXT_TYPES = ((pa.string(), pa.large_string(), pa.string_view()), (pa.binary(),
 
 
 def feeds(got: pa.DataType, expected: pa.DataType) -> bool:
-    """Whether data of type ``got`` can be scored by an input of type ``expected``: ``is_compatible``, or a list
-    column where the input is a fixed-size list of values it fits (what pandas, Polars and Spark write for a column
-    of arrays: ``list<double>``), each row's length checked as the rows are read (``rows.check_rows``). A signature
+    """Whether data of type ``got`` can be scored by an input of type ``expected``: ``is_compatible``; a decimal or
+    boolean column where the input is a float (scikit-learn casts both); or a list column where the input is a
+    fixed-size list of values it fits (what pandas, Polars and Spark write for a column of arrays:
+    ``list<double>``), each row's length checked as the rows are read (``rows.check_rows``). A signature
     is not compatible with another by this (``quality.gates`` asks ``is_compatible``): a client of a list input may
     send any length."""
     if is_compatible(got, expected):
         return True
     if pa.types.is_dictionary(got):
         return feeds(got.value_type, expected)
+    if pa.types.is_floating(expected) and (pa.types.is_decimal(got) or pa.types.is_boolean(got)):
+        return True  # a warehouse's DECIMAL export, a flag: cast to the float, as scikit-learn casts them
     return (pa.types.is_fixed_size_list(expected) and (pa.types.is_list(got) or pa.types.is_large_list(got))
             and feeds(got.value_type, expected.value_type))
 

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Generator, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -34,7 +34,7 @@ from shardline.errors import (
 from shardline.rows import Rows, check_rows, schema_mismatch
 from shardline.runtimes import RuntimeOptions
 from shardline.runtimes.base import Answer, concat_answers, split_out_of_memory
-from shardline.signature import named_columns
+from shardline.signature import Signature, named_columns
 from shardline.storage.capture import CaptureSample, write_captures
 from shardline.storage.checkpoint import ShardCheckpoint, plan_ranges, row_group_sizes
 from shardline.storage.fs import commit_file, ensure_dir, io_threads, open_file, open_fs, staging_path
@@ -380,6 +380,21 @@ def _first_batches(batches: Iterator[pa.RecordBatch], rows: int) -> list[pa.Reco
     return held
 
 
+_Rows = TypeVar("_Rows", pa.Table, pa.RecordBatch)
+
+
+def _as_scored(sample: _Rows, signature: Signature) -> _Rows:
+    """The sample's decimal and boolean columns that feed float inputs (``signature.feeds``) as those floats, as the
+    row check casts them: the contract checks, and capture keeps, the values the model reads (a pandas column of
+    Decimal objects is no float to great-expectations, nor to a drift check)."""
+    for spec in signature.inputs:
+        kind = sample.schema.field(spec.name).type
+        if pa.types.is_floating(spec.arrow_type) and (pa.types.is_decimal(kind) or pa.types.is_boolean(kind)):
+            index = sample.schema.get_field_index(spec.name)
+            sample = sample.set_column(index, spec.name, sample.column(index).cast(spec.arrow_type))
+    return sample
+
+
 def _check_contract(job: ScoringJob, opened: _Opened, held: list[pa.RecordBatch]) -> None:
     """Run the data contract on the first ``contract_sample_rows`` rows of ``held``.
 
@@ -390,7 +405,7 @@ def _check_contract(job: ScoringJob, opened: _Opened, held: list[pa.RecordBatch]
     names = job.model.manifest.signature.input_names
     schema = pa.schema([opened.schema.field(n) for n in names])
     sample = pa.Table.from_batches([b.select(names) for b in held], schema=schema).slice(0, job.contract_sample_rows)
-    failures = job.sample_check(sample)
+    failures = job.sample_check(_as_scored(sample, job.model.manifest.signature))
     if failures:
         raise DataContractFailed(
             f"the first {sample.num_rows} rows fail {len(failures)} expectation(s) of {job.model.pinned}'s data "
@@ -426,7 +441,7 @@ def _score_into(
             )
             part.write(scored)
             if sample is not None and sample.rows < sample.limit:
-                sample.take(batch.select(signature.input_names), predicted, shard)
+                sample.take(_as_scored(batch.select(signature.input_names), signature), predicted, shard)
             rows_in += batch.num_rows
             rows_out += scored.num_rows
     return rows_in, rows_out

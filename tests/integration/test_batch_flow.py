@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardline.flows.batch_inference import batch_inference
+from shardline.storage.capture import scan_capture
 
 from shardline.storage.registry import ModelRegistry
 
@@ -57,6 +58,37 @@ def test_every_row_scored_once_with_sklearns_prediction(
     assert (out / "_SUCCESS").exists() and not (out / "_staging").exists()
     # passthrough by default: the id, not the features
     assert scored.column_names == ["id", "label", "probabilities"]
+
+
+@pytest.mark.usefixtures("on_cluster", "local_registry")
+def test_decimal_columns_as_a_warehouse_exports_them_are_scored_as_their_floats(
+    input_shards: Path, tmp_path: Path, breast_cancer_model: BuiltModel, shardline_home: Path
+) -> None:
+    # Spark, Snowflake and BigQuery write DECIMAL columns to Parquet as decimal128: cast to the model's floats, as
+    # scikit-learn casts pandas' Decimal objects (the bundle has a reference profile: its data contract runs too)
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    for shard in sorted(input_shards.glob("*.parquet"))[:2]:
+        table = pq.read_table(shard)
+        for name in ("mean radius", "worst area"):
+            index = table.schema.get_field_index(name)
+            table = table.set_column(index, name, table.column(name).cast(pa.decimal128(16, 6)))
+        pq.write_table(table, exported / shard.name)
+
+    state = run(exported, tmp_path / "out")
+
+    assert state.is_completed() and state.name == "Completed", state.message
+    inputs = ds.dataset(exported).to_table().sort_by("id")
+    as_floats = inputs.set_column(inputs.schema.get_field_index("mean radius"), "mean radius",
+                                  inputs.column("mean radius").cast(pa.float64()))
+    as_floats = as_floats.set_column(as_floats.schema.get_field_index("worst area"), "worst area",
+                                     as_floats.column("worst area").cast(pa.float64()))
+    labels, _ = breast_cancer_model.expected(as_floats)
+    scored = scored_table(tmp_path / "out").sort_by("id")
+    assert scored.num_rows == inputs.num_rows and np.array_equal(scored.column("label").to_numpy(), labels)
+    # capture keeps what the model read, so drift checks compare floats with the reference profile's floats
+    captured = scan_capture(str(shardline_home / "capture"), "breast-cancer").collect()
+    assert captured.height > 0 and str(captured.schema["mean radius"]) == "Float32"
 
 
 @pytest.mark.usefixtures("on_cluster", "local_registry")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -76,6 +78,20 @@ def test_a_list_column_feeds_a_fixed_size_list_input_but_is_no_compatible_signat
     assert not feeds(pa.list_(pa.string()), vector) and not feeds(pa.float32(), vector)
 
 
+def test_decimal_and_boolean_columns_feed_float_inputs_as_scikit_learn_casts_them() -> None:
+    from shardline.rows import check_rows
+
+    signature = Signature(inputs=[ColumnSpec(name="price", type="float32"), ColumnSpec(name="flag", type="float64")],
+                          outputs=[ColumnSpec(name="label", type="int64")])
+    table = pa.table({"price": pa.array([Decimal("1.00"), Decimal("2.50")], pa.decimal128(10, 2)),
+                      "flag": pa.array([True, False])})
+    assert feeds(pa.decimal128(10, 2), pa.float32()) and feeds(pa.bool_(), pa.float64())
+    assert not is_compatible(pa.decimal128(10, 2), pa.float32())  # data that fits, not a compatible signature
+    assert not feeds(pa.decimal128(10, 2), pa.int64()) and not feeds(pa.bool_(), pa.string())
+    rows = check_rows(table, signature, "m:1").table()
+    assert rows.column("price").to_pylist() == [1.0, 2.5] and rows.column("flag").to_pylist() == [1.0, 0.0]
+
+
 def test_dictionary_encoded_columns_are_read_as_their_values_by_the_row_check() -> None:
     from shardline.rows import check_rows
 
@@ -132,13 +148,13 @@ def test_many_missing_or_mistyped_columns_are_one_line_each_not_one_sentence_per
         check_rows(wrong, signature, "breast-cancer:1")
     assert str(refused.value) == problems[0] and refused.value.problems == problems
 
-    strings = pa.table({n: pa.array(["1.0"]) for n in names[:7]} | {names[7]: pa.array([True])}
+    strings = pa.table({n: pa.array(["1.0"]) for n in names[:7]} | {names[7]: pa.array([b"\x01"])}
                        | {n: pa.array([1.0]) for n in names[8:]})
     [mistyped] = schema_problems(strings.schema, signature.inputs, "breast-cancer:1")
     assert mistyped == (
         "8 columns have types the model 'breast-cancer:1' cannot read: 'mean radius', 'mean texture', "
         "'mean perimeter', 'mean area', 'mean smoothness', ... are string, expected float32; 'mean concave points' "
-        "is bool, expected float32; cast them to the types expected before scoring"
+        "is binary, expected float32; cast them to the types expected before scoring"
     )
 
 

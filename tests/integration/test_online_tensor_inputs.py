@@ -175,23 +175,22 @@ def _pandas_lists(values: np.ndarray) -> pa.Array:
 
 
 @pytest.mark.usefixtures("on_cluster")
-@pytest.mark.parametrize("written", ["fixed-size", "pandas-lists"])
-def test_the_batch_flow_scores_a_parquet_shard_holding_the_list_column(
-        models: dict[str, Any], shardline_home: Path, tmp_path: Path, written: str) -> None:
+def test_the_batch_flow_scores_parquet_shards_holding_the_list_column_fixed_or_as_pandas_writes_it(
+        models: dict[str, Any], shardline_home: Path, tmp_path: Path) -> None:
     from shardline.flows.batch_inference import batch_inference
 
     push_all(ModelRegistry(str(shardline_home / "registry")), [models["vec"]])
     features = models["features"]
     shards = tmp_path / "in"
     shards.mkdir()
-    column = feature_column if written == "fixed-size" else _pandas_lists
-    for i, part in enumerate(np.array_split(np.arange(len(features)), 2)):
+    for i, part in enumerate(np.array_split(np.arange(len(features)), 2)):  # one shard each way, one job
+        column = feature_column if i == 0 else _pandas_lists
         pq.write_table(pa.table({"id": part, "input": column(features[part])}), shards / f"part-{i}.parquet",
                        row_group_size=100)
-    if written == "pandas-lists":  # a row one value short: its shard is quarantined, saying so; the others scored
-        assert pq.read_schema(shards / "part-0.parquet").field("input").type == pa.list_(pa.float64())
-        short = pa.array([list(features[0, :29].astype(np.float64))], pa.list_(pa.float64()))
-        pq.write_table(pa.table({"id": [10_000], "input": short}), shards / "part-short.parquet")
+    assert pq.read_schema(shards / "part-1.parquet").field("input").type == pa.list_(pa.float64())
+    # a row one value short: its shard is quarantined, saying so; the others scored
+    short = pa.array([list(features[0, :29].astype(np.float64))], pa.list_(pa.float64()))
+    pq.write_table(pa.table({"id": [10_000], "input": short}), shards / "part-short.parquet")
 
     state = batch_inference(model="vec@prod", input_uri=str(shards), output_uri=str(tmp_path / "out"), return_state=True)
 
@@ -200,8 +199,7 @@ def test_the_batch_flow_scores_a_parquet_shard_holding_the_list_column(
     assert (summary["shards_committed"], summary["rows_out"]) == (2, len(features))
     scored = ds.dataset(tmp_path / "out", format="parquet").to_table().sort_by("id")
     np.testing.assert_array_equal(scored.column("label").to_numpy(), models["estimator"].predict(features))
-    if written == "pandas-lists":
-        manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
-        [quarantined] = manifest["quarantined"]
-        assert Path(quarantined["shard"]).name == "part-short.parquet"
-        assert "column 'input' holds 1 of 1 rows whose lists are not 30 values long (29)" in quarantined["reason"]
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    [quarantined] = manifest["quarantined"]
+    assert Path(quarantined["shard"]).name == "part-short.parquet"
+    assert "column 'input' holds 1 of 1 rows whose lists are not 30 values long (29)" in quarantined["reason"]

@@ -415,8 +415,10 @@ def _cast_columns(rows: pa.Table | pa.RecordBatch, given: pa.Schema, signature: 
             try:
                 column = column.cast(field.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-                if pa.types.is_fixed_size_list(field.type) and _is_list(column.type):
-                    raise _list_lengths_error(field, column, model) from e
+                lengths = _list_lengths_error(field, column, model) if pa.types.is_fixed_size_list(field.type) \
+                    and _is_list(column.type) else None
+                if lengths is not None:
+                    raise lengths from e
                 raise InvalidInput(
                     f"column {field.name!r} cannot be read as {type_name(field.type)} by the model {model!r} ({e}); "
                     f"cast it to {type_name(field.type)} yourself, or fix the values that do not fit"
@@ -430,11 +432,14 @@ def _is_list(kind: pa.DataType) -> bool:
     return pa.types.is_list(value) or pa.types.is_large_list(value)
 
 
-def _list_lengths_error(field: pa.Field, column: pa.Array | pa.ChunkedArray, model: str) -> InvalidInput:
-    """A list column whose rows are not all the fixed size the model's input takes, said with the lengths found."""
+def _list_lengths_error(field: pa.Field, column: pa.Array | pa.ChunkedArray, model: str) -> InvalidInput | None:
+    """A list column whose rows are not all the fixed size the model's input takes, said with the lengths found;
+    None where every row has that size (the cast failed on the values: the caller's message says so)."""
     size = field.type.list_size
     lengths = pc.list_value_length(column)
     wrong = pc.filter(lengths, pc.not_equal(lengths, size))
+    if not len(wrong):
+        return None
     found = sorted(set(wrong.to_pylist()))
     shown = ", ".join(map(str, found[:5])) + (", ..." if len(found) > 5 else "")
     return InvalidInput(

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from shardline.errors import InvalidBundle
+from shardline.errors import InvalidBundle, InvalidInput
 from shardline.signature import (
     ColumnSpec,
     Signature,
@@ -76,6 +76,18 @@ def test_a_list_column_feeds_a_fixed_size_list_input_but_is_no_compatible_signat
     # ... but a model version that takes [30] where the last took any length is a breaking change (the gate's)
     assert not is_compatible(got, vector)
     assert not feeds(pa.list_(pa.string()), vector) and not feeds(pa.float32(), vector)
+
+
+def test_a_list_column_whose_rows_do_not_fit_says_which_rows_or_which_values() -> None:
+    from shardline.rows import check_rows
+
+    signature = Signature(inputs=[ColumnSpec(name="v", type="fixed_size_list<int8>[2]")],
+                          outputs=[ColumnSpec(name="label", type="int64")])
+    with pytest.raises(InvalidInput, match=r"column 'v' holds 2 of 3 rows whose lists are not 2 values long \(1, 3\); "
+                                           r"the model 'm:1' takes 2 a row"):
+        check_rows(pa.table({"v": pa.array([[1, 2], [3], [4, 5, 6]], pa.list_(pa.int64()))}), signature, "m:1")
+    with pytest.raises(InvalidInput, match=r"column 'v' cannot be read as fixed_size_list<int8>\[2\] .*not in range"):
+        check_rows(pa.table({"v": pa.array([[1, 2], [300, 4]], pa.list_(pa.int64()))}), signature, "m:1")
 
 
 def test_decimal_and_boolean_columns_feed_float_inputs_as_scikit_learn_casts_them() -> None:

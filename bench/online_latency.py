@@ -3,7 +3,7 @@
 All three serve the same small classifier (the breast-cancer classifier of
 ``shardline.build.examples``, gradient-boosted trees by default, ``--model logreg`` for the
 logistic regression; one ``model.onnx``), one row per request, onnxruntime on the CPU,
-each in its own process(es), in the request layouts a V2 client sends (``--layouts``, all by default):
+each in its own process(es), in the request layouts clients send (``--layouts``, all by default):
 
 - scalar: one ``[1]`` input per feature column (30 of them), the model packaged from
   scikit-learn with its feature names (``breast-cancer``);

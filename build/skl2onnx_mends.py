@@ -8,7 +8,7 @@
   the trees, their NaN routing included, are converted as skl2onnx means them (checked against scikit-learn in
   tests/integration/test_mlflow_import.py and test_mlflow_trees.py).
 
-- **Soft-voting VotingClassifier**: skl2onnx refuses ``flatten_transform=True``, scikit-learn's default
+- **VotingClassifier** (soft or hard voting): skl2onnx refuses ``flatten_transform=True``, scikit-learn's default
   ("not implemented yet"), though that parameter shapes only ``transform``'s output, never ``predict`` or
   ``predict_proba``, which the bundle answers. ``convertible`` gives skl2onnx a shallow copy with it off (the
   model itself is left as it is; its answers are still checked against the original's).
@@ -48,7 +48,7 @@ def _with_int_missing_flag(add_node: Any) -> Any:
 
 
 def convertible(estimator: Any) -> Any:
-    """``estimator`` as skl2onnx converts it: a soft-voting ``VotingClassifier`` (alone, or a pipeline's last step)
+    """``estimator`` as skl2onnx converts it: a ``VotingClassifier`` (alone, or a pipeline's last step)
     as a shallow copy with ``flatten_transform`` off; anything else as it is."""
     if hasattr(estimator, "steps") and estimator.steps:
         last = convertible(estimator.steps[-1][1])

@@ -242,5 +242,5 @@ def create_app(plane: DataPlane, *, log_requests: bool = True) -> ASGIApp:
     # POST's client seldom follows it. InferFirst reads the path without it instead, as the router does.
     starlette.router.redirect_slashes = False
     infer = next(r.app for r in v2_routes if isinstance(r, Route) and r.path.endswith("/infer"))
-    predict = next(r.app for r in v1_routes if isinstance(r, Route))
+    predict = next(r.app for r in v1_routes if isinstance(r, Route) and r.path.endswith(":predict"))
     return RequestMiddleware(InferFirst(starlette, infer, predict), plane.metrics, log_requests)

@@ -416,7 +416,7 @@ def _cast_columns(rows: pa.Table | pa.RecordBatch, given: pa.Schema, signature: 
                 column = column.cast(field.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
                 lengths = _list_lengths_error(field, column, model) if pa.types.is_fixed_size_list(field.type) \
-                    and _is_list(column.type) else None
+                    and (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)) else None
                 if lengths is not None:
                     raise lengths from e
                 raise InvalidInput(
@@ -425,11 +425,6 @@ def _cast_columns(rows: pa.Table | pa.RecordBatch, given: pa.Schema, signature: 
                 ) from e
         columns.append(column)
     return pa.Table.from_arrays(columns, schema=signature.plan.input_schema)
-
-
-def _is_list(kind: pa.DataType) -> bool:
-    value = kind.value_type if pa.types.is_dictionary(kind) else kind
-    return pa.types.is_list(value) or pa.types.is_large_list(value)
 
 
 def _list_lengths_error(field: pa.Field, column: pa.Array | pa.ChunkedArray, model: str) -> InvalidInput | None:

@@ -242,10 +242,16 @@ def feeds(got: pa.DataType, expected: pa.DataType) -> bool:
         return True
     if pa.types.is_dictionary(got):
         return feeds(got.value_type, expected)
-    if pa.types.is_floating(expected) and (pa.types.is_decimal(got) or pa.types.is_boolean(got)):
-        return True  # a warehouse's DECIMAL export, a flag: cast to the float, as scikit-learn casts them
+    if casts_to_float(got, expected):
+        return True
     return (pa.types.is_fixed_size_list(expected) and (pa.types.is_list(got) or pa.types.is_large_list(got))
             and feeds(got.value_type, expected.value_type))
+
+
+def casts_to_float(got: pa.DataType, expected: pa.DataType) -> bool:
+    """A decimal column (a warehouse's DECIMAL export) or a boolean one (a flag) feeding a float input: cast to the
+    float, as scikit-learn casts them (``feeds``; the batch tier's contract sample and capture get the cast too)."""
+    return pa.types.is_floating(expected) and (pa.types.is_decimal(got) or pa.types.is_boolean(got))
 
 
 def is_compatible(got: pa.DataType, expected: pa.DataType) -> bool:

@@ -34,7 +34,7 @@ from shardline.errors import (
 from shardline.rows import Rows, check_rows, schema_mismatch
 from shardline.runtimes import RuntimeOptions
 from shardline.runtimes.base import Answer, concat_answers, split_out_of_memory
-from shardline.signature import Signature, named_columns
+from shardline.signature import Signature, casts_to_float, named_columns
 from shardline.storage.capture import CaptureSample, write_captures
 from shardline.storage.checkpoint import ShardCheckpoint, plan_ranges, row_group_sizes
 from shardline.storage.fs import commit_file, ensure_dir, io_threads, open_file, open_fs, staging_path
@@ -388,8 +388,7 @@ def _as_scored(sample: _Rows, signature: Signature) -> _Rows:
     row check casts them: the contract checks, and capture keeps, the values the model reads (a pandas column of
     Decimal objects is no float to great-expectations, nor to a drift check)."""
     for spec in signature.inputs:
-        kind = sample.schema.field(spec.name).type
-        if pa.types.is_floating(spec.arrow_type) and (pa.types.is_decimal(kind) or pa.types.is_boolean(kind)):
+        if casts_to_float(sample.schema.field(spec.name).type, spec.arrow_type):
             index = sample.schema.get_field_index(spec.name)
             sample = sample.set_column(index, spec.name, sample.column(index).cast(spec.arrow_type))
     return sample

@@ -340,7 +340,7 @@ def _class_count(name: str, count: Any, signature: Signature) -> int:
                            "to answer, 1 or more")
     spec = next(c for c in signature.outputs if c.name == name)
     kind = spec.arrow_type.value_type if pa.types.is_fixed_size_list(spec.arrow_type) else spec.arrow_type
-    if not (pa.types.is_floating(kind) or pa.types.is_integer(kind)) or len(row_shape(spec.arrow_type)) > 1:
+    if not (pa.types.is_floating(kind) or pa.types.is_integer(kind)):  # (a list of lists: its values are lists)
         raise InvalidInput(f"output {name!r} is {spec.type}, not a score a class: the classification extension "
                            "ranks numbers; leave out its 'classification' parameter")
     return count
@@ -407,18 +407,22 @@ def model_metadata(name: str, versions: list[int], runtime: str, signature: Sign
     return {
         "name": name,
         "versions": [str(v) for v in versions],
-        "platform": "onnxruntime_onnx" if runtime == "onnx" else runtime,
+        "platform": _platform(runtime),
         "inputs": [describe(c) for c in (signature.plan.tensor_view or signature).inputs],
         "outputs": [describe(c) for c in signature.outputs],
     }
 
 
+def _platform(runtime: str) -> str:
+    """A bundle's runtime as Triton names the platform (its metadata and its model configuration)."""
+    return "onnxruntime_onnx" if runtime == "onnx" else runtime
+
+
 def model_config(served: ServedModel) -> dict[str, Any]:
     """Triton's model configuration (``GET .../config``, tritonclient's ``get_model_config``; perf_analyzer reads it
     first): a batched model (``max_batch_size``, the rows the batcher puts in one batch; a request may carry more),
-    each tensor's ``data_type`` and its
-    ``dims`` a row, a column of one value a row as Triton writes it (``dims [1]``, ``reshape {shape: []}``: ``[N]``
-    in the metadata), and the dynamic batcher's wait."""
+    each tensor's ``data_type`` and its ``dims`` a row, a column of one value a row as Triton writes it (``dims
+    [1]``, ``reshape {shape: []}``: ``[N]`` in the metadata), and the dynamic batcher's wait."""
     signature = served.signature
     limits = served.batcher.limits
     runtime = served.resolved.manifest.runtime
@@ -434,7 +438,7 @@ def model_config(served: ServedModel) -> dict[str, Any]:
 
     return {
         "name": served.name,
-        "platform": "onnxruntime_onnx" if runtime == "onnx" else runtime,
+        "platform": _platform(runtime),
         "backend": "onnxruntime" if runtime == "onnx" else runtime,
         "version_policy": {"specific": {"versions": [served.version]}},
         "max_batch_size": limits.max_batch_size,

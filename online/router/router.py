@@ -219,8 +219,7 @@ class Router:
                 self._check_budget(tenant, request)
             route = mirror = None
             if infer and version is None:  # pin the version here, so every replica serves the same one
-                route = await self._version_for(tenant, request, tenant.models[name])
-                version = str(route.version)
+                route, version = await self._pinned(tenant, request, name)
                 path = f"/v2/models/{name}/versions/{version}/infer"
                 if route.shadow is not None:
                     mirror = (f"/v2/models/{name}/versions/{route.shadow}/infer", request.body, f"{name}:{route.shadow}")
@@ -234,8 +233,7 @@ class Router:
             self._check_budget(tenant, request)
             route = None
             if version is None:
-                route = await self._version_for(tenant, request, tenant.models[name])
-                version = str(route.version)
+                route, version = await self._pinned(tenant, request, name)
                 path = f"/v1/models/{name}/versions/{version}:predict"
             return await self._admitted(tenant, request, path, request.body, f"{name}:{version}", request_id, route)
         if path in _BODY_MODEL_PATHS and request.method == "POST":
@@ -285,6 +283,11 @@ class Router:
             return None
         request.headers.append((_GATED, tenant.name.encode()))  # admitted by the data plane already
         return tenant
+
+    async def _pinned(self, tenant: Tenant, request: Incoming, name: str) -> tuple[Route, str]:
+        """The route of an inference that names no version (V2's and KServe V1's), and the version it pins."""
+        route = await self._version_for(tenant, request, tenant.models[name])
+        return route, str(route.version)
 
     async def _version_for(self, tenant: Tenant, request: Incoming, ref: ModelRef) -> Route:
         """The version a reference means for this caller now: a rollout's pick (by the request key, else the
